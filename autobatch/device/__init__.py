@@ -1,0 +1,165 @@
+"""The device boundary: everything the probe knows about memory goes through :class:`Device`.
+
+Implementations: :class:`~autobatch.device.cuda.CudaDevice` (torch allocator statistics + NVML),
+:class:`~autobatch.device.cpu.CpuDevice` (real allocation failures) and
+:class:`~autobatch.device.simulated.SimulatedDevice` (real step on the CPU, live tensor bytes counted
+against a capacity, torch's ``OutOfMemoryError`` raised like the CUDA allocator does).
+Foreign exceptions are classified in one place, :mod:`autobatch.device.oom`.
+
+Example::
+
+    device = resolve_device("sim:2GiB")
+    device.capacity().capacity_bytes      # 2147483648
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from autobatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "Capacity",
+    "Device",
+    "GpuInfo",
+    "MemoryInfo",
+    "PeakMemory",
+    "resolve_device",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryInfo:
+    """A device's memory as the driver reports it, in bytes."""
+
+    total_memory_bytes: int
+    free_memory_bytes: int
+    """Bytes free for new allocations (never computed as total minus used)."""
+    used_memory_bytes: int
+    """Bytes used by processes (NVML v2: excluding the driver's reserve)."""
+    reserved_memory_bytes: int = 0
+    """Bytes the driver reserves for itself (NVML v2 only; 0 when unknown)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GpuInfo:
+    """One GPU (or MIG instance) as NVML lists it."""
+
+    nvml_index: int
+    """NVML's index (physical order, ignores ``CUDA_VISIBLE_DEVICES``)."""
+    cuda_index: int | None
+    """torch's index under this process's ``CUDA_VISIBLE_DEVICES``; None when not visible."""
+    uuid: str
+    name: str
+    memory: MemoryInfo
+    is_mig: bool = False
+    """True for a MIG instance (its memory is the slice's own)."""
+    parent_uuid: str = ""
+    """For a MIG instance, the UUID of the physical GPU."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Capacity:
+    """What a probe may use on a device, in bytes."""
+
+    total_memory_bytes: int
+    """The device's total memory."""
+    capacity_bytes: int
+    """Bytes this process may still take: free memory plus what torch already reserved, capped by
+    ``torch.cuda.set_per_process_memory_fraction``."""
+    foreign_memory_bytes: int = 0
+    """Bytes held by other processes (and the driver) at the time of the query."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PeakMemory:
+    """Filled in by :meth:`Device.measure` when its block exits."""
+
+    allocated_bytes: int = 0
+    """Peak bytes of live tensors during the block (including resident ones)."""
+    reserved_bytes: int = 0
+    """Peak bytes the allocator held from the device; equals ``allocated_bytes`` without a cache."""
+
+
+@runtime_checkable
+class Device(Protocol):
+    """A device the probe can measure a training step on.
+
+    ``measure`` brackets one step: it resets peak statistics, and on exit (normal or not) fills the
+    :class:`PeakMemory` it yielded. ``resident`` names the tensors that exist before the step
+    (weights, gradients, optimizer state, the batch); devices that count tensors themselves
+    (simulated) add them to the count, devices with allocator statistics ignore it.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def type(self) -> str:
+        """``"cuda"``, ``"cpu"`` or ``"sim"``."""
+        ...
+
+    @property
+    def torch_device(self) -> torch.device: ...
+
+    @property
+    def driver_version(self) -> str: ...
+
+    def capacity(self) -> Capacity: ...
+
+    def measure(self, resident: Sequence[torch.Tensor]) -> AbstractContextManager[PeakMemory]: ...
+
+    def release(self) -> None:
+        """Free what a finished (or failed) step left cached: ``gc.collect()`` first, then the
+        allocator cache; resets peak statistics."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+def resolve_device(spec: str | Device | None, *, default: torch.device | None = None) -> Device:
+    """Turn ``"cuda:0"``, ``"cpu"``, ``"sim:2GiB"``, a Device, or None into a Device.
+
+    Args:
+        spec: the device. None means ``default`` (typically the model's device).
+        default: used when ``spec`` is None.
+
+    Raises:
+        ConfigError: the spec is not understood (names the value and the accepted forms).
+        DeviceUnavailableError: CUDA was asked for but is not available.
+    """
+    if spec is not None and not isinstance(spec, str):
+        if isinstance(spec, Device):
+            return spec
+        raise ConfigError(
+            f"device {spec!r} is not a device; pass 'cuda:N', 'cpu', 'sim:SIZE' or a Device"
+        )
+    if spec is None:
+        spec = str(default) if default is not None else "cpu"
+    text = spec.strip()
+    if text.startswith("sim"):
+        from autobatch.device.simulated import SimulatedDevice
+        from autobatch.units import parse_bytes
+
+        _, sep, size = text.partition(":")
+        if not sep or not size:
+            raise ConfigError(f"device {spec!r}: give the simulated capacity, e.g. 'sim:2GiB'")
+        return SimulatedDevice(capacity_bytes=parse_bytes(size))
+    if text == "cpu":
+        from autobatch.device.cpu import CpuDevice
+
+        return CpuDevice()
+    if text == "cuda" or text.startswith("cuda:"):
+        from autobatch.device.cuda import CudaDevice
+
+        index_text = text.partition(":")[2] or "0"
+        if not index_text.isdigit():
+            raise ConfigError(f"device {spec!r}: the CUDA index must be a number, e.g. 'cuda:0'")
+        return CudaDevice(cuda_index=int(index_text))
+    raise ConfigError(f"device {spec!r} is not understood; use 'cuda:N', 'cpu' or 'sim:SIZE'")

@@ -1,0 +1,238 @@
+"""The result of a probe or an estimate: a self-describing, serialisable Profile.
+
+Pure data: imports neither torch nor pynvml, so stores, the planner and the service can read
+profiles on machines without either.
+
+Example::
+
+    profile = autobatch.probe(model, sample, device="sim:2GiB")
+    profile.max_micro_batch_size          # e.g. 37
+    Profile.from_dict(profile.to_dict()) == profile   # True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from autobatch.errors import ConfigError
+
+__all__ = ["PROFILE_SCHEMA_VERSION", "MemoryModel", "Profile", "Trial"]
+
+PROFILE_SCHEMA_VERSION = 1
+"""Bumped whenever a field of :class:`Profile` changes meaning or is removed."""
+
+Method = Literal["estimate", "probe", "doubling"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Trial:
+    """One training step tried at one micro-batch size."""
+
+    micro_batch_size: int
+    """Samples in the micro-batch (per device, per forward pass)."""
+    fits: bool
+    """True when the step completed within the capacity."""
+    oom: bool = False
+    """True when the step ran out of memory (the allocator raised)."""
+    peak_allocated_bytes: int = 0
+    """Peak bytes held by live tensors during the step (0 when it failed before measuring)."""
+    peak_reserved_bytes: int = 0
+    """Peak bytes the allocator took from the device (CUDA caching allocator); equals
+    ``peak_allocated_bytes`` on devices without a cache."""
+    step_seconds: float = 0.0
+    """Wall time of the step in seconds (0 for an estimate)."""
+    error: str = ""
+    """Why the step did not fit or failed; empty when it fits."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"trial micro_batch_size {self.micro_batch_size} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryModel:
+    """Peak bytes of one step as ``fixed_bytes + bytes_per_sample * micro_batch_size``.
+
+    Fitted where activations dominate (the largest fitting sizes), so it is a good predictor near
+    and above them; below, the optimizer-step peak may dominate. See DESIGN.md, "The training step
+    that must fit".
+    """
+
+    fixed_bytes: int
+    """Bytes independent of the micro-batch: weights, gradients, optimizer state, workspaces."""
+    bytes_per_sample: int
+    """Marginal bytes per sample (activations kept for backward), > 0."""
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_sample <= 0:
+            raise ConfigError(f"bytes_per_sample {self.bytes_per_sample} must be > 0")
+
+    def peak_bytes(self, micro_batch_size: int) -> int:
+        """Predicted peak bytes at ``micro_batch_size``."""
+        return self.fixed_bytes + self.bytes_per_sample * micro_batch_size
+
+    def max_micro_batch_size(self, capacity_bytes: int) -> int:
+        """Largest micro-batch whose predicted peak is at most ``capacity_bytes``; 0 if none."""
+        return max(0, (capacity_bytes - self.fixed_bytes) // self.bytes_per_sample)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """What one probe (or estimate) found for one model, input, optimizer and device.
+
+    ``max_micro_batch_size`` is the largest size whose whole training step fitted;
+    ``recommended_micro_batch_size`` the largest whose peak stays under
+    ``capacity_bytes * (1 - safety_margin)``.
+    """
+
+    max_micro_batch_size: int
+    """Largest micro-batch that fitted (per device), >= 1."""
+    recommended_micro_batch_size: int
+    """Largest micro-batch that keeps ``safety_margin`` of the capacity free, 1..max."""
+    safety_margin: float
+    """Fraction of ``capacity_bytes`` kept free for the recommendation (0 <= x < 1)."""
+    method: Method
+    """``"estimate"`` (fake tensors, nothing allocated), ``"probe"`` (estimate, then real trials)
+    or ``"doubling"`` (real trials without an estimate)."""
+    trials: tuple[Trial, ...]
+    """Every size tried, in order."""
+    num_steps: int
+    """Training steps run (trials plus warm-up steps); for an estimate, fake steps traced."""
+    device_name: str
+    """E.g. ``"NVIDIA H200"``, ``"cpu"``, ``"sim"``."""
+    device_type: str
+    """``"cuda"``, ``"cpu"`` or ``"sim"``."""
+    total_memory_bytes: int
+    """The device's total memory."""
+    capacity_bytes: int
+    """Bytes this process could use when probed (free + already reserved by torch)."""
+    foreign_memory_bytes: int = 0
+    """Bytes held by other processes on the device at probe time (NVML), 0 when unknown."""
+    memory_model: MemoryModel | None = None
+    """Linear fit of peak bytes near the answer; None when fewer than two sizes fitted."""
+    stop_reason: str = ""
+    """Why the search stopped where it did (boundary found, limit reached, non-OOM failure...)."""
+    notes: tuple[str, ...] = ()
+    """Things the user should know (e.g. "estimate unavailable: ...; used doubling")."""
+    torch_version: str = ""
+    driver_version: str = ""
+    dtype: str = ""
+    """Dtype of the model's floating-point parameters, e.g. ``"float32"``."""
+    amp_dtype: str = ""
+    """Autocast dtype, empty when AMP is off."""
+    optimizer: str = ""
+    """Optimizer class name, e.g. ``"AdamW"``."""
+    input_shape: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Shape of one sample per input tensor (batch dimension removed), keyed by path."""
+    model_fingerprint: str = ""
+    """Hash of the model's class, parameter/buffer names, shapes and dtypes."""
+    backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
+    created_at: str = ""
+    """ISO-8601 UTC time of the probe."""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.max_micro_batch_size < 1:
+            raise ConfigError(f"max_micro_batch_size {self.max_micro_batch_size} must be >= 1")
+        if not 1 <= self.recommended_micro_batch_size <= self.max_micro_batch_size:
+            raise ConfigError(
+                f"recommended_micro_batch_size {self.recommended_micro_batch_size} must be in "
+                f"1..{self.max_micro_batch_size}"
+            )
+        if not 0 <= self.safety_margin < 1:
+            raise ConfigError(f"safety_margin {self.safety_margin} must be in [0, 1)")
+
+    @property
+    def num_trials(self) -> int:
+        """Real (or fake, for an estimate) sizes tried."""
+        return len(self.trials)
+
+    @property
+    def num_ooms(self) -> int:
+        """Trials that ran out of memory."""
+        return sum(trial.oom for trial in self.trials)
+
+    def cache_key(self) -> str:
+        """Key under which an equal request may reuse this profile (see ``autobatch.store``)."""
+        return profile_cache_key(
+            model_fingerprint=self.model_fingerprint,
+            input_shape=self.input_shape,
+            dtype=self.dtype,
+            amp_dtype=self.amp_dtype,
+            optimizer=self.optimizer,
+            device_name=self.device_name,
+            total_memory_bytes=self.total_memory_bytes,
+            torch_version=self.torch_version,
+            backend_flags=self.backend_flags,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        data = dataclasses.asdict(self)
+        data["input_shape"] = {k: list(v) for k, v in self.input_shape.items()}
+        data["backend_flags"] = dict(self.backend_flags)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ConfigError: a field is missing or of the wrong kind, or the schema is newer than this
+                version of autobatch reads.
+        """
+        version = data.get("schema_version", PROFILE_SCHEMA_VERSION)
+        if not isinstance(version, int) or version > PROFILE_SCHEMA_VERSION:
+            raise ConfigError(
+                f"profile schema_version {version!r} is newer than this autobatch reads "
+                f"({PROFILE_SCHEMA_VERSION}); upgrade autobatch"
+            )
+        try:
+            fields = dict(data)
+            fields["trials"] = tuple(Trial(**t) for t in data.get("trials", ()))
+            model = data.get("memory_model")
+            fields["memory_model"] = MemoryModel(**model) if model else None
+            fields["notes"] = tuple(data.get("notes", ()))
+            fields["input_shape"] = {
+                str(k): tuple(int(d) for d in v) for k, v in data.get("input_shape", {}).items()
+            }
+            fields["backend_flags"] = {
+                str(k): str(v) for k, v in data.get("backend_flags", {}).items()
+            }
+            return cls(**fields)
+        except (TypeError, AttributeError) as exc:
+            raise ConfigError(f"not a valid profile: {exc}") from exc
+
+
+def profile_cache_key(
+    *,
+    model_fingerprint: str,
+    input_shape: Mapping[str, tuple[int, ...]],
+    dtype: str,
+    amp_dtype: str,
+    optimizer: str,
+    device_name: str,
+    total_memory_bytes: int,
+    torch_version: str,
+    backend_flags: Mapping[str, str],
+) -> str:
+    """Canonical JSON of everything that changes a step's peak memory, as a string key."""
+    return json.dumps(
+        {
+            "model": model_fingerprint,
+            "input": {k: list(v) for k, v in sorted(input_shape.items())},
+            "dtype": dtype,
+            "amp": amp_dtype,
+            "optimizer": optimizer,
+            "device": device_name,
+            "total": total_memory_bytes,
+            "torch": torch_version,
+            "flags": dict(sorted(backend_flags.items())),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
