@@ -46,6 +46,9 @@ class Trial:
     """Wall time of the step in seconds (0 for an estimate)."""
     error: str = ""
     """Why the step did not fit or failed; empty when it fits."""
+    warm_up: bool = False
+    """True for the step that created the optimizer state; its peak lacks that state, so the
+    search does not use it."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:

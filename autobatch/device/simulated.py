@@ -1,0 +1,111 @@
+"""A simulated accelerator: the real step runs on the CPU, its live tensor bytes count against a
+capacity, and going over raises torch's ``OutOfMemoryError`` as the CUDA caching allocator does.
+
+Tests, demos and benchmarks use it (``--device sim:2GiB``) to exercise the probe end to end on real
+models without a GPU. Every storage counts rounded up to 512 B, the CUDA allocator's smallest
+block; there is no cache, so peak reserved equals peak allocated.
+
+Example::
+
+    device = SimulatedDevice(capacity_bytes=2 * 2**30)
+    profile = autobatch.probe(model, sample, device=device)
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from autobatch.device import Capacity, PeakMemory
+from autobatch.errors import ConfigError
+from autobatch.live_bytes import LiveBytes
+from autobatch.units import format_bytes
+
+__all__ = ["SimulatedDevice"]
+
+
+class SimulatedDevice:
+    """A device of ``capacity_bytes`` that runs on the CPU and counts live tensor bytes.
+
+    Args:
+        capacity_bytes: total memory of the simulated card, bytes (> 0).
+        foreign_memory_bytes: bytes "held by another process": the probe may use only
+            ``capacity_bytes - foreign_memory_bytes``.
+        name: shown in profiles; default ``"sim"``.
+
+    Raises:
+        ConfigError: a size is not positive, or the foreign bytes leave nothing.
+    """
+
+    def __init__(
+        self, *, capacity_bytes: int, foreign_memory_bytes: int = 0, name: str = "sim"
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ConfigError(f"capacity_bytes {capacity_bytes} must be > 0, e.g. 2 * 2**30")
+        if not 0 <= foreign_memory_bytes < capacity_bytes:
+            raise ConfigError(
+                f"foreign_memory_bytes {foreign_memory_bytes} must be in [0, {capacity_bytes})"
+            )
+        self._total = capacity_bytes
+        self._foreign = foreign_memory_bytes
+        self._name = name
+        self.num_ooms = 0
+        """OutOfMemoryErrors raised so far."""
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def type(self) -> str:
+        return "sim"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def driver_version(self) -> str:
+        return ""
+
+    def capacity(self) -> Capacity:
+        return Capacity(
+            total_memory_bytes=self._total,
+            capacity_bytes=self._total - self._foreign,
+            foreign_memory_bytes=self._foreign,
+        )
+
+    def _out_of_memory(self, requested_bytes: int, live_bytes: int) -> torch.OutOfMemoryError:
+        self.num_ooms += 1
+        usable = self._total - self._foreign
+        return torch.OutOfMemoryError(
+            f"Simulated device out of memory. Tried to allocate {format_bytes(requested_bytes)}. "
+            f"{self._name} has a total capacity of {format_bytes(self._total)} of which "
+            f"{format_bytes(max(0, usable - live_bytes))} is free; {format_bytes(live_bytes)} "
+            "is allocated by tensors."
+        )
+
+    @contextmanager
+    def measure(self, resident: Sequence[torch.Tensor]) -> Iterator[PeakMemory]:
+        """Run the block under a byte counter with the device's capacity; see ``Device``."""
+        tracker = LiveBytes(
+            capacity_bytes=self._total - self._foreign, on_exceeded=self._out_of_memory
+        )
+        tracker.add_resident(resident)
+        peak = PeakMemory()
+        try:
+            if tracker.live_bytes > self._total - self._foreign:
+                raise self._out_of_memory(0, tracker.live_bytes)
+            with tracker:
+                yield peak
+        finally:
+            peak.allocated_bytes = peak.reserved_bytes = tracker.peak_bytes
+
+    def release(self) -> None:
+        gc.collect()
+
+    def synchronize(self) -> None:
+        return None

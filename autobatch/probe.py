@@ -1,0 +1,445 @@
+"""The probe: the largest micro-batch whose whole training step fits, in few real trials.
+
+1. **Capacity** from the device (CUDA: NVML free + torch reserved, capped by the per-process
+   fraction; simulated: its capacity less foreign bytes).
+2. **Estimate** on fake tensors (:mod:`autobatch.estimate`): a predicted size and a memory line,
+   with nothing allocated. When the step cannot run on fake tensors the probe says so in the
+   profile's notes and falls back to doubling-then-bisect.
+3. **Confirm and bisect** with real steps (:mod:`autobatch.search`): typically a warm-up at
+   micro-batch 1 (creates the optimizer state, so every measured step runs with it, as in
+   training), the predicted size, and one size above it.
+4. **OOM** (classified by :func:`autobatch.device.oom.is_oom`) marks a size too big; after it, no
+   reference to the failed step survives (gradients dropped, ``gc.collect()`` then the allocator
+   cache emptied). Any other exception is not OOM: at the first trial it is re-raised as
+   :class:`~autobatch.errors.StepFailedError`; later it ends the search at the last size that
+   passed, with the reason in the profile.
+5. **Leave no trace** (:mod:`autobatch.state`): parameters, buffers, gradients, optimizer state,
+   train/eval flags and RNG states are restored bitwise.
+
+Example::
+
+    profile = autobatch.probe(model, (inputs, targets), loss_fn=F.cross_entropy, device="sim:2GiB")
+    profile.max_micro_batch_size, profile.recommended_micro_batch_size, profile.num_trials
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autobatch.batch import BatchSource
+from autobatch.device import Capacity, Device, resolve_device
+from autobatch.device.oom import is_oom
+from autobatch.errors import ConfigError, DoesNotFitError, StepFailedError
+from autobatch.estimate import (
+    DEFAULT_LIMIT,
+    EstimateUnavailableError,
+    FakeStep,
+    _check_args,
+    estimate_points,
+)
+from autobatch.metadata import backend_flags, model_fingerprint, now_iso, param_dtype
+from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.search import Point, bracket, fit_memory_model, next_micro_batch_size, recommended_size
+from autobatch.state import Snapshot
+from autobatch.step import LossFn, TrainingStep, TrainStep
+from autobatch.units import format_bytes
+
+__all__ = ["probe"]
+
+OnTrial = Callable[[Trial], None]
+
+
+def probe(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    train_step: TrainStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None = None,
+    amp_dtype: torch.dtype | None = None,
+    safety_margin: float = 0.05,
+    max_micro_batch_size: int = DEFAULT_LIMIT,
+    use_estimate: bool = True,
+    on_trial: OnTrial | None = None,
+) -> Profile:
+    """Find the largest micro-batch whose whole training step fits on ``device``.
+
+    Args:
+        model: the model, on the device to probe (CPU for ``"sim:SIZE"``).
+        sample: one batch (a tensor, or a tuple/list/dict of tensors, batch dimension first) or a
+            callable ``n -> batch``; micro-batches of any size are built from it.
+        optimizer: stepped in each trial and restored afterwards; when None, an AdamW over the
+            trainable parameters is used (and discarded).
+        loss_fn, train_step, step_includes_update: how the sample becomes a step; see
+            :mod:`autobatch.step`.
+        device: ``"cuda:N"``, ``"cpu"``, ``"sim:SIZE"`` or a :class:`~autobatch.device.Device`;
+            None means the model's device.
+        amp_dtype: autocast dtype for forward and loss (float16 also scales the loss with a
+            GradScaler), None for full precision.
+        safety_margin: fraction of the capacity the recommended size keeps free, in [0, 1); the
+            default 5% absorbs fragmentation and small input-shape changes.
+        max_micro_batch_size: largest size tried (>= 1).
+        use_estimate: start from a fake-tensor estimate (False: doubling-then-bisect).
+        on_trial: called after each real trial (progress display).
+
+    Returns:
+        The Profile (``method="probe"``, or ``"doubling"`` without an estimate).
+
+    Raises:
+        ConfigError: bad arguments, an empty or inconsistent sample, model and sample (or device)
+            on different devices, a step whose loss cannot be computed.
+        DoesNotFitError: the step runs out of memory even at micro-batch 1 (names the device, its
+            capacity and the model's static footprint).
+        StepFailedError: the first trial failed for a reason other than memory (the original
+            exception is its ``__cause__``).
+        DeviceUnavailableError: the device cannot be queried.
+    """
+    _check_args(1, max_micro_batch_size, safety_margin)
+    model_device = _model_device(model)
+    target = resolve_device(device, default=model_device)
+    if _normal(target.torch_device) != _normal(model_device):
+        raise ConfigError(
+            f"the model is on {model_device} but the device to probe is {target.name} "
+            f"({target.torch_device}); move the model with model.to({str(target.torch_device)!r})"
+        )
+    source = BatchSource.from_sample(sample)
+    if _normal(source.device) != _normal(model_device):
+        raise ConfigError(
+            f"the model is on {model_device} but the sample is on {source.device}; move the "
+            f"sample with .to({str(model_device)!r})"
+        )
+    snapshot = Snapshot.take(model, optimizer)
+    run_optimizer = optimizer if optimizer is not None else _default_optimizer(model)
+    try:
+        model.train()
+        for param in model.parameters():
+            param.grad = None
+        return _Probe(
+            model=model,
+            optimizer=run_optimizer,
+            user_optimizer=optimizer,
+            source=source,
+            device=target,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+            safety_margin=safety_margin,
+            limit=max_micro_batch_size,
+            use_estimate=use_estimate,
+            on_trial=on_trial,
+        ).run()
+    finally:
+        del run_optimizer
+        snapshot.restore()
+        del snapshot
+        target.release()
+
+
+class _Probe:
+    """One probe's state; :meth:`run` does the search. Not public: use :func:`probe`."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        user_optimizer: torch.optim.Optimizer | None,
+        source: BatchSource,
+        device: Device,
+        loss_fn: LossFn | None,
+        train_step: TrainStep | None,
+        step_includes_update: bool,
+        amp_dtype: torch.dtype | None,
+        safety_margin: float,
+        limit: int,
+        use_estimate: bool,
+        on_trial: OnTrial | None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.user_optimizer = user_optimizer
+        self.source = source
+        self.device = device
+        self.loss_fn = loss_fn
+        self.train_step = train_step
+        self.step_includes_update = step_includes_update
+        self.amp_dtype = amp_dtype
+        self.safety_margin = safety_margin
+        self.limit = limit
+        self.use_estimate = use_estimate
+        self.on_trial = on_trial
+        scaler = None
+        if amp_dtype == torch.float16:
+            scaler = torch.amp.GradScaler(device.torch_device.type)
+        self.step = TrainingStep(
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+            grad_scaler=scaler,
+        )
+        self.points: list[Point] = []
+        self.trials: list[Trial] = []
+        self.notes: list[str] = []
+        self.num_steps = 0
+        self.estimated_static_bytes = 0
+
+    # -- the search -------------------------------------------------------------------------
+
+    def run(self) -> Profile:
+        capacity = self.device.capacity()
+        prior, first = self._estimate(capacity)
+        stop_reason = ""
+        size: int | None = first
+        if not self.optimizer.state:
+            self._warm_up(capacity)
+            if size is None:
+                size = next_micro_batch_size(
+                    self.points, capacity_bytes=capacity.capacity_bytes, limit=self.limit, prior=prior
+                )
+        while size is not None:
+            failure = self._trial(size, capacity)
+            if failure:
+                stop_reason = failure
+                break
+            size = next_micro_batch_size(
+                self.points, capacity_bytes=capacity.capacity_bytes, limit=self.limit, prior=prior
+            )
+        lo, hi = bracket(self.points)
+        if lo == 0:
+            self._does_not_fit(capacity)
+        if not stop_reason:
+            stop_reason = (
+                f"limit max_micro_batch_size={self.limit} reached"
+                if lo >= self.limit
+                else f"micro-batch {hi} does not fit"
+            )
+        return self._profile(capacity, prior, lo, stop_reason)
+
+    def _estimate(self, capacity: Capacity) -> tuple[MemoryModel | None, int | None]:
+        """Prior memory line and first size to try, from fake tensors (None, None without)."""
+        if not self.use_estimate:
+            self.notes.append("estimate not used (use_estimate=False): doubling-then-bisect")
+            return None, None
+        try:
+            fake = FakeStep(
+                self.model,
+                self.optimizer,
+                self.source,
+                loss_fn=self.loss_fn,
+                train_step=self.train_step,
+                step_includes_update=self.step_includes_update,
+                amp_dtype=self.amp_dtype,
+            )
+            points = estimate_points(
+                fake, capacity_bytes=capacity.capacity_bytes, max_micro_batch_size=self.limit
+            )
+        except EstimateUnavailableError as exc:
+            self.notes.append(f"estimate unavailable ({exc}); used doubling-then-bisect")
+            return None, None
+        self.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
+        lo, _ = bracket(points)
+        prior, _ = fit_memory_model(points, prior=None)
+        self.notes.append(
+            f"estimate: micro-batch {lo} fits in {format_bytes(capacity.capacity_bytes)} "
+            f"({fake.num_steps} fake steps)"
+        )
+        del fake
+        return prior, max(lo, 1)
+
+    def _warm_up(self, capacity: Capacity) -> None:
+        """One step at micro-batch 1 to create the optimizer state (Adam's moments)."""
+        failure = self._trial(1, capacity, warm_up=True)
+        if failure:
+            raise AssertionError("unreachable: a failing warm-up raises")  # pragma: no cover
+
+    def _resident(self) -> list[torch.Tensor]:
+        state = [
+            value
+            for per_param in self.optimizer.state.values()
+            for value in per_param.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [*self.model.parameters(), *self.model.buffers(), *grads, *state]
+
+    def _trial(self, size: int, capacity: Capacity, *, warm_up: bool = False) -> str:
+        """Run one real step at ``size``; records it. Returns a stop reason for a non-OOM failure
+        after some size passed, "" otherwise.
+
+        Raises:
+            StepFailedError: a non-OOM failure before any size passed.
+            ConfigError: the step is misconfigured.
+        """
+        self.device.release()
+        error = ""
+        oom = False
+        failed = False
+        started = time.perf_counter()
+        try:
+            with self.device.measure(self._resident()) as peak:
+                self.step.run(self.source.make(size))
+                self.device.synchronize()
+        except ConfigError:
+            raise
+        except Exception as exc:  # classified right here; the exception is not kept
+            oom = is_oom(exc)
+            failed = not oom
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if failed and bracket(self.points)[0] == 0:
+                raise StepFailedError(
+                    f"the training step failed at micro-batch {size} for a reason other than "
+                    f"memory: {error}",
+                    micro_batch_size=size,
+                ) from exc
+        seconds = time.perf_counter() - started
+        self.num_steps += 1
+        if oom or failed:
+            self._clean_up_after_failure()
+        fits = not (oom or failed) and peak.reserved_bytes <= capacity.capacity_bytes
+        if not (oom or failed) and not fits:
+            error = (
+                f"peak {format_bytes(peak.reserved_bytes)} is over the capacity "
+                f"{format_bytes(capacity.capacity_bytes)}"
+            )
+        trial = Trial(
+            micro_batch_size=size,
+            fits=fits,
+            oom=oom,
+            peak_allocated_bytes=peak.allocated_bytes if not (oom or failed) else 0,
+            peak_reserved_bytes=peak.reserved_bytes if not (oom or failed) else 0,
+            step_seconds=seconds if not (oom or failed) else 0.0,
+            error=error,
+            warm_up=warm_up,
+        )
+        self.trials.append(trial)
+        known_peak = 0 if (oom or failed or warm_up) else peak.reserved_bytes
+        if not failed:
+            self.points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=known_peak))
+        if self.on_trial is not None:
+            self.on_trial(trial)
+        if warm_up and not fits:
+            self._does_not_fit(capacity)
+        if failed:
+            lo = bracket(self.points)[0]
+            reason = f"micro-batch {size} failed for a reason other than memory ({error}); " \
+                f"stopped at {lo}, the last size that passed"
+            self.notes.append(reason)
+            return reason
+        return ""
+
+    def _clean_up_after_failure(self) -> None:
+        """Drop what the failed step left (gradients, a half-built optimizer state), collect
+        garbage, then empty the allocator cache."""
+        for param in self.model.parameters():
+            param.grad = None
+        if self.optimizer.state and len(self.optimizer.state) != _num_trainable(self.optimizer):
+            self.optimizer.state.clear()
+        self.device.release()
+
+    def _does_not_fit(self, capacity: Capacity) -> None:
+        static = max(self.estimated_static_bytes, _static_bytes(self.model, self.optimizer))
+        raise DoesNotFitError(
+            f"the training step does not fit on {self.device.name} even at micro-batch 1: "
+            f"capacity {format_bytes(capacity.capacity_bytes)} "
+            f"(total {format_bytes(capacity.total_memory_bytes)}, "
+            f"{format_bytes(capacity.foreign_memory_bytes)} used by others); the model's static "
+            f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}. "
+            "Use a larger device, reduced precision (amp_dtype=torch.bfloat16), a lighter "
+            "optimizer, or a smaller model.",
+            device_name=self.device.name,
+            capacity_bytes=capacity.capacity_bytes,
+            required_bytes=static,
+            static_bytes=static,
+        )
+
+    def _profile(
+        self, capacity: Capacity, prior: MemoryModel | None, largest: int, stop_reason: str
+    ) -> Profile:
+        line, _ = fit_memory_model(self.points, prior)
+        return Profile(
+            max_micro_batch_size=largest,
+            recommended_micro_batch_size=recommended_size(
+                self.points,
+                capacity_bytes=capacity.capacity_bytes,
+                safety_margin=self.safety_margin,
+                model=line,
+            ),
+            safety_margin=self.safety_margin,
+            method="probe" if prior is not None else "doubling",
+            trials=tuple(self.trials),
+            num_steps=self.num_steps,
+            device_name=self.device.name,
+            device_type=self.device.type,
+            total_memory_bytes=capacity.total_memory_bytes,
+            capacity_bytes=capacity.capacity_bytes,
+            foreign_memory_bytes=capacity.foreign_memory_bytes,
+            memory_model=line,
+            stop_reason=stop_reason,
+            notes=tuple(self.notes),
+            torch_version=torch.__version__,
+            driver_version=self.device.driver_version,
+            dtype=param_dtype(self.model),
+            amp_dtype=str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "",
+            optimizer=type(self.user_optimizer or self.optimizer).__name__,
+            input_shape=dict(self.source.sample_shapes),
+            model_fingerprint=model_fingerprint(self.model),
+            backend_flags=backend_flags(),
+            created_at=now_iso(),
+        )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if not devices:
+        raise ConfigError(
+            f"model {type(model).__name__} has no parameters or buffers; there is nothing to "
+            "train, so nothing to probe"
+        )
+    if len(devices) > 1:
+        raise ConfigError(
+            f"model {type(model).__name__} spans devices {sorted(map(str, devices))}; probe a "
+            "model on one device (model-parallel models are not supported)"
+        )
+    return devices.pop()
+
+
+def _normal(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError(
+            f"model {type(model).__name__} has no trainable parameter (requires_grad=True); "
+            "there is no training step to probe"
+        )
+    return torch.optim.AdamW(params)
+
+
+def _num_trainable(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(
+        v.untyped_storage().nbytes()
+        for per_param in optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return weights + grads + state

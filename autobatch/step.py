@@ -1,0 +1,156 @@
+"""How a sample becomes one whole training step (DESIGN.md, "How a sample becomes a step").
+
+- ``train_step(model, batch) -> loss`` given: that is the step; backward, optimizer step and
+  ``zero_grad`` are added around it unless ``step_includes_update=True``.
+- a tuple/list ``(inputs, targets)`` with ``loss_fn``: ``loss_fn(model(inputs), targets)``;
+- a dict: ``model(**batch)`` and the output's ``.loss`` (Hugging Face style), unless
+  ``loss_fn(output, batch)`` is given;
+- a single tensor: ``model(batch)`` reduced by ``loss_fn(output)``, or the output itself when it
+  is a scalar.
+
+Forward and loss run under ``torch.autocast`` when ``amp_dtype`` is set; with float16 a
+``GradScaler`` scales the loss, as a mixed-precision training loop would.
+
+Example::
+
+    step = TrainingStep(model, optimizer, loss_fn=torch.nn.functional.cross_entropy)
+    step.run((inputs, targets))     # forward, loss, backward, optimizer.step(), zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from autobatch.errors import ConfigError
+
+__all__ = ["LossFn", "TrainStep", "TrainingStep"]
+
+LossFn = Callable[..., torch.Tensor]
+TrainStep = Callable[[torch.nn.Module, Any], Any]
+
+
+class TrainingStep:
+    """One training step of ``model`` on a batch: forward, loss, backward, step, zero_grad.
+
+    Args:
+        model: the module, already on its device.
+        optimizer: stepped once per call.
+        loss_fn: see module docstring.
+        train_step: the user's own step returning the loss (a scalar tensor).
+        step_includes_update: ``train_step`` already runs backward, step and zero_grad.
+        amp_dtype: autocast dtype (``torch.float16`` / ``torch.bfloat16``), None for full precision.
+        grad_scaler: a ``torch.amp.GradScaler`` to use (the probe passes its own); None for none.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: LossFn | None = None,
+        train_step: TrainStep | None = None,
+        step_includes_update: bool = False,
+        amp_dtype: torch.dtype | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        if step_includes_update and train_step is None:
+            raise ConfigError("step_includes_update=True needs train_step=...; pass your step")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.train_step = train_step
+        self.step_includes_update = step_includes_update
+        self.amp_dtype = amp_dtype
+        self.grad_scaler = grad_scaler
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """Forward and loss (under autocast when set); a scalar tensor.
+
+        Raises:
+            ConfigError: the batch's form needs a ``loss_fn`` that was not given, or the loss is
+                not a scalar tensor.
+        """
+        device_type = _device_type(self.model)
+        enabled = self.amp_dtype is not None
+        with torch.autocast(device_type=device_type, dtype=self.amp_dtype, enabled=enabled):
+            loss = self._forward_loss(batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ConfigError(
+                f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in "
+                "loss_fn or train_step"
+            )
+        return loss
+
+    def _forward_loss(self, batch: Any) -> Any:
+        model, loss_fn = self.model, self.loss_fn
+        if self.train_step is not None:
+            return self.train_step(model, batch)
+        if isinstance(batch, Mapping):
+            output = model(**batch)
+            if loss_fn is not None:
+                return loss_fn(output, batch)
+            loss = getattr(output, "loss", None)
+            if loss is None and isinstance(output, Mapping):
+                loss = output.get("loss")
+            if loss is None:
+                raise ConfigError(
+                    f"model output ({type(output).__name__}) has no .loss; put labels in the "
+                    "sample (e.g. 'labels') or pass loss_fn=lambda output, batch: ..."
+                )
+            return loss
+        if isinstance(batch, tuple | list):
+            if loss_fn is None or len(batch) != 2:
+                raise ConfigError(
+                    f"a {type(batch).__name__} sample of {len(batch)} items needs the form "
+                    "(inputs, targets) and loss_fn=...: loss_fn(model(inputs), targets); or pass "
+                    "train_step=..."
+                )
+            inputs, targets = batch
+            return loss_fn(model(inputs), targets)
+        output = model(batch)
+        if loss_fn is not None:
+            return loss_fn(output)
+        if isinstance(output, torch.Tensor) and output.dim() == 0:
+            return output
+        loss = getattr(output, "loss", None)
+        if loss is not None:
+            return loss
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ConfigError(
+            f"model(sample) returned {shape}, not a scalar loss; pass loss_fn=... that reduces "
+            "the output to a scalar (e.g. lambda out: out.float().pow(2).mean())"
+        )
+
+    def run(self, batch: Any) -> float:
+        """The whole step; returns the loss value (a float, nothing kept alive)."""
+        loss = self.loss(batch)
+        if self.step_includes_update:
+            return float(loss.detach())
+        value = loss.detach()
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(loss).backward()
+            del loss
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            loss.backward()
+            del loss
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(value) if not _is_fake(value) else 0.0
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    for tensor in model.parameters():
+        return tensor.device.type
+    return "cpu"
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
