@@ -1,0 +1,684 @@
+"""Split an effective batch into micro-batches and accumulation steps: numbers in, Plan out.
+
+PURE: imports neither torch nor pynvml, so schedulers and the service can plan on machines
+without a GPU, a driver, or torch.
+
+Rules (DESIGN.md, "Planner rules"), with ``E = effective_batch_size``, ``W = world_size``,
+``P = E / W`` samples per rank, ``M`` the largest micro-batch that may run, ``k`` accumulation
+steps and ``m`` the micro-batch size:
+
+- ``E`` must be a positive multiple of ``W``.
+- Fewest ``k`` first, then the largest ``m <= M`` with ``m * k * W == E``.
+- Micro-batches of unequal size (differing by 1, larger first) are used when equal ones would
+  need many more steps. ``uneven="auto"`` (the default) uses equal sizes when some equal split
+  meets every constraint with ``k <= 2 * ceil(P / M)``; otherwise (``P`` prime, say) it uses the
+  minimal ``k = ceil(P / M)`` with unequal sizes. ``"never"`` only plans equal sizes, ``"always"``
+  always uses the minimal ``k``. Unequal sizes need each micro-batch's loss weighted by its share
+  of the ``P`` samples (not ``1 / k``) for the gradient to equal the full batch's.
+- With step times (measured, or given), the split with the least predicted time per effective
+  batch wins among the candidates of the kind chosen above; ties go to fewer steps.
+
+Example::
+
+    >>> p = plan(24, effective_batch_size=64)
+    >>> p.micro_batch_size, p.gradient_accumulation_steps
+    (16, 4)
+    >>> plan(24, effective_batch_size=97).micro_batch_sizes
+    (20, 20, 19, 19, 19)
+
+    # What a probed model would get on 8 cards with 80 GiB each:
+    plan(profile, effective_batch_size=512, world_size=8, capacity_bytes=80 * 2**30)
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.profile import Profile
+
+__all__ = ["Plan", "PlanSource", "Uneven", "WorldSizeOption", "plan", "plan_world_sizes"]
+
+Uneven = Literal["auto", "never", "always"]
+PlanSource = Literal["measured", "cached", "estimated", "given"]
+_UNEVEN: tuple[Uneven, ...] = ("auto", "never", "always")
+_SOURCES: tuple[PlanSource, ...] = ("measured", "cached", "estimated", "given")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """How to reach an effective batch: micro-batch sizes per rank, accumulation steps, ranks.
+
+    Invariant: ``sum(micro_batch_sizes) * world_size == effective_batch_size``.
+    """
+
+    micro_batch_size: int
+    """Samples per device per forward pass; the largest of ``micro_batch_sizes``."""
+    gradient_accumulation_steps: int
+    """Forward/backward passes per optimizer step, >= 1."""
+    world_size: int
+    """Data-parallel ranks (devices), >= 1."""
+    effective_batch_size: int
+    """Samples per optimizer step over all ranks, as reached by this plan."""
+    requested_effective_batch_size: int
+    """The effective batch asked for; differs from ``effective_batch_size`` only when inexact."""
+    micro_batch_sizes: tuple[int, ...]
+    """Size of each accumulation step's micro-batch, larger first; unequal (by exactly 1) only when
+    asked for or needed, and then each loss must be weighted by its sample count."""
+    exact: bool
+    """True when ``effective_batch_size == requested_effective_batch_size``."""
+    max_micro_batch_size: int
+    """The limit the plan respected (given, or derived from a profile and a capacity)."""
+    predicted_peak_memory_bytes: int | None = None
+    """Peak bytes of one step at ``micro_batch_size`` (measured or modelled); None if unknown."""
+    capacity_bytes: int | None = None
+    """Bytes the step may use on the device planned for; None if unknown."""
+    headroom_bytes: int | None = None
+    """``capacity_bytes - predicted_peak_memory_bytes``; None if either is unknown."""
+    predicted_seconds_per_effective_batch: float | None = None
+    """Seconds of compute per optimizer step on one rank (ranks run in parallel; gradient
+    communication not included); None without step times."""
+    source: PlanSource = "given"
+    """Where the limit came from: ``"measured"`` (probe), ``"cached"`` (stored profile),
+    ``"estimated"`` (fake-tensor estimate) or ``"given"`` (a number from the caller)."""
+    notes: tuple[str, ...] = ()
+    """Things the user should know (unequal sizes and how to weight losses, inexact targets)."""
+
+    def __post_init__(self) -> None:
+        sizes = self.micro_batch_sizes
+        if self.world_size < 1 or not sizes or min(sizes) < 1:
+            raise ConfigError(
+                f"plan needs world_size >= 1 and micro_batch_sizes >= 1, got world_size "
+                f"{self.world_size} and micro_batch_sizes {list(sizes)}"
+            )
+        if len(sizes) != self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"plan has {len(sizes)} micro_batch_sizes but gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps}; give one size per accumulation step"
+            )
+        if sum(sizes) * self.world_size != self.effective_batch_size:
+            raise ConfigError(
+                f"plan breaks the batch invariant: sum(micro_batch_sizes) {sum(sizes)} * "
+                f"world_size {self.world_size} != effective_batch_size {self.effective_batch_size}"
+            )
+        if list(sizes) != sorted(sizes, reverse=True) or sizes[0] - sizes[-1] > 1:
+            raise ConfigError(
+                f"micro_batch_sizes {list(sizes)} must be non-increasing and differ by at most 1"
+            )
+        if self.micro_batch_size != sizes[0]:
+            raise ConfigError(
+                f"micro_batch_size {self.micro_batch_size} must be the largest of "
+                f"micro_batch_sizes {list(sizes)}"
+            )
+        if self.micro_batch_size > self.max_micro_batch_size:
+            raise ConfigError(
+                f"micro_batch_size {self.micro_batch_size} exceeds max_micro_batch_size "
+                f"{self.max_micro_batch_size}"
+            )
+        if self.exact != (self.effective_batch_size == self.requested_effective_batch_size):
+            raise ConfigError(
+                f"exact={self.exact} contradicts effective_batch_size {self.effective_batch_size}"
+                f" vs requested {self.requested_effective_batch_size}"
+            )
+        if self.source not in _SOURCES:
+            raise ConfigError(f"plan source {self.source!r} must be one of {list(_SOURCES)}")
+
+    @property
+    def uneven(self) -> bool:
+        """True when the micro-batches are of unequal size."""
+        return self.micro_batch_sizes[0] != self.micro_batch_sizes[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        data["notes"] = list(self.notes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ConfigError: a field is missing, unknown or of the wrong kind, or the numbers break the
+                batch invariant.
+        """
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"not a valid plan: unknown fields {unknown}")
+        try:
+            fields = dict(data)
+            fields["micro_batch_sizes"] = tuple(data["micro_batch_sizes"])
+            fields["notes"] = tuple(data.get("notes", ()))
+            return cls(**fields)
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"not a valid plan: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WorldSizeOption:
+    """One row of :func:`plan_world_sizes`: a world size and its plan, or why there is none."""
+
+    world_size: int
+    """Data-parallel ranks considered."""
+    plan: Plan | None
+    """The plan at this world size; None when infeasible."""
+    reason: str = ""
+    """Why no plan exists at this world size (the error message); empty when ``plan`` is set."""
+
+    def __post_init__(self) -> None:
+        if (self.plan is None) == (not self.reason):
+            raise ConfigError("a WorldSizeOption has either a plan or a reason, not both/neither")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "world_size": self.world_size,
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "reason": self.reason,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Options:
+    """Validated options that do not depend on the limit or the world size."""
+
+    multiple_of: int
+    max_steps: int | None
+    uneven: Uneven
+    allow_inexact: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Rules:
+    """Every constraint on a split: the max micro-batch size and the options."""
+
+    max_micro_batch_size: int
+    multiple_of: int
+    max_steps: int | None
+    uneven: Uneven
+    allow_inexact: bool
+
+    @property
+    def unequal_allowed(self) -> bool:
+        return self.multiple_of == 1 and self.uneven != "never"
+
+    def describe(self) -> str:
+        text = f"micro-batches of at most {self.max_micro_batch_size}"
+        if self.multiple_of > 1:
+            text += f" that are multiples of {self.multiple_of}"
+        if self.max_steps is not None:
+            text += f", at most {self.max_steps} accumulation steps"
+        if not self.unequal_allowed:
+            text += ", equal sizes"
+        return text
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Limit:
+    """What a limit (number or profile) resolves to."""
+
+    max_micro_batch_size: int
+    source: PlanSource
+    capacity_bytes: int | None
+    peak_bytes: Callable[[int], int | None]
+    step_time: Callable[[int], float] | None
+    notes: tuple[str, ...]
+
+
+def plan(
+    limit: int | Profile,
+    *,
+    effective_batch_size: int,
+    world_size: int = 1,
+    multiple_of: int = 1,
+    max_gradient_accumulation_steps: int | None = None,
+    uneven: Uneven = "auto",
+    allow_inexact: bool = False,
+    safety_margin: float | None = None,
+    capacity_bytes: int | None = None,
+    step_seconds: Mapping[int, float] | None = None,
+) -> Plan:
+    """Plan micro-batches and accumulation steps that reach ``effective_batch_size``.
+
+    Args:
+        limit: the largest micro-batch that may run per device (an int >= 1), or a
+            :class:`~autobatch.profile.Profile`, whose ``recommended_micro_batch_size`` is used
+            (or, with ``capacity_bytes``, its memory model's prediction for that capacity).
+        effective_batch_size: samples per optimizer step over all ranks, a positive multiple of
+            ``world_size``.
+        world_size: data-parallel ranks, >= 1.
+        multiple_of: every micro-batch size must be a multiple of this (e.g. 8 for tensor
+            cores); > 1 rules out unequal sizes.
+        max_gradient_accumulation_steps: upper bound on accumulation steps; None for no bound.
+        uneven: ``"auto"``, ``"never"`` or ``"always"``; see the module docstring for the rule.
+        allow_inexact: when no plan reaches ``effective_batch_size`` exactly, return the plan for
+            the nearest reachable one (ties go below) with ``exact=False``, instead of raising.
+        safety_margin: fraction of capacity kept free (0 <= x < 1), profile only; default the
+            profile's own. Needs the profile's memory model when it differs from the profile's.
+        capacity_bytes: plan for a device with this many usable bytes (e.g. an 80 GiB card),
+            profile only; needs the profile's memory model.
+        step_seconds: measured seconds per training step by micro-batch size (two sizes or more);
+            by default the profile's fitting trials with a time, when the plan is for the device
+            they ran on.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        ConfigError: an argument is invalid (named with its value): ``effective_batch_size`` not
+            a positive multiple of ``world_size`` (the message names the nearest reachable values),
+            a bool where an int belongs, ``uneven="always"`` with ``multiple_of > 1``, or a
+            profile without a memory model asked to predict for another capacity or margin.
+        NoFeasiblePlanError: no split meets every constraint (the message names the nearest
+            reachable effective batch sizes below and above), or the model does not fit at
+            micro-batch 1 in ``capacity_bytes``.
+    """
+    options = _options(
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+        uneven=uneven,
+        allow_inexact=allow_inexact,
+    )
+    resolved = _resolve_limit(
+        limit, capacity_bytes=capacity_bytes, safety_margin=safety_margin, step_seconds=step_seconds
+    )
+    _require_int("effective_batch_size", effective_batch_size, 1)
+    return _plan(resolved, options, effective_batch_size, world_size)
+
+
+def plan_world_sizes(
+    limit: int | Profile,
+    *,
+    effective_batch_size: int,
+    world_sizes: Sequence[int],
+    multiple_of: int = 1,
+    max_gradient_accumulation_steps: int | None = None,
+    uneven: Uneven = "auto",
+    allow_inexact: bool = False,
+    safety_margin: float | None = None,
+    capacity_bytes: int | None = None,
+    step_seconds: Mapping[int, float] | None = None,
+) -> list[WorldSizeOption]:
+    """Plan ``effective_batch_size`` at each of ``world_sizes``, for a scheduler choosing N GPUs.
+
+    Args:
+        limit: as for :func:`plan`.
+        effective_batch_size: as for :func:`plan`.
+        world_sizes: candidate numbers of ranks, e.g. ``[1, 2, 4, 8]``; rows keep this order.
+        multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact, safety_margin,
+            capacity_bytes, step_seconds: as for :func:`plan`.
+
+    Returns:
+        One :class:`WorldSizeOption` per world size: the plan, or the reason it is infeasible
+        there (``effective_batch_size`` not a multiple of it, or no split meets the constraints).
+
+    Raises:
+        ConfigError: an argument that does not depend on the world size is invalid, or a world
+            size is not an int >= 1.
+        NoFeasiblePlanError: the model does not fit at micro-batch 1 in ``capacity_bytes`` (no
+            world size helps).
+    """
+    options = _options(
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+        uneven=uneven,
+        allow_inexact=allow_inexact,
+    )
+    resolved = _resolve_limit(
+        limit, capacity_bytes=capacity_bytes, safety_margin=safety_margin, step_seconds=step_seconds
+    )
+    _require_int("effective_batch_size", effective_batch_size, 1)
+    rows = []
+    for world_size in world_sizes:
+        _require_int("world_size", world_size, 1)
+        try:
+            result = _plan(resolved, options, effective_batch_size, world_size)
+        except (ConfigError, NoFeasiblePlanError) as exc:
+            rows.append(WorldSizeOption(world_size=world_size, plan=None, reason=str(exc)))
+        else:
+            rows.append(WorldSizeOption(world_size=world_size, plan=result))
+    return rows
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} {value!r} must be an int >= {minimum}")
+
+
+def _options(
+    *,
+    multiple_of: int,
+    max_gradient_accumulation_steps: int | None,
+    uneven: Uneven,
+    allow_inexact: bool,
+) -> _Options:
+    _require_int("multiple_of", multiple_of, 1)
+    if max_gradient_accumulation_steps is not None:
+        _require_int("max_gradient_accumulation_steps", max_gradient_accumulation_steps, 1)
+    if uneven not in _UNEVEN:
+        raise ConfigError(f"uneven {uneven!r} must be one of {list(_UNEVEN)}")
+    if not isinstance(allow_inexact, bool):
+        raise ConfigError(f"allow_inexact {allow_inexact!r} must be a bool")
+    if uneven == "always" and multiple_of > 1:
+        raise ConfigError(
+            f"uneven='always' cannot hold with multiple_of {multiple_of}: sizes that differ by 1 "
+            "cannot all be multiples of it; use uneven='auto' or multiple_of=1"
+        )
+    return _Options(multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact)
+
+
+def _resolve_limit(
+    limit: int | Profile,
+    *,
+    capacity_bytes: int | None,
+    safety_margin: float | None,
+    step_seconds: Mapping[int, float] | None,
+) -> _Limit:
+    step_time = None if step_seconds is None else _step_time_model(step_seconds, "step_seconds")
+    if not isinstance(limit, Profile):
+        _require_int("max micro-batch size (limit)", limit, 1)
+        if capacity_bytes is not None or safety_margin is not None:
+            raise ConfigError(
+                "capacity_bytes and safety_margin need a Profile with a memory model; "
+                f"limit is a plain max micro-batch size {limit}"
+            )
+        return _Limit(limit, "given", None, lambda _: None, step_time, ())
+    profile = limit
+    source: PlanSource = "estimated" if profile.method == "estimate" else "measured"
+    model = profile.memory_model
+    margin = profile.safety_margin if safety_margin is None else safety_margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"safety_margin {margin!r} must be a number in [0, 1)")
+    if capacity_bytes is not None:
+        _require_int("capacity_bytes", capacity_bytes, 1)
+        if model is None:
+            raise ConfigError(
+                f"the profile has no memory model (fewer than two sizes fitted), so it cannot "
+                f"predict the micro-batch for capacity_bytes {capacity_bytes}; probe on that "
+                "device instead"
+            )
+        budget_bytes = int(capacity_bytes * (1 - margin))
+        limit_size = model.max_micro_batch_size(budget_bytes)
+        _require_fits(limit_size, model.peak_bytes(1), budget_bytes, capacity_bytes, margin)
+        note = (
+            f"max micro-batch {limit_size} predicted by the memory model for capacity_bytes "
+            f"{capacity_bytes} with safety_margin {margin}"
+        )
+        # Step times measured on the profiled device say nothing reliable about another one.
+        return _Limit(limit_size, source, capacity_bytes, model.peak_bytes, step_time, (note,))
+    notes: tuple[str, ...] = ()
+    if margin == profile.safety_margin:
+        limit_size = profile.recommended_micro_batch_size
+    elif model is None:
+        raise ConfigError(
+            f"safety_margin {margin} differs from the profile's {profile.safety_margin}, but the "
+            "profile has no memory model to re-derive the micro-batch; leave safety_margin unset"
+        )
+    else:
+        budget_bytes = int(profile.capacity_bytes * (1 - margin))
+        predicted = model.max_micro_batch_size(budget_bytes)
+        limit_size = min(profile.max_micro_batch_size, predicted)
+        _require_fits(limit_size, model.peak_bytes(1), budget_bytes, profile.capacity_bytes, margin)
+        notes = (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
+    measured = {t.micro_batch_size: t for t in profile.trials if t.fits}
+
+    def peak_bytes(size: int) -> int | None:
+        trial = measured.get(size)
+        if trial is not None and (trial.peak_reserved_bytes or trial.peak_allocated_bytes):
+            return trial.peak_reserved_bytes or trial.peak_allocated_bytes
+        return None if model is None else model.peak_bytes(size)
+
+    if step_time is None:
+        timed: dict[int, list[float]] = {}
+        for trial in profile.trials:
+            if trial.fits and trial.step_seconds > 0:
+                timed.setdefault(trial.micro_batch_size, []).append(trial.step_seconds)
+        if len(timed) >= 2:
+            means = {size: sum(times) / len(times) for size, times in timed.items()}
+            step_time = _step_time_model(means, "profile trials")
+    return _Limit(limit_size, source, profile.capacity_bytes, peak_bytes, step_time, notes)
+
+
+def _require_fits(
+    limit_size: int, needed_bytes: int, budget_bytes: int, capacity_bytes: int, margin: float
+) -> None:
+    if limit_size < 1:
+        raise NoFeasiblePlanError(
+            f"the model needs {needed_bytes} bytes at micro_batch_size 1, more than the "
+            f"{budget_bytes} bytes usable of capacity_bytes {capacity_bytes} with safety_margin "
+            f"{margin}; use a larger device, shard the model, or reduce its memory"
+        )
+
+
+def _step_time_model(points: Mapping[int, float], what: str) -> Callable[[int], float]:
+    """Seconds per step at any micro-batch size, interpolated through measured points.
+
+    Piecewise linear through the points (with two points, the line ``a + b * m`` through them);
+    beyond them the end segments extend, kept at least the smaller end's per-sample time below
+    the smallest size, and non-decreasing above the largest. Not a least-squares line over all
+    points: a line cannot show a step slowing down near the memory limit, and fitted to such
+    points it predicts negative times at small sizes.
+    """
+    for size, value in points.items():
+        _require_int(f"{what} micro-batch size", size, 1)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ConfigError(f"{what}[{size}] {value!r} must be finite seconds > 0")
+    if len(points) < 2:
+        raise ConfigError(f"{what} needs step times at two sizes or more, got {dict(points)}")
+    xs = sorted(points)
+    ys = [float(points[x]) for x in xs]
+
+    def seconds(size: int) -> float:
+        i = min(max(bisect.bisect_right(xs, size) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        value = y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        if size < xs[0]:
+            return min(max(value, ys[0] * size / xs[0]), ys[0])
+        if size > xs[-1]:
+            return max(value, ys[-1])
+        return value
+
+    return seconds
+
+
+def _sizes(per_rank: int, steps: int) -> tuple[int, ...]:
+    """``per_rank`` samples in ``steps`` micro-batches differing by at most 1, larger first."""
+    smaller, num_larger = divmod(per_rank, steps)
+    return (smaller + 1,) * num_larger + (smaller,) * (steps - num_larger)
+
+
+def _step_seconds(per_rank: int, steps: int, step_time: Callable[[int], float]) -> float:
+    smaller, num_larger = divmod(per_rank, steps)
+    larger_seconds = step_time(smaller + 1) * num_larger if num_larger else 0.0
+    return larger_seconds + step_time(smaller) * (steps - num_larger)
+
+
+def _equal_steps(per_rank: int, rules: _Rules) -> list[int]:
+    """Accumulation steps of every equal split meeting the rules, ascending.
+
+    Costs O(min(M, sqrt(per_rank))) divisions.
+    """
+    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
+    root = math.isqrt(per_rank)
+    if limit <= root:
+        sizes = [d for d in range(step, limit + 1, step) if per_rank % d == 0]
+    else:
+        small = [d for d in range(1, root + 1) if per_rank % d == 0]
+        divisors = set(small) | {per_rank // d for d in small}
+        sizes = [d for d in divisors if d <= limit and d % step == 0]
+    steps = sorted(per_rank // size for size in sizes)
+    return [k for k in steps if max_steps is None or k <= max_steps]
+
+
+def _choose_steps(
+    per_rank: int, rules: _Rules, step_time: Callable[[int], float] | None
+) -> tuple[int, str] | None:
+    """Accumulation steps for ``per_rank`` samples and a note (may be empty); None if none fit."""
+    minimal = -(-per_rank // rules.max_micro_batch_size)
+    equal = _equal_steps(per_rank, rules)
+    minimal_ok = rules.unequal_allowed and (rules.max_steps is None or minimal <= rules.max_steps)
+    if rules.uneven == "always":
+        candidates = [minimal] if minimal_ok else []
+    elif not minimal_ok or (equal and equal[0] <= 2 * minimal):
+        candidates = equal
+    else:
+        candidates = [minimal]
+    if not candidates:
+        return None
+    if step_time is None or len(candidates) == 1:
+        return candidates[0], ""
+    best = candidates[0]
+    best_seconds = first_seconds = _step_seconds(per_rank, best, step_time)
+    for steps in candidates[1:]:
+        seconds = _step_seconds(per_rank, steps, step_time)
+        if seconds < best_seconds * (1 - 1e-9):
+            best, best_seconds = steps, seconds
+    if best == candidates[0]:
+        return best, ""
+    fewest = candidates[0]
+    return best, (
+        f"chose {best} steps of {per_rank // best} over {fewest} of {per_rank // fewest} by step "
+        f"time: {best_seconds:.4g} s vs {first_seconds:.4g} s per effective batch"
+    )
+
+
+def _largest_product_at_most(n: int, a: int, b: int | None) -> int | None:
+    """Largest ``x <= n`` with ``x = i * j``, ``1 <= i <= a``, ``1 <= j <= b`` (b None: any)."""
+    if n < 1:
+        return None
+    if b is None:
+        return n
+    short, long = min(a, b), max(a, b)
+    return max(i * min(long, n // i) for i in range(1, min(short, n) + 1))
+
+
+def _smallest_product_at_least(n: int, a: int, b: int | None) -> int | None:
+    """Smallest ``x >= n`` with ``x = i * j``, ``1 <= i <= a``, ``1 <= j <= b`` (b None: any)."""
+    n = max(n, 1)
+    if b is None:
+        return n
+    if n > a * b:
+        return None
+    short, long = min(a, b), max(a, b)
+    return min(i * -(-n // i) for i in range(1, short + 1) if -(-n // i) <= long)
+
+
+def _nearest(effective: int, world_size: int, rules: _Rules) -> tuple[int | None, int | None]:
+    """Nearest reachable effective batch sizes strictly below/above an unreachable one."""
+    below_rank, above_rank = effective // world_size, -(-effective // world_size)
+    if effective % world_size == 0:
+        below_rank, above_rank = below_rank - 1, above_rank + 1
+    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
+    below: int | None
+    above: int | None
+    if rules.unequal_allowed:
+        # Any per-rank count from 1 to M * K splits into <= K micro-batches of <= M.
+        top = below_rank if max_steps is None else min(below_rank, limit * max_steps)
+        below = top if top >= 1 else None
+        above = above_rank if max_steps is None or above_rank <= limit * max_steps else None
+    else:
+        units = limit // step
+        low = _largest_product_at_most(below_rank // step, units, max_steps)
+        high = _smallest_product_at_least(-(-above_rank // step), units, max_steps)
+        below = None if low is None else low * step
+        above = None if high is None else high * step
+    return (
+        None if below is None else below * world_size,
+        None if above is None else above * world_size,
+    )
+
+
+def _name_nearest(below: int | None, above: int | None) -> str:
+    return " or ".join(str(v) for v in (below, above) if v is not None) or "none"
+
+
+def _plan(limit: _Limit, options: _Options, effective: int, world_size: int) -> Plan:
+    _require_int("world_size", world_size, 1)
+    rules = _Rules(
+        limit.max_micro_batch_size,
+        options.multiple_of,
+        options.max_steps,
+        options.uneven,
+        options.allow_inexact,
+    )
+    if effective < world_size:
+        raise ConfigError(
+            f"effective_batch_size {effective} is less than world_size {world_size}: every rank "
+            f"needs a sample; use effective_batch_size >= {world_size} or world_size <= {effective}"
+        )
+    if rules.multiple_of > rules.max_micro_batch_size:
+        raise NoFeasiblePlanError(
+            f"multiple_of {rules.multiple_of} exceeds the max micro-batch size "
+            f"{rules.max_micro_batch_size}: no micro-batch size is allowed; lower multiple_of"
+        )
+    notes = list(limit.notes)
+    target = effective
+    chosen = None
+    if effective % world_size == 0:
+        chosen = _choose_steps(effective // world_size, rules, limit.step_time)
+    if chosen is None:
+        below, above = _nearest(effective, world_size, rules)
+        if not rules.allow_inexact and effective % world_size:
+            raise ConfigError(
+                f"effective_batch_size {effective} is not a multiple of world_size {world_size}; "
+                f"use {_name_nearest(below, above)} (or pass allow_inexact=True)"
+            )
+        if not rules.allow_inexact:
+            raise NoFeasiblePlanError(
+                f"no plan reaches effective_batch_size {effective} on world_size {world_size} "
+                f"with {rules.describe()}; nearest reachable effective_batch_size: "
+                f"{below if below is not None else 'none'} below, "
+                f"{above if above is not None else 'none'} above; pass allow_inexact=True to plan "
+                "the nearest, or relax the constraints"
+            )
+        candidates = [v for v in (below, above) if v is not None]
+        target = min(candidates, key=lambda v: abs(v - effective))
+        chosen = _choose_steps(target // world_size, rules, limit.step_time)
+        assert chosen is not None, "a reachable effective batch size must have a plan"
+        notes.append(
+            f"effective_batch_size {effective} is not reachable with {rules.describe()}; "
+            f"planned the nearest, {target} (allow_inexact=True)"
+        )
+    steps, note = chosen
+    if note:
+        notes.append(note)
+    per_rank = target // world_size
+    sizes = _sizes(per_rank, steps)
+    if sizes[0] != sizes[-1]:
+        num_larger = per_rank % steps
+        notes.append(
+            f"unequal micro-batches ({num_larger} of {sizes[0]}, {steps - num_larger} of "
+            f"{sizes[-1]}): weight each micro-batch's loss by its size / {per_rank}, not "
+            f"1 / {steps}, so the gradient equals the full batch's"
+        )
+    peak = limit.peak_bytes(sizes[0])
+    return Plan(
+        micro_batch_size=sizes[0],
+        gradient_accumulation_steps=steps,
+        world_size=world_size,
+        effective_batch_size=target,
+        requested_effective_batch_size=effective,
+        micro_batch_sizes=sizes,
+        exact=target == effective,
+        max_micro_batch_size=rules.max_micro_batch_size,
+        predicted_peak_memory_bytes=peak,
+        capacity_bytes=limit.capacity_bytes,
+        headroom_bytes=(
+            None if peak is None or limit.capacity_bytes is None else limit.capacity_bytes - peak
+        ),
+        predicted_seconds_per_effective_batch=(
+            None if limit.step_time is None else _step_seconds(per_rank, steps, limit.step_time)
+        ),
+        source=limit.source,
+        notes=tuple(notes),
+    )
