@@ -66,7 +66,14 @@ def optimizer_factory(
         return lambda groups: torch.optim.AdamW(groups)
     cls = type(optimizer)
     defaults = dict(optimizer.defaults)
-    return lambda groups: cls(groups, **defaults)
+
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        try:
+            return cls(groups, **defaults)
+        except TypeError:  # a custom optimizer whose constructor takes fewer keywords
+            return cls(groups)
+
+    return build
 
 
 class FakeStep:

@@ -347,7 +347,8 @@ class _Probe:
         self.device.release()
 
     def _does_not_fit(self, capacity: Capacity) -> None:
-        static = max(self.estimated_static_bytes, _static_bytes(self.model, self.optimizer))
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        static = max(self.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer))
         raise DoesNotFitError(
             f"the training step does not fit on {self.device.name} even at micro-batch 1: "
             f"capacity {format_bytes(capacity.capacity_bytes)} "

@@ -1,0 +1,173 @@
+"""Shared fixtures: small real models (transformers configs with random weights, a CNN with
+BatchNorm, an MLP with Adam) and an exhaustive-search reference on the simulated device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autobatch.batch import BatchSource
+from autobatch.device.oom import is_oom
+from autobatch.device.simulated import SimulatedDevice
+from autobatch.step import TrainingStep
+
+
+@dataclasses.dataclass
+class ModelCase:
+    """A model, its sample and how its step is formed; ``build()`` gives fresh, seeded copies."""
+
+    name: str
+    build_model: Callable[[], torch.nn.Module]
+    build_sample: Callable[[], Any]
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = lambda m: torch.optim.AdamW(
+        m.parameters()
+    )
+
+    def build(self) -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = self.build_model()
+        return model, self.build_sample(), self.optimizer(model)
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def _cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 10),
+    )
+
+
+def _gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64)
+    return GPT2LMHeadModel(config)
+
+
+def _bert() -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _vit() -> torch.nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        num_labels=10,
+    )
+    return ViTForImageClassification(config)
+
+
+def _tokens(rows: int = 2, length: int = 32) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (rows, length))
+    return {"input_ids": ids, "labels": ids}
+
+
+MODEL_CASES = [
+    ModelCase(
+        "mlp-adam",
+        _mlp,
+        lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))),
+        loss_fn=F.cross_entropy,
+        optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+    ),
+    ModelCase(
+        "cnn-batchnorm",
+        _cnn,
+        lambda: (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))),
+        loss_fn=F.cross_entropy,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    ),
+    ModelCase("gpt2-tiny", _gpt2, _tokens),
+    ModelCase(
+        "bert-tiny",
+        _bert,
+        lambda: {
+            "input_ids": torch.randint(0, 256, (2, 32)),
+            "attention_mask": torch.ones(2, 32, dtype=torch.long),
+            "labels": torch.randint(0, 3, (2,)),
+        },
+    ),
+    ModelCase(
+        "vit-tiny",
+        _vit,
+        lambda: {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))},
+    ),
+]
+
+
+@pytest.fixture(params=MODEL_CASES, ids=lambda case: case.name)
+def model_case(request: pytest.FixtureRequest) -> ModelCase:
+    return request.param  # type: ignore[no-any-return]
+
+
+def exhaustive_max(case: ModelCase, capacity_bytes: int, *, limit: int = 4096) -> int:
+    """Largest n such that every size 1..n fits, by trying each size in turn on a fresh copy
+    (the reference the probe must match). The optimizer state is created first, as in training."""
+    model, sample, optimizer = case.build()
+    model.train()
+    step = TrainingStep(model, optimizer, loss_fn=case.loss_fn)
+    source = BatchSource.from_sample(sample)
+    step.run(source.make(1))  # optimizer state present from here on
+    device = SimulatedDevice(capacity_bytes=capacity_bytes)
+    largest = 0
+    for size in range(1, limit + 1):
+        resident = [
+            *model.parameters(),
+            *model.buffers(),
+            *[v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
+        ]
+        try:
+            with device.measure(resident):
+                step.run(source.make(size))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            break
+        largest = size
+    return largest
+
+
+@pytest.fixture
+def sim_capacity_for() -> Callable[[ModelCase, int], int]:
+    """Capacity (bytes) at which ``case`` fits about ``target`` samples, from the estimator."""
+    from autobatch.estimate import FakeStep
+
+    def capacity(case: ModelCase, target: int) -> int:
+        model, sample, optimizer = case.build()
+        fake = FakeStep(model, optimizer, BatchSource.from_sample(sample), loss_fn=case.loss_fn)
+        return fake.peak_bytes(target) + 4096
+
+    return capacity
