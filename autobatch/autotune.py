@@ -1,0 +1,174 @@
+"""autotune: estimate -> probe -> plan, with the profile store as a cache.
+
+A repeated call for the same model architecture, input shape, dtype/AMP, optimizer, device and
+torch version is answered from the store without running a step (``refresh=True`` probes again).
+
+Example::
+
+    plan = autobatch.autotune(model, sample, effective_batch_size=1024, device="sim:8GiB")
+    plan.micro_batch_size, plan.gradient_accumulation_steps, plan.source
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from autobatch.device import Device, resolve_device
+from autobatch.estimate import DEFAULT_LIMIT
+from autobatch.metadata import backend_flags, model_fingerprint, param_dtype
+from autobatch.planner import Plan, Uneven, plan
+from autobatch.probe import OnTrial, _model_device, probe
+from autobatch.profile import Profile, profile_cache_key
+from autobatch.step import LossFn, TrainStep
+from autobatch.batch import BatchSource
+from autobatch.store import ProfileStore
+
+__all__ = ["autotune", "autotune_profile"]
+
+
+def autotune(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    effective_batch_size: int,
+    world_size: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    train_step: TrainStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None = None,
+    amp_dtype: torch.dtype | None = None,
+    safety_margin: float = 0.05,
+    max_micro_batch_size: int = DEFAULT_LIMIT,
+    multiple_of: int = 1,
+    max_gradient_accumulation_steps: int | None = None,
+    uneven: Uneven = "auto",
+    allow_inexact: bool = False,
+    store: ProfileStore | str | os.PathLike[str] | None = None,
+    use_store: bool = True,
+    refresh: bool = False,
+    on_trial: OnTrial | None = None,
+) -> Plan:
+    """The micro-batch and accumulation steps that reach ``effective_batch_size`` on ``device``.
+
+    Args:
+        model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
+            safety_margin, max_micro_batch_size, on_trial: as for :func:`autobatch.probe`.
+        effective_batch_size: samples per optimizer step over all ranks (> 0).
+        world_size: data-parallel ranks; default 1.
+        multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact: planner constraints,
+            see :func:`autobatch.plan`.
+        store: a ProfileStore or a path; None means the default store
+            (``$AUTOBATCH_STORE`` or ``~/.cache/autobatch/profiles.sqlite3``).
+        use_store: False skips the store (no read, no write).
+        refresh: probe again even when the store has a profile.
+
+    Returns:
+        The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise.
+        ``micro_batch_size`` is at most the profile's recommended size.
+
+    Raises:
+        ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError: see
+            :func:`autobatch.probe`.
+        NoFeasiblePlanError: no split meets the constraints (names the nearest reachable sizes).
+        StoreError: the store is corrupt, newer, or not writable.
+    """
+    profile, cached = autotune_profile(
+        model,
+        sample,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        device=device,
+        amp_dtype=amp_dtype,
+        safety_margin=safety_margin,
+        max_micro_batch_size=max_micro_batch_size,
+        store=store,
+        use_store=use_store,
+        refresh=refresh,
+        on_trial=on_trial,
+    )
+    result = plan(
+        profile,
+        effective_batch_size=effective_batch_size,
+        world_size=1 if world_size is None else world_size,
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+        uneven=uneven,
+        allow_inexact=allow_inexact,
+    )
+    return dataclasses.replace(result, source="cached") if cached else result
+
+
+def autotune_profile(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    train_step: TrainStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None = None,
+    amp_dtype: torch.dtype | None = None,
+    safety_margin: float = 0.05,
+    max_micro_batch_size: int = DEFAULT_LIMIT,
+    store: ProfileStore | str | os.PathLike[str] | None = None,
+    use_store: bool = True,
+    refresh: bool = False,
+    on_trial: OnTrial | None = None,
+) -> tuple[Profile, bool]:
+    """The profile :func:`autotune` plans from, and whether it came from the store."""
+    target = resolve_device(device, default=_model_device(model))
+    opened = None
+    if use_store and not isinstance(store, ProfileStore):
+        opened = store = ProfileStore(store)
+    try:
+        key = profile_cache_key(
+            model_fingerprint=model_fingerprint(model),
+            input_shape=BatchSource.from_sample(sample).sample_shapes,
+            dtype=param_dtype(model),
+            amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
+            optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
+            device_name=target.name,
+            total_memory_bytes=target.capacity().total_memory_bytes,
+            torch_version=torch.__version__,
+            backend_flags=backend_flags(),
+        )
+        if isinstance(store, ProfileStore) and not refresh:
+            found = store.find(key)
+            if found is not None and _same_request(found[1], safety_margin, max_micro_batch_size):
+                return found[1], True
+        profile = probe(
+            model,
+            sample,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            device=target,
+            amp_dtype=amp_dtype,
+            safety_margin=safety_margin,
+            max_micro_batch_size=max_micro_batch_size,
+            on_trial=on_trial,
+        )
+        assert profile.cache_key() == key, "probe and autotune disagree on the cache key"
+        if isinstance(store, ProfileStore):
+            store.put(profile)
+        return profile, False
+    finally:
+        if opened is not None:
+            opened.close()
+
+
+def _same_request(profile: Profile, safety_margin: float, max_micro_batch_size: int) -> bool:
+    """A stored profile answers only a request with the same margin, and a limit it respected."""
+    limit_hit = profile.stop_reason.startswith("limit")
+    return profile.safety_margin == safety_margin and (
+        profile.max_micro_batch_size <= max_micro_batch_size
+        and (not limit_hit or profile.max_micro_batch_size == max_micro_batch_size)
+    )
