@@ -1,0 +1,479 @@
+"""Gradient accumulation that yields exactly the gradient of the effective batch.
+
+Once a plan says "micro-batch m, k accumulation steps", the training loop runs k forward/backward
+passes and one optimizer step per *window* of k micro-batches. :class:`Accumulator` does the
+bookkeeping that is easy to get subtly wrong:
+
+- each micro-batch's loss is weighted by its share of the counted items (samples, or non-padding
+  tokens) in the whole window, all ranks included, so the accumulated gradient is the gradient of
+  the mean over the effective batch even when micro-batches differ in size or padding;
+- under ``DistributedDataParallel`` gradients are all-reduced once per window (``no_sync`` on the
+  other micro-steps);
+- the optimizer steps once per window, including a short last window, and gradients are zeroed
+  after it, so nothing leaks into the next window or epoch;
+- with a ``GradScaler``: scaled backward per micro-step, then once per window ``unscale_``,
+  optional ``clip_grad_norm_`` over the whole window's gradient, ``step``, ``update``;
+- an LR scheduler steps once per window.
+
+Example::
+
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=4,
+                      scaler=scaler, scheduler=scheduler, max_grad_norm=1.0)
+    for window in acc.windows(loader, count_fn=lambda b: int((b["labels"] != -100).sum())):
+        for micro in window:
+            with micro.sync_context():            # DDP: no all-reduce until the last micro-step
+                loss = model(**micro.batch).loss  # mean over this micro-batch's counted tokens
+                micro.backward(loss)              # weighted by count / window's total count
+        stats = window.step()                     # unscale, clip, step, update, schedule, zero
+        print(float(stats.loss), stats.global_count)
+
+The window's micro-batches are fetched from the loader before its first forward pass (k batches are
+held at once), because the weights need the window's total count up front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import clip_grad_norm_
+
+from autobatch.errors import ConfigError
+
+__all__ = [
+    "SMALL_MICRO_BATCH_FOR_BATCH_NORM",
+    "Accumulator",
+    "MicroStep",
+    "SmallMicroBatchNormWarning",
+    "StepStats",
+    "Window",
+]
+
+B = TypeVar("B")
+
+SMALL_MICRO_BATCH_FOR_BATCH_NORM = 16
+"""Below this many samples per micro-batch, BatchNorm statistics are noticeably unlike the
+effective batch's, so :class:`SmallMicroBatchNormWarning` is emitted."""
+
+# Emitted by torch when scheduler.step() follows a GradScaler-skipped first optimizer step.
+_SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+class SmallMicroBatchNormWarning(UserWarning):
+    """The model has BatchNorm layers in training mode and the micro-batches are small.
+
+    BatchNorm normalises with the statistics of one forward pass, i.e. one micro-batch, so
+    accumulation does not reproduce the large batch's behaviour for those layers.
+    """
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepStats:
+    """What one window's optimizer step did. Tensors are detached and hold no graph."""
+
+    loss: torch.Tensor
+    """0-dim, detached, on the loss's device: mean loss over this rank's counted items in the
+    window (under DDP each rank reports its own share; average with weights ``local_count`` for
+    the global value). ``float(stats.loss)`` forces a host sync; do it only when logging."""
+    grad_norm: torch.Tensor | None
+    """0-dim, detached: total 2-norm of the window's (unscaled) gradient before clipping, or
+    ``None`` when ``max_grad_norm`` is not set."""
+    skipped: bool
+    """True when the GradScaler found inf/NaN and skipped the optimizer step."""
+    num_micro_steps: int
+    """Micro-batches in this window (``gradient_accumulation_steps``, or fewer for the last)."""
+    local_count: int
+    """Counted items (samples or tokens) in this rank's micro-batches of the window."""
+    global_count: int
+    """Counted items in the window over all ranks; the divisor of the mean."""
+
+
+class MicroStep(Generic[B]):
+    """One micro-batch of a :class:`Window`: run its forward and backward inside
+    :meth:`sync_context`, and hand the loss to :meth:`backward`.
+
+    Attributes:
+        batch: the micro-batch exactly as the loader produced it.
+        count: counted items in it (from ``count_fn``), >= 0.
+        index: position in the window, 0-based.
+        is_last: whether this is the window's last micro-step (the one that synchronises).
+    """
+
+    __slots__ = ("_backward_done", "_window", "batch", "count", "index", "is_last")
+
+    def __init__(self, window: Window[B], batch: B, *, count: int, index: int, is_last: bool):
+        self._window = window
+        self._backward_done = False
+        self.batch = batch
+        self.count = count
+        self.index = index
+        self.is_last = is_last
+
+    def sync_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for this micro-step's forward AND backward.
+
+        Under DDP it is ``model.no_sync()`` except on the last micro-step, so gradients are
+        all-reduced once per window; otherwise it does nothing.
+        """
+        model = self._window._acc.model
+        if isinstance(model, DistributedDataParallel) and not self.is_last:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
+        """Weight the loss by this micro-batch's share of the window and backpropagate it.
+
+        Args:
+            loss: 0-dim tensor with a graph. With ``reduction="mean"`` it is the mean over this
+                micro-batch's ``count`` counted items (what ``F.cross_entropy`` and Hugging Face
+                ``.loss`` return); with ``"sum"`` it is their sum.
+            reduction: how ``loss`` was reduced over the counted items.
+
+        Raises:
+            ConfigError: backward already called for this micro-step; ``reduction`` is neither
+                ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of a micro-batch with 0 counted
+                items (that mean is NaN: return the sum and pass ``reduction="sum"``); or, under
+                DDP, a non-last micro-step run outside :meth:`sync_context`.
+        """
+        self._window._backward(self, loss, reduction)
+
+
+class Window(Generic[B]):
+    """The micro-batches of one optimizer step. Iterate it for :class:`MicroStep` s, then call
+    :meth:`step` once.
+
+    Attributes:
+        index: 0-based window number within one :meth:`Accumulator.windows` call.
+        local_count: counted items in this rank's micro-batches.
+        global_count: counted items over all ranks (all-reduced once per window under DDP).
+    """
+
+    def __init__(
+        self,
+        acc: Accumulator,
+        batches: Sequence[B],
+        counts: Sequence[int],
+        *,
+        index: int,
+        global_count: int,
+    ) -> None:
+        self._acc = acc
+        last = len(batches) - 1
+        self._micro_steps = tuple(
+            MicroStep(self, b, count=c, index=i, is_last=i == last)
+            for i, (b, c) in enumerate(zip(batches, counts, strict=True))
+        )
+        self.index = index
+        self.local_count = sum(counts)
+        self.global_count = global_count
+        # Turns a loss summed over counted items into this rank's share of the global mean;
+        # DDP then averages over ranks, hence the world_size factor.
+        self._sum_weight = acc.world_size / global_count
+        self._num_backward = 0
+        self._weighted_losses: list[torch.Tensor] = []
+        self._stepped = False
+
+    def __iter__(self) -> Iterator[MicroStep[B]]:
+        return iter(self._micro_steps)
+
+    def __len__(self) -> int:
+        return len(self._micro_steps)
+
+    @property
+    def pending_backward(self) -> bool:
+        """Whether some backward ran in this window but :meth:`step` has not."""
+        return self._num_backward > 0 and not self._stepped
+
+    def _backward(
+        self, micro: MicroStep[B], loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> None:
+        if micro._backward_done:
+            raise ConfigError(
+                f"backward was already called for micro-step {micro.index} of window "
+                f"{self.index}; call micro.backward(loss) exactly once per micro-step"
+            )
+        if self._stepped:
+            raise ConfigError(
+                f"window {self.index} has already stepped; run backward before window.step()"
+            )
+        if reduction == "mean":
+            if micro.count == 0:
+                raise ConfigError(
+                    f"micro-step {micro.index} of window {self.index} has 0 counted items, so a "
+                    "mean loss is NaN; return the loss summed over counted items and call "
+                    "micro.backward(loss, reduction='sum')"
+                )
+            weight = micro.count * self._sum_weight
+        elif reduction == "sum":
+            weight = self._sum_weight
+        else:
+            raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        model = self._acc.model
+        if (
+            isinstance(model, DistributedDataParallel)
+            and not micro.is_last
+            and model.require_backward_grad_sync
+        ):
+            raise ConfigError(
+                f"micro-step {micro.index} of window {self.index} would all-reduce gradients "
+                "under DDP; run its forward and backward inside `with micro.sync_context():`"
+            )
+        weighted = loss * weight  # one multiply: this micro-step's share of the global mean
+        self._weighted_losses.append(weighted.detach())
+        scaler = self._acc.scaler
+        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
+        micro._backward_done = True
+        self._num_backward += 1
+
+    def step(self) -> StepStats:
+        """Apply the window's gradient: unscale, clip, optimizer step, scaler update, scheduler
+        step, zero grads (to ``None``).
+
+        The scheduler steps every window, also when the GradScaler skipped the optimizer step
+        (inf/NaN), so the schedule counts windows of data seen; torch's "scheduler.step() before
+        optimizer.step()" warning for a skipped first step is suppressed for that reason.
+
+        Returns:
+            The window's :class:`StepStats`.
+
+        Raises:
+            ConfigError: called twice, or before every micro-step of the window ran backward.
+        """
+        if self._stepped:
+            raise ConfigError(f"window {self.index} already stepped; call window.step() once")
+        if self._num_backward != len(self._micro_steps):
+            raise ConfigError(
+                f"window {self.index} has {len(self._micro_steps)} micro-steps but backward ran "
+                f"for {self._num_backward}; call micro.backward(loss) for every micro-step first"
+            )
+        self._stepped = True
+        acc = self._acc
+        optimizer, scaler = acc.optimizer, acc.scaler
+        grad_norm: torch.Tensor | None = None
+        skipped = False
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if acc.max_grad_norm is not None:
+            grad_norm = clip_grad_norm_(acc._params(), acc.max_grad_norm).detach()
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped = scaler.get_scale() < scale_before
+        else:
+            optimizer.step()
+        if acc.scheduler is not None and skipped:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _SCHEDULER_ORDER_WARNING, UserWarning)
+                acc.scheduler.step()
+        elif acc.scheduler is not None:
+            acc.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Sum of weighted losses = this rank's loss sum * world_size / global_count.
+        loss = torch.stack(self._weighted_losses).sum()
+        world_size = self._acc.world_size
+        if world_size > 1:  # DDP: rescale to this rank's own mean
+            loss = loss * (self.global_count / (world_size * max(self.local_count, 1)))
+        return StepStats(
+            loss=loss,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            num_micro_steps=len(self._micro_steps),
+            local_count=self.local_count,
+            global_count=self.global_count,
+        )
+
+
+class Accumulator:
+    """Runs gradient accumulation so each optimizer step sees the effective batch's mean gradient.
+
+    Args:
+        model: the module being trained, possibly wrapped in ``DistributedDataParallel``
+            (detected; then counts are all-reduced over ``model.process_group`` and
+            ``world_size`` is that group's size). Other wrappers (FSDP) are not handled.
+        optimizer: steps once per window.
+        gradient_accumulation_steps: micro-batches per optimizer step, >= 1.
+        scaler: optional ``torch.amp.GradScaler``; losses are scaled before backward and
+            unscaled once per window.
+        scheduler: optional LR scheduler stepped (without arguments) once per window.
+        max_grad_norm: optional clip of the window's total gradient 2-norm, > 0.
+
+    Raises:
+        ConfigError: ``gradient_accumulation_steps`` not an int >= 1, or ``max_grad_norm``
+            not a finite number > 0.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        gradient_accumulation_steps: int,
+        scaler: torch.amp.GradScaler | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        k = gradient_accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(
+                f"gradient_accumulation_steps must be an int >= 1, got {k!r}; pass the plan's "
+                "gradient_accumulation_steps (1 means no accumulation)"
+            )
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, int | float)
+            or not math.isfinite(max_grad_norm)
+            or max_grad_norm <= 0
+        ):
+            raise ConfigError(
+                f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}; "
+                "pass e.g. 1.0, or None to disable clipping"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.gradient_accumulation_steps = k
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._group: dist.ProcessGroup | None = None
+        self.world_size = 1
+        if isinstance(model, DistributedDataParallel):
+            self._group = model.process_group
+            self.world_size = dist.get_world_size(self._group)
+        self._has_train_batch_norm = any(isinstance(m, _BatchNorm) for m in model.modules())
+        self._norm_checked = False
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def windows(
+        self,
+        micro_batches: Iterable[B],
+        *,
+        count_fn: Callable[[B], int | torch.Tensor] | None = None,
+    ) -> Iterator[Window[B]]:
+        """Group micro-batches into windows of ``gradient_accumulation_steps``.
+
+        Each window is fetched whole before it is yielded; the last one of the iterable may be
+        shorter and is weighted by its real size. Under DDP every rank must yield the same
+        number of windows (``DistributedSampler`` ensures this), since each window all-reduces
+        its count once.
+
+        Args:
+            micro_batches: one epoch of micro-batches, e.g. a ``DataLoader``.
+            count_fn: counted items in a micro-batch (e.g. non-padding tokens), an int or a
+                0-dim integer tensor (prefer counting on the host copy: a device tensor costs a
+                sync). Default: the dim-0 size of the first tensor in the batch (tensor, or
+                tuple/list/dict holding tensors).
+
+        Yields:
+            :class:`Window` s, each to be iterated and then ``step()``-ed.
+
+        Raises:
+            ConfigError: a window's total count over all ranks is 0; ``count_fn`` returned a
+                negative or non-integer value; the default count found no tensor in a batch;
+                the previous window was not stepped before the next was requested.
+        """
+        count = _leading_dim if count_fn is None else count_fn
+        iterator = iter(micro_batches)
+        previous: Window[B] | None = None
+        for index in itertools.count():
+            if previous is not None and previous.pending_backward:
+                raise ConfigError(
+                    f"window {previous.index} ran backward but window.step() was not called; "
+                    "call window.step() after the micro-steps of every window, or its gradients "
+                    "would be added to the next window's"
+                )
+            batches = list(itertools.islice(iterator, self.gradient_accumulation_steps))
+            if not batches:
+                return
+            counts = [_as_count(count(b), index, i) for i, b in enumerate(batches)]
+            self._check_batch_norm(batches)
+            global_count = self._global_count(sum(counts))
+            if global_count == 0:
+                raise ConfigError(
+                    f"window {index} has a total count of 0 counted items over "
+                    f"{self.world_size} rank(s) (this rank's counts per micro-batch: {counts}); "
+                    "the mean loss is undefined. Drop micro-batches with nothing to count, or fix "
+                    "count_fn"
+                )
+            previous = Window(self, batches, counts, index=index, global_count=global_count)
+            yield previous
+
+    def _global_count(self, local_count: int) -> int:
+        if self._group is None:
+            return local_count
+        device = next(self.model.parameters()).device
+        total = torch.tensor([local_count], dtype=torch.int64, device=device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._group)
+        return int(total.item())
+
+    def _check_batch_norm(self, batches: Sequence[Any]) -> None:
+        if self._norm_checked or not self._has_train_batch_norm:
+            return
+        self._norm_checked = True
+        if not any(isinstance(m, _BatchNorm) and m.training for m in self.model.modules()):
+            return
+        try:
+            sizes = [_leading_dim(b) for b in batches]
+        except ConfigError:
+            return  # no tensor to measure; nothing reliable to say
+        largest = max(sizes)
+        if largest < SMALL_MICRO_BATCH_FOR_BATCH_NORM:
+            warnings.warn(
+                f"the model has BatchNorm layers in training mode and micro-batches of "
+                f"{largest} samples (< {SMALL_MICRO_BATCH_FOR_BATCH_NORM}): their statistics "
+                "come from one micro-batch, not the effective batch. Use a larger micro-batch, "
+                "GroupNorm/LayerNorm, or BatchNorm in eval mode",
+                SmallMicroBatchNormWarning,
+                stacklevel=3,
+            )
+
+
+def _leading_dim(batch: object) -> int:
+    """Dim-0 size of the first tensor in a tensor / tuple / list / dict batch."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ConfigError("a 0-dim tensor batch has no dim 0 to count; pass count_fn")
+        return int(batch.shape[0])
+    items: Iterable[object] = ()
+    if isinstance(batch, dict):
+        items = batch.values()
+    elif isinstance(batch, list | tuple):
+        items = batch
+    for item in items:
+        if isinstance(item, torch.Tensor | dict | list | tuple):
+            try:
+                return _leading_dim(item)
+            except ConfigError:
+                continue
+    raise ConfigError(
+        f"cannot count the samples of a {type(batch).__name__} batch: no tensor with a dim 0; "
+        "pass count_fn=lambda batch: <number of counted items>"
+    )
+
+
+def _as_count(value: int | torch.Tensor, window: int, micro: int) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise ConfigError(
+                f"count_fn returned a tensor of shape {tuple(value.shape)} and dtype "
+                f"{value.dtype} for micro-batch {micro} of window {window}; return an int or a "
+                "one-element integer tensor"
+            )
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"count_fn returned {value!r} for micro-batch {micro} of window {window}; "
+            "it must return the number of counted items, an int >= 0"
+        )
+    return value
