@@ -1,0 +1,447 @@
+"""The ``autobatch`` command line: parse, call the library, print. No logic of its own.
+
+Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``profiles``
+(list/show/delete), ``serve``. Errors print one line to stderr and exit non-zero.
+
+Example::
+
+    autobatch tune gpt2 --seq-len 128 --device sim:3GiB --effective-batch-size 256
+    autobatch plan --max-micro-batch-size 24 --effective-batch-size 64 --world-size 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from autobatch.errors import AutobatchError, ConfigError
+from autobatch.units import format_bytes, parse_bytes
+
+__all__ = ["build_parser", "main"]
+
+FORMATS = ("text", "json", "deepspeed", "hf", "lightning")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",") if part.strip()]
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(part) for part in text.split(","))
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1), e.g. 0.05")
+    return value
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        help="built-in (gpt2, bert-base, vit-base, llama-small, gpt2-tiny) or module:factory",
+    )
+    parser.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sample")
+    parser.add_argument("--image-size", type=_positive_int, default=224, help="pixels per side")
+    parser.add_argument(
+        "--input-shape", type=_shape, help="one sample's shape for a bare model, e.g. 3,224,224"
+    )
+    parser.add_argument(
+        "--amp", choices=("bf16", "fp16"), help="autocast forward and loss in this dtype"
+    )
+    parser.add_argument(
+        "--safety-margin", type=_margin, default=0.05, help="capacity kept free (default 0.05)"
+    )
+    parser.add_argument(
+        "--max-micro-batch-size", type=_positive_int, default=1 << 16, help="largest size tried"
+    )
+
+
+def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> None:
+    parser.add_argument(
+        "--effective-batch-size", type=_positive_int, required=True, help="samples per optimizer step"
+    )
+    if world_sizes:
+        parser.add_argument(
+            "--world-size",
+            type=_int_list,
+            default=[1],
+            help="data-parallel ranks; a list (1,2,4,8) prints a table",
+        )
+    else:
+        parser.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks")
+    parser.add_argument("--multiple-of", type=_positive_int, default=1)
+    parser.add_argument("--max-gradient-accumulation-steps", type=_positive_int)
+    parser.add_argument("--uneven", choices=("auto", "never", "always"), default="auto")
+    parser.add_argument(
+        "--allow-inexact", action="store_true", help="reach the nearest effective batch size"
+    )
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format")
+    parser.add_argument("--json", action="store_true", help="same as --format json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole flag set (a test snapshots it)."""
+    parser = argparse.ArgumentParser(
+        prog="autobatch", description="Memory-aware micro-batch auto-tuner for PyTorch training."
+    )
+    parser.add_argument("--store", help="profile store path (default $AUTOBATCH_STORE or cache)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    devices = commands.add_parser("devices", help="list GPUs via NVML")
+    devices.add_argument("--json", action="store_true")
+
+    estimate = commands.add_parser("estimate", help="largest micro-batch, on fake tensors")
+    _add_model_args(estimate)
+    estimate.add_argument("--capacity", type=_bytes, required=True, help="e.g. 80GiB")
+    estimate.add_argument("--json", action="store_true")
+
+    tune = commands.add_parser("tune", help="probe the device, then plan")
+    _add_model_args(tune)
+    _add_plan_args(tune, world_sizes=False)
+    tune.add_argument("--device", default="cpu", help="cuda:N, cpu or sim:SIZE (e.g. sim:3GiB)")
+    tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
+    tune.add_argument("--no-store", action="store_true", help="neither read nor write the store")
+
+    plan = commands.add_parser("plan", help="plan from a size, a stored profile or a capacity")
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--max-micro-batch-size", type=_positive_int)
+    source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
+    _add_plan_args(plan, world_sizes=True)
+    plan.add_argument("--capacity", type=_bytes, help="another device's capacity, with --profile")
+
+    profiles = commands.add_parser("profiles", help="stored profiles")
+    actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list")
+    listing.add_argument("--json", action="store_true")
+    show = actions.add_parser("show")
+    show.add_argument("profile_id")
+    delete = actions.add_parser("delete")
+    delete.add_argument("profile_id")
+
+    serve = commands.add_parser("serve", help="run the HTTP service (see --help)", add_help=False)
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autobatch`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace, TextIO], int] = _COMMANDS[args.command]
+    try:
+        return handler(args, sys.stdout)
+    except AutobatchError as exc:
+        print(f"autobatch: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("autobatch: interrupted", file=sys.stderr)
+        return 130
+
+
+def _output_format(args: argparse.Namespace) -> str:
+    return "json" if getattr(args, "json", False) else str(getattr(args, "format", "text"))
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from autobatch.store import ProfileStore
+
+    return ProfileStore(args.store)
+
+
+def _devices(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.device.nvml import list_gpus
+
+    gpus = list_gpus()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(g) for g in gpus], indent=2), file=out)
+        return 0
+    if not gpus:
+        print("NVML reports no GPUs", file=out)
+    for gpu in gpus:
+        memory = gpu.memory
+        kind = "MIG " if gpu.is_mig else ""
+        cuda = "-" if gpu.cuda_index is None else str(gpu.cuda_index)
+        print(
+            f"nvml {gpu.nvml_index}  cuda {cuda}  {kind}{gpu.name}  {gpu.uuid}  "
+            f"total {format_bytes(memory.total_memory_bytes)}  "
+            f"free {format_bytes(memory.free_memory_bytes)}  "
+            f"used {format_bytes(memory.used_memory_bytes)}",
+            file=out,
+        )
+    return 0
+
+
+def _amp(args: argparse.Namespace) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or "")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from autobatch.models import load_model
+
+    return load_model(
+        args.model, seq_len=args.seq_len, image_size=args.image_size, input_shape=args.input_shape
+    )
+
+
+def _estimate(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.estimate import estimate
+
+    spec = _load(args)
+    profile = estimate(
+        spec.model,
+        spec.sample,
+        capacity_bytes=args.capacity,
+        optimizer=spec.optimizer,
+        loss_fn=spec.loss_fn,
+        amp_dtype=_amp(args),
+        max_micro_batch_size=args.max_micro_batch_size,
+        safety_margin=args.safety_margin,
+    )
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=2), file=out)
+        return 0
+    model_line = profile.memory_model
+    print(f"model            {spec.name} ({_input(profile.input_shape)})", file=out)
+    print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
+    print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
+    print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
+    if model_line is not None:
+        print(
+            f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
+            f"{format_bytes(model_line.bytes_per_sample)} per sample",
+            file=out,
+        )
+    return 0
+
+
+def _tune(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.autotune import autotune_profile
+    from autobatch.planner import plan
+
+    spec = _load(args)
+    fmt = _output_format(args)
+    progress = _Progress(enabled=fmt == "text")
+    try:
+        profile, cached = autotune_profile(
+            spec.model,
+            spec.sample,
+            optimizer=spec.optimizer,
+            loss_fn=spec.loss_fn,
+            device=args.device,
+            amp_dtype=_amp(args),
+            safety_margin=args.safety_margin,
+            max_micro_batch_size=args.max_micro_batch_size,
+            store=args.store,
+            use_store=not args.no_store,
+            refresh=args.refresh,
+            on_trial=progress.trial,
+        )
+    finally:
+        progress.close()
+    result = plan(profile, **_plan_kwargs(args, args.world_size))
+    if cached:
+        result = dataclasses.replace(result, source="cached")
+    _print_plan(result, fmt, out, profile=profile)
+    return 0
+
+
+def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    return {
+        "effective_batch_size": args.effective_batch_size,
+        "world_size": world_size,
+        "multiple_of": args.multiple_of,
+        "max_gradient_accumulation_steps": args.max_gradient_accumulation_steps,
+        "uneven": args.uneven,
+        "allow_inexact": args.allow_inexact,
+    }
+
+
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.planner import plan, plan_world_sizes
+
+    limit: Any = args.max_micro_batch_size
+    if args.profile is not None:
+        with _store(args) as store:
+            limit = store.get(args.profile)
+    elif args.capacity is not None:
+        raise ConfigError("--capacity needs --profile (a measured memory line to scale)")
+    fmt = _output_format(args)
+    if len(args.world_size) == 1:
+        kwargs = _plan_kwargs(args, args.world_size[0])
+        _print_plan(plan(limit, capacity_bytes=args.capacity, **kwargs), fmt, out)
+        return 0
+    if fmt not in ("text", "json"):
+        raise ConfigError(f"--format {fmt} needs a single --world-size")
+    kwargs = _plan_kwargs(args, 1)
+    del kwargs["world_size"]
+    options = plan_world_sizes(
+        limit, world_sizes=args.world_size, capacity_bytes=args.capacity, **kwargs
+    )
+    if fmt == "json":
+        rows = [
+            {
+                "world_size": o.world_size,
+                "plan": None if o.plan is None else o.plan.to_dict(),
+                "reason": o.reason,
+            }
+            for o in options
+        ]
+        print(json.dumps(rows, indent=2), file=out)
+        return 0
+    print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
+    for option in options:
+        if option.plan is None:
+            print(f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {option.reason}", file=out)
+            continue
+        p = option.plan
+        seconds = p.predicted_seconds_per_effective_batch
+        note = "" if seconds is None else f"{seconds:.3f} s per effective batch"
+        sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
+        print(f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}", file=out)
+    return 0
+
+
+def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> None:
+    from autobatch.integrations import format_config
+
+    if fmt == "json":
+        data = {"plan": result.to_dict()}
+        if profile is not None:
+            data["profile"] = profile.to_dict()
+        print(json.dumps(data, indent=2), file=out)
+        return
+    if fmt != "text":
+        print(format_config(result, fmt), file=out)
+        return
+    if profile is not None:
+        print(
+            f"device           {profile.device_name} "
+            f"({format_bytes(profile.capacity_bytes)} usable of "
+            f"{format_bytes(profile.total_memory_bytes)})",
+            file=out,
+        )
+        print(
+            f"max micro-batch  {profile.max_micro_batch_size}  "
+            f"(recommended {profile.recommended_micro_batch_size}; {profile.num_trials} trials, "
+            f"{profile.num_ooms} OOM, {profile.method})",
+            file=out,
+        )
+    print(f"micro_batch_size             {result.micro_batch_size}", file=out)
+    print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)
+    print(f"world_size                   {result.world_size}", file=out)
+    print(f"effective_batch_size         {result.effective_batch_size}", file=out)
+    if len(set(result.micro_batch_sizes)) > 1:
+        print(f"micro_batch_sizes            {list(result.micro_batch_sizes)}", file=out)
+    if not result.exact:
+        print(f"requested                    {result.requested_effective_batch_size}", file=out)
+    if result.predicted_peak_memory_bytes is not None:
+        print(
+            f"predicted peak               {format_bytes(result.predicted_peak_memory_bytes)}",
+            file=out,
+        )
+    print(f"source                       {result.source}", file=out)
+    for note in result.notes:
+        print(f"note: {note}", file=out)
+
+
+def _profiles(args: argparse.Namespace, out: TextIO) -> int:
+    with _store(args) as store:
+        if args.action == "list":
+            rows = store.list_profiles()
+            if args.json:
+                data = [{"id": pid, **p.to_dict()} for pid, p in rows]
+                print(json.dumps(data, indent=2), file=out)
+                return 0
+            for pid, p in rows:
+                print(
+                    f"{pid}  {p.created_at}  {p.device_name}  max {p.max_micro_batch_size}  "
+                    f"{p.optimizer}  {_input(p.input_shape)}  model {p.model_fingerprint}",
+                    file=out,
+                )
+            return 0
+        if args.action == "show":
+            print(json.dumps(store.get(args.profile_id).to_dict(), indent=2), file=out)
+            return 0
+        if not store.delete(args.profile_id):
+            print(f"autobatch: error: no profile {args.profile_id!r}", file=sys.stderr)
+            return 1
+        print(f"deleted {args.profile_id}", file=out)
+        return 0
+
+
+def _serve(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        from service.__main__ import main as serve_main
+    except ImportError as exc:
+        raise ConfigError(
+            f"the service needs its extras: pip install 'autobatch[service]' ({exc})"
+        ) from exc
+    forwarded = list(args.args)
+    if args.store and "--store-path" not in forwarded:
+        forwarded += ["--store-path", args.store]
+    return int(serve_main(forwarded))
+
+
+def _input(shapes: Any) -> str:
+    return ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items())
+
+
+class _Progress:
+    """One tqdm line per probe (to stderr); silent when disabled (``--json``, configs)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc="probing", unit="trial", file=sys.stderr, leave=True)
+
+    def trial(self, trial: Any) -> None:
+        if self._bar is None:
+            return
+        outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
+        peak = format_bytes(trial.peak_reserved_bytes) if trial.fits else "-"
+        self._bar.set_postfix_str(f"micro-batch {trial.micro_batch_size} {outcome}, peak {peak}")
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
+    "devices": _devices,
+    "estimate": _estimate,
+    "plan": _plan,
+    "profiles": _profiles,
+    "serve": _serve,
+    "tune": _tune,
+}
