@@ -1,0 +1,117 @@
+"""autotune end to end: estimate, probe, plan, and the store as a cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autobatch import autotune
+from autobatch.batch import BatchSource
+from autobatch.device.simulated import SimulatedDevice
+from autobatch.store import ProfileStore
+from autobatch.step import TrainingStep
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+
+class CountingStep:
+    """A train_step that counts its calls (real steps only: fake-tensor traces excluded)."""
+
+    def __init__(self) -> None:
+        self.real_calls = 0
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        inputs, targets = batch
+        if not isinstance(inputs, FakeTensor):
+            self.real_calls += 1
+        return F.cross_entropy(model(inputs), targets)
+
+
+def test_second_call_comes_from_the_store_without_a_step(tmp_path: Path) -> None:
+    model = mlp()
+    sample = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    step = CountingStep()
+    kwargs: dict[str, Any] = {
+        "effective_batch_size": 1000,
+        "train_step": step,
+        "device": "sim:6MiB",
+        "store": tmp_path / "profiles.sqlite3",
+    }
+    first = autotune(model, sample, **kwargs)
+    steps_first = step.real_calls
+    assert first.source == "measured" and steps_first >= 2
+    second = autotune(model, sample, **kwargs)
+    assert step.real_calls == steps_first  # no step ran
+    assert second.source == "cached"
+    assert second.micro_batch_size == first.micro_batch_size
+    assert second.gradient_accumulation_steps == first.gradient_accumulation_steps
+    third = autotune(model, sample, refresh=True, **kwargs)
+    assert step.real_calls > steps_first
+    assert third.source == "measured"
+    with ProfileStore(tmp_path / "profiles.sqlite3") as store:
+        assert len(store.list_profiles()) == 2
+
+
+def test_a_different_input_shape_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    model = mlp()
+    store = tmp_path / "s.sqlite3"
+    short = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    plan = autotune(model, short, effective_batch_size=64, loss_fn=F.cross_entropy, device="sim:6MiB", store=store)
+    assert plan.source == "measured"
+    model2 = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    other = (torch.randn(2, 32), torch.randint(0, 10, (2,)))
+    plan2 = autotune(model2, other, effective_batch_size=64, loss_fn=F.cross_entropy, device="sim:6MiB", store=store)
+    assert plan2.source == "measured"
+
+
+def test_the_plan_trains_20_steps_right_after_without_oom(tmp_path: Path) -> None:
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    sample = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    capacity = 6 * 2**20
+    plan = autotune(
+        model,
+        sample,
+        effective_batch_size=1024,
+        optimizer=optimizer,
+        loss_fn=F.cross_entropy,
+        device=SimulatedDevice(capacity_bytes=capacity),
+        use_store=False,
+    )
+    assert plan.effective_batch_size == 1024
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 1024
+    device = SimulatedDevice(capacity_bytes=capacity)
+    source = BatchSource.from_sample(sample)
+    step = TrainingStep(model, optimizer, loss_fn=F.cross_entropy)
+    for _ in range(20):
+        resident = [
+            *model.parameters(),
+            *[v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
+        ]
+        with device.measure(resident):
+            step.run(source.make(plan.micro_batch_size))
+    assert device.num_ooms == 0
+
+
+def test_effective_batch_not_a_multiple_of_world_size_is_refused() -> None:
+    from autobatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a multiple of world_size 3"):
+        autotune(
+            mlp(),
+            (torch.randn(2, 64), torch.randint(0, 10, (2,))),
+            effective_batch_size=100,
+            world_size=3,
+            loss_fn=F.cross_entropy,
+            device="sim:6MiB",
+            use_store=False,
+        )

@@ -1,0 +1,160 @@
+"""The command line: exit codes and output on good and bad input, and the flag set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autobatch.cli import build_parser, main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_flag_set_snapshot() -> None:
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    flags = {
+        name: sorted(opt for action in sub._actions for opt in action.option_strings)
+        for name, sub in commands.items()
+    }
+    assert flags == {
+        "devices": sorted(["--json", "-h", "--help"]),
+        "estimate": sorted(
+            ["-h", "--help", "--seq-len", "--image-size", "--input-shape", "--amp",
+             "--safety-margin", "--max-micro-batch-size", "--capacity", "--json"]
+        ),
+        "tune": sorted(
+            ["-h", "--help", "--seq-len", "--image-size", "--input-shape", "--amp",
+             "--safety-margin", "--max-micro-batch-size", "--effective-batch-size",
+             "--world-size", "--multiple-of", "--max-gradient-accumulation-steps", "--uneven",
+             "--allow-inexact", "--format", "--json", "--device", "--refresh", "--no-store"]
+        ),
+        "plan": sorted(
+            ["-h", "--help", "--max-micro-batch-size", "--profile", "--effective-batch-size",
+             "--world-size", "--multiple-of", "--max-gradient-accumulation-steps", "--uneven",
+             "--allow-inexact", "--format", "--json", "--capacity"]
+        ),
+        "profiles": ["--help", "-h"],
+        "serve": [],
+    }
+
+
+def test_plan_field_case_64_over_24(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64")
+    assert code == 0
+    assert "micro_batch_size             16" in out
+    assert "gradient_accumulation_steps  4" in out
+
+
+def test_plan_world_size_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64",
+        "--world-size", "1,2,3", "--json",
+    )
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["world_size"] for r in rows] == [1, 2, 3]
+    assert rows[1]["plan"]["micro_batch_sizes"] == [16, 16]
+    assert rows[2]["plan"] is None and "multiple" in rows[2]["reason"]
+
+
+def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64",
+        "--world-size", "2", "--format", "deepspeed",
+    )
+    assert code == 0
+    assert json.loads(out) == {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "100", "--world-size", "3"], "use 99 or 102"),
+        (["plan", "--max-micro-batch-size", "0", "--effective-batch-size", "8"], "must be at least 1"),
+        (["plan", "--effective-batch-size", "8"], "one of the arguments"),
+        (["estimate", "gpt2-tiny", "--capacity", "lots"], "memory size"),
+        (["estimate", "no-such-model", "--capacity", "1GiB"], "neither built in"),
+        (["tune", "gpt2-tiny", "--effective-batch-size", "8", "--device", "tpu"], "not understood"),
+    ],
+)
+def test_bad_input_exits_non_zero_with_one_clear_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code != 0
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_devices_without_nvml_says_so_in_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "autobatch", "devices"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0
+    assert "NVML is not available" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_estimate_prints_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "estimate", "gpt2-tiny", "--seq-len", "32", "--capacity", "64MiB", "--json")
+    assert code == 0
+    profile = json.loads(out)
+    assert profile["method"] == "estimate"
+    assert profile["capacity_bytes"] == 64 * 2**20
+    assert profile["max_micro_batch_size"] >= 1
+
+
+def test_tune_json_parses_and_second_run_is_cached(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = [
+        "--store", str(tmp_path / "s.sqlite3"), "tune", "gpt2-tiny", "--seq-len", "32",
+        "--device", "sim:48MiB", "--effective-batch-size", "64", "--json",
+    ]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    plan, profile = data["plan"], data["profile"]
+    assert plan["effective_batch_size"] == 64 and plan["source"] == "measured"
+    assert sum(plan["micro_batch_sizes"]) == 64
+    assert plan["micro_batch_size"] <= profile["recommended_micro_batch_size"]
+    assert err == ""  # quiet under --json
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and json.loads(out)["plan"]["source"] == "cached"
+    code, out, _ = run(capsys, "--store", str(tmp_path / "s.sqlite3"), "profiles", "list")
+    assert code == 0 and out.count("\n") == 1 and "sim" in out
+
+
+def test_profiles_show_and_delete_unknown(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    store = str(tmp_path / "s.sqlite3")
+    code, _, err = run(capsys, "--store", store, "profiles", "show", "nope")
+    assert code == 1 and "nope" in err
+    code, _, err = run(capsys, "--store", store, "profiles", "delete", "nope")
+    assert code == 1 and "no profile 'nope'" in err
+
+
+def test_store_that_is_not_a_database_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.sqlite3"
+    bad.write_bytes(b"not a database at all" * 100)
+    code, _, err = run(capsys, "--store", str(bad), "profiles", "list")
+    assert code == 1 and str(bad) in err
+    assert bad.read_bytes() == b"not a database at all" * 100
