@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten_with_path, tree_map, keystr
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from autobatch.errors import ConfigError
 

@@ -84,7 +84,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> None:
     parser.add_argument(
-        "--effective-batch-size", type=_positive_int, required=True, help="samples per optimizer step"
+        "--effective-batch-size",
+        type=_positive_int,
+        required=True,
+        help="samples per optimizer step",
     )
     if world_sizes:
         parser.add_argument(
@@ -94,7 +97,9 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             help="data-parallel ranks; a list (1,2,4,8) prints a table",
         )
     else:
-        parser.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel ranks")
+        parser.add_argument(
+            "--world-size", type=_positive_int, default=1, help="data-parallel ranks"
+        )
     parser.add_argument("--multiple-of", type=_positive_int, default=1)
     parser.add_argument("--max-gradient-accumulation-steps", type=_positive_int)
     parser.add_argument("--uneven", choices=("auto", "never", "always"), default="auto")
@@ -325,7 +330,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         seconds = p.predicted_seconds_per_effective_batch
         note = "" if seconds is None else f"{seconds:.3f} s per effective batch"
         sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
-        print(f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}", file=out)
+        print(
+            f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
+            file=out,
+        )
     return 0
 
 
@@ -339,7 +347,7 @@ def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> N
         print(json.dumps(data, indent=2), file=out)
         return
     if fmt != "text":
-        print(format_config(result, fmt), file=out)
+        print(format_config(result, fmt), file=out)  # type: ignore[arg-type]
         return
     if profile is not None:
         print(

@@ -3,13 +3,13 @@
 Every error autobatch raises on purpose derives from :class:`AutobatchError`::
 
     AutobatchError
-    ├── ConfigError (also ValueError)       bad argument or input; the message names the value and the fix
-    ├── DeviceUnavailableError              no such device, no NVML/driver, device query failed
-    ├── DoesNotFitError                     the training step does not fit even at micro-batch 1
-    ├── StepFailedError                     the user's step failed for a reason other than OOM
-    ├── NoFeasiblePlanError                 no (micro-batch, accumulation) split meets every constraint
-    ├── StoreError                          the profile store is corrupt, newer, or unwritable
-    └── DistributedError                    ranks disagreed or a rank failed during a collective probe
+    ├── ConfigError (also ValueError)  bad argument or input; names the value and the fix
+    ├── DeviceUnavailableError         no such device, no NVML/driver, device query failed
+    ├── DoesNotFitError                the training step does not fit even at micro-batch 1
+    ├── StepFailedError                the user's step failed for a reason other than OOM
+    ├── NoFeasiblePlanError            no (micro-batch, accumulation) split meets the constraints
+    ├── StoreError                     the profile store is corrupt, newer, or unwritable
+    └── DistributedError               a rank failed or ranks disagreed during a collective probe
 
 Foreign exceptions (``pynvml.NVMLError_*``, ``torch.OutOfMemoryError``) are translated at the device
 boundary only (``autobatch.device``), with ``raise ... from exc``.
@@ -87,7 +87,7 @@ class StepFailedError(AutobatchError):
 
 
 class NoFeasiblePlanError(AutobatchError):
-    """No split of the effective batch meets every constraint; the message names the nearest ones."""
+    """No split of the effective batch meets every constraint; names the nearest reachable ones."""
 
 
 class StoreError(AutobatchError):

@@ -30,10 +30,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autobatch.batch import BatchSource
 from autobatch.errors import ConfigError
 from autobatch.live_bytes import LiveBytes
+from autobatch.metadata import backend_flags, model_fingerprint, now_iso, param_dtype
 from autobatch.profile import Profile, Trial
 from autobatch.search import Point, fit_memory_model, next_micro_batch_size, recommended_size
 from autobatch.step import LossFn, TrainingStep, TrainStep
-from autobatch.metadata import backend_flags, model_fingerprint, now_iso, param_dtype
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -64,14 +64,16 @@ def optimizer_factory(
     AdamW with defaults when ``optimizer`` is None."""
     if optimizer is None:
         return lambda groups: torch.optim.AdamW(groups)
-    cls = type(optimizer)
+    cls: type[Any] = type(optimizer)
     defaults = dict(optimizer.defaults)
 
     def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         try:
-            return cls(groups, **defaults)
+            built: torch.optim.Optimizer = cls(groups, **defaults)
+            return built
         except TypeError:  # a custom optimizer whose constructor takes fewer keywords
-            return cls(groups)
+            fallback: torch.optim.Optimizer = cls(groups)
+            return fallback
 
     return build
 
@@ -109,7 +111,9 @@ class FakeStep:
             groups = _fake_groups(model, self.model, optimizer)
             self.optimizer = optimizer_factory(optimizer)(groups)
         except Exception as exc:  # any failure to build the copy means "no estimate"
-            raise EstimateUnavailableError(f"cannot copy the model onto fake tensors: {exc}") from exc
+            raise EstimateUnavailableError(
+                f"cannot copy the model onto fake tensors: {exc}"
+            ) from exc
         self.step = TrainingStep(
             self.model,
             self.optimizer,
@@ -254,7 +258,11 @@ def estimate(
 
 
 def _check_args(capacity_bytes: int, max_micro_batch_size: int, safety_margin: float) -> None:
-    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+    if (
+        isinstance(capacity_bytes, bool)
+        or not isinstance(capacity_bytes, int)
+        or capacity_bytes <= 0
+    ):
         raise ConfigError(f"capacity_bytes {capacity_bytes!r} must be a positive int of bytes")
     if (
         isinstance(max_micro_batch_size, bool)
@@ -359,4 +367,3 @@ def run_estimate(
         backend_flags=backend_flags(),
         created_at=now_iso(),
     )
-

@@ -31,10 +31,11 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["CUDA_BLOCK_BYTES", "LiveBytes"]
 
 CUDA_BLOCK_BYTES = 512
-"""Smallest block of the CUDA caching allocator (``kMinBlockSize`` in c10/cuda/CUDACachingAllocator.cpp)."""
+"""Smallest block of the CUDA caching allocator (``kMinBlockSize`` in
+c10/cuda/CUDACachingAllocator.cpp)."""
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Live and peak bytes of tensor storages created inside the mode, plus registered residents.
 
     Args:
@@ -51,7 +52,7 @@ class LiveBytes(TorchDispatchMode):
         on_exceeded: Callable[[int, int], BaseException] | None = None,
         rounding_bytes: int = CUDA_BLOCK_BYTES,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         if capacity_bytes is not None and on_exceeded is None:
             raise ValueError("on_exceeded is required with capacity_bytes")
         self.capacity_bytes = capacity_bytes

@@ -21,7 +21,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     shapes, dtypes and ``requires_grad``. Equal architectures share it; weights do not matter."""
     digest = hashlib.sha256(type(model).__module__.encode() + type(model).__qualname__.encode())
     for name, param in model.named_parameters():
-        digest.update(f"p:{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
+        digest.update(
+            f"p:{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode()
+        )
     for name, buffer in model.named_buffers():
         digest.update(f"b:{name}:{tuple(buffer.shape)}:{buffer.dtype};".encode())
     return digest.hexdigest()[:16]

@@ -58,7 +58,7 @@ def _transformers() -> Any:
         raise ConfigError(
             "built-in models need transformers: pip install 'autobatch[models]'"
         ) from exc
-    transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     return transformers
 
 
@@ -161,7 +161,9 @@ def load_model(
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"cannot import module {module_name!r} for model {name!r}: {exc}") from exc
+        raise ConfigError(
+            f"cannot import module {module_name!r} for model {name!r}: {exc}"
+        ) from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ConfigError(f"{module_name!r} has no callable {attribute!r} (model {name!r})")

@@ -46,7 +46,7 @@ class Snapshot:
     @classmethod
     def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Snapshot:
         """Copy everything to host memory (uses as many host bytes as the model's state)."""
-        params = list(model.parameters())
+        params: list[torch.Tensor] = list(model.parameters())
         tensors = [(t, _to_host(t)) for t in [*params, *model.buffers()]]
         grads = [(p, None if p.grad is None else _to_host(p.grad)) for p in params]
         flags = [(m, m.training) for m in model.modules()]
@@ -80,7 +80,7 @@ def _rng_state() -> dict[str, Any]:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state["numpy"] = numpy.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -132,12 +132,12 @@ class TrainingStep:
             return float(loss.detach())
         value = loss.detach()
         if self.grad_scaler is not None:
-            self.grad_scaler.scale(loss).backward()
+            self.grad_scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
             del loss
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
         else:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             del loss
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

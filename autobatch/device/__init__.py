@@ -1,9 +1,9 @@
 """The device boundary: everything the probe knows about memory goes through :class:`Device`.
 
-Implementations: :class:`~autobatch.device.cuda.CudaDevice` (torch allocator statistics + NVML),
-:class:`~autobatch.device.cpu.CpuDevice` (real allocation failures) and
-:class:`~autobatch.device.simulated.SimulatedDevice` (real step on the CPU, live tensor bytes counted
-against a capacity, torch's ``OutOfMemoryError`` raised like the CUDA allocator does).
+Implementations: :class:`~autobatch.device.cuda.CudaDevice` (torch allocator statistics and
+NVML), :class:`~autobatch.device.cpu.CpuDevice` (real allocation failures) and
+:class:`~autobatch.device.simulated.SimulatedDevice` (real step on the CPU, live tensor bytes
+counted against a capacity, torch's ``OutOfMemoryError`` raised like the CUDA allocator does).
 Foreign exceptions are classified in one place, :mod:`autobatch.device.oom`.
 
 Example::

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from autobatch import autotune
 from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
-from autobatch.store import ProfileStore
 from autobatch.step import TrainingStep
+from autobatch.store import ProfileStore
 
 
 def mlp() -> torch.nn.Module:
@@ -65,11 +65,27 @@ def test_a_different_input_shape_is_not_served_from_the_cache(tmp_path: Path) ->
     model = mlp()
     store = tmp_path / "s.sqlite3"
     short = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
-    plan = autotune(model, short, effective_batch_size=64, loss_fn=F.cross_entropy, device="sim:6MiB", store=store)
+    plan = autotune(
+        model,
+        short,
+        effective_batch_size=64,
+        loss_fn=F.cross_entropy,
+        device="sim:6MiB",
+        store=store,
+    )
     assert plan.source == "measured"
-    model2 = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
     other = (torch.randn(2, 32), torch.randint(0, 10, (2,)))
-    plan2 = autotune(model2, other, effective_batch_size=64, loss_fn=F.cross_entropy, device="sim:6MiB", store=store)
+    plan2 = autotune(
+        model2,
+        other,
+        effective_batch_size=64,
+        loss_fn=F.cross_entropy,
+        device="sim:6MiB",
+        store=store,
+    )
     assert plan2.source == "measured"
 
 

@@ -31,7 +31,13 @@ def test_callable_must_return_n_rows() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("16GiB", 16 * 2**30), ("512 MiB", 512 * 2**20), ("80GB", 80 * 10**9), ("1.5g", 1610612736), (1024, 1024)],
+    [
+        ("16GiB", 16 * 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("80GB", 80 * 10**9),
+        ("1.5g", 1610612736),
+        (1024, 1024),
+    ],
 )
 def test_parse_bytes(text: str | int, expected: int) -> None:
     assert parse_bytes(text) == expected

@@ -31,19 +31,58 @@ def test_flag_set_snapshot() -> None:
     assert flags == {
         "devices": sorted(["--json", "-h", "--help"]),
         "estimate": sorted(
-            ["-h", "--help", "--seq-len", "--image-size", "--input-shape", "--amp",
-             "--safety-margin", "--max-micro-batch-size", "--capacity", "--json"]
+            [
+                "-h",
+                "--help",
+                "--seq-len",
+                "--image-size",
+                "--input-shape",
+                "--amp",
+                "--safety-margin",
+                "--max-micro-batch-size",
+                "--capacity",
+                "--json",
+            ]
         ),
         "tune": sorted(
-            ["-h", "--help", "--seq-len", "--image-size", "--input-shape", "--amp",
-             "--safety-margin", "--max-micro-batch-size", "--effective-batch-size",
-             "--world-size", "--multiple-of", "--max-gradient-accumulation-steps", "--uneven",
-             "--allow-inexact", "--format", "--json", "--device", "--refresh", "--no-store"]
+            [
+                "-h",
+                "--help",
+                "--seq-len",
+                "--image-size",
+                "--input-shape",
+                "--amp",
+                "--safety-margin",
+                "--max-micro-batch-size",
+                "--effective-batch-size",
+                "--world-size",
+                "--multiple-of",
+                "--max-gradient-accumulation-steps",
+                "--uneven",
+                "--allow-inexact",
+                "--format",
+                "--json",
+                "--device",
+                "--refresh",
+                "--no-store",
+            ]
         ),
         "plan": sorted(
-            ["-h", "--help", "--max-micro-batch-size", "--profile", "--effective-batch-size",
-             "--world-size", "--multiple-of", "--max-gradient-accumulation-steps", "--uneven",
-             "--allow-inexact", "--format", "--json", "--capacity"]
+            [
+                "-h",
+                "--help",
+                "--max-micro-batch-size",
+                "--profile",
+                "--effective-batch-size",
+                "--world-size",
+                "--multiple-of",
+                "--max-gradient-accumulation-steps",
+                "--uneven",
+                "--allow-inexact",
+                "--format",
+                "--json",
+                "--capacity",
+            ]
         ),
         "profiles": ["--help", "-h"],
         "serve": [],
@@ -51,7 +90,9 @@ def test_flag_set_snapshot() -> None:
 
 
 def test_plan_field_case_64_over_24(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64")
+    code, out, _ = run(
+        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64"
+    )
     assert code == 0
     assert "micro_batch_size             16" in out
     assert "gradient_accumulation_steps  4" in out
@@ -59,8 +100,15 @@ def test_plan_field_case_64_over_24(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_world_size_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
-        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64",
-        "--world-size", "1,2,3", "--json",
+        capsys,
+        "plan",
+        "--max-micro-batch-size",
+        "24",
+        "--effective-batch-size",
+        "64",
+        "--world-size",
+        "1,2,3",
+        "--json",
     )
     assert code == 0
     rows = json.loads(out)
@@ -71,8 +119,16 @@ def test_plan_world_size_table_and_json(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
-        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64",
-        "--world-size", "2", "--format", "deepspeed",
+        capsys,
+        "plan",
+        "--max-micro-batch-size",
+        "24",
+        "--effective-batch-size",
+        "64",
+        "--world-size",
+        "2",
+        "--format",
+        "deepspeed",
     )
     assert code == 0
     assert json.loads(out) == {
@@ -85,8 +141,22 @@ def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "100", "--world-size", "3"], "use 99 or 102"),
-        (["plan", "--max-micro-batch-size", "0", "--effective-batch-size", "8"], "must be at least 1"),
+        (
+            [
+                "plan",
+                "--max-micro-batch-size",
+                "24",
+                "--effective-batch-size",
+                "100",
+                "--world-size",
+                "3",
+            ],
+            "use 99 or 102",
+        ),
+        (
+            ["plan", "--max-micro-batch-size", "0", "--effective-batch-size", "8"],
+            "must be at least 1",
+        ),
         (["plan", "--effective-batch-size", "8"], "one of the arguments"),
         (["estimate", "gpt2-tiny", "--capacity", "lots"], "memory size"),
         (["estimate", "no-such-model", "--capacity", "1GiB"], "neither built in"),
@@ -113,7 +183,9 @@ def test_devices_without_nvml_says_so_in_one_line() -> None:
 
 
 def test_estimate_prints_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "estimate", "gpt2-tiny", "--seq-len", "32", "--capacity", "64MiB", "--json")
+    code, out, _ = run(
+        capsys, "estimate", "gpt2-tiny", "--seq-len", "32", "--capacity", "64MiB", "--json"
+    )
     assert code == 0
     profile = json.loads(out)
     assert profile["method"] == "estimate"
@@ -125,8 +197,17 @@ def test_tune_json_parses_and_second_run_is_cached(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     argv = [
-        "--store", str(tmp_path / "s.sqlite3"), "tune", "gpt2-tiny", "--seq-len", "32",
-        "--device", "sim:48MiB", "--effective-batch-size", "64", "--json",
+        "--store",
+        str(tmp_path / "s.sqlite3"),
+        "tune",
+        "gpt2-tiny",
+        "--seq-len",
+        "32",
+        "--device",
+        "sim:48MiB",
+        "--effective-batch-size",
+        "64",
+        "--json",
     ]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
@@ -142,7 +223,9 @@ def test_tune_json_parses_and_second_run_is_cached(
     assert code == 0 and out.count("\n") == 1 and "sim" in out
 
 
-def test_profiles_show_and_delete_unknown(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_profiles_show_and_delete_unknown(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     store = str(tmp_path / "s.sqlite3")
     code, _, err = run(capsys, "--store", store, "profiles", "show", "nope")
     assert code == 1 and "nope" in err

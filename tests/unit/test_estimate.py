@@ -48,7 +48,8 @@ def test_estimate_leaves_model_and_optimizer_untouched(model_case: ModelCase) ->
         model, sample, optimizer=optimizer, loss_fn=model_case.loss_fn, capacity_bytes=64 * 2**20
     )
     assert profile.method == "estimate" and profile.max_micro_batch_size >= 1
-    assert all(torch.equal(a, b) for a, b in zip(before, [*model.parameters(), *model.buffers()]))
+    after = [*model.parameters(), *model.buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert all(p.grad is None for p in model.parameters())
     assert not optimizer.state
 

@@ -89,7 +89,9 @@ def test_property_always_finds_the_exact_max(
 ) -> None:
     prior = None
     if prior_scale is not None:
-        prior = MemoryModel(fixed_bytes=fixed, bytes_per_sample=max(1, int(per_sample * prior_scale)))
+        prior = MemoryModel(
+            fixed_bytes=fixed, bytes_per_sample=max(1, int(per_sample * prior_scale))
+        )
     points = run_search(fixed, per_sample, capacity, prior, limit=limit)
     expected = true_max(fixed, per_sample, capacity, limit)
     assert bracket(points)[0] == expected
