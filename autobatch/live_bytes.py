@@ -56,7 +56,7 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if capacity_bytes is not None and on_exceeded is None:
             raise ValueError("on_exceeded is required with capacity_bytes")
         self.capacity_bytes = capacity_bytes
-        self._on_exceeded = on_exceeded
+        self.on_exceeded = on_exceeded
         self._rounding = rounding_bytes
         self._live: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
         self.live_bytes = 0
@@ -107,7 +107,7 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self.capacity_bytes is not None and self.live_bytes > self.capacity_bytes:
             live = self.live_bytes - added
             del out, leaf  # an allocator that fails hands back no tensor
-            assert self._on_exceeded is not None
-            raise self._on_exceeded(added, live)
+            assert self.on_exceeded is not None
+            raise self.on_exceeded(added, live)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out

@@ -1,9 +1,12 @@
 """The host CPU as a device: real allocations, real allocation failures.
 
-Capacity is the kernel's ``MemAvailable`` (``/proc/meminfo``); peak bytes are counted with
-:class:`~autobatch.live_bytes.LiveBytes` since the CPU allocator keeps no statistics. Probing the
-CPU to its limit drives the host into swap or the OOM killer: prefer ``sim:SIZE`` for a bounded
-search, or cap the search with ``max_micro_batch_size``.
+Capacity is the kernel's ``MemAvailable`` (``/proc/meminfo``) when queried. Peak bytes are
+counted with :class:`~autobatch.live_bytes.LiveBytes`, since the CPU allocator keeps no
+statistics; they include the resident tensors (weights, optimizer state), which ``MemAvailable``
+already excludes, so the probe is conservative by their size. Linux overcommits memory, so a real
+allocation failure would come late (swap, or the OOM killer): during a step the tracker raises
+``torch.OutOfMemoryError`` as soon as live tensors would exceed what was available when the step
+began, before the host runs out.
 
 Example::
 
@@ -41,6 +44,13 @@ def read_meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int]:
         return total, total
 
 
+def _host_out_of_memory(requested_bytes: int, live_bytes: int) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(
+        f"host memory would be exhausted: tried to allocate {requested_bytes} bytes with "
+        f"{live_bytes} bytes of tensors live (CPU device, MemAvailable at step start)"
+    )
+
+
 class CpuDevice:
     """The host CPU; see the module docstring."""
 
@@ -70,8 +80,11 @@ class CpuDevice:
 
     @contextmanager
     def measure(self, resident: Sequence[torch.Tensor]) -> Iterator[PeakMemory]:
+        _, available = read_meminfo()
         tracker = LiveBytes(rounding_bytes=1)
         tracker.add_resident(resident)
+        tracker.capacity_bytes = available + tracker.live_bytes
+        tracker.on_exceeded = _host_out_of_memory
         peak = PeakMemory()
         try:
             with tracker:

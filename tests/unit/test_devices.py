@@ -1,0 +1,117 @@
+"""The CPU and simulated devices, the live-byte tracker, and device specs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autobatch.device import cpu as cpu_module
+from autobatch.device import resolve_device
+from autobatch.device.cpu import CpuDevice
+from autobatch.device.simulated import SimulatedDevice
+from autobatch.errors import ConfigError
+from autobatch.live_bytes import LiveBytes
+from autobatch.probe import probe
+
+
+def test_live_bytes_counts_each_storage_once_and_forgets_freed_ones() -> None:
+    tracker = LiveBytes(rounding_bytes=1)
+    with tracker:
+        a = torch.ones(1000)  # 4000 B
+        view = a[10:20]  # same storage
+        a.add_(1)  # in place: same storage
+        b = a * 2  # new 4000 B
+        assert tracker.live_bytes == 8000
+        del b
+        assert tracker.live_bytes == 4000
+        c = torch.ones(250)
+    assert tracker.peak_bytes == 8000
+    assert tracker.live_bytes == 5000
+    del a, view, c
+
+
+def test_live_bytes_rounds_like_the_cuda_allocator() -> None:
+    tracker = LiveBytes()
+    with tracker:
+        x = torch.ones(1)  # 4 B -> one 512 B block
+    assert tracker.live_bytes == 512
+    del x
+
+
+def test_simulated_device_raises_torch_oom_and_hands_back_nothing() -> None:
+    device = SimulatedDevice(capacity_bytes=10_000)
+    kept: list[torch.Tensor] = []
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as info,
+        device.measure([]) as peak,
+    ):
+        kept.append(torch.ones(1000))  # 4096 B with rounding
+        kept.append(torch.ones(2000))  # 8192 B: over
+    assert len(kept) == 1  # the failed allocation returned no tensor
+    assert peak.allocated_bytes == 4096
+    assert device.num_ooms == 1
+    assert "sim has a total capacity of 9.77 KiB" in str(info.value)
+
+
+def test_cpu_device_stops_before_the_host_runs_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_module, "read_meminfo", lambda: (1 << 30, 100_000))
+    device = CpuDevice()
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="host memory would be exhausted"),
+        device.measure([]),
+    ):
+        torch.ones(50_000)  # 200 kB > 100 kB available
+
+
+def test_probe_on_the_cpu_stops_at_the_limit() -> None:
+    profile = probe(
+        torch.nn.Linear(16, 16),
+        torch.randn(2, 16),
+        loss_fn=lambda out: out.pow(2).mean(),
+        device="cpu",
+        max_micro_batch_size=300,
+    )
+    assert profile.max_micro_batch_size == 300
+    assert profile.device_type == "cpu"
+    assert profile.stop_reason == "limit max_micro_batch_size=300 reached"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("sim:2GiB", 2 * 2**30), ("sim:512MiB", 512 * 2**20), (" sim:1G ", 2**30)],
+)
+def test_resolve_simulated(spec: str, expected: int) -> None:
+    device = resolve_device(spec)
+    assert device.type == "sim"
+    assert device.capacity().capacity_bytes == expected
+
+
+@pytest.mark.parametrize("spec", ["sim", "sim:", "gpu:0", "cuda:x", 3])
+def test_resolve_rejects(spec: object) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        resolve_device(spec)  # type: ignore[arg-type]
+
+
+def test_backend_flags_are_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autobatch.metadata import backend_flags
+    from autobatch.profile import profile_cache_key
+
+    def key() -> str:
+        return profile_cache_key(
+            model_fingerprint="m",
+            input_shape={"x": (3,)},
+            dtype="float32",
+            amp_dtype="",
+            optimizer="AdamW",
+            device_name="sim",
+            total_memory_bytes=1,
+            torch_version=torch.__version__,
+            backend_flags=backend_flags(),
+        )
+
+    plain = key()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert key() != plain
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert key() != plain
