@@ -3,6 +3,12 @@
 A repeated call for the same model architecture, input shape, dtype/AMP, optimizer, device and
 torch version is answered from the store without running a step (``refresh=True`` probes again).
 
+Under an initialised torch.distributed process group every rank probes its own device and the
+ranks agree (:mod:`autobatch.distributed`): a size fits only if it fits on every rank,
+``world_size`` defaults to the group's, rank 0 alone reads and writes the store (its cached
+profile is used only when every rank has the same device, i.e. the same cache key), and every
+rank returns the same Plan.
+
 Example::
 
     plan = autobatch.autotune(model, sample, effective_batch_size=1024, device="sim:8GiB")
@@ -13,18 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from autobatch.batch import BatchSource
 from autobatch.device import Device, resolve_device
+from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.estimate import DEFAULT_LIMIT
 from autobatch.metadata import backend_flags, model_fingerprint, param_dtype
 from autobatch.planner import Plan, Uneven, plan
 from autobatch.probe import OnTrial, _model_device, probe
 from autobatch.profile import Profile, profile_cache_key
 from autobatch.step import LossFn, TrainStep
-from autobatch.batch import BatchSource
 from autobatch.store import ProfileStore
 
 __all__ = ["autotune", "autotune_profile"]
@@ -59,7 +67,8 @@ def autotune(
         model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
             safety_margin, max_micro_batch_size, on_trial: as for :func:`autobatch.probe`.
         effective_batch_size: samples per optimizer step over all ranks (> 0).
-        world_size: data-parallel ranks; default 1.
+        world_size: data-parallel ranks; default the process group's size under an initialised
+            torch.distributed, else 1.
         multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact: planner constraints,
             see :func:`autobatch.plan`.
         store: a ProfileStore or a path; None means the default store
@@ -76,7 +85,11 @@ def autotune(
             :func:`autobatch.probe`.
         NoFeasiblePlanError: no split meets the constraints (names the nearest reachable sizes).
         StoreError: the store is corrupt, newer, or not writable.
+        DistributedError: under torch.distributed, another rank failed (it raises the cause).
     """
+    if world_size is None:
+        group = process_group_consensus()
+        world_size = 1 if group is None else group.world_size
     profile, cached = autotune_profile(
         model,
         sample,
@@ -96,7 +109,7 @@ def autotune(
     result = plan(
         profile,
         effective_batch_size=effective_batch_size,
-        world_size=1 if world_size is None else world_size,
+        world_size=world_size,
         multiple_of=multiple_of,
         max_gradient_accumulation_steps=max_gradient_accumulation_steps,
         uneven=uneven,
@@ -122,27 +135,25 @@ def autotune_profile(
     refresh: bool = False,
     on_trial: OnTrial | None = None,
 ) -> tuple[Profile, bool]:
-    """The profile :func:`autotune` plans from, and whether it came from the store."""
+    """The profile :func:`autotune` plans from, and whether it came from the store.
+
+    Under torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
+    """
     target = resolve_device(device, default=_model_device(model))
-    opened = None
-    if use_store and not isinstance(store, ProfileStore):
-        opened = store = ProfileStore(store)
-    try:
-        key = profile_cache_key(
-            model_fingerprint=model_fingerprint(model),
-            input_shape=BatchSource.from_sample(sample).sample_shapes,
-            dtype=param_dtype(model),
-            amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
-            optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
-            device_name=target.name,
-            total_memory_bytes=target.capacity().total_memory_bytes,
-            torch_version=torch.__version__,
-            backend_flags=backend_flags(),
-        )
-        if isinstance(store, ProfileStore) and not refresh:
-            found = store.find(key)
-            if found is not None and _same_request(found[1], safety_margin, max_micro_batch_size):
-                return found[1], True
+    consensus = process_group_consensus()
+    key = profile_cache_key(
+        model_fingerprint=model_fingerprint(model),
+        input_shape=BatchSource.from_sample(sample).sample_shapes,
+        dtype=param_dtype(model),
+        amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
+        optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
+        device_name=target.name,
+        total_memory_bytes=target.capacity().total_memory_bytes,
+        torch_version=torch.__version__,
+        backend_flags=backend_flags(),
+    )
+
+    def run_probe() -> Profile:
         profile = probe(
             model,
             sample,
@@ -155,14 +166,84 @@ def autotune_profile(
             safety_margin=safety_margin,
             max_micro_batch_size=max_micro_batch_size,
             on_trial=on_trial,
+            consensus=consensus,
         )
         assert profile.cache_key() == key, "probe and autotune disagree on the cache key"
+        return profile
+
+    def accepts(found: Profile) -> bool:
+        return _same_request(found, safety_margin, max_micro_batch_size)
+
+    if consensus is not None:
+        return _agreed_profile(
+            consensus,
+            key,
+            store=store,
+            use_store=use_store,
+            refresh=refresh,
+            accepts=accepts,
+            run_probe=run_probe,
+        )
+    opened = None
+    if use_store and not isinstance(store, ProfileStore):
+        opened = store = ProfileStore(store)
+    try:
+        if isinstance(store, ProfileStore) and not refresh:
+            found = store.find(key)
+            if found is not None and accepts(found[1]):
+                return found[1], True
+        profile = run_probe()
         if isinstance(store, ProfileStore):
             store.put(profile)
         return profile, False
     finally:
         if opened is not None:
             opened.close()
+
+
+def _agreed_profile(
+    consensus: ProcessGroupConsensus,
+    key: str,
+    *,
+    store: ProfileStore | str | os.PathLike[str] | None,
+    use_store: bool,
+    refresh: bool,
+    accepts: Callable[[Profile], bool],
+    run_probe: Callable[[], Profile],
+) -> tuple[Profile, bool]:
+    """Under torch.distributed: rank 0 reads the store and every rank uses what it found, or all
+    probe together; rank 0 writes the result and every rank returns rank 0's profile.
+
+    The store is used only when every rank has rank 0's cache key (the same device model and
+    total memory): a profile of one kind of card does not answer for another.
+    """
+    use_store = consensus.all_equal(key) and use_store
+    opened: list[ProfileStore] = []  # rank 0 only
+
+    def look_up() -> Profile | None:
+        if not use_store:
+            return None
+        if isinstance(store, ProfileStore):
+            opened.append(store)
+        else:
+            opened.append(ProfileStore(store))
+        found = None if refresh else opened[0].find(key)
+        return found[1] if found is not None and accepts(found[1]) else None
+
+    def save(profile: Profile) -> Profile:
+        if opened:
+            opened[0].put(profile)
+        return profile
+
+    try:
+        cached = consensus.on_rank_zero(look_up, "reading the profile store")
+        if cached is not None:
+            return cached, True
+        profile = run_probe()
+        return consensus.on_rank_zero(lambda: save(profile), "writing the profile store"), False
+    finally:
+        if opened and not isinstance(store, ProfileStore):
+            opened[0].close()
 
 
 def _same_request(profile: Profile, safety_margin: float, max_micro_batch_size: int) -> bool:

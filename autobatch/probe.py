@@ -15,6 +15,10 @@
    passed, with the reason in the profile.
 5. **Leave no trace** (:mod:`autobatch.state`): parameters, buffers, gradients, optimizer state,
    train/eval flags and RNG states are restored bitwise.
+6. **Ranks agree** through a :class:`Consensus` (one process: :class:`LocalConsensus`; under
+   torch.distributed: :class:`autobatch.distributed.ProcessGroupConsensus`): every rank runs the
+   same sizes in the same order, a size fits only if it fits on every rank (the capacity searched
+   is the smallest rank's), and a non-OOM failure on one rank ends the search on all of them.
 
 Example::
 
@@ -24,16 +28,17 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from autobatch.batch import BatchSource
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
-from autobatch.errors import ConfigError, DoesNotFitError, StepFailedError
+from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, StepFailedError
 from autobatch.estimate import (
     DEFAULT_LIMIT,
     EstimateUnavailableError,
@@ -48,9 +53,52 @@ from autobatch.state import Snapshot
 from autobatch.step import LossFn, TrainingStep, TrainStep
 from autobatch.units import format_bytes
 
-__all__ = ["probe"]
+__all__ = ["Consensus", "LocalConsensus", "probe"]
 
 OnTrial = Callable[[Trial], None]
+
+
+class Consensus(Protocol):
+    """How the ranks of a data-parallel job agree during a probe.
+
+    Every rank makes the same calls in the same order, with sequences of the same length.
+    """
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, in ``[0, world_size)``."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        ...
+
+    def min_ints(self, values: Sequence[int]) -> list[int]:
+        """Element-wise minimum over the ranks, on every rank."""
+        ...
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        """Rank 0's values, on every rank."""
+        ...
+
+
+class LocalConsensus:
+    """The consensus of a single process: every value is already agreed."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def min_ints(self, values: Sequence[int]) -> list[int]:
+        return list(values)
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        return list(values)
 
 
 def probe(
@@ -67,6 +115,7 @@ def probe(
     max_micro_batch_size: int = DEFAULT_LIMIT,
     use_estimate: bool = True,
     on_trial: OnTrial | None = None,
+    consensus: Consensus | None = None,
 ) -> Profile:
     """Find the largest micro-batch whose whole training step fits on ``device``.
 
@@ -87,6 +136,9 @@ def probe(
         max_micro_batch_size: largest size tried (>= 1).
         use_estimate: start from a fake-tensor estimate (False: doubling-then-bisect).
         on_trial: called after each real trial (progress display).
+        consensus: how data-parallel ranks agree (every rank calls :func:`probe` with its own
+            device); None for a single process. See
+            :class:`autobatch.distributed.ProcessGroupConsensus`.
 
     Returns:
         The Profile (``method="probe"``, or ``"doubling"`` without an estimate).
@@ -99,6 +151,8 @@ def probe(
         StepFailedError: the first trial failed for a reason other than memory (the original
             exception is its ``__cause__``).
         DeviceUnavailableError: the device cannot be queried.
+        DistributedError: another rank's first trial failed for a reason other than memory (that
+            rank raises StepFailedError or ConfigError).
     """
     _check_args(1, max_micro_batch_size, safety_margin)
     model_device = _model_device(model)
@@ -134,6 +188,7 @@ def probe(
             limit=max_micro_batch_size,
             use_estimate=use_estimate,
             on_trial=on_trial,
+            consensus=consensus if consensus is not None else LocalConsensus(),
         ).run()
     finally:
         del run_optimizer
@@ -161,6 +216,7 @@ class _Probe:
         limit: int,
         use_estimate: bool,
         on_trial: OnTrial | None,
+        consensus: Consensus,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -175,6 +231,7 @@ class _Probe:
         self.limit = limit
         self.use_estimate = use_estimate
         self.on_trial = on_trial
+        self.consensus = consensus
         scaler = None
         if amp_dtype == torch.float16:
             scaler = torch.amp.GradScaler(device.torch_device.type)
@@ -196,23 +253,34 @@ class _Probe:
     # -- the search -------------------------------------------------------------------------
 
     def run(self) -> Profile:
-        capacity = self.device.capacity()
+        own = self.device.capacity()
+        capacity = self.capacity = self._agree_capacity(own)
         prior, first = self._estimate(capacity)
         stop_reason = ""
-        size: int | None = first
-        if not self.optimizer.state:
-            self._warm_up(capacity)
+        size = self._agree_size(first)
+        if not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]:
+            self._warm_up(own)
             if size is None:
-                size = next_micro_batch_size(
-                    self.points, capacity_bytes=capacity.capacity_bytes, limit=self.limit, prior=prior
+                size = self._agree_size(
+                    next_micro_batch_size(
+                        self.points,
+                        capacity_bytes=capacity.capacity_bytes,
+                        limit=self.limit,
+                        prior=prior,
+                    )
                 )
         while size is not None:
-            failure = self._trial(size, capacity)
+            failure = self._trial(size, own)
             if failure:
                 stop_reason = failure
                 break
-            size = next_micro_batch_size(
-                self.points, capacity_bytes=capacity.capacity_bytes, limit=self.limit, prior=prior
+            size = self._agree_size(
+                next_micro_batch_size(
+                    self.points,
+                    capacity_bytes=capacity.capacity_bytes,
+                    limit=self.limit,
+                    prior=prior,
+                )
             )
         lo, hi = bracket(self.points)
         if lo == 0:
@@ -224,6 +292,23 @@ class _Probe:
                 else f"micro-batch {hi} does not fit"
             )
         return self._profile(capacity, prior, lo, stop_reason)
+
+    def _agree_capacity(self, own: Capacity) -> Capacity:
+        """This device's capacity, lowered to the smallest rank's (the capacity searched)."""
+        ranks = self.consensus.world_size
+        (packed,) = self.consensus.min_ints([own.capacity_bytes * ranks + self.consensus.rank])
+        smallest, rank = divmod(packed, ranks)
+        if ranks > 1:
+            self.notes.append(
+                f"agreed over {ranks} ranks (a size fits only if it fits on every rank): the "
+                f"smallest capacity is {format_bytes(smallest)}, on rank {rank}"
+            )
+        return dataclasses.replace(own, capacity_bytes=smallest)
+
+    def _agree_size(self, size: int | None) -> int | None:
+        """Rank 0's choice of the next size (None: the search is over), on every rank."""
+        (agreed,) = self.consensus.broadcast_ints([0 if size is None else size])
+        return agreed or None
 
     def _estimate(self, capacity: Capacity) -> tuple[MemoryModel | None, int | None]:
         """Prior memory line and first size to try, from fake tensors (None, None without)."""
@@ -284,23 +369,25 @@ class _Probe:
         error = ""
         oom = False
         failed = False
+        fatal: Exception | None = None  # raised once every rank knows
         started = time.perf_counter()
         try:
             with self.device.measure(self._resident()) as peak:
                 self.step.run(self.source.make(size))
                 self.device.synchronize()
-        except ConfigError:
-            raise
-        except Exception as exc:  # classified right here; the exception is not kept
-            oom = is_oom(exc)
+        except Exception as exc:  # classified right here; only a fatal one is kept
+            oom = not isinstance(exc, ConfigError) and is_oom(exc)
             failed = not oom
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if failed and bracket(self.points)[0] == 0:
-                raise StepFailedError(
+            if isinstance(exc, ConfigError):
+                fatal = exc
+            elif failed and bracket(self.points)[0] == 0:
+                fatal = StepFailedError(
                     f"the training step failed at micro-batch {size} for a reason other than "
                     f"memory: {error}",
                     micro_batch_size=size,
-                ) from exc
+                )
+                fatal.__cause__ = exc
         seconds = time.perf_counter() - started
         self.num_steps += 1
         if oom or failed:
@@ -311,6 +398,29 @@ class _Probe:
                 f"peak {format_bytes(peak.reserved_bytes)} is over the capacity "
                 f"{format_bytes(capacity.capacity_bytes)}"
             )
+        known_peak = 0 if (oom or failed or warm_up) else peak.reserved_bytes
+        ranks, rank = self.consensus.world_size, self.consensus.rank
+        all_fit, min_peak, minus_max_peak, failed_rank, fatal_rank = self.consensus.min_ints(
+            [
+                int(fits),
+                known_peak,
+                -known_peak,
+                rank if failed else ranks,
+                rank if fatal is not None else ranks,
+            ]
+        )
+        if fatal is not None:
+            raise fatal
+        if fatal_rank < ranks:
+            raise DistributedError(
+                f"rank {fatal_rank} failed at micro-batch {size} for a reason other than memory "
+                "(its own error says why); every rank stopped probing"
+            )
+        if fits and not all_fit:
+            error = f"micro-batch {size} does not fit on every rank"
+        fits = bool(all_fit)
+        if failed_rank < ranks and not failed:
+            error = f"rank {failed_rank} failed for a reason other than memory"
         trial = Trial(
             micro_batch_size=size,
             fits=fits,
@@ -322,14 +432,14 @@ class _Probe:
             warm_up=warm_up,
         )
         self.trials.append(trial)
-        known_peak = 0 if (oom or failed or warm_up) else peak.reserved_bytes
-        if not failed:
-            self.points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=known_peak))
+        if failed_rank == ranks:  # the largest peak of the ranks, when every rank measured one
+            agreed_peak = -minus_max_peak if min_peak > 0 else 0
+            self.points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=agreed_peak))
         if self.on_trial is not None:
             self.on_trial(trial)
         if warm_up and not fits:
-            self._does_not_fit(capacity)
-        if failed:
+            self._does_not_fit(self.capacity)
+        if failed_rank < ranks:
             lo = bracket(self.points)[0]
             reason = f"micro-batch {size} failed for a reason other than memory ({error}); " \
                 f"stopped at {lo}, the last size that passed"
@@ -349,8 +459,10 @@ class _Probe:
     def _does_not_fit(self, capacity: Capacity) -> None:
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         static = max(self.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer))
+        ranks = self.consensus.world_size
         raise DoesNotFitError(
-            f"the training step does not fit on {self.device.name} even at micro-batch 1: "
+            f"the training step does not fit on {self.device.name}"
+            f"{f' (or another of the {ranks} ranks)' if ranks > 1 else ''} even at micro-batch 1: "
             f"capacity {format_bytes(capacity.capacity_bytes)} "
             f"(total {format_bytes(capacity.total_memory_bytes)}, "
             f"{format_bytes(capacity.foreign_memory_bytes)} used by others); the model's static "

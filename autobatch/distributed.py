@@ -1,0 +1,141 @@
+"""Probing under torch.distributed: every rank probes its own device, and all agree on one answer.
+
+:class:`ProcessGroupConsensus` is the probe's :class:`~autobatch.probe.Consensus` over a process
+group: element-wise MIN all-reduces and broadcasts from rank 0 of small int64 tensors (on the CPU
+for gloo, on the current CUDA device for nccl, so call ``torch.cuda.set_device(local_rank)``
+first). With it, every rank runs the same micro-batch sizes in the same order; a size fits only
+if it fits on every rank, so a smaller or busier card lowers the plan for all; a non-OOM failure
+on one rank ends the probe on every rank within the same collective (no rank is left waiting).
+
+:func:`autobatch.autotune` uses it by itself when ``torch.distributed`` is initialised: rank 0
+alone reads and writes the profile store, and every rank returns rank 0's profile, so every rank
+gets the same Plan.
+
+Example::
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(local_rank)
+    plan = autobatch.autotune(model, sample, effective_batch_size=1024)  # world_size: the group's
+    # or, for a probe alone:
+    profile = autobatch.probe(model, sample, consensus=ProcessGroupConsensus())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+from autobatch.errors import DistributedError
+
+__all__ = ["ProcessGroupConsensus", "process_group_consensus"]
+
+T = TypeVar("T")
+
+
+class ProcessGroupConsensus:
+    """Agreement between the ranks of a torch.distributed process group.
+
+    Every rank must make the same calls in the same order (they are collectives).
+
+    Args:
+        group: the process group; None means the default (``WORLD``) group.
+
+    Raises:
+        DistributedError: torch.distributed is not available or not initialised.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError(
+                "torch.distributed is not initialised; call torch.distributed.init_process_group "
+                "first (torchrun sets the environment it reads)"
+            )
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._src = 0 if group is None else dist.get_global_rank(group, 0)
+        backend = str(dist.get_backend(group))
+        self._device = (
+            torch.device("cpu")
+            if "gloo" in backend or "mpi" in backend
+            else torch.device("cuda", torch.cuda.current_device())
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroupConsensus(rank={self._rank}, world_size={self._world_size}, "
+            f"device={self._device})"
+        )
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._world_size
+
+    def min_ints(self, values: Sequence[int]) -> list[int]:
+        """Element-wise minimum over the ranks (one all-reduce of ``len(values)`` int64s)."""
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self._device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._group)
+        return [int(value) for value in tensor.tolist()]
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        """Rank 0's values, on every rank (one broadcast of ``len(values)`` int64s)."""
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self._device)
+        dist.broadcast(tensor, src=self._src, group=self._group)
+        return [int(value) for value in tensor.tolist()]
+
+    def broadcast_object(self, obj: T) -> T:
+        """Rank 0's ``obj`` (picklable), on every rank; the others' ``obj`` is ignored."""
+        box: list[Any] = [obj]
+        dist.broadcast_object_list(box, src=self._src, group=self._group, device=self._device)
+        return cast(T, box[0])
+
+    def all_equal(self, value: str) -> bool:
+        """True on every rank when every rank's ``value`` equals rank 0's."""
+        first = self.broadcast_object(value)
+        return self.min_ints([int(value == first)])[0] == 1
+
+    def on_rank_zero(self, work: Callable[[], T], doing: str) -> T:
+        """Run ``work`` on rank 0 only; its result (picklable) on every rank.
+
+        Args:
+            work: what rank 0 does (e.g. read the profile store).
+            doing: what it is, for the other ranks' error message (e.g. "reading the store").
+
+        Raises:
+            DistributedError: on the other ranks, when ``work`` raised on rank 0 (which raises
+                the original exception).
+        """
+        if self._rank == 0:
+            try:
+                result = work()
+            except Exception as exc:
+                self.broadcast_object(_Failure(f"{type(exc).__name__}: {exc}"))
+                raise
+            return self.broadcast_object(result)
+        received: object = self.broadcast_object(None)
+        if isinstance(received, _Failure):
+            raise DistributedError(f"rank 0 failed while {doing}: {received.message}")
+        return cast(T, received)
+
+
+class _Failure:
+    """What rank 0 broadcasts instead of a result when its work raised."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def process_group_consensus() -> ProcessGroupConsensus | None:
+    """The default group's consensus when torch.distributed is initialised, else None."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupConsensus()
+    return None
