@@ -12,9 +12,11 @@ Example::
 
 from __future__ import annotations
 
+from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning, StepStats
 from autobatch.autotune import autotune
 from autobatch.device import Capacity, Device, GpuInfo, MemoryInfo, PeakMemory, resolve_device
 from autobatch.device.simulated import SimulatedDevice
+from autobatch.distributed import ProcessGroupConsensus
 from autobatch.errors import (
     AutobatchError,
     ConfigError,
@@ -34,7 +36,7 @@ from autobatch.integrations import (
     lightning_config,
 )
 from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
-from autobatch.probe import probe
+from autobatch.probe import Consensus, LocalConsensus, probe
 from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
 from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
 from autobatch.units import format_bytes, parse_bytes
@@ -42,16 +44,19 @@ from autobatch.units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accumulator",
     "AutobatchError",
     "Capacity",
     "ConfigError",
     "ConfigFormat",
+    "Consensus",
     "Device",
     "DeviceUnavailableError",
     "DistributedError",
     "DoesNotFitError",
     "EstimateUnavailableError",
     "GpuInfo",
+    "LocalConsensus",
     "MemoryInfo",
     "MemoryModel",
     "NoFeasiblePlanError",
@@ -59,11 +64,14 @@ __all__ = [
     "PeakMemory",
     "Plan",
     "PlanSource",
+    "ProcessGroupConsensus",
     "Profile",
     "ProfileNotFoundError",
     "ProfileStore",
     "SimulatedDevice",
+    "SmallMicroBatchNormWarning",
     "StepFailedError",
+    "StepStats",
     "StoreError",
     "Trial",
     "Uneven",

@@ -90,6 +90,16 @@ def autotune(
     if world_size is None:
         group = process_group_consensus()
         world_size = 1 if group is None else group.world_size
+    constraints: dict[str, Any] = {
+        "effective_batch_size": effective_batch_size,
+        "world_size": world_size,
+        "multiple_of": multiple_of,
+        "max_gradient_accumulation_steps": max_gradient_accumulation_steps,
+        "uneven": uneven,
+        "allow_inexact": allow_inexact,
+    }
+    # Fail before probing when no micro-batch the probe could find makes a plan.
+    plan(max_micro_batch_size, **constraints)
     profile, cached = autotune_profile(
         model,
         sample,
@@ -106,15 +116,7 @@ def autotune(
         refresh=refresh,
         on_trial=on_trial,
     )
-    result = plan(
-        profile,
-        effective_batch_size=effective_batch_size,
-        world_size=world_size,
-        multiple_of=multiple_of,
-        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-        uneven=uneven,
-        allow_inexact=allow_inexact,
-    )
+    result = plan(profile, **constraints)
     return dataclasses.replace(result, source="cached") if cached else result
 
 

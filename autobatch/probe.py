@@ -48,7 +48,13 @@ from autobatch.estimate import (
 )
 from autobatch.metadata import backend_flags, model_fingerprint, now_iso, param_dtype
 from autobatch.profile import MemoryModel, Profile, Trial
-from autobatch.search import Point, bracket, fit_memory_model, next_micro_batch_size, recommended_size
+from autobatch.search import (
+    Point,
+    bracket,
+    fit_memory_model,
+    next_micro_batch_size,
+    recommended_size,
+)
 from autobatch.state import Snapshot
 from autobatch.step import LossFn, TrainingStep, TrainStep
 from autobatch.units import format_bytes
@@ -441,8 +447,10 @@ class _Probe:
             self._does_not_fit(self.capacity)
         if failed_rank < ranks:
             lo = bracket(self.points)[0]
-            reason = f"micro-batch {size} failed for a reason other than memory ({error}); " \
+            reason = (
+                f"micro-batch {size} failed for a reason other than memory ({error}); "
                 f"stopped at {lo}, the last size that passed"
+            )
             self.notes.append(reason)
             return reason
         return ""
@@ -457,7 +465,9 @@ class _Probe:
         self.device.release()
 
     def _does_not_fit(self, capacity: Capacity) -> None:
-        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        grads = sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
+        )
         static = max(self.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer))
         ranks = self.consensus.world_size
         raise DoesNotFitError(

@@ -118,16 +118,18 @@ def test_the_plan_trains_20_steps_right_after_without_oom(tmp_path: Path) -> Non
     assert device.num_ooms == 0
 
 
-def test_effective_batch_not_a_multiple_of_world_size_is_refused() -> None:
+def test_an_impossible_request_is_refused_before_probing() -> None:
     from autobatch.errors import ConfigError
 
+    step = CountingStep()
     with pytest.raises(ConfigError, match="not a multiple of world_size 3"):
         autotune(
             mlp(),
             (torch.randn(2, 64), torch.randint(0, 10, (2,))),
             effective_batch_size=100,
             world_size=3,
-            loss_fn=F.cross_entropy,
+            train_step=step,
             device="sim:6MiB",
             use_store=False,
         )
+    assert step.real_calls == 0
