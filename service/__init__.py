@@ -1,0 +1,12 @@
+"""autobatch's HTTP service: plans, profiles, probe jobs and GPU inventory, as a JSON API.
+
+The service only parses, calls the library and serialises; the logic lives in ``autobatch``.
+
+Example::
+
+    from service.main import create_app, run
+    from service.settings import Settings
+
+    run(Settings(port=8080, config_file="models.toml"))     # what `autobatch serve` does
+    app = create_app(Settings(store_path=":memory:"))       # for TestClient or another ASGI server
+"""

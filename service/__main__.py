@@ -1,0 +1,49 @@
+"""``python -m service``: serve the API (``autobatch serve`` calls the same :func:`main`).
+
+Example::
+
+    python -m service --host 127.0.0.1 --port 8000 --config-file models.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from autobatch.errors import AutobatchError
+from service.settings import add_serve_arguments, settings_from_args
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="autobatch serve",
+        description="Serve autobatch's HTTP API. Every flag also reads AUTOBATCH_<NAME>.",
+    )
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, build the settings, serve until interrupted. Returns the exit status."""
+    args = parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+        from service.main import run
+
+        run(settings)
+    except ValidationError as exc:
+        print(f"autobatch serve: invalid setting: {exc}", file=sys.stderr)
+        return 2
+    except AutobatchError as exc:
+        print(f"autobatch serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

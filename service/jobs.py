@@ -1,0 +1,402 @@
+"""Probe jobs: each runs ``autobatch.probe`` on a registered model in its own child process.
+
+Scheduling, per device (``"cuda:0"``, ``"sim:64MiB"``, ...): one job runs at a time; later jobs
+wait in a first-in, first-out queue of at most ``max_queued`` jobs, and a submission beyond that
+raises :class:`QueueFullError` (HTTP 409). Jobs on different devices run in parallel.
+
+A job's child is started with the ``spawn`` method (no state inherited from the server; torch is
+imported there, never in the server), reports each trial through a queue, and sends back the
+profile, which the server stores. A child that exceeds the timeout is killed; a child that
+crashes or is killed from outside marks its job failed; the server carries on with the next job.
+
+Example::
+
+    jobs = JobManager(registry, store, timeout_seconds=600, max_queued=8)
+    job = jobs.submit("tiny-mlp")
+    jobs.get(job.id).status          # "queued", "running", "succeeded" or "failed"
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import importlib
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from autobatch.profile import Profile
+from autobatch.store import ProfileStore
+from service.config import ModelEntry, Registry
+
+__all__ = [
+    "Job",
+    "JobManager",
+    "JobStatus",
+    "QueueFullError",
+    "UnknownJobError",
+    "UnknownModelError",
+]
+
+JobStatus = Literal["queued", "running", "succeeded", "failed"]
+_POLL_SECONDS = 0.1
+_MAX_FINISHED_JOBS = 1000
+
+
+class UnknownModelError(LookupError):
+    """The model name is not in the server's registry."""
+
+
+class UnknownJobError(LookupError):
+    """No job has this id."""
+
+
+class QueueFullError(RuntimeError):
+    """The device's queue already holds ``max_queued`` waiting jobs."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """A snapshot of one probe job."""
+
+    id: str
+    model: str
+    device: str
+    status: JobStatus
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    queue_position: int | None = None
+    """Jobs ahead of this one on its device while queued (0: next); None otherwise."""
+    child_pid: int | None = None
+    """The child process's pid while running (kill it to abort the job)."""
+    num_trials: int = 0
+    num_ooms: int = 0
+    largest_fitting_micro_batch_size: int = 0
+    last_trial: dict[str, Any] | None = None
+    profile_id: str | None = None
+    profile: dict[str, Any] | None = None
+    error: str = ""
+
+
+class JobManager:
+    """Queues, runs and remembers probe jobs; thread-safe.
+
+    Args:
+        registry: the models that may be probed.
+        store: where resulting profiles are kept.
+        timeout_seconds: wall time after which a running child is killed, seconds.
+        max_queued: waiting jobs allowed per device.
+        on_event: called with ``"started"``, ``"failed"``, ``"succeeded"`` or ``"oom"`` (metrics).
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        store: ProfileStore,
+        *,
+        timeout_seconds: float,
+        max_queued: int,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self._store = store
+        self._timeout_seconds = timeout_seconds
+        self._max_queued = max_queued
+        self._on_event = on_event or (lambda _event: None)
+        self._lock = threading.Condition()
+        self._jobs: dict[str, Job] = {}
+        self._queues: dict[str, collections.deque[str]] = {}
+        self._workers: dict[str, threading.Thread] = {}
+        self._children: dict[str, multiprocessing.process.BaseProcess] = {}
+        self._closed = False
+        self._context = multiprocessing.get_context("spawn")
+
+    def submit(self, model: str, *, device: str | None = None) -> Job:
+        """Queue a probe of the registered ``model`` on ``device`` (default: the entry's).
+
+        Raises:
+            UnknownModelError: ``model`` is not registered.
+            QueueFullError: the device already has ``max_queued`` jobs waiting.
+        """
+        entry = self.registry.models.get(model)
+        if entry is None:
+            known = ", ".join(sorted(self.registry.models)) or "none are registered"
+            raise UnknownModelError(f"model {model!r} is not registered (known: {known})")
+        target = device or entry.device
+        with self._lock:
+            if self._closed:
+                raise QueueFullError("the server is shutting down")
+            waiting = self._queues.setdefault(target, collections.deque())
+            if len(waiting) >= self._max_queued:
+                raise QueueFullError(
+                    f"{len(waiting)} probe job(s) already wait for {target} (the limit); retry "
+                    "when one finishes"
+                )
+            job = Job(
+                id=uuid.uuid4().hex[:16],
+                model=model,
+                device=target,
+                status="queued",
+                created_at=_now(),
+            )
+            self._jobs[job.id] = job
+            waiting.append(job.id)
+            self._forget_old()
+            worker = self._workers.get(target)
+            if worker is None or not worker.is_alive():
+                worker = threading.Thread(
+                    target=self._work, args=(target,), name=f"probe-{target}", daemon=True
+                )
+                self._workers[target] = worker
+                worker.start()
+            self._lock.notify_all()
+            return self._snapshot(job.id)
+
+    def get(self, job_id: str) -> Job:
+        """The job's current state.
+
+        Raises:
+            UnknownJobError: no job has this id (or it finished long ago and was forgotten).
+        """
+        with self._lock:
+            if job_id not in self._jobs:
+                raise UnknownJobError(f"no probe job with id {job_id!r}")
+            return self._snapshot(job_id)
+
+    def list_jobs(self) -> list[Job]:
+        """Every remembered job, newest first."""
+        with self._lock:
+            return [self._snapshot(job_id) for job_id in reversed(self._jobs)]
+
+    def open(self) -> None:
+        """Accept jobs again after :meth:`close` (an app's lifespan may run more than once)."""
+        with self._lock:
+            self._closed = False
+
+    def close(self) -> None:
+        """Kill running children and stop the workers (queued jobs are marked failed)."""
+        with self._lock:
+            self._closed = True
+            children = list(self._children.values())
+            for waiting in self._queues.values():
+                for job_id in waiting:
+                    self._update(
+                        job_id, status="failed", error="the server shut down", finished_at=_now()
+                    )
+                waiting.clear()
+            self._lock.notify_all()
+        for child in children:
+            child.kill()
+        for worker in list(self._workers.values()):
+            worker.join(timeout=10)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _snapshot(self, job_id: str) -> Job:
+        job = self._jobs[job_id]
+        if job.status == "queued":
+            waiting = self._queues.get(job.device, collections.deque())
+            position = list(waiting).index(job_id) if job_id in waiting else 0
+            return dataclasses.replace(job, queue_position=position)
+        return job
+
+    def _update(self, job_id: str, **changes: Any) -> None:
+        self._jobs[job_id] = dataclasses.replace(self._jobs[job_id], **changes)
+
+    def _forget_old(self) -> None:
+        finished = [j for j, job in self._jobs.items() if job.status in ("succeeded", "failed")]
+        for job_id in finished[: max(0, len(finished) - _MAX_FINISHED_JOBS)]:
+            del self._jobs[job_id]
+
+    def _work(self, device: str) -> None:
+        while True:
+            with self._lock:
+                waiting = self._queues[device]
+                while not waiting and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                job_id = waiting.popleft()
+                job = self._jobs[job_id]
+                entry = self.registry.models[job.model]
+                self._update(job_id, status="running", started_at=_now())
+            self._on_event("started")
+            try:
+                self._run(job_id, entry, device)
+            except Exception as exc:  # a bug here must not stop the device's queue
+                with self._lock:
+                    self._update(
+                        job_id,
+                        status="failed",
+                        finished_at=_now(),
+                        error=f"internal error: {type(exc).__name__}: {exc}",
+                    )
+                self._on_event("failed")
+
+    def _run(self, job_id: str, entry: ModelEntry, device: str) -> None:
+        messages = self._context.Queue()
+        child = self._context.Process(
+            target=_child_main,
+            args=(entry.model_dump(), device, messages),
+            name=f"autobatch-probe-{job_id}",
+            daemon=True,
+        )
+        with self._lock:
+            if self._closed:
+                return
+            child.start()
+            self._children[job_id] = child
+            self._update(job_id, child_pid=child.pid)
+        deadline = time.monotonic() + self._timeout_seconds
+        outcome: tuple[str, Any] | None = None
+        try:
+            while outcome is None:
+                try:
+                    kind, payload = messages.get(timeout=_POLL_SECONDS)
+                except queue.Empty:
+                    if not child.is_alive():
+                        outcome = self._drain(messages) or ("died", None)
+                    elif time.monotonic() > deadline:
+                        child.kill()
+                        outcome = (
+                            "error",
+                            f"timed out after {self._timeout_seconds:g} s; the "
+                            "probe's child process was killed",
+                        )
+                    continue
+                except Exception as exc:  # a child killed mid-message leaves a torn pickle
+                    outcome = ("error", f"lost the child's report: {type(exc).__name__}: {exc}")
+                    continue
+                if kind == "trial":
+                    self._record_trial(job_id, payload)
+                else:
+                    outcome = (kind, payload)
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=10)
+        finally:
+            with self._lock:
+                self._children.pop(job_id, None)
+            messages.close()
+        self._finish(job_id, outcome, child.exitcode)
+
+    @staticmethod
+    def _drain(messages: Any) -> tuple[str, Any] | None:
+        try:
+            while True:
+                kind, payload = messages.get(timeout=_POLL_SECONDS)
+                if kind != "trial":
+                    return kind, payload
+        except Exception:
+            return None
+
+    def _record_trial(self, job_id: str, trial: dict[str, Any]) -> None:
+        if trial.get("oom"):
+            self._on_event("oom")
+        with self._lock:
+            job = self._jobs[job_id]
+            largest = job.largest_fitting_micro_batch_size
+            if trial.get("fits") and not trial.get("warm_up"):
+                largest = max(largest, int(trial["micro_batch_size"]))
+            self._update(
+                job_id,
+                num_trials=job.num_trials + 1,
+                num_ooms=job.num_ooms + bool(trial.get("oom")),
+                largest_fitting_micro_batch_size=largest,
+                last_trial=trial,
+            )
+
+    def _finish(self, job_id: str, outcome: tuple[str, Any], exitcode: int | None) -> None:
+        kind, payload = outcome
+        changes: dict[str, Any] = {"finished_at": _now(), "child_pid": None}
+        if kind == "profile":
+            try:
+                profile = Profile.from_dict(payload)
+                changes.update(
+                    status="succeeded",
+                    profile=profile.to_dict(),
+                    profile_id=self._store.put(profile),
+                )
+            except Exception as exc:
+                changes.update(status="failed", error=f"cannot store the profile: {exc}")
+        elif kind == "error":
+            changes.update(status="failed", error=str(payload))
+        else:
+            changes.update(status="failed", error=_describe_exit(exitcode))
+        with self._lock:
+            self._update(job_id, **changes)
+        self._on_event("succeeded" if changes["status"] == "succeeded" else "failed")
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the probe's child process was killed by {name} before it reported a result"
+    return f"the probe's child process exited with code {exitcode} before it reported a result"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def _child_main(entry_data: dict[str, Any], device: str, messages: Any) -> None:
+    """The child process: build the registered model and sample, probe, report. Imports torch."""
+    try:
+        messages.put(("profile", _probe(ModelEntry.model_validate(entry_data), device, messages)))
+    except Exception as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        messages.put(("error", f"{type(exc).__name__}: {first_line}"))
+    messages.close()
+    messages.join_thread()
+
+
+def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from autobatch.device import resolve_device
+    from autobatch.probe import probe
+
+    target = resolve_device(device)
+    module_name, _, function_name = entry.factory.partition(":")
+    factory = getattr(importlib.import_module(module_name), function_name)
+    torch.manual_seed(0)
+    model = factory().to(target.torch_device)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, spec in entry.inputs.items():
+        shape = (1, *spec.shape)
+        dtype = getattr(torch, spec.dtype)
+        if dtype.is_floating_point:
+            tensors[name] = torch.randn(shape, dtype=dtype)
+        elif dtype == torch.bool:
+            tensors[name] = torch.randint(0, 2, shape).bool()
+        else:
+            tensors[name] = torch.randint(0, spec.high, shape, dtype=dtype)
+    tensors = {name: t.to(target.torch_device) for name, t in tensors.items()}
+    sample: Any = tensors
+    loss_fn = None
+    if entry.loss is not None:
+        sample = (tensors["input"], tensors["target"])
+        loss_fn = getattr(F, entry.loss)
+    profile = probe(
+        model,
+        sample,
+        loss_fn=loss_fn,
+        device=target,
+        safety_margin=entry.safety_margin,
+        max_micro_batch_size=entry.max_micro_batch_size,
+        use_estimate=entry.use_estimate,
+        on_trial=lambda trial: messages.put(("trial", dataclasses.asdict(trial))),
+    )
+    return profile.to_dict()

@@ -1,0 +1,91 @@
+"""Assembles the app: state, middleware, routers, problem handlers. No logic of its own.
+
+Example::
+
+    app = create_app(Settings(store_path=":memory:"))
+    run(Settings(host="0.0.0.0", port=8000))      # what `autobatch serve` calls
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from autobatch.device.nvml import default_nvml
+from autobatch.store import ProfileStore
+from service.config import load_registry
+from service.jobs import JobManager
+from service.metrics import Metrics
+from service.middleware import ServiceMiddleware
+from service.problems import install_openapi, install_problem_handlers
+from service.routes import devices, health, plans, probes, profiles
+from service.settings import Settings
+
+__all__ = ["create_app", "run"]
+
+API_VERSION = "1"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service as an ASGI app.
+
+    Args:
+        settings: the configuration; None reads ``AUTOBATCH_*`` from the environment.
+
+    Raises:
+        ConfigError: the model registry file is unreadable or invalid.
+        StoreError: the profile store cannot be opened.
+    """
+    settings = settings or Settings()
+    registry = load_registry(settings.config_file)
+    store = ProfileStore(settings.store_path)
+    metrics = Metrics()
+    jobs = JobManager(
+        registry,
+        store,
+        timeout_seconds=settings.probe_timeout_seconds,
+        max_queued=settings.max_queued_probes,
+        on_event=metrics.probe_event,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        jobs.open()
+        yield
+        jobs.close()  # kills running probe children; the store stays open for run()/the caller
+
+    app = FastAPI(
+        title="autobatch",
+        version=API_VERSION,
+        description="Micro-batch and accumulation plans, profiles, probe jobs and GPU inventory.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.list_gpus = default_nvml().list_gpus
+    app.state.jobs = jobs
+    app.state.metrics = metrics
+    app.add_middleware(ServiceMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    for module in (plans, profiles, probes, devices, health):
+        app.include_router(module.router)
+    install_problem_handlers(app)
+    install_openapi(app)
+    return app
+
+
+def run(settings: Settings) -> None:
+    """Serve until interrupted (``uvicorn.run`` on ``settings.host``/``settings.port``)."""
+    app = create_app(settings)
+    try:
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=10,
+        )
+    finally:
+        app.state.store.close()

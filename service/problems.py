@@ -1,0 +1,273 @@
+"""RFC 9457 problem details: every error the service answers, mapped in this one module.
+
+Each problem is ``application/problem+json`` with ``type`` (a ``urn:autobatch:problem:<slug>``
+URI a client can switch on), ``title``, ``status``, ``detail`` and, for bad input, ``errors``: a
+list of ``{"field": "body.device.capacity_bytes", "reason": "..."}``.
+
+Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigError` and
+:class:`NoFeasiblePlanError` 422; unknown profile, model, job or route 404; a full probe queue
+409; body over the limit 413 (``service.middleware``); a missing/wrong ``Content-Type`` 415
+(``service.deps.require_json``); :class:`StoreError` and :class:`DeviceUnavailableError` 503;
+anything else 500 (a bug: logged, and a fuzz test checks no input reaches it).
+
+Example::
+
+    raise Problem(404, "unknown-profile", "no profile with id 'ab12'", field="body.profile_id")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from autobatch.errors import (
+    AutobatchError,
+    ConfigError,
+    DeviceUnavailableError,
+    NoFeasiblePlanError,
+    StoreError,
+)
+from autobatch.store import ProfileNotFoundError
+from service.jobs import QueueFullError, UnknownJobError, UnknownModelError
+
+__all__ = [
+    "PROBLEM_MEDIA_TYPE",
+    "FieldReason",
+    "Problem",
+    "ProblemDetails",
+    "install_openapi",
+    "install_problem_handlers",
+    "problem_response",
+    "problem_responses",
+]
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+_TYPE_PREFIX = "urn:autobatch:problem:"
+_log = logging.getLogger("service")
+
+_TITLES = {
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    413: "Content Too Large",
+    415: "Unsupported Media Type",
+    422: "Unprocessable Content",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class FieldReason(BaseModel):
+    """One invalid input: where it is and why it is wrong."""
+
+    field: str = Field(description="Dotted path, e.g. 'body.device.capacity_bytes'.")
+    reason: str
+
+
+class ProblemDetails(BaseModel):
+    """An RFC 9457 problem details object."""
+
+    type: str = Field(description="'urn:autobatch:problem:<slug>'; clients switch on it.")
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    errors: list[FieldReason] = Field(default_factory=list)
+
+
+class Problem(Exception):
+    """Raise in a route to answer with a problem (service-level conditions, with the field)."""
+
+    def __init__(self, status: int, slug: str, detail: str, *, field: str | None = None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.slug = slug
+        self.detail = detail
+        self.field = field
+
+
+def problem_response(
+    status: int,
+    slug: str,
+    detail: str,
+    *,
+    errors: Sequence[tuple[str, str]] = (),
+    instance: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The ``application/problem+json`` response."""
+    body = {
+        "type": _TYPE_PREFIX + slug,
+        "title": _TITLES.get(status, "Error"),
+        "status": status,
+        "detail": detail,
+        "instance": instance,
+        "errors": [{"field": field, "reason": reason} for field, reason in errors],
+    }
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def _library_problem(exc: Exception) -> tuple[int, str]:
+    """Status and slug of a library or job error; (500, "internal") for anything else."""
+    table: tuple[tuple[type[Exception], int, str], ...] = (
+        (ProfileNotFoundError, 404, "unknown-profile"),
+        (StoreError, 503, "store-unavailable"),
+        (DeviceUnavailableError, 503, "device-unavailable"),
+        (NoFeasiblePlanError, 422, "no-feasible-plan"),
+        (ConfigError, 422, "invalid-config"),
+        (AutobatchError, 422, "autobatch-error"),
+        (UnknownModelError, 404, "unknown-model"),
+        (UnknownJobError, 404, "unknown-job"),
+        (QueueFullError, 409, "queue-full"),
+    )
+    for cls, status, slug in table:
+        if isinstance(exc, cls):
+            return status, slug
+    return 500, "internal"
+
+
+def _field(loc: Iterable[Any]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    if any(error.get("type") == "json_invalid" for error in errors):
+        reasons = [
+            (
+                "body",
+                f"malformed JSON at character {e['loc'][-1]}: "
+                f"{e.get('ctx', {}).get('error', e['msg'])}",
+            )
+            for e in errors
+        ]
+        return problem_response(
+            400,
+            "malformed-json",
+            "the request body is not valid JSON",
+            errors=reasons,
+            instance=request.url.path,
+        )
+    reasons = [(_field(e["loc"]), str(e["msg"])) for e in errors]
+    detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
+    return problem_response(
+        422, "validation", detail or "invalid request", errors=reasons, instance=request.url.path
+    )
+
+
+async def _on_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    slug = {401: "unauthorized", 404: "not-found", 405: "method-not-allowed"}.get(
+        exc.status_code, "http-error"
+    )
+    headers = dict(exc.headers) if exc.headers else {}
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed_methods(request))
+    return problem_response(
+        exc.status_code, slug, str(exc.detail), instance=request.url.path, headers=headers or None
+    )
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only one route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "\x00"})
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Problem)
+    errors = [(exc.field, exc.detail)] if exc.field else []
+    return problem_response(
+        exc.status, exc.slug, exc.detail, errors=errors, instance=request.url.path
+    )
+
+
+async def _on_library(request: Request, exc: Exception) -> JSONResponse:
+    status, slug = _library_problem(exc)
+    if status == 500:
+        _log.exception("unhandled error on %s %s", request.method, request.url.path)
+        detail = "internal error; see the server log"
+    else:
+        detail = str(exc)
+    errors = [("body", detail)] if status in (400, 422) else []
+    return problem_response(status, slug, detail, errors=errors, instance=request.url.path)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Register every exception handler of the service on ``app``."""
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(Problem, _on_problem)
+    for cls in (AutobatchError, UnknownModelError, UnknownJobError, QueueFullError, Exception):
+        app.add_exception_handler(cls, _on_library)
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for these statuses, as problem details."""
+    return {
+        status: {
+            "description": _TITLES.get(status, "Error"),
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        }
+        for status in statuses
+    }
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make ``/openapi.json`` describe errors as problem details (not FastAPI's default 422)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in (
+            ProblemDetails.model_json_schema(ref_template="#/components/schemas/{model}")
+            .get("$defs", {})
+            .items()
+        ):
+            components[name] = definition
+        problem = ProblemDetails.model_json_schema(ref_template="#/components/schemas/{model}")
+        problem.pop("$defs", None)
+        components["Problem"] = problem
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        schema["components"]["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "Needed on /v1 when the server sets AUTOBATCH_API_TOKEN.",
+            }
+        }
+        validation = problem_responses(422)[422]
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                if path.startswith("/v1/"):
+                    operation["security"] = [{"bearer": []}]
+                responses = operation.get("responses", {})
+                if "422" in responses:
+                    responses["422"] = validation
+        app.openapi_schema = jsonable_encoder(json.loads(json.dumps(schema)))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,1 @@
+"""One ``APIRouter`` per resource: plans, profiles, probes, devices, health."""

@@ -1,0 +1,241 @@
+"""``POST /v1/plan``: micro-batch and accumulation steps for an effective batch on N devices.
+
+The limit comes from exactly one of: a stored profile (``profile_id``), the newest stored profile
+of a model (``model_fingerprint``), a plain ``max_micro_batch_size``, or a ``memory_model``. The
+device, when given, is a local GPU (``cuda_index``/``uuid``, read from NVML), a capacity in bytes,
+or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB). ``world_sizes``
+adds a table over candidate world sizes (``planner.plan_world_sizes``).
+
+Pure arithmetic after one store lookup at most: no torch is imported on this path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from autobatch.errors import ConfigError
+from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
+from autobatch.planner import Plan, plan, plan_world_sizes
+from autobatch.profile import MemoryModel, Profile
+from autobatch.store import ProfileNotFoundError, ProfileStore
+from service.deps import DeviceLister, DeviceListerDep, StoreDep, require_json, require_token
+from service.problems import Problem, problem_responses
+from service.schemas import (
+    DeviceSpec,
+    PlanConfigs,
+    PlanCreate,
+    PlanFields,
+    PlanPublic,
+    ResolvedDevice,
+    WorldSizeOptionPublic,
+)
+
+router = APIRouter(
+    prefix="/v1/plan",
+    tags=["plans"],
+    dependencies=[Depends(require_token)],
+    responses=problem_responses(401),
+)
+
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+_DEFAULT_SAFETY_MARGIN = 0.05
+"""Margin for a caller's ``memory_model`` when none is given (the probe's default)."""
+
+
+@router.post(
+    "",
+    dependencies=[Depends(require_json)],
+    summary="Plan micro-batch and accumulation steps",
+    responses=problem_responses(400, 404, 413, 415, 422, 503),
+)
+async def create_plan(body: PlanCreate, store: StoreDep, list_gpus: DeviceListerDep) -> PlanPublic:
+    """The plan, framework configs, and (with ``world_sizes``) a table over world sizes.
+
+    ``plan.source`` says where the limit came from: ``cached`` (a stored measured profile),
+    ``estimated`` (a stored estimate), ``given`` (a number or memory model from the caller).
+    """
+    device = None if body.device is None else _resolve_device(body.device, list_gpus)
+    capacity = None if device is None else device.capacity_bytes
+    limit, profile_id, source = _resolve_limit(body, store, device)
+    options: dict[str, Any] = {
+        "multiple_of": body.multiple_of,
+        "max_gradient_accumulation_steps": body.max_gradient_accumulation_steps,
+        "uneven": body.uneven,
+        "allow_inexact": body.allow_inexact,
+    }
+    if isinstance(limit, Profile):
+        options["capacity_bytes"] = capacity
+        if body.memory_model is None:
+            options["safety_margin"] = body.safety_margin
+    result = _with_source(
+        plan(
+            limit,
+            effective_batch_size=body.effective_batch_size,
+            world_size=body.world_size,
+            **options,
+        ),
+        source,
+    )
+    options_table = None
+    if body.world_sizes is not None:
+        rows = plan_world_sizes(
+            limit,
+            effective_batch_size=body.effective_batch_size,
+            world_sizes=body.world_sizes,
+            **options,
+        )
+        options_table = [
+            WorldSizeOptionPublic(
+                world_size=row.world_size,
+                plan=None if row.plan is None else _fields(_with_source(row.plan, source)),
+                reason=row.reason,
+            )
+            for row in rows
+        ]
+    return PlanPublic(
+        plan=_fields(result),
+        configs=_configs(result),
+        world_size_options=options_table,
+        profile_id=profile_id,
+        device=device,
+    )
+
+
+def _fields(result: Plan) -> PlanFields:
+    return PlanFields.model_validate(result.to_dict())
+
+
+def _with_source(result: Plan, source: str | None) -> Plan:
+    if source is None or source == result.source:
+        return result
+    return dataclasses.replace(result, source=source)  # type: ignore[arg-type]
+
+
+def _configs(result: Plan) -> PlanConfigs:
+    try:
+        return PlanConfigs(
+            deepspeed=deepspeed_config(result),
+            hf_training_arguments=hf_training_arguments(result),
+            lightning=lightning_config(result),
+        )
+    except ConfigError as exc:
+        return PlanConfigs(
+            deepspeed=None, hf_training_arguments=None, lightning=None, reason=str(exc)
+        )
+
+
+def _resolve_device(spec: DeviceSpec, list_gpus: DeviceLister) -> ResolvedDevice:
+    if spec.capacity_bytes is not None:
+        return ResolvedDevice(source="capacity_bytes", capacity_bytes=spec.capacity_bytes)
+    if spec.node_labels is not None:
+        mib = spec.node_labels.get(GPU_MEMORY_LABEL, "")
+        if not mib.isdigit() or int(mib) < 1 or int(mib) > 2**40:
+            raise Problem(
+                422,
+                "validation",
+                f"label {GPU_MEMORY_LABEL} must be the GPU memory in MiB (e.g. '81920'), got "
+                f"{mib!r}"
+                if mib
+                else f"label {GPU_MEMORY_LABEL} (GPU memory in MiB) is missing",
+                field=f"body.device.node_labels.{GPU_MEMORY_LABEL}",
+            )
+        return ResolvedDevice(
+            source="node_labels",
+            capacity_bytes=int(mib) * 2**20,
+            name=spec.node_labels.get(GPU_PRODUCT_LABEL),
+        )
+    gpus = list_gpus()
+    if spec.cuda_index is not None:
+        found = [gpu for gpu in gpus if gpu.cuda_index == spec.cuda_index]
+        field, wanted = "body.device.cuda_index", f"cuda_index {spec.cuda_index}"
+    else:
+        assert spec.uuid is not None
+        found = [gpu for gpu in gpus if gpu.uuid == spec.uuid]
+        field, wanted = "body.device.uuid", f"uuid {spec.uuid!r}"
+    if not found:
+        visible = ", ".join(
+            f"{gpu.cuda_index}: {gpu.uuid}" for gpu in gpus if gpu.cuda_index is not None
+        )
+        raise Problem(
+            422,
+            "unknown-device",
+            f"this node has no GPU with {wanted} (visible: {visible or 'none'})",
+            field=field,
+        )
+    gpu = found[0]
+    memory = gpu.memory
+    capacity = memory.total_memory_bytes if spec.memory == "total" else memory.free_memory_bytes
+    if capacity < 1:
+        raise Problem(
+            422, "no-free-memory", f"GPU {gpu.uuid} has no free memory", field="body.device.memory"
+        )
+    return ResolvedDevice(source="nvml", capacity_bytes=capacity, name=gpu.name, uuid=gpu.uuid)
+
+
+def _resolve_limit(
+    body: PlanCreate, store: ProfileStore, device: ResolvedDevice | None
+) -> tuple[int | Profile, str | None, str | None]:
+    """(limit for the planner, profile id used, plan source to report or None to keep)."""
+    if body.max_micro_batch_size is not None:
+        if device is not None or body.safety_margin is not None:
+            raise Problem(
+                422,
+                "validation",
+                "a plain max_micro_batch_size takes no device or safety_margin; to plan for a "
+                "device's memory give a profile_id, model_fingerprint or memory_model",
+                field="body.device" if device is not None else "body.safety_margin",
+            )
+        return body.max_micro_batch_size, None, None
+    if body.memory_model is not None:
+        if device is None:
+            raise Problem(
+                422, "validation", "a memory_model needs a device to plan for", field="body.device"
+            )
+        margin = _DEFAULT_SAFETY_MARGIN if body.safety_margin is None else body.safety_margin
+        model = MemoryModel(**body.memory_model.model_dump())
+        largest = max(1, model.max_micro_batch_size(int(device.capacity_bytes * (1 - margin))))
+        synthetic = Profile(
+            max_micro_batch_size=largest,
+            recommended_micro_batch_size=largest,
+            safety_margin=margin,
+            method="estimate",
+            trials=(),
+            num_steps=0,
+            device_name=device.name or "",
+            device_type="",
+            total_memory_bytes=device.capacity_bytes,
+            capacity_bytes=device.capacity_bytes,
+            memory_model=model,
+        )
+        return synthetic, None, "given"
+    if body.profile_id is not None:
+        try:
+            profile = store.get(body.profile_id)
+        except ProfileNotFoundError as exc:
+            raise Problem(404, "unknown-profile", str(exc), field="body.profile_id") from exc
+        return profile, body.profile_id, _stored_source(profile)
+    assert body.model_fingerprint is not None
+    found = []
+    if device is not None and device.name:
+        found = store.list_profiles(
+            model_fingerprint=body.model_fingerprint, device_name=device.name, limit=1
+        )
+    found = found or store.list_profiles(model_fingerprint=body.model_fingerprint, limit=1)
+    if not found:
+        raise Problem(
+            404,
+            "unknown-profile",
+            f"no stored profile has model_fingerprint {body.model_fingerprint!r}; register one "
+            "with POST /v1/profiles or run a probe",
+            field="body.model_fingerprint",
+        )
+    profile_id, profile = found[0]
+    return profile, profile_id, _stored_source(profile)
+
+
+def _stored_source(profile: Profile) -> str:
+    return "estimated" if profile.method == "estimate" else "cached"

@@ -1,0 +1,87 @@
+"""``/v1/probes``: probe jobs of models registered in the server's config file.
+
+One job runs at a time per device; later ones wait in a FIFO queue (``max_queued_probes`` per
+device); a submission beyond that gets 409. See ``service.jobs``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Response
+
+from service.deps import JobsDep, require_json, require_token
+from service.jobs import Job, UnknownModelError
+from service.problems import Problem, problem_responses
+from service.schemas import (
+    ProbeCreate,
+    ProbeList,
+    ProbeProgress,
+    ProbePublic,
+    ProfileBase,
+    TrialBase,
+)
+
+router = APIRouter(
+    prefix="/v1/probes",
+    tags=["probes"],
+    dependencies=[Depends(require_token)],
+    responses=problem_responses(401),
+)
+
+
+def probe_public(job: Job) -> ProbePublic:
+    return ProbePublic(
+        id=job.id,
+        model=job.model,
+        device=job.device,
+        status=job.status,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        queue_position=job.queue_position,
+        child_pid=job.child_pid,
+        progress=ProbeProgress(
+            num_trials=job.num_trials,
+            num_ooms=job.num_ooms,
+            largest_fitting_micro_batch_size=job.largest_fitting_micro_batch_size,
+            last_trial=None
+            if job.last_trial is None
+            else TrialBase.model_validate(job.last_trial, strict=False),
+        ),
+        profile_id=job.profile_id,
+        profile=None
+        if job.profile is None
+        else ProfileBase.model_validate(job.profile, strict=False),
+        error=job.error,
+    )
+
+
+@router.post(
+    "",
+    dependencies=[Depends(require_json)],
+    status_code=202,
+    summary="Start a probe job for a registered model",
+    responses=problem_responses(400, 404, 409, 413, 415, 422),
+)
+def start_probe(body: ProbeCreate, jobs: JobsDep, response: Response) -> ProbePublic:
+    """Queues the job and returns at once (``Location`` names it). 404 for a model not in the
+    server's registry; 409 when the device's queue is full."""
+    try:
+        job = jobs.submit(body.model, device=body.device)
+    except UnknownModelError as exc:
+        raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
+    response.headers["Location"] = f"/v1/probes/{job.id}"
+    return probe_public(job)
+
+
+@router.get("", summary="List probe jobs, newest first")
+def list_probes(jobs: JobsDep) -> ProbeList:
+    return ProbeList(probes=[probe_public(job) for job in jobs.list_jobs()])
+
+
+@router.get(
+    "/{probe_id}",
+    summary="A probe job's status, progress and profile",
+    responses=problem_responses(404, 422),
+)
+def get_probe(probe_id: str, jobs: JobsDep) -> ProbePublic:
+    return probe_public(jobs.get(probe_id))

@@ -1,0 +1,348 @@
+"""Request and response bodies (pydantic), in the Base / Create / Public split.
+
+Every number a client sends is bounded (sizes up to ``2**31``, world sizes up to 65536, bytes up
+to ``2**60``), every string is length-limited and valid UTF-8, so bad input is a 4xx problem and
+never reaches the library as something it cannot handle.
+
+Example::
+
+    PlanCreate(max_micro_batch_size=24, effective_batch_size=64).model_dump(exclude_none=True)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from autobatch.profile import PROFILE_SCHEMA_VERSION
+from service.config import DEVICE_PATTERN
+
+__all__ = [
+    "DeviceList",
+    "DeviceSpec",
+    "GpuPublic",
+    "HealthPublic",
+    "MemoryModelBase",
+    "PlanConfigs",
+    "PlanCreate",
+    "PlanFields",
+    "PlanPublic",
+    "ProbeCreate",
+    "ProbeList",
+    "ProbeProgress",
+    "ProbePublic",
+    "ProfileBase",
+    "ProfileCreate",
+    "ProfileList",
+    "ProfilePublic",
+    "ReadyPublic",
+    "ResolvedDevice",
+    "TrialBase",
+    "WorldSizeOptionPublic",
+]
+
+MAX_SIZE = 2**31
+"""Largest micro-batch or effective batch size accepted."""
+MAX_WORLD_SIZE = 65536
+MAX_BYTES = 2**60
+MAX_ACCUMULATION_STEPS = 65536
+
+
+def _utf8(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("must be valid UTF-8 (no lone surrogates)") from exc
+    return value
+
+
+Name = Annotated[str, Field(max_length=256), AfterValidator(_utf8)]
+LongText = Annotated[str, Field(max_length=4096), AfterValidator(_utf8)]
+Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
+Count = Annotated[int, Field(ge=0, le=MAX_SIZE)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+PositiveBytes = Annotated[int, Field(ge=1, le=MAX_BYTES)]
+WorldSize = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+
+class DeviceSpec(_Strict):
+    """The device to plan for: exactly one of a local GPU (``cuda_index`` or ``uuid``), a
+    capacity in bytes, or Kubernetes GPU feature discovery labels."""
+
+    cuda_index: int | None = Field(default=None, ge=0, le=1023)
+    uuid: Annotated[str, Field(pattern=r"^(GPU|MIG)-[0-9A-Za-z-]{1,96}$")] | None = None
+    capacity_bytes: PositiveBytes | None = None
+    node_labels: dict[Name, Name] | None = Field(
+        default=None,
+        max_length=256,
+        description="Node labels including 'nvidia.com/gpu.memory' (MiB) and, optionally, "
+        "'nvidia.com/gpu.product'.",
+    )
+    memory: Literal["total", "free"] = Field(
+        default="total",
+        description="For a local GPU: plan for its total memory (the job will own it) or what "
+        "is free now.",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> DeviceSpec:
+        given = [
+            name
+            for name in ("cuda_index", "uuid", "capacity_bytes", "node_labels")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of cuda_index, uuid, capacity_bytes, node_labels; got "
+                + (", ".join(given) or "none")
+            )
+        return self
+
+
+class ResolvedDevice(BaseModel):
+    """The device a plan was made for."""
+
+    source: Literal["nvml", "capacity_bytes", "node_labels"]
+    capacity_bytes: int
+    name: str | None = None
+    uuid: str | None = None
+
+
+class GpuPublic(BaseModel):
+    """One GPU or MIG instance as NVML lists it (bytes)."""
+
+    nvml_index: int
+    cuda_index: int | None
+    uuid: str
+    name: str
+    total_memory_bytes: int
+    free_memory_bytes: int
+    used_memory_bytes: int
+    reserved_memory_bytes: int
+    is_mig: bool
+    parent_uuid: str
+
+
+class DeviceList(BaseModel):
+    """This node's GPUs; empty with a reason when NVML is unavailable."""
+
+    devices: list[GpuPublic]
+    reason: str | None = None
+
+
+# -- profiles ----------------------------------------------------------------------------------
+
+
+class TrialBase(_Strict):
+    micro_batch_size: Size
+    fits: bool
+    oom: bool = False
+    peak_allocated_bytes: Bytes = 0
+    peak_reserved_bytes: Bytes = 0
+    step_seconds: float = Field(default=0.0, ge=0, le=1e9)
+    error: LongText = ""
+    warm_up: bool = False
+
+
+class MemoryModelBase(_Strict):
+    """Peak bytes of one step as ``fixed_bytes + bytes_per_sample * micro_batch_size``."""
+
+    fixed_bytes: int = Field(ge=-MAX_BYTES, le=MAX_BYTES)
+    bytes_per_sample: PositiveBytes
+
+
+class ProfileBase(_Strict):
+    """A probe result (``autobatch.Profile.to_dict()``)."""
+
+    max_micro_batch_size: Size
+    recommended_micro_batch_size: Size
+    safety_margin: float = Field(ge=0, lt=1)
+    method: Literal["estimate", "probe", "doubling"]
+    trials: list[TrialBase] = Field(max_length=10000)
+    num_steps: Count
+    device_name: Name
+    device_type: Name
+    total_memory_bytes: Bytes
+    capacity_bytes: Bytes
+    foreign_memory_bytes: Bytes = 0
+    memory_model: MemoryModelBase | None = None
+    stop_reason: LongText = ""
+    notes: list[LongText] = Field(default_factory=list, max_length=1000)
+    torch_version: Name = ""
+    driver_version: Name = ""
+    dtype: Name = ""
+    amp_dtype: Name = ""
+    optimizer: Name = ""
+    input_shape: dict[Name, list[Annotated[int, Field(ge=0, le=MAX_SIZE)]]] = Field(
+        default_factory=dict, max_length=1000
+    )
+    model_fingerprint: Name = ""
+    backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
+    created_at: Name = ""
+    schema_version: int = Field(default=PROFILE_SCHEMA_VERSION, ge=1, le=PROFILE_SCHEMA_VERSION)
+
+
+class ProfileCreate(ProfileBase):
+    """A profile to register, e.g. from ``autobatch.autotune`` on a training node."""
+
+
+class ProfilePublic(BaseModel):
+    id: str
+    profile: ProfileBase
+
+
+class ProfileList(BaseModel):
+    profiles: list[ProfilePublic]
+
+
+# -- plans -------------------------------------------------------------------------------------
+
+
+class PlanCreate(_Strict):
+    """What to plan: exactly one limit (a stored profile, the newest profile of a model, a plain
+    max micro-batch size, or a memory model), an optional device, and the batch to reach."""
+
+    profile_id: Id | None = None
+    model_fingerprint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
+    max_micro_batch_size: Size | None = None
+    memory_model: MemoryModelBase | None = None
+    device: DeviceSpec | None = None
+    effective_batch_size: Size
+    world_size: WorldSize = 1
+    world_sizes: list[WorldSize] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="Also plan at each of these world sizes (e.g. [1, 2, 4, 8]): the answer's "
+        "world_size_options table.",
+    )
+    multiple_of: int = Field(default=1, ge=1, le=2**20)
+    max_gradient_accumulation_steps: int | None = Field(
+        default=None, ge=1, le=MAX_ACCUMULATION_STEPS
+    )
+    uneven: Literal["auto", "never", "always"] = "auto"
+    allow_inexact: bool = False
+    safety_margin: float | None = Field(default=None, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> PlanCreate:
+        given = [
+            name
+            for name in ("profile_id", "model_fingerprint", "max_micro_batch_size", "memory_model")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of profile_id, model_fingerprint, max_micro_batch_size, "
+                "memory_model; got " + (", ".join(given) or "none")
+            )
+        return self
+
+
+class PlanFields(BaseModel):
+    """``autobatch.Plan.to_dict()``: ``sum(micro_batch_sizes) * world_size ==
+    effective_batch_size``."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    effective_batch_size: int
+    requested_effective_batch_size: int
+    micro_batch_sizes: list[int]
+    exact: bool
+    max_micro_batch_size: int
+    predicted_peak_memory_bytes: int | None
+    capacity_bytes: int | None
+    headroom_bytes: int | None
+    predicted_seconds_per_effective_batch: float | None
+    source: Literal["measured", "cached", "estimated", "given"]
+    notes: list[str]
+
+
+class PlanConfigs(BaseModel):
+    """Ready settings for the frameworks; null with a ``reason`` when the plan's micro-batches
+    are of unequal size (which those frameworks cannot express)."""
+
+    deepspeed: dict[str, int] | None
+    hf_training_arguments: dict[str, int] | None
+    lightning: dict[str, dict[str, int]] | None
+    reason: str | None = None
+
+
+class WorldSizeOptionPublic(BaseModel):
+    world_size: int
+    plan: PlanFields | None
+    reason: str
+
+
+class PlanPublic(BaseModel):
+    plan: PlanFields
+    configs: PlanConfigs
+    world_size_options: list[WorldSizeOptionPublic] | None = None
+    profile_id: str | None = None
+    device: ResolvedDevice | None = None
+
+
+# -- probes ------------------------------------------------------------------------------------
+
+
+class ProbeCreate(_Strict):
+    """A probe of a model registered in the server's config file (never code named here)."""
+
+    model: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    device: Annotated[str, Field(pattern=DEVICE_PATTERN)] | None = Field(
+        default=None, description="Override the registered device, e.g. 'cuda:1'."
+    )
+
+
+class ProbeProgress(BaseModel):
+    num_trials: int
+    num_ooms: int
+    largest_fitting_micro_batch_size: int
+    last_trial: TrialBase | None
+
+
+class ProbePublic(BaseModel):
+    id: str
+    model: str
+    device: str
+    status: Literal["queued", "running", "succeeded", "failed"]
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    queue_position: int | None
+    child_pid: int | None
+    progress: ProbeProgress
+    profile_id: str | None
+    profile: ProfileBase | None
+    error: str
+
+
+class ProbeList(BaseModel):
+    probes: list[ProbePublic]
+
+
+# -- health ------------------------------------------------------------------------------------
+
+
+class HealthPublic(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyPublic(BaseModel):
+    ready: bool
+    store_writable: bool
+    store_detail: str | None
+    nvml_available: bool
+    num_gpus: int
+    nvml_detail: str | None
+    require_gpu: bool

@@ -1,0 +1,81 @@
+"""Server settings from ``AUTOBATCH_*`` environment variables (pydantic-settings); flags override.
+
+Example::
+
+    AUTOBATCH_PORT=9000 AUTOBATCH_API_TOKEN=s3cret python -m service --host 0.0.0.0
+    Settings(port=9000).host     # '127.0.0.1' unless AUTOBATCH_HOST says otherwise
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "add_serve_arguments", "settings_from_args"]
+
+
+class Settings(BaseSettings):
+    """Everything the service is configured with; each field is also ``AUTOBATCH_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="AUTOBATCH_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless told otherwise (the container says 0.0.0.0)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port; 0 lets the OS choose."""
+    store_path: str | None = None
+    """Profile store file; None means the library default (``$AUTOBATCH_STORE`` or the XDG
+    cache); ``":memory:"`` keeps profiles in memory."""
+    api_token: SecretStr | None = None
+    """When set, every ``/v1`` call needs ``Authorization: Bearer <token>``."""
+    config_file: Path | None = None
+    """TOML registry of the models that probe jobs may run (see ``service.config``)."""
+    require_gpu: bool = False
+    """``/readyz`` answers 503 while NVML lists no GPU."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    """Largest request body accepted, in bytes; larger ones get 413."""
+    probe_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
+    """A probe job's child is killed, and the job marked failed, after this many seconds."""
+    max_queued_probes: int = Field(default=8, ge=0, le=1024)
+    """Jobs that may wait per device behind the running one; one more gets 409."""
+    log_level: str = "info"
+    """uvicorn's log level."""
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per :class:`Settings` field (``--store-path``...); unset flags fall back to
+    ``AUTOBATCH_*`` and then to the defaults."""
+    parser.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port (default 8000)")
+    parser.add_argument("--store-path", help="profile store file (':memory:' for none on disk)")
+    parser.add_argument(
+        "--api-token",
+        help="bearer token for /v1 (prefer AUTOBATCH_API_TOKEN: flags show in `ps`)",
+    )
+    parser.add_argument("--config-file", type=Path, help="TOML registry of probe-able models")
+    parser.add_argument(
+        "--require-gpu",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="/readyz answers 503 while NVML lists no GPU",
+    )
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body, bytes")
+    parser.add_argument("--probe-timeout-seconds", type=float, help="probe job time limit")
+    parser.add_argument("--max-queued-probes", type=int, help="waiting jobs per device")
+    parser.add_argument("--log-level", help="uvicorn log level (default info)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """:class:`Settings` from parsed :func:`add_serve_arguments` flags over the environment.
+
+    Raises:
+        pydantic.ValidationError: a value is out of range.
+    """
+    names = Settings.model_fields
+    given = {
+        name: value for name, value in vars(args).items() if name in names and value is not None
+    }
+    return Settings(**given)

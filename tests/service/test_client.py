@@ -1,0 +1,133 @@
+"""autobatch.client against the real app in-process (httpx transport over TestClient)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from autobatch.client import AutobatchClient, ServiceError, report_profile
+from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.profile import MemoryModel
+from autobatch.store import ProfileNotFoundError
+from tests.service.conftest import A100_UUID
+from tests.service.test_service_api import make_profile
+from tests.unit.fake_pynvml import GiB
+
+
+def transport_for(app: FastAPI) -> httpx.MockTransport:
+    """An httpx transport that hands each request to the app through TestClient (whose own
+    transport belongs to another httpx distribution here)."""
+    test_client = TestClient(app)
+
+    def forward(request: httpx.Request) -> httpx.Response:
+        response = test_client.request(
+            request.method,
+            request.url.raw_path.decode(),
+            headers=dict(request.headers),
+            content=request.content,
+        )
+        return httpx.Response(
+            response.status_code, headers=response.headers.multi_items(), content=response.content
+        )
+
+    return httpx.MockTransport(forward)
+
+
+def client_for(app: FastAPI, token: str | None = None) -> AutobatchClient:
+    return AutobatchClient("http://testserver", token=token, transport=transport_for(app))
+
+
+@pytest.fixture
+def api(make_app: Callable[..., FastAPI]) -> AutobatchClient:
+    return client_for(make_app())
+
+
+def test_profiles_round_trip(api: AutobatchClient) -> None:
+    profile = make_profile()
+    profile_id = api.register_profile(profile)
+    assert api.get_profile(profile_id) == profile
+    assert api.list_profiles(model_fingerprint="fp-gpt2") == [(profile_id, profile)]
+    api.delete_profile(profile_id)
+    with pytest.raises(ProfileNotFoundError, match="no profile with id") as info:
+        api.get_profile(profile_id)
+    assert info.value.profile_id == profile_id
+
+
+def test_plan_returns_a_library_plan(api: AutobatchClient) -> None:
+    plan = api.plan(max_micro_batch_size=24, effective_batch_size=96, world_size=2)
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size) == (24, 2, 2)
+    profile_id = api.register_profile(make_profile())
+    plan = api.plan(profile_id=profile_id, effective_batch_size=72, capacity_bytes=80 * GiB)
+    assert plan.gradient_accumulation_steps == 1 and plan.source == "cached"
+    plan = api.plan(
+        memory_model=MemoryModel(fixed_bytes=0, bytes_per_sample=GiB),
+        uuid=A100_UUID,
+        safety_margin=0.0,
+        effective_batch_size=160,
+    )
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (80, 2)
+
+
+def test_plan_world_sizes(api: AutobatchClient) -> None:
+    rows = api.plan_world_sizes(
+        max_micro_batch_size=24, effective_batch_size=96, world_sizes=[2, 4, 5]
+    )
+    assert [
+        (r.world_size, r.plan.gradient_accumulation_steps if r.plan else None) for r in rows
+    ] == [
+        (2, 2),
+        (4, 1),
+        (5, None),
+    ]
+
+
+def test_errors_become_autobatch_errors(api: AutobatchClient) -> None:
+    with pytest.raises(ConfigError, match="not a multiple of world_size 4"):
+        api.plan(max_micro_batch_size=8, effective_batch_size=10, world_size=4)
+    with pytest.raises(ConfigError, match="max_micro_batch_size"):
+        api.plan(max_micro_batch_size=0, effective_batch_size=10)
+    with pytest.raises(NoFeasiblePlanError, match="micro_batch_size 1"):
+        api.plan(
+            memory_model=MemoryModel(fixed_bytes=50 * GiB, bytes_per_sample=1),
+            capacity_bytes=40 * GiB,
+            effective_batch_size=8,
+        )
+    with pytest.raises(ConfigError, match="not registered"):
+        api.start_probe("resnet")
+
+
+def test_devices(api: AutobatchClient) -> None:
+    gpus = api.list_devices()
+    assert [(g.cuda_index, g.memory.total_memory_bytes) for g in gpus] == [
+        (0, 80 * GiB),
+        (1, 94 * GiB),
+    ]
+
+
+def test_token(make_app: Callable[..., FastAPI]) -> None:
+    app = make_app(api_token="tok")
+    with pytest.raises(ServiceError, match="bearer token") as info:
+        client_for(app).list_devices()
+    assert info.value.status == 401
+    assert len(client_for(app, token="tok").list_devices()) == 2
+
+
+def test_unreachable_server_is_a_service_error() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = AutobatchClient("http://127.0.0.1:9", transport=httpx.MockTransport(refuse))
+    with pytest.raises(ServiceError, match="cannot reach") as info:
+        client.list_devices()
+    assert info.value.status == 0
+
+
+def test_report_profile_is_what_autotune_report_to_calls(make_app: Callable[..., FastAPI]) -> None:
+    app = make_app()
+    profile = make_profile()
+    profile_id = report_profile("http://testserver", profile, transport=transport_for(app))
+    assert app.state.store.get(profile_id) == profile

@@ -1,0 +1,610 @@
+"""Every endpoint through TestClient, good and bad input, NVML faked at the pynvml boundary."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from autobatch.profile import MemoryModel, Profile, Trial
+from tests.service.conftest import A100_UUID, H100_UUID, no_nvml
+from tests.unit.fake_pynvml import GiB, MiB
+
+PROBLEM = "application/problem+json"
+
+
+def make_profile(**changes: Any) -> Profile:
+    fields: dict[str, Any] = {
+        "max_micro_batch_size": 40,
+        "recommended_micro_batch_size": 36,
+        "safety_margin": 0.05,
+        "method": "probe",
+        "trials": (
+            Trial(micro_batch_size=1, fits=True, peak_allocated_bytes=3 * GiB, warm_up=True),
+            Trial(
+                micro_batch_size=32,
+                fits=True,
+                peak_allocated_bytes=20 * GiB,
+                peak_reserved_bytes=20 * GiB,
+            ),
+            Trial(micro_batch_size=48, fits=False, oom=True, error="OutOfMemoryError"),
+        ),
+        "num_steps": 3,
+        "device_name": "NVIDIA A100-SXM4-80GB",
+        "device_type": "cuda",
+        "total_memory_bytes": 80 * GiB,
+        "capacity_bytes": 40 * GiB,
+        "memory_model": MemoryModel(fixed_bytes=4 * GiB, bytes_per_sample=GiB // 2),
+        "model_fingerprint": "fp-gpt2",
+        "torch_version": "2.13.0",
+    }
+    fields.update(changes)
+    return Profile(**fields)
+
+
+def problem(response: Any, status: int, slug: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    body: dict[str, Any] = response.json()
+    assert body["type"] == f"urn:autobatch:problem:{slug}"
+    assert body["status"] == status
+    return body
+
+
+def fields(body: dict[str, Any]) -> list[str]:
+    return [error["field"] for error in body["errors"]]
+
+
+# -- health ------------------------------------------------------------------------------------
+
+
+def test_healthz_checks_nothing_but_the_process(make_app: Callable[..., FastAPI]) -> None:
+    client = TestClient(make_app(list_gpus=no_nvml, require_gpu=True))
+    assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_readyz_reports_store_and_nvml(client: TestClient) -> None:
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["ready"] and body["store_writable"] and body["nvml_available"]
+    assert body["num_gpus"] == 2
+
+
+def test_readyz_503_when_a_required_gpu_is_missing(make_app: Callable[..., FastAPI]) -> None:
+    response = TestClient(make_app(list_gpus=no_nvml, require_gpu=True)).get("/readyz")
+    assert response.status_code == 503
+    body = response.json()
+    assert (body["ready"], body["store_writable"], body["nvml_available"]) == (False, True, False)
+    assert "no NVIDIA driver" in body["nvml_detail"]
+
+
+def test_readyz_ready_without_gpu_when_not_required(make_app: Callable[..., FastAPI]) -> None:
+    response = TestClient(make_app(list_gpus=no_nvml)).get("/readyz")
+    assert response.status_code == 200
+    assert response.json()["num_gpus"] == 0
+
+
+def test_readyz_503_when_the_store_is_not_writable(make_app: Callable[..., FastAPI]) -> None:
+    app = make_app()
+    app.state.store.close()
+    response = TestClient(app).get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["store_writable"] is False
+    assert "closed" in response.json()["store_detail"]
+
+
+def test_metrics_count_requests_and_show_gpu_memory(client: TestClient) -> None:
+    client.post("/v1/plan", json={"max_micro_batch_size": 8, "effective_batch_size": 16})
+    client.post("/v1/plan", json={"max_micro_batch_size": 0, "effective_batch_size": 16})
+    client.get("/v1/profiles/nope")
+    text = client.get("/metrics").text
+    assert 'autobatch_http_requests_total{method="POST",route="/v1/plan",status="200"} 1.0' in text
+    assert 'autobatch_http_requests_total{method="POST",route="/v1/plan",status="422"} 1.0' in text
+    assert (
+        'autobatch_http_requests_total{method="GET",route="/v1/profiles/{profile_id}",status="404"}'
+        in text
+    )
+    gpu_labels = f'name="NVIDIA A100-SXM4-80GB",nvml_index="0",uuid="{A100_UUID}"'
+    assert f"autobatch_gpu_memory_total_bytes{{{gpu_labels}}} 8.589934592e+10" in text
+    assert 'autobatch_probe_jobs_total{event="failed"} 0.0' in text
+    assert "autobatch_probe_ooms_total 0.0" in text
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+
+def test_devices_lists_gpus_from_nvml(client: TestClient) -> None:
+    body = client.get("/v1/devices").json()
+    assert body["reason"] is None
+    assert [(d["cuda_index"], d["uuid"], d["name"]) for d in body["devices"]] == [
+        (0, A100_UUID, "NVIDIA A100-SXM4-80GB"),
+        (1, H100_UUID, "NVIDIA H100 NVL"),
+    ]
+    first = body["devices"][0]
+    assert (first["total_memory_bytes"], first["free_memory_bytes"]) == (80 * GiB, 79 * GiB)
+    assert first["is_mig"] is False
+
+
+def test_devices_empty_with_reason_without_nvml(make_app: Callable[..., FastAPI]) -> None:
+    body = TestClient(make_app(list_gpus=no_nvml)).get("/v1/devices").json()
+    assert body["devices"] == []
+    assert "no NVIDIA driver" in body["reason"]
+
+
+# -- plans -------------------------------------------------------------------------------------
+
+
+def test_plan_from_a_max_micro_batch_size_with_configs(client: TestClient) -> None:
+    response = client.post(
+        "/v1/plan", json={"max_micro_batch_size": 24, "effective_batch_size": 64}
+    )
+    assert response.status_code == 200
+    body = response.json()
+    plan = body["plan"]
+    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == (16, 4)
+    assert plan["source"] == "given" and plan["world_size"] == 1
+    assert body["configs"]["deepspeed"] == {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 4,
+    }
+    assert body["configs"]["hf_training_arguments"] == {
+        "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 4,
+    }
+    assert body["configs"]["lightning"]["trainer"] == {"accumulate_grad_batches": 4}
+    assert body["world_size_options"] is None
+
+
+def test_plan_world_sizes_table(client: TestClient) -> None:
+    body = client.post(
+        "/v1/plan",
+        json={"max_micro_batch_size": 24, "effective_batch_size": 96, "world_sizes": [1, 2, 5, 8]},
+    ).json()
+    rows = body["world_size_options"]
+    assert [row["world_size"] for row in rows] == [1, 2, 5, 8]
+    assert [
+        (r["plan"]["micro_batch_size"], r["plan"]["gradient_accumulation_steps"])
+        for r in rows
+        if r["plan"]
+    ] == [(24, 4), (24, 2), (12, 1)]
+    assert rows[2]["plan"] is None and "not a multiple of world_size 5" in rows[2]["reason"]
+
+
+def test_plan_uneven_has_no_framework_configs(client: TestClient) -> None:
+    body = client.post(
+        "/v1/plan", json={"max_micro_batch_size": 24, "effective_batch_size": 97}
+    ).json()
+    assert body["plan"]["micro_batch_sizes"] == [20, 20, 19, 19, 19]
+    assert body["configs"]["deepspeed"] is None
+    assert "unequal micro-batches" in body["configs"]["reason"]
+
+
+def test_plan_from_a_memory_model_and_capacity(client: TestClient) -> None:
+    body = client.post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 10 * GiB, "bytes_per_sample": GiB},
+            "device": {"capacity_bytes": 40 * GiB},
+            "safety_margin": 0.0,
+            "effective_batch_size": 120,
+            "world_size": 2,
+        },
+    ).json()
+    plan = body["plan"]
+    # (40 - 10) GiB / 1 GiB per sample = 30 per micro-batch; 60 per rank -> 2 steps of 30.
+    assert (plan["max_micro_batch_size"], plan["micro_batch_size"]) == (30, 30)
+    assert plan["gradient_accumulation_steps"] == 2
+    assert plan["predicted_peak_memory_bytes"] == 40 * GiB
+    assert plan["headroom_bytes"] == 0
+    assert plan["source"] == "given"
+    assert body["device"] == {
+        "source": "capacity_bytes",
+        "capacity_bytes": 40 * GiB,
+        "name": None,
+        "uuid": None,
+    }
+
+
+def test_plan_for_kubernetes_gpu_labels(client: TestClient) -> None:
+    labels = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "81920"}
+    body = client.post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
+            "device": {"node_labels": labels},
+            "safety_margin": 0.5,
+            "effective_batch_size": 40,
+        },
+    ).json()
+    assert body["device"]["capacity_bytes"] == 81920 * MiB
+    assert body["device"]["name"] == "NVIDIA-A100-SXM4-80GB"
+    assert body["plan"]["max_micro_batch_size"] == 40  # 80 GiB * 0.5 / 1 GiB
+
+
+def test_plan_labels_without_memory_is_422_with_field(client: TestClient) -> None:
+    response = client.post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
+            "device": {"node_labels": {"nvidia.com/gpu.memory": "lots"}},
+            "effective_batch_size": 40,
+        },
+    )
+    body = problem(response, 422, "validation")
+    assert fields(body) == ["body.device.node_labels.nvidia.com/gpu.memory"]
+
+
+@pytest.mark.parametrize(
+    ("device", "capacity"),
+    [
+        ({"cuda_index": 1}, 94 * GiB),
+        ({"uuid": A100_UUID}, 80 * GiB),
+        ({"uuid": A100_UUID, "memory": "free"}, 79 * GiB),
+    ],
+)
+def test_plan_for_a_local_gpu(client: TestClient, device: dict[str, Any], capacity: int) -> None:
+    body = client.post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
+            "device": device,
+            "safety_margin": 0.0,
+            "effective_batch_size": 8,
+        },
+    ).json()
+    assert body["device"]["capacity_bytes"] == capacity
+    assert body["plan"]["max_micro_batch_size"] == capacity // GiB
+
+
+def test_plan_unknown_local_gpu_is_422(client: TestClient) -> None:
+    response = client.post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
+            "device": {"cuda_index": 7},
+            "effective_batch_size": 8,
+        },
+    )
+    assert fields(problem(response, 422, "unknown-device")) == ["body.device.cuda_index"]
+
+
+def test_plan_local_gpu_without_nvml_is_503(make_app: Callable[..., FastAPI]) -> None:
+    response = TestClient(make_app(list_gpus=no_nvml)).post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
+            "device": {"cuda_index": 0},
+            "effective_batch_size": 8,
+        },
+    )
+    problem(response, 503, "device-unavailable")
+
+
+def test_plan_from_a_stored_profile_is_cached(client: TestClient) -> None:
+    profile_id = client.post("/v1/profiles", json=make_profile().to_dict()).json()["id"]
+    body = client.post(
+        "/v1/plan", json={"profile_id": profile_id, "effective_batch_size": 72}
+    ).json()
+    assert body["profile_id"] == profile_id
+    assert (body["plan"]["micro_batch_size"], body["plan"]["gradient_accumulation_steps"]) == (
+        36,
+        2,
+    )
+    assert body["plan"]["source"] == "cached"
+    # On an 80 GiB card the memory model allows (76 GiB - 4 GiB) / 0.5 GiB = 144 -> 72 in one step.
+    body = client.post(
+        "/v1/plan",
+        json={
+            "profile_id": profile_id,
+            "effective_batch_size": 72,
+            "device": {"capacity_bytes": 80 * GiB},
+        },
+    ).json()
+    assert body["plan"]["gradient_accumulation_steps"] == 1
+    assert body["plan"]["predicted_peak_memory_bytes"] == 4 * GiB + 72 * (GiB // 2)
+
+
+def test_plan_by_model_fingerprint_prefers_the_same_gpu(client: TestClient) -> None:
+    client.post("/v1/profiles", json=make_profile(device_name="other").to_dict())
+    on_a100 = client.post("/v1/profiles", json=make_profile().to_dict()).json()["id"]
+    client.post("/v1/profiles", json=make_profile(device_name="newest").to_dict())
+    body = client.post(
+        "/v1/plan",
+        json={
+            "model_fingerprint": "fp-gpt2",
+            "effective_batch_size": 64,
+            "device": {"cuda_index": 0},
+        },
+    ).json()
+    assert body["profile_id"] == on_a100
+
+
+def test_plan_unknown_profile_is_404(client: TestClient) -> None:
+    response = client.post("/v1/plan", json={"profile_id": "feedbeef", "effective_batch_size": 8})
+    assert fields(problem(response, 404, "unknown-profile")) == ["body.profile_id"]
+    response = client.post(
+        "/v1/plan", json={"model_fingerprint": "nope", "effective_batch_size": 8}
+    )
+    assert fields(problem(response, 404, "unknown-profile")) == ["body.model_fingerprint"]
+
+
+def test_plan_library_errors_are_422(client: TestClient) -> None:
+    response = client.post(
+        "/v1/plan", json={"max_micro_batch_size": 8, "effective_batch_size": 10, "world_size": 4}
+    )
+    body = problem(response, 422, "invalid-config")
+    assert "not a multiple of world_size 4; use 8 or 12" in body["detail"]
+    response = client.post(
+        "/v1/plan",
+        json={
+            "memory_model": {"fixed_bytes": 50 * GiB, "bytes_per_sample": GiB},
+            "device": {"capacity_bytes": 40 * GiB},
+            "effective_batch_size": 8,
+        },
+    )
+    assert "at micro_batch_size 1" in problem(response, 422, "no-feasible-plan")["detail"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"max_micro_batch_size": 0, "effective_batch_size": 8}, "body.max_micro_batch_size"),
+        ({"max_micro_batch_size": -3, "effective_batch_size": 8}, "body.max_micro_batch_size"),
+        (
+            {"max_micro_batch_size": 8, "effective_batch_size": 2**31 + 1},
+            "body.effective_batch_size",
+        ),
+        (
+            {"max_micro_batch_size": 8, "effective_batch_size": 8, "world_size": 65537},
+            "body.world_size",
+        ),
+        ({"max_micro_batch_size": 8, "effective_batch_size": "8"}, "body.effective_batch_size"),
+        ({"max_micro_batch_size": 8.5, "effective_batch_size": 8}, "body.max_micro_batch_size"),
+        ({"max_micro_batch_size": True, "effective_batch_size": 8}, "body.max_micro_batch_size"),
+        ({"max_micro_batch_size": 8}, "body.effective_batch_size"),
+        ({"max_micro_batch_size": 8, "effective_batch_size": 8, "bogus": 1}, "body.bogus"),
+        ({"effective_batch_size": 8}, "body"),
+        ({"max_micro_batch_size": 8, "profile_id": "ab", "effective_batch_size": 8}, "body"),
+        (
+            {
+                "memory_model": {"fixed_bytes": 0, "bytes_per_sample": 0},
+                "effective_batch_size": 8,
+                "device": {"capacity_bytes": GiB},
+            },
+            "body.memory_model.bytes_per_sample",
+        ),
+        (
+            {
+                "memory_model": {"fixed_bytes": 0, "bytes_per_sample": 1},
+                "effective_batch_size": 8,
+                "device": {"capacity_bytes": 2**61},
+            },
+            "body.device.capacity_bytes",
+        ),
+        (
+            {
+                "memory_model": {"fixed_bytes": 0, "bytes_per_sample": 1},
+                "effective_batch_size": 8,
+                "device": {"capacity_bytes": 1, "cuda_index": 0},
+            },
+            "body.device",
+        ),
+        (
+            {"max_micro_batch_size": 8, "effective_batch_size": 8, "device": {"capacity_bytes": 1}},
+            "body.device",
+        ),
+        (
+            {"memory_model": {"fixed_bytes": 0, "bytes_per_sample": 1}, "effective_batch_size": 8},
+            "body.device",
+        ),
+        (
+            {"max_micro_batch_size": 8, "effective_batch_size": 8, "world_sizes": []},
+            "body.world_sizes",
+        ),
+        (
+            {"max_micro_batch_size": 8, "effective_batch_size": 8, "safety_margin": 1.0},
+            "body.safety_margin",
+        ),
+    ],
+)
+def test_plan_bad_input_is_422_with_the_field(
+    client: TestClient, body: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/plan", json=body)
+    assert field in fields(problem(response, 422, "validation"))
+
+
+def test_plan_malformed_json_is_400(client: TestClient) -> None:
+    response = client.post(
+        "/v1/plan",
+        content=b'{"effective_batch_size": ',
+        headers={"Content-Type": "application/json"},
+    )
+    body = problem(response, 400, "malformed-json")
+    assert body["errors"][0]["field"] == "body"
+    assert "malformed JSON at character" in body["errors"][0]["reason"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_post_without_json_content_type_is_415(
+    client: TestClient, content_type: str | None
+) -> None:
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    response = client.post(
+        "/v1/plan",
+        content=b'{"max_micro_batch_size": 8, "effective_batch_size": 8}',
+        headers=headers,
+    )
+    body = problem(response, 415, "unsupported-media-type")
+    assert "application/json" in body["detail"]
+
+
+def test_body_over_the_limit_is_413(make_app: Callable[..., FastAPI]) -> None:
+    client = TestClient(make_app(max_body_bytes=4096))
+    response = client.post(
+        "/v1/plan", json={"max_micro_batch_size": 8, "effective_batch_size": 8, "pad": "x" * 5000}
+    )
+    assert "4096 bytes" in problem(response, 413, "body-too-large")["detail"]
+
+    def chunks() -> Any:
+        yield b'{"max_micro_batch_size": 8, "effective_batch_size": 8, "pad": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    response = client.post(
+        "/v1/plan", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    problem(response, 413, "body-too-large")
+
+
+def test_unknown_route_and_method_are_problems(client: TestClient) -> None:
+    problem(client.get("/v1/nothing"), 404, "not-found")
+    problem(client.get("/v1/plan"), 405, "method-not-allowed")
+
+
+# -- profiles ----------------------------------------------------------------------------------
+
+
+def test_profiles_crud(client: TestClient) -> None:
+    profile = make_profile()
+    response = client.post("/v1/profiles", json=profile.to_dict())
+    assert response.status_code == 201
+    profile_id = response.json()["id"]
+    assert response.headers["location"] == f"/v1/profiles/{profile_id}"
+    assert Profile.from_dict(response.json()["profile"]) == profile
+    got = client.get(f"/v1/profiles/{profile_id}").json()
+    assert Profile.from_dict(got["profile"]) == profile
+    other = client.post("/v1/profiles", json=make_profile(model_fingerprint="fp-bert").to_dict())
+    listed = client.get("/v1/profiles").json()["profiles"]
+    assert [row["id"] for row in listed] == [other.json()["id"], profile_id]
+    only = client.get("/v1/profiles", params={"model_fingerprint": "fp-gpt2"}).json()
+    assert [row["id"] for row in only["profiles"]] == [profile_id]
+    assert client.delete(f"/v1/profiles/{profile_id}").status_code == 204
+    problem(client.get(f"/v1/profiles/{profile_id}"), 404, "unknown-profile")
+    body = problem(client.delete(f"/v1/profiles/{profile_id}"), 404, "unknown-profile")
+    assert fields(body) == ["path.profile_id"]
+
+
+def test_profiles_list_limit_is_bounded(client: TestClient) -> None:
+    body = problem(client.get("/v1/profiles", params={"limit": 0}), 422, "validation")
+    assert fields(body) == ["query.limit"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "status", "slug"),
+    [
+        ({"recommended_micro_batch_size": 50}, 422, "invalid-config"),
+        ({"max_micro_batch_size": 0}, 422, "validation"),
+        ({"safety_margin": 1.5}, 422, "validation"),
+        ({"schema_version": 99}, 422, "validation"),
+        ({"device_name": "\ud800"}, 422, "validation"),
+        ({"method": "magic"}, 422, "validation"),
+    ],
+)
+def test_profiles_invalid_are_rejected(
+    client: TestClient, changes: dict[str, Any], status: int, slug: str
+) -> None:
+    data = make_profile().to_dict()
+    data.update(changes)
+    content = json.dumps(data).encode()  # ASCII escapes, so a lone surrogate can be sent
+    response = client.post(
+        "/v1/profiles", content=content, headers={"Content-Type": "application/json"}
+    )
+    problem(response, status, slug)
+
+
+# -- auth --------------------------------------------------------------------------------------
+
+
+def test_token_guards_v1_but_not_health(make_app: Callable[..., FastAPI]) -> None:
+    client = TestClient(make_app(api_token="s3cret"))
+    body = {"max_micro_batch_size": 8, "effective_batch_size": 8}
+    response = client.post("/v1/plan", json=body)
+    assert problem(response, 401, "unauthorized")
+    assert response.headers["www-authenticate"] == "Bearer"
+    wrong = client.get("/v1/devices", headers={"Authorization": "Bearer s3cre"})
+    problem(wrong, 401, "unauthorized")
+    ok = client.post("/v1/plan", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert client.get(path).status_code == 200
+
+
+# -- probes ------------------------------------------------------------------------------------
+
+
+def test_probe_of_an_unregistered_model_is_404(client: TestClient) -> None:
+    response = client.post("/v1/probes", json={"model": "os:system"})
+    problem(response, 422, "validation")  # not even a valid name
+    response = client.post("/v1/probes", json={"model": "resnet"})
+    body = problem(response, 404, "unknown-model")
+    assert fields(body) == ["body.model"]
+    problem(client.get("/v1/probes/abc"), 404, "unknown-job")
+
+
+def wait_for(client: TestClient, probe_id: str, statuses: set[str], timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get(f"/v1/probes/{probe_id}").json()
+        if body["status"] in statuses or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def test_probe_queue_per_device_timeout_and_409(
+    make_app: Callable[..., FastAPI], registry_file: Path
+) -> None:
+    client = TestClient(
+        make_app(config_file=registry_file, probe_timeout_seconds=2, max_queued_probes=1)
+    )
+    first = client.post("/v1/probes", json={"model": "slow-mlp"})
+    assert first.status_code == 202
+    assert first.headers["location"] == f"/v1/probes/{first.json()['id']}"
+    running = wait_for(client, first.json()["id"], {"running"})
+    assert running["child_pid"] is not None
+    second = client.post("/v1/probes", json={"model": "slow-mlp"})
+    assert (second.json()["status"], second.json()["queue_position"]) == ("queued", 0)
+    problem(client.post("/v1/probes", json={"model": "slow-mlp"}), 409, "queue-full")
+    failed = wait_for(client, first.json()["id"], {"succeeded", "failed"})
+    assert failed["status"] == "failed"
+    assert "timed out after 2 s" in failed["error"]
+    assert failed["child_pid"] is None
+    # The queued job runs next (and times out too); the service keeps answering.
+    assert wait_for(client, second.json()["id"], {"failed"})["status"] == "failed"
+    assert client.get("/healthz").status_code == 200
+    listed = client.get("/v1/probes").json()["probes"]
+    assert [p["id"] for p in listed] == [second.json()["id"], first.json()["id"]]
+    assert 'autobatch_probe_jobs_total{event="failed"} 2.0' in client.get("/metrics").text
+
+
+# -- OpenAPI -----------------------------------------------------------------------------------
+
+
+def test_openapi_documents_problems(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    assert {
+        "/v1/plan",
+        "/v1/profiles",
+        "/v1/profiles/{profile_id}",
+        "/v1/probes",
+        "/v1/probes/{probe_id}",
+        "/v1/devices",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    } <= set(schema["paths"])
+    plan_responses = schema["paths"]["/v1/plan"]["post"]["responses"]
+    assert plan_responses["422"]["content"] == {
+        PROBLEM: {"schema": {"$ref": "#/components/schemas/Problem"}}
+    }
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    assert client.get("/docs").status_code == 200

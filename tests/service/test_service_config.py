@@ -1,0 +1,57 @@
+"""The model registry file: valid entries load, invalid ones name the entry, field and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autobatch.errors import ConfigError
+from service.config import load_registry
+from tests.service.models import REGISTRY_TOML
+
+
+def test_registry_loads(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(REGISTRY_TOML)
+    registry = load_registry(path)
+    entry = registry.models["tiny-mlp"]
+    assert (entry.factory, entry.device, entry.loss) == (
+        "tests.service.models:tiny_mlp",
+        "sim:8MiB",
+        "cross_entropy",
+    )
+    assert entry.inputs["target"].dtype == "int64" and entry.inputs["input"].shape == [32]
+    assert load_registry(None).models == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[models.x\n", "not valid TOML"),
+        ('[models.x]\nfactory = "os.system"\n[models.x.inputs.a]\nshape = [1]\n', "factory"),
+        (
+            '[models.x]\nfactory = "m:f"\ndevice = "tpu"\n[models.x.inputs.a]\nshape = [1]\n',
+            "models.x.device",
+        ),
+        (
+            '[models.x]\nfactory = "m:f"\nloss = "cross_entropy"\n'
+            "[models.x.inputs.a]\nshape = [1]\n",
+            "exactly 'input' and 'target'",
+        ),
+        (
+            '[models.x]\nfactory = "m:f"\nshell = "rm -rf /"\n[models.x.inputs.a]\nshape = [1]\n',
+            "models.x.shell",
+        ),
+    ],
+)
+def test_registry_errors_name_the_field(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_registry(path)
+
+
+def test_missing_registry_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the model registry"):
+        load_registry(tmp_path / "nope.toml")

@@ -1,0 +1,139 @@
+"""The real server (``python -m service``, as ``autobatch serve`` runs it) on a loopback port: a
+probe job of a registered model on the simulated device, and a job whose child is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from autobatch.profile import Profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def server(tmp_path: Path, registry_file: Path) -> Iterator[httpx.Client]:
+    port = free_port()
+    log = (tmp_path / "server.log").open("wb")
+    env = {**os.environ, "AUTOBATCH_API_TOKEN": "e2e-token", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--store-path",
+            str(tmp_path / "store.sqlite3"),
+            "--config-file",
+            str(registry_file),
+            "--probe-timeout-seconds",
+            "120",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}",
+        headers={"Authorization": "Bearer e2e-token"},
+        timeout=10,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if client.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                output = (tmp_path / "server.log").read_text()
+                pytest.fail(f"server did not start (exit {process.poll()}): {output}")
+            time.sleep(0.2)
+        yield client
+    finally:
+        client.close()
+        process.send_signal(signal.SIGTERM)
+        try:
+            # uvicorn shuts down gracefully, then re-raises the signal it caught.
+            assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            log.close()
+
+
+def wait_for(client: httpx.Client, job_id: str, statuses: set[str], timeout: float = 90) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get(f"/v1/probes/{job_id}").json()
+        if body["status"] in statuses:
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.2)
+
+
+def test_probe_job_end_to_end_and_a_killed_child(server: httpx.Client) -> None:
+    assert (
+        server.post(
+            "/v1/probes", json={"model": "tiny-mlp"}, headers={"Authorization": ""}
+        ).status_code
+        == 401
+    )
+    started = server.post("/v1/probes", json={"model": "tiny-mlp"})
+    assert started.status_code == 202, started.text
+    done = wait_for(server, started.json()["id"], {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done["error"]
+    profile = Profile.from_dict(done["profile"])
+    assert profile.device_type == "sim" and profile.total_memory_bytes == 8 * 2**20
+    assert profile.max_micro_batch_size >= 1 and profile.num_trials >= 2
+    assert done["progress"]["num_trials"] == profile.num_trials
+    assert done["progress"]["largest_fitting_micro_batch_size"] == profile.max_micro_batch_size
+    stored = server.get(f"/v1/profiles/{done['profile_id']}").json()
+    assert Profile.from_dict(stored["profile"]) == profile
+    plan = server.post(
+        "/v1/plan",
+        json={
+            "profile_id": done["profile_id"],
+            "effective_batch_size": profile.max_micro_batch_size * 3,
+        },
+    ).json()["plan"]
+    assert plan["gradient_accumulation_steps"] == 3 and plan["source"] == "cached"
+
+    slow = server.post("/v1/probes", json={"model": "slow-mlp"}).json()
+    running = wait_for(server, slow["id"], {"running"})
+    deadline = time.monotonic() + 30
+    while running["child_pid"] is None and time.monotonic() < deadline:
+        running = server.get(f"/v1/probes/{slow['id']}").json()
+    os.kill(running["child_pid"], signal.SIGKILL)
+    failed = wait_for(server, slow["id"], {"succeeded", "failed"})
+    assert failed["status"] == "failed"
+    assert "killed by SIGKILL" in failed["error"]
+    assert server.get("/healthz").status_code == 200
+    metrics = server.get("/metrics").text
+    assert 'autobatch_probe_jobs_total{event="succeeded"} 1.0' in metrics
+    assert 'autobatch_probe_jobs_total{event="failed"} 1.0' in metrics
+    assert f"autobatch_probe_ooms_total {float(profile.num_ooms)}" in metrics
