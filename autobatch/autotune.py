@@ -59,6 +59,7 @@ def autotune(
     store: ProfileStore | str | os.PathLike[str] | None = None,
     use_store: bool = True,
     refresh: bool = False,
+    report_to: str | None = None,
     on_trial: OnTrial | None = None,
 ) -> Plan:
     """The micro-batch and accumulation steps that reach ``effective_batch_size`` on ``device``.
@@ -75,6 +76,9 @@ def autotune(
             (``$AUTOBATCH_STORE`` or ``~/.cache/autobatch/profiles.sqlite3``).
         use_store: False skips the store (no read, no write).
         refresh: probe again even when the store has a profile.
+        report_to: base URL of an autobatch service; a newly probed profile is registered there
+            (``POST /v1/profiles``, bearer token from ``AUTOBATCH_API_TOKEN``). Under
+            torch.distributed only rank 0 reports.
 
     Returns:
         The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise.
@@ -114,6 +118,7 @@ def autotune(
         store=store,
         use_store=use_store,
         refresh=refresh,
+        report_to=report_to,
         on_trial=on_trial,
     )
     result = plan(profile, **constraints)
@@ -135,6 +140,7 @@ def autotune_profile(
     store: ProfileStore | str | os.PathLike[str] | None = None,
     use_store: bool = True,
     refresh: bool = False,
+    report_to: str | None = None,
     on_trial: OnTrial | None = None,
 ) -> tuple[Profile, bool]:
     """The profile :func:`autotune` plans from, and whether it came from the store.
@@ -185,6 +191,7 @@ def autotune_profile(
             refresh=refresh,
             accepts=accepts,
             run_probe=run_probe,
+            report_to=report_to,
         )
     opened = None
     if use_store and not isinstance(store, ProfileStore):
@@ -197,6 +204,7 @@ def autotune_profile(
         profile = run_probe()
         if isinstance(store, ProfileStore):
             store.put(profile)
+        _report(report_to, profile)
         return profile, False
     finally:
         if opened is not None:
@@ -212,6 +220,7 @@ def _agreed_profile(
     refresh: bool,
     accepts: Callable[[Profile], bool],
     run_probe: Callable[[], Profile],
+    report_to: str | None,
 ) -> tuple[Profile, bool]:
     """Under torch.distributed: rank 0 reads the store and every rank uses what it found, or all
     probe together; rank 0 writes the result and every rank returns rank 0's profile.
@@ -235,6 +244,7 @@ def _agreed_profile(
     def save(profile: Profile) -> Profile:
         if opened:
             opened[0].put(profile)
+        _report(report_to, profile)
         return profile
 
     try:
@@ -246,6 +256,15 @@ def _agreed_profile(
     finally:
         if opened and not isinstance(store, ProfileStore):
             opened[0].close()
+
+
+def _report(report_to: str | None, profile: Profile) -> None:
+    """Register a newly probed profile with the service at ``report_to`` (if any)."""
+    if report_to is None:
+        return
+    from autobatch.client import report_profile
+
+    report_profile(report_to, profile, token=os.environ.get("AUTOBATCH_API_TOKEN"))
 
 
 def _same_request(profile: Profile, safety_margin: float, max_micro_batch_size: int) -> bool:

@@ -149,15 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
     delete = actions.add_parser("delete")
     delete.add_argument("profile_id")
 
-    serve = commands.add_parser("serve", help="run the HTTP service (see --help)", add_help=False)
-    serve.add_argument("args", nargs=argparse.REMAINDER)
+    # The service owns its flags (service.settings); `autobatch serve --help` lists them.
+    commands.add_parser("serve", help="run the HTTP service (see serve --help)", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autobatch`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Callable[[argparse.Namespace, TextIO], int] = _COMMANDS[args.command]
     try:
         return handler(args, sys.stdout)

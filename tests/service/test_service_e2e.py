@@ -1,5 +1,5 @@
-"""The real server (``python -m service``, as ``autobatch serve`` runs it) on a loopback port: a
-probe job of a registered model on the simulated device, and a job whose child is killed."""
+"""The real server (``autobatch serve``) on a loopback port: a probe job of a registered model on
+the simulated device, a job whose child is killed, and ``autotune(report_to=...)``."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def server(tmp_path: Path, registry_file: Path) -> Iterator[httpx.Client]:
         [
             sys.executable,
             "-m",
-            "service",
+            "autobatch",
+            "serve",
             "--host",
             "127.0.0.1",
             "--port",
@@ -137,3 +138,29 @@ def test_probe_job_end_to_end_and_a_killed_child(server: httpx.Client) -> None:
     assert 'autobatch_probe_jobs_total{event="succeeded"} 1.0' in metrics
     assert 'autobatch_probe_jobs_total{event="failed"} 1.0' in metrics
     assert f"autobatch_probe_ooms_total {float(profile.num_ooms)}" in metrics
+
+
+def test_autotune_reports_a_new_profile_to_the_service(
+    server: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import autobatch
+
+    monkeypatch.setenv("AUTOBATCH_API_TOKEN", "e2e-token")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    sample = (torch.randn(2, 16), torch.randint(0, 4, (2,)))
+    plan = autobatch.autotune(
+        model,
+        sample,
+        effective_batch_size=64,
+        loss_fn=torch.nn.functional.cross_entropy,
+        device="sim:2MiB",
+        use_store=False,
+        report_to=str(server.base_url),
+    )
+    items = server.get("/v1/profiles").json()["profiles"]
+    fingerprint = autobatch.metadata.model_fingerprint(model)
+    matching = [p for p in items if p["profile"]["model_fingerprint"] == fingerprint]
+    assert len(matching) == 1
+    assert matching[0]["profile"]["recommended_micro_batch_size"] == plan.max_micro_batch_size
