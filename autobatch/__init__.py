@@ -24,6 +24,7 @@ from autobatch.errors import (
     DistributedError,
     DoesNotFitError,
     NoFeasiblePlanError,
+    ServiceError,
     StepFailedError,
     StoreError,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "Profile",
     "ProfileNotFoundError",
     "ProfileStore",
+    "ServiceError",
     "SimulatedDevice",
     "SmallMicroBatchNormWarning",
     "StepFailedError",

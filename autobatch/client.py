@@ -28,10 +28,10 @@ import httpx
 
 from autobatch.device import GpuInfo, MemoryInfo
 from autobatch.errors import (
-    AutobatchError,
     ConfigError,
     DeviceUnavailableError,
     NoFeasiblePlanError,
+    ServiceError,
     StoreError,
 )
 from autobatch.planner import Plan, Uneven, WorldSizeOption
@@ -41,21 +41,6 @@ from autobatch.store import ProfileNotFoundError
 __all__ = ["AutobatchClient", "ProbeStatus", "ServiceError", "report_profile"]
 
 _PROBLEM = "urn:autobatch:problem:"
-
-
-class ServiceError(AutobatchError):
-    """The service refused or failed a call for a reason with no closer autobatch error
-    (401 bad token, 409 queue full, 5xx, unreachable server).
-
-    Attributes:
-        status: the HTTP status, 0 when no response came.
-        problem: the problem details body, empty when none.
-    """
-
-    def __init__(self, message: str, *, status: int, problem: Mapping[str, Any] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.problem = dict(problem or {})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,7 +9,8 @@ Every error autobatch raises on purpose derives from :class:`AutobatchError`::
     ├── StepFailedError                the user's step failed for a reason other than OOM
     ├── NoFeasiblePlanError            no (micro-batch, accumulation) split meets the constraints
     ├── StoreError                     the profile store is corrupt, newer, or unwritable
-    └── DistributedError               a rank failed or ranks disagreed during a collective probe
+    ├── DistributedError               a rank failed or ranks disagreed during a collective probe
+    └── ServiceError                   the HTTP service refused or failed a call (client side)
 
 Foreign exceptions (``pynvml.NVMLError_*``, ``torch.OutOfMemoryError``) are translated at the device
 boundary only (``autobatch.device``), with ``raise ... from exc``.
@@ -24,6 +25,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
     "AutobatchError",
     "ConfigError",
@@ -31,6 +35,7 @@ __all__ = [
     "DistributedError",
     "DoesNotFitError",
     "NoFeasiblePlanError",
+    "ServiceError",
     "StepFailedError",
     "StoreError",
 ]
@@ -96,3 +101,18 @@ class StoreError(AutobatchError):
 
 class DistributedError(AutobatchError):
     """A rank failed or the ranks disagreed while probing under torch.distributed."""
+
+
+class ServiceError(AutobatchError):
+    """The service refused or failed a call for a reason with no closer autobatch error
+    (401 bad token, 409 queue full, 5xx, unreachable server).
+
+    Attributes:
+        status: the HTTP status, 0 when no response came.
+        problem: the problem details body, empty when none.
+    """
+
+    def __init__(self, message: str, *, status: int, problem: Mapping[str, Any] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.problem = dict(problem or {})

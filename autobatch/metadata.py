@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -50,4 +50,4 @@ def backend_flags() -> dict[str, str]:
 
 def now_iso() -> str:
     """The current UTC time, ISO-8601 to the second."""
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    return datetime.now(UTC).replace(microsecond=0).isoformat()

@@ -211,7 +211,7 @@ class ProfileStore:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
         profile_id = uuid.uuid4().hex[:16]
-        created_at = profile.created_at or datetime.datetime.now(datetime.timezone.utc).isoformat()
+        created_at = profile.created_at or datetime.datetime.now(datetime.UTC).isoformat()
         row = (
             profile_id,
             profile.cache_key(),

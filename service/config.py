@@ -31,10 +31,10 @@ Usage::
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autobatch.errors import ConfigError

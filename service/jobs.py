@@ -347,7 +347,7 @@ def _describe_exit(exitcode: int | None) -> str:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+    return datetime.datetime.now(datetime.UTC).isoformat()
 
 
 def _child_main(entry_data: dict[str, Any], device: str, messages: Any) -> None:
