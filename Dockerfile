@@ -11,7 +11,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     AUTOBATCH_STORE_PATH=/var/lib/autobatch/profiles.sqlite3
 
 WORKDIR /opt/autobatch
-COPY pyproject.toml ./
+COPY pyproject.toml README.md ./
 COPY autobatch ./autobatch
 COPY service ./service
 
