@@ -1,0 +1,379 @@
+"""One prepared check on a real GPU: the gpu-marked tests, autobatch beside its peers, and the
+estimator's error against measured peaks, in under 8 minutes.
+
+1. ``pytest tests/gpu -m gpu`` once (a subprocess, bounded by the budget).
+2. For GPT-2 124M and BERT-base (transformers configs, random weights, sequence ``--seq-len``)
+   at capacities cut by ``torch.cuda.set_per_process_memory_fraction`` to 16, 40 and 80 GiB:
+   autobatch's probe, Lightning's BatchSizeFinder (binsearch), Accelerate's
+   ``find_executable_batch_size`` (starting at twice the exhaustive max) and the exhaustive scan,
+   all on ``cuda:0`` (a :class:`~autobatch.device.cuda.CudaDevice`); see ``bench/_peers.py``.
+3. Estimator error: for each size autobatch measured as fitting, the fake-tensor peak
+   (:class:`autobatch.estimate.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
+   ``max_memory_reserved`` of the real step at the same size.
+
+A global time budget (``--budget-s``, default 450 s from start) is checked before every piece of
+work; what no longer fits is skipped and listed. Tables are printed last; with ``$OUT`` set the
+results also go to ``$OUT/gpu_check.json``.
+
+``--dry-run`` runs the same code on the CPU with tiny models and a
+:class:`~autobatch.SimulatedDevice` per capacity (GPT-2 tiny at 8 and 12 MiB), so it can be tested
+anywhere.
+
+Usage (from the repository root)::
+
+    PYTHONPATH=. python bench/gpu_check.py
+    PYTHONPATH=. python bench/gpu_check.py --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from autobatch import SimulatedDevice
+from autobatch.batch import BatchSource
+from autobatch.device import Device
+from autobatch.estimate import FakeStep
+from autobatch.profile import Profile
+from bench._peers import (
+    GIB,
+    MIB,
+    TINY_CASES,
+    Case,
+    ToolResult,
+    format_capacity,
+    format_summary,
+    format_table,
+    real_cases,
+    run_accelerate,
+    run_autobatch,
+    run_exhaustive,
+    run_lightning,
+    summarize,
+)
+
+MIN_SECONDS_PER_CELL = 45.0
+"""A (model, capacity) cell is started only with at least this much budget left (GPU run)."""
+
+MAX_EXHAUSTIVE_SECONDS = 60.0
+"""The exhaustive scan of one cell stops after this long (its result is then a lower bound)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models, simulated device")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="time budget (default 450)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    parser.add_argument(
+        "--capacities-gib", type=float, nargs="+", default=[16.0, 40.0, 80.0], help="GPU only"
+    )
+    parser.add_argument("--skip-pytest", action="store_true", help="do not run tests/gpu")
+    return parser.parse_args(argv)
+
+
+class Budget:
+    """Seconds left of a global budget; records what was skipped for lack of time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.started = time.perf_counter()
+        self.deadline = self.started + seconds
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def allows(self, what: str, need_s: float) -> bool:
+        if self.left() >= need_s:
+            return True
+        self.skipped.append(f"{what} (needs ~{need_s:.0f} s, {max(0.0, self.left()):.0f} s left)")
+        return False
+
+
+def run_pytest(budget: Budget, *, dry_run: bool) -> dict[str, Any]:
+    """``pytest tests/gpu -m gpu`` in a subprocess; returns rc, seconds and the summary line."""
+    timeout = min(150.0, budget.left() - 30.0)
+    if not budget.allows("pytest tests/gpu -m gpu", 30.0 if dry_run else 60.0):
+        return {"ran": False}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/gpu",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"ran": True, "rc": None, "summary": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return {
+        "ran": True,
+        "rc": done.returncode,
+        "seconds": time.perf_counter() - started,
+        "summary": lines[-1] if lines else "",
+        "tail": lines[-30:] if done.returncode not in (0, 5) else [],
+    }
+
+
+def measure_estimator_error(
+    case: Case, device: Device, profile: Profile, *, max_sizes: int = 2
+) -> list[dict[str, Any]]:
+    """Fake-tensor peak vs the probe's measured peak at the largest fitting sizes it tried."""
+    fitted = sorted(
+        {t.micro_batch_size: t for t in profile.trials if t.fits and not t.warm_up}.items()
+    )[-max_sizes:]
+    if not fitted:
+        return []
+    model, sample, optimizer = case.build(device.torch_device)
+    fake = FakeStep(model, optimizer, BatchSource.from_sample(sample), loss_fn=case.loss_fn)
+    del model, sample, optimizer
+    gc.collect()
+    device.release()
+    out = []
+    for size, trial in fitted:
+        estimated = fake.peak_bytes(size)
+        out.append(
+            {
+                "micro_batch_size": size,
+                "estimated_bytes": estimated,
+                "measured_allocated_bytes": trial.peak_allocated_bytes,
+                "measured_reserved_bytes": trial.peak_reserved_bytes,
+                "error_vs_allocated": estimated / trial.peak_allocated_bytes - 1,
+                "error_vs_reserved": estimated / trial.peak_reserved_bytes - 1,
+            }
+        )
+    return out
+
+
+def _guarded(errors: list[str], what: str, run: Callable[[], Any]) -> Any:
+    """Run one tool; a failure is recorded (and printed) instead of ending the whole check."""
+    try:
+        return run()
+    except Exception as exc:
+        errors.append(
+            f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        )
+        traceback.print_exc()
+        return None
+
+
+def run_cell(
+    case: Case,
+    capacity_bytes: int,
+    *,
+    make_device: Callable[[], Device],
+    accelerator: str,
+    budget: Budget,
+    errors: list[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """All tools on one (case, capacity); returns the table row and the estimator errors."""
+    label = f"{case.name}@{format_capacity(capacity_bytes)}"
+    row: dict[str, Any] = {"case": case.name, "capacity_bytes": capacity_bytes}
+    deadline = time.perf_counter() + min(MAX_EXHAUSTIVE_SECONDS, max(1.0, budget.left() / 3))
+    row["exhaustive"] = _guarded(
+        errors,
+        f"{label} exhaustive",
+        lambda: run_exhaustive(case, make_device(), deadline=deadline),
+    ) or ToolResult(
+        tool="exhaustive",
+        micro_batch_size=0,
+        num_trials=0,
+        num_steps=0,
+        num_ooms=0,
+        seconds=0.0,
+        note="failed",
+    )
+    estimator: list[dict[str, Any]] = []
+    probed = _guarded(errors, f"{label} autobatch", lambda: run_autobatch(case, make_device()))
+    if probed is not None:
+        row["autobatch"], profile = probed
+        estimator = (
+            _guarded(
+                errors,
+                f"{label} estimator",
+                lambda: measure_estimator_error(case, make_device(), profile),
+            )
+            or []
+        )
+        for item in estimator:
+            item.update(case=case.name, capacity_bytes=capacity_bytes)
+    if budget.allows(f"{label} lightning", 10.0):
+        row["lightning"] = _guarded(
+            errors,
+            f"{label} lightning",
+            lambda: run_lightning(case, make_device(), accelerator=accelerator),
+        )
+    if budget.allows(f"{label} accelerate", 5.0):
+        start = 2 * max(
+            row["exhaustive"].micro_batch_size,
+            row.get("autobatch") and row["autobatch"].micro_batch_size or 1,
+            1,
+        )
+        row["accelerate"] = _guarded(
+            errors,
+            f"{label} accelerate",
+            lambda: run_accelerate(case, make_device(), starting_micro_batch_size=start),
+        )
+    return row, estimator
+
+
+def _set_cuda_capacity(capacity_bytes: int, total_bytes: int) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, capacity_bytes / total_bytes), 0)
+    torch.cuda.reset_peak_memory_stats(0)
+
+
+def format_estimator(items: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'model':<18} {'capacity':>9} {'micro':>6} {'estimated':>10} {'allocated':>10} "
+        f"{'reserved':>10} {'err/alloc':>9} {'err/resv':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for item in items:
+        lines.append(
+            f"{item['case']:<18} {format_capacity(item['capacity_bytes']):>9} "
+            f"{item['micro_batch_size']:>6} {item['estimated_bytes'] / MIB:>9.1f}M "
+            f"{item['measured_allocated_bytes'] / MIB:>9.1f}M "
+            f"{item['measured_reserved_bytes'] / MIB:>9.1f}M "
+            f"{item['error_vs_allocated']:>+9.1%} {item['error_vs_reserved']:>+9.1%}"
+        )
+    return "\n".join(lines)
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: dataclasses.asdict(value) if isinstance(value, ToolResult) else value
+        for key, value in row.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    budget = Budget(args.budget_s)
+    errors: list[str] = []
+    env: dict[str, Any] = {"torch": torch.__version__, "dry_run": args.dry_run}
+    if args.dry_run:
+        torch.set_num_threads(2)
+        cases = [c for c in TINY_CASES if c.name == "gpt2-tiny"]
+        capacities = [8 * MIB, 12 * MIB]  # maxima of about 9 and 15: seconds, not minutes
+        accelerator = "cpu"
+        env["device"] = "simulated (CPU)"
+        total_bytes = 0
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
+            return 2
+        from autobatch.device.cuda import CudaDevice
+
+        cases = list(real_cases(args.seq_len))
+        total_bytes = torch.cuda.get_device_properties(0).total_memory
+        capacities = [int(c * GIB) for c in args.capacities_gib]
+        accelerator = "gpu"
+        env.update(
+            device=torch.cuda.get_device_name(0),
+            total_memory_bytes=total_bytes,
+            cuda=torch.version.cuda,
+        )
+
+    pytest_result = {"ran": False} if args.skip_pytest else run_pytest(budget, dry_run=args.dry_run)
+    print(f"pytest: {pytest_result}", file=sys.stderr, flush=True)
+
+    rows: list[dict[str, Any]] = []
+    estimator: list[dict[str, Any]] = []
+    for capacity in capacities:  # smallest first: the budget cuts the most expensive cells
+        for case in cases:
+            label = f"{case.name}@{format_capacity(capacity)}"
+            if not args.dry_run and capacity > 0.95 * total_bytes:
+                budget.skipped.append(
+                    f"{label} (over 95% of the {total_bytes / GIB:.0f} GiB device)"
+                )
+                continue
+            if not budget.allows(label, 5.0 if args.dry_run else MIN_SECONDS_PER_CELL):
+                continue
+            print(f"{label} ... ({budget.left():.0f} s left)", file=sys.stderr, flush=True)
+            if args.dry_run:
+
+                def make_device(capacity: int = capacity) -> Device:
+                    return SimulatedDevice(capacity_bytes=capacity)
+            else:
+                _set_cuda_capacity(capacity, total_bytes)
+                cuda_device = CudaDevice(0)
+
+                def make_device(device: Device = cuda_device) -> Device:
+                    return device
+
+            row, errs = run_cell(
+                case,
+                capacity,
+                make_device=make_device,
+                accelerator=accelerator,
+                budget=budget,
+                errors=errors,
+            )
+            rows.append(row)
+            estimator.extend(errs)
+    if not args.dry_run:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+    elapsed = time.perf_counter() - budget.started
+    result = {
+        "env": env,
+        "pytest": pytest_result,
+        "rows": [_jsonable(row) for row in rows],
+        "summary": summarize(rows) if rows else {},
+        "estimator": estimator,
+        "skipped": budget.skipped,
+        "errors": errors,
+        "elapsed_seconds": elapsed,
+        "budget_seconds": args.budget_s,
+    }
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+    print()
+    print(f"device: {env.get('device')}  torch {torch.__version__}  elapsed {elapsed:.0f} s")
+    print(
+        f"pytest tests/gpu -m gpu: {pytest_result.get('summary', 'not run')} "
+        f"(rc {pytest_result.get('rc')})"
+    )
+    for line in pytest_result.get("tail", []):
+        print(f"  | {line}")
+    for item in budget.skipped:
+        print(f"SKIPPED (time budget or device size): {item}")
+    for item in errors:
+        print(f"ERROR: {item}")
+    print()
+    print("Estimator (fake tensors) vs measured peak at the same micro-batch:")
+    print(format_estimator(estimator))
+    print()
+    print("Search for the largest micro-batch (found / exhaustive max; trials, steps, OOMs):")
+    print(format_table(rows))
+    if rows:
+        print(format_summary(summarize(rows)))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

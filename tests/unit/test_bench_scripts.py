@@ -1,0 +1,58 @@
+"""The benchmark scripts run end to end on the CPU: ``bench/gpu_check.py --dry-run`` (tiny model,
+simulated device instead of CUDA) and ``bench/probe_vs_peers.py --quick`` (one model, one
+capacity). Each runs in a subprocess, as it would be run by hand, so Lightning's and Accelerate's
+warnings (CPU training, dataloader workers) stay out of this pytest session's
+``filterwarnings = error``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], *, timeout_s: float, out_dir: Path | None = None) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if out_dir is not None:
+        env["OUT"] = str(out_dir)
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> None:
+    out = _run(
+        ["bench/gpu_check.py", "--dry-run", "--budget-s", "50"], timeout_s=120, out_dir=tmp_path
+    )
+    assert "Estimator (fake tensors) vs measured peak" in out
+    assert "Search for the largest micro-batch" in out
+    assert "gpt2-tiny" in out and "autobatch" in out
+    assert out.rstrip().splitlines()[-1].startswith("medians |")  # the table comes last
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["env"]["dry_run"] is True
+    assert result["errors"] == []
+    assert result["rows"][0]["autobatch"]["micro_batch_size"] >= 1
+
+
+@pytest.mark.slow
+def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
+    out = _run(["bench/probe_vs_peers.py", "--quick"], timeout_s=120)
+    for tool in ("autobatch", "lightning", "accelerate", "exhaustive"):
+        assert f" {tool} " in out
+    assert "medians | autobatch:" in out
+    assert out.count("target ") == 4
