@@ -18,11 +18,8 @@ How each peer is wired, and why:
   ``measure``. ``margin=0.0``: Lightning's default 5% margin would shrink the answer below the
   largest size it found; autobatch reports its margin separately (recommended size).
   Lightning's ``is_oom_error`` only accepts a ``RuntimeError`` whose message holds both "CUDA"
-  and "out of memory" (or the CPU allocator's text); the simulated device's message
-  ("Simulated device out of memory. ...") lacks "CUDA", so Lightning would re-raise it as a
-  non-memory error. The harness re-raises such an OOM as ``torch.OutOfMemoryError("CUDA out of
-  memory (simulated device): <original message>")``, the message a real CUDA OOM carries; a real
-  CUDA OOM passes through untouched.
+  and "out of memory" (or the CPU allocator's text); the simulated device's message opens like
+  the CUDA allocator's ("CUDA out of memory. Tried to allocate ..."), so it passes unchanged.
 - **Accelerate** decorates a function that runs one step at the given size;
   ``should_reduce_batch_size`` recognises any ``RuntimeError`` with " out of memory." in its
   message, which the simulated device's message has, so nothing is wrapped. One warm-up step at
@@ -289,13 +286,6 @@ def _release(device: Device) -> None:
     device.release()
 
 
-def _as_cuda_oom(exc: BaseException) -> BaseException:
-    """The exception a CUDA allocator would raise for this OOM (see module docstring)."""
-    if isinstance(exc, torch.OutOfMemoryError) and "CUDA" in str(exc):
-        return exc
-    return torch.OutOfMemoryError(f"CUDA out of memory (simulated device): {exc}")
-
-
 # -- autobatch -----------------------------------------------------------------------------------
 
 
@@ -552,7 +542,7 @@ def run_lightning(
                 if not is_oom(exc):
                     raise
                 counts["ooms"] += 1
-                raise _as_cuda_oom(exc) from None
+                raise
 
     module = Module()
     started = time.perf_counter()

@@ -82,8 +82,11 @@ class SimulatedDevice:
         self.num_ooms += 1
         usable = self._total - self._foreign
         return torch.OutOfMemoryError(
-            f"Simulated device out of memory. Tried to allocate {format_bytes(requested_bytes)}. "
-            f"{self._name} has a total capacity of {format_bytes(self._total)} of which "
+            # Worded like the CUDA allocator's message, so tools that match on its text
+            # (Lightning's is_oom_error, Accelerate's should_reduce_batch_size) see an OOM.
+            f"CUDA out of memory. Tried to allocate {format_bytes(requested_bytes)}. "
+            f"Simulated device {self._name} has a total capacity of "
+            f"{format_bytes(self._total)} of which "
             f"{format_bytes(max(0, usable - live_bytes))} is free; {format_bytes(live_bytes)} "
             "is allocated by tensors."
         )

@@ -50,7 +50,7 @@ def test_simulated_device_raises_torch_oom_and_hands_back_nothing() -> None:
     assert len(kept) == 1  # the failed allocation returned no tensor
     assert peak.allocated_bytes == 4096
     assert device.num_ooms == 1
-    assert "sim has a total capacity of 9.77 KiB" in str(info.value)
+    assert "Simulated device sim has a total capacity of 9.77 KiB" in str(info.value)
 
 
 def test_cpu_device_stops_before_the_host_runs_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,3 +115,13 @@ def test_backend_flags_are_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     assert key() != plain
+
+
+def test_simulated_oom_is_recognised_by_peers_that_match_on_the_message() -> None:
+    lightning_memory = pytest.importorskip("lightning.pytorch.utilities.memory")
+    accelerate_memory = pytest.importorskip("accelerate.utils.memory")
+    device = SimulatedDevice(capacity_bytes=1 << 20)
+    with pytest.raises(torch.OutOfMemoryError) as info, device.measure([]):
+        torch.zeros(1 << 20)
+    assert lightning_memory.is_oom_error(info.value)
+    assert accelerate_memory.should_reduce_batch_size(info.value)
