@@ -28,11 +28,11 @@ from autobatch.batch import BatchSource
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.estimate import DEFAULT_LIMIT
-from autobatch.metadata import backend_flags, model_fingerprint, param_dtype
+from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
 from autobatch.planner import Plan, Uneven, plan
 from autobatch.probe import OnTrial, _model_device, probe
 from autobatch.profile import Profile, profile_cache_key
-from autobatch.step import LossFn, TrainStep
+from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
 
 __all__ = ["autotune", "autotune_profile"]
@@ -147,16 +147,29 @@ def autotune_profile(
 
     Under torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
     """
+    check_step_arguments(
+        model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
+    )
     target = resolve_device(device, default=_model_device(model))
     consensus = process_group_consensus()
+    source = BatchSource.from_sample(sample)
+    capacity_now = target.capacity()
     key = profile_cache_key(
         model_fingerprint=model_fingerprint(model),
-        input_shape=BatchSource.from_sample(sample).sample_shapes,
+        step_fingerprint=step_fingerprint(
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+        ),
+        input_shape=source.sample_shapes,
+        input_dtypes=source.sample_dtypes,
         dtype=param_dtype(model),
         amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
         optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
         device_name=target.name,
-        total_memory_bytes=target.capacity().total_memory_bytes,
+        total_memory_bytes=capacity_now.total_memory_bytes,
         torch_version=torch.__version__,
         backend_flags=backend_flags(),
     )
@@ -180,7 +193,9 @@ def autotune_profile(
         return profile
 
     def accepts(found: Profile) -> bool:
-        return _same_request(found, safety_margin, max_micro_batch_size)
+        return _same_request(
+            found, safety_margin, max_micro_batch_size, capacity_now.capacity_bytes
+        )
 
     if consensus is not None:
         return _agreed_profile(
@@ -202,7 +217,7 @@ def autotune_profile(
             if found is not None and accepts(found[1]):
                 return found[1], True
         profile = run_probe()
-        if isinstance(store, ProfileStore):
+        if isinstance(store, ProfileStore) and not profile.failed_micro_batch_size:
             store.put(profile)
         _report(report_to, profile)
         return profile, False
@@ -242,7 +257,7 @@ def _agreed_profile(
         return found[1] if found is not None and accepts(found[1]) else None
 
     def save(profile: Profile) -> Profile:
-        if opened:
+        if opened and not profile.failed_micro_batch_size:
             opened[0].put(profile)
         _report(report_to, profile)
         return profile
@@ -267,10 +282,23 @@ def _report(report_to: str | None, profile: Profile) -> None:
     report_profile(report_to, profile, token=os.environ.get("AUTOBATCH_API_TOKEN"))
 
 
-def _same_request(profile: Profile, safety_margin: float, max_micro_batch_size: int) -> bool:
-    """A stored profile answers only a request with the same margin, and a limit it respected."""
+CAPACITY_TOLERANCE = 0.01
+"""A stored profile answers while the device's capacity is within this fraction of the capacity
+it was probed with: less means another process took memory since (the answer may not fit), more
+means the answer would be needlessly small."""
+
+
+def _same_request(
+    profile: Profile, safety_margin: float, max_micro_batch_size: int, capacity_bytes: int
+) -> bool:
+    """A stored profile answers only a request with the same margin, a limit it respected, and
+    (about) the capacity it was probed with; never one a non-OOM failure cut short."""
     limit_hit = profile.stop_reason.startswith("limit")
-    return profile.safety_margin == safety_margin and (
-        profile.max_micro_batch_size <= max_micro_batch_size
+    return (
+        profile.safety_margin == safety_margin
+        and not profile.failed_micro_batch_size
+        and abs(capacity_bytes - profile.capacity_bytes)
+        <= profile.capacity_bytes * CAPACITY_TOLERANCE
+        and profile.max_micro_batch_size <= max_micro_batch_size
         and (not limit_hit or profile.max_micro_batch_size == max_micro_batch_size)
     )

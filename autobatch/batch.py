@@ -22,8 +22,17 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from autobatch.errors import ConfigError
+from autobatch.state import preserved_rng
 
 __all__ = ["BatchSource", "batch_tensors"]
+
+
+def _plain(batch: Any) -> Any:
+    """A mapping that is not a dict (Hugging Face ``BatchEncoding``, a ``UserDict``) as a dict,
+    so its tensors are seen; anything else unchanged."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        return dict(batch)
+    return batch
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -32,8 +41,10 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     return [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def _check(batch: Any, *, what: str) -> tuple[int, dict[str, tuple[int, ...]], torch.device]:
-    """Validate a batch: returns (rows, per-sample shapes by path, device)."""
+def _check(
+    batch: Any, *, what: str
+) -> tuple[int, dict[str, tuple[int, ...]], dict[str, str], torch.device]:
+    """Validate a batch: returns (rows, per-sample shapes by path, dtypes by path, device)."""
     leaves, _ = tree_flatten_with_path(batch)
     tensors = [(keystr(path) or "sample", t) for path, t in leaves if isinstance(t, torch.Tensor)]
     if not tensors:
@@ -42,6 +53,7 @@ def _check(batch: Any, *, what: str) -> tuple[int, dict[str, tuple[int, ...]], t
             "tuple/list/dict of tensors with the batch dimension first"
         )
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     rows: int | None = None
     device: torch.device | None = None
     for name, tensor in tensors:
@@ -69,8 +81,9 @@ def _check(batch: Any, *, what: str) -> tuple[int, dict[str, tuple[int, ...]], t
                 f"{name} on {tensor.device}; move the whole batch with .to(device)"
             )
         shapes[name] = tuple(tensor.shape[1:])
+        dtypes[name] = str(tensor.dtype).removeprefix("torch.")
     assert rows is not None and device is not None
-    return rows, shapes, device
+    return rows, shapes, dtypes, device
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +92,8 @@ class BatchSource:
 
     sample_shapes: Mapping[str, tuple[int, ...]]
     """Shape of one sample per tensor, batch dimension removed, keyed by its path in the batch."""
+    sample_dtypes: Mapping[str, str]
+    """Dtype of each tensor (``"int64"``, ``"float32"``...), keyed like ``sample_shapes``."""
     device: torch.device
     """Where the batches' tensors live."""
     _sample: Any = None
@@ -93,24 +108,32 @@ class BatchSource:
                 dim 0 or on device, or a callable whose batch of 1 is not of size 1.
         """
         if callable(sample) and not isinstance(sample, torch.Tensor):
-            probe_batch = sample(1)
-            rows, shapes, device = _check(probe_batch, what="the batch from sample(1)")
+            try:
+                with preserved_rng():  # building a sample must not move the user's RNG
+                    probe_batch = _plain(sample(1))
+            except Exception as exc:
+                raise ConfigError(
+                    f"sample(1) raised {type(exc).__name__}: {exc}; the callable must return a "
+                    "batch of n rows for n"
+                ) from exc
+            rows, shapes, dtypes, device = _check(probe_batch, what="the batch from sample(1)")
             if rows != 1:
                 raise ConfigError(
                     f"sample(1) returned a batch of {rows} rows; the callable must return exactly "
                     "n rows for n"
                 )
-            return cls(sample_shapes=shapes, device=device, _factory=sample)
-        _, shapes, device = _check(sample, what="sample")
-        return cls(sample_shapes=shapes, device=device, _sample=sample)
+            return cls(sample_shapes=shapes, sample_dtypes=dtypes, device=device, _factory=sample)
+        sample = _plain(sample)
+        _, shapes, dtypes, device = _check(sample, what="sample")
+        return cls(sample_shapes=shapes, sample_dtypes=dtypes, device=device, _sample=sample)
 
     def make(self, micro_batch_size: int) -> Any:
         """A batch of ``micro_batch_size`` rows (> 0) on :attr:`device`."""
         if micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size {micro_batch_size} must be >= 1")
         if self._factory is not None:
-            batch = self._factory(micro_batch_size)
-            rows, _, _ = _check(batch, what=f"the batch from sample({micro_batch_size})")
+            batch = _plain(self._factory(micro_batch_size))
+            rows, _, _, _ = _check(batch, what=f"the batch from sample({micro_batch_size})")
             if rows != micro_batch_size:
                 raise ConfigError(
                     f"sample({micro_batch_size}) returned {rows} rows; it must return exactly n"

@@ -37,7 +37,10 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",") if part.strip()]
+    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no number; e.g. 1,2,4,8")
+    return values
 
 
 def _bytes(text: str) -> int:

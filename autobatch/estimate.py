@@ -19,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,12 +30,19 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autobatch.batch import BatchSource
-from autobatch.errors import ConfigError
+from autobatch.errors import AutobatchError, ConfigError
 from autobatch.live_bytes import LiveBytes
-from autobatch.metadata import backend_flags, model_fingerprint, now_iso, param_dtype
+from autobatch.metadata import (
+    backend_flags,
+    model_fingerprint,
+    now_iso,
+    param_dtype,
+    step_fingerprint,
+)
 from autobatch.profile import Profile, Trial
 from autobatch.search import Point, fit_memory_model, next_micro_batch_size, recommended_size
-from autobatch.step import LossFn, TrainingStep, TrainStep
+from autobatch.state import preserved_rng
+from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -52,7 +61,7 @@ FIRST_LARGE_SIZE = 64
 """Second size the estimator traces, large enough that activations usually dominate the peak."""
 
 
-class EstimateUnavailableError(Exception):
+class EstimateUnavailableError(AutobatchError):
     """The step cannot run on fake tensors (an op without a fake kernel, data-dependent control
     flow, a custom optimizer that cannot be rebuilt). The probe then falls back to doubling."""
 
@@ -122,9 +131,29 @@ class FakeStep:
             step_includes_update=step_includes_update,
             amp_dtype=amp_dtype,
             grad_scaler=_fake_scaler(amp_dtype, model),
+            step_on_overflow=True,
         )
         self.num_steps = 0
+        self.min_micro_batch_size = 1
+        """Smallest size the step can train at (2 when BatchNorm refuses one sample)."""
         self._warmed_up = False
+
+    def warm_up(self) -> None:
+        """One fake step to create the optimizer state, once; at micro-batch 2 when 1 cannot
+        train (BatchNorm needs more than one value per channel)."""
+        if self._warmed_up:
+            return
+        try:
+            with self._tracing(LiveBytes()):
+                self.step.run(self.source.make(1))
+        except EstimateUnavailableError as exc:
+            if "Expected more than 1 value per channel" not in str(exc):
+                raise
+            self.min_micro_batch_size = 2
+            with self._tracing(LiveBytes()):
+                self.step.run(self.source.make(2))
+        self.num_steps += 1
+        self._warmed_up = True
 
     def resident(self) -> list[torch.Tensor]:
         """Tensors alive between steps: parameters, buffers, optimizer state."""
@@ -138,6 +167,11 @@ class FakeStep:
 
     @contextmanager
     def _tracing(self, tracker: LiveBytes) -> Iterator[None]:
+        # FakeTensorMode logs a full traceback for every op that fails; the failure is reported
+        # once, as EstimateUnavailableError (or the step's own error), instead.
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        level = fake_log.level
+        fake_log.setLevel(logging.CRITICAL)
         try:
             with self.mode, tracker:
                 yield
@@ -147,6 +181,8 @@ class FakeStep:
             raise EstimateUnavailableError(
                 f"the step cannot run on fake tensors: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            fake_log.setLevel(level)
 
     def peak_bytes(self, micro_batch_size: int) -> int:
         """Peak live bytes of one step at ``micro_batch_size`` (optimizer state present).
@@ -155,11 +191,7 @@ class FakeStep:
             ConfigError: the step itself is misconfigured (e.g. no loss); see TrainingStep.
             EstimateUnavailableError: the step cannot run on fake tensors.
         """
-        if not self._warmed_up:
-            with self._tracing(LiveBytes()):
-                self.step.run(self.source.make(1))
-            self.num_steps += 1
-            self._warmed_up = True
+        self.warm_up()
         tracker = LiveBytes()
         tracker.add_resident(self.resident())
         with self._tracing(tracker):
@@ -235,29 +267,58 @@ def estimate(
         DoesNotFitError: not even micro-batch 1 fits in ``capacity_bytes``.
     """
     _check_args(capacity_bytes, max_micro_batch_size, safety_margin)
-    source = BatchSource.from_sample(sample)
-    fake = FakeStep(
-        model,
-        optimizer,
-        source,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        amp_dtype=amp_dtype,
+    check_step_arguments(
+        model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
-    return run_estimate(
-        fake,
-        model=model,
-        optimizer_name=type(optimizer).__name__ if optimizer is not None else "AdamW",
-        capacity_bytes=capacity_bytes,
-        max_micro_batch_size=max_micro_batch_size,
-        safety_margin=safety_margin,
-        device_name=device_name,
-        amp_dtype=amp_dtype,
+    if step_includes_update:
+        raise EstimateUnavailableError(
+            "a train_step that updates by itself (step_includes_update=True) steps your own "
+            "optimizer over the real parameters, so it cannot run on a fake copy of the model; "
+            "use autobatch.probe, or pass a train_step that only returns the loss"
+        )
+    # Nothing real is computed, but a train_step that closes over the real model can still
+    # assign (fake) gradients to it, and the user's code may draw random numbers.
+    grads = [(param, param.grad) for param in model.parameters()]
+    try:
+        with preserved_rng():
+            source = BatchSource.from_sample(sample)
+            fake = FakeStep(
+                model,
+                optimizer,
+                source,
+                loss_fn=loss_fn,
+                train_step=train_step,
+                step_includes_update=step_includes_update,
+                amp_dtype=amp_dtype,
+            )
+            profile = run_estimate(
+                fake,
+                model=model,
+                optimizer_name=type(optimizer).__name__ if optimizer is not None else "AdamW",
+                capacity_bytes=capacity_bytes,
+                max_micro_batch_size=max_micro_batch_size,
+                safety_margin=safety_margin,
+                device_name=device_name,
+                amp_dtype=amp_dtype,
+            )
+    finally:
+        for param, grad in grads:
+            param.grad = grad
+    return dataclasses.replace(
+        profile,
+        step_fingerprint=step_fingerprint(
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+        ),
     )
 
 
 def _check_args(capacity_bytes: int, max_micro_batch_size: int, safety_margin: float) -> None:
+    if isinstance(safety_margin, bool) or not isinstance(safety_margin, int | float):
+        raise ConfigError(f"safety_margin {safety_margin!r} must be a number in [0, 1), e.g. 0.05")
     if (
         isinstance(capacity_bytes, bool)
         or not isinstance(capacity_bytes, int)
@@ -279,13 +340,14 @@ def estimate_points(
 ) -> list[Point]:
     """Fake trials until the boundary under ``capacity_bytes`` is found (see module doc)."""
     points: list[Point] = []
-    size: int | None = 1
+    fake.warm_up()
+    size: int | None = min(fake.min_micro_batch_size, max_micro_batch_size)
     while size is not None:
         peak = fake.peak_bytes(size)
         points.append(Point(micro_batch_size=size, fits=peak <= capacity_bytes, peak_bytes=peak))
         if len(points) == 1 and points[0].fits:
             size = min(FIRST_LARGE_SIZE, max_micro_batch_size)
-            if size == 1:
+            if size <= points[0].micro_batch_size:
                 break
             continue
         size = next_micro_batch_size(
@@ -363,6 +425,7 @@ def run_estimate(
         amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
         optimizer=optimizer_name,
         input_shape=dict(fake.source.sample_shapes),
+        input_dtypes=dict(fake.source.sample_dtypes),
         model_fingerprint=model_fingerprint(model),
         backend_flags=backend_flags(),
         created_at=now_iso(),

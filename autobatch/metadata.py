@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import torch
 
-__all__ = ["backend_flags", "model_fingerprint", "now_iso", "param_dtype"]
+__all__ = ["backend_flags", "model_fingerprint", "now_iso", "param_dtype", "step_fingerprint"]
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -51,3 +51,46 @@ def backend_flags() -> dict[str, str]:
 def now_iso() -> str:
     """The current UTC time, ISO-8601 to the second."""
     return datetime.now(UTC).replace(microsecond=0).isoformat()
+
+
+def _callable_id(function: object) -> str:
+    """Name and code of a function (lambdas included), or the type and repr of a callable object."""
+    if function is None:
+        return "-"
+    code = getattr(function, "__code__", None)
+    name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    if code is not None:
+        return f"{name}:{hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()}"
+    return f"{type(function).__module__}.{type(function).__qualname__}:{function!r}"
+
+
+def step_fingerprint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    loss_fn: object = None,
+    train_step: object = None,
+    step_includes_update: bool = False,
+) -> str:
+    """16 hex digits of SHA-256 over how a training step is formed: the loss function or train
+    step (name and bytecode), ``step_includes_update``, the optimizer's class, hyperparameters and
+    parameter groups (count and size), and the bytecode of each module class's ``forward``
+    (so switching on gradient checkpointing in code changes it). Part of the cache key."""
+    digest = hashlib.sha256()
+    digest.update(f"loss={_callable_id(loss_fn)};step={_callable_id(train_step)};".encode())
+    digest.update(f"update={step_includes_update};".encode())
+    if optimizer is None:
+        digest.update(b"optimizer=AdamW(defaults);")
+    else:
+        defaults = sorted((k, repr(v)) for k, v in optimizer.defaults.items())
+        digest.update(f"optimizer={type(optimizer).__qualname__}{defaults};".encode())
+        for group in optimizer.param_groups:
+            settings = sorted((k, repr(v)) for k, v in group.items() if k != "params")
+            size = sum(p.numel() for p in group["params"])
+            digest.update(f"group:{len(group['params'])}:{size}:{settings};".encode())
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        forward = getattr(cls, "forward", None)
+        code = getattr(forward, "__code__", None)
+        body = code.co_code if code is not None else b""
+        digest.update(cls.__qualname__.encode() + hashlib.sha256(body).digest())
+    return digest.hexdigest()[:16]

@@ -156,18 +156,26 @@ def load_model(
             "'module:factory'"
         )
     module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"model {name!r}: write 'module:factory', e.g. 'mypkg.models:build'")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # the user's module: any error while importing it is theirs
         raise ConfigError(
-            f"cannot import module {module_name!r} for model {name!r}: {exc}"
+            f"cannot import module {module_name!r} for model {name!r}: {type(exc).__name__}: {exc}"
         ) from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ConfigError(f"{module_name!r} has no callable {attribute!r} (model {name!r})")
-    built = factory()
+    try:
+        built = factory()
+    except Exception as exc:  # the user's factory
+        raise ConfigError(
+            f"factory {name!r} failed: {type(exc).__name__}: {exc}; it is called with no "
+            "arguments and returns a model or {'model': ..., 'sample': ...}"
+        ) from exc
     if isinstance(built, torch.nn.Module):
         if input_shape is None:
             raise ConfigError(
@@ -181,6 +189,17 @@ def load_model(
             loss_fn=lambda output: output.float().mean(),
         )
     if isinstance(built, dict) and "model" in built and "sample" in built:
+        if not isinstance(built["model"], torch.nn.Module):
+            raise ConfigError(
+                f"factory {name!r} returned model={type(built['model']).__name__}, not a "
+                "torch.nn.Module"
+            )
+        optimizer = built.get("optimizer")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"factory {name!r} returned optimizer={type(optimizer).__name__}, not a "
+                "torch.optim.Optimizer"
+            )
         return ModelSpec(
             name=name,
             model=built["model"],

@@ -46,7 +46,13 @@ from autobatch.estimate import (
     _check_args,
     estimate_points,
 )
-from autobatch.metadata import backend_flags, model_fingerprint, now_iso, param_dtype
+from autobatch.metadata import (
+    backend_flags,
+    model_fingerprint,
+    now_iso,
+    param_dtype,
+    step_fingerprint,
+)
 from autobatch.profile import MemoryModel, Profile, Trial
 from autobatch.search import (
     Point,
@@ -56,7 +62,7 @@ from autobatch.search import (
     recommended_size,
 )
 from autobatch.state import Snapshot
-from autobatch.step import LossFn, TrainingStep, TrainStep
+from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 from autobatch.units import format_bytes
 
 __all__ = ["Consensus", "LocalConsensus", "probe"]
@@ -161,6 +167,9 @@ def probe(
             rank raises StepFailedError or ConfigError).
     """
     _check_args(1, max_micro_batch_size, safety_margin)
+    check_step_arguments(
+        model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
+    )
     model_device = _model_device(model)
     target = resolve_device(device, default=model_device)
     if _normal(target.torch_device) != _normal(model_device):
@@ -249,12 +258,14 @@ class _Probe:
             step_includes_update=step_includes_update,
             amp_dtype=amp_dtype,
             grad_scaler=scaler,
+            step_on_overflow=True,
         )
         self.points: list[Point] = []
         self.trials: list[Trial] = []
         self.notes: list[str] = []
         self.num_steps = 0
         self.estimated_static_bytes = 0
+        self.failed_micro_batch_size = 0
 
     # -- the search -------------------------------------------------------------------------
 
@@ -321,6 +332,14 @@ class _Probe:
         if not self.use_estimate:
             self.notes.append("estimate not used (use_estimate=False): doubling-then-bisect")
             return None, None
+        if self.step_includes_update:
+            # The train_step steps the user's own optimizer, over the real parameters: on a fake
+            # copy of the model it would create no optimizer state, and the estimate would be low.
+            self.notes.append(
+                "estimate not used: a train_step that updates by itself (step_includes_update) "
+                "cannot run on a fake copy of the model; used doubling-then-bisect"
+            )
+            return None, None
         try:
             fake = FakeStep(
                 self.model,
@@ -348,10 +367,18 @@ class _Probe:
         return prior, max(lo, 1)
 
     def _warm_up(self, capacity: Capacity) -> None:
-        """One step at micro-batch 1 to create the optimizer state (Adam's moments)."""
-        failure = self._trial(1, capacity, warm_up=True)
-        if failure:
-            raise AssertionError("unreachable: a failing warm-up raises")  # pragma: no cover
+        """One step at micro-batch 1 to create the optimizer state (Adam's moments); at 2 when 1
+        cannot train (BatchNorm needs more than one value per channel)."""
+        try:
+            self._trial(1, capacity, warm_up=True)
+        except StepFailedError as exc:
+            if not _needs_two_samples(exc.__cause__) or self.limit < 2:
+                raise
+            self.notes.append(
+                "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
+                "warmed up at 2: keep every micro-batch at 2 or more"
+            )
+            self._trial(2, capacity, warm_up=True)
 
     def _resident(self) -> list[torch.Tensor]:
         state = [
@@ -390,7 +417,7 @@ class _Probe:
             elif failed and bracket(self.points)[0] == 0:
                 fatal = StepFailedError(
                     f"the training step failed at micro-batch {size} for a reason other than "
-                    f"memory: {error}",
+                    f"memory: {error}{_hint(exc)}",
                     micro_batch_size=size,
                 )
                 fatal.__cause__ = exc
@@ -446,6 +473,7 @@ class _Probe:
         if warm_up and not fits:
             self._does_not_fit(self.capacity)
         if failed_rank < ranks:
+            self.failed_micro_batch_size = size
             lo = bracket(self.points)[0]
             reason = (
                 f"micro-batch {size} failed for a reason other than memory ({error}); "
@@ -515,10 +543,33 @@ class _Probe:
             amp_dtype=str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "",
             optimizer=type(self.user_optimizer or self.optimizer).__name__,
             input_shape=dict(self.source.sample_shapes),
+            input_dtypes=dict(self.source.sample_dtypes),
             model_fingerprint=model_fingerprint(self.model),
+            step_fingerprint=step_fingerprint(
+                self.model,
+                self.user_optimizer,
+                loss_fn=self.loss_fn,
+                train_step=self.train_step,
+                step_includes_update=self.step_includes_update,
+            ),
+            failed_micro_batch_size=self.failed_micro_batch_size,
             backend_flags=backend_flags(),
             created_at=now_iso(),
         )
+
+
+def _needs_two_samples(exc: BaseException | None) -> bool:
+    return exc is not None and "Expected more than 1 value per channel" in str(exc)
+
+
+def _hint(exc: BaseException) -> str:
+    """A fix for failures with a known cause, appended to the error message."""
+    if "backward through the graph a second time" in str(exc):
+        return (
+            "; does your train_step call backward() itself? Then pass step_includes_update=True "
+            "(and let it step and zero the optimizer too)"
+        )
+    return ""
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

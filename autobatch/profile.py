@@ -130,8 +130,16 @@ class Profile:
     """Optimizer class name, e.g. ``"AdamW"``."""
     input_shape: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     """Shape of one sample per input tensor (batch dimension removed), keyed by path."""
+    input_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Dtype of each input tensor, keyed like ``input_shape``."""
     model_fingerprint: str = ""
     """Hash of the model's class, parameter/buffer names, shapes and dtypes."""
+    step_fingerprint: str = ""
+    """Hash of how the step is formed: the loss function or train step (name and code), the
+    optimizer's hyperparameters and parameter groups, and the code of each module's forward."""
+    failed_micro_batch_size: int = 0
+    """The size at which a non-OOM failure ended the search; 0 when none did. Such a profile is
+    not cached (the failure may have been transient)."""
     backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
     created_at: str = ""
@@ -163,7 +171,9 @@ class Profile:
         """Key under which an equal request may reuse this profile (see ``autobatch.store``)."""
         return profile_cache_key(
             model_fingerprint=self.model_fingerprint,
+            step_fingerprint=self.step_fingerprint,
             input_shape=self.input_shape,
+            input_dtypes=self.input_dtypes,
             dtype=self.dtype,
             amp_dtype=self.amp_dtype,
             optimizer=self.optimizer,
@@ -178,6 +188,7 @@ class Profile:
         data = dataclasses.asdict(self)
         data["input_shape"] = {k: list(v) for k, v in self.input_shape.items()}
         data["backend_flags"] = dict(self.backend_flags)
+        data["input_dtypes"] = dict(self.input_dtypes)
         return data
 
     @classmethod
@@ -188,8 +199,12 @@ class Profile:
             ConfigError: a field is missing or of the wrong kind, or the schema is newer than this
                 version of autobatch reads.
         """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"not a valid profile: expected an object, got {type(data).__name__}")
         version = data.get("schema_version", PROFILE_SCHEMA_VERSION)
-        if not isinstance(version, int) or version > PROFILE_SCHEMA_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ConfigError(f"not a valid profile: schema_version {version!r} is not an int")
+        if version > PROFILE_SCHEMA_VERSION:
             raise ConfigError(
                 f"profile schema_version {version!r} is newer than this autobatch reads "
                 f"({PROFILE_SCHEMA_VERSION}); upgrade autobatch"
@@ -206,6 +221,9 @@ class Profile:
             fields["backend_flags"] = {
                 str(k): str(v) for k, v in data.get("backend_flags", {}).items()
             }
+            fields["input_dtypes"] = {
+                str(k): str(v) for k, v in data.get("input_dtypes", {}).items()
+            }
             return cls(**fields)
         except (TypeError, AttributeError) as exc:
             raise ConfigError(f"not a valid profile: {exc}") from exc
@@ -214,7 +232,9 @@ class Profile:
 def profile_cache_key(
     *,
     model_fingerprint: str,
+    step_fingerprint: str,
     input_shape: Mapping[str, tuple[int, ...]],
+    input_dtypes: Mapping[str, str],
     dtype: str,
     amp_dtype: str,
     optimizer: str,
@@ -227,7 +247,9 @@ def profile_cache_key(
     return json.dumps(
         {
             "model": model_fingerprint,
+            "step": step_fingerprint,
             "input": {k: list(v) for k, v in sorted(input_shape.items())},
+            "input_dtypes": dict(sorted(input_dtypes.items())),
             "dtype": dtype,
             "amp": amp_dtype,
             "optimizer": optimizer,

@@ -26,7 +26,7 @@ import torch
 
 from autobatch.errors import ConfigError
 
-__all__ = ["LossFn", "TrainStep", "TrainingStep"]
+__all__ = ["LossFn", "TrainStep", "TrainingStep", "check_step_arguments"]
 
 LossFn = Callable[..., torch.Tensor]
 TrainStep = Callable[[torch.nn.Module, Any], Any]
@@ -43,6 +43,10 @@ class TrainingStep:
         step_includes_update: ``train_step`` already runs backward, step and zero_grad.
         amp_dtype: autocast dtype (``torch.float16`` / ``torch.bfloat16``), None for full precision.
         grad_scaler: a ``torch.amp.GradScaler`` to use (the probe passes its own); None for none.
+        step_on_overflow: with a scaler, step the optimizer even when the scaled gradients
+            overflowed (a training loop would skip that step). The probe measures memory: a
+            skipped step would leave the optimizer state uncreated, and every measurement short
+            of it.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class TrainingStep:
         step_includes_update: bool = False,
         amp_dtype: torch.dtype | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        step_on_overflow: bool = False,
     ) -> None:
         if step_includes_update and train_step is None:
             raise ConfigError("step_includes_update=True needs train_step=...; pass your step")
@@ -65,6 +70,7 @@ class TrainingStep:
         self.step_includes_update = step_includes_update
         self.amp_dtype = amp_dtype
         self.grad_scaler = grad_scaler
+        self.step_on_overflow = step_on_overflow
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Forward and loss (under autocast when set); a scalar tensor.
@@ -128,20 +134,24 @@ class TrainingStep:
     def run(self, batch: Any) -> float:
         """The whole step; returns the loss value (a float, nothing kept alive)."""
         loss = self.loss(batch)
-        if self.step_includes_update:
-            return float(loss.detach())
         value = loss.detach()
+        if self.step_includes_update:
+            return _value(value)
         if self.grad_scaler is not None:
             self.grad_scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
             del loss
-            self.grad_scaler.step(self.optimizer)
+            if self.step_on_overflow:
+                self.grad_scaler.unscale_(self.optimizer)
+                self.optimizer.step()
+            else:
+                self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
         else:
             loss.backward()  # type: ignore[no-untyped-call]
             del loss
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(value) if not _is_fake(value) else 0.0
+        return _value(value)
 
 
 def _device_type(model: torch.nn.Module) -> str:
@@ -150,7 +160,47 @@ def _device_type(model: torch.nn.Module) -> str:
     return "cpu"
 
 
-def _is_fake(tensor: torch.Tensor) -> bool:
+def _value(loss: torch.Tensor) -> float:
+    """The loss as a float; 0.0 on fake tensors, which have no value."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(tensor, FakeTensor)
+    return 0.0 if isinstance(loss, FakeTensor) else float(loss)
+
+
+def check_step_arguments(
+    model: torch.nn.Module,
+    optimizer: object,
+    *,
+    step_includes_update: bool,
+    amp_dtype: object,
+) -> None:
+    """Refuse arguments that would probe the wrong step or touch state the probe cannot restore.
+
+    Raises:
+        ConfigError: names the argument and the fix.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model {model!r} is not a torch.nn.Module")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer {optimizer!r} is not a torch.optim.Optimizer; pass the optimizer object "
+            "you train with (or None for AdamW)"
+        )
+    if step_includes_update and optimizer is None:
+        raise ConfigError(
+            "step_includes_update=True needs optimizer=...: your train_step steps an optimizer "
+            "the probe must know, to count its state and restore it afterwards"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        params = {id(p) for p in model.parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if params and not any(id(p) in params for p in held):
+            raise ConfigError(
+                "the optimizer holds none of the model's parameters; pass the optimizer built "
+                "over this model (e.g. torch.optim.AdamW(model.parameters()))"
+            )
+    if amp_dtype is not None and amp_dtype not in (torch.float16, torch.bfloat16):
+        raise ConfigError(
+            f"amp_dtype {amp_dtype!r} is not an autocast dtype; use torch.bfloat16, "
+            "torch.float16, or None for full precision"
+        )

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import re
 
 from autobatch.errors import ConfigError
@@ -61,7 +62,14 @@ def parse_bytes(value: str | int) -> int:
                 f"memory size {value!r} is not understood; write e.g. '16GiB', '512MiB' or a "
                 "number of bytes"
             )
-        number = int(float(match.group(1)) * _UNITS[unit])
+        if unit in ("", "B") and "." in match.group(1):
+            raise ConfigError(
+                f"memory size {value!r} is a fraction of a byte; give a unit, e.g. '1.5GiB'"
+            )
+        scaled = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(scaled) or scaled >= 2**63:
+            raise ConfigError(f"memory size {str(value)[:40]!r}... is too large (over 8 EiB)")
+        number = int(scaled)
     if number <= 0:
         raise ConfigError(f"memory size {value!r} must be more than 0 bytes")
     return number

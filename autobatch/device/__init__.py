@@ -143,7 +143,7 @@ def resolve_device(spec: str | Device | None, *, default: torch.device | None = 
     if spec is None:
         spec = str(default) if default is not None else "cpu"
     text = spec.strip()
-    if text.startswith("sim"):
+    if text == "sim" or text.startswith("sim:"):
         from autobatch.device.simulated import SimulatedDevice
         from autobatch.units import parse_bytes
 
@@ -159,7 +159,7 @@ def resolve_device(spec: str | Device | None, *, default: torch.device | None = 
         from autobatch.device.cuda import CudaDevice
 
         index_text = text.partition(":")[2] or "0"
-        if not index_text.isdigit():
+        if not (index_text.isascii() and index_text.isdigit()):
             raise ConfigError(f"device {spec!r}: the CUDA index must be a number, e.g. 'cuda:0'")
         return CudaDevice(cuda_index=int(index_text))
     raise ConfigError(f"device {spec!r} is not understood; use 'cuda:N', 'cpu' or 'sim:SIZE'")

@@ -99,7 +99,9 @@ def test_backend_flags_are_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch
     def key() -> str:
         return profile_cache_key(
             model_fingerprint="m",
+            step_fingerprint="s",
             input_shape={"x": (3,)},
+            input_dtypes={"x": "float32"},
             dtype="float32",
             amp_dtype="",
             optimizer="AdamW",
