@@ -41,11 +41,24 @@ from typing import Any, Literal
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.profile import Profile
 
-__all__ = ["Plan", "PlanSource", "Uneven", "WorldSizeOption", "plan", "plan_world_sizes"]
+__all__ = [
+    "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "Plan",
+    "PlanSource",
+    "Uneven",
+    "WorldSizeOption",
+    "plan",
+    "plan_world_sizes",
+]
 
 Uneven = Literal["auto", "never", "always"]
 PlanSource = Literal["measured", "cached", "estimated", "given"]
 _UNEVEN: tuple[Uneven, ...] = ("auto", "never", "always")
+
+MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 20
+"""No plan has more accumulation steps than this (1,048,576), whatever the caller allows: a Plan
+lists one size per step, and a larger count is a mistake (a micro-batch limit of 1 for a
+billion-sample batch) rather than a training run. Also bounds the planner's own work."""
 _SOURCES: tuple[PlanSource, ...] = ("measured", "cached", "estimated", "given")
 
 
@@ -506,10 +519,19 @@ def _step_seconds(per_rank: int, steps: int, step_time: Callable[[int], float]) 
 def _equal_steps(per_rank: int, rules: _Rules) -> list[int]:
     """Accumulation steps of every equal split meeting the rules, ascending.
 
-    Costs O(min(M, sqrt(per_rank))) divisions.
+    Costs O(min(k range, M, sqrt(per_rank))) divisions, where the k range is at most
+    MAX_GRADIENT_ACCUMULATION_STEPS wide.
     """
     limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
     root = math.isqrt(per_rank)
+    lowest = -(-per_rank // limit)
+    highest = per_rank if max_steps is None else min(per_rank, max_steps)
+    if highest - lowest < root:  # fewer step counts than divisor candidates: try each
+        return [
+            k
+            for k in range(lowest, highest + 1)
+            if per_rank % k == 0 and (per_rank // k) % step == 0
+        ]
     if limit <= root:
         sizes = [d for d in range(step, limit + 1, step) if per_rank % d == 0]
     else:
@@ -607,7 +629,7 @@ def _plan(limit: _Limit, options: _Options, effective: int, world_size: int) -> 
     rules = _Rules(
         limit.max_micro_batch_size,
         options.multiple_of,
-        options.max_steps,
+        min(options.max_steps or MAX_GRADIENT_ACCUMULATION_STEPS, MAX_GRADIENT_ACCUMULATION_STEPS),
         options.uneven,
         options.allow_inexact,
     )

@@ -660,3 +660,28 @@ def test_planner_and_integrations_import_neither_torch_nor_pynvml() -> None:
     )
 
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("limit", "effective", "expected"),
+    [
+        (10**12, 10**18, (10**12, 10**6)),
+        (10**18, 10**18, (10**18, 1)),
+        (10**18, 10**18 + 9, (500000000000000005, 2)),
+    ],
+)
+def test_astronomical_sizes_plan_at_once(
+    limit: int, effective: int, expected: tuple[int, int]
+) -> None:
+    result = plan(limit, effective_batch_size=effective)
+    assert (result.micro_batch_size, result.gradient_accumulation_steps) == expected
+    assert sum(result.micro_batch_sizes) == effective
+
+
+def test_accumulation_steps_are_capped() -> None:
+    from autobatch.planner import MAX_GRADIENT_ACCUMULATION_STEPS
+
+    with pytest.raises(NoFeasiblePlanError, match="at most 1048576 accumulation steps"):
+        plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS + 1)
+    result = plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS)
+    assert result.gradient_accumulation_steps == MAX_GRADIENT_ACCUMULATION_STEPS
