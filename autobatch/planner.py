@@ -347,6 +347,11 @@ def plan_world_sizes(
         limit, capacity_bytes=capacity_bytes, safety_margin=safety_margin, step_seconds=step_seconds
     )
     _require_int("effective_batch_size", effective_batch_size, 1)
+    if isinstance(world_sizes, int | str) or not isinstance(world_sizes, Sequence):
+        raise ConfigError(
+            f"world_sizes {world_sizes!r} must be a list of ints, e.g. [1, 2, 4, 8]; for one "
+            "world size use plan(...)"
+        )
     rows = []
     for world_size in world_sizes:
         _require_int("world_size", world_size, 1)
@@ -478,6 +483,10 @@ def _step_time_model(points: Mapping[int, float], what: str) -> Callable[[int], 
     points: a line cannot show a step slowing down near the memory limit, and fitted to such
     points it predicts negative times at small sizes.
     """
+    if not isinstance(points, Mapping):
+        raise ConfigError(
+            f"{what} {points!r} must map micro-batch sizes to seconds, e.g. {{8: 0.1, 16: 0.18}}"
+        )
     for size, value in points.items():
         _require_int(f"{what} micro-batch size", size, 1)
         if (

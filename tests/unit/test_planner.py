@@ -685,3 +685,10 @@ def test_accumulation_steps_are_capped() -> None:
         plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS + 1)
     result = plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS)
     assert result.gradient_accumulation_steps == MAX_GRADIENT_ACCUMULATION_STEPS
+
+
+def test_wrong_kinds_of_table_arguments() -> None:
+    with pytest.raises(ConfigError, match="must map micro-batch sizes to seconds"):
+        plan(24, effective_batch_size=64, step_seconds=[1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must be a list of ints"):
+        plan_world_sizes(24, effective_batch_size=64, world_sizes=4)  # type: ignore[arg-type]
