@@ -192,10 +192,16 @@ def autotune_profile(
         assert profile.cache_key() == key, "probe and autotune disagree on the cache key"
         return profile
 
+    # The capacity a profile answers for: under torch.distributed, the smallest rank's (the
+    # capacity the ranks probe together).
+    (searched_capacity,) = (
+        consensus.min_ints([capacity_now.capacity_bytes])
+        if consensus is not None
+        else (capacity_now.capacity_bytes,)
+    )
+
     def accepts(found: Profile) -> bool:
-        return _same_request(
-            found, safety_margin, max_micro_batch_size, capacity_now.capacity_bytes
-        )
+        return _same_request(found, safety_margin, max_micro_batch_size, searched_capacity)
 
     if consensus is not None:
         return _agreed_profile(

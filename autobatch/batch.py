@@ -10,6 +10,7 @@ Example::
     source = BatchSource.from_sample({"input_ids": ids, "labels": ids})   # ids: (4, 128)
     source.make(10)["input_ids"].shape      # torch.Size([10, 128])
     source.sample_shapes                    # {"input_ids": (128,), "labels": (128,)}
+    BatchSource.from_sample((x, y)).sample_shapes   # {"0": (32,), "1": ()}
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
+from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from autobatch.errors import ConfigError
 from autobatch.state import preserved_rng
@@ -35,6 +36,20 @@ def _plain(batch: Any) -> Any:
     return batch
 
 
+def _path_name(path: tuple[Any, ...]) -> str:
+    """A tensor's place in the batch: ``"input_ids"``, ``"0"``, ``"inputs.mask"``; ``"sample"``
+    for a bare tensor."""
+    parts = []
+    for entry in path:
+        for attribute in ("key", "idx", "name"):  # dict key, sequence index, attribute
+            if hasattr(entry, attribute):
+                parts.append(str(getattr(entry, attribute)))
+                break
+        else:
+            parts.append(str(entry))
+    return ".".join(parts) or "sample"
+
+
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor leaf of a (nested) batch."""
     leaves, _ = tree_flatten_with_path(batch)
@@ -46,7 +61,7 @@ def _check(
 ) -> tuple[int, dict[str, tuple[int, ...]], dict[str, str], torch.device]:
     """Validate a batch: returns (rows, per-sample shapes by path, dtypes by path, device)."""
     leaves, _ = tree_flatten_with_path(batch)
-    tensors = [(keystr(path) or "sample", t) for path, t in leaves if isinstance(t, torch.Tensor)]
+    tensors = [(_path_name(path), t) for path, t in leaves if isinstance(t, torch.Tensor)]
     if not tensors:
         raise ConfigError(
             f"{what} holds no tensor (got {type(batch).__name__}); pass a tensor, or a "

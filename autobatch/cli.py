@@ -422,7 +422,12 @@ def _serve(args: argparse.Namespace, out: TextIO) -> int:
     forwarded = list(args.args)
     if args.store and "--store-path" not in forwarded:
         forwarded += ["--store-path", args.store]
-    return int(serve_main(forwarded))
+    try:
+        return int(serve_main(forwarded))
+    except ImportError as exc:  # fastapi/uvicorn are imported when the server starts
+        raise ConfigError(
+            f"the service needs its extras: pip install 'autobatch[service]' ({exc})"
+        ) from exc
 
 
 def _input(shapes: Any) -> str:
@@ -433,15 +438,16 @@ class _Progress:
     """One tqdm line per probe (to stderr); silent when disabled (``--json``, configs)."""
 
     def __init__(self, *, enabled: bool) -> None:
+        self._enabled = enabled
         self._bar: Any = None
-        if enabled:
+
+    def trial(self, trial: Any) -> None:
+        if not self._enabled:
+            return
+        if self._bar is None:  # created at the first trial: a cached answer shows no bar
             from tqdm import tqdm
 
             self._bar = tqdm(desc="probing", unit="trial", file=sys.stderr, leave=True)
-
-    def trial(self, trial: Any) -> None:
-        if self._bar is None:
-            return
         outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
         peak = format_bytes(trial.peak_reserved_bytes) if trial.fits else "-"
         self._bar.set_postfix_str(f"micro-batch {trial.micro_batch_size} {outcome}, peak {peak}")

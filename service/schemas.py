@@ -185,7 +185,10 @@ class ProfileBase(_Strict):
     input_shape: dict[Name, list[Annotated[int, Field(ge=0, le=MAX_SIZE)]]] = Field(
         default_factory=dict, max_length=1000
     )
+    input_dtypes: dict[Name, Name] = Field(default_factory=dict, max_length=1000)
     model_fingerprint: Name = ""
+    step_fingerprint: Name = ""
+    failed_micro_batch_size: Count = 0
     backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
     created_at: Name = ""
     schema_version: int = Field(default=PROFILE_SCHEMA_VERSION, ge=1, le=PROFILE_SCHEMA_VERSION)

@@ -608,3 +608,14 @@ def test_openapi_documents_problems(client: TestClient) -> None:
     }
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     assert client.get("/docs").status_code == 200
+
+
+def test_the_profile_schema_has_every_profile_field() -> None:
+    """The service must accept whatever autobatch.Profile.to_dict() produces (no drift)."""
+    import dataclasses
+
+    from autobatch.profile import Profile, Trial
+    from service.schemas import ProfileBase, TrialBase
+
+    assert set(ProfileBase.model_fields) == {f.name for f in dataclasses.fields(Profile)}
+    assert set(TrialBase.model_fields) == {f.name for f in dataclasses.fields(Trial)}

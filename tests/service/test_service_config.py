@@ -55,3 +55,13 @@ def test_registry_errors_name_the_field(tmp_path: Path, text: str, match: str) -
 def test_missing_registry_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the model registry"):
         load_registry(tmp_path / "nope.toml")
+
+
+def test_the_example_registry_loads() -> None:
+    from pathlib import Path
+
+    from service.config import load_registry
+
+    registry = load_registry(Path(__file__).resolve().parents[2] / "examples" / "models.toml")
+    assert sorted(registry.models) == ["gpt2-512", "tiny-mlp"]
+    assert registry.models["tiny-mlp"].device == "sim:64MiB"

@@ -17,7 +17,7 @@ def test_tiles_rows_cyclically_for_every_tensor() -> None:
     assert batch["ids"].tolist() == [[1, 2], [3, 4], [1, 2], [3, 4], [1, 2]]
     assert batch["mask"][:, 1].tolist() == [1, 0, 1, 0, 1]
     assert batch["n"] == 7
-    assert source.sample_shapes == {"['ids']": (2,), "['mask']": (2,)}
+    assert source.sample_shapes == {"ids": (2,), "mask": (2,)}
 
 
 def test_callable_must_return_n_rows() -> None:

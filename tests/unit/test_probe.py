@@ -314,7 +314,7 @@ def test_callable_sample_and_profile_metadata() -> None:
         return torch.randn(n, 8), torch.randint(0, 3, (n,))
 
     profile = probe(model, make, loss_fn=F.cross_entropy, device="sim:2MiB")
-    assert profile.input_shape == {"[0]": (8,), "[1]": ()}
+    assert profile.input_shape == {"0": (8,), "1": ()}
     assert profile.optimizer == "AdamW"
     assert profile.dtype == "float32"
     assert profile.device_type == "sim" and profile.total_memory_bytes == 2 * 2**20

@@ -283,7 +283,7 @@ def test_hugging_face_batch_encoding_sample() -> None:
     ids = torch.randint(0, 128, (2, 16))
     profile = probe(model, BatchEncoding({"input_ids": ids, "labels": ids}), device="sim:32MiB")
     assert profile.max_micro_batch_size > 1
-    assert profile.input_dtypes == {"['input_ids']": "int64", "['labels']": "int64"}
+    assert profile.input_dtypes == {"input_ids": "int64", "labels": "int64"}
 
 
 def test_estimate_unavailable_is_an_autobatch_error() -> None:

@@ -1,0 +1,18 @@
+"""Model factories for the service's registry (``examples/models.toml``) and the CLI
+(``autobatch tune examples.models:tiny_mlp --input-shape 32 ...``). Random weights."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_mlp() -> torch.nn.Module:
+    """32 features in, 10 classes out."""
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def gpt2_small() -> torch.nn.Module:
+    """GPT-2 (124M) with random weights; its output carries ``.loss`` when given labels."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config())
