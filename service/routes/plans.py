@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
 
 from autobatch.errors import ConfigError
 from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
@@ -50,9 +51,12 @@ _DEFAULT_SAFETY_MARGIN = 0.05
     "",
     dependencies=[Depends(require_json)],
     summary="Plan micro-batch and accumulation steps",
+    response_model=PlanPublic,
     responses=problem_responses(400, 404, 413, 415, 422, 503),
 )
-async def create_plan(body: PlanCreate, store: StoreDep, list_gpus: DeviceListerDep) -> PlanPublic:
+async def create_plan(
+    body: PlanCreate, store: StoreDep, list_gpus: DeviceListerDep
+) -> JSONResponse:
     """The plan, framework configs, and (with ``world_sizes``) a table over world sizes.
 
     ``plan.source`` says where the limit came from: ``cached`` (a stored measured profile),
@@ -96,13 +100,16 @@ async def create_plan(body: PlanCreate, store: StoreDep, list_gpus: DeviceLister
             )
             for row in rows
         ]
-    return PlanPublic(
+    public = PlanPublic(
         plan=_fields(result),
         configs=_configs(result),
         world_size_options=options_table,
         profile_id=profile_id,
         device=device,
     )
+    # Built and validated once, here; returning a Response spares FastAPI a second validation
+    # of the same object (about a fifth of this route's time on 2 cores).
+    return JSONResponse(public.model_dump(mode="json"))
 
 
 def _fields(result: Plan) -> PlanFields:
