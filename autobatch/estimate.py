@@ -41,7 +41,7 @@ from autobatch.metadata import (
 )
 from autobatch.profile import Profile, Trial
 from autobatch.search import Point, fit_memory_model, next_micro_batch_size, recommended_size
-from autobatch.state import preserved_rng
+from autobatch.state import preserved_rng, resident_tensors
 from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 
 __all__ = [
@@ -157,13 +157,7 @@ class FakeStep:
 
     def resident(self) -> list[torch.Tensor]:
         """Tensors alive between steps: parameters, buffers, optimizer state."""
-        state = [
-            value
-            for per_param in self.optimizer.state.values()
-            for value in per_param.values()
-            if isinstance(value, torch.Tensor)
-        ]
-        return [*self.model.parameters(), *self.model.buffers(), *state]
+        return resident_tensors(self.model, self.optimizer)
 
     @contextmanager
     def _tracing(self, tracker: LiveBytes) -> Iterator[None]:

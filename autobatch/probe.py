@@ -61,7 +61,7 @@ from autobatch.search import (
     next_micro_batch_size,
     recommended_size,
 )
-from autobatch.state import Snapshot
+from autobatch.state import Snapshot, resident_tensors
 from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 from autobatch.units import format_bytes
 
@@ -380,16 +380,6 @@ class _Probe:
             )
             self._trial(2, capacity, warm_up=True)
 
-    def _resident(self) -> list[torch.Tensor]:
-        state = [
-            value
-            for per_param in self.optimizer.state.values()
-            for value in per_param.values()
-            if isinstance(value, torch.Tensor)
-        ]
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return [*self.model.parameters(), *self.model.buffers(), *grads, *state]
-
     def _trial(self, size: int, capacity: Capacity, *, warm_up: bool = False) -> str:
         """Run one real step at ``size``; records it. Returns a stop reason for a non-OOM failure
         after some size passed, "" otherwise.
@@ -405,7 +395,7 @@ class _Probe:
         fatal: Exception | None = None  # raised once every rank knows
         started = time.perf_counter()
         try:
-            with self.device.measure(self._resident()) as peak:
+            with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak:
                 self.step.run(self.source.make(size))
                 self.device.synchronize()
         except Exception as exc:  # classified right here; only a fatal one is kept

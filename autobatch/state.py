@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Snapshot", "preserved_rng"]
+__all__ = ["Snapshot", "preserved_rng", "resident_tensors"]
 
 _OPTIMIZER_FLAGS = ("_opt_called",)
 """Optimizer attributes torch's LR schedulers set on the first step; restored too."""
@@ -160,3 +160,18 @@ def preserved_rng() -> Iterator[None]:
         yield
     finally:
         _set_rng_state(state)
+
+
+def resident_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[torch.Tensor]:
+    """Tensors alive between training steps: parameters, buffers, gradients, optimizer state.
+    A device that counts tensors itself (simulated, CPU) starts each step's count from these."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    state = [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return [*model.parameters(), *model.buffers(), *grads, *state]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from autobatch.batch import BatchSource
 from autobatch.device.oom import is_oom
 from autobatch.device.simulated import SimulatedDevice
+from autobatch.state import resident_tensors
 from autobatch.step import TrainingStep
 
 
@@ -144,11 +145,7 @@ def exhaustive_max(case: ModelCase, capacity_bytes: int, *, limit: int = 4096) -
     device = SimulatedDevice(capacity_bytes=capacity_bytes)
     largest = 0
     for size in range(1, limit + 1):
-        resident = [
-            *model.parameters(),
-            *model.buffers(),
-            *[v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
-        ]
+        resident = resident_tensors(model, optimizer)
         try:
             with device.measure(resident):
                 step.run(source.make(size))

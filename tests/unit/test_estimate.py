@@ -11,6 +11,7 @@ from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import DoesNotFitError
 from autobatch.estimate import FakeStep, estimate
+from autobatch.state import resident_tensors
 from autobatch.step import TrainingStep
 from tests.conftest import ModelCase
 
@@ -22,11 +23,7 @@ def measured_peak(case: ModelCase, size: int) -> int:
     step = TrainingStep(model, optimizer, loss_fn=case.loss_fn)
     source = BatchSource.from_sample(sample)
     step.run(source.make(1))
-    resident = [
-        *model.parameters(),
-        *model.buffers(),
-        *[v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
-    ]
+    resident = resident_tensors(model, optimizer)
     with SimulatedDevice(capacity_bytes=1 << 40).measure(resident) as peak:
         step.run(source.make(size))
     return peak.allocated_bytes
