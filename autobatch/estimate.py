@@ -46,6 +46,7 @@ from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 
 __all__ = [
     "DEFAULT_LIMIT",
+    "check_search_arguments",
     "EstimateUnavailableError",
     "FakeStep",
     "estimate",
@@ -260,7 +261,13 @@ def estimate(
         EstimateUnavailableError: the step cannot run on fake tensors.
         DoesNotFitError: not even micro-batch 1 fits in ``capacity_bytes``.
     """
-    _check_args(capacity_bytes, max_micro_batch_size, safety_margin)
+    if (
+        isinstance(capacity_bytes, bool)
+        or not isinstance(capacity_bytes, int)
+        or capacity_bytes <= 0
+    ):
+        raise ConfigError(f"capacity_bytes {capacity_bytes!r} must be a positive int of bytes")
+    check_search_arguments(max_micro_batch_size, safety_margin)
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
@@ -310,15 +317,14 @@ def estimate(
     )
 
 
-def _check_args(capacity_bytes: int, max_micro_batch_size: int, safety_margin: float) -> None:
+def check_search_arguments(max_micro_batch_size: int, safety_margin: float) -> None:
+    """The search's own arguments, shared by :func:`estimate` and :func:`autobatch.probe`.
+
+    Raises:
+        ConfigError: names the argument and the accepted range.
+    """
     if isinstance(safety_margin, bool) or not isinstance(safety_margin, int | float):
         raise ConfigError(f"safety_margin {safety_margin!r} must be a number in [0, 1), e.g. 0.05")
-    if (
-        isinstance(capacity_bytes, bool)
-        or not isinstance(capacity_bytes, int)
-        or capacity_bytes <= 0
-    ):
-        raise ConfigError(f"capacity_bytes {capacity_bytes!r} must be a positive int of bytes")
     if (
         isinstance(max_micro_batch_size, bool)
         or not isinstance(max_micro_batch_size, int)

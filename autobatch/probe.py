@@ -43,7 +43,7 @@ from autobatch.estimate import (
     DEFAULT_LIMIT,
     EstimateUnavailableError,
     FakeStep,
-    _check_args,
+    check_search_arguments,
     estimate_points,
 )
 from autobatch.metadata import (
@@ -166,7 +166,7 @@ def probe(
         DistributedError: another rank's first trial failed for a reason other than memory (that
             rank raises StepFailedError or ConfigError).
     """
-    _check_args(1, max_micro_batch_size, safety_margin)
+    check_search_arguments(max_micro_batch_size, safety_margin)
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
