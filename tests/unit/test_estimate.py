@@ -68,3 +68,16 @@ def test_estimate_says_when_nothing_fits() -> None:
     model = torch.nn.Linear(1024, 1024)
     with pytest.raises(DoesNotFitError, match="needs about .* at micro-batch 1"):
         estimate(model, torch.randn(1, 1024), loss_fn=lambda o: o.sum(), capacity_bytes=2**20)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, True, "1GiB", 1.5])
+def test_capacity_must_be_a_positive_int_of_bytes(capacity: object) -> None:
+    from autobatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="capacity_bytes .* must be a positive int of bytes"):
+        estimate(
+            torch.nn.Linear(2, 2),
+            torch.randn(1, 2),
+            loss_fn=lambda o: o.sum(),
+            capacity_bytes=capacity,
+        )  # type: ignore[arg-type]
