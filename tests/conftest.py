@@ -168,3 +168,26 @@ def sim_capacity_for() -> Callable[[ModelCase, int], int]:
         return fake.peak_bytes(target) + 4096
 
     return capacity
+
+
+def spawn_and_wait(
+    worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float
+) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; fail the test, and kill
+    them, when they do not all finish within ``timeout_s`` (a hang fails instead of blocking)."""
+    import os
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{nprocs} processes did not finish within {timeout_s} s (a hang)")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, 9)
+                proc.join()

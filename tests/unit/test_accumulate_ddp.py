@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from autobatch.accumulate import Accumulator
+from tests.conftest import spawn_and_wait
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120.0
@@ -81,23 +79,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
 
 def test_ddp_window_gradient_is_the_global_mean_with_one_allreduce(tmp_path: Path) -> None:
     # A file store needs no port, so parallel test runs cannot collide.
-    ctx = mp.start_processes(
-        _worker,
-        args=(str(tmp_path / "store"), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"DDP workers did not finish within {TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                os.kill(proc.pid, 9)
-                proc.join()
+    spawn_and_wait(_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD_SIZE, TIMEOUT_S)
 
     for rank in range(WORLD_SIZE):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autobatch import autotune, plan_world_sizes, probe
 from autobatch.batch import BatchSource
@@ -23,7 +20,7 @@ from autobatch.errors import DistributedError
 from autobatch.estimate import FakeStep
 from autobatch.profile import Trial
 from autobatch.store import ProfileStore
-from tests.conftest import MODEL_CASES
+from tests.conftest import MODEL_CASES, spawn_and_wait
 
 TIMEOUT_S = 120.0
 CASE = MODEL_CASES[0]  # mlp-adam: a probe takes about a second
@@ -100,23 +97,7 @@ def run_ranks(
     """Run ``_worker`` on ``world_size`` ranks; per call, the ranks' results in rank order."""
     for call in calls:
         (tmp_path / call["store"]).mkdir(exist_ok=True)
-    ctx = mp.start_processes(
-        _worker,
-        args=(world_size, calls, str(tmp_path)),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world_size} ranks did not finish within {TIMEOUT_S} s (a hang)")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                os.kill(proc.pid, 9)
-                proc.join()
+    spawn_and_wait(_worker, (world_size, calls, str(tmp_path)), world_size, TIMEOUT_S)
     by_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
     return [list(per_call) for per_call in zip(*by_rank, strict=True)]
 
