@@ -226,8 +226,6 @@ class JobManager:
                 job_id = waiting.popleft()
                 job = self._jobs[job_id]
                 entry = self.registry.models[job.model]
-                self._update(job_id, status="running", started_at=_now())
-            self._on_event("started")
             try:
                 self._run(job_id, entry, device)
             except Exception as exc:  # a bug here must not stop the device's queue
@@ -250,10 +248,15 @@ class JobManager:
         )
         with self._lock:
             if self._closed:
+                self._update(
+                    job_id, status="failed", error="the server shut down", finished_at=_now()
+                )
                 return
             child.start()
             self._children[job_id] = child
-            self._update(job_id, child_pid=child.pid)
+            # "running" and the pid appear together: a client that sees one can use the other.
+            self._update(job_id, status="running", started_at=_now(), child_pid=child.pid)
+        self._on_event("started")
         deadline = time.monotonic() + self._timeout_seconds
         outcome: tuple[str, Any] | None = None
         try:

@@ -560,6 +560,27 @@ def wait_for(client: TestClient, probe_id: str, statuses: set[str], timeout: flo
         time.sleep(0.1)
 
 
+def test_a_running_probe_always_shows_its_child_pid(
+    make_app: Callable[..., FastAPI], registry_file: Path
+) -> None:
+    # Polled without pause: the child takes ~1 s to spawn, so a job marked "running" before
+    # its pid was known would be seen here (it was, once, in CI).
+    app = make_app(config_file=registry_file, probe_timeout_seconds=2)
+    jobs = app.state.jobs
+    job = jobs.submit("slow-mlp")
+    seen: list[tuple[str, int | None]] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        current = jobs.get(job.id)
+        seen.append((current.status, current.child_pid))
+        if current.status in ("succeeded", "failed"):
+            break
+    statuses = [status for status, _ in seen]
+    assert "running" in statuses and statuses[-1] == "failed"
+    assert all(pid is not None for status, pid in seen if status == "running")
+    assert all(pid is None for status, pid in seen if status != "running")
+
+
 def test_probe_queue_per_device_timeout_and_409(
     make_app: Callable[..., FastAPI], registry_file: Path
 ) -> None:
