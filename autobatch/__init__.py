@@ -12,35 +12,41 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning, StepStats
-from autobatch.autotune import autotune
-from autobatch.device import Capacity, Device, GpuInfo, MemoryInfo, PeakMemory, resolve_device
-from autobatch.device.simulated import SimulatedDevice
-from autobatch.distributed import ProcessGroupConsensus
-from autobatch.errors import (
-    AutobatchError,
-    ConfigError,
-    DeviceUnavailableError,
-    DistributedError,
-    DoesNotFitError,
-    NoFeasiblePlanError,
-    ServiceError,
-    StepFailedError,
-    StoreError,
-)
-from autobatch.estimate import EstimateUnavailableError, estimate
-from autobatch.integrations import (
-    ConfigFormat,
-    deepspeed_config,
-    format_config,
-    hf_training_arguments,
-    lightning_config,
-)
-from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
-from autobatch.probe import Consensus, LocalConsensus, probe
-from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
-from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
-from autobatch.units import format_bytes, parse_bytes
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning, StepStats
+    from autobatch.autotune import autotune
+    from autobatch.device import Capacity, Device, GpuInfo, MemoryInfo, PeakMemory, resolve_device
+    from autobatch.device.simulated import SimulatedDevice
+    from autobatch.distributed import ProcessGroupConsensus
+    from autobatch.errors import (
+        AutobatchError,
+        ConfigError,
+        DeviceUnavailableError,
+        DistributedError,
+        DoesNotFitError,
+        NoFeasiblePlanError,
+        ServiceError,
+        StepFailedError,
+        StoreError,
+    )
+    from autobatch.estimate import EstimateUnavailableError, estimate
+    from autobatch.integrations import (
+        ConfigFormat,
+        deepspeed_config,
+        format_config,
+        hf_training_arguments,
+        lightning_config,
+    )
+    from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
+    from autobatch.probe import Consensus, LocalConsensus, probe
+    from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
+    from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
+    from autobatch.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
@@ -92,3 +98,87 @@ __all__ = [
     "probe",
     "resolve_device",
 ]
+
+# Names are imported on first use (PEP 562), so the torch-free parts (planner, profile, store,
+# integrations, client) import without torch: the HTTP service never loads it, and a scheduler
+# can plan without it installed.
+_EXPORTS: dict[str, str] = {
+    "Accumulator": "autobatch.accumulate",
+    "SmallMicroBatchNormWarning": "autobatch.accumulate",
+    "StepStats": "autobatch.accumulate",
+    "autotune": "autobatch.autotune",
+    "Capacity": "autobatch.device",
+    "Device": "autobatch.device",
+    "GpuInfo": "autobatch.device",
+    "MemoryInfo": "autobatch.device",
+    "PeakMemory": "autobatch.device",
+    "resolve_device": "autobatch.device",
+    "SimulatedDevice": "autobatch.device.simulated",
+    "ProcessGroupConsensus": "autobatch.distributed",
+    "AutobatchError": "autobatch.errors",
+    "ConfigError": "autobatch.errors",
+    "DeviceUnavailableError": "autobatch.errors",
+    "DistributedError": "autobatch.errors",
+    "DoesNotFitError": "autobatch.errors",
+    "NoFeasiblePlanError": "autobatch.errors",
+    "ServiceError": "autobatch.errors",
+    "StepFailedError": "autobatch.errors",
+    "StoreError": "autobatch.errors",
+    "EstimateUnavailableError": "autobatch.estimate",
+    "estimate": "autobatch.estimate",
+    "ConfigFormat": "autobatch.integrations",
+    "deepspeed_config": "autobatch.integrations",
+    "format_config": "autobatch.integrations",
+    "hf_training_arguments": "autobatch.integrations",
+    "lightning_config": "autobatch.integrations",
+    "Plan": "autobatch.planner",
+    "PlanSource": "autobatch.planner",
+    "Uneven": "autobatch.planner",
+    "WorldSizeOption": "autobatch.planner",
+    "plan": "autobatch.planner",
+    "plan_world_sizes": "autobatch.planner",
+    "Consensus": "autobatch.probe",
+    "LocalConsensus": "autobatch.probe",
+    "probe": "autobatch.probe",
+    "MemoryModel": "autobatch.profile",
+    "PROFILE_SCHEMA_VERSION": "autobatch.profile",
+    "Profile": "autobatch.profile",
+    "Trial": "autobatch.profile",
+    "ProfileNotFoundError": "autobatch.store",
+    "ProfileStore": "autobatch.store",
+    "default_store_path": "autobatch.store",
+    "format_bytes": "autobatch.units",
+    "parse_bytes": "autobatch.units",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autobatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+class _Package(types.ModuleType):
+    """Keeps ``autobatch.probe``, ``.estimate`` and ``.autotune`` the functions.
+
+    After loading a submodule the import system binds it on its package
+    (``setattr(autobatch, "probe", <module>)``), which would hide the function of the same name
+    once anything imported ``autobatch.probe``. This refuses that binding for exported names;
+    the module stays reachable in ``sys.modules``. (Customizing module attribute access:
+    https://docs.python.org/3/reference/datamodel.html#customizing-module-attribute-access)
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
