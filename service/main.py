@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from autobatch.device.nvml import default_nvml
 from autobatch.store import ProfileStore
 from service.config import load_registry
+from service.deps import DeviceLister, ServiceState
 from service.jobs import JobManager
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
@@ -29,11 +30,14 @@ __all__ = ["create_app", "run"]
 API_VERSION = "1"
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The service as an ASGI app.
+def create_app(
+    settings: Settings | None = None, *, list_gpus: DeviceLister | None = None
+) -> FastAPI:
+    """The service as an ASGI app; its shared objects are ``app.state.service`` (``ServiceState``).
 
     Args:
         settings: the configuration; None reads ``AUTOBATCH_*`` from the environment.
+        list_gpus: the GPU list; None reads NVML. Tests pass a fake NVML's ``Nvml.list_gpus``.
 
     Raises:
         ConfigError: the model registry file is unreadable or invalid.
@@ -63,12 +67,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Micro-batch and accumulation plans, profiles, probe jobs and GPU inventory.",
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.store = store
-    app.state.list_gpus = default_nvml().list_gpus
-    app.state.jobs = jobs
-    app.state.metrics = metrics
-    app.add_middleware(ServiceMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    app.state.service = ServiceState(
+        settings=settings,
+        store=store,
+        list_gpus=list_gpus or default_nvml().list_gpus,
+        jobs=jobs,
+        metrics=metrics,
+    )
+    token = settings.api_token
+    app.add_middleware(
+        ServiceMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+        api_token=None if token is None else token.get_secret_value(),
+    )
     for module in (plans, profiles, probes, devices, health):
         app.include_router(module.router)
     install_problem_handlers(app)
@@ -88,4 +100,4 @@ def run(settings: Settings) -> None:
             timeout_graceful_shutdown=10,
         )
     finally:
-        app.state.store.close()
+        app.state.service.store.close()

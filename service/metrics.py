@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -90,6 +91,7 @@ class Metrics:
             "Out-of-memory trials caught by probe jobs",
             registry=self.registry,
         )
+        self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         for event in ("started", "succeeded", "failed"):
             self.probe_events.labels(event)
         self._gpus = _GpuCollector()
@@ -97,8 +99,17 @@ class Metrics:
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
         """Count one request and its latency (``route`` is the template, e.g. ``/v1/plan``)."""
-        self.requests.labels(method, route, str(status)).inc()
-        self.latency.labels(method, route).observe(seconds)
+        key = (method, route, status)
+        children = self._request_children.get(key)
+        if children is None:  # labels() takes a lock and builds a key: once per label set
+            children = (
+                self.requests.labels(method, route, str(status)),
+                self.latency.labels(method, route),
+            )
+            self._request_children[key] = children
+        count, latency = children
+        count.inc()
+        latency.observe(seconds)
 
     def probe_event(self, event: str) -> None:
         """``"started"``, ``"succeeded"``, ``"failed"``, or ``"oom"`` (one caught OOM)."""

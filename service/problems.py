@@ -6,9 +6,10 @@ list of ``{"field": "body.device.capacity_bytes", "reason": "..."}``.
 
 Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigError` and
 :class:`NoFeasiblePlanError` 422; unknown profile, model, job or route 404; a full probe queue
-409; body over the limit 413 (``service.middleware``); a missing/wrong ``Content-Type`` 415
-(``service.deps.require_json``); :class:`StoreError` and :class:`DeviceUnavailableError` 503;
-anything else 500 (a bug: logged, and a fuzz test checks no input reaches it).
+409; a missing or wrong bearer token 401 and a body over the limit 413 (``service.middleware``);
+a missing or wrong ``Content-Type`` 415 (``service.routing``); :class:`StoreError` and
+:class:`DeviceUnavailableError` 503; anything else 500 (a bug: logged, and a fuzz test checks
+no input reaches it).
 
 Example::
 
@@ -182,14 +183,22 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
 def _allowed_methods(request: Request) -> list[str]:
-    """Every method some route serves at this path (Starlette's 405 names only one route's)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches({**request.scope, "method": "\x00"})
-        if match != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)
+    """Every method some route serves at this path (Starlette's 405 names only one route's).
+
+    Asks each top-level route whether it fully matches the path under each method: the public
+    ``BaseRoute.matches``, which also sees into included routers."""
+    return [
+        method
+        for method in _METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] == Match.FULL
+            for route in request.app.router.routes
+        )
+    ]
 
 
 async def _on_problem(request: Request, exc: Exception) -> JSONResponse:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from autobatch.device import GpuInfo
 from autobatch.errors import DeviceUnavailableError
-from service.deps import DeviceListerDep, require_token
+from service.deps import StateDep
 from service.problems import problem_responses
+from service.routing import JsonBodyRoute
 from service.schemas import DeviceList, GpuPublic
 
 router = APIRouter(
     prefix="/v1/devices",
+    route_class=JsonBodyRoute,
     tags=["devices"],
-    dependencies=[Depends(require_token)],
     responses=problem_responses(401),
 )
 
@@ -34,11 +35,11 @@ def gpu_public(gpu: GpuInfo) -> GpuPublic:
 
 
 @router.get("", summary="List this node's GPUs (NVML)")
-def list_devices(list_gpus: DeviceListerDep) -> DeviceList:
+def list_devices(state: StateDep) -> DeviceList:
     """Every GPU and MIG instance NVML sees, with memory in bytes; ``reason`` says why the list
     is empty when there is no NVML (no driver, or a container without the library)."""
     try:
-        gpus = list_gpus()
+        gpus = state.list_gpus()
     except DeviceUnavailableError as exc:
         return DeviceList(devices=[], reason=str(exc))
     return DeviceList(devices=[gpu_public(gpu) for gpu in gpus])

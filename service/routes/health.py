@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
 from autobatch.errors import DeviceUnavailableError, StoreError
-from service.deps import DeviceListerDep, MetricsDep, SettingsDep, StoreDep
+from service.deps import StateDep
 from service.metrics import CONTENT_TYPE
 from service.schemas import HealthPublic, ReadyPublic
 
@@ -28,7 +28,8 @@ async def healthz() -> HealthPublic:
     response_model=ReadyPublic,
     responses={503: {"model": ReadyPublic, "description": "Not ready"}},
 )
-def readyz(store: StoreDep, list_gpus: DeviceListerDep, settings: SettingsDep) -> JSONResponse:
+def readyz(state: StateDep) -> JSONResponse:
+    store, list_gpus, settings = state.store, state.list_gpus, state.settings
     store_detail = None
     try:
         store.check_writable()
@@ -59,5 +60,5 @@ def readyz(store: StoreDep, list_gpus: DeviceListerDep, settings: SettingsDep) -
     response_class=Response,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-def metrics(metrics: MetricsDep, list_gpus: DeviceListerDep) -> Response:
-    return Response(metrics.render(list_gpus), media_type=CONTENT_TYPE)
+def metrics(state: StateDep) -> Response:
+    return Response(state.metrics.render(state.list_gpus), media_type=CONTENT_TYPE)

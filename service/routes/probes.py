@@ -6,11 +6,12 @@ device); a submission beyond that gets 409. See ``service.jobs``.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 
-from service.deps import JobsDep, require_json, require_token
+from service.deps import StateDep
 from service.jobs import Job, UnknownModelError
 from service.problems import Problem, problem_responses
+from service.routing import JsonBodyRoute
 from service.schemas import (
     ProbeCreate,
     ProbeList,
@@ -22,8 +23,8 @@ from service.schemas import (
 
 router = APIRouter(
     prefix="/v1/probes",
+    route_class=JsonBodyRoute,
     tags=["probes"],
-    dependencies=[Depends(require_token)],
     responses=problem_responses(401),
 )
 
@@ -57,16 +58,15 @@ def probe_public(job: Job) -> ProbePublic:
 
 @router.post(
     "",
-    dependencies=[Depends(require_json)],
     status_code=202,
     summary="Start a probe job for a registered model",
     responses=problem_responses(400, 404, 409, 413, 415, 422),
 )
-def start_probe(body: ProbeCreate, jobs: JobsDep, response: Response) -> ProbePublic:
+def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> ProbePublic:
     """Queues the job and returns at once (``Location`` names it). 404 for a model not in the
     server's registry; 409 when the device's queue is full."""
     try:
-        job = jobs.submit(body.model, device=body.device)
+        job = state.jobs.submit(body.model, device=body.device)
     except UnknownModelError as exc:
         raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
     response.headers["Location"] = f"/v1/probes/{job.id}"
@@ -74,8 +74,8 @@ def start_probe(body: ProbeCreate, jobs: JobsDep, response: Response) -> ProbePu
 
 
 @router.get("", summary="List probe jobs, newest first")
-def list_probes(jobs: JobsDep) -> ProbeList:
-    return ProbeList(probes=[probe_public(job) for job in jobs.list_jobs()])
+def list_probes(state: StateDep) -> ProbeList:
+    return ProbeList(probes=[probe_public(job) for job in state.jobs.list_jobs()])
 
 
 @router.get(
@@ -83,5 +83,5 @@ def list_probes(jobs: JobsDep) -> ProbeList:
     summary="A probe job's status, progress and profile",
     responses=problem_responses(404, 422),
 )
-def get_probe(probe_id: str, jobs: JobsDep) -> ProbePublic:
-    return probe_public(jobs.get(probe_id))
+def get_probe(probe_id: str, state: StateDep) -> ProbePublic:
+    return probe_public(state.jobs.get(probe_id))

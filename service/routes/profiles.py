@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Query, Response
 
 from autobatch.profile import Profile
-from service.deps import StoreDep, require_json, require_token
+from service.deps import StateDep
 from service.problems import Problem, problem_responses
+from service.routing import JsonBodyRoute
 from service.schemas import ProfileBase, ProfileCreate, ProfileList, ProfilePublic
 
 router = APIRouter(
     prefix="/v1/profiles",
+    route_class=JsonBodyRoute,
     tags=["profiles"],
-    dependencies=[Depends(require_token)],
     responses=problem_responses(401, 503),
 )
 
@@ -27,35 +28,34 @@ def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
 
 @router.post(
     "",
-    dependencies=[Depends(require_json)],
     status_code=201,
     summary="Register a profile (e.g. from autotune)",
     responses=problem_responses(400, 413, 415, 422),
 )
-def create_profile(body: ProfileCreate, store: StoreDep, response: Response) -> ProfilePublic:
+def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> ProfilePublic:
     """Stores the profile under a new id (the ``Location`` header names it)."""
     profile = Profile.from_dict(body.model_dump())
-    profile_id = store.put(profile)
+    profile_id = state.store.put(profile)
     response.headers["Location"] = f"/v1/profiles/{profile_id}"
     return profile_public(profile_id, profile)
 
 
 @router.get("", summary="List stored profiles, newest first", responses=problem_responses(422))
 def list_profiles(
-    store: StoreDep,
+    state: StateDep,
     model_fingerprint: Annotated[str | None, Query(max_length=256)] = None,
     device_name: Annotated[str | None, Query(max_length=256)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> ProfileList:
-    found = store.list_profiles(
+    found = state.store.list_profiles(
         model_fingerprint=model_fingerprint, device_name=device_name, limit=limit
     )
     return ProfileList(profiles=[profile_public(pid, profile) for pid, profile in found])
 
 
 @router.get("/{profile_id}", summary="Read a profile", responses=problem_responses(404, 422))
-def get_profile(profile_id: str, store: StoreDep) -> ProfilePublic:
-    return profile_public(profile_id, store.get(profile_id))
+def get_profile(profile_id: str, state: StateDep) -> ProfilePublic:
+    return profile_public(profile_id, state.store.get(profile_id))
 
 
 @router.delete(
@@ -65,8 +65,8 @@ def get_profile(profile_id: str, store: StoreDep) -> ProfilePublic:
     response_class=Response,
     responses=problem_responses(404, 422),
 )
-def delete_profile(profile_id: str, store: StoreDep) -> Response:
-    if not store.delete(profile_id):
+def delete_profile(profile_id: str, state: StateDep) -> Response:
+    if not state.store.delete(profile_id):
         raise Problem(
             404, "unknown-profile", f"no profile with id {profile_id!r}", field="path.profile_id"
         )

@@ -13,7 +13,6 @@ from fastapi.testclient import TestClient
 from autobatch.device import GpuInfo
 from autobatch.device.nvml import Nvml
 from autobatch.errors import DeviceUnavailableError
-from service.deps import get_device_lister
 from service.main import create_app
 from service.settings import Settings
 from tests.service.models import REGISTRY_TOML
@@ -52,17 +51,14 @@ def make_app(tmp_path: Path) -> Iterator[Callable[..., FastAPI]]:
 
     def make(list_gpus: Callable[[], list[GpuInfo]] | None = None, **settings: Any) -> FastAPI:
         settings.setdefault("store_path", str(tmp_path / f"store{len(apps)}.sqlite3"))
-        app = create_app(Settings(**settings))
-        lister = list_gpus or fake_gpus()
-        app.dependency_overrides[get_device_lister] = lambda: lister
+        app = create_app(Settings(**settings), list_gpus=list_gpus or fake_gpus())
         apps.append(app)
         return app
 
     yield make
     for app in apps:
-        app.dependency_overrides.clear()
-        app.state.jobs.close()
-        app.state.store.close()
+        app.state.service.jobs.close()
+        app.state.service.store.close()
 
 
 @pytest.fixture

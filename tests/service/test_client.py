@@ -130,4 +130,4 @@ def test_report_profile_is_what_autotune_report_to_calls(make_app: Callable[...,
     app = make_app()
     profile = make_profile()
     profile_id = report_profile("http://testserver", profile, transport=transport_for(app))
-    assert app.state.store.get(profile_id) == profile
+    assert app.state.service.store.get(profile_id) == profile

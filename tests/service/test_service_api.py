@@ -13,6 +13,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.profile import MemoryModel, Profile, Trial
+from service.middleware import token_matches
+from service.routing import is_json_media_type
+from service.schemas import PlanPublic
 from tests.service.conftest import A100_UUID, H100_UUID, no_nvml
 from tests.unit.fake_pynvml import GiB, MiB
 
@@ -93,7 +96,7 @@ def test_readyz_ready_without_gpu_when_not_required(make_app: Callable[..., Fast
 
 def test_readyz_503_when_the_store_is_not_writable(make_app: Callable[..., FastAPI]) -> None:
     app = make_app()
-    app.state.store.close()
+    app.state.service.store.close()
     response = TestClient(app).get("/readyz")
     assert response.status_code == 503
     assert response.json()["store_writable"] is False
@@ -139,6 +142,41 @@ def test_devices_empty_with_reason_without_nvml(make_app: Callable[..., FastAPI]
 
 
 # -- plans -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_body",
+    [
+        {"max_micro_batch_size": 24, "effective_batch_size": 64},
+        {"max_micro_batch_size": 24, "effective_batch_size": 97},  # uneven: null configs
+        {"max_micro_batch_size": 24, "effective_batch_size": 96, "world_sizes": [1, 5, 8]},
+        {
+            "memory_model": {"fixed_bytes": GiB, "bytes_per_sample": GiB},
+            "device": {"capacity_bytes": 40 * GiB},
+            "effective_batch_size": 120,
+            "world_size": 2,
+            "world_sizes": [2, 7],
+        },
+        {
+            "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
+            "effective_batch_size": 8,
+            "device": {"cuda_index": 0},
+        },
+    ],
+)
+def test_plan_responses_are_exactly_plan_public(
+    client: TestClient, request_body: dict[str, Any]
+) -> None:
+    # The route builds its JSON from plain dicts (no model on the hot path): the result must
+    # still be a PlanPublic, field for field, with nothing extra.
+    response = client.post("/v1/plan", json=request_body)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    public = PlanPublic.model_validate(body, strict=True)
+    assert public.model_dump(mode="json") == body
+    for row in body["world_size_options"] or []:
+        assert row["plan"] is None or row["plan"]["world_size"] == row["world_size"]
 
 
 def test_plan_from_a_max_micro_batch_size_with_configs(client: TestClient) -> None:
@@ -468,7 +506,12 @@ def test_body_over_the_limit_is_413(make_app: Callable[..., FastAPI]) -> None:
 
 def test_unknown_route_and_method_are_problems(client: TestClient) -> None:
     problem(client.get("/v1/nothing"), 404, "not-found")
-    problem(client.get("/v1/plan"), 405, "method-not-allowed")
+    response = client.get("/v1/plan")
+    problem(response, 405, "method-not-allowed")
+    assert response.headers["allow"] == "POST"  # RFC 9110: a 405 lists what is allowed
+    response = client.put("/v1/profiles/abc", json={})
+    problem(response, 405, "method-not-allowed")
+    assert response.headers["allow"] == "GET, DELETE"
 
 
 # -- profiles ----------------------------------------------------------------------------------
@@ -539,6 +582,60 @@ def test_token_guards_v1_but_not_health(make_app: Callable[..., FastAPI]) -> Non
         assert client.get(path).status_code == 200
 
 
+def test_token_guards_every_v1_route_before_reading_the_body(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    app = make_app(api_token="s3cret", max_body_bytes=4096)
+    client = TestClient(app)
+    v1 = [
+        (method.upper(), path.replace("{profile_id}", "x").replace("{probe_id}", "x"))
+        for path, operations in app.openapi()["paths"].items()
+        if path.startswith("/v1")
+        for method in operations
+    ]
+    assert len(v1) >= 8
+    for method, path in [*v1, ("GET", "/v1/nothing-here")]:
+        response = client.request(method, path, content=b"{}", headers={"Content-Type": "x/y"})
+        problem(response, 401, "unauthorized")  # not 404, 405, 413 or 415: nothing leaks
+    big = client.post("/v1/plan", content=b"x" * 10_000, headers={"Content-Type": "text/plain"})
+    problem(big, 401, "unauthorized")
+
+
+@pytest.mark.parametrize(
+    ("authorization", "matches"),
+    [
+        ("Bearer s3cret", True),
+        ("bearer s3cret", True),
+        ("Bearer  s3cret ", True),
+        ("Bearer s3cret2", False),
+        ("Basic s3cret", False),
+        ("s3cret", False),
+        ("Bearer ", False),
+        (None, False),
+        ("Bearer s3crét", False),
+    ],
+)
+def test_token_matches(authorization: str | None, matches: bool) -> None:
+    assert token_matches(authorization, b"s3cret") is matches
+
+
+@pytest.mark.parametrize(
+    ("content_type", "is_json"),
+    [
+        ("application/json", True),
+        ("Application/JSON; charset=utf-8", True),
+        ("application/merge-patch+json", True),
+        ("application/jsonx", False),
+        ("text/json", False),
+        ("text/plain", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_is_json_media_type(content_type: str | None, is_json: bool) -> None:
+    assert is_json_media_type(content_type) is is_json
+
+
 # -- probes ------------------------------------------------------------------------------------
 
 
@@ -566,7 +663,7 @@ def test_a_running_probe_always_shows_its_child_pid(
     # Polled without pause: the child takes ~1 s to spawn, so a job marked "running" before
     # its pid was known would be seen here (it was, once, in CI).
     app = make_app(config_file=registry_file, probe_timeout_seconds=2)
-    jobs = app.state.jobs
+    jobs = app.state.service.jobs
     job = jobs.submit("slow-mlp")
     seen: list[tuple[str, int | None]] = []
     deadline = time.monotonic() + 30

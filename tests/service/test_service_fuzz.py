@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 from autobatch.profile import MemoryModel
-from service.deps import get_device_lister
 from service.main import create_app
 from service.settings import Settings
 from tests.service.conftest import fake_gpus
@@ -27,10 +26,10 @@ from tests.service.test_service_api import make_profile
 
 _STORE_DIR = Path(tempfile.mkdtemp(prefix="autobatch-fuzz-"))
 _TOKEN = "fuzz-token"
-_APP = create_app(Settings(store_path=str(_STORE_DIR / "store.sqlite3"), api_token=_TOKEN))
-_LISTER = fake_gpus()
-_APP.dependency_overrides[get_device_lister] = lambda: _LISTER
-_APP.state.store.put(
+_APP = create_app(
+    Settings(store_path=str(_STORE_DIR / "store.sqlite3"), api_token=_TOKEN), list_gpus=fake_gpus()
+)
+_APP.state.service.store.put(
     make_profile(memory_model=MemoryModel(fixed_bytes=2**30, bytes_per_sample=2**20))
 )
 schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
@@ -39,9 +38,8 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
 @pytest.fixture(scope="module", autouse=True)
 def _close_app() -> Iterator[None]:
     yield
-    _APP.dependency_overrides.clear()
-    _APP.state.jobs.close()
-    _APP.state.store.close()
+    _APP.state.service.jobs.close()
+    _APP.state.service.store.close()
     shutil.rmtree(_STORE_DIR, ignore_errors=True)
 
 
