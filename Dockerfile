@@ -20,6 +20,8 @@ COPY service ./service
 RUN pip install --no-cache-dir \
         fastapi==0.165.0 \
         uvicorn==0.54.0 \
+        uvloop==0.23.0 \
+        httptools==0.9.0 \
         pydantic==2.14.4 \
         pydantic-settings==2.16.3 \
         prometheus-client==0.26.0 \

@@ -3,19 +3,23 @@
 Both run under uvicorn (one worker, log level warning) in their own process; the load generator
 is a minimal asyncio HTTP/1.1 keep-alive client (one connection per concurrent caller), so the
 client costs the same for both. For each concurrency level it sends a fixed number of requests
-and prints requests/s and p50/p99 latency, and the plan/trivial throughput ratio.
+to each, in interleaved rounds (plan, trivial, plan, ...) so that a shift in the machine's speed
+during the run hits both alike, and prints requests/s, p50/p99 latency and the server process's
+CPU time per request (from /proc; on a 2-core machine shared with the client, the steadiest of
+the three), and the trivial/plan ratios.
 
 Targets (issue 4): plan within 1.5x of the trivial endpoint's throughput, p99 under 20 ms at
 concurrency 32, on a 2-core machine.
 
     .venv/bin/python bench/service_load.py                       # 3000 requests per level
-    .venv/bin/python bench/service_load.py --requests 500 --concurrency 1 32
+    .venv/bin/python bench/service_load.py --requests 500 --rounds 2 --concurrency 1 32
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_BODY = json.dumps(
@@ -31,7 +36,7 @@ PLAN_BODY = json.dumps(
 ).encode()
 
 
-def trivial_app() -> object:
+def trivial_app() -> Any:
     from fastapi import FastAPI
 
     app = FastAPI()
@@ -83,9 +88,8 @@ async def caller(port: int, request: bytes, count: int, latencies: list[float]) 
         writer.close()
 
 
-async def load(
-    port: int, path: str, body: bytes, requests: int, concurrency: int
-) -> dict[str, float]:
+async def load(port: int, path: str, body: bytes, requests: int, concurrency: int) -> list[float]:
+    """Latencies in seconds of ``requests`` POSTs from ``concurrency`` keep-alive callers."""
     request = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -94,21 +98,50 @@ async def load(
     per_caller = [
         requests // concurrency + (i < requests % concurrency) for i in range(concurrency)
     ]
-    started = time.perf_counter()
-    await asyncio.gather(*(caller(port, request, n, latencies) for n in per_caller))
-    elapsed = time.perf_counter() - started
-    latencies.sort()
-    return {
-        "rps": len(latencies) / elapsed,
-        "p50_ms": 1000 * statistics.median(latencies),
-        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-    }
+    await asyncio.gather(*(caller(port, request, n, latencies) for n in per_caller if n))
+    return latencies
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc); 0.0 where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass
+class Tally:
+    """One endpoint's requests at one concurrency level, summed over rounds."""
+
+    latencies: list[float] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    server_cpu_seconds: float = 0.0
+
+    def run(
+        self, server: subprocess.Popen[bytes], port: int, path: str, requests: int, concurrency: int
+    ) -> None:
+        cpu, started = cpu_seconds(server.pid), time.perf_counter()
+        self.latencies += asyncio.run(load(port, path, PLAN_BODY, requests, concurrency))
+        self.seconds += time.perf_counter() - started
+        self.server_cpu_seconds += cpu_seconds(server.pid) - cpu
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.latencies)
+        return {
+            "rps": len(ordered) / self.seconds,
+            "p50_ms": 1000 * statistics.median(ordered),
+            "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            "cpu_us": 1e6 * self.server_cpu_seconds / len(ordered),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000, help="per endpoint and level")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per level")
     parser.add_argument("--serve-trivial", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_trivial is not None:
@@ -140,19 +173,31 @@ def main(argv: list[str] | None = None) -> int:
         # Warm up both (imports, first-call caches).
         asyncio.run(load(plan_port, "/v1/plan", PLAN_BODY, 200, 4))
         asyncio.run(load(trivial_port, "/trivial", PLAN_BODY, 200, 4))
-        print(f"{os.cpu_count()} CPUs, {args.requests} requests per endpoint and level")
-        print(f"{'conc':>4} {'endpoint':>12} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        print(
+            f"{os.cpu_count()} CPUs, {args.requests} requests per endpoint and level, "
+            f"in {args.rounds} interleaved rounds"
+        )
+        print(
+            f"{'conc':>4} {'endpoint':>13} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'server CPU us/req':>18}"
+        )
+        per_round = max(1, args.requests // args.rounds)
         for concurrency in args.concurrency:
-            plan = asyncio.run(load(plan_port, "/v1/plan", PLAN_BODY, args.requests, concurrency))
-            trivial = asyncio.run(
-                load(trivial_port, "/trivial", PLAN_BODY, args.requests, concurrency)
-            )
-            for name, result in (("POST /v1/plan", plan), ("trivial", trivial)):
+            plan, trivial = Tally(), Tally()
+            for _ in range(args.rounds):
+                plan.run(servers[0], plan_port, "/v1/plan", per_round, concurrency)
+                trivial.run(servers[1], trivial_port, "/trivial", per_round, concurrency)
+            p, t = plan.summary(), trivial.summary()
+            for name, result in (("POST /v1/plan", p), ("trivial", t)):
                 print(
-                    f"{concurrency:>4} {name:>12} {result['rps']:>9.0f} "
-                    f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f}"
+                    f"{concurrency:>4} {name:>13} {result['rps']:>8.0f} "
+                    f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {result['cpu_us']:>18.0f}"
                 )
-            print(f"{'':>4} {'ratio':>12} {trivial['rps'] / plan['rps']:>9.2f}x (trivial/plan)")
+            cpu_ratio = p["cpu_us"] / t["cpu_us"] if t["cpu_us"] else float("nan")
+            print(
+                f"{'':>4} {'ratio':>13} {t['rps'] / p['rps']:>7.2f}x {'':>17} {cpu_ratio:>17.2f}x"
+                "  (trivial/plan throughput; plan/trivial CPU)"
+            )
     finally:
         for server in servers:
             server.terminate()

@@ -1,8 +1,8 @@
 """The benchmark scripts run end to end on the CPU: ``bench/gpu_check.py --dry-run`` (tiny model,
-simulated device instead of CUDA) and ``bench/probe_vs_peers.py --quick`` (one model, one
-capacity). Each runs in a subprocess, as it would be run by hand, so Lightning's and Accelerate's
-warnings (CPU training, dataloader workers) stay out of this pytest session's
-``filterwarnings = error``."""
+simulated device instead of CUDA), ``bench/probe_vs_peers.py --quick`` (one model, one capacity)
+and ``bench/service_load.py`` (a few requests). Each runs in a subprocess, as it would be run by
+hand, so Lightning's and Accelerate's warnings (CPU training, dataloader workers) stay out of
+this pytest session's ``filterwarnings = error``."""
 
 from __future__ import annotations
 
@@ -56,3 +56,17 @@ def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
         assert f" {tool} " in out
     assert "medians | autobatch:" in out
     assert out.count("target ") == 4
+
+
+@pytest.mark.slow
+def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
+    out = _run(
+        ["bench/service_load.py", "--requests", "60", "--rounds", "2", "--concurrency", "1", "4"],
+        timeout_s=180,
+    )
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["4"])]
+    # conc, endpoint..., req/s, p50, p99, server CPU per request: all measured, all positive.
+    assert [row[0] for row in rows] == ["1", "1", "4", "4"]
+    for row in rows:
+        assert all(float(value) > 0 for value in row[-4:]), row
+    assert out.count("(trivial/plan throughput; plan/trivial CPU)") == 2
