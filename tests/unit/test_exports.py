@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 import autobatch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_python(code: str) -> str:
@@ -37,6 +41,41 @@ def test_functions_named_like_their_modules_stay_functions() -> None:
         "type(sys.modules['autobatch.probe']).__name__)"
     )
     assert out.split() == ["function", "function", "function", "module"]
+
+
+def test_submodules_are_attributes_after_a_plain_import() -> None:
+    out = run_python(
+        "import autobatch, sys;"
+        "print(autobatch.planner.__name__, autobatch.store.__name__, 'torch' in sys.modules,"
+        "autobatch.metadata.__name__)"
+    )
+    assert out.split() == ["autobatch.planner", "autobatch.store", "False", "autobatch.metadata"]
+
+
+def test_type_checkers_see_the_exports_and_flag_misspellings(tmp_path: Path) -> None:
+    # The lazy __getattr__ is hidden from type checkers; without that, mypy would take every
+    # unknown name as Any and let typos through.
+    (tmp_path / "user.py").write_text(
+        "import autobatch\n"
+        "from autobatch import plan, Planner\n"
+        "autobatch.plan_world_size\n"
+        "reveal_type(autobatch.plan(8, effective_batch_size=16))\n"
+    )
+    (tmp_path / "mypy.ini").write_text(
+        "[mypy]\nfollow_imports = silent\nignore_missing_imports = True\n"
+        "[mypy-torch.*,transformers.*,numpy.*,httpx.*,tqdm.*]\nfollow_imports = skip\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--no-incremental", "user.py"],
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert 'Module "autobatch" has no attribute "Planner"' in done.stdout, done.stdout
+    assert 'no attribute "plan_world_size"' in done.stdout
+    assert 'Revealed type is "autobatch.planner.Plan"' in done.stdout
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
