@@ -2,12 +2,14 @@
 
 Pure ASGI (no per-request task or stream wrapping), so it costs microseconds. In order:
 
-- on ``/v1``: 401 unless ``Authorization: Bearer <token>`` matches the configured token
-  (compared in constant time); health and metrics stay open for kubelet probes and scrapers;
-- 413 for a body over ``max_body_bytes`` (by ``Content-Length``, or while reading a chunked
-  body), before it is parsed;
+- on ``/v1`` (after any ``root_path``): 401 unless exactly one ``Authorization: Bearer <token>``
+  matches the configured token (compared in constant time); health and metrics stay open for
+  kubelet probes and scrapers;
+- 413 for a body over ``max_body_bytes``: by ``Content-Length`` alone when it is the only
+  framing, else counted while the body is buffered (chunked, or chunked and a length), before
+  it is parsed;
 - each request is counted and timed under its route template (``/v1/profiles/{profile_id}``),
-  or ``"unmatched"`` for unknown paths, so labels stay few.
+  or ``"unmatched"`` for unknown paths, and its method or ``"other"``, so labels stay few.
 
 These checks live here rather than in FastAPI dependencies: a dependency is resolved per request
 on every route (about 20 µs each on 2 cores), and these need nothing but the headers. The
@@ -33,6 +35,8 @@ from service.problems import problem_response
 __all__ = ["ServiceMiddleware", "token_matches"]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods counted by name; any other (h11 accepts any token) is "other", so labels stay few."""
 
 
 def token_matches(authorization: str | None, expected: bytes) -> bool:
@@ -41,6 +45,14 @@ def token_matches(authorization: str | None, expected: bytes) -> bool:
     if scheme.lower() != "bearer":
         given = ""
     return secrets.compare_digest(given.strip().encode("utf-8", "replace"), expected)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: without ``root_path`` (a mount or a proxy prefix), which
+    servers leave at the front of ``scope["path"]``."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _is_api(path: str) -> bool:
@@ -78,36 +90,34 @@ class ServiceMiddleware:
         finally:
             route: Any = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe_request(
-                scope["method"], template, status, time.perf_counter() - started
-            )
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.metrics.observe_request(method, template, status, time.perf_counter() - started)
 
     async def _gate(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """The receive to hand on (replaying a buffered body), or None after a problem."""
-        headers = {
-            key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]
-        }
-        path: str = scope["path"]
+        headers: dict[str, list[str]] = {}
+        for key, value in scope["headers"]:
+            headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
         token = self._token
-        if (
-            token is not None
-            and _is_api(path)
-            and not token_matches(headers.get("authorization"), token)
-        ):
-            await problem_response(
-                401,
-                "unauthorized",
-                "missing or wrong bearer token: send Authorization: Bearer <token>",
-                instance=path,
-                headers={"WWW-Authenticate": "Bearer"},
-            )(scope, receive, send)
-            return None
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit():
-            if int(declared) > self.max_body_bytes:
+        if token is not None and _is_api(_route_path(scope)):
+            given = headers.get("authorization", [])
+            # Exactly one header: with several, servers and proxies disagree on which one counts.
+            if len(given) != 1 or not token_matches(given[0], token):
+                await problem_response(
+                    401,
+                    "unauthorized",
+                    "missing or wrong bearer token: send one Authorization: Bearer <token>",
+                    instance=scope["path"],
+                    headers={"WWW-Authenticate": "Bearer"},
+                )(scope, receive, send)
+                return None
+        declared = headers.get("content-length", [])
+        if len(declared) == 1 and declared[0].isascii() and declared[0].isdigit():
+            if int(declared[0]) > self.max_body_bytes:
                 await self._too_large(scope, receive, send)
                 return None
-            return receive  # the server reads exactly Content-Length bytes, no more
+            if "transfer-encoding" not in headers:
+                return receive  # the server delivers exactly Content-Length bytes, no more
         if scope["method"] not in _BODY_METHODS:
             return receive
         chunks: list[bytes] = []

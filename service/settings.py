@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "add_serve_arguments", "settings_from_args"]
@@ -30,7 +30,8 @@ class Settings(BaseSettings):
     """Profile store file; None means the library default (``$AUTOBATCH_STORE`` or the XDG
     cache); ``":memory:"`` keeps profiles in memory."""
     api_token: SecretStr | None = None
-    """When set, every ``/v1`` call needs ``Authorization: Bearer <token>``."""
+    """When set, every ``/v1`` call needs ``Authorization: Bearer <token>``. An empty token is
+    refused (it would match a request without one): unset it to run without a token."""
     config_file: Path | None = None
     """TOML registry of the models that probe jobs may run (see ``service.config``)."""
     require_gpu: bool = False
@@ -43,6 +44,16 @@ class Settings(BaseSettings):
     """Jobs that may wait per device behind the running one; one more gets 409."""
     log_level: str = "info"
     """uvicorn's log level."""
+
+    @field_validator("api_token")
+    @classmethod
+    def _token_not_empty(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None and not token.get_secret_value().strip():
+            raise ValueError(
+                "the API token is empty, which would let requests without one through: set a "
+                "token, or unset AUTOBATCH_API_TOKEN / drop --api-token to run without one"
+            )
+        return token
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

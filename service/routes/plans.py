@@ -139,7 +139,7 @@ def _resolve_device(spec: DeviceSpec, list_gpus: DeviceLister) -> ResolvedDevice
         return ResolvedDevice(source="capacity_bytes", capacity_bytes=spec.capacity_bytes)
     if spec.node_labels is not None:
         mib = spec.node_labels.get(GPU_MEMORY_LABEL, "")
-        if not mib.isdigit() or int(mib) < 1 or int(mib) > 2**40:
+        if not (mib.isascii() and mib.isdigit()) or not 1 <= int(mib) <= 2**40:
             raise Problem(
                 422,
                 "validation",

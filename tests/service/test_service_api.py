@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from autobatch.profile import MemoryModel, Profile, Trial
 from service.middleware import token_matches
@@ -267,12 +269,14 @@ def test_plan_for_kubernetes_gpu_labels(client: TestClient) -> None:
     assert body["plan"]["max_micro_batch_size"] == 40  # 80 GiB * 0.5 / 1 GiB
 
 
-def test_plan_labels_without_memory_is_422_with_field(client: TestClient) -> None:
+@pytest.mark.parametrize("mib", ["lots", "²", "８１９２０", "0", "-5", " 81920", str(2**40 + 1)])
+def test_plan_labels_without_memory_is_422_with_field(client: TestClient, mib: str) -> None:
+    # "²".isdigit() is true but int("²") raises: only ASCII digits are a size.
     response = client.post(
         "/v1/plan",
         json={
             "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
-            "device": {"node_labels": {"nvidia.com/gpu.memory": "lots"}},
+            "device": {"node_labels": {"nvidia.com/gpu.memory": mib}},
             "effective_batch_size": 40,
         },
     )
@@ -504,6 +508,67 @@ def test_body_over_the_limit_is_413(make_app: Callable[..., FastAPI]) -> None:
     problem(response, 413, "body-too-large")
 
 
+def call_asgi(
+    app: FastAPI, method: str, path: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes]
+) -> tuple[int, bytes]:
+    """One request straight through the ASGI app, the body in ``chunks`` (as a server that
+    received ``Transfer-Encoding: chunked`` would deliver it). (status, body)."""
+    pending = list(chunks)
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        if not pending:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": pending.pop(0), "more_body": bool(pending)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], body
+
+
+def test_a_length_beside_chunked_framing_does_not_skip_the_size_limit(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    # h11 hands on a chunked body even when a Content-Length header came with it: the length
+    # then says nothing about the body, which must be counted.
+    app = make_app(max_body_bytes=4096)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"10"),
+        (b"transfer-encoding", b"chunked"),
+    ]
+    status, body = call_asgi(app, "POST", "/v1/plan", headers, [b'{"pad": "', b"x" * 9000, b'"}'])
+    assert status == 413 and b"body-too-large" in body
+    small = [b'{"max_micro_batch_size": 8, ', b'"effective_batch_size": 8}']
+    assert call_asgi(app, "POST", "/v1/plan", headers, small)[0] == 200
+
+
+def test_odd_methods_share_one_metrics_label(make_app: Callable[..., FastAPI]) -> None:
+    app = make_app()
+    for method in ("FOO", "BAR", "QUUX"):  # h11 accepts any token as a method
+        assert call_asgi(app, method, "/healthz", [], [b""])[0] == 405
+    text = TestClient(app).get("/metrics").text
+    assert 'method="other",route="/healthz",status="405"} 3.0' in text
+    assert "FOO" not in text and "QUUX" not in text
+
+
 def test_unknown_route_and_method_are_problems(client: TestClient) -> None:
     problem(client.get("/v1/nothing"), 404, "not-found")
     response = client.get("/v1/plan")
@@ -599,6 +664,38 @@ def test_token_guards_every_v1_route_before_reading_the_body(
         problem(response, 401, "unauthorized")  # not 404, 405, 413 or 415: nothing leaks
     big = client.post("/v1/plan", content=b"x" * 10_000, headers={"Content-Type": "text/plain"})
     problem(big, 401, "unauthorized")
+
+
+def test_token_guards_v1_under_a_mount_and_a_root_path(make_app: Callable[..., FastAPI]) -> None:
+    # Behind a proxy prefix (uvicorn --root-path) or mounted in a bigger app, scope["path"]
+    # still carries the prefix; the gate must match what the router matches.
+    outer = FastAPI()
+    outer.mount("/autobatch", make_app(api_token="s3cret"))
+    client = TestClient(outer)
+    body = {"max_micro_batch_size": 8, "effective_batch_size": 8}
+    problem(client.post("/autobatch/v1/plan", json=body), 401, "unauthorized")
+    problem(client.get("/autobatch/v1/profiles"), 401, "unauthorized")
+    good = client.post("/autobatch/v1/plan", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert good.status_code == 200
+    assert client.get("/autobatch/healthz").status_code == 200
+    proxied = TestClient(make_app(api_token="s3cret"), root_path="/autobatch")
+    problem(proxied.post("/autobatch/v1/plan", json=body), 401, "unauthorized")
+
+
+def test_two_authorization_headers_are_refused(make_app: Callable[..., FastAPI]) -> None:
+    app = make_app(api_token="s3cret")
+    one = [(b"authorization", b"Bearer s3cret")]
+    assert call_asgi(app, "GET", "/v1/profiles", one, [b""])[0] == 200
+    for second in (b"Bearer s3cret", b"Bearer wrong"):
+        headers = [(b"authorization", b"Bearer wrong"), (b"authorization", second)]
+        assert call_asgi(app, "GET", "/v1/profiles", headers[::-1], [b""])[0] == 401
+        assert call_asgi(app, "GET", "/v1/profiles", headers, [b""])[0] == 401
+
+
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_at_start(make_app: Callable[..., FastAPI], token: str) -> None:
+    with pytest.raises(ValidationError, match="API token is empty"):
+        make_app(api_token=token)
 
 
 @pytest.mark.parametrize(
