@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning, StepStats
-    from autobatch.autotune import autotune
+    from autobatch.autotune import ReportWarning, autotune
     from autobatch.device import Capacity, Device, GpuInfo, MemoryInfo, PeakMemory, resolve_device
     from autobatch.device.simulated import SimulatedDevice
     from autobatch.distributed import ProcessGroupConsensus
@@ -75,6 +75,7 @@ __all__ = [
     "Profile",
     "ProfileNotFoundError",
     "ProfileStore",
+    "ReportWarning",
     "ServiceError",
     "SimulatedDevice",
     "SmallMicroBatchNormWarning",
@@ -106,6 +107,7 @@ _EXPORTS: dict[str, str] = {
     "Accumulator": "autobatch.accumulate",
     "SmallMicroBatchNormWarning": "autobatch.accumulate",
     "StepStats": "autobatch.accumulate",
+    "ReportWarning": "autobatch.autotune",
     "autotune": "autobatch.autotune",
     "Capacity": "autobatch.device",
     "Device": "autobatch.device",

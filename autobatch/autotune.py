@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from autobatch.batch import BatchSource
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
+from autobatch.errors import AutobatchError
 from autobatch.estimate import DEFAULT_LIMIT
 from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
 from autobatch.planner import Plan, Uneven, plan
@@ -78,7 +80,8 @@ def autotune(
         refresh: probe again even when the store has a profile.
         report_to: base URL of an autobatch service; a newly probed profile is registered there
             (``POST /v1/profiles``, bearer token from ``AUTOBATCH_API_TOKEN``). Under
-            torch.distributed only rank 0 reports.
+            torch.distributed only rank 0 reports. A failure to report warns
+            (:class:`ReportWarning`) and does not raise.
 
     Returns:
         The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise.
@@ -279,13 +282,31 @@ def _agreed_profile(
             opened[0].close()
 
 
+class ReportWarning(UserWarning):
+    """``autotune(report_to=...)`` could not register the profile; the plan is still returned."""
+
+
 def _report(report_to: str | None, profile: Profile) -> None:
-    """Register a newly probed profile with the service at ``report_to`` (if any)."""
+    """Register a newly probed profile with the service at ``report_to`` (if any).
+
+    A failure warns (:class:`ReportWarning`) rather than raises: the probe's result is in hand
+    and in the local store, and a training script should not die because a scheduler's service
+    is down or refused the token.
+    """
     if report_to is None:
         return
     from autobatch.client import report_profile
 
-    report_profile(report_to, profile, token=os.environ.get("AUTOBATCH_API_TOKEN"))
+    try:
+        report_profile(report_to, profile, token=os.environ.get("AUTOBATCH_API_TOKEN"))
+    except AutobatchError as exc:
+        warnings.warn(
+            f"could not register the profile with the autobatch service at {report_to}: {exc}. "
+            "The plan is returned and the profile is in the local store; send it later with "
+            "autobatch.client.report_profile(url, profile), or probe again with refresh=True",
+            ReportWarning,
+            stacklevel=4,
+        )
 
 
 CAPACITY_TOLERANCE = 0.01

@@ -156,6 +156,11 @@ class Profile:
             )
         if not 0 <= self.safety_margin < 1:
             raise ConfigError(f"safety_margin {self.safety_margin} must be in [0, 1)")
+        if not 0 <= self.capacity_bytes <= self.total_memory_bytes:
+            raise ConfigError(
+                f"capacity_bytes {self.capacity_bytes} must be in 0..total_memory_bytes "
+                f"{self.total_memory_bytes}: the usable capacity is part of the device's memory"
+            )
 
     @property
     def num_trials(self) -> int:

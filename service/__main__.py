@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,13 +32,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, build the settings, serve until interrupted. Returns the exit status."""
     args = parse_args(argv)
+    # Registry factories ("examples.models:tiny_mlp") are found from the working directory, as
+    # uvicorn finds "main:app"; spawned probe children inherit this path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         settings = settings_from_args(args)
         from service.main import run
 
         run(settings)
     except ValidationError as exc:
-        print(f"autobatch serve: invalid setting: {exc}", file=sys.stderr)
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "settings"
+            flag, variable = f"--{name.replace('_', '-')}", f"AUTOBATCH_{name.upper()}"
+            reason = str(error["msg"]).removeprefix("Value error, ")
+            if name != "api_token":  # never echo a secret
+                reason += f" (got {error.get('input')!r})"
+            print(f"autobatch serve: {flag} / {variable}: {reason}", file=sys.stderr)
         return 2
     except AutobatchError as exc:
         print(f"autobatch serve: {exc}", file=sys.stderr)

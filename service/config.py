@@ -30,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -117,9 +118,31 @@ def load_registry(path: Path | None) -> Registry:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"the model registry {path} is not valid TOML: {exc}") from exc
     try:
-        return Registry.model_validate(data)
+        registry = Registry.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
         )
         raise ConfigError(f"the model registry {path} is invalid: {problems}") from exc
+    for name, entry in registry.models.items():
+        _check_importable(name, entry.factory, path)
+    return registry
+
+
+def _check_importable(name: str, factory: str, path: Path) -> None:
+    """Fail at start, not at the first probe, when a factory's module cannot be found.
+
+    Finds the module without running it (``importlib.util.find_spec``; parent packages are
+    imported), so the server does not import torch or the user's model code.
+    """
+    module = factory.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"the model registry {path}: model {name!r}: cannot find module {module!r} (factory "
+            f"{factory!r}) on the import path; start the server from the directory that holds "
+            f"it, or add that directory to PYTHONPATH"
+        )

@@ -1,8 +1,9 @@
 """Probe jobs: each runs ``autobatch.probe`` on a registered model in its own child process.
 
-Scheduling, per device (``"cuda:0"``, ``"sim:64MiB"``, ...): one job runs at a time; later jobs
-wait in a first-in, first-out queue of at most ``max_queued`` jobs, and a submission beyond that
-raises :class:`QueueFullError` (HTTP 409). Jobs on different devices run in parallel.
+Scheduling, per GPU (``"cuda:0"``) and one for the host (``cpu`` and every ``sim:SIZE``, see
+:func:`queue_key`): one job runs at a time; later jobs wait in a first-in, first-out queue of at
+most ``max_queued`` jobs, and a submission beyond that raises :class:`QueueFullError` (HTTP
+409). Jobs on different GPUs run in parallel.
 
 A job's child is started with the ``spawn`` method (no state inherited from the server; torch is
 imported there, never in the server), reports each trial through a queue, and sends back the
@@ -22,6 +23,7 @@ import collections
 import dataclasses
 import datetime
 import importlib
+import logging
 import multiprocessing
 import queue
 import signal
@@ -31,9 +33,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
+from autobatch.errors import ConfigError
 from autobatch.profile import Profile
 from autobatch.store import ProfileStore
 from service.config import ModelEntry, Registry
+
+_log = logging.getLogger("service.jobs")
 
 __all__ = [
     "Job",
@@ -127,16 +132,20 @@ class JobManager:
         """
         entry = self.registry.models.get(model)
         if entry is None:
-            known = ", ".join(sorted(self.registry.models)) or "none are registered"
+            known = (
+                ", ".join(sorted(self.registry.models))
+                or "none: the server was started without --config-file (AUTOBATCH_CONFIG_FILE)"
+            )
             raise UnknownModelError(f"model {model!r} is not registered (known: {known})")
         target = device or entry.device
+        key = queue_key(target)
         with self._lock:
             if self._closed:
                 raise QueueFullError("the server is shutting down")
-            waiting = self._queues.setdefault(target, collections.deque())
+            waiting = self._queues.setdefault(key, collections.deque())
             if len(waiting) >= self._max_queued:
                 raise QueueFullError(
-                    f"{len(waiting)} probe job(s) already wait for {target} (the limit); retry "
+                    f"{len(waiting)} probe job(s) already wait for {key} (the limit); retry "
                     "when one finishes"
                 )
             job = Job(
@@ -149,12 +158,12 @@ class JobManager:
             self._jobs[job.id] = job
             waiting.append(job.id)
             self._forget_old()
-            worker = self._workers.get(target)
+            worker = self._workers.get(key)
             if worker is None or not worker.is_alive():
                 worker = threading.Thread(
-                    target=self._work, args=(target,), name=f"probe-{target}", daemon=True
+                    target=self._work, args=(key,), name=f"probe-{key}", daemon=True
                 )
-                self._workers[target] = worker
+                self._workers[key] = worker
                 worker.start()
             self._lock.notify_all()
             return self._snapshot(job.id)
@@ -202,7 +211,7 @@ class JobManager:
     def _snapshot(self, job_id: str) -> Job:
         job = self._jobs[job_id]
         if job.status == "queued":
-            waiting = self._queues.get(job.device, collections.deque())
+            waiting = self._queues.get(queue_key(job.device), collections.deque())
             position = list(waiting).index(job_id) if job_id in waiting else 0
             return dataclasses.replace(job, queue_position=position)
         return job
@@ -215,10 +224,10 @@ class JobManager:
         for job_id in finished[: max(0, len(finished) - _MAX_FINISHED_JOBS)]:
             del self._jobs[job_id]
 
-    def _work(self, device: str) -> None:
+    def _work(self, key: str) -> None:
         while True:
             with self._lock:
-                waiting = self._queues[device]
+                waiting = self._queues[key]
                 while not waiting and not self._closed:
                     self._lock.wait()
                 if self._closed:
@@ -227,7 +236,7 @@ class JobManager:
                 job = self._jobs[job_id]
                 entry = self.registry.models[job.model]
             try:
-                self._run(job_id, entry, device)
+                self._run(job_id, entry, job.device)
             except Exception as exc:  # a bug here must not stop the device's queue
                 with self._lock:
                     self._update(
@@ -336,7 +345,22 @@ class JobManager:
             changes.update(status="failed", error=_describe_exit(exitcode))
         with self._lock:
             self._update(job_id, **changes)
+            job = self._jobs[job_id]
+        if job.status == "failed":
+            _log.warning(
+                "probe job %s (model %r on %s) failed: %s", job_id, job.model, job.device, job.error
+            )
         self._on_event("succeeded" if changes["status"] == "succeeded" else "failed")
+
+
+def queue_key(device: str) -> str:
+    """The queue a device's jobs wait in: one per CUDA index (``"cuda:01"`` is ``"cuda:1"``),
+    and one for the host, shared by ``cpu`` and every ``sim:SIZE`` (they all run on the CPU, and
+    two at once would slow each other's trials)."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isascii() and index.isdigit():
+        return f"cuda:{int(index)}"
+    return "host"
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -373,7 +397,13 @@ def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
 
     target = resolve_device(device)
     module_name, _, function_name = entry.factory.partition(":")
-    factory = getattr(importlib.import_module(module_name), function_name)
+    try:
+        factory = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"cannot load factory {entry.factory!r}: {type(exc).__name__}: {exc} (the server's "
+            "working directory and PYTHONPATH are the import path)"
+        ) from exc
     torch.manual_seed(0)
     model = factory().to(target.torch_device)
     tensors: dict[str, torch.Tensor] = {}

@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -28,6 +29,7 @@ from service.settings import Settings
 __all__ = ["create_app", "run"]
 
 API_VERSION = "1"
+_log = logging.getLogger("service")
 
 
 def create_app(
@@ -91,6 +93,12 @@ def create_app(
 def run(settings: Settings) -> None:
     """Serve until interrupted (``uvicorn.run`` on ``settings.host``/``settings.port``)."""
     app = create_app(settings)
+    if settings.api_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        _log.warning(
+            "serving on %s without an API token: anyone who can reach the port can register "
+            "and delete profiles and start probe jobs; set AUTOBATCH_API_TOKEN",
+            settings.host,
+        )
     try:
         uvicorn.run(
             app,

@@ -51,6 +51,7 @@ __all__ = [
     "install_problem_handlers",
     "problem_response",
     "problem_responses",
+    "unknown_profile",
 ]
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -100,6 +101,12 @@ class Problem(Exception):
         self.field = field
 
 
+def unknown_profile(profile_id: str, *, field: str) -> Problem:
+    """404 for a profile id the store does not hold (never the store's file path: the
+    library's message has it, which a client has no business seeing)."""
+    return Problem(404, "unknown-profile", f"no profile with id {profile_id!r}", field=field)
+
+
 def problem_response(
     status: int,
     slug: str,
@@ -144,6 +151,11 @@ def _field(loc: Iterable[Any]) -> str:
     return ".".join(str(part) for part in loc)
 
 
+def _reason(error: Any) -> str:
+    """Pydantic's message, without the "Value error, " its validators' messages carry."""
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
@@ -163,7 +175,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
             errors=reasons,
             instance=request.url.path,
         )
-    reasons = [(_field(e["loc"]), str(e["msg"])) for e in errors]
+    reasons = [(_field(e["loc"]), _reason(e)) for e in errors]
     detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
     return problem_response(
         422, "validation", detail or "invalid request", errors=reasons, instance=request.url.path
@@ -210,6 +222,8 @@ async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_library(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, ProfileNotFoundError):
+        return await _on_problem(request, unknown_profile(exc.profile_id, field="body"))
     status, slug = _library_problem(exc)
     if status == 500:
         _log.exception("unhandled error on %s %s", request.method, request.url.path)

@@ -23,7 +23,7 @@ from autobatch.planner import Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileNotFoundError, ProfileStore
 from service.deps import DeviceLister, service_state
-from service.problems import Problem, problem_responses
+from service.problems import Problem, problem_responses, unknown_profile
 from service.routing import JsonBodyRoute
 from service.schemas import (
     DeviceSpec,
@@ -221,8 +221,8 @@ def _resolve_limit(
     if body.profile_id is not None:
         try:
             profile = store.get(body.profile_id)
-        except ProfileNotFoundError as exc:
-            raise Problem(404, "unknown-profile", str(exc), field="body.profile_id") from exc
+        except ProfileNotFoundError:
+            raise unknown_profile(body.profile_id, field="body.profile_id") from None
         return profile, body.profile_id, _stored_source(profile)
     assert body.model_fingerprint is not None
     found = []
@@ -235,8 +235,10 @@ def _resolve_limit(
         raise Problem(
             404,
             "unknown-profile",
-            f"no stored profile has model_fingerprint {body.model_fingerprint!r}; register one "
-            "with POST /v1/profiles or run a probe",
+            f"no stored profile has model_fingerprint {body.model_fingerprint!r} (the hash in a "
+            "profile's model_fingerprint field, as GET /v1/profiles and a finished probe job "
+            "show it; not a registry model name); register one with POST /v1/profiles or run "
+            "a probe",
             field="body.model_fingerprint",
         )
     profile_id, profile = found[0]

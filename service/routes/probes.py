@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from service.deps import StateDep
+from autobatch.errors import DeviceUnavailableError
+from service.deps import DeviceLister, StateDep
 from service.jobs import Job, UnknownModelError
 from service.problems import Problem, problem_responses
 from service.routing import JsonBodyRoute
@@ -64,13 +65,39 @@ def probe_public(job: Job) -> ProbePublic:
 )
 def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> ProbePublic:
     """Queues the job and returns at once (``Location`` names it). 404 for a model not in the
-    server's registry; 409 when the device's queue is full."""
+    server's registry; 422 for a CUDA device this node does not have; 409 when the device's
+    queue is full."""
+    entry = state.jobs.registry.models.get(body.model)
+    if entry is not None:
+        _check_cuda_device(body.device or entry.device, state.list_gpus, body.device is None)
     try:
         job = state.jobs.submit(body.model, device=body.device)
     except UnknownModelError as exc:
         raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
     response.headers["Location"] = f"/v1/probes/{job.id}"
     return probe_public(job)
+
+
+def _check_cuda_device(device: str, list_gpus: DeviceLister, from_registry: bool) -> None:
+    """422 now, rather than a job failing seconds later, for ``cuda:N`` with no such GPU here."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return
+    try:
+        visible = sorted(gpu.cuda_index for gpu in list_gpus() if gpu.cuda_index is not None)
+    except DeviceUnavailableError as exc:
+        reason = f"this node has no usable GPU ({exc})"
+    else:
+        if int(index) in visible:
+            return
+        reason = f"this node has no GPU with CUDA index {int(index)} (visible: {visible or 'none'})"
+    where = "the registry's device for this model" if from_registry else "device"
+    raise Problem(
+        422,
+        "unknown-device",
+        f'{where} {device!r}: {reason}; give a device this node has, e.g. "sim:16GiB"',
+        field="body.model" if from_registry else "body.device",
+    )
 
 
 @router.get("", summary="List probe jobs, newest first")

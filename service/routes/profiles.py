@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
 from autobatch.profile import Profile
+from autobatch.store import ProfileNotFoundError
 from service.deps import StateDep
-from service.problems import Problem, problem_responses
+from service.problems import problem_responses, unknown_profile
 from service.routing import JsonBodyRoute
 from service.schemas import ProfileBase, ProfileCreate, ProfileList, ProfilePublic
 
@@ -35,6 +38,8 @@ def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
 def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> ProfilePublic:
     """Stores the profile under a new id (the ``Location`` header names it)."""
     profile = Profile.from_dict(body.model_dump())
+    if not profile.created_at:  # the time it reached the service, as a probe would stamp it
+        profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())
     profile_id = state.store.put(profile)
     response.headers["Location"] = f"/v1/profiles/{profile_id}"
     return profile_public(profile_id, profile)
@@ -55,7 +60,10 @@ def list_profiles(
 
 @router.get("/{profile_id}", summary="Read a profile", responses=problem_responses(404, 422))
 def get_profile(profile_id: str, state: StateDep) -> ProfilePublic:
-    return profile_public(profile_id, state.store.get(profile_id))
+    try:
+        return profile_public(profile_id, state.store.get(profile_id))
+    except ProfileNotFoundError:
+        raise unknown_profile(profile_id, field="path.profile_id") from None
 
 
 @router.delete(
@@ -67,7 +75,5 @@ def get_profile(profile_id: str, state: StateDep) -> ProfilePublic:
 )
 def delete_profile(profile_id: str, state: StateDep) -> Response:
     if not state.store.delete(profile_id):
-        raise Problem(
-            404, "unknown-profile", f"no profile with id {profile_id!r}", field="path.profile_id"
-        )
+        raise unknown_profile(profile_id, field="path.profile_id")
     return Response(status_code=204)

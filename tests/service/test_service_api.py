@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from autobatch.profile import MemoryModel, Profile, Trial
+from service.jobs import queue_key
 from service.middleware import token_matches
 from service.routing import is_json_media_type
 from service.schemas import PlanPublic
@@ -48,6 +49,7 @@ def make_profile(**changes: Any) -> Profile:
         "memory_model": MemoryModel(fixed_bytes=4 * GiB, bytes_per_sample=GiB // 2),
         "model_fingerprint": "fp-gpt2",
         "torch_version": "2.13.0",
+        "created_at": "2026-11-30T04:00:00+00:00",
     }
     fields.update(changes)
     return Profile(**fields)
@@ -371,7 +373,9 @@ def test_plan_by_model_fingerprint_prefers_the_same_gpu(client: TestClient) -> N
 
 def test_plan_unknown_profile_is_404(client: TestClient) -> None:
     response = client.post("/v1/plan", json={"profile_id": "feedbeef", "effective_batch_size": 8})
-    assert fields(problem(response, 404, "unknown-profile")) == ["body.profile_id"]
+    body = problem(response, 404, "unknown-profile")
+    assert fields(body) == ["body.profile_id"]
+    assert body["detail"] == "no profile with id 'feedbeef'"  # not the store's file path
     response = client.post(
         "/v1/plan", json={"model_fingerprint": "nope", "effective_batch_size": 8}
     )
@@ -597,9 +601,26 @@ def test_profiles_crud(client: TestClient) -> None:
     only = client.get("/v1/profiles", params={"model_fingerprint": "fp-gpt2"}).json()
     assert [row["id"] for row in only["profiles"]] == [profile_id]
     assert client.delete(f"/v1/profiles/{profile_id}").status_code == 204
-    problem(client.get(f"/v1/profiles/{profile_id}"), 404, "unknown-profile")
-    body = problem(client.delete(f"/v1/profiles/{profile_id}"), 404, "unknown-profile")
-    assert fields(body) == ["path.profile_id"]
+    for response in (
+        client.get(f"/v1/profiles/{profile_id}"),
+        client.delete(f"/v1/profiles/{profile_id}"),
+    ):
+        body = problem(response, 404, "unknown-profile")
+        assert fields(body) == ["path.profile_id"]
+        assert body["detail"] == f"no profile with id {profile_id!r}"  # no file path
+
+
+def test_a_registered_profile_without_a_time_gets_the_service_s(client: TestClient) -> None:
+    response = client.post("/v1/profiles", json=make_profile(created_at="").to_dict())
+    stamped = response.json()["profile"]["created_at"]
+    assert stamped.startswith("20") and stamped.endswith("+00:00")
+    assert client.get(response.headers["location"]).json()["profile"]["created_at"] == stamped
+
+
+def test_a_profile_with_more_capacity_than_memory_is_422(client: TestClient) -> None:
+    data = {**make_profile().to_dict(), "capacity_bytes": 96 * GiB, "total_memory_bytes": 24 * GiB}
+    body = problem(client.post("/v1/profiles", json=data), 422, "invalid-config")
+    assert "capacity_bytes 103079215104 must be in 0..total_memory_bytes" in body["detail"]
 
 
 def test_profiles_list_limit_is_bounded(client: TestClient) -> None:
@@ -736,6 +757,31 @@ def test_is_json_media_type(content_type: str | None, is_json: bool) -> None:
 # -- probes ------------------------------------------------------------------------------------
 
 
+def test_a_probe_on_a_gpu_this_node_lacks_is_422_at_once(
+    make_app: Callable[..., FastAPI], registry_file: Path
+) -> None:
+    client = TestClient(make_app(config_file=registry_file))  # two fake GPUs: cuda 0 and 1
+    body = problem(
+        client.post("/v1/probes", json={"model": "tiny-mlp", "device": "cuda:5"}),
+        422,
+        "unknown-device",
+    )
+    assert fields(body) == ["body.device"] and "visible: [0, 1]" in body["detail"]
+    no_gpu = TestClient(make_app(config_file=registry_file, list_gpus=no_nvml))
+    body = problem(
+        no_gpu.post("/v1/probes", json={"model": "tiny-mlp", "device": "cuda:0"}),
+        422,
+        "unknown-device",
+    )
+    assert "no usable GPU" in body["detail"] and "no NVIDIA driver" in body["detail"]
+    assert client.get("/v1/probes").json()["probes"] == []  # nothing was queued
+
+
+def test_probing_without_a_registry_says_how_to_give_one(client: TestClient) -> None:
+    body = problem(client.post("/v1/probes", json={"model": "tiny-mlp"}), 404, "unknown-model")
+    assert "started without --config-file" in body["detail"]
+
+
 def test_probe_of_an_unregistered_model_is_404(client: TestClient) -> None:
     response = client.post("/v1/probes", json={"model": "os:system"})
     problem(response, 422, "validation")  # not even a valid name
@@ -752,6 +798,21 @@ def wait_for(client: TestClient, probe_id: str, statuses: set[str], timeout: flo
         if body["status"] in statuses or time.monotonic() > deadline:
             return body
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("device", "key"),
+    [
+        ("cuda:0", "cuda:0"),
+        ("cuda:00", "cuda:0"),
+        ("cuda:12", "cuda:12"),
+        ("cpu", "host"),
+        ("sim:64MiB", "host"),
+        ("sim:1 GiB", "host"),
+    ],
+)
+def test_queue_key_is_one_per_gpu_and_one_for_the_host(device: str, key: str) -> None:
+    assert queue_key(device) == key
 
 
 def test_a_running_probe_always_shows_its_child_pid(
@@ -789,6 +850,9 @@ def test_probe_queue_per_device_timeout_and_409(
     second = client.post("/v1/probes", json={"model": "slow-mlp"})
     assert (second.json()["status"], second.json()["queue_position"]) == ("queued", 0)
     problem(client.post("/v1/probes", json={"model": "slow-mlp"}), 409, "queue-full")
+    # Another simulated size is the same host: the same queue, not a way around it.
+    other = client.post("/v1/probes", json={"model": "slow-mlp", "device": "sim:16 MiB"})
+    problem(other, 409, "queue-full")
     failed = wait_for(client, first.json()["id"], {"succeeded", "failed"})
     assert failed["status"] == "failed"
     assert "timed out after 2 s" in failed["error"]
@@ -834,3 +898,10 @@ def test_the_profile_schema_has_every_profile_field() -> None:
 
     assert set(ProfileBase.model_fields) == {f.name for f in dataclasses.fields(Profile)}
     assert set(TrialBase.model_fields) == {f.name for f in dataclasses.fields(Trial)}
+
+
+def test_validator_messages_read_without_pydantics_prefix(client: TestClient) -> None:
+    response = client.post("/v1/plan", json={"effective_batch_size": 8})  # no limit at all
+    body = problem(response, 422, "validation")
+    assert "Value error" not in body["detail"]
+    assert body["errors"][0]["reason"].startswith("give exactly one of")

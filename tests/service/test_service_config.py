@@ -65,3 +65,36 @@ def test_the_example_registry_loads() -> None:
     registry = load_registry(Path(__file__).resolve().parents[2] / "examples" / "models.toml")
     assert sorted(registry.models) == ["gpt2-512", "tiny-mlp"]
     assert registry.models["tiny-mlp"].device == "sim:64MiB"
+
+
+@pytest.mark.parametrize(
+    ("factory", "module"),
+    [("no_such_module:build", "no_such_module"), ("tests.no_such:build", "tests.no_such")],
+)
+def test_a_factory_module_that_cannot_be_found_fails_at_load(
+    tmp_path: Path, factory: str, module: str
+) -> None:
+    # At start, not at the first probe ten seconds into a job (and without importing it).
+    path = tmp_path / "models.toml"
+    path.write_text(f'[models.x]\nfactory = "{factory}"\n[models.x.inputs.a]\nshape = [1]\n')
+    with pytest.raises(ConfigError, match=f"model 'x': cannot find module '{module}'"):
+        load_registry(path)
+
+
+def test_serve_names_the_flag_and_variable_of_a_bad_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.__main__ import main
+
+    monkeypatch.setenv("AUTOBATCH_PORT", "abc")
+    assert main([]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "autobatch serve: --port / AUTOBATCH_PORT: Input should be a valid integer, unable to "
+        "parse string as an integer (got 'abc')"
+    )
+    monkeypatch.delenv("AUTOBATCH_PORT")
+    monkeypatch.setenv("AUTOBATCH_API_TOKEN", "   ")
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autobatch serve: --api-token / AUTOBATCH_API_TOKEN: the API token is")
+    assert "got" not in err  # a token, even a blank one, is never echoed

@@ -32,12 +32,15 @@ def free_port() -> int:
 def server(tmp_path: Path, registry_file: Path) -> Iterator[httpx.Client]:
     port = free_port()
     log = (tmp_path / "server.log").open("wb")
-    env = {**os.environ, "AUTOBATCH_API_TOKEN": "e2e-token", "PYTHONPATH": str(ROOT)}
+    # As the README starts it: the console script, no PYTHONPATH. The registry's factories
+    # (tests.service.models) are then found only because the server adds its working directory.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["AUTOBATCH_API_TOKEN"] = "e2e-token"
+    script = Path(sys.executable).with_name("autobatch")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "autobatch"]
     process = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "autobatch",
+            *command,
             "serve",
             "--host",
             "127.0.0.1",

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import autobatch
 from autobatch import autotune
 from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
@@ -133,3 +134,26 @@ def test_an_impossible_request_is_refused_before_probing() -> None:
             use_store=False,
         )
     assert step.real_calls == 0
+
+
+def test_a_service_that_cannot_take_the_report_warns_and_the_plan_is_returned(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.warns(autobatch.ReportWarning, match="could not register the profile") as caught:
+        plan = autotune(
+            mlp(),
+            (torch.randn(2, 64), torch.randint(0, 10, (2,))),
+            effective_batch_size=64,
+            loss_fn=F.cross_entropy,
+            device="sim:6MiB",
+            store=tmp_path / "s.sqlite3",
+            report_to=url,
+        )
+    assert plan.source == "measured" and plan.effective_batch_size == 64
+    assert "cannot reach the autobatch service" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's autotune line
