@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from autobatch.errors import AutobatchError
+from service.problems import validation_reason
 from service.settings import add_serve_arguments, settings_from_args
 
 __all__ = ["main", "parse_args"]
@@ -45,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for error in exc.errors():
             name = str(error["loc"][0]) if error["loc"] else "settings"
             flag, variable = f"--{name.replace('_', '-')}", f"AUTOBATCH_{name.upper()}"
-            reason = str(error["msg"]).removeprefix("Value error, ")
+            reason = validation_reason(error)
             if name != "api_token":  # never echo a secret
                 reason += f" (got {error.get('input')!r})"
             print(f"autobatch serve: {flag} / {variable}: {reason}", file=sys.stderr)

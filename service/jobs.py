@@ -38,8 +38,6 @@ from autobatch.profile import Profile
 from autobatch.store import ProfileStore
 from service.config import ModelEntry, Registry
 
-_log = logging.getLogger("service.jobs")
-
 __all__ = [
     "Job",
     "JobManager",
@@ -48,6 +46,8 @@ __all__ = [
     "UnknownJobError",
     "UnknownModelError",
 ]
+
+_log = logging.getLogger("service.jobs")
 
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 _POLL_SECONDS = 0.1

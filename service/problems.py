@@ -52,6 +52,7 @@ __all__ = [
     "problem_response",
     "problem_responses",
     "unknown_profile",
+    "validation_reason",
 ]
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -151,8 +152,8 @@ def _field(loc: Iterable[Any]) -> str:
     return ".".join(str(part) for part in loc)
 
 
-def _reason(error: Any) -> str:
-    """Pydantic's message, without the "Value error, " its validators' messages carry."""
+def validation_reason(error: Any) -> str:
+    """A pydantic error's message, without the "Value error, " its validators' messages carry."""
     return str(error["msg"]).removeprefix("Value error, ")
 
 
@@ -175,7 +176,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
             errors=reasons,
             instance=request.url.path,
         )
-    reasons = [(_field(e["loc"]), _reason(e)) for e in errors]
+    reasons = [(_field(e["loc"]), validation_reason(e)) for e in errors]
     detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
     return problem_response(
         422, "validation", detail or "invalid request", errors=reasons, instance=request.url.path
