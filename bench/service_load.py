@@ -103,7 +103,8 @@ async def load(port: int, path: str, body: bytes, requests: int, concurrency: in
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc); 0.0 where unavailable."""
+    """User + system CPU time of a process so far (Linux /proc, in clock ticks of usually 10 ms,
+    so a level needs some hundreds of requests to read it well); 0.0 where unavailable."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:

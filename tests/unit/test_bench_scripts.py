@@ -61,7 +61,9 @@ def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
 @pytest.mark.slow
 def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
     out = _run(
-        ["bench/service_load.py", "--requests", "60", "--rounds", "2", "--concurrency", "1", "4"],
+        # Enough requests that each server's CPU time spans several /proc clock ticks (10 ms):
+        # with 60 the trivial server's once read 0.
+        ["bench/service_load.py", "--requests", "600", "--rounds", "2", "--concurrency", "1", "4"],
         timeout_s=180,
     )
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["4"])]
