@@ -38,7 +38,6 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
@@ -67,6 +66,12 @@ effective batch's, so :class:`SmallMicroBatchNormWarning` is emitted."""
 # Emitted by torch when scheduler.step() follows a GradScaler-skipped first optimizer step.
 _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
+# Containers the default count looks into (a tuple: isinstance checks it faster than a union).
+_NESTED_BATCH = (tuple, list, dict)
+
+# Re-entrant and reusable: the sync context of every micro-step that needs none.
+_NO_CONTEXT = contextlib.nullcontext()
+
 
 class SmallMicroBatchNormWarning(UserWarning):
     """The model has BatchNorm layers in training mode and the micro-batches are small.
@@ -76,25 +81,71 @@ class SmallMicroBatchNormWarning(UserWarning):
     """
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class StepStats:
-    """What one window's optimizer step did. Tensors are detached and hold no graph."""
+    """What one window's optimizer step did. Tensors are detached and hold no graph.
 
-    loss: torch.Tensor
-    """0-dim, detached, on the loss's device: mean loss over this rank's counted items in the
-    window (under DDP each rank reports its own share; average with weights ``local_count`` for
-    the global value). ``float(stats.loss)`` forces a host sync; do it only when logging."""
-    grad_norm: torch.Tensor | None
-    """0-dim, detached: total 2-norm of the window's (unscaled) gradient before clipping, or
-    ``None`` when ``max_grad_norm`` is not set."""
-    skipped: bool
-    """True when the GradScaler found inf/NaN and skipped the optimizer step."""
-    num_micro_steps: int
-    """Micro-batches in this window (``gradient_accumulation_steps``, or fewer for the last)."""
-    local_count: int
-    """Counted items (samples or tokens) in this rank's micro-batches of the window."""
-    global_count: int
-    """Counted items in the window over all ranks; the divisor of the mean."""
+    Attributes:
+        grad_norm: 0-dim, detached: total 2-norm of the window's (unscaled) gradient before
+            clipping, or ``None`` when ``max_grad_norm`` is not set.
+        skipped: True when the GradScaler found inf/NaN and skipped the optimizer step.
+        num_micro_steps: micro-batches in this window (``gradient_accumulation_steps``, or
+            fewer for the last).
+        local_count: counted items (samples or tokens) in this rank's micro-batches of the
+            window.
+        global_count: counted items in the window over all ranks; the divisor of the mean.
+    """
+
+    __slots__ = (
+        "_loss",
+        "_loss_factor",
+        "_weighted_losses",
+        "global_count",
+        "grad_norm",
+        "local_count",
+        "num_micro_steps",
+        "skipped",
+    )
+
+    def __init__(
+        self,
+        *,
+        weighted_losses: list[torch.Tensor],
+        loss_factor: float,
+        grad_norm: torch.Tensor | None,
+        skipped: bool,
+        local_count: int,
+        global_count: int,
+    ) -> None:
+        self._weighted_losses = weighted_losses
+        self._loss_factor = loss_factor
+        self._loss: torch.Tensor | None = None
+        self.grad_norm = grad_norm
+        self.skipped = skipped
+        self.num_micro_steps = len(weighted_losses)
+        self.local_count = local_count
+        self.global_count = global_count
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """0-dim, detached, on the loss's device: mean loss over this rank's counted items in
+        the window (under DDP each rank reports its own share; average with weights
+        ``local_count`` for the global value).
+
+        Summed on first access, so a loop that does not log pays nothing for it.
+        ``float(stats.loss)`` forces a host sync; do it only when logging.
+        """
+        if self._loss is None:
+            parts = self._weighted_losses
+            total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+            self._loss = total if self._loss_factor == 1.0 else total * self._loss_factor
+        return self._loss
+
+    def __repr__(self) -> str:
+        return (
+            f"StepStats(loss={self.loss!r}, grad_norm={self.grad_norm!r}, "
+            f"skipped={self.skipped}, num_micro_steps={self.num_micro_steps}, "
+            f"local_count={self.local_count}, global_count={self.global_count})"
+        )
 
 
 class MicroStep(Generic[B]):
@@ -110,7 +161,7 @@ class MicroStep(Generic[B]):
 
     __slots__ = ("_backward_done", "_window", "batch", "count", "index", "is_last")
 
-    def __init__(self, window: Window[B], batch: B, *, count: int, index: int, is_last: bool):
+    def __init__(self, window: Window[B], batch: B, count: int, index: int, is_last: bool, /):
         self._window = window
         self._backward_done = False
         self.batch = batch
@@ -124,10 +175,10 @@ class MicroStep(Generic[B]):
         Under DDP it is ``model.no_sync()`` except on the last micro-step, so gradients are
         all-reduced once per window; otherwise it does nothing.
         """
-        model = self._window._acc.model
-        if isinstance(model, DistributedDataParallel) and not self.is_last:
-            return model.no_sync()
-        return contextlib.nullcontext()
+        ddp = self._window._ddp
+        if ddp is None or self.is_last:
+            return _NO_CONTEXT
+        return ddp.no_sync()
 
     def backward(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
         """Weight the loss by this micro-batch's share of the window and backpropagate it.
@@ -139,12 +190,39 @@ class MicroStep(Generic[B]):
             reduction: how ``loss`` was reduced over the counted items.
 
         Raises:
-            ConfigError: backward already called for this micro-step; ``reduction`` is neither
-                ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of a micro-batch with 0 counted
-                items (that mean is NaN: return the sum and pass ``reduction="sum"``); or, under
-                DDP, a non-last micro-step run outside :meth:`sync_context`.
+            ConfigError: backward already called for this micro-step, or its window already
+                stepped; ``reduction`` is neither ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of
+                a micro-batch with 0 counted items (that mean is NaN: return the sum and pass
+                ``reduction="sum"``); or, under DDP, a non-last micro-step run outside
+                :meth:`sync_context`.
         """
-        self._window._backward(self, loss, reduction)
+        window = self._window
+        if self._backward_done or window._stepped:
+            raise ConfigError(window._repeated_backward_message(self.index, self._backward_done))
+        if reduction == "mean":
+            if self.count == 0:
+                raise ConfigError(
+                    f"micro-step {self.index} of window {window.index} has 0 counted items, so a "
+                    "mean loss is NaN; return the loss summed over counted items and call "
+                    "micro.backward(loss, reduction='sum')"
+                )
+            weight = self.count * window._sum_weight
+        elif reduction == "sum":
+            weight = window._sum_weight
+        else:
+            raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        ddp = window._ddp
+        if ddp is not None and not self.is_last and ddp.require_backward_grad_sync:
+            raise ConfigError(
+                f"micro-step {self.index} of window {window.index} would all-reduce gradients "
+                "under DDP; run its forward and backward inside `with micro.sync_context():`"
+            )
+        weighted = loss * weight  # one multiply: this micro-step's share of the global mean
+        window._weighted_losses.append(weighted.detach())
+        scaler = window._scaler
+        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
+        self._backward_done = True
+        window._num_backward += 1
 
 
 class Window(Generic[B]):
@@ -162,16 +240,17 @@ class Window(Generic[B]):
         acc: Accumulator,
         batches: Sequence[B],
         counts: Sequence[int],
-        *,
         index: int,
         global_count: int,
+        /,
     ) -> None:
         self._acc = acc
+        self._ddp = acc._ddp
+        self._scaler = acc.scaler
         last = len(batches) - 1
-        self._micro_steps = tuple(
-            MicroStep(self, b, count=c, index=i, is_last=i == last)
-            for i, (b, c) in enumerate(zip(batches, counts, strict=True))
-        )
+        self._micro_steps = [
+            MicroStep(self, batch, counts[i], i, i == last) for i, batch in enumerate(batches)
+        ]
         self.index = index
         self.local_count = sum(counts)
         self.global_count = global_count
@@ -193,46 +272,13 @@ class Window(Generic[B]):
         """Whether some backward ran in this window but :meth:`step` has not."""
         return self._num_backward > 0 and not self._stepped
 
-    def _backward(
-        self, micro: MicroStep[B], loss: torch.Tensor, reduction: Literal["mean", "sum"]
-    ) -> None:
-        if micro._backward_done:
-            raise ConfigError(
-                f"backward was already called for micro-step {micro.index} of window "
+    def _repeated_backward_message(self, micro_index: int, backward_done: bool) -> str:
+        if backward_done:
+            return (
+                f"backward was already called for micro-step {micro_index} of window "
                 f"{self.index}; call micro.backward(loss) exactly once per micro-step"
             )
-        if self._stepped:
-            raise ConfigError(
-                f"window {self.index} has already stepped; run backward before window.step()"
-            )
-        if reduction == "mean":
-            if micro.count == 0:
-                raise ConfigError(
-                    f"micro-step {micro.index} of window {self.index} has 0 counted items, so a "
-                    "mean loss is NaN; return the loss summed over counted items and call "
-                    "micro.backward(loss, reduction='sum')"
-                )
-            weight = micro.count * self._sum_weight
-        elif reduction == "sum":
-            weight = self._sum_weight
-        else:
-            raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        model = self._acc.model
-        if (
-            isinstance(model, DistributedDataParallel)
-            and not micro.is_last
-            and model.require_backward_grad_sync
-        ):
-            raise ConfigError(
-                f"micro-step {micro.index} of window {self.index} would all-reduce gradients "
-                "under DDP; run its forward and backward inside `with micro.sync_context():`"
-            )
-        weighted = loss * weight  # one multiply: this micro-step's share of the global mean
-        self._weighted_losses.append(weighted.detach())
-        scaler = self._acc.scaler
-        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
-        micro._backward_done = True
-        self._num_backward += 1
+        return f"window {self.index} has already stepped; run backward before window.step()"
 
     def step(self) -> StepStats:
         """Apply the window's gradient: unscale, clip, optimizer step, scaler update, scheduler
@@ -263,7 +309,9 @@ class Window(Generic[B]):
         if scaler is not None:
             scaler.unscale_(optimizer)
         if acc.max_grad_norm is not None:
-            grad_norm = clip_grad_norm_(acc._params(), acc.max_grad_norm).detach()
+            grad_norm = clip_grad_norm_(acc._params(), acc.max_grad_norm)
+            if grad_norm.requires_grad:  # only when backward ran with create_graph=True
+                grad_norm = grad_norm.detach()
         if scaler is not None:
             scale_before = scaler.get_scale()
             scaler.step(optimizer)
@@ -278,16 +326,17 @@ class Window(Generic[B]):
         elif acc.scheduler is not None:
             acc.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # Sum of weighted losses = this rank's loss sum * world_size / global_count.
-        loss = torch.stack(self._weighted_losses).sum()
-        world_size = self._acc.world_size
-        if world_size > 1:  # DDP: rescale to this rank's own mean
-            loss = loss * (self.global_count / (world_size * max(self.local_count, 1)))
+        # The weighted losses sum to this rank's loss sum * world_size / global_count; under
+        # DDP the factor rescales that to this rank's own mean.
+        world_size = acc.world_size
+        factor = (
+            1.0 if world_size == 1 else self.global_count / (world_size * max(self.local_count, 1))
+        )
         return StepStats(
-            loss=loss,
+            weighted_losses=self._weighted_losses,
+            loss_factor=factor,
             grad_norm=grad_norm,
             skipped=skipped,
-            num_micro_steps=len(self._micro_steps),
             local_count=self.local_count,
             global_count=self.global_count,
         )
@@ -344,13 +393,14 @@ class Accumulator:
         self.scaler = scaler
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._group: dist.ProcessGroup | None = None
         self.world_size = 1
-        if isinstance(model, DistributedDataParallel):
-            self._group = model.process_group
+        if self._ddp is not None:
+            self._group = self._ddp.process_group
             self.world_size = dist.get_world_size(self._group)
-        self._has_train_batch_norm = any(isinstance(m, _BatchNorm) for m in model.modules())
-        self._norm_checked = False
+        # Checked once, on the first window: done already when there is no BatchNorm at all.
+        self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -383,11 +433,10 @@ class Accumulator:
                 negative or non-integer value; the default count found no tensor in a batch;
                 the previous window was not stepped before the next was requested.
         """
-        count = _leading_dim if count_fn is None else count_fn
         iterator = iter(micro_batches)
         previous: Window[B] | None = None
         for index in itertools.count():
-            if previous is not None and previous.pending_backward:
+            if previous is not None and previous._num_backward and not previous._stepped:
                 raise ConfigError(
                     f"window {previous.index} ran backward but window.step() was not called; "
                     "call window.step() after the micro-steps of every window, or its gradients "
@@ -396,9 +445,14 @@ class Accumulator:
             batches = list(itertools.islice(iterator, self.gradient_accumulation_steps))
             if not batches:
                 return
-            counts = [_as_count(count(b), index, i) for i, b in enumerate(batches)]
-            self._check_batch_norm(batches)
-            global_count = self._global_count(sum(counts))
+            if count_fn is None:
+                counts = [_leading_dim(b) for b in batches]
+            else:
+                counts = [_as_count(count_fn(b), index, i) for i, b in enumerate(batches)]
+            if not self._norm_checked:
+                self._check_batch_norm(batches)
+            local_count = sum(counts)
+            global_count = local_count if self._group is None else self._global_count(local_count)
             if global_count == 0:
                 raise ConfigError(
                     f"window {index} has a total count of 0 counted items over "
@@ -406,20 +460,16 @@ class Accumulator:
                     "the mean loss is undefined. Drop micro-batches with nothing to count, or fix "
                     "count_fn"
                 )
-            previous = Window(self, batches, counts, index=index, global_count=global_count)
+            previous = Window(self, batches, counts, index, global_count)
             yield previous
 
     def _global_count(self, local_count: int) -> int:
-        if self._group is None:
-            return local_count
         device = next(self.model.parameters()).device
         total = torch.tensor([local_count], dtype=torch.int64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._group)
         return int(total.item())
 
     def _check_batch_norm(self, batches: Sequence[Any]) -> None:
-        if self._norm_checked or not self._has_train_batch_norm:
-            return
         self._norm_checked = True
         if not any(isinstance(m, _BatchNorm) and m.training for m in self.model.modules()):
             return
@@ -444,14 +494,17 @@ def _leading_dim(batch: object) -> int:
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
             raise ConfigError("a 0-dim tensor batch has no dim 0 to count; pass count_fn")
-        return int(batch.shape[0])
+        return batch.shape[0]
     items: Iterable[object] = ()
-    if isinstance(batch, dict):
-        items = batch.values()
-    elif isinstance(batch, list | tuple):
+    if isinstance(batch, tuple | list):
         items = batch
+    elif isinstance(batch, dict):
+        items = batch.values()
     for item in items:
-        if isinstance(item, torch.Tensor | dict | list | tuple):
+        if isinstance(item, torch.Tensor):
+            if item.dim():
+                return item.shape[0]
+        elif isinstance(item, _NESTED_BATCH):
             try:
                 return _leading_dim(item)
             except ConfigError:
@@ -463,6 +516,8 @@ def _leading_dim(batch: object) -> int:
 
 
 def _as_count(value: int | torch.Tensor, window: int, micro: int) -> int:
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_floating_point() or value.is_complex():
             raise ConfigError(

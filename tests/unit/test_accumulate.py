@@ -317,6 +317,25 @@ def test_logged_losses_hold_no_graph() -> None:
         assert s.grad_norm is not None and not s.grad_norm.requires_grad
 
 
+def test_logged_loss_is_the_mean_over_the_window_samples() -> None:
+    model = make_model()
+    opt = RecordingSGD(model.parameters())
+    data = make_data([2, 3, 1, 4, 2])  # windows of 5, 5 and 2 samples; the last has one micro
+    stats = train(Accumulator(model, opt, gradient_accumulation_steps=2), data)
+
+    assert [s.num_micro_steps for s in stats] == [2, 2, 1]
+    for i, window_data in enumerate([data[0:2], data[2:4], data[4:5]]):
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, v in zip(ref.parameters(), opt.params_before[i], strict=True):
+                p.copy_(v)
+        x = torch.cat([b[0] for b in window_data])
+        y = torch.cat([b[1] for b in window_data])
+        want = mse(ref, (x, y)).item()
+        assert float(stats[i].loss) == pytest.approx(want, rel=1e-12)
+        assert stats[i].loss is stats[i].loss  # summed once, on first access
+
+
 def batch_norm_model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).to(F64)
 

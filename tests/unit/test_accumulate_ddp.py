@@ -73,6 +73,9 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
                 }
             )
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        # Both ranks past their last collective before either closes its connections: a rank
+        # that tears down first can reset a peer still reading (gloo then aborts the peer).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
