@@ -1,8 +1,9 @@
 """The benchmark scripts run end to end on the CPU: ``bench/gpu_check.py --dry-run`` (tiny model,
-simulated device instead of CUDA), ``bench/probe_vs_peers.py --quick`` (one model, one capacity)
-and ``bench/service_load.py`` (a few requests). Each runs in a subprocess, as it would be run by
-hand, so Lightning's and Accelerate's warnings (CPU training, dataloader workers) stay out of
-this pytest session's ``filterwarnings = error``."""
+simulated device instead of CUDA), ``bench/probe_vs_peers.py --quick`` (one model, one capacity),
+``bench/service_load.py`` (a few requests) and ``bench/accumulate_overhead.py --quick`` (a few
+repetitions). Each runs in a subprocess, as it would be run by hand, so Lightning's and
+Accelerate's warnings (CPU training, dataloader workers) stay out of this pytest session's
+``filterwarnings = error``."""
 
 from __future__ import annotations
 
@@ -72,3 +73,16 @@ def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
     for row in rows:
         assert all(float(value) > 0 for value in row[-4:]), row
     assert out.count("(trivial/plan throughput; plan/trivial CPU)") == 2
+
+
+@pytest.mark.slow
+def test_accumulate_overhead_quick_prints_each_workload_with_its_interval() -> None:
+    out = _run(["bench/accumulate_overhead.py", "--quick"], timeout_s=180)
+    for workload in ("tiny", "mlp", "gpt2"):
+        assert f"{workload}: 4 interleaved repetitions" in out
+    rows = [line.split() for line in out.splitlines() if "paired ratio" in line]
+    assert len(rows) == 6  # the A/A control and the Accumulator, per workload
+    for row in rows:
+        ratio = float(row[row.index("ratio") + 1])
+        assert 0.2 < ratio < 5.0, row  # a measured ratio of two timed loops, not a constant
+    assert out.count("target < 2%:") == 3
