@@ -79,7 +79,7 @@ def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
 def test_accumulate_overhead_quick_prints_each_workload_with_its_interval() -> None:
     out = _run(["bench/accumulate_overhead.py", "--quick"], timeout_s=180)
     for workload in ("tiny", "mlp", "gpt2"):
-        assert f"{workload}: 4 interleaved repetitions" in out
+        assert f"{workload}: 6 interleaved repetitions" in out
     rows = [line.split() for line in out.splitlines() if "paired ratio" in line]
     assert len(rows) == 6  # the A/A control and the Accumulator, per workload
     for row in rows:
