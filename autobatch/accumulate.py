@@ -36,8 +36,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import operator
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
@@ -67,7 +68,7 @@ effective batch's, so :class:`SmallMicroBatchNormWarning` is emitted."""
 _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 # Containers the default count looks into (a tuple: isinstance checks it faster than a union).
-_NESTED_BATCH = (tuple, list, dict)
+_NESTED_BATCH = (tuple, list, Mapping)
 
 # Re-entrant and reusable: the sync context of every micro-step that needs none.
 _NO_CONTEXT = contextlib.nullcontext()
@@ -193,8 +194,9 @@ class MicroStep(Generic[B]):
             ConfigError: backward already called for this micro-step, or its window already
                 stepped; ``reduction`` is neither ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of
                 a micro-batch with 0 counted items (that mean is NaN: return the sum and pass
-                ``reduction="sum"``); or, under DDP, a non-last micro-step run outside
-                :meth:`sync_context`.
+                ``reduction="sum"``); a loss with more than one element; or, under DDP, a
+                non-last micro-step run outside :meth:`sync_context`. An error from autograd
+                itself (an OOM) propagates, and the micro-step's backward can then be retried.
         """
         window = self._window
         if self._backward_done or window._stepped:
@@ -206,9 +208,10 @@ class MicroStep(Generic[B]):
                     "mean loss is NaN; return the loss summed over counted items and call "
                     "micro.backward(loss, reduction='sum')"
                 )
-            weight = self.count * window._sum_weight
+            # count * world_size / global_count in one division: exactly 1.0 for a lone micro-step
+            weight = self.count * window._world_size / window.global_count
         elif reduction == "sum":
-            weight = window._sum_weight
+            weight = window._world_size / window.global_count
         else:
             raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         ddp = window._ddp
@@ -217,10 +220,19 @@ class MicroStep(Generic[B]):
                 f"micro-step {self.index} of window {window.index} would all-reduce gradients "
                 "under DDP; run its forward and backward inside `with micro.sync_context():`"
             )
-        weighted = loss * weight  # one multiply: this micro-step's share of the global mean
-        window._weighted_losses.append(weighted.detach())
+        if loss.numel() != 1:
+            raise ConfigError(
+                f"micro-step {self.index} of window {window.index} got a loss of shape "
+                f"{tuple(loss.shape)}; pass one number: the mean (or, with reduction='sum', the "
+                "sum) over this micro-batch's counted items"
+            )
+        if loss.dim():
+            loss = loss.reshape(())  # a one-element loss of shape (1,): log it 0-dim
+        weighted = loss * weight  # this micro-step's share of the global mean
         scaler = window._scaler
         torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
+        # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
+        window._weighted_losses.append(weighted.detach())
         self._backward_done = True
         window._num_backward += 1
 
@@ -254,9 +266,9 @@ class Window(Generic[B]):
         self.index = index
         self.local_count = sum(counts)
         self.global_count = global_count
-        # Turns a loss summed over counted items into this rank's share of the global mean;
-        # DDP then averages over ranks, hence the world_size factor.
-        self._sum_weight = acc.world_size / global_count
+        # A loss summed over counted items times world_size / global_count is this rank's share
+        # of the global mean; DDP then averages over ranks.
+        self._world_size = acc.world_size
         self._num_backward = 0
         self._weighted_losses: list[torch.Tensor] = []
         self._stepped = False
@@ -306,26 +318,27 @@ class Window(Generic[B]):
         optimizer, scaler = acc.optimizer, acc.scaler
         grad_norm: torch.Tensor | None = None
         skipped = False
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if acc.max_grad_norm is not None:
-            grad_norm = clip_grad_norm_(acc._params(), acc.max_grad_norm)
-            if grad_norm.requires_grad:  # only when backward ran with create_graph=True
-                grad_norm = grad_norm.detach()
-        if scaler is not None:
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler.get_scale() < scale_before
-        else:
-            optimizer.step()
-        if acc.scheduler is not None and skipped:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", _SCHEDULER_ORDER_WARNING, UserWarning)
+        try:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if acc.max_grad_norm is not None:
+                grad_norm = clip_grad_norm_(acc._params(), acc.max_grad_norm)
+            if scaler is not None:
+                scale_before = scaler.get_scale()
+                scaler.step(optimizer)
+                scaler.update()
+                skipped = scaler.get_scale() < scale_before
+            else:
+                optimizer.step()
+            if acc.scheduler is not None and skipped:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", _SCHEDULER_ORDER_WARNING, UserWarning)
+                    acc.scheduler.step()
+            elif acc.scheduler is not None:
                 acc.scheduler.step()
-        elif acc.scheduler is not None:
-            acc.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        finally:
+            # Also when a step above raised: the window's gradient must not reach the next one.
+            optimizer.zero_grad(set_to_none=True)
         # The weighted losses sum to this rank's loss sum * world_size / global_count; under
         # DDP the factor rescales that to this rank's own mean.
         world_size = acc.world_size
@@ -357,8 +370,9 @@ class Accumulator:
         max_grad_norm: optional clip of the window's total gradient 2-norm, > 0.
 
     Raises:
-        ConfigError: ``gradient_accumulation_steps`` not an int >= 1, or ``max_grad_norm``
-            not a finite number > 0.
+        ConfigError: ``gradient_accumulation_steps`` not an int >= 1, ``max_grad_norm`` not a
+            finite number > 0, or a ``ReduceLROnPlateau`` scheduler (it needs a metric: step it
+            yourself after ``window.step()``).
     """
 
     def __init__(
@@ -386,6 +400,11 @@ class Accumulator:
             raise ConfigError(
                 f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}; "
                 "pass e.g. 1.0, or None to disable clipping"
+            )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "ReduceLROnPlateau steps on a metric, which the Accumulator does not have; pass "
+                "scheduler=None and call scheduler.step(metric) yourself after window.step()"
             )
         self.model = model
         self.optimizer = optimizer
@@ -416,14 +435,17 @@ class Accumulator:
         Each window is fetched whole before it is yielded; the last one of the iterable may be
         shorter and is weighted by its real size. Under DDP every rank must yield the same
         number of windows (``DistributedSampler`` ensures this), since each window all-reduces
-        its count once.
+        its count once. The optimizer's gradients are zeroed (to ``None``) when the loop starts,
+        so nothing left by an earlier loop that broke off after a backward is added in.
 
         Args:
             micro_batches: one epoch of micro-batches, e.g. a ``DataLoader``.
-            count_fn: counted items in a micro-batch (e.g. non-padding tokens), an int or a
-                0-dim integer tensor (prefer counting on the host copy: a device tensor costs a
-                sync). Default: the dim-0 size of the first tensor in the batch (tensor, or
-                tuple/list/dict holding tensors).
+            count_fn: counted items in a micro-batch (e.g. non-padding tokens), an int (or
+                NumPy integer) or a one-element integer tensor (prefer counting on the host
+                copy: a device tensor costs a sync). Default: the dim-0 size of the first tensor
+                in the batch (a tensor, or a tuple/list/mapping of tensors, searched depth
+                first). A list of samples (``collate_fn=list``) is refused, not miscounted:
+                pass ``count_fn`` for it.
 
         Yields:
             :class:`Window` s, each to be iterated and then ``step()``-ed.
@@ -434,6 +456,9 @@ class Accumulator:
                 the previous window was not stepped before the next was requested.
         """
         iterator = iter(micro_batches)
+        # Start from no gradient: none left by an earlier loop that broke off after a backward
+        # (an OOM retry, a `break`), or by a backward outside the helper.
+        self.optimizer.zero_grad(set_to_none=True)
         previous: Window[B] | None = None
         for index in itertools.count():
             if previous is not None and previous._num_backward and not previous._stepped:
@@ -497,8 +522,14 @@ def _leading_dim(batch: object) -> int:
         return batch.shape[0]
     items: Iterable[object] = ()
     if isinstance(batch, tuple | list):
+        if isinstance(batch, list) and batch and isinstance(batch[0], _NESTED_BATCH):
+            raise ConfigError(
+                f"a list batch whose first item is a {type(batch[0]).__name__} looks like a list "
+                "of samples, whose count the default cannot tell from a field's size; pass "
+                "count_fn=len (or the number of counted items)"
+            )
         items = batch
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):  # dict, and UserDict such as Hugging Face's BatchEncoding
         items = batch.values()
     for item in items:
         if isinstance(item, torch.Tensor):
@@ -519,13 +550,21 @@ def _as_count(value: int | torch.Tensor, window: int, micro: int) -> int:
     if type(value) is int and value >= 0:
         return value
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+        if (
+            value.numel() != 1
+            or value.is_floating_point()
+            or value.is_complex()
+            or value.dtype == torch.bool
+        ):
             raise ConfigError(
                 f"count_fn returned a tensor of shape {tuple(value.shape)} and dtype "
                 f"{value.dtype} for micro-batch {micro} of window {window}; return an int or a "
                 "one-element integer tensor"
             )
         value = int(value.item())
+    elif not isinstance(value, bool | int):
+        with contextlib.suppress(TypeError):
+            value = operator.index(value)  # NumPy integers, e.g. (labels != -100).sum()
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(
             f"count_fn returned {value!r} for micro-batch {micro} of window {window}; "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import copy
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -438,3 +440,122 @@ def test_mean_loss_of_an_empty_micro_batch_is_rejected() -> None:
         b.backward((w * b.batch).sum(), reduction="sum")
         window.step()
     torch.testing.assert_close(w.detach(), torch.tensor([-1.0], dtype=F64))
+
+
+def test_a_failed_backward_can_be_retried_without_counting_twice() -> None:
+    model = make_model()
+    opt = RecordingSGD(model.parameters())
+    data = make_data([3, 5])
+    acc = Accumulator(model, opt, gradient_accumulation_steps=2)
+    (window,) = list(itertools.islice(acc.windows(data), 1))
+    first, second = list(window)
+    fail = [True]
+
+    def oom_once(grad: torch.Tensor) -> torch.Tensor:  # stands in for a CUDA OOM mid-backward
+        if fail.pop() if fail else False:
+            raise torch.OutOfMemoryError("simulated")
+        return grad
+
+    handle = next(model.parameters()).register_hook(oom_once)
+    with pytest.raises(torch.OutOfMemoryError):
+        first.backward(mse(model, first.batch))
+    handle.remove()
+    for p in model.parameters():
+        p.grad = None  # what an OOM handler does before retrying
+    first.backward(mse(model, first.batch))
+    second.backward(mse(model, second.batch))
+    stats = window.step()
+
+    assert stats.num_micro_steps == 2
+    assert_grads_close(opt.grads[0], full_batch_grad(model, opt.params_before[0], data))
+    x = torch.cat([b[0] for b in data])
+    y = torch.cat([b[1] for b in data])
+    with torch.no_grad():
+        ref = copy.deepcopy(model)
+        for p, v in zip(ref.parameters(), opt.params_before[0], strict=True):
+            p.copy_(v)
+        want = mse(ref, (x, y)).item()
+    assert float(stats.loss) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_loss_with_several_elements_is_refused() -> None:
+    w = nn.Parameter(torch.ones(2, dtype=F64))
+    acc = Accumulator(nn.Module(), torch.optim.SGD([w], lr=0.1), gradient_accumulation_steps=1)
+    (micro,) = next(acc.windows([torch.ones(2, dtype=F64)]))
+    with pytest.raises(ConfigError, match=r"loss of shape \(2,\); pass one number"):
+        micro.backward(w * micro.batch)
+    micro.backward((w * micro.batch).sum(dim=0, keepdim=True), reduction="sum")  # shape (1,)
+    assert micro._window._weighted_losses[0].dim() == 0
+
+
+def test_a_new_loop_does_not_add_gradients_left_by_a_broken_one() -> None:
+    model = make_model()
+    opt = RecordingSGD(model.parameters())
+    data = make_data([2, 3, 4, 1])
+    acc = Accumulator(model, opt, gradient_accumulation_steps=2)
+    for window in acc.windows(data):
+        micro = next(iter(window))
+        micro.backward(mse(model, micro.batch))
+        break  # e.g. an OOM handler leaves the loop to retry with a smaller micro-batch
+    mse(model, data[0]).backward()  # and a stray backward outside the helper
+    train(acc, data)
+    for i, window_data in enumerate([data[0:2], data[2:4]]):
+        assert_grads_close(opt.grads[i], full_batch_grad(model, opt.params_before[i], window_data))
+
+
+def test_reduce_lr_on_plateau_is_refused() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"scheduler.step\(metric\) yourself"):
+        Accumulator(
+            model,
+            opt,
+            gradient_accumulation_steps=2,
+            scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+        )
+
+
+def test_a_step_that_raises_leaves_no_gradient_for_the_next_window() -> None:
+    class FailingScheduler(torch.optim.lr_scheduler.LambdaLR):
+        armed = False  # LambdaLR steps once when built
+
+        def step(self, epoch: Any = None) -> None:
+            if self.armed:
+                raise RuntimeError("scheduler failed")
+            super().step()
+
+    model = make_model()
+    opt = RecordingSGD(model.parameters())
+    scheduler = FailingScheduler(opt, lambda _: 1.0)
+    scheduler.armed = True
+    acc = Accumulator(model, opt, gradient_accumulation_steps=2, scheduler=scheduler)
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        train(acc, make_data([2, 3]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_logged_loss_of_one_micro_batch_is_its_loss_exactly() -> None:
+    model = make_model()
+    acc = Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), gradient_accumulation_steps=1
+    )
+    for window in acc.windows(make_data([49])):  # 49 * (1 / 49) != 1.0 in float64
+        (micro,) = window
+        loss = mse(model, micro.batch)
+        want = loss.item()
+        micro.backward(loss)
+        assert window.step().loss.item() == want
+
+
+def test_counts_from_numpy_and_mappings_and_refusals() -> None:
+    numpy = pytest.importorskip("numpy")
+    windows = windows_of([torch.ones(3)], count_fn=lambda b: numpy.int64(3))
+    assert [m.count for m in next(windows)] == [3]
+    with pytest.raises(ConfigError, match="dtype torch.bool"):
+        next(windows_of([torch.ones(3)], count_fn=lambda b: torch.tensor(True)))
+    user_dict = collections.UserDict({"input_ids": torch.ones(4, 7)})  # like BatchEncoding
+    assert [m.count for m in next(windows_of([user_dict]))] == [4]
+    samples = [(torch.ones(3), torch.ones(1)), (torch.ones(3), torch.ones(1))]
+    with pytest.raises(ConfigError, match="looks like a list of samples"):
+        next(windows_of([samples]))
+    assert [m.count for m in next(windows_of([samples], count_fn=len))] == [2]
