@@ -176,7 +176,7 @@ class MicroStep(Generic[B]):
         Under DDP it is ``model.no_sync()`` except on the last micro-step, so gradients are
         all-reduced once per window; otherwise it does nothing.
         """
-        ddp = self._window._ddp
+        ddp = self._window._acc._ddp
         if ddp is None or self.is_last:
             return _NO_CONTEXT
         return ddp.no_sync()
@@ -199,6 +199,7 @@ class MicroStep(Generic[B]):
                 itself (an OOM) propagates, and the micro-step's backward can then be retried.
         """
         window = self._window
+        acc = window._acc
         if self._backward_done or window._stepped:
             raise ConfigError(window._repeated_backward_message(self.index, self._backward_done))
         if reduction == "mean":
@@ -208,28 +209,30 @@ class MicroStep(Generic[B]):
                     "mean loss is NaN; return the loss summed over counted items and call "
                     "micro.backward(loss, reduction='sum')"
                 )
-            # count * world_size / global_count in one division: exactly 1.0 for a lone micro-step
-            weight = self.count * window._world_size / window.global_count
+            # A loss summed over counted items times world_size / global_count is this rank's
+            # share of the global mean (DDP then averages over ranks); one division, so a lone
+            # micro-step's weight is exactly 1.0.
+            weight = self.count * acc.world_size / window.global_count
         elif reduction == "sum":
-            weight = window._world_size / window.global_count
+            weight = acc.world_size / window.global_count
         else:
             raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        ddp = window._ddp
+        ddp = acc._ddp
         if ddp is not None and not self.is_last and ddp.require_backward_grad_sync:
             raise ConfigError(
                 f"micro-step {self.index} of window {window.index} would all-reduce gradients "
                 "under DDP; run its forward and backward inside `with micro.sync_context():`"
             )
-        if loss.numel() != 1:
-            raise ConfigError(
-                f"micro-step {self.index} of window {window.index} got a loss of shape "
-                f"{tuple(loss.shape)}; pass one number: the mean (or, with reduction='sum', the "
-                "sum) over this micro-batch's counted items"
-            )
-        if loss.dim():
-            loss = loss.reshape(())  # a one-element loss of shape (1,): log it 0-dim
+        if loss.dim():  # one element of shape (1,) is accepted, and logged 0-dim
+            if loss.numel() != 1:
+                raise ConfigError(
+                    f"micro-step {self.index} of window {window.index} got a loss of shape "
+                    f"{tuple(loss.shape)}; pass one number: the mean (or, with reduction='sum', "
+                    "the sum) over this micro-batch's counted items"
+                )
+            loss = loss.reshape(())
         weighted = loss * weight  # this micro-step's share of the global mean
-        scaler = window._scaler
+        scaler = acc.scaler
         torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
         # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
         window._weighted_losses.append(weighted.detach())
@@ -257,8 +260,6 @@ class Window(Generic[B]):
         /,
     ) -> None:
         self._acc = acc
-        self._ddp = acc._ddp
-        self._scaler = acc.scaler
         last = len(batches) - 1
         self._micro_steps = [
             MicroStep(self, batch, counts[i], i, i == last) for i, batch in enumerate(batches)
@@ -266,9 +267,6 @@ class Window(Generic[B]):
         self.index = index
         self.local_count = sum(counts)
         self.global_count = global_count
-        # A loss summed over counted items times world_size / global_count is this rank's share
-        # of the global mean; DDP then averages over ranks.
-        self._world_size = acc.world_size
         self._num_backward = 0
         self._weighted_losses: list[torch.Tensor] = []
         self._stepped = False
@@ -461,7 +459,7 @@ class Accumulator:
         self.optimizer.zero_grad(set_to_none=True)
         previous: Window[B] | None = None
         for index in itertools.count():
-            if previous is not None and previous._num_backward and not previous._stepped:
+            if previous is not None and previous.pending_backward:
                 raise ConfigError(
                     f"window {previous.index} ran backward but window.step() was not called; "
                     "call window.step() after the micro-steps of every window, or its gradients "

@@ -45,6 +45,14 @@ __all__ = ["DEVICE_PATTERN", "InputSpec", "ModelEntry", "Registry", "load_regist
 DEVICE_PATTERN = r"^(cpu|cuda:[0-9]{1,4}|sim:[0-9]{1,15}(\.[0-9]+)?\s?[KMGT]?i?B?)$"
 """Devices a probe may run on: ``cpu``, ``cuda:N``, ``sim:SIZE``."""
 
+
+def cuda_index(device: str) -> int | None:
+    """The CUDA index of a ``cuda:N`` device (``"cuda:01"`` is 1); None for ``cpu`` and
+    ``sim:SIZE``."""
+    kind, _, index = device.partition(":")
+    return int(index) if kind == "cuda" and index.isascii() and index.isdigit() else None
+
+
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 LossName = Literal["cross_entropy", "mse_loss", "l1_loss", "binary_cross_entropy_with_logits"]
 

@@ -36,7 +36,7 @@ from typing import Any, Literal
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile
 from autobatch.store import ProfileStore
-from service.config import ModelEntry, Registry
+from service.config import ModelEntry, Registry, cuda_index
 
 __all__ = [
     "Job",
@@ -357,10 +357,8 @@ def queue_key(device: str) -> str:
     """The queue a device's jobs wait in: one per CUDA index (``"cuda:01"`` is ``"cuda:1"``),
     and one for the host, shared by ``cpu`` and every ``sim:SIZE`` (they all run on the CPU, and
     two at once would slow each other's trials)."""
-    kind, _, index = device.partition(":")
-    if kind == "cuda" and index.isascii() and index.isdigit():
-        return f"cuda:{int(index)}"
-    return "host"
+    index = cuda_index(device)
+    return "host" if index is None else f"cuda:{index}"
 
 
 def _describe_exit(exitcode: int | None) -> str:

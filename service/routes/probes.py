@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from autobatch.errors import DeviceUnavailableError
+from service.config import cuda_index
 from service.deps import DeviceLister, StateDep
 from service.jobs import Job, UnknownModelError
 from service.problems import Problem, problem_responses
@@ -80,17 +81,17 @@ def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> Probe
 
 def _check_cuda_device(device: str, list_gpus: DeviceLister, from_registry: bool) -> None:
     """422 now, rather than a job failing seconds later, for ``cuda:N`` with no such GPU here."""
-    kind, _, index = device.partition(":")
-    if kind != "cuda":
+    index = cuda_index(device)
+    if index is None:
         return
     try:
         visible = sorted(gpu.cuda_index for gpu in list_gpus() if gpu.cuda_index is not None)
     except DeviceUnavailableError as exc:
         reason = f"this node has no usable GPU ({exc})"
     else:
-        if int(index) in visible:
+        if index in visible:
             return
-        reason = f"this node has no GPU with CUDA index {int(index)} (visible: {visible or 'none'})"
+        reason = f"this node has no GPU with CUDA index {index} (visible: {visible or 'none'})"
     where = "the registry's device for this model" if from_registry else "device"
     raise Problem(
         422,
