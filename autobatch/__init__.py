@@ -13,13 +13,10 @@ Example::
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning, StepStats
-    from autobatch.autotune import ReportWarning, autotune
     from autobatch.device import Capacity, Device, GpuInfo, MemoryInfo, PeakMemory, resolve_device
     from autobatch.device.simulated import SimulatedDevice
     from autobatch.distributed import ProcessGroupConsensus
@@ -34,8 +31,8 @@ if TYPE_CHECKING:
         StepFailedError,
         StoreError,
     )
-    from autobatch.estimate import EstimateUnavailableError, estimate
-    from autobatch.integrations import (
+    from autobatch.estimator import EstimateUnavailableError, estimate
+    from autobatch.integrations.configs import (
         ConfigFormat,
         deepspeed_config,
         format_config,
@@ -43,9 +40,10 @@ if TYPE_CHECKING:
         lightning_config,
     )
     from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
-    from autobatch.probe import Consensus, LocalConsensus, probe
+    from autobatch.probing import Consensus, LocalConsensus, probe
     from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
     from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
+    from autobatch.tuning import ReportWarning, autotune
     from autobatch.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -107,8 +105,8 @@ _EXPORTS: dict[str, str] = {
     "Accumulator": "autobatch.accumulate",
     "SmallMicroBatchNormWarning": "autobatch.accumulate",
     "StepStats": "autobatch.accumulate",
-    "ReportWarning": "autobatch.autotune",
-    "autotune": "autobatch.autotune",
+    "ReportWarning": "autobatch.tuning",
+    "autotune": "autobatch.tuning",
     "Capacity": "autobatch.device",
     "Device": "autobatch.device",
     "GpuInfo": "autobatch.device",
@@ -126,22 +124,22 @@ _EXPORTS: dict[str, str] = {
     "ServiceError": "autobatch.errors",
     "StepFailedError": "autobatch.errors",
     "StoreError": "autobatch.errors",
-    "EstimateUnavailableError": "autobatch.estimate",
-    "estimate": "autobatch.estimate",
-    "ConfigFormat": "autobatch.integrations",
-    "deepspeed_config": "autobatch.integrations",
-    "format_config": "autobatch.integrations",
-    "hf_training_arguments": "autobatch.integrations",
-    "lightning_config": "autobatch.integrations",
+    "EstimateUnavailableError": "autobatch.estimator",
+    "estimate": "autobatch.estimator",
+    "ConfigFormat": "autobatch.integrations.configs",
+    "deepspeed_config": "autobatch.integrations.configs",
+    "format_config": "autobatch.integrations.configs",
+    "hf_training_arguments": "autobatch.integrations.configs",
+    "lightning_config": "autobatch.integrations.configs",
     "Plan": "autobatch.planner",
     "PlanSource": "autobatch.planner",
     "Uneven": "autobatch.planner",
     "WorldSizeOption": "autobatch.planner",
     "plan": "autobatch.planner",
     "plan_world_sizes": "autobatch.planner",
-    "Consensus": "autobatch.probe",
-    "LocalConsensus": "autobatch.probe",
-    "probe": "autobatch.probe",
+    "Consensus": "autobatch.probing",
+    "LocalConsensus": "autobatch.probing",
+    "probe": "autobatch.probing",
     "MemoryModel": "autobatch.profile",
     "PROFILE_SCHEMA_VERSION": "autobatch.profile",
     "Profile": "autobatch.profile",
@@ -172,22 +170,3 @@ if not TYPE_CHECKING:  # to type checkers, the package has exactly the names imp
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
-
-
-class _Package(types.ModuleType):
-    """Keeps ``autobatch.probe``, ``.estimate`` and ``.autotune`` the functions.
-
-    After loading a submodule the import system binds it on its package
-    (``setattr(autobatch, "probe", <module>)``), which would hide the function of the same name
-    once anything imported ``autobatch.probe``. This refuses that binding for exported names;
-    the module stays reachable in ``sys.modules``. (Customizing module attribute access:
-    https://docs.python.org/3/reference/datamodel.html#customizing-module-attribute-access)
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -224,7 +224,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.estimate import estimate
+    from autobatch.estimator import estimate
 
     spec = _load(args)
     profile = estimate(
@@ -255,8 +255,8 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.autotune import autotune_profile
     from autobatch.planner import plan
+    from autobatch.tuning import autotune_profile
 
     spec = _load(args)
     fmt = _output_format(args)
@@ -345,7 +345,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> None:
-    from autobatch.integrations import format_config
+    from autobatch.integrations.configs import format_config
 
     if fmt == "json":
         data = {"plan": result.to_dict()}

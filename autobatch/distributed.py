@@ -1,6 +1,6 @@
 """Probing under torch.distributed: every rank probes its own device, and all agree on one answer.
 
-:class:`ProcessGroupConsensus` is the probe's :class:`~autobatch.probe.Consensus` over a process
+:class:`ProcessGroupConsensus` is the probe's :class:`~autobatch.probing.Consensus` over a process
 group: element-wise MIN all-reduces and broadcasts from rank 0 of small int64 tensors (on the CPU
 for gloo, on the current CUDA device for nccl, so call ``torch.cuda.set_device(local_rank)``
 first). With it, every rank runs the same micro-batch sizes in the same order; a size fits only

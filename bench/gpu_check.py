@@ -8,7 +8,7 @@ estimator's error against measured peaks, in under 8 minutes.
    ``find_executable_batch_size`` (starting at twice the exhaustive max) and the exhaustive scan,
    all on ``cuda:0`` (a :class:`~autobatch.device.cuda.CudaDevice`); see ``bench/_peers.py``.
 3. Estimator error: for each size autobatch measured as fitting, the fake-tensor peak
-   (:class:`autobatch.estimate.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
+   (:class:`autobatch.estimator.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
    ``max_memory_reserved`` of the real step at the same size.
 
 A global time budget (``--budget-s``, default 450 s from start) is checked before every piece of
@@ -47,7 +47,7 @@ import torch
 from autobatch import SimulatedDevice
 from autobatch.batch import BatchSource
 from autobatch.device import Device
-from autobatch.estimate import FakeStep
+from autobatch.estimator import FakeStep
 from autobatch.profile import Profile
 from bench._peers import (
     GIB,

@@ -36,7 +36,7 @@ from typing import Any, Literal
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile
 from autobatch.store import ProfileStore
-from service.config import ModelEntry, Registry, cuda_index
+from service.registry import ModelEntry, Registry, cuda_index
 
 __all__ = [
     "Job",
@@ -391,7 +391,7 @@ def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from autobatch.device import resolve_device
-    from autobatch.probe import probe
+    from autobatch.probing import probe
 
     target = resolve_device(device)
     module_name, _, function_name = entry.factory.partition(":")

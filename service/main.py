@@ -17,12 +17,12 @@ from fastapi import FastAPI
 
 from autobatch.device.nvml import default_nvml
 from autobatch.store import ProfileStore
-from service.config import load_registry
 from service.deps import DeviceLister, ServiceState
 from service.jobs import JobManager
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
+from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles
 from service.settings import Settings
 

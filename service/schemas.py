@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from autobatch.profile import PROFILE_SCHEMA_VERSION
-from service.config import DEVICE_PATTERN
+from service.registry import DEVICE_PATTERN
 
 __all__ = [
     "DeviceList",

@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     """When set, every ``/v1`` call needs ``Authorization: Bearer <token>``. An empty token is
     refused (it would match a request without one): unset it to run without a token."""
     config_file: Path | None = None
-    """TOML registry of the models that probe jobs may run (see ``service.config``)."""
+    """TOML registry of the models that probe jobs may run (see ``service.registry``)."""
     require_gpu: bool = False
     """``/readyz`` answers 503 while NVML lists no GPU."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
 from autobatch.errors import ConfigError
-from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
+from autobatch.integrations.configs import deepspeed_config, hf_training_arguments, lightning_config
 from autobatch.planner import Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileNotFoundError, ProfileStore

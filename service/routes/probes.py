@@ -9,10 +9,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from autobatch.errors import DeviceUnavailableError
-from service.config import cuda_index
 from service.deps import DeviceLister, StateDep
 from service.jobs import Job, UnknownModelError
 from service.problems import Problem, problem_responses
+from service.registry import cuda_index
 from service.routing import JsonBodyRoute
 from service.schemas import (
     ProbeCreate,

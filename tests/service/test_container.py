@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from service.__main__ import parse_args
-from service.config import load_registry
+from service.registry import load_registry
 from service.settings import settings_from_args
 
 ROOT = Path(__file__).resolve().parents[2]

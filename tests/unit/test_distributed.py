@@ -17,7 +17,7 @@ from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.errors import DistributedError
-from autobatch.estimate import FakeStep
+from autobatch.estimator import FakeStep
 from autobatch.profile import Trial
 from autobatch.store import ProfileStore
 from tests.conftest import MODEL_CASES, spawn_and_wait

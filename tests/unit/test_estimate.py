@@ -10,7 +10,7 @@ import torch
 from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import DoesNotFitError
-from autobatch.estimate import FakeStep, estimate
+from autobatch.estimator import FakeStep, estimate
 from autobatch.state import resident_tensors
 from autobatch.step import TrainingStep
 from tests.conftest import ModelCase

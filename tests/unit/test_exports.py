@@ -32,15 +32,16 @@ def test_all_is_sorted_and_names_every_export() -> None:
     assert set(autobatch.__all__) <= set(dir(autobatch))
 
 
-def test_functions_named_like_their_modules_stay_functions() -> None:
-    # Importing the submodule first must not hide the function (the import system binds
-    # submodules on their package).
+def test_modules_are_named_apart_from_their_functions() -> None:
+    # ``import autobatch.probing as m`` is the module (patching ``m.x`` patches the module), and
+    # importing the submodules does not hide the functions of the package.
     out = run_python(
-        "import autobatch.probe, autobatch.estimate, autobatch.autotune, autobatch, sys;"
-        "print(*(type(getattr(autobatch, n)).__name__ for n in ('probe', 'estimate', 'autotune')),"
-        "type(sys.modules['autobatch.probe']).__name__)"
+        "import autobatch.probing as p, autobatch.estimator as e, autobatch.tuning as t;"
+        "import autobatch;"
+        "print(*(type(m).__name__ for m in (p, e, t)),"
+        "*(type(getattr(autobatch, n)).__name__ for n in ('probe', 'estimate', 'autotune')))"
     )
-    assert out.split() == ["function", "function", "function", "module"]
+    assert out.split() == ["module"] * 3 + ["function"] * 3
 
 
 def test_submodules_are_attributes_after_a_plain_import() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.errors import ConfigError
-from autobatch.integrations import (
+from autobatch.integrations.configs import (
     deepspeed_config,
     format_config,
     hf_training_arguments,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError, DoesNotFitError, StepFailedError
-from autobatch.probe import probe
+from autobatch.probing import probe
 from autobatch.step import TrainingStep
 from tests.conftest import ModelCase, exhaustive_max
 

@@ -13,8 +13,8 @@ from torch import nn
 
 import autobatch
 from autobatch import SimulatedDevice, autotune, estimate, probe
-from autobatch.autotune import autotune_profile
 from autobatch.errors import AutobatchError, ConfigError, StepFailedError
+from autobatch.tuning import autotune_profile
 
 
 def mlp() -> nn.Module:

@@ -29,10 +29,10 @@ from autobatch.batch import BatchSource
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.errors import AutobatchError
-from autobatch.estimate import DEFAULT_LIMIT
+from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
 from autobatch.planner import Plan, Uneven, plan
-from autobatch.probe import OnTrial, _model_device, probe
+from autobatch.probing import OnTrial, _model_device, probe
 from autobatch.profile import Profile, profile_cache_key
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore

@@ -2,7 +2,7 @@
 
 1. **Capacity** from the device (CUDA: NVML free + torch reserved, capped by the per-process
    fraction; simulated: its capacity less foreign bytes).
-2. **Estimate** on fake tensors (:mod:`autobatch.estimate`): a predicted size and a memory line,
+2. **Estimate** on fake tensors (:mod:`autobatch.estimator`): a predicted size and a memory line,
    with nothing allocated. When the step cannot run on fake tensors the probe says so in the
    profile's notes and falls back to doubling-then-bisect.
 3. **Confirm and bisect** with real steps (:mod:`autobatch.search`): typically a warm-up at
@@ -39,7 +39,7 @@ from autobatch.batch import BatchSource
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, StepFailedError
-from autobatch.estimate import (
+from autobatch.estimator import (
     DEFAULT_LIMIT,
     EstimateUnavailableError,
     FakeStep,

@@ -1,0 +1,29 @@
+"""Framework integrations: config output for DeepSpeed, Hugging Face and Lightning.
+
+Each framework's own drop-in lives in its own submodule and imports that framework only there,
+so ``import autobatch.integrations`` stays free of torch and of every framework.
+
+Example::
+
+    from autobatch.integrations import deepspeed_config
+
+    deepspeed_config(plan)  # {"train_batch_size": 1024, ...}
+"""
+
+from __future__ import annotations
+
+from autobatch.integrations.configs import (
+    ConfigFormat,
+    deepspeed_config,
+    format_config,
+    hf_training_arguments,
+    lightning_config,
+)
+
+__all__ = [
+    "ConfigFormat",
+    "deepspeed_config",
+    "format_config",
+    "hf_training_arguments",
+    "lightning_config",
+]
