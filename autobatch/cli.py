@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -167,13 +168,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Callable[[argparse.Namespace, TextIO], int] = _COMMANDS[args.command]
     try:
-        return handler(args, sys.stdout)
+        code = handler(args, sys.stdout)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except AutobatchError as exc:
         print(f"autobatch: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_closed() -> int:
+    """Stop quietly when the reader of stdout has gone (``autobatch ... | head``), as Unix tools do.
+
+    Python flushes stdout again at exit, which would print a second ``BrokenPipeError``; pointing
+    the descriptor at ``/dev/null`` stops that (the recipe in the Python docs, ``signal`` module).
+
+    Returns:
+        141, the status of a Unix tool killed by ``SIGPIPE`` (128 + 13).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13
 
 
 def _output_format(args: argparse.Namespace) -> str:

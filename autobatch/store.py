@@ -30,8 +30,10 @@ import datetime
 import json
 import os
 import pathlib
+import random
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from types import TracebackType
@@ -171,7 +173,7 @@ class ProfileStore:
         self._conn: sqlite3.Connection | None = conn
         try:
             with self._lock, self._sqlite_errors("open it"):
-                self._open_schema(conn)
+                self._open_schema(conn, timeout_seconds=timeout_seconds)
         except BaseException:
             self.close()
             raise
@@ -373,27 +375,24 @@ class ProfileStore:
             raise StoreError(f"the profile store {self.path} is closed")
         return self._conn
 
-    def _open_schema(self, conn: sqlite3.Connection) -> None:
+    def _open_schema(self, conn: sqlite3.Connection, *, timeout_seconds: float) -> None:
         """Check the file is ours and current; create the tables in an empty one.
 
         Reads only, unless the database is empty: a foreign, newer or corrupt file is never
-        written to. The check repeats inside the write transaction, as another process may
+        written to. Application id, schema version and tables are read in one read transaction,
+        so another process creating the store at the same moment is seen either not at all or
+        whole; the check repeats inside the creating write transaction, as another process may
         create the tables first.
         """
-        if self._inspect(conn):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+        with _transaction(conn, "BEGIN"):
+            empty = self._inspect(conn)
+        if empty:
+            with _transaction(conn, "BEGIN IMMEDIATE"):
                 if self._inspect(conn):
                     for statement in _CREATE_SCHEMA:
                         conn.execute(statement)
-            except BaseException:
-                conn.rollback()
-                raise
-            conn.execute("COMMIT")
         if not self._in_memory:
-            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-            if str(mode).lower() != "wal":
-                conn.execute("PRAGMA journal_mode = WAL")
+            _use_wal(conn, timeout_seconds=timeout_seconds)
 
     def _inspect(self, conn: sqlite3.Connection) -> bool:
         """True when the database is empty; raise unless it is a current autobatch store."""
@@ -444,6 +443,39 @@ class ProfileStore:
 
 class _Rollback(Exception):
     """Raised inside :meth:`ProfileStore._write` to end the transaction without committing."""
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection, begin: str) -> Iterator[None]:
+    """One transaction opened with ``begin``, committed unless the body raises."""
+    conn.execute(begin)
+    try:
+        yield
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.execute("COMMIT")
+
+
+def _use_wal(conn: sqlite3.Connection, *, timeout_seconds: float) -> None:
+    """Switch the file to the WAL journal (kept in the file, so done once per file).
+
+    The switch needs an exclusive lock and SQLite does not wait for one here (no busy handler):
+    while other processes read the file as they open it, it fails at once with "database is
+    locked". Retried until ``timeout_seconds``, as the busy timeout would.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+            return
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+            if not busy or time.monotonic() >= deadline:
+                raise
+        time.sleep(random.uniform(0.001, 0.01))
 
 
 def _resolve(path: str | os.PathLike[str] | None) -> pathlib.Path:

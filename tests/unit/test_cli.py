@@ -182,6 +182,22 @@ def test_devices_without_nvml_says_so_in_one_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_closed_stdout_exits_quietly() -> None:
+    # `autobatch ... | head`: the reader has gone before anything is written.
+    argv = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "autobatch", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as child:
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()
+        stderr = child.stderr.read().decode()
+        code = child.wait(timeout=120)
+    assert stderr == ""
+    assert code == 141  # as a Unix tool killed by SIGPIPE
+
+
 def test_estimate_prints_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
         capsys, "estimate", "gpt2-tiny", "--seq-len", "32", "--capacity", "64MiB", "--json"

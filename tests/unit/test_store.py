@@ -404,6 +404,7 @@ def _put_many(path: str, worker: int, count: int) -> list[str]:
         return ids
 
 
+@pytest.mark.slow
 def test_concurrent_processes_write_to_one_file(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "shared" / "profiles.sqlite3"  # created by whichever worker gets there first
     num_workers, num_each = 4, 30
@@ -420,3 +421,40 @@ def test_concurrent_processes_write_to_one_file(tmp_path: pathlib.Path) -> None:
             assert [p.num_steps for _, p in mine] == list(range(num_each, 0, -1))
     assert len(listed) == num_workers * num_each
     assert len({pid for pid, _ in listed}) == num_workers * num_each
+
+
+_open_barrier: Any = None
+
+
+def _set_open_barrier(barrier: Any) -> None:
+    global _open_barrier
+    _open_barrier = barrier
+
+
+def _open_new_store_at_once(path: str) -> str:
+    """Runs in a pool worker: wait for every worker, then open (and so create) the store."""
+    _open_barrier.wait(timeout=60)
+    try:
+        with ProfileStore(path) as store:
+            store.put(make_profile(model_fingerprint=str(os.getpid())))
+    except StoreError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.slow
+def test_processes_opening_a_new_file_at_once_all_succeed(tmp_path: pathlib.Path) -> None:
+    # Each round is a new file opened by 8 processes released together by a barrier. Before the
+    # open check was one read transaction, a process saw the file half-created and called it
+    # "not an autobatch profile store" (about 1 round in 20); before the WAL switch was retried,
+    # one got "database is locked" at once (about 1 round in 15).
+    num_workers, num_rounds = 8, 100
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(num_workers)
+    with context.Pool(num_workers, _set_open_barrier, (barrier,)) as pool:
+        for round_index in range(num_rounds):
+            path = str(tmp_path / f"round{round_index}.sqlite3")
+            errors = pool.map(_open_new_store_at_once, [path] * num_workers, chunksize=1)
+            assert errors == [""] * num_workers, f"round {round_index}: {errors}"
+            with ProfileStore(path) as store:
+                assert len(store.list_profiles(limit=100)) == num_workers
