@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autobatch.batch import BatchSource
+from autobatch.compiled import eager, is_compiled
 from autobatch.errors import AutobatchError, ConfigError
 from autobatch.live_bytes import LiveBytes
 from autobatch.metadata import (
@@ -168,7 +169,7 @@ class FakeStep:
         level = fake_log.level
         fake_log.setLevel(logging.CRITICAL)
         try:
-            with self.mode, tracker:
+            with eager(), self.mode, tracker:
                 yield
         except ConfigError:
             raise
@@ -305,8 +306,12 @@ def estimate(
     finally:
         for param, grad in grads:
             param.grad = grad
+    notes = profile.notes
+    if is_compiled(model):
+        notes += ("torch.compile: estimated on the uncompiled step (fake tensors)",)
     return dataclasses.replace(
         profile,
+        notes=notes,
         step_fingerprint=step_fingerprint(
             model,
             optimizer,

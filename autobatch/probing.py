@@ -36,6 +36,13 @@ from typing import Any, Protocol
 import torch
 
 from autobatch.batch import BatchSource
+from autobatch.compiled import (
+    CompiledMode,
+    eager,
+    is_compiled,
+    mark_batch_dynamic,
+    measures_compiled,
+)
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, StepFailedError
@@ -260,6 +267,9 @@ class _Probe:
             grad_scaler=scaler,
             step_on_overflow=True,
         )
+        self.compiled: CompiledMode = ""
+        if is_compiled(model):
+            self.compiled = "measured" if measures_compiled(device.type) else "confirmed"
         self.points: list[Point] = []
         self.trials: list[Trial] = []
         self.notes: list[str] = []
@@ -270,6 +280,16 @@ class _Probe:
     # -- the search -------------------------------------------------------------------------
 
     def run(self) -> Profile:
+        if self.compiled != "confirmed":
+            return self._search()
+        # Memory is counted with a dispatch mode: trials run the step eagerly (Dynamo untouched),
+        # then one compiled step at the chosen size shows that it compiles and runs.
+        with eager():
+            profile = self._search()
+        self._confirm_compiled(profile.recommended_micro_batch_size)
+        return dataclasses.replace(profile, num_steps=self.num_steps, notes=tuple(self.notes))
+
+    def _search(self) -> Profile:
         own = self.device.capacity()
         capacity = self.capacity = self._agree_capacity(own)
         prior, first = self._estimate(capacity)
@@ -368,7 +388,9 @@ class _Probe:
 
     def _warm_up(self, capacity: Capacity) -> None:
         """One step at micro-batch 1 to create the optimizer state (Adam's moments); at 2 when 1
-        cannot train (BatchNorm needs more than one value per channel)."""
+        cannot train (BatchNorm needs more than one value per channel). A compiled step measured
+        as compiled also warms up at 2, where Dynamo compiles the graph for every size above 1,
+        so that no measured step's time includes compilation."""
         try:
             self._trial(1, capacity, warm_up=True)
         except StepFailedError as exc:
@@ -379,6 +401,47 @@ class _Probe:
                 "warmed up at 2: keep every micro-batch at 2 or more"
             )
             self._trial(2, capacity, warm_up=True)
+            return
+        if self.compiled == "measured" and self.limit >= 2:
+            self._trial(2, capacity, warm_up=True)
+
+    def _confirm_compiled(self, size: int) -> None:
+        """Run the compiled step once at ``size``, outside any dispatch mode (no memory counted).
+
+        Raises:
+            StepFailedError: the compiled step failed here (or DistributedError on the other
+                ranks).
+        """
+        self.device.release()
+        failure: StepFailedError | None = None
+        try:
+            self.step.run(self.source.make(size))
+        except Exception as exc:  # any failure: the eager measurements do not describe this step
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            failure = StepFailedError(
+                f"the trials ran the step eagerly (memory is counted with a dispatch mode on "
+                f"{self.device.name}), but the torch.compile'd step failed at the chosen "
+                f"micro-batch {size}: {type(exc).__name__}: {first_line}. Fix the compiled "
+                "step, or probe the uncompiled model",
+                micro_batch_size=size,
+            )
+            failure.__cause__ = exc
+        self.num_steps += 1
+        if failure is not None:
+            self._clean_up_after_failure()
+        ranks = self.consensus.world_size
+        (failed_rank,) = self.consensus.min_ints([self.consensus.rank if failure else ranks])
+        if failure is not None:
+            raise failure
+        if failed_rank < ranks:
+            raise DistributedError(
+                f"rank {failed_rank}'s torch.compile'd step failed at micro-batch {size} (its "
+                "own error says why); every rank stopped"
+            )
+        self.notes.append(
+            f"torch.compile: trials ran the step eagerly (memory counted with a dispatch mode); "
+            f"the compiled step ran at micro-batch {size}, its peak not measured"
+        )
 
     def _trial(self, size: int, capacity: Capacity, *, warm_up: bool = False) -> str:
         """Run one real step at ``size``; records it. Returns a stop reason for a non-OOM failure
@@ -396,7 +459,7 @@ class _Probe:
         started = time.perf_counter()
         try:
             with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak:
-                self.step.run(self.source.make(size))
+                self.step.run(self._batch(size))
                 self.device.synchronize()
         except Exception as exc:  # classified right here; only a fatal one is kept
             oom = not isinstance(exc, ConfigError) and is_oom(exc)
@@ -473,6 +536,14 @@ class _Probe:
             return reason
         return ""
 
+    def _batch(self, size: int) -> Any:
+        """The micro-batch of ``size``; its batch dimension dynamic for a step measured compiled,
+        so that the sizes tried share one compiled graph."""
+        batch = self.source.make(size)
+        if self.compiled == "measured":
+            mark_batch_dynamic(batch)
+        return batch
+
     def _clean_up_after_failure(self) -> None:
         """Drop what the failed step left (gradients, a half-built optimizer state), collect
         garbage, then empty the allocator cache."""
@@ -543,6 +614,7 @@ class _Probe:
                 step_includes_update=self.step_includes_update,
             ),
             failed_micro_batch_size=self.failed_micro_batch_size,
+            compiled=self.compiled,
             backend_flags=backend_flags(),
             created_at=now_iso(),
         )

@@ -25,6 +25,7 @@ PROFILE_SCHEMA_VERSION = 1
 """Bumped whenever a field of :class:`Profile` changes meaning or is removed."""
 
 Method = Literal["estimate", "probe", "doubling"]
+Compiled = Literal["", "measured", "confirmed"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,6 +141,11 @@ class Profile:
     failed_micro_batch_size: int = 0
     """The size at which a non-OOM failure ended the search; 0 when none did. Such a profile is
     not cached (the failure may have been transient)."""
+    compiled: Compiled = ""
+    """Whether the step was torch.compile'd: ``""`` no; ``"measured"`` every trial ran the
+    compiled step (CUDA: memory read from allocator statistics); ``"confirmed"`` the trials ran it
+    eagerly (memory counted with a dispatch mode, which Dynamo cannot run under) and one compiled
+    step at the recommended size ran afterwards, its peak not measured."""
     backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
     created_at: str = ""

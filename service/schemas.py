@@ -189,6 +189,7 @@ class ProfileBase(_Strict):
     model_fingerprint: Name = ""
     step_fingerprint: Name = ""
     failed_micro_batch_size: Count = 0
+    compiled: Literal["", "measured", "confirmed"] = ""
     backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
     created_at: Name = ""
     schema_version: int = Field(default=PROFILE_SCHEMA_VERSION, ge=1, le=PROFILE_SCHEMA_VERSION)
