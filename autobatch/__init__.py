@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     )
     from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
     from autobatch.probing import Consensus, LocalConsensus, probe
+    from autobatch.splitting import SplitEvent
     from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
     from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
     from autobatch.tuning import ReportWarning, autotune
@@ -77,6 +78,7 @@ __all__ = [
     "ServiceError",
     "SimulatedDevice",
     "SmallMicroBatchNormWarning",
+    "SplitEvent",
     "StepFailedError",
     "StepStats",
     "StoreError",
@@ -147,6 +149,7 @@ _EXPORTS: dict[str, str] = {
     "ProfileNotFoundError": "autobatch.store",
     "ProfileStore": "autobatch.store",
     "default_store_path": "autobatch.store",
+    "SplitEvent": "autobatch.splitting",
     "format_bytes": "autobatch.units",
     "parse_bytes": "autobatch.units",
 }

@@ -27,6 +27,12 @@ Example::
         stats = window.step()                     # unscale, clip, step, update, schedule, zero
         print(float(stats.loss), stats.global_count)
 
+Or let the window run the passes itself, splitting a micro-batch that runs out of memory
+(``Accumulator(..., on_oom="split")``, see :mod:`autobatch.splitting`)::
+
+    for window in acc.windows(loader):
+        stats = window.run(lambda batch: model(**batch).loss)
+
 The window's micro-batches are fetched from the loader before its first forward pass (k batches are
 held at once), because the weights need the window's total count up front.
 """
@@ -48,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
 from autobatch.errors import ConfigError
+from autobatch.splitting import DEFAULT_OOM_RETRY_WINDOWS, OnOom, SplitEvent, Splitter, run_window
 
 __all__ = [
     "SMALL_MICRO_BATCH_FOR_BATCH_NORM",
@@ -94,6 +101,9 @@ class StepStats:
         local_count: counted items (samples or tokens) in this rank's micro-batches of the
             window.
         global_count: counted items in the window over all ranks; the divisor of the mean.
+        splits: micro-batches :meth:`Window.run` split after running out of memory, in order.
+        micro_batch_size_limit: the largest piece :meth:`Window.run` runs after this window
+            (rows), or ``None`` when micro-batches run whole, as planned.
     """
 
     __slots__ = (
@@ -103,8 +113,10 @@ class StepStats:
         "global_count",
         "grad_norm",
         "local_count",
+        "micro_batch_size_limit",
         "num_micro_steps",
         "skipped",
+        "splits",
     )
 
     def __init__(
@@ -116,15 +128,20 @@ class StepStats:
         skipped: bool,
         local_count: int,
         global_count: int,
+        num_micro_steps: int,
+        splits: tuple[SplitEvent, ...] = (),
+        micro_batch_size_limit: int | None = None,
     ) -> None:
         self._weighted_losses = weighted_losses
         self._loss_factor = loss_factor
         self._loss: torch.Tensor | None = None
         self.grad_norm = grad_norm
         self.skipped = skipped
-        self.num_micro_steps = len(weighted_losses)
+        self.num_micro_steps = num_micro_steps
         self.local_count = local_count
         self.global_count = global_count
+        self.splits = splits
+        self.micro_batch_size_limit = micro_batch_size_limit
 
     @property
     def loss(self) -> torch.Tensor:
@@ -145,7 +162,8 @@ class StepStats:
         return (
             f"StepStats(loss={self.loss!r}, grad_norm={self.grad_norm!r}, "
             f"skipped={self.skipped}, num_micro_steps={self.num_micro_steps}, "
-            f"local_count={self.local_count}, global_count={self.global_count})"
+            f"local_count={self.local_count}, global_count={self.global_count}, "
+            f"splits={self.splits!r}, micro_batch_size_limit={self.micro_batch_size_limit})"
         )
 
 
@@ -257,9 +275,11 @@ class Window(Generic[B]):
         counts: Sequence[int],
         index: int,
         global_count: int,
+        count_fn: Callable[[B], int | torch.Tensor] | None = None,
         /,
     ) -> None:
         self._acc = acc
+        self._count_fn = count_fn
         last = len(batches) - 1
         self._micro_steps = [
             MicroStep(self, batch, counts[i], i, i == last) for i, batch in enumerate(batches)
@@ -270,6 +290,7 @@ class Window(Generic[B]):
         self._num_backward = 0
         self._weighted_losses: list[torch.Tensor] = []
         self._stepped = False
+        self._splits: list[SplitEvent] = []
 
     def __iter__(self) -> Iterator[MicroStep[B]]:
         return iter(self._micro_steps)
@@ -289,6 +310,17 @@ class Window(Generic[B]):
                 f"{self.index}; call micro.backward(loss) exactly once per micro-step"
             )
         return f"window {self.index} has already stepped; run backward before window.step()"
+
+    def run(
+        self,
+        loss_of: Callable[[B], torch.Tensor],
+        *,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> StepStats:
+        """Run every micro-step's forward (``loss_of(batch) -> loss``) and weighted backward,
+        then :meth:`step`; with ``on_oom="split"`` split a micro-batch that runs out of memory.
+        Arguments, result and errors: :func:`autobatch.splitting.run_window`."""
+        return run_window(self, loss_of, reduction=reduction)
 
     def step(self) -> StepStats:
         """Apply the window's gradient: unscale, clip, optimizer step, scaler update, scheduler
@@ -350,6 +382,9 @@ class Window(Generic[B]):
             skipped=skipped,
             local_count=self.local_count,
             global_count=self.global_count,
+            num_micro_steps=len(self._micro_steps),
+            splits=tuple(self._splits),
+            micro_batch_size_limit=acc._splitter.limit,
         )
 
 
@@ -366,11 +401,19 @@ class Accumulator:
             unscaled once per window.
         scheduler: optional LR scheduler stepped (without arguments) once per window.
         max_grad_norm: optional clip of the window's total gradient 2-norm, > 0.
+        on_oom: what :meth:`Window.run` does when a micro-batch runs out of memory: ``"raise"``
+            (propagate it) or ``"split"`` (run it again in halves, gradient unchanged; see
+            :mod:`autobatch.splitting`). The manual ``for micro in window`` loop never splits.
+        oom_retry_windows: with ``"split"``: windows run at the smaller size, without another
+            out-of-memory error, before the planned size is tried again, >= 1.
+        on_split: called with each :class:`~autobatch.splitting.SplitEvent`, e.g.
+            ``autobatch.tuning.split_recorder(...)`` so the profile store learns the size.
 
     Raises:
         ConfigError: ``gradient_accumulation_steps`` not an int >= 1, ``max_grad_norm`` not a
-            finite number > 0, or a ``ReduceLROnPlateau`` scheduler (it needs a metric: step it
-            yourself after ``window.step()``).
+            finite number > 0, ``on_oom`` or ``oom_retry_windows`` invalid, or a
+            ``ReduceLROnPlateau`` scheduler (it needs a metric: step it yourself after
+            ``window.step()``).
     """
 
     def __init__(
@@ -382,7 +425,11 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         max_grad_norm: float | None = None,
+        on_oom: OnOom = "raise",
+        oom_retry_windows: int = DEFAULT_OOM_RETRY_WINDOWS,
+        on_split: Callable[[SplitEvent], None] | None = None,
     ) -> None:
+        self._splitter = Splitter(on_oom=on_oom, retry_windows=oom_retry_windows, on_split=on_split)
         k = gradient_accumulation_steps
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(
@@ -483,7 +530,7 @@ class Accumulator:
                     "the mean loss is undefined. Drop micro-batches with nothing to count, or fix "
                     "count_fn"
                 )
-            previous = Window(self, batches, counts, index, global_count)
+            previous = Window(self, batches, counts, index, global_count, count_fn)
             yield previous
 
     def _global_count(self, local_count: int) -> int:

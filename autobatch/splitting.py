@@ -1,0 +1,498 @@
+"""Run a window's micro-batches, splitting one that runs out of memory, gradient unchanged.
+
+A probe measures the batches it is shown; real data has rare long sequences and dense images,
+and the out-of-memory error then comes hours into training. With
+``Accumulator(..., on_oom="split")``, :meth:`Window.run <autobatch.accumulate.Window.run>` catches
+it and runs that micro-batch again in pieces, each weighted by its own count of the window's
+total, so the window's gradient is the one the unsplit micro-batch would have given (up to
+floating-point summation order; dropout draws other masks).
+
+The rules:
+
+- **Pieces come from the original micro-batch.** A micro-batch of ``n`` rows that fails at piece
+  size ``s`` is run as rows ``[0:s')``, ``[s':2s')``... of the original, with ``s' = ceil(s / 2)``
+  (never a piece of a piece: sizes go 8, 4, 2, 1). Every tensor whose dim 0 is ``n`` is sliced;
+  other leaves pass unchanged.
+- **Forward or backward.** An error in ``loss_of`` (the forward) leaves the gradients as they
+  were, so the rows already done stay done. An error in backward may have added part of a
+  gradient, so the window's gradients are zeroed and its micro-batches so far are run again at the
+  smaller size.
+- **Memory first.** The failed pass's references (the exception and its traceback hold frames
+  full of tensors) are dropped, then ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``
+  run outside the ``except`` block.
+- **Later micro-batches** run in pieces of at most the smaller size (``StepStats.
+  micro_batch_size_limit``). After ``oom_retry_windows`` windows (default
+  :data:`DEFAULT_OOM_RETRY_WINDOWS`) in a row without an out-of-memory error, the limit is lifted
+  and the planned size is tried again; a window that splits starts the count anew.
+- **Size 1 that does not fit** raises :class:`~autobatch.errors.DoesNotFitError` naming the
+  window, the micro-batch and the row.
+- **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
+  new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
+  store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
+- **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only
+  with ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the
+  smallest limit, so they split together, and if one rank cannot fit a batch every rank raises
+  instead of waiting. On the last micro-step the agreement comes after the forward of the final
+  piece and before its synchronised backward. An out-of-memory error *inside* that backward
+  cannot be agreed on (the other ranks are already in the all-reduce): that rank aborts the
+  process group, so every other rank fails within seconds instead of hanging, and raises
+  :class:`~autobatch.errors.DistributedError`. Pieces are local (ranks may run different numbers
+  of forward passes), so a model with buffers needs ``DistributedDataParallel(...,
+  broadcast_buffers=False)``.
+
+Example::
+
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=4, on_oom="split")
+    for window in acc.windows(loader):
+        stats = window.run(lambda batch: model(**batch).loss)
+        for split in stats.splits:
+            print(split.old_micro_batch_size, "->", split.new_micro_batch_size)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from autobatch.device.oom import is_oom
+from autobatch.errors import ConfigError, DistributedError, DoesNotFitError
+
+if TYPE_CHECKING:
+    from autobatch.accumulate import MicroStep, StepStats, Window
+
+__all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
+
+B = TypeVar("B")
+
+OnOom = Literal["raise", "split"]
+
+DEFAULT_OOM_RETRY_WINDOWS = 16
+"""Windows in a row without an out-of-memory error after which the planned size is tried again."""
+
+logger = logging.getLogger("autobatch")
+
+_NO_LIMIT = 2**62  # "run whole" in the ranks' agreement (a MIN all-reduce)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SplitEvent:
+    """One micro-batch run in smaller pieces after an out-of-memory error."""
+
+    window_index: int
+    """The window (0-based, within one ``windows()`` loop)."""
+    micro_step_index: int
+    """The micro-batch within the window (0-based)."""
+    old_micro_batch_size: int
+    """Rows of the piece that ran out of memory (the whole micro-batch the first time)."""
+    new_micro_batch_size: int
+    """Rows per piece from now on, >= 1."""
+    phase: Literal["forward", "backward", "peer"]
+    """Where it ran out: the user's ``loss_of``, the backward, or on another rank (``"peer"``:
+    this rank adopts the smaller size the ranks agreed on)."""
+    reason: str
+    """The error's first line (e.g. ``CUDA out of memory. Tried to allocate 2.00 GiB...``)."""
+    recomputed: bool = False
+    """True when the window's micro-batches so far were run again (an error in backward)."""
+
+
+class Splitter:
+    """An Accumulator's split policy and the piece-size limit it carries between windows.
+
+    Args:
+        on_oom: ``"raise"`` or ``"split"``.
+        retry_windows: see ``Accumulator(oom_retry_windows=...)``, >= 1.
+        on_split: called with every :class:`SplitEvent`, after it is logged.
+
+    Raises:
+        ConfigError: ``on_oom`` is not one of the two, or ``retry_windows`` is not an int >= 1.
+    """
+
+    __slots__ = ("_clean_windows", "limit", "on_oom", "on_split", "retry_windows")
+
+    def __init__(
+        self,
+        *,
+        on_oom: OnOom,
+        retry_windows: int,
+        on_split: Callable[[SplitEvent], None] | None = None,
+    ) -> None:
+        if on_oom not in ("raise", "split"):
+            raise ConfigError(f"on_oom must be 'raise' or 'split', got {on_oom!r}")
+        if (
+            isinstance(retry_windows, bool)
+            or not isinstance(retry_windows, int)
+            or retry_windows < 1
+        ):
+            raise ConfigError(
+                f"oom_retry_windows must be an int >= 1, got {retry_windows!r}; it is how many "
+                f"windows run at the smaller size before the planned one is tried again "
+                f"(default {DEFAULT_OOM_RETRY_WINDOWS})"
+            )
+        self.on_oom: OnOom = on_oom
+        self.retry_windows = retry_windows
+        self.on_split = on_split
+        self.limit: int | None = None
+        """Largest piece (rows) run now; None: micro-batches run whole."""
+        self._clean_windows = 0
+
+    def start_window(self, window_index: int) -> None:
+        if self.limit is not None and self._clean_windows >= self.retry_windows:
+            logger.info(
+                "window %d: %d windows ran without running out of memory at micro-batch size "
+                "%d or less; trying the planned size again",
+                window_index,
+                self._clean_windows,
+                self.limit,
+            )
+            self.limit = None
+
+    def end_window(self, had_split: bool) -> None:
+        self._clean_windows = 0 if had_split else self._clean_windows + 1
+
+
+@dataclasses.dataclass(slots=True)
+class _Failure:
+    """What is kept of an out-of-memory error once its ``except`` block is left."""
+
+    phase: Literal["forward", "backward"]
+    reason: str
+    start: int
+    """First row of the piece that failed."""
+    rows: int
+    """Rows of the piece that failed."""
+
+
+class _WindowRun:
+    """One call of :func:`run_window`: the cursor over (micro-batch, row) and the bookkeeping."""
+
+    def __init__(
+        self, window: Window[Any], loss_of: Callable[[Any], torch.Tensor], reduction: str
+    ) -> None:
+        self.window = window
+        self.acc = window._acc
+        self.splitter: Splitter = window._acc._splitter
+        self.loss_of = loss_of
+        self.reduction = reduction
+        self.micros = list(window)
+        self.ddp = self.acc._ddp
+        self.agree_ranks = self.ddp is not None and self.splitter.on_oom == "split"
+        self.num_agreed = 0  # micro-steps whose agreement is done
+        self.had_split = False
+        self.done_count = 0  # counted items of the current micro-batch's pieces done
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        micros = self.micros
+        index, start = 0, 0
+        while index < len(micros):
+            failure = self._run_rows(micros[index], start)
+            if failure is None:
+                if self.agree_ranks and index == self.num_agreed and index < len(micros) - 1:
+                    self._agree(index, failed=False)
+                index, start = index + 1, 0
+                continue
+            # Outside the except block: the failed pass's frames are gone, so its memory can go.
+            _release(self._device())
+            if failure.rows == 1:
+                self._does_not_fit(micros[index], failure)
+            new_size = (failure.rows + 1) // 2
+            recompute = failure.phase == "backward" and (index > 0 or failure.start > 0)
+            self._record(index, failure, new_size, recompute)
+            if failure.phase == "backward":
+                # A backward that failed may have added part of its gradient: start the window
+                # again from no gradient (the micro-batches done so far are run again).
+                self.acc.optimizer.zero_grad(set_to_none=True)
+                self.window._weighted_losses.clear()
+                self.window._num_backward = 0
+                for micro in micros:
+                    micro._backward_done = False
+                index, start = 0, 0
+            else:
+                start = failure.start  # the forward added nothing; earlier rows stay done
+
+    def _run_rows(self, micro: MicroStep[Any], start: int) -> _Failure | None:
+        """Run rows ``[start:)`` of one micro-batch in pieces of the limit; the first OOM."""
+        limit = self.splitter.limit
+        is_last = micro.is_last
+        if start == 0 and limit is None:
+            return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
+        from autobatch.accumulate import MicroStep, _as_count, _leading_dim
+
+        rows = _leading_dim(micro.batch)
+        if start == 0 and rows <= (limit or rows):
+            return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
+        size = limit if limit is not None else rows
+        count_fn = self.window._count_fn
+        if start == 0:
+            self.done_count = 0
+        for piece_start in range(start, rows, size):
+            stop = min(piece_start + size, rows)
+            piece = _slice(micro.batch, piece_start, stop, rows)
+            if count_fn is None:
+                count = stop - piece_start
+            else:
+                count = _as_count(count_fn(piece), self.window.index, micro.index)
+            synced = is_last and stop == rows
+            if count == 0 and not (synced and self.ddp is not None):
+                continue  # nothing counted: no share of the gradient
+            step = MicroStep(self.window, piece, count, micro.index, synced)
+            failure = self._run_piece(step, piece, piece_start, stop - piece_start, synced=synced)
+            if failure is not None:
+                return failure
+            self.done_count += count
+        if self.done_count != micro.count:
+            raise ConfigError(
+                f"count_fn is not additive over rows: micro-batch {micro.index} of window "
+                f"{self.window.index} counts {micro.count}, its pieces {self.done_count}; the "
+                "pieces of a split micro-batch must count what it counts (e.g. count tokens or "
+                "samples, not a per-batch constant)"
+            )
+        return None
+
+    def _run_piece(
+        self, step: MicroStep[Any], batch: Any, start: int, rows: int, *, synced: bool
+    ) -> _Failure | None:
+        """Forward and backward of one piece (``rows`` -1: the whole micro-batch, not yet
+        counted); the OOM as a :class:`_Failure`, or None."""
+        split = self.splitter.on_oom == "split"
+        phase: Literal["forward", "backward"] = "forward"
+        reason = ""
+        context = step.sync_context()
+        try:
+            with context:
+                loss = self.loss_of(batch)
+                if synced and self.agree_ranks:
+                    self._agree(step.index, failed=False)
+                    phase = "backward"
+                    try:
+                        step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+                    except ConfigError:
+                        raise
+                    except Exception as exc:
+                        self._synchronised_backward_failed(step, exc)
+                else:
+                    phase = "backward"
+                    step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+            return None
+        except Exception as exc:
+            if not split or not is_oom(exc):
+                raise
+            reason = _first_line(exc)
+        # Out of the except block, the exception and its frames are gone; the caller releases
+        # memory once this frame (and `loss`, the failed graph) is gone too.
+        if rows < 0:
+            from autobatch.accumulate import _leading_dim
+
+            rows = _leading_dim(batch)
+        return _Failure(phase=phase, reason=reason, start=start, rows=rows)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def _record(self, index: int, failure: _Failure, new_size: int, recompute: bool) -> None:
+        self._add_event(
+            SplitEvent(
+                window_index=self.window.index,
+                micro_step_index=index,
+                old_micro_batch_size=failure.rows,
+                new_micro_batch_size=new_size,
+                phase=failure.phase,
+                reason=failure.reason,
+                recomputed=recompute,
+            )
+        )
+
+    def _add_event(self, event: SplitEvent) -> None:
+        self.splitter.limit = event.new_micro_batch_size
+        self.had_split = True
+        self.window._splits.append(event)
+        where = "on another rank" if event.phase == "peer" else f"in {event.phase}"
+        logger.warning(
+            "window %d, micro-batch %d: out of memory %s at micro-batch size %d (%s); running "
+            "pieces of %d%s. Later micro-batches use at most %d rows until %d windows in a row "
+            "run without running out of memory",
+            event.window_index,
+            event.micro_step_index,
+            where,
+            event.old_micro_batch_size,
+            event.reason,
+            event.new_micro_batch_size,
+            ", after running the window's earlier micro-batches again" if event.recomputed else "",
+            event.new_micro_batch_size,
+            self.splitter.retry_windows,
+        )
+        if self.splitter.on_split is not None:
+            self.splitter.on_split(event)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _does_not_fit(self, micro: MicroStep[Any], failure: _Failure) -> None:
+        if self.agree_ranks:
+            self._agree(micro.index, failed=True)  # the other ranks raise too, and do not wait
+        device = self._device()
+        raise DoesNotFitError(
+            f"micro-batch {micro.index} of window {self.window.index} does not fit even at "
+            f"micro-batch size 1: its row {failure.start} ran out of memory in {failure.phase} "
+            f"({failure.reason}). That sample is larger than the ones the plan was probed with: "
+            "probe with the worst case (autobatch.worst_case_sample), or truncate it",
+            device_name=str(device),
+            capacity_bytes=_total_memory_bytes(device),
+            required_bytes=0,
+            static_bytes=_static_bytes(self.acc.optimizer),
+        )
+
+    def _synchronised_backward_failed(self, step: MicroStep[Any], exc: Exception) -> None:
+        where = f"micro-batch {step.index} of window {self.window.index}"
+        group = self.acc._group
+        if is_oom(exc):
+            _abort(group)
+            raise DistributedError(
+                f"rank {dist.get_rank(group)} ran out of memory inside the synchronised backward "
+                f"of {where} ({_first_line(exc)}), where the ranks cannot agree to split (the "
+                "others are in the gradient all-reduce). The process group was aborted so that "
+                "no rank waits. Probe with the worst-case batch (autobatch.worst_case_sample) "
+                "or use a smaller micro-batch"
+            ) from exc
+        raise DistributedError(
+            f"the synchronised backward of {where} failed on rank {dist.get_rank(group)} "
+            f"({type(exc).__name__}: {_first_line(exc)}); another rank probably ran out of memory "
+            "in it: see that rank's error"
+        ) from exc
+
+    # -- ranks ---------------------------------------------------------------------------------
+
+    def _agree(self, index: int, *, failed: bool) -> None:
+        """The once-per-micro-step agreement: every rank's limit and failure, MIN-reduced."""
+        self.num_agreed = index + 1
+        limit = self.splitter.limit
+        mine = [limit if limit is not None else _NO_LIMIT, -1 if failed else 0]
+        flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.acc._group)
+        agreed, any_failed = int(flags[0]), int(flags[1]) < 0
+        if any_failed and not failed:
+            raise DistributedError(
+                f"another rank could not fit micro-batch {index} of window {self.window.index} "
+                "even at micro-batch size 1 and raised DoesNotFitError; this rank stops too"
+            )
+        if agreed < (limit if limit is not None else _NO_LIMIT):
+            from autobatch.accumulate import _leading_dim
+
+            self._add_event(
+                SplitEvent(
+                    window_index=self.window.index,
+                    micro_step_index=index,
+                    old_micro_batch_size=limit or _leading_dim(self.micros[index].batch),
+                    new_micro_batch_size=agreed,
+                    phase="peer",
+                    reason="another rank ran out of memory",
+                )
+            )
+
+    def _device(self) -> torch.device:
+        for param in self.acc._params():
+            return param.device
+        return torch.device("cpu")
+
+
+def run_window(
+    window: Window[B],
+    loss_of: Callable[[B], torch.Tensor],
+    *,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> StepStats:
+    """Run a window's forward and backward passes, splitting on OOM as the module says, then step.
+
+    Args:
+        window: a window of an Accumulator, none of whose micro-steps ran backward yet.
+        loss_of: ``batch -> loss`` for one micro-batch (or piece): a 0-dim tensor, the mean (or,
+            with ``reduction="sum"``, the sum) over its counted items. It must not call backward.
+        reduction: how ``loss_of`` reduces over counted items.
+
+    Returns:
+        The window's StepStats, ``splits`` and ``micro_batch_size_limit`` included.
+
+    Raises:
+        ConfigError: the window already ran backward or stepped; a batch has no tensor with a
+            batch dimension (needed to split it); ``count_fn`` is not additive over rows (the
+            pieces' counts do not sum to the micro-batch's); a "mean" loss of a piece with 0
+            counted items that must run (DDP's last); see also ``MicroStep.backward``.
+        DoesNotFitError: a micro-batch runs out of memory even at size 1 (names the batch).
+        DistributedError: under DDP, another rank failed, or this rank ran out of memory in the
+            synchronised backward (the process group is then aborted).
+    """
+    if window._num_backward or window._stepped:
+        raise ConfigError(
+            f"window {window.index} already ran backward or stepped; call window.run() instead "
+            "of the micro-step loop, not after it"
+        )
+    splitter: Splitter = window._acc._splitter
+    splitter.start_window(window.index)
+    state = _WindowRun(window, loss_of, reduction)
+    state.run()
+    splitter.end_window(state.had_split)
+    for micro in state.micros:
+        micro._backward_done = True
+    window._num_backward = len(state.micros)
+    return window.step()
+
+
+def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
+    """Rows ``[start:stop)`` of every tensor in ``batch`` whose dim 0 is ``rows`` (views)."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == rows:
+            return leaf[start:stop]
+        return leaf
+
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)  # Hugging Face's BatchEncoding, a UserDict
+    return tree_map(cut, batch)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _abort(group: dist.ProcessGroup | None) -> None:
+    """Close this rank's connections so that peers waiting in a collective fail at once."""
+    target = group if group is not None else dist.group.WORLD
+    abort = getattr(target, "abort", None)
+    try:
+        if callable(abort):
+            abort()
+        else:
+            dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
+        logger.exception("could not abort the process group after an OOM in backward")
+
+
+def _total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return 0
+
+
+def _static_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, their gradients and the optimizer's state tensors."""
+    total = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            total += param.numel() * param.element_size() * (1 if param.grad is None else 2)
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+    return total

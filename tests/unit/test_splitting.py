@@ -1,0 +1,398 @@
+"""Window.run with on_oom="split": a micro-batch that runs out of memory is run again in pieces
+cut from the original, and every optimizer step still sees the window's exact gradient."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autobatch.accumulate import Accumulator, StepStats
+from autobatch.device.simulated import SimulatedDevice
+from autobatch.errors import ConfigError, DoesNotFitError
+from autobatch.splitting import DEFAULT_OOM_RETRY_WINDOWS, SplitEvent
+from tests.unit.test_accumulate import RecordingSGD, full_batch_grad, make_data, mse
+
+F64 = torch.float64
+HEAVY = 1000.0  # a row whose first feature is this is "large": the gate runs out of memory on it
+IGNORE_INDEX = -100
+
+OomWhen = Callable[[str, torch.Tensor], bool]
+
+
+def fake_oom() -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test gate)")
+
+
+class _GateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, rows: torch.Tensor, gate: Gate) -> torch.Tensor:
+        ctx.gate, ctx.rows = gate, rows
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.gate.oom_when("backward", ctx.rows):
+            raise fake_oom()
+        return grad, None, None
+
+
+class Gate(nn.Module):
+    """Identity on the activations ``h`` that raises a CUDA-like OOM where ``oom_when(phase,
+    rows)`` says; records the input rows it saw (their first feature identifies them here)."""
+
+    def __init__(self, oom_when: OomWhen) -> None:
+        super().__init__()
+        self.oom_when = oom_when
+        self.seen: list[list[float]] = []
+
+    def forward(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.seen.append(rows[:, 0].tolist())
+        if self.oom_when("forward", rows):
+            raise fake_oom()
+        return _GateFunction.apply(h, rows, self)  # type: ignore[no-any-return]
+
+
+class GatedModel(nn.Module):
+    """Linear -> tanh -> gate -> linear, float64. The gate sits after the first layer, so an
+    OOM in backward comes after the last layer's gradient was already accumulated."""
+
+    def __init__(self, oom_when: OomWhen) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(3, 4).to(F64)
+        self.gate = Gate(oom_when)
+        self.last = nn.Linear(4, 1).to(F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.gate(torch.tanh(self.first(x)), x))
+
+
+def heavy_above(rows: int, phase: str) -> OomWhen:
+    """Out of memory in ``phase`` for a piece of more than ``rows`` rows holding a heavy row."""
+    return lambda p, x: p == phase and x.shape[0] > rows and bool((x[:, 0] == HEAVY).any())
+
+
+def with_ids(data: list[tuple[torch.Tensor, torch.Tensor]], heavy: set[tuple[int, int]] = set()):  # noqa: B006
+    """Give row j of micro-batch i the first feature 100 * i + j (or HEAVY)."""
+    for i, (x, _) in enumerate(data):
+        for j in range(x.shape[0]):
+            x[j, 0] = HEAVY if (i, j) in heavy else 100 * i + j
+    return data
+
+
+def reference_grads(
+    data: list[tuple[torch.Tensor, torch.Tensor]], k: int
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Gradients of an unsplit run (manual loop, nothing runs out of memory)."""
+    model = GatedModel(lambda phase, x: False)
+    opt = RecordingSGD(model.parameters())
+    acc = Accumulator(model, opt, gradient_accumulation_steps=k)
+    for window in acc.windows(data):
+        for micro in window:
+            micro.backward(mse(model, micro.batch))
+        window.step()
+    return opt.grads, opt.params_before
+
+
+def split_run(
+    data: list[tuple[torch.Tensor, torch.Tensor]], k: int, oom_when: OomWhen, **kw: Any
+) -> tuple[GatedModel, RecordingSGD, list[StepStats]]:
+    model = GatedModel(oom_when)
+    opt = RecordingSGD(model.parameters())
+    acc = Accumulator(model, opt, gradient_accumulation_steps=k, on_oom="split", **kw)
+    stats = [w.run(lambda batch: mse(model, batch)) for w in acc.windows(data)]
+    return model, opt, stats
+
+
+def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    assert len(got) == len(want)
+    for step_got, step_want in zip(got, want, strict=True):
+        for g, w in zip(step_got, step_want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_forward_oom_runs_the_micro_batch_in_halves_with_the_same_gradient(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    data = with_ids(make_data([8, 8, 8, 8]), heavy={(1, 5)})
+    want, _ = reference_grads(data, k=4)
+    with caplog.at_level(logging.WARNING, logger="autobatch"):
+        model, opt, stats = split_run(data, 4, heavy_above(4, "forward"))
+
+    assert_same(opt.grads, want)
+    (event,) = stats[0].splits
+    assert event == SplitEvent(
+        window_index=0,
+        micro_step_index=1,
+        old_micro_batch_size=8,
+        new_micro_batch_size=4,
+        phase="forward",
+        reason="CUDA out of memory. Tried to allocate 2.00 GiB (test gate)",
+    )
+    # Micro-batch 1 failed whole, then ran as two halves of the original; 2 and 3 followed the
+    # smaller size.
+    assert [len(rows) for rows in model.gate.seen] == [8, 8, 4, 4, 4, 4, 4, 4]
+    assert model.gate.seen[2] + model.gate.seen[3] == model.gate.seen[1]
+    assert stats[0].micro_batch_size_limit == 4 and stats[0].num_micro_steps == 4
+    (record,) = [r for r in caplog.records if r.name == "autobatch"]
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert "window 0, micro-batch 1" in message and "size 8" in message
+    assert "pieces of 4" in message and "CUDA out of memory" in message
+
+
+def test_pieces_are_cut_from_the_original_micro_batch_never_from_a_piece() -> None:
+    # Fits only at 2 rows: 8 fails, 4 fails, then pieces of 2 of the original (Composer's auto
+    # micro-batching once went 16, 8, 2 by splitting a piece).
+    data = with_ids(make_data([8]), heavy={(0, 6)})
+    want, _ = reference_grads(data, k=1)
+    model, opt, stats = split_run(data, 1, heavy_above(2, "forward"))
+
+    assert_same(opt.grads, want)
+    # The first half [0:4) ran; the second [4:8) failed and was re-cut from the original as
+    # [4:6), [6:8) (a forward that fails adds no gradient, so the rows done stay done).
+    assert [len(rows) for rows in model.gate.seen] == [8, 4, 4, 2, 2]
+    original = model.gate.seen[0]
+    assert model.gate.seen[1:] == [original[0:4], original[4:8], original[4:6], original[6:8]]
+    assert [(e.old_micro_batch_size, e.new_micro_batch_size) for e in stats[0].splits] == [
+        (8, 4),
+        (4, 2),
+    ]
+
+
+def test_backward_oom_recomputes_the_window_and_keeps_the_gradient_exact() -> None:
+    # Micro-batch 2 runs out of memory in backward after the last layer's gradient was added:
+    # the window is run again from zero gradients, so nothing of the failed pass remains.
+    data = with_ids(make_data([4, 4, 8, 4, 4, 4, 4, 4]), heavy={(2, 3)})
+    want, _ = reference_grads(data, k=4)
+    model, opt, stats = split_run(data, 4, heavy_above(4, "backward"))
+
+    assert_same(opt.grads, want)
+    (event,) = stats[0].splits
+    assert (event.phase, event.recomputed, event.micro_step_index) == ("backward", True, 2)
+    assert [len(rows) for rows in model.gate.seen[:7]] == [4, 4, 8, 4, 4, 4, 4]
+    with torch.no_grad():  # the logged loss counts each sample once, recomputed or not
+        want_loss = mse(reference_model_at(opt.params_before[0]), _cat(data[:4])).item()
+    assert float(stats[0].loss) == pytest.approx(want_loss, rel=1e-12)
+
+
+def reference_model_at(params: list[torch.Tensor]) -> GatedModel:
+    model = GatedModel(lambda phase, x: False)
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params, strict=True):
+            p.copy_(v)
+    return model
+
+
+def _cat(data: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+
+
+def test_the_planned_size_is_tried_again_after_clean_windows() -> None:
+    data = with_ids(make_data([8] * 10), heavy={(0, 1)})
+    want, _ = reference_grads(data, k=2)
+    model, opt, stats = split_run(data, 2, heavy_above(4, "forward"), oom_retry_windows=2)
+
+    assert_same(opt.grads, want)
+    assert [s.micro_batch_size_limit for s in stats] == [4, 4, 4, None, None]
+    assert [len(s.splits) for s in stats] == [1, 0, 0, 0, 0]
+    # Windows 1 and 2 ran in pieces of 4; window 3 tried the planned 8 again, and it fitted.
+    assert [len(rows) for rows in model.gate.seen[5:]] == [4] * 8 + [8] * 4
+    assert Accumulator.__init__.__kwdefaults__["oom_retry_windows"] == DEFAULT_OOM_RETRY_WINDOWS
+
+
+def test_a_row_that_does_not_fit_alone_raises_does_not_fit_naming_it() -> None:
+    data = with_ids(make_data([4, 4]), heavy={(1, 3)})
+    model = GatedModel(lambda phase, x: bool((x[:, 0] == HEAVY).any()))
+    acc = Accumulator(model, RecordingSGD(model.parameters()), gradient_accumulation_steps=2,
+                      on_oom="split")  # fmt: skip
+    (window,) = acc.windows(data)
+    with pytest.raises(DoesNotFitError, match=r"micro-batch 1 of window 0 .* size 1: its row 3"):
+        window.run(lambda batch: mse(model, batch))
+
+
+def test_raise_propagates_the_oom_and_split_propagates_other_errors() -> None:
+    data = with_ids(make_data([4, 4]), heavy={(0, 0)})
+    model = GatedModel(heavy_above(1, "forward"))
+    acc = Accumulator(model, RecordingSGD(model.parameters()), gradient_accumulation_steps=2)
+    (window,) = acc.windows(data)
+    with pytest.raises(torch.OutOfMemoryError):
+        window.run(lambda batch: mse(model, batch))
+
+    acc = Accumulator(model, RecordingSGD(model.parameters()), gradient_accumulation_steps=2,
+                      on_oom="split")  # fmt: skip
+    (window,) = acc.windows(data)
+
+    def shape_error(batch: Any) -> torch.Tensor:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        window.run(shape_error)
+
+
+def test_run_without_oom_is_the_manual_loop() -> None:
+    data = make_data([3, 5, 2, 6])
+    want, _ = reference_grads(data, k=2)
+    _, opt, stats = split_run(data, 2, lambda phase, x: False)
+    assert_same(opt.grads, want)
+    assert [(s.splits, s.micro_batch_size_limit, s.num_micro_steps) for s in stats] == [
+        ((), None, 2),
+        ((), None, 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"on_oom": "halve"}, "on_oom must be 'raise' or 'split', got 'halve'"),
+        ({"oom_retry_windows": 0}, "oom_retry_windows must be an int >= 1, got 0"),
+        ({"oom_retry_windows": True}, "oom_retry_windows must be an int >= 1, got True"),
+    ],
+)
+def test_bad_split_options(kw: dict[str, Any], match: str) -> None:
+    model = nn.Linear(1, 1)
+    with pytest.raises(ConfigError, match=match):
+        Accumulator(model, torch.optim.SGD(model.parameters()), gradient_accumulation_steps=1, **kw)
+
+
+def test_run_after_a_manual_backward_is_refused() -> None:
+    data = make_data([2, 2])
+    model = GatedModel(lambda phase, x: False)
+    acc = Accumulator(model, RecordingSGD(model.parameters()), gradient_accumulation_steps=2)
+    (window,) = acc.windows(data)
+    first = next(iter(window))
+    first.backward(mse(model, first.batch))
+    with pytest.raises(ConfigError, match="window 0 already ran backward or stepped"):
+        window.run(lambda batch: mse(model, batch))
+
+
+def test_count_fn_must_be_additive_over_rows() -> None:
+    data = with_ids(make_data([4]), heavy={(0, 0)})
+    model = GatedModel(heavy_above(2, "forward"))
+    acc = Accumulator(model, RecordingSGD(model.parameters()), gradient_accumulation_steps=1,
+                      on_oom="split")  # fmt: skip
+    (window,) = acc.windows(data, count_fn=lambda batch: 4)  # not a count of rows or tokens
+    with pytest.raises(ConfigError, match="count_fn is not additive over rows: .* counts 4, its "
+                       "pieces 8"):  # fmt: skip
+        window.run(lambda batch: mse(model, batch))
+
+
+# -- the issue's "done when": a real byte count on the simulated device -----------------------
+
+
+class TokenMLP(nn.Module):
+    """Per-token model (no attention), float64: padding changes no valid token's loss."""
+
+    def __init__(self, vocab_size: int = 64, width: int = 256) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab_size, 32).to(F64)
+        self.hidden = nn.Linear(32, width).to(F64)
+        self.out = nn.Linear(width, vocab_size).to(F64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.embed(input_ids))))
+
+
+def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
+def num_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def padded(lengths: list[int], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    longest = max(lengths)
+    ids = torch.randint(0, 64, (len(lengths), longest), generator=generator)
+    mask = torch.arange(longest) < torch.tensor(lengths)[:, None]
+    return {"input_ids": ids, "labels": ids.masked_fill(~mask, IGNORE_INDEX)}
+
+
+def step_peak_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Peak live bytes of one forward/backward with gradients present, weights resident."""
+    token_loss(model, batch).backward()
+    device = SimulatedDevice(capacity_bytes=2**40)
+    with device.measure(list(model.parameters()) + [p.grad for p in model.parameters()]) as peak:  # type: ignore[operator]
+        token_loss(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    return peak.allocated_bytes
+
+
+def test_done_when_three_windows_with_one_long_sample_split_on_the_simulated_device(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = [[int(n) for n in torch.randint(4, 17, (8,), generator=g)] for _ in range(12)]
+    lengths[2][5] = 64  # window 0, micro-batch 2: one sequence four times the longest
+    data = [padded(sizes, g) for sizes in lengths]
+
+    probe = TokenMLP()
+    fits = step_peak_bytes(probe, {k: v[:4] for k, v in data[2].items()})
+    does_not = step_peak_bytes(probe, data[2])
+    usual = max(step_peak_bytes(probe, b) for b in data[:2])
+    assert usual < fits < does_not
+    capacity = (fits + does_not) // 2
+
+    def train(device: SimulatedDevice | None) -> tuple[RecordingSGD, list[StepStats]]:
+        model = TokenMLP()
+        opt = RecordingSGD(model.parameters())
+        acc = Accumulator(model, opt, gradient_accumulation_steps=4,
+                          on_oom="split" if device else "raise")  # fmt: skip
+        stats = []
+        resident = list(model.parameters())
+        with device.measure(resident) if device else _nothing():
+            for window in acc.windows(data, count_fn=num_tokens):
+                stats.append(window.run(lambda batch: token_loss(model, batch)))
+        return opt, stats
+
+    want_opt, _ = train(None)
+    device = SimulatedDevice(capacity_bytes=capacity)
+    with caplog.at_level(logging.WARNING, logger="autobatch"):
+        got_opt, stats = train(device)
+
+    assert device.num_ooms == 1
+    assert_same(got_opt.grads, want_opt.grads)
+    # The full window's gradient, in one pass over its tokens (padding counts for nothing).
+    for step, grads in enumerate(got_opt.grads):
+        model = TokenMLP()
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), got_opt.params_before[step], strict=True):
+                p.copy_(v)
+        window = data[4 * step : 4 * step + 4]
+        total = sum(num_tokens(b) for b in window)
+        loss = sum(token_loss(model, b) * num_tokens(b) for b in window) / total
+        full = torch.autograd.grad(loss, list(model.parameters()))
+        for g_got, g_full in zip(grads, full, strict=True):
+            torch.testing.assert_close(g_got, g_full, rtol=1e-12, atol=1e-12)
+    (event,) = stats[0].splits
+    assert (event.window_index, event.micro_step_index) == (0, 2)
+    assert (event.old_micro_batch_size, event.new_micro_batch_size) == (8, 4)
+    assert "out of memory" in event.reason
+    assert [s.micro_batch_size_limit for s in stats] == [4, 4, 4]
+    assert [len(s.splits) for s in stats] == [1, 0, 0]
+    assert any("window 0, micro-batch 2" in r.getMessage() for r in caplog.records)
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_full_batch_grad_helper_agrees_with_the_split_run() -> None:
+    # One window of one micro-batch split in four: the gradient of the whole batch's mean.
+    data = with_ids(make_data([8]), heavy={(0, 0)})
+    model, opt, _ = split_run(data, 1, heavy_above(2, "forward"))
+    want = full_batch_grad(reference_model_at(opt.params_before[0]), opt.params_before[0], data)
+    for g, w in zip(opt.grads[0], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
