@@ -275,6 +275,7 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.limits import stored_profile_source
     from autobatch.planner import plan
     from autobatch.tuning import autotune_profile
 
@@ -298,9 +299,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         )
     finally:
         progress.close()
-    result = plan(profile, **_plan_kwargs(args, args.world_size))
-    if cached:
-        result = dataclasses.replace(result, source="cached")
+    source = stored_profile_source(profile) if cached else None
+    result = plan(profile, source=source, **_plan_kwargs(args, args.world_size))
     _print_plan(result, fmt, out, profile=profile)
     return 0
 
@@ -317,25 +317,29 @@ def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.limits import stored_profile_source
     from autobatch.planner import plan, plan_world_sizes
 
     limit: Any = args.max_micro_batch_size
+    source = None
     if args.profile is not None:
         with _store(args) as store:
             limit = store.get(args.profile)
+        source = stored_profile_source(limit)
     elif args.capacity is not None:
         raise ConfigError("--capacity needs --profile (a measured memory line to scale)")
     fmt = _output_format(args)
     if len(args.world_size) == 1:
         kwargs = _plan_kwargs(args, args.world_size[0])
-        _print_plan(plan(limit, capacity_bytes=args.capacity, **kwargs), fmt, out)
+        result = plan(limit, capacity_bytes=args.capacity, source=source, **kwargs)
+        _print_plan(result, fmt, out)
         return 0
     if fmt not in ("text", "json"):
         raise ConfigError(f"--format {fmt} needs a single --world-size")
     kwargs = _plan_kwargs(args, 1)
     del kwargs["world_size"]
     options = plan_world_sizes(
-        limit, world_sizes=args.world_size, capacity_bytes=args.capacity, **kwargs
+        limit, world_sizes=args.world_size, capacity_bytes=args.capacity, source=source, **kwargs
     )
     if fmt == "json":
         rows = [
@@ -403,6 +407,19 @@ def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> N
             file=out,
         )
     print(f"source                       {result.source}", file=out)
+    if result.prediction is not None:
+        found = result.prediction
+        fit = (
+            f"{found.num_fit_points} points, largest residual "
+            f"{format_bytes(found.fit_residual_bytes)}"
+            if found.num_fit_points
+            else "the profile's stored line"
+        )
+        print(
+            f"largest measured             {found.largest_measured_micro_batch_size} "
+            f"(predicted past it: {fit}; margin +{found.margin:.0%})",
+            file=out,
+        )
     for note in result.notes:
         print(f"note: {note}", file=out)
 

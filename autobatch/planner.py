@@ -32,16 +32,25 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.profile import Profile
+from autobatch.extrapolation import Prediction
+from autobatch.limits import (
+    DEFAULT_SAFETY_MARGIN,
+    SOURCES,
+    Limit,
+    PlanSource,
+    require_int,
+    resolve_limit,
+)
+from autobatch.profile import MemoryModel, Profile
 
 __all__ = [
+    "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
     "Plan",
     "PlanSource",
@@ -52,14 +61,12 @@ __all__ = [
 ]
 
 Uneven = Literal["auto", "never", "always"]
-PlanSource = Literal["measured", "cached", "estimated", "given"]
 _UNEVEN: tuple[Uneven, ...] = ("auto", "never", "always")
 
 MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 20
 """No plan has more accumulation steps than this (1,048,576), whatever the caller allows: a Plan
 lists one size per step, and a larger count is a mistake (a micro-batch limit of 1 for a
 billion-sample batch) rather than a training run. Also bounds the planner's own work."""
-_SOURCES: tuple[PlanSource, ...] = ("measured", "cached", "estimated", "given")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,8 +103,13 @@ class Plan:
     """Seconds of compute per optimizer step on one rank (ranks run in parallel; gradient
     communication not included); None without step times."""
     source: PlanSource = "given"
-    """Where the limit came from: ``"measured"`` (probe), ``"cached"`` (stored profile),
-    ``"estimated"`` (fake-tensor estimate) or ``"given"`` (a number from the caller)."""
+    """Where the limit came from: ``"measured"`` (a probe's real trials), ``"cached"`` (real
+    trials of a profile read from a store), ``"estimated"`` (fake-tensor estimate), ``"given"``
+    (a number or memory line from the caller), or ``"predicted"``: past the largest micro-batch
+    that really ran, from a line through measured peaks (see ``prediction``)."""
+    prediction: Prediction | None = None
+    """How a limit outside the measured sizes was predicted (the largest measured size, the
+    line, its points and residual, the margin); None when the limit was measured or given."""
     notes: tuple[str, ...] = ()
     """Things the user should know (unequal sizes and how to weight losses, inexact targets)."""
 
@@ -137,8 +149,10 @@ class Plan:
                 f"exact={self.exact} contradicts effective_batch_size {self.effective_batch_size}"
                 f" vs requested {self.requested_effective_batch_size}"
             )
-        if self.source not in _SOURCES:
-            raise ConfigError(f"plan source {self.source!r} must be one of {list(_SOURCES)}")
+        if self.source not in SOURCES:
+            raise ConfigError(f"plan source {self.source!r} must be one of {list(SOURCES)}")
+        if self.source == "predicted" and self.prediction is None:
+            raise ConfigError("a plan with source 'predicted' needs its prediction")
 
     @property
     def uneven(self) -> bool:
@@ -150,6 +164,7 @@ class Plan:
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
         data["notes"] = list(self.notes)
+        data["prediction"] = None if self.prediction is None else self.prediction.to_dict()
         return data
 
     @classmethod
@@ -168,6 +183,8 @@ class Plan:
             fields = dict(data)
             fields["micro_batch_sizes"] = tuple(data["micro_batch_sizes"])
             fields["notes"] = tuple(data.get("notes", ()))
+            prediction = data.get("prediction")
+            fields["prediction"] = None if prediction is None else Prediction.from_dict(prediction)
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not a valid plan: {exc}") from exc
@@ -232,20 +249,8 @@ class _Rules:
         return text
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Limit:
-    """What a limit (number or profile) resolves to."""
-
-    max_micro_batch_size: int
-    source: PlanSource
-    capacity_bytes: int | None
-    peak_bytes: Callable[[int], int | None]
-    step_time: Callable[[int], float] | None
-    notes: tuple[str, ...]
-
-
 def plan(
-    limit: int | Profile,
+    limit: int | Profile | MemoryModel,
     *,
     effective_batch_size: int,
     world_size: int = 1,
@@ -256,13 +261,16 @@ def plan(
     safety_margin: float | None = None,
     capacity_bytes: int | None = None,
     step_seconds: Mapping[int, float] | None = None,
+    source: PlanSource | None = None,
 ) -> Plan:
     """Plan micro-batches and accumulation steps that reach ``effective_batch_size``.
 
     Args:
-        limit: the largest micro-batch that may run per device (an int >= 1), or a
+        limit: the largest micro-batch that may run per device (an int >= 1); a
             :class:`~autobatch.profile.Profile`, whose ``recommended_micro_batch_size`` is used
-            (or, with ``capacity_bytes``, its memory model's prediction for that capacity).
+            (or, with ``capacity_bytes``, the largest size its measured peaks put under that
+            capacity: read off the peaks within the measured sizes, predicted past them); or a
+            :class:`~autobatch.profile.MemoryModel` (a peak-bytes line) with ``capacity_bytes``.
         effective_batch_size: samples per optimizer step over all ranks, a positive multiple of
             ``world_size``.
         world_size: data-parallel ranks, >= 1.
@@ -272,13 +280,19 @@ def plan(
         uneven: ``"auto"``, ``"never"`` or ``"always"``; see the module docstring for the rule.
         allow_inexact: when no plan reaches ``effective_batch_size`` exactly, return the plan for
             the nearest reachable one (ties go below) with ``exact=False``, instead of raising.
-        safety_margin: fraction of capacity kept free (0 <= x < 1), profile only; default the
-            profile's own. Needs the profile's memory model when it differs from the profile's.
+        safety_margin: fraction of capacity kept free (0 <= x < 1), profile or memory model
+            only; default the profile's own (``DEFAULT_SAFETY_MARGIN`` for a memory model).
         capacity_bytes: plan for a device with this many usable bytes (e.g. an 80 GiB card),
-            profile only; needs the profile's memory model.
+            profile (needs peaks at two sizes, or its memory model) or memory model (required).
         step_seconds: measured seconds per training step by micro-batch size (two sizes or more);
             by default the profile's fitting trials with a time, when the plan is for the device
             they ran on.
+        source: where ``limit`` came from, said by the caller that knows: ``"measured"`` (a
+            probe just run), ``"cached"`` (a profile read from a store), ``"estimated"`` or
+            ``"given"``. Default: ``"estimated"`` for an estimate's profile, ``"measured"`` for
+            another profile, ``"given"`` for a number or a memory model. The planner alone
+            turns it into ``"predicted"`` when a profile's limit lies outside its measured
+            sizes (an estimate's stays ``"estimated"``, with the prediction attached).
 
     Returns:
         The :class:`Plan`.
@@ -286,8 +300,11 @@ def plan(
     Raises:
         ConfigError: an argument is invalid (named with its value): ``effective_batch_size`` not
             a positive multiple of ``world_size`` (the message names the nearest reachable values),
-            a bool where an int belongs, ``uneven="always"`` with ``multiple_of > 1``, or a
-            profile without a memory model asked to predict for another capacity or margin.
+            a bool where an int belongs, ``uneven="always"`` with ``multiple_of > 1``, a
+            ``source`` that is unknown, ``"predicted"`` or ``"measured"``/``"cached"`` for an
+            estimate; or a profile that cannot predict for ``capacity_bytes``: peaks that do not
+            grow with the micro-batch, are not on a line, or were measured at fewer than two
+            sizes without a memory model (probe on that card).
         NoFeasiblePlanError: no split meets every constraint (the message names the nearest
             reachable effective batch sizes below and above), or the model does not fit at
             micro-batch 1 in ``capacity_bytes``.
@@ -298,15 +315,19 @@ def plan(
         uneven=uneven,
         allow_inexact=allow_inexact,
     )
-    resolved = _resolve_limit(
-        limit, capacity_bytes=capacity_bytes, safety_margin=safety_margin, step_seconds=step_seconds
+    resolved = resolve_limit(
+        limit,
+        capacity_bytes=capacity_bytes,
+        safety_margin=safety_margin,
+        step_seconds=step_seconds,
+        source=source,
     )
-    _require_int("effective_batch_size", effective_batch_size, 1)
+    require_int("effective_batch_size", effective_batch_size, 1)
     return _plan(resolved, options, effective_batch_size, world_size)
 
 
 def plan_world_sizes(
-    limit: int | Profile,
+    limit: int | Profile | MemoryModel,
     *,
     effective_batch_size: int,
     world_sizes: Sequence[int],
@@ -317,6 +338,7 @@ def plan_world_sizes(
     safety_margin: float | None = None,
     capacity_bytes: int | None = None,
     step_seconds: Mapping[int, float] | None = None,
+    source: PlanSource | None = None,
 ) -> list[WorldSizeOption]:
     """Plan ``effective_batch_size`` at each of ``world_sizes``, for a scheduler choosing N GPUs.
 
@@ -325,7 +347,7 @@ def plan_world_sizes(
         effective_batch_size: as for :func:`plan`.
         world_sizes: candidate numbers of ranks, e.g. ``[1, 2, 4, 8]``; rows keep this order.
         multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact, safety_margin,
-            capacity_bytes, step_seconds: as for :func:`plan`.
+            capacity_bytes, step_seconds, source: as for :func:`plan`.
 
     Returns:
         One :class:`WorldSizeOption` per world size: the plan, or the reason it is infeasible
@@ -343,10 +365,14 @@ def plan_world_sizes(
         uneven=uneven,
         allow_inexact=allow_inexact,
     )
-    resolved = _resolve_limit(
-        limit, capacity_bytes=capacity_bytes, safety_margin=safety_margin, step_seconds=step_seconds
+    resolved = resolve_limit(
+        limit,
+        capacity_bytes=capacity_bytes,
+        safety_margin=safety_margin,
+        step_seconds=step_seconds,
+        source=source,
     )
-    _require_int("effective_batch_size", effective_batch_size, 1)
+    require_int("effective_batch_size", effective_batch_size, 1)
     if isinstance(world_sizes, int | str) or not isinstance(world_sizes, Sequence):
         raise ConfigError(
             f"world_sizes {world_sizes!r} must be a list of ints, e.g. [1, 2, 4, 8]; for one "
@@ -354,7 +380,7 @@ def plan_world_sizes(
         )
     rows = []
     for world_size in world_sizes:
-        _require_int("world_size", world_size, 1)
+        require_int("world_size", world_size, 1)
         try:
             result = _plan(resolved, options, effective_batch_size, world_size)
         except (ConfigError, NoFeasiblePlanError) as exc:
@@ -364,11 +390,6 @@ def plan_world_sizes(
     return rows
 
 
-def _require_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} {value!r} must be an int >= {minimum}")
-
-
 def _options(
     *,
     multiple_of: int,
@@ -376,9 +397,9 @@ def _options(
     uneven: Uneven,
     allow_inexact: bool,
 ) -> _Options:
-    _require_int("multiple_of", multiple_of, 1)
+    require_int("multiple_of", multiple_of, 1)
     if max_gradient_accumulation_steps is not None:
-        _require_int("max_gradient_accumulation_steps", max_gradient_accumulation_steps, 1)
+        require_int("max_gradient_accumulation_steps", max_gradient_accumulation_steps, 1)
     if uneven not in _UNEVEN:
         raise ConfigError(f"uneven {uneven!r} must be one of {list(_UNEVEN)}")
     if not isinstance(allow_inexact, bool):
@@ -389,128 +410,6 @@ def _options(
             "cannot all be multiples of it; use uneven='auto' or multiple_of=1"
         )
     return _Options(multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact)
-
-
-def _resolve_limit(
-    limit: int | Profile,
-    *,
-    capacity_bytes: int | None,
-    safety_margin: float | None,
-    step_seconds: Mapping[int, float] | None,
-) -> _Limit:
-    step_time = None if step_seconds is None else _step_time_model(step_seconds, "step_seconds")
-    if not isinstance(limit, Profile):
-        _require_int("max micro-batch size (limit)", limit, 1)
-        if capacity_bytes is not None or safety_margin is not None:
-            raise ConfigError(
-                "capacity_bytes and safety_margin need a Profile with a memory model; "
-                f"limit is a plain max micro-batch size {limit}"
-            )
-        return _Limit(limit, "given", None, lambda _: None, step_time, ())
-    profile = limit
-    source: PlanSource = "estimated" if profile.method == "estimate" else "measured"
-    model = profile.memory_model
-    margin = profile.safety_margin if safety_margin is None else safety_margin
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ConfigError(f"safety_margin {margin!r} must be a number in [0, 1)")
-    if capacity_bytes is not None:
-        _require_int("capacity_bytes", capacity_bytes, 1)
-        if model is None:
-            raise ConfigError(
-                f"the profile has no memory model (fewer than two sizes fitted), so it cannot "
-                f"predict the micro-batch for capacity_bytes {capacity_bytes}; probe on that "
-                "device instead"
-            )
-        budget_bytes = int(capacity_bytes * (1 - margin))
-        limit_size = model.max_micro_batch_size(budget_bytes)
-        _require_fits(limit_size, model.peak_bytes(1), budget_bytes, capacity_bytes, margin)
-        note = (
-            f"max micro-batch {limit_size} predicted by the memory model for capacity_bytes "
-            f"{capacity_bytes} with safety_margin {margin}"
-        )
-        # Step times measured on the profiled device say nothing reliable about another one.
-        return _Limit(limit_size, source, capacity_bytes, model.peak_bytes, step_time, (note,))
-    notes: tuple[str, ...] = ()
-    if margin == profile.safety_margin:
-        limit_size = profile.recommended_micro_batch_size
-    elif model is None:
-        raise ConfigError(
-            f"safety_margin {margin} differs from the profile's {profile.safety_margin}, but the "
-            "profile has no memory model to re-derive the micro-batch; leave safety_margin unset"
-        )
-    else:
-        budget_bytes = int(profile.capacity_bytes * (1 - margin))
-        predicted = model.max_micro_batch_size(budget_bytes)
-        limit_size = min(profile.max_micro_batch_size, predicted)
-        _require_fits(limit_size, model.peak_bytes(1), budget_bytes, profile.capacity_bytes, margin)
-        notes = (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
-    measured = {t.micro_batch_size: t for t in profile.trials if t.fits}
-
-    def peak_bytes(size: int) -> int | None:
-        trial = measured.get(size)
-        if trial is not None and (trial.peak_reserved_bytes or trial.peak_allocated_bytes):
-            return trial.peak_reserved_bytes or trial.peak_allocated_bytes
-        return None if model is None else model.peak_bytes(size)
-
-    if step_time is None:
-        timed: dict[int, list[float]] = {}
-        for trial in profile.trials:
-            if trial.fits and trial.step_seconds > 0:
-                timed.setdefault(trial.micro_batch_size, []).append(trial.step_seconds)
-        if len(timed) >= 2:
-            means = {size: sum(times) / len(times) for size, times in timed.items()}
-            step_time = _step_time_model(means, "profile trials")
-    return _Limit(limit_size, source, profile.capacity_bytes, peak_bytes, step_time, notes)
-
-
-def _require_fits(
-    limit_size: int, needed_bytes: int, budget_bytes: int, capacity_bytes: int, margin: float
-) -> None:
-    if limit_size < 1:
-        raise NoFeasiblePlanError(
-            f"the model needs {needed_bytes} bytes at micro_batch_size 1, more than the "
-            f"{budget_bytes} bytes usable of capacity_bytes {capacity_bytes} with safety_margin "
-            f"{margin}; use a larger device, shard the model, or reduce its memory"
-        )
-
-
-def _step_time_model(points: Mapping[int, float], what: str) -> Callable[[int], float]:
-    """Seconds per step at any micro-batch size, interpolated through measured points.
-
-    Piecewise linear through the points (with two points, the line ``a + b * m`` through them);
-    beyond them the end segments extend, kept at least the smaller end's per-sample time below
-    the smallest size, and non-decreasing above the largest. Not a least-squares line over all
-    points: a line cannot show a step slowing down near the memory limit, and fitted to such
-    points it predicts negative times at small sizes.
-    """
-    if not isinstance(points, Mapping):
-        raise ConfigError(
-            f"{what} {points!r} must map micro-batch sizes to seconds, e.g. {{8: 0.1, 16: 0.18}}"
-        )
-    for size, value in points.items():
-        _require_int(f"{what} micro-batch size", size, 1)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and value > 0)
-        ):
-            raise ConfigError(f"{what}[{size}] {value!r} must be finite seconds > 0")
-    if len(points) < 2:
-        raise ConfigError(f"{what} needs step times at two sizes or more, got {dict(points)}")
-    xs = sorted(points)
-    ys = [float(points[x]) for x in xs]
-
-    def seconds(size: int) -> float:
-        i = min(max(bisect.bisect_right(xs, size) - 1, 0), len(xs) - 2)
-        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-        value = y0 + (y1 - y0) * (size - x0) / (x1 - x0)
-        if size < xs[0]:
-            return min(max(value, ys[0] * size / xs[0]), ys[0])
-        if size > xs[-1]:
-            return max(value, ys[-1])
-        return value
-
-    return seconds
 
 
 def _sizes(per_rank: int, steps: int) -> tuple[int, ...]:
@@ -633,8 +532,8 @@ def _name_nearest(below: int | None, above: int | None) -> str:
     return " or ".join(str(v) for v in (below, above) if v is not None) or "none"
 
 
-def _plan(limit: _Limit, options: _Options, effective: int, world_size: int) -> Plan:
-    _require_int("world_size", world_size, 1)
+def _plan(limit: Limit, options: _Options, effective: int, world_size: int) -> Plan:
+    require_int("world_size", world_size, 1)
     rules = _Rules(
         limit.max_micro_batch_size,
         options.multiple_of,
@@ -711,5 +610,6 @@ def _plan(limit: _Limit, options: _Options, effective: int, world_size: int) -> 
             None if limit.step_time is None else _step_seconds(per_rank, steps, limit.step_time)
         ),
         source=limit.source,
+        prediction=limit.prediction,
         notes=tuple(notes),
     )

@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.errors import AutobatchError
 from autobatch.estimator import DEFAULT_LIMIT
+from autobatch.limits import stored_profile_source
 from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
 from autobatch.planner import Plan, Uneven, plan
 from autobatch.probing import OnTrial, _model_device, probe
@@ -124,8 +124,8 @@ def autotune(
         report_to=report_to,
         on_trial=on_trial,
     )
-    result = plan(profile, **constraints)
-    return dataclasses.replace(result, source="cached") if cached else result
+    source = stored_profile_source(profile) if cached else None
+    return plan(profile, source=source, **constraints)
 
 
 def autotune_profile(

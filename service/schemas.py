@@ -252,6 +252,18 @@ class PlanCreate(_Strict):
         return self
 
 
+class PredictionFields(BaseModel):
+    """``autobatch.extrapolation.Prediction``: how a limit past the largest measured micro-batch
+    was predicted."""
+
+    largest_measured_micro_batch_size: int
+    num_fit_points: int
+    fit_residual_bytes: int
+    fixed_bytes: int
+    bytes_per_sample: int
+    margin: float
+
+
 class PlanFields(BaseModel):
     """``autobatch.Plan.to_dict()``: ``sum(micro_batch_sizes) * world_size ==
     effective_batch_size``."""
@@ -268,7 +280,8 @@ class PlanFields(BaseModel):
     capacity_bytes: int | None
     headroom_bytes: int | None
     predicted_seconds_per_effective_batch: float | None
-    source: Literal["measured", "cached", "estimated", "given"]
+    source: Literal["measured", "cached", "estimated", "given", "predicted"]
+    prediction: PredictionFields | None = None
     notes: list[str]
 
 

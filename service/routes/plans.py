@@ -11,7 +11,6 @@ Pure arithmetic after one store lookup at most: no torch is imported on this pat
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -19,6 +18,7 @@ from pydantic_core import to_json
 
 from autobatch.errors import ConfigError
 from autobatch.integrations.configs import deepspeed_config, hf_training_arguments, lightning_config
+from autobatch.limits import PlanSource, stored_profile_source
 from autobatch.planner import Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileNotFoundError, ProfileStore
@@ -41,8 +41,6 @@ router = APIRouter(
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-_DEFAULT_SAFETY_MARGIN = 0.05
-"""Margin for a caller's ``memory_model`` when none is given (the probe's default)."""
 
 
 @router.post(
@@ -55,7 +53,9 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
     """The plan, framework configs, and (with ``world_sizes``) a table over world sizes.
 
     ``plan.source`` says where the limit came from: ``cached`` (a stored measured profile),
-    ``estimated`` (a stored estimate), ``given`` (a number or memory model from the caller).
+    ``estimated`` (a stored estimate), ``given`` (a number or memory model from the caller), or
+    ``predicted`` (a stored profile planned past the largest size that really ran; ``prediction``
+    says how far and from which line).
     """
     state = service_state(request)  # not StateDep: schedulers call this route in a loop
     device = None if body.device is None else _resolve_device(body.device, state.list_gpus)
@@ -67,18 +67,15 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
         "uneven": body.uneven,
         "allow_inexact": body.allow_inexact,
     }
-    if isinstance(limit, Profile):
+    if not isinstance(limit, int):
         options["capacity_bytes"] = capacity
-        if body.memory_model is None:
-            options["safety_margin"] = body.safety_margin
-    result = _with_source(
-        plan(
-            limit,
-            effective_batch_size=body.effective_batch_size,
-            world_size=body.world_size,
-            **options,
-        ),
-        source,
+        options["safety_margin"] = body.safety_margin
+    result = plan(
+        limit,
+        effective_batch_size=body.effective_batch_size,
+        world_size=body.world_size,
+        source=source,
+        **options,
     )
     options_table = None
     if body.world_sizes is not None:
@@ -86,12 +83,13 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
             limit,
             effective_batch_size=body.effective_batch_size,
             world_sizes=body.world_sizes,
+            source=source,
             **options,
         )
         options_table = [
             {
                 "world_size": row.world_size,
-                "plan": None if row.plan is None else _with_source(row.plan, source).to_dict(),
+                "plan": None if row.plan is None else row.plan.to_dict(),
                 "reason": row.reason,
             }
             for row in rows
@@ -108,12 +106,6 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
         "device": None if device is None else device.model_dump(),
     }
     return Response(to_json(public), media_type="application/json")
-
-
-def _with_source(result: Plan, source: str | None) -> Plan:
-    if source is None or source == result.source:
-        return result
-    return dataclasses.replace(result, source=source)  # type: ignore[arg-type]
 
 
 def _configs(result: Plan) -> dict[str, Any]:
@@ -184,8 +176,9 @@ def _resolve_device(spec: DeviceSpec, list_gpus: DeviceLister) -> ResolvedDevice
 
 def _resolve_limit(
     body: PlanCreate, store: ProfileStore, device: ResolvedDevice | None
-) -> tuple[int | Profile, str | None, str | None]:
-    """(limit for the planner, profile id used, plan source to report or None to keep)."""
+) -> tuple[int | Profile | MemoryModel, str | None, PlanSource | None]:
+    """(limit for the planner, profile id used, plan source to report or None for the
+    planner's default)."""
     if body.max_micro_batch_size is not None:
         if device is not None or body.safety_margin is not None:
             raise Problem(
@@ -201,29 +194,13 @@ def _resolve_limit(
             raise Problem(
                 422, "validation", "a memory_model needs a device to plan for", field="body.device"
             )
-        margin = _DEFAULT_SAFETY_MARGIN if body.safety_margin is None else body.safety_margin
-        model = MemoryModel(**body.memory_model.model_dump())
-        largest = max(1, model.max_micro_batch_size(int(device.capacity_bytes * (1 - margin))))
-        synthetic = Profile(
-            max_micro_batch_size=largest,
-            recommended_micro_batch_size=largest,
-            safety_margin=margin,
-            method="estimate",
-            trials=(),
-            num_steps=0,
-            device_name=device.name or "",
-            device_type="",
-            total_memory_bytes=device.capacity_bytes,
-            capacity_bytes=device.capacity_bytes,
-            memory_model=model,
-        )
-        return synthetic, None, "given"
+        return MemoryModel(**body.memory_model.model_dump()), None, None
     if body.profile_id is not None:
         try:
             profile = store.get(body.profile_id)
         except ProfileNotFoundError:
             raise unknown_profile(body.profile_id, field="body.profile_id") from None
-        return profile, body.profile_id, _stored_source(profile)
+        return profile, body.profile_id, stored_profile_source(profile)
     assert body.model_fingerprint is not None
     found = []
     if device is not None and device.name:
@@ -242,8 +219,4 @@ def _resolve_limit(
             field="body.model_fingerprint",
         )
     profile_id, profile = found[0]
-    return profile, profile_id, _stored_source(profile)
-
-
-def _stored_source(profile: Profile) -> str:
-    return "estimated" if profile.method == "estimate" else "cached"
+    return profile, profile_id, stored_profile_source(profile)

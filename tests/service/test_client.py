@@ -61,8 +61,14 @@ def test_plan_returns_a_library_plan(api: AutobatchClient) -> None:
     plan = api.plan(max_micro_batch_size=24, effective_batch_size=96, world_size=2)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size) == (24, 2, 2)
     profile_id = api.register_profile(make_profile())
+    plan = api.plan(profile_id=profile_id, effective_batch_size=72)
+    assert plan.gradient_accumulation_steps == 2 and plan.source == "cached"
+    assert plan.prediction is None
     plan = api.plan(profile_id=profile_id, effective_batch_size=72, capacity_bytes=80 * GiB)
-    assert plan.gradient_accumulation_steps == 1 and plan.source == "cached"
+    # Past the profile's largest measured size: predicted, and the client carries how far.
+    assert plan.gradient_accumulation_steps == 1 and plan.source == "predicted"
+    assert plan.prediction is not None
+    assert plan.prediction.largest_measured_micro_batch_size < 72 <= plan.max_micro_batch_size
     plan = api.plan(
         memory_model=MemoryModel(fixed_bytes=0, bytes_per_sample=GiB),
         uuid=A100_UUID,

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from autobatch.cli import main as cli_main
 from autobatch.profile import MemoryModel, Profile, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
@@ -354,6 +355,31 @@ def test_plan_from_a_stored_profile_is_cached(client: TestClient) -> None:
     ).json()
     assert body["plan"]["gradient_accumulation_steps"] == 1
     assert body["plan"]["predicted_peak_memory_bytes"] == 4 * GiB + 72 * (GiB // 2)
+    # 72 is past the largest size that really ran (32): predicted, from the stored line.
+    assert body["plan"]["source"] == "predicted"
+    assert body["plan"]["prediction"]["largest_measured_micro_batch_size"] == 32
+    assert body["plan"]["prediction"]["num_fit_points"] == 0
+
+
+def test_the_same_stored_profile_reads_the_same_source_by_cli_and_by_service(
+    make_app: Callable[..., FastAPI], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 17: `autobatch plan --profile ID` said measured, POST /v1/plan said cached.
+    store_path = str(tmp_path / "shared.sqlite3")
+    client = TestClient(make_app(store_path=store_path))
+    profile_id = client.post("/v1/profiles", json=make_profile().to_dict()).json()["id"]
+    for device, expected in (({}, "cached"), ({"capacity_bytes": 80 * GiB}, "predicted")):
+        request = {"profile_id": profile_id, "effective_batch_size": 72}
+        if device:
+            request["device"] = device
+        served = client.post("/v1/plan", json=request).json()["plan"]
+        argv = ["--store", store_path, "plan", "--profile", profile_id]
+        argv += ["--effective-batch-size", "72", "--json"]
+        argv += ["--capacity", str(80 * GiB)] if device else []
+        assert cli_main(argv) == 0
+        printed = json.loads(capsys.readouterr().out)["plan"]
+        assert served["source"] == printed["source"] == expected
+        assert served == printed
 
 
 def test_plan_by_model_fingerprint_prefers_the_same_gpu(client: TestClient) -> None:

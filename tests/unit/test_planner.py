@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.extrapolation import EXTRAPOLATION_GROWTH, Prediction
 from autobatch.planner import Plan, WorldSizeOption, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile, Trial
 
@@ -238,8 +239,8 @@ def make_profile(**overrides: Any) -> Profile:
         "safety_margin": 0.05,
         "method": "probe",
         "trials": (
-            Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=2_800_000_000),
-            Trial(micro_batch_size=64, fits=True, peak_reserved_bytes=7_900_000_000),
+            Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=MODEL.peak_bytes(16)),
+            Trial(micro_batch_size=64, fits=True, peak_reserved_bytes=MODEL.peak_bytes(64)),
             Trial(micro_batch_size=80, fits=False, oom=True),
         ),
         "num_steps": 5,
@@ -259,46 +260,71 @@ def test_profile_uses_recommended_size_and_models_the_peak() -> None:
     assert result.max_micro_batch_size == 67
     assert result.micro_batch_sizes == (64, 64)
     assert result.source == "measured"
-    assert result.predicted_peak_memory_bytes == 7_900_000_000  # measured at 64, not modelled
+    assert result.predicted_peak_memory_bytes == MODEL.peak_bytes(64)  # measured at 64
     assert result.capacity_bytes == 8 * GIB
-    assert result.headroom_bytes == 8 * GIB - 7_900_000_000
+    assert result.headroom_bytes == 8 * GIB - MODEL.peak_bytes(64)
     assert result.predicted_seconds_per_effective_batch is None
 
 
-def test_profile_without_a_trial_at_the_size_uses_the_memory_model() -> None:
-    result = plan(make_profile(), effective_batch_size=120)  # 60 x 2
+def test_profile_between_measured_sizes_interpolates_the_measured_peaks() -> None:
+    trials = (
+        Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=2_800_000_000),
+        Trial(micro_batch_size=64, fits=True, peak_reserved_bytes=7_900_000_000),
+    )
+    result = plan(make_profile(trials=trials), effective_batch_size=120)  # 60 x 2
 
     assert result.micro_batch_sizes == (60, 60)
-    assert result.predicted_peak_memory_bytes == 1 * GIB + 60 * 100 * MIB
-    assert result.headroom_bytes == 8 * GIB - (1 * GIB + 60 * 100 * MIB)
+    # 2.8e9 at 16 and 7.9e9 at 64 measured: 2.8e9 + 5.1e9 * 44 / 48 at 60, not the stored line.
+    assert result.predicted_peak_memory_bytes == 7_475_000_000
+    assert result.headroom_bytes == 8 * GIB - 7_475_000_000
+    assert result.source == "measured"
+    assert result.prediction is None
 
 
 def test_estimated_profile_is_marked_estimated() -> None:
     assert plan(make_profile(method="estimate"), effective_batch_size=64).source == "estimated"
 
 
-def test_profile_on_another_capacity() -> None:
+def raised_line_bytes(size: int, *, largest: int = 64) -> float:
+    """MODEL's peak at ``size`` raised by the extrapolation margin rule (12.5% per ``largest``)."""
+    return MODEL.peak_bytes(size) * (1 + EXTRAPOLATION_GROWTH * (size - largest) / largest)
+
+
+def test_profile_on_another_capacity_is_predicted_with_a_growing_margin() -> None:
     capacity_bytes = 80 * GIB
-    # int(80 GiB * 0.95) = 76 GiB usable; (76 GiB - 1 GiB) // 100 MiB = 768.
+    budget = int(capacity_bytes * 0.95)
     result = plan(make_profile(), effective_batch_size=1024, capacity_bytes=capacity_bytes)
 
-    assert result.max_micro_batch_size == 768
-    assert result.micro_batch_sizes == (512, 512)
+    # The bare line would allow (76 GiB - 1 GiB) // 100 MiB = 768; the margin rule allows 438.
+    assert result.max_micro_batch_size == 438
+    assert raised_line_bytes(438) <= budget < raised_line_bytes(439)
+    assert result.micro_batch_sizes == (256,) * 4
     assert result.capacity_bytes == capacity_bytes
-    assert result.predicted_peak_memory_bytes == 1 * GIB + 512 * 100 * MIB
-    assert result.headroom_bytes == capacity_bytes - (1 * GIB + 512 * 100 * MIB)
-    assert result.source == "measured"
-    assert any("predicted by the memory model" in note for note in result.notes)
+    assert result.predicted_peak_memory_bytes == MODEL.peak_bytes(256)
+    assert result.headroom_bytes == capacity_bytes - MODEL.peak_bytes(256)
+    assert result.source == "predicted"
+    assert result.prediction == Prediction(
+        largest_measured_micro_batch_size=64,
+        num_fit_points=2,
+        fit_residual_bytes=0,
+        fixed_bytes=MODEL.fixed_bytes,
+        bytes_per_sample=MODEL.bytes_per_sample,
+        margin=EXTRAPOLATION_GROWTH * (438 - 64) / 64,
+    )
+    assert any("438 is predicted, not measured" in note for note in result.notes)
+    assert any("largest that really ran is 64" in note for note in result.notes)
 
 
 def test_profile_on_another_capacity_with_own_margin() -> None:
-    # int(16 GiB * 0.5) = 8 GiB usable; (8 GiB - 1 GiB) // 100 MiB = 71.
+    # int(16 GiB * 0.5) = 8 GiB usable: the line allows 71, raised by 12.5% * 7 / 64 it does not.
     result = plan(
-        make_profile(), effective_batch_size=71, capacity_bytes=16 * GIB, safety_margin=0.5
+        make_profile(), effective_batch_size=70, capacity_bytes=16 * GIB, safety_margin=0.5
     )
 
-    assert result.max_micro_batch_size == 71
-    assert result.micro_batch_sizes == (71,)
+    assert raised_line_bytes(70) <= 8 * GIB < raised_line_bytes(71)
+    assert result.max_micro_batch_size == 70
+    assert result.micro_batch_sizes == (70,)
+    assert result.source == "predicted"
 
 
 def test_profile_with_a_new_margin_on_the_same_device() -> None:
@@ -319,8 +345,9 @@ def test_profile_that_cannot_fit_the_other_capacity() -> None:
 
 
 def test_profile_without_memory_model_cannot_predict_other_capacity() -> None:
-    profile = make_profile(memory_model=None)
-    with pytest.raises(ConfigError, match="no memory model"):
+    trials = (Trial(micro_batch_size=71, fits=True), Trial(micro_batch_size=80, fits=False))
+    profile = make_profile(memory_model=None, trials=trials)
+    with pytest.raises(ConfigError, match="no measured peaks and no memory model"):
         plan(profile, effective_batch_size=64, capacity_bytes=80 * GIB)
     with pytest.raises(ConfigError, match="no memory model to re-derive"):
         plan(profile, effective_batch_size=64, safety_margin=0.2)
@@ -375,9 +402,9 @@ def test_step_times_extrapolate_without_going_negative() -> None:
 
 def test_profile_trials_give_step_times_on_their_device_only() -> None:
     trials = (
-        Trial(micro_batch_size=8, fits=True, peak_reserved_bytes=GIB, step_seconds=0.08),
-        Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=GIB, step_seconds=0.16),
-        Trial(micro_batch_size=24, fits=True, peak_reserved_bytes=GIB, step_seconds=0.5),
+        Trial(micro_batch_size=8, fits=True, peak_reserved_bytes=2 * GIB, step_seconds=0.08),
+        Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=3 * GIB, step_seconds=0.16),
+        Trial(micro_batch_size=24, fits=True, peak_reserved_bytes=4 * GIB, step_seconds=0.5),
         Trial(micro_batch_size=32, fits=False, oom=True),
     )
     profile = make_profile(max_micro_batch_size=24, recommended_micro_batch_size=24, trials=trials)
