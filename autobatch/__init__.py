@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     )
     from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
     from autobatch.probing import Consensus, LocalConsensus, probe
-    from autobatch.splitting import SplitEvent
     from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
+    from autobatch.splitting import SplitEvent
     from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
     from autobatch.tuning import ReportWarning, autotune
     from autobatch.units import format_bytes, parse_bytes

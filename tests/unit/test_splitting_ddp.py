@@ -1,0 +1,162 @@
+"""Window.run(on_oom="split") under DistributedDataParallel: 2 gloo processes on CPU where only
+rank 1 runs out of memory. The ranks split together and keep the global gradient; an OOM inside
+the synchronised backward makes both ranks raise at once instead of hanging."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from autobatch.accumulate import Accumulator
+from tests.conftest import spawn_and_wait
+from tests.unit.test_splitting import HEAVY, GatedModel, fake_oom, mse
+
+WORLD_SIZE = 2
+# A hang fails the test through this bound; the process group's own timeout is far longer, so
+# only the abort can end a rank that waits in the all-reduce.
+SPAWN_TIMEOUT_S = 90.0
+PG_TIMEOUT = datetime.timedelta(seconds=600)
+
+
+def _data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(10 + rank)
+    out = []
+    for i in range(4):  # 2 windows of 2 micro-batches of 8 rows
+        x = torch.randn(8, 3, generator=g, dtype=torch.float64)
+        x[:, 0] = torch.arange(8) + 100 * i + 500 * rank  # row ids, all below HEAVY
+        out.append((x, torch.randn(8, 1, generator=g, dtype=torch.float64)))
+    return out
+
+
+def _init(rank: int, store_path: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE,
+        timeout=PG_TIMEOUT,
+    )  # fmt: skip
+
+
+def _split_worker(rank: int, store_path: str, out_dir: str) -> None:
+    _init(rank, store_path)
+    try:
+        data = _data(rank)
+        if rank == 1:  # rank 1's first micro-batch holds a row too heavy for 8 in backward
+            data[0][0][2, 0] = HEAVY
+
+        def oom_when(phase: str, rows: torch.Tensor) -> bool:
+            heavy = bool((rows[:, 0] == HEAVY).any())
+            return phase == "backward" and heavy and rows.shape[0] > 4
+
+        model = GatedModel(oom_when)
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+        acc = Accumulator(ddp, opt, gradient_accumulation_steps=2, on_oom="split")
+        results = []
+        for window in acc.windows(data):
+            before = [p.detach().clone() for p in model.parameters()]
+            stats = window.run(lambda batch: mse(ddp, batch))
+            results.append(
+                {
+                    "grad": [
+                        (b - p.detach()).tolist()
+                        for b, p in zip(before, model.parameters(), strict=True)
+                    ],
+                    "splits": [
+                        [s.phase, s.old_micro_batch_size, s.new_micro_batch_size]
+                        for s in stats.splits
+                    ],  # fmt: skip
+                    "limit": stats.micro_batch_size_limit,
+                    "before": [b.tolist() for b in before],
+                }
+            )
+        results.append({"seen": [len(rows) for rows in model.gate.seen]})
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_ranks_split_together_and_keep_the_global_gradient(tmp_path: Path) -> None:
+    spawn_and_wait(
+        _split_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD_SIZE, SPAWN_TIMEOUT_S
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    # Rank 1 ran out of memory in backward; rank 0 adopted the smaller size at the agreement.
+    assert ranks[1][0]["splits"] == [["backward", 8, 4]]
+    assert ranks[0][0]["splits"] == [["peer", 8, 4]]
+    assert [w["limit"] for w in ranks[0][:2]] == [4, 4] == [w["limit"] for w in ranks[1][:2]]
+    # Rank 0: micro-batch 0 whole, then pieces of 4. Rank 1: 8 (failed), then pieces of 4.
+    assert ranks[0][2]["seen"] == [8, 4, 4, 4, 4, 4, 4]
+    assert ranks[1][2]["seen"] == [8, 4, 4, 4, 4, 4, 4, 4, 4]
+    for window in range(2):
+        assert ranks[0][window]["grad"] == ranks[1][window]["grad"]  # the same all-reduced step
+        model = GatedModel(lambda phase, rows: False)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), ranks[0][window]["before"], strict=True):
+                p.copy_(torch.tensor(v, dtype=torch.float64))
+        batches = [_data(r)[2 * window + i] for r in range(WORLD_SIZE) for i in range(2)]
+        if window == 0:
+            batches[2][0][2, 0] = HEAVY
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        want = torch.autograd.grad(mse(model, (x, y)), list(model.parameters()))
+        for got, w in zip(ranks[0][window]["grad"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), w, rtol=1e-12,
+                                       atol=1e-12)  # fmt: skip
+
+
+def _synced_oom_worker(rank: int, store_path: str, out_dir: str) -> None:
+    _init(rank, store_path)
+    outcome: dict[str, Any] = {}
+    try:
+        data = _data(rank)
+        if rank == 1:  # only in the window's last micro-batch: the synchronised backward
+            data[1][0][0, 0] = HEAVY
+
+        def oom_when(phase: str, rows: torch.Tensor) -> bool:
+            return phase == "backward" and bool((rows[:, 0] == HEAVY).any())
+
+        model = GatedModel(oom_when)
+        ddp = DistributedDataParallel(model)
+        acc = Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0),
+                          gradient_accumulation_steps=2, on_oom="split")  # fmt: skip
+        start = time.monotonic()
+        try:
+            for window in acc.windows(data):
+                window.run(lambda batch: mse(ddp, batch))
+        except Exception as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc)}
+        outcome["seconds"] = time.monotonic() - start
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+        with contextlib.suppress(Exception):  # rank 1 aborted its group already
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_oom_in_the_synchronised_backward_makes_every_rank_raise(tmp_path: Path) -> None:
+    assert fake_oom().args  # the gate raises torch's CUDA-like OOM
+    spawn_and_wait(
+        _synced_oom_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD_SIZE, SPAWN_TIMEOUT_S
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert ranks[1]["error"] == "DistributedError"
+    assert "rank 1 ran out of memory inside the synchronised backward of micro-batch 1 of " \
+        "window 0" in ranks[1]["message"]  # fmt: skip
+    assert "process group was aborted" in ranks[1]["message"]
+    assert ranks[0]["error"] == "DistributedError"
+    assert (
+        "synchronised backward of micro-batch 1 of window 0 failed on rank 0"
+        in (ranks[0]["message"])
+    )
+    # Far below the process group's 600 s timeout: rank 0 did not wait for it.
+    assert ranks[0]["seconds"] < PG_TIMEOUT.total_seconds() / 10
