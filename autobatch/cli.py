@@ -219,14 +219,22 @@ def _devices(args: argparse.Namespace, out: TextIO) -> int:
         memory = gpu.memory
         kind = "MIG " if gpu.is_mig else ""
         cuda = "-" if gpu.cuda_index is None else str(gpu.cuda_index)
-        print(
+        line = (
             f"nvml {gpu.nvml_index}  cuda {cuda}  {kind}{gpu.name}  {gpu.uuid}  "
-            f"total {format_bytes(memory.total_memory_bytes)}  "
-            f"free {format_bytes(memory.free_memory_bytes)}  "
-            f"used {format_bytes(memory.used_memory_bytes)}",
-            file=out,
+            f"total {_bytes_or_unknown(memory.total_memory_bytes)}  "
+            f"free {_bytes_or_unknown(memory.free_memory_bytes)}  "
+            f"used {_bytes_or_unknown(memory.used_memory_bytes)}"
         )
+        if memory.memory_source != "nvml":
+            line += f"  ({memory.memory_source}: {gpu.memory_reason})"
+        if not gpu.given:
+            line += "  (not given to this container)"
+        print(line, file=out)
     return 0
+
+
+def _bytes_or_unknown(num_bytes: int | None) -> str:
+    return "unknown" if num_bytes is None else format_bytes(num_bytes)
 
 
 def _amp(args: argparse.Namespace) -> Any:

@@ -299,9 +299,16 @@ class AutobatchClient:
                     free_memory_bytes=row["free_memory_bytes"],
                     used_memory_bytes=row["used_memory_bytes"],
                     reserved_memory_bytes=row["reserved_memory_bytes"],
+                    used_includes_reserved=row["used_includes_reserved"],
+                    memory_source=row["memory_source"],
+                    unified_memory=row["unified_memory"],
                 ),
                 is_mig=row["is_mig"],
                 parent_uuid=row["parent_uuid"],
+                mig_profile=row["mig_profile"],
+                given=row["given"],
+                memory_reason=row["memory_reason"] or "",
+                memory_detail=row["memory_detail"] or "",
             )
             for row in data["devices"]
         ]

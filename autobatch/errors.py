@@ -50,7 +50,24 @@ class ConfigError(AutobatchError, ValueError):
 
 
 class DeviceUnavailableError(AutobatchError):
-    """The device cannot be used: unknown name, no driver/NVML, or a failed query."""
+    """The device cannot be used: unknown name, no driver/NVML, or a failed query.
+
+    Attributes:
+        reason: a stable code a program can switch on, e.g. ``"driver_library_mismatch"``
+            or ``"gpu_lost"`` (``autobatch.device.nvml.REASONS`` lists NVML's, each with its
+            fix); ``"device_unavailable"`` when nothing more specific is known.
+    """
+
+    def __init__(self, message: str, *, reason: str = "device_unavailable") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_device_unavailable, (str(self), self.reason)
+
+
+def _rebuild_device_unavailable(message: str, reason: str) -> DeviceUnavailableError:
+    return DeviceUnavailableError(message, reason=reason)
 
 
 class DoesNotFitError(AutobatchError):

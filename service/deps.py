@@ -2,7 +2,8 @@
 
 One dependency, not one per object: FastAPI resolves each dependency on every request (about
 20 µs each on 2 cores), and ``POST /v1/plan`` is the route schedulers call in a loop. Tests fake
-the GPU boundary by passing ``list_gpus`` to ``create_app``, not by overriding dependencies.
+the GPU boundary by passing an ``Nvml`` over a fake pynvml to ``create_app``, not by overriding
+dependencies.
 
 Example::
 
@@ -14,21 +15,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from autobatch.device import GpuInfo
 from autobatch.store import ProfileStore
+from service.gpus import GpuMonitor
 from service.jobs import JobManager
 from service.metrics import Metrics
 from service.settings import Settings
 
-__all__ = ["DeviceLister", "ServiceState", "StateDep", "get_state", "service_state"]
-
-DeviceLister = Callable[[], list[GpuInfo]]
-"""NVML's GPU list (``Nvml.list_gpus``); raises ``DeviceUnavailableError`` without NVML."""
+__all__ = ["ServiceState", "StateDep", "get_state", "service_state"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,7 +34,8 @@ class ServiceState:
 
     settings: Settings
     store: ProfileStore
-    list_gpus: DeviceLister
+    gpus: GpuMonitor
+    """NVML, read off the event loop with a timeout (``service.gpus``)."""
     jobs: JobManager
     metrics: Metrics
 

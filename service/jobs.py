@@ -25,6 +25,7 @@ import datetime
 import importlib
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -386,6 +387,21 @@ def _child_main(entry_data: dict[str, Any], device: str, messages: Any) -> None:
     messages.join_thread()
 
 
+def _pin_visible_devices() -> None:
+    """Make this child's ``cuda:N`` the service's ``cuda_index`` N: CUDA_VISIBLE_DEVICES set to
+    the UUIDs of the device set the container was given, in CUDA's order (a privileged pod's
+    CUDA would otherwise number every card on the node). Left alone without NVML."""
+    from autobatch.device.nvml import default_nvml
+    from autobatch.device.visible import cuda_visible_devices
+    from autobatch.errors import DeviceUnavailableError
+
+    try:
+        _devices, resolved = default_nvml().visible()
+    except DeviceUnavailableError:
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(resolved)
+
+
 def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -393,6 +409,8 @@ def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
     from autobatch.device import resolve_device
     from autobatch.probing import probe
 
+    if cuda_index(device) is not None:
+        _pin_visible_devices()
     target = resolve_device(device)
     module_name, _, function_name = entry.factory.partition(":")
     try:

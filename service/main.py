@@ -15,9 +15,10 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from autobatch.device.nvml import default_nvml
+from autobatch.device.nvml import Nvml, default_nvml
 from autobatch.store import ProfileStore
-from service.deps import DeviceLister, ServiceState
+from service.deps import ServiceState
+from service.gpus import GpuMonitor
 from service.jobs import JobManager
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
@@ -32,14 +33,13 @@ API_VERSION = "1"
 _log = logging.getLogger("service")
 
 
-def create_app(
-    settings: Settings | None = None, *, list_gpus: DeviceLister | None = None
-) -> FastAPI:
+def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) -> FastAPI:
     """The service as an ASGI app; its shared objects are ``app.state.service`` (``ServiceState``).
 
     Args:
         settings: the configuration; None reads ``AUTOBATCH_*`` from the environment.
-        list_gpus: the GPU list; None reads NVML. Tests pass a fake NVML's ``Nvml.list_gpus``.
+        nvml: the NVML to read GPUs with; None is the process's (``default_nvml()``). Tests
+            pass ``Nvml(FakePynvml(...))``.
 
     Raises:
         ConfigError: the model registry file is unreadable or invalid.
@@ -72,7 +72,7 @@ def create_app(
     app.state.service = ServiceState(
         settings=settings,
         store=store,
-        list_gpus=list_gpus or default_nvml().list_gpus,
+        gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
         jobs=jobs,
         metrics=metrics,
     )

@@ -52,9 +52,14 @@ class _GpuCollector(Collector):
         }
         for gpu in gpus:
             values = [gpu.uuid, gpu.name, str(gpu.nvml_index)]
-            families["total"].add_metric(values, gpu.memory.total_memory_bytes)
-            families["free"].add_metric(values, gpu.memory.free_memory_bytes)
-            families["used"].add_metric(values, gpu.memory.used_memory_bytes)
+            memory = gpu.memory
+            for key, value in (
+                ("total", memory.total_memory_bytes),
+                ("free", memory.free_memory_bytes),
+                ("used", memory.used_memory_bytes),
+            ):
+                if value is not None:  # unknown memory is no sample, never a 0
+                    families[key].add_metric(values, value)
         yield from families.values()
 
 

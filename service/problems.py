@@ -8,7 +8,8 @@ Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigErro
 :class:`NoFeasiblePlanError` 422; unknown profile, model, job or route 404; a full probe queue
 409; a missing or wrong bearer token 401 and a body over the limit 413 (``service.middleware``);
 a missing or wrong ``Content-Type`` 415 (``service.routing``); :class:`StoreError` and
-:class:`DeviceUnavailableError` 503; anything else 500 (a bug: logged, and a fuzz test checks
+:class:`DeviceUnavailableError` 503 (slug ``nvml_timeout`` or ``gpu_lost`` when its ``reason``
+is one of those, with ``Retry-After``); anything else 500 (a bug: logged, and a fuzz test checks
 no input reaches it).
 
 Example::
@@ -142,10 +143,16 @@ def _library_problem(exc: Exception) -> tuple[int, str]:
         (UnknownJobError, 404, "unknown-job"),
         (QueueFullError, 409, "queue-full"),
     )
+    if isinstance(exc, DeviceUnavailableError) and exc.reason in _DEVICE_REASON_SLUGS:
+        return 503, exc.reason
     for cls, status, slug in table:
         if isinstance(exc, cls):
             return status, slug
     return 500, "internal"
+
+
+_DEVICE_REASON_SLUGS = ("nvml_timeout", "gpu_lost")
+"""Device failures a client retries or routes around, answered under their own slug."""
 
 
 def _field(loc: Iterable[Any]) -> str:
@@ -232,7 +239,10 @@ async def _on_library(request: Request, exc: Exception) -> JSONResponse:
     else:
         detail = str(exc)
     errors = [("body", detail)] if status in (400, 422) else []
-    return problem_response(status, slug, detail, errors=errors, instance=request.url.path)
+    headers = {"Retry-After": "5"} if slug in _DEVICE_REASON_SLUGS else None
+    return problem_response(
+        status, slug, detail, errors=errors, instance=request.url.path, headers=headers
+    )
 
 
 def install_problem_handlers(app: FastAPI) -> None:

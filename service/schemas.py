@@ -21,6 +21,7 @@ from service.registry import DEVICE_PATTERN
 __all__ = [
     "DeviceList",
     "DeviceSpec",
+    "GpuProblem",
     "GpuPublic",
     "HealthPublic",
     "MemoryModelBase",
@@ -115,28 +116,76 @@ class ResolvedDevice(BaseModel):
     capacity_bytes: int
     name: str | None = None
     uuid: str | None = None
+    cuda_index: int | None = None
+    mig_profile: str | None = None
+    memory_source: str | None = Field(
+        default=None, description="For a local GPU: 'nvml', 'cuda_runtime' or 'host'."
+    )
+    sampled_at: float | None = Field(
+        default=None, description="For a local GPU: Unix time of the memory reading."
+    )
+    age_seconds: float | None = Field(default=None, description="The reading's age.")
+    memory_held_by_others_bytes: int | None = Field(
+        default=None,
+        description="For a local GPU: bytes other processes hold on it now (NVML 'used'; with "
+        "the v1 memory API this includes the driver's reserve).",
+    )
+    note: str | None = Field(
+        default=None,
+        description="Set when a plan for memory 'total' assumes memory other processes hold "
+        "now will be gone; plan with memory 'free' to leave room for them.",
+    )
 
 
 class GpuPublic(BaseModel):
-    """One GPU or MIG instance as NVML lists it (bytes)."""
+    """One GPU or MIG instance as NVML lists it (bytes; null where not known)."""
 
     nvml_index: int
-    cuda_index: int | None
+    cuda_index: int | None = Field(
+        description="CUDA's index in the device set this container was given; null outside it."
+    )
     uuid: str
     name: str
-    total_memory_bytes: int
-    free_memory_bytes: int
-    used_memory_bytes: int
-    reserved_memory_bytes: int
+    total_memory_bytes: int | None
+    free_memory_bytes: int | None
+    used_memory_bytes: int | None
+    reserved_memory_bytes: int | None = Field(
+        description="The driver's reserve (NVML v2); null when not reported."
+    )
+    used_includes_reserved: bool = Field(
+        description="'used' counts the driver's reserve (NVML's v1 memory API)."
+    )
+    memory_source: Literal["nvml", "cuda_runtime", "host", "unknown"]
+    unified_memory: bool
     is_mig: bool
     parent_uuid: str
+    mig_profile: str = Field(description="A MIG instance's profile, e.g. '3g.40gb'.")
+    given: bool = Field(
+        description="Given to this container (NVIDIA_VISIBLE_DEVICES); false for the other "
+        "cards a privileged pod sees, which are never planned on."
+    )
+    memory_reason: str | None = Field(
+        description="Why the memory is not NVML's or is unknown: a stable reason code."
+    )
+    memory_detail: str | None
+    sampled_at: float = Field(description="Unix time of the reading.")
+    age_seconds: float
 
 
 class DeviceList(BaseModel):
-    """This node's GPUs; empty with a reason when NVML is unavailable."""
+    """This node's GPUs; empty with a reason code and detail when NVML is unavailable."""
 
     devices: list[GpuPublic]
-    reason: str | None = None
+    reason: str | None = Field(
+        default=None,
+        description="Why the list is empty or incomplete: a stable code (README, 'NVML').",
+    )
+    detail: str | None = None
+    note: str | None = Field(
+        default=None,
+        description="About the device set: cards NVML sees that this container was not given, "
+        "or how CUDA's numbering was chosen.",
+    )
 
 
 # -- profiles ----------------------------------------------------------------------------------
@@ -355,11 +404,22 @@ class HealthPublic(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class GpuProblem(BaseModel):
+    uuid: str
+    reason: str = Field(description="'nvml_timeout' or 'gpu_lost'.")
+    detail: str
+
+
 class ReadyPublic(BaseModel):
     ready: bool
     store_writable: bool
     store_detail: str | None
     nvml_available: bool
-    num_gpus: int
+    num_gpus: int = Field(description="GPUs given to this container that answered.")
+    nvml_reason: str | None = Field(description="A stable code when NVML is not usable.")
     nvml_detail: str | None
+    gpu_problems: list[GpuProblem] = Field(
+        description="Given GPUs that cannot be read now (a hung driver, a lost GPU); any makes "
+        "the service not ready."
+    )
     require_gpu: bool

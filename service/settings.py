@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     """A probe job's child is killed, and the job marked failed, after this many seconds."""
     max_queued_probes: int = Field(default=8, ge=0, le=1024)
     """Jobs that may wait per device behind the running one; one more gets 409."""
+    nvml_timeout_seconds: float = Field(default=2.0, gt=0, le=600)
+    """The longest a request waits for NVML; beyond it a device-dependent request answers 503
+    ``nvml_timeout`` (a hung driver never blocks the service)."""
     log_level: str = "info"
     """uvicorn's log level."""
 
@@ -76,6 +79,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, help="largest request body, bytes")
     parser.add_argument("--probe-timeout-seconds", type=float, help="probe job time limit")
     parser.add_argument("--max-queued-probes", type=int, help="waiting jobs per device")
+    parser.add_argument(
+        "--nvml-timeout-seconds", type=float, help="longest wait for NVML (default 2)"
+    )
     parser.add_argument("--log-level", help="uvicorn log level (default info)")
 
 

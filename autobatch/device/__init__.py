@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from autobatch.errors import ConfigError
 
@@ -25,26 +25,58 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "UNKNOWN_MEMORY",
     "Capacity",
     "Device",
     "GpuInfo",
     "MemoryInfo",
+    "MemorySource",
     "PeakMemory",
     "resolve_device",
 ]
 
 
+MemorySource = Literal["nvml", "cuda_runtime", "host", "unknown"]
+"""Where a :class:`MemoryInfo` came from: NVML, ``torch.cuda.mem_get_info`` (the CUDA runtime),
+the host's memory (a unified-memory board), or nowhere (the numbers are None)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryInfo:
-    """A device's memory as the driver reports it, in bytes."""
+    """A device's memory as the driver reports it, in bytes; None where it is not known.
 
-    total_memory_bytes: int
-    free_memory_bytes: int
+    A total of 0 from NVML is "unknown", never a capacity of 0: such a reading has
+    ``total_memory_bytes`` None.
+    """
+
+    total_memory_bytes: int | None
+    free_memory_bytes: int | None
     """Bytes free for new allocations (never computed as total minus used)."""
-    used_memory_bytes: int
+    used_memory_bytes: int | None
     """Bytes used by processes (NVML v2: excluding the driver's reserve)."""
-    reserved_memory_bytes: int = 0
-    """Bytes the driver reserves for itself (NVML v2 only; 0 when unknown)."""
+    reserved_memory_bytes: int | None = None
+    """Bytes the driver reserves for itself (NVML v2 only; None when not reported)."""
+    used_includes_reserved: bool = False
+    """True when ``used`` counts the driver's reserve too (NVML's v1 memory API, the CUDA
+    runtime), so ``reserved_memory_bytes`` is None rather than a measured 0."""
+    memory_source: MemorySource = "nvml"
+    unified_memory: bool = False
+    """The GPU shares the host's memory (e.g. GB10): the numbers are the host's available
+    memory, which the CPU side uses too."""
+
+    @property
+    def known(self) -> bool:
+        """Whether total and free bytes were read (from any source)."""
+        return self.total_memory_bytes is not None and self.free_memory_bytes is not None
+
+
+UNKNOWN_MEMORY = MemoryInfo(
+    total_memory_bytes=None,
+    free_memory_bytes=None,
+    used_memory_bytes=None,
+    memory_source="unknown",
+)
+"""The reading of a GPU whose memory neither NVML, the CUDA runtime nor the host reports."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +86,8 @@ class GpuInfo:
     nvml_index: int
     """NVML's index (physical order, ignores ``CUDA_VISIBLE_DEVICES``)."""
     cuda_index: int | None
-    """torch's index under this process's ``CUDA_VISIBLE_DEVICES``; None when not visible."""
+    """The index CUDA gives it in the device set this process was given (``NVIDIA_VISIBLE_DEVICES``,
+    then ``CUDA_VISIBLE_DEVICES``, ordered by ``CUDA_DEVICE_ORDER``); None when not in it."""
     uuid: str
     name: str
     memory: MemoryInfo
@@ -62,6 +95,16 @@ class GpuInfo:
     """True for a MIG instance (its memory is the slice's own)."""
     parent_uuid: str = ""
     """For a MIG instance, the UUID of the physical GPU."""
+    mig_profile: str = ""
+    """For a MIG instance, its profile name, e.g. ``"3g.40gb"``."""
+    given: bool = True
+    """In the device set the container was given (``NVIDIA_VISIBLE_DEVICES``). False for the
+    other cards NVML sees in a privileged pod: listed, never planned on."""
+    memory_reason: str = ""
+    """Why ``memory`` is unknown or not NVML's, as a stable reason code (``not_supported``,
+    ``no_permission``, ``gpu_lost``, ``zero_total``...); empty when NVML read it."""
+    memory_detail: str = ""
+    """The message behind ``memory_reason``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

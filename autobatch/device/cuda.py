@@ -134,9 +134,14 @@ class CudaDevice:
     def capacity(self) -> Capacity:
         """See :func:`usable_capacity`; a MIG instance reports its own slice."""
         gpu = self._gpu()
-        if gpu is not None:
-            total_bytes = gpu.memory.total_memory_bytes
-            free_bytes = gpu.memory.free_memory_bytes
+        memory = None if gpu is None else gpu.memory
+        if (
+            memory is not None
+            and memory.total_memory_bytes is not None
+            and memory.free_memory_bytes is not None
+            and not memory.unified_memory  # the host's numbers: ask the CUDA runtime instead
+        ):
+            total_bytes, free_bytes = memory.total_memory_bytes, memory.free_memory_bytes
         else:
             free_bytes, total_bytes = torch.cuda.mem_get_info(self._cuda_index)
         return usable_capacity(

@@ -4,19 +4,24 @@
 NVML is initialised lazily, once per :class:`Nvml` instance (thread-safe), on the first query, so
 ``import autobatch`` works on machines without a driver. It is never shut down: the handle lives as
 long as the process, like nvitop's. Every ``NVMLError_*``, and the ``ImportError``/``OSError`` of a
-missing library, becomes :class:`~autobatch.errors.DeviceUnavailableError` in one place,
-:func:`_translate`.
+missing library, becomes :class:`~autobatch.errors.DeviceUnavailableError` with a stable
+``reason`` code (:data:`REASONS`) in one place, :func:`_translate`.
 
-CUDA and NVML number GPUs differently: NVML in PCI order over the whole machine, CUDA over what
-``CUDA_VISIBLE_DEVICES`` lets the process see, in the order it lists them, by index or by (a
-unique prefix of) a ``GPU-...``/``MIG-...`` UUID. :meth:`Nvml.list_gpus` resolves that variable
-the way the CUDA driver does and gives each GPU its ``cuda_index`` (None when not visible).
+The device set is what this process was given (``NVIDIA_VISIBLE_DEVICES``, then
+``CUDA_VISIBLE_DEVICES``, ordered by ``CUDA_DEVICE_ORDER``), resolved in one place,
+:func:`autobatch.device.visible.resolve_visible`. ``nvml_index`` is NVML's PCI-order number;
+``cuda_index`` is CUDA's number inside the given set, None outside it. Cards NVML sees but the
+container was not given (a privileged pod) are listed with ``given=False``, never planned on.
+
+One unreadable GPU never hides the others: a GPU whose memory NVML cannot read (NotSupported on
+unified-memory boards, NoPermission on a MIG parent) is listed with memory from the CUDA runtime,
+the host (unified memory), or unknown, and the reason.
 
 Example::
 
     nvml = default_nvml()
     for gpu in nvml.list_gpus():
-        print(gpu.cuda_index, gpu.name, gpu.memory.free_memory_bytes)
+        print(gpu.cuda_index, gpu.name, gpu.memory.free_memory_bytes, gpu.memory.memory_source)
     nvml.gpu_for_cuda_index(0).memory.total_memory_bytes    # 85899345920 on an 80 GiB card
 """
 
@@ -25,101 +30,90 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from autobatch.device import GpuInfo, MemoryInfo
+from autobatch.device import UNKNOWN_MEMORY, GpuInfo, MemoryInfo
+from autobatch.device.visible import (
+    CUDA_VISIBLE_VAR,
+    NVIDIA_VISIBLE_VAR,
+    NvmlDevice,
+    VisibleDevices,
+    fastest_first,
+    resolve_visible,
+)
 from autobatch.errors import DeviceUnavailableError
 
 __all__ = [
+    "REASONS",
     "Nvml",
     "default_nvml",
-    "driver_version",
-    "gpu_for_cuda_index",
     "list_gpus",
 ]
 
-_VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 
-_MISSING_LIBRARY_ERRORS = (
-    "NVMLError_LibraryNotFound",
-    "NVMLError_DriverNotLoaded",
-    "NVMLError_LibRmVersionMismatch",
-    "NVMLError_Uninitialized",
+REASONS: dict[str, str] = {
+    "pynvml_missing": "the nvidia-ml-py package is not installed: pip install nvidia-ml-py",
+    "library_missing": "libnvidia-ml.so.1 was not found: run the container with the NVIDIA "
+    "runtime (Kubernetes runtimeClassName: nvidia, docker --gpus) so the driver's library is "
+    "mounted, or install the NVIDIA driver",
+    "cuda_stub_library": "the CUDA toolkit's stub libnvidia-ml.so was loaded (it only serves "
+    "linking): remove the toolkit's stubs directory from LD_LIBRARY_PATH so the driver's "
+    "libnvidia-ml.so.1 loads",
+    "driver_not_loaded": "the NVIDIA kernel driver is not loaded: install or load it (modprobe "
+    "nvidia; nvidia-smi must work), or use --device cpu or sim:SIZE on a machine without a GPU",
+    "driver_library_mismatch": "the NVIDIA kernel module and libnvidia-ml are different versions "
+    "(LibRmVersionMismatch, usually a driver upgrade without a reboot): reload the nvidia kernel "
+    "modules or reboot the node",
+    "bindings_mismatch": "nvidia-ml-py called a function this libnvidia-ml lacks: install an "
+    "nvidia-ml-py no newer than the driver",
+    "no_permission": "NVML refused the query (NoPermission; MIG parents inside containers): "
+    "query the MIG instance, or run with the permission",
+    "not_supported": "NVML does not report this (NotSupported; unified-memory boards, some WSL "
+    "setups, MIG parents): the memory comes from the CUDA runtime or the host, or is unknown",
+    "zero_total": "NVML reported a total of 0 bytes, which is read as unknown",
+    "gpu_lost": "the GPU fell off the bus or needs a reset (GpuIsLost): drain the node and reset "
+    "the GPU (nvidia-smi -r) or reboot",
+    "nvml_timeout": "an NVML call did not return in time (a hung driver): the reading is retried "
+    "on the next request; if it persists, check the driver (dmesg, nvidia-smi)",
+    "nvml_error": "NVML failed; the message names the call and the error",
+}
+"""Stable ``reason`` codes of NVML failures, each with what to do; the README lists them."""
+
+_NO_NVML_REASONS = frozenset(
+    {
+        "pynvml_missing",
+        "library_missing",
+        "cuda_stub_library",
+        "driver_not_loaded",
+        "driver_library_mismatch",
+    }
 )
-"""NVML errors that mean "there is no usable driver", not "this query failed"."""
-
+"""Reasons that mean "no usable NVML on this machine", not "this query failed"."""
+_LIBRARY_MISSING_ERRORS = ("NVMLError_LibraryNotFound",)
+_DRIVER_NOT_LOADED_ERRORS = ("NVMLError_DriverNotLoaded",)
+_VERSION_MISMATCH_ERRORS = ("NVMLError_LibRmVersionMismatch",)
+_GPU_LOST_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_ResetRequired", "NVMLError_GpuNotFound")
 _NOT_SUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
 _NO_V2_MEMORY_ERRORS = (*_NOT_SUPPORTED_ERRORS, "NVMLError_ArgumentVersionMismatch")
+_UNREADABLE_MEMORY_ERRORS = (*_NOT_SUPPORTED_ERRORS, "NVMLError_NoPermission")
 _EMPTY_MIG_SLOT_ERRORS = ("NVMLError_NotFound", "NVMLError_InvalidArgument")
+_UNIFIED_ADDRESSING_MODE = "NVML_DEVICE_ADDRESSING_MODE_ATS"
+_MIG_PROFILE = re.compile(r"\bMIG (\d+g\.\d+gb)\b", re.IGNORECASE)
 
-TorchMemGetInfo = Callable[[int], "tuple[int, int] | None"]
-"""``cuda_index -> (free_bytes, total_bytes)``, or None when torch cannot see that device."""
+TorchMemGetInfo = Callable[[str], "tuple[int, int] | None"]
+"""``uuid -> (free_bytes, total_bytes)`` from ``torch.cuda.mem_get_info``, or None when torch
+cannot see that device."""
+HostMemory = Callable[[], "tuple[int, int] | None"]
+"""``() -> (available_bytes, total_bytes)`` of the host, or None when unknown."""
 
 
 def _import_pynvml() -> Any:
     import pynvml  # the nvidia-ml-py distribution
 
     return pynvml
-
-
-def _torch_mem_get_info(cuda_index: int) -> tuple[int, int] | None:
-    import torch
-
-    if not torch.cuda.is_available() or not 0 <= cuda_index < torch.cuda.device_count():
-        return None
-    free_bytes, total_bytes = torch.cuda.mem_get_info(cuda_index)
-    return int(free_bytes), int(total_bytes)
-
-
-def _error_classes(lib: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
-    """The named exception classes of ``lib`` (older bindings may lack some)."""
-    found = (getattr(lib, name, None) for name in names)
-    return tuple(cls for cls in found if isinstance(cls, type))
-
-
-def _unavailable_message(exc: BaseException) -> str:
-    return (
-        f"NVML is not available: no NVIDIA driver or libnvidia-ml found ({exc}). "
-        "autobatch can still probe the CPU or a simulated device (--device sim:SIZE)."
-    )
-
-
-def _translate(lib: Any, action: str, exc: BaseException) -> DeviceUnavailableError | None:
-    """The :class:`DeviceUnavailableError` for one of NVML's exceptions; None for any other.
-
-    The only place NVML's exceptions are translated; :func:`_nvml_errors` applies it to a block.
-
-    Args:
-        lib: the pynvml module (None before it is imported).
-        action: what was being done, for the message, e.g. ``"list GPUs"``.
-        exc: what was raised. ``ImportError``/``OSError`` (no library), every ``NVMLError_*``
-            and pynvml's ``NVMLLibraryMismatchError`` are translated.
-    """
-    if isinstance(exc, (ImportError, OSError)):
-        return DeviceUnavailableError(_unavailable_message(exc))
-    if not isinstance(exc, _error_classes(lib, ("NVMLError", "NVMLLibraryMismatchError"))):
-        return None
-    if isinstance(exc, _error_classes(lib, _MISSING_LIBRARY_ERRORS)):
-        return DeviceUnavailableError(_unavailable_message(exc))
-    return DeviceUnavailableError(f"NVML could not {action}: {exc} ({type(exc).__name__}).")
-
-
-@contextlib.contextmanager
-def _nvml_errors(lib: Any, action: str) -> Iterator[None]:
-    """Raise :func:`_translate`'s error ``from`` NVML's; other exceptions propagate unchanged."""
-    try:
-        yield
-    except Exception as exc:
-        translated = _translate(lib, action, exc)
-        if translated is None:
-            raise
-        raise translated from exc
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _strip_uuid_prefix(uuid: str) -> str:
@@ -129,80 +123,122 @@ def _strip_uuid_prefix(uuid: str) -> str:
     return uuid
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Entry:
-    """One NVML device (a physical GPU or a MIG instance) before its memory is read."""
+def _torch_mem_get_info(uuid: str) -> tuple[int, int] | None:
+    """``torch.cuda.mem_get_info`` of the device torch knows by ``uuid`` (it creates a CUDA
+    context there, so it is asked only when NVML cannot answer)."""
+    import torch
 
-    nvml_index: int
-    handle: Any
-    uuid: str
-    name: str
-    is_mig: bool
-    parent_uuid: str
-    mig_enabled: bool
-    """A physical GPU in MIG mode: CUDA sees its instances, not the GPU itself."""
-
-
-def _keep_one_mig(uuids: list[str], entries: list[_Entry]) -> list[str]:
-    """CUDA 11 and 12 enumerate at most one MIG instance per process (NVIDIA MIG user guide)."""
-    mig_uuids = {entry.uuid for entry in entries if entry.is_mig}
-    kept: list[str] = []
-    seen_mig = False
-    for uuid in uuids:
-        if uuid in mig_uuids:
-            if seen_mig:
-                continue
-            seen_mig = True
-        kept.append(uuid)
-    return kept
+    if not torch.cuda.is_available():
+        return None
+    wanted = _strip_uuid_prefix(uuid)
+    for cuda_index in range(torch.cuda.device_count()):
+        if _strip_uuid_prefix(str(torch.cuda.get_device_properties(cuda_index).uuid)) == wanted:
+            free_bytes, total_bytes = torch.cuda.mem_get_info(cuda_index)
+            return int(free_bytes), int(total_bytes)
+    return None
 
 
-def _cuda_uuid_of(entry: _Entry, entries: list[_Entry]) -> str | None:
-    """The UUID CUDA shows for ``entry``: a GPU in MIG mode shows its first instance."""
-    if not entry.mig_enabled:
-        return entry.uuid
-    children = [child.uuid for child in entries if child.parent_uuid == entry.uuid]
-    return children[0] if children else None
+def _host_memory() -> tuple[int, int] | None:
+    """``(MemAvailable, MemTotal)`` from ``/proc/meminfo``, in bytes."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                key, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    values[key] = int(fields[0]) * 1024  # kB
+    except OSError:
+        return None
+    if "MemAvailable" not in values or "MemTotal" not in values:
+        return None
+    return values["MemAvailable"], values["MemTotal"]
 
 
-def _leading_int(token: str) -> int | None:
-    """``strtoul``-style: ``"1gpu"`` is 1, ``"x"`` and ``"-1"`` are None."""
-    digits = ""
-    for char in token.lstrip("+"):
-        if not char.isdigit():
-            break
-        digits += char
-    return int(digits) if digits else None
+def _loaded_libraries() -> list[str]:
+    """Paths of the shared objects mapped into this process (``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return sorted({line.split()[-1] for line in maps if "/" in line})
+    except OSError:
+        return []
 
 
-def _cuda_order(spec: str | None, entries: list[_Entry]) -> list[str]:
-    """The UUIDs CUDA numbers 0, 1, ... under ``CUDA_VISIBLE_DEVICES=spec`` (None: unset).
+def _error_classes(lib: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
+    """The named exception classes of ``lib`` (older bindings may lack some)."""
+    found = (getattr(lib, name, None) for name in names)
+    return tuple(cls for cls in found if isinstance(cls, type))
 
-    Follows the CUDA driver: entries are indices into the default order or unique prefixes of
-    ``GPU-``/``MIG-`` UUIDs; the first invalid entry ends the list; a repeated device empties it.
-    The default order is NVML's (PCI bus) order, which is CUDA's under
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on identical GPUs.
+
+def _reason(lib: Any, exc: BaseException) -> str:
+    """The :data:`REASONS` code of one of NVML's exceptions (or a missing library)."""
+    if isinstance(exc, ImportError):
+        return "pynvml_missing"
+    if isinstance(exc, OSError):
+        return "library_missing"
+    table = (
+        (_LIBRARY_MISSING_ERRORS, "library_missing"),
+        (_DRIVER_NOT_LOADED_ERRORS, "driver_not_loaded"),
+        (_VERSION_MISMATCH_ERRORS, "driver_library_mismatch"),
+        (("NVMLLibraryMismatchError",), "bindings_mismatch"),
+        (_GPU_LOST_ERRORS, "gpu_lost"),
+        (("NVMLError_NoPermission",), "no_permission"),
+        (_NOT_SUPPORTED_ERRORS, "not_supported"),
+        (("NVMLError_Timeout",), "nvml_timeout"),
+    )
+    for names, reason in table:
+        if isinstance(exc, _error_classes(lib, names)):
+            return reason
+    return "nvml_error"
+
+
+def _translate(
+    lib: Any, action: str, exc: BaseException, *, stub_path: str = ""
+) -> DeviceUnavailableError | None:
+    """The :class:`DeviceUnavailableError` for one of NVML's exceptions; None for any other.
+
+    The only place NVML's exceptions are translated; :func:`_nvml_errors` applies it to a block.
+
+    Args:
+        lib: the pynvml module (None before it is imported).
+        action: what was being done, for the message, e.g. ``"list GPUs"``.
+        exc: what was raised. ``ImportError``/``OSError`` (no library), every ``NVMLError_*``
+            and pynvml's ``NVMLLibraryMismatchError`` are translated.
+        stub_path: the CUDA toolkit's stub libnvidia-ml when it is the one loaded: the reason
+            is then ``cuda_stub_library`` whatever the stub answered.
+
+    Returns:
+        The error, its ``reason`` one of :data:`REASONS`, its message the cause and the fix.
     """
-    physical = (_cuda_uuid_of(entry, entries) for entry in entries if not entry.is_mig)
-    default = _keep_one_mig([uuid for uuid in physical if uuid is not None], entries)
-    if spec is None:
-        return default
-    order: list[str] = []
-    for raw_token in spec.split(","):
-        token = raw_token.strip()
-        uuid: str | None
-        if token.startswith(("GPU-", "MIG-")):
-            matches = [entry for entry in entries if entry.uuid.startswith(token)]
-            uuid = _cuda_uuid_of(matches[0], entries) if len(matches) == 1 else None
-        else:
-            index = _leading_int(token)
-            uuid = default[index] if index is not None and index < len(default) else None
-        if uuid is None:
-            break
-        if uuid in order:
-            return []
-        order.append(uuid)
-    return _keep_one_mig(order, entries)
+    if not isinstance(exc, (ImportError, OSError)) and not isinstance(
+        exc, _error_classes(lib, ("NVMLError", "NVMLLibraryMismatchError"))
+    ):
+        return None
+    reason = "cuda_stub_library" if stub_path else _reason(lib, exc)
+    cause = f"{exc} ({type(exc).__name__})"
+    if stub_path:
+        cause = f"{stub_path}; {cause}"
+    if reason in _NO_NVML_REASONS:
+        message = f"NVML is not available: {REASONS[reason]} ({cause})."
+    else:
+        message = f"NVML could not {action}: {cause}; {REASONS[reason]}."
+    return DeviceUnavailableError(message, reason=reason)
+
+
+@contextlib.contextmanager
+def _nvml_errors(lib: Any, action: str, *, stub_path: str = "") -> Iterator[None]:
+    """Raise :func:`_translate`'s error ``from`` NVML's; other exceptions propagate unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        translated = _translate(lib, action, exc, stub_path=stub_path)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class Nvml:
@@ -210,10 +246,14 @@ class Nvml:
 
     Args:
         module: the pynvml module to use; None imports ``pynvml`` on first use. Tests pass a fake.
-        environ: where ``CUDA_VISIBLE_DEVICES`` is read; None reads ``os.environ`` at each query.
-        pid: this process's id, excluded from other processes' memory; None is ``os.getpid()``.
+        environ: where ``NVIDIA_VISIBLE_DEVICES``, ``CUDA_VISIBLE_DEVICES`` and
+            ``CUDA_DEVICE_ORDER`` are read; None reads ``os.environ`` at each query.
         torch_mem_get_info: the fallback when NVML does not report a GPU's memory; None uses
             ``torch.cuda.mem_get_info`` for devices torch can see.
+        host_memory: the host's (available, total) bytes, for unified-memory GPUs; None reads
+            ``/proc/meminfo``.
+        loaded_libraries: paths of the loaded shared objects, to tell the CUDA toolkit's stub
+            libnvidia-ml from the driver's; None reads ``/proc/self/maps``.
 
     A failed initialisation is not remembered: the next query tries again.
     """
@@ -223,15 +263,20 @@ class Nvml:
         module: Any = None,
         *,
         environ: Mapping[str, str] | None = None,
-        pid: int | None = None,
         torch_mem_get_info: TorchMemGetInfo | None = None,
+        host_memory: HostMemory | None = None,
+        loaded_libraries: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self._module = module
         self._environ = environ
-        self._pid = os.getpid() if pid is None else pid
         self._torch_mem_get_info = torch_mem_get_info or _torch_mem_get_info
+        self._host_memory = host_memory or _host_memory
+        self._loaded_libraries = loaded_libraries or _loaded_libraries
         self._lib: Any = None
         self._init_lock = threading.Lock()
+
+    def _stub_path(self) -> str:
+        return next((p for p in self._loaded_libraries() if _is_stub(p)), "")
 
     def _library(self) -> Any:
         """The initialised pynvml module."""
@@ -244,112 +289,179 @@ class Nvml:
                 if module is None:
                     with _nvml_errors(None, "import pynvml"):
                         module = _import_pynvml()
-                with _nvml_errors(module, "initialise"):
+                try:
                     module.nvmlInit()
+                except Exception as exc:
+                    translated = _translate(module, "initialise", exc, stub_path=self._stub_path())
+                    if translated is None:
+                        raise
+                    raise translated from exc
                 self._lib = module
             return self._lib
 
-    def _visible_devices_spec(self) -> str | None:
-        environ = os.environ if self._environ is None else self._environ
-        return environ.get(_VISIBLE_DEVICES_VAR)
+    @property
+    def environ(self) -> Mapping[str, str]:
+        """Where the visible-device variables are read."""
+        return os.environ if self._environ is None else self._environ
 
-    def _entries(self, lib: Any) -> list[_Entry]:
-        entries: list[_Entry] = []
+    def _scan(self, lib: Any) -> list[NvmlDevice]:
+        devices: list[NvmlDevice] = []
         for nvml_index in range(lib.nvmlDeviceGetCount()):
             handle = lib.nvmlDeviceGetHandleByIndex(nvml_index)
             uuid = _text(lib.nvmlDeviceGetUUID(handle))
             try:
                 current_mode, _pending_mode = lib.nvmlDeviceGetMigMode(handle)
                 mig_enabled = current_mode == lib.NVML_DEVICE_MIG_ENABLE
-            except _error_classes(lib, _NOT_SUPPORTED_ERRORS):
+            except _error_classes(lib, _UNREADABLE_MEMORY_ERRORS):
                 mig_enabled = False
             name = _text(lib.nvmlDeviceGetName(handle))
-            entries.append(_Entry(nvml_index, handle, uuid, name, False, "", mig_enabled))
-            if mig_enabled:
-                entries.extend(self._mig_entries(lib, nvml_index, handle, uuid))
-        return entries
-
-    def _mig_entries(self, lib: Any, nvml_index: int, handle: Any, uuid: str) -> list[_Entry]:
-        found: list[_Entry] = []
-        for slot in range(lib.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig_handle = lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-            except _error_classes(lib, _EMPTY_MIG_SLOT_ERRORS):
-                continue  # no instance in this slot
-            mig_uuid = _text(lib.nvmlDeviceGetUUID(mig_handle))
-            mig_name = _text(lib.nvmlDeviceGetName(mig_handle))
-            found.append(_Entry(nvml_index, mig_handle, mig_uuid, mig_name, True, uuid, False))
-        return found
-
-    def _memory(self, lib: Any, entry: _Entry, cuda_index: int | None) -> MemoryInfo:
-        """The driver's view of ``entry``'s memory; ``free`` is always the driver's own field."""
-        try:
-            return _nvml_memory(lib, entry.handle)
-        except _error_classes(lib, _NOT_SUPPORTED_ERRORS) as exc:
-            fallback = None if cuda_index is None else self._torch_mem_get_info(cuda_index)
-            if fallback is None:
-                action = f"read the memory of GPU {entry.uuid} (nor can torch)"
-                translated = _translate(lib, action, exc)
-                assert translated is not None  # NotSupported is an NVMLError
-                raise translated from exc
-        free_bytes, total_bytes = fallback
-        return MemoryInfo(
-            total_memory_bytes=total_bytes,
-            free_memory_bytes=free_bytes,
-            used_memory_bytes=total_bytes - free_bytes,
-        )
-
-    def _gpu_infos(self, lib: Any) -> list[GpuInfo]:
-        entries = self._entries(lib)
-        order = _cuda_order(self._visible_devices_spec(), entries)
-        cuda_indices = {uuid: cuda_index for cuda_index, uuid in enumerate(order)}
-        gpus: list[GpuInfo] = []
-        for entry in entries:
-            cuda_index = cuda_indices.get(entry.uuid)
-            gpus.append(
-                GpuInfo(
-                    nvml_index=entry.nvml_index,
-                    cuda_index=cuda_index,
-                    uuid=entry.uuid,
-                    name=entry.name,
-                    memory=self._memory(lib, entry, cuda_index),
-                    is_mig=entry.is_mig,
-                    parent_uuid=entry.parent_uuid,
+            devices.append(
+                NvmlDevice(
+                    nvml_index=nvml_index,
+                    uuid=uuid,
+                    name=name,
+                    handle=handle,
+                    mig_enabled=mig_enabled,
                 )
             )
-        return gpus
+            if mig_enabled:
+                devices.extend(_mig_devices(lib, nvml_index, handle, uuid))
+        return devices
+
+    def _speed(self, lib: Any, devices: Sequence[NvmlDevice]) -> dict[str, float]:
+        """CUDA cores x max SM clock of each physical GPU NVML reports them for."""
+        unsupported = _error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError"))
+        speed: dict[str, float] = {}
+        for device in devices:
+            if device.is_mig:
+                continue
+            try:
+                cores = lib.nvmlDeviceGetNumGpuCores(device.handle)
+                clock_mhz = lib.nvmlDeviceGetMaxClockInfo(device.handle, lib.NVML_CLOCK_SM)
+            except unsupported:
+                continue
+            speed[device.uuid] = float(cores) * float(clock_mhz)
+        return speed
+
+    def visible(self) -> tuple[list[NvmlDevice], VisibleDevices]:
+        """Every NVML device with its ``cuda_index`` and ``given`` set, and the resolved set.
+
+        No memory is read. Raises:
+            DeviceUnavailableError: no driver or libnvidia-ml, or the listing failed.
+        """
+        lib = self._library()
+        with _nvml_errors(lib, "list GPUs"):
+            devices = self._scan(lib)
+            environ = self.environ
+            physical_names = {device.name for device in devices if not device.is_mig}
+            needs_speed = fastest_first(environ) and len(physical_names) > 1
+            speed = self._speed(lib, devices) if needs_speed else None
+        resolved = resolve_visible(devices, environ, speed=speed)
+        cuda_indices = {uuid: i for i, uuid in enumerate(resolved.cuda_order)}
+        return [
+            dataclasses.replace(
+                device,
+                cuda_index=cuda_indices.get(device.uuid),
+                given=device.uuid in resolved.given,
+            )
+            for device in devices
+        ], resolved
+
+    def devices(self) -> list[NvmlDevice]:
+        """:meth:`visible`'s devices."""
+        return self.visible()[0]
+
+    def read(self, device: NvmlDevice) -> GpuInfo:
+        """``device`` with its memory, read now.
+
+        NVML first (v2, else v1); when NVML cannot read it (NotSupported, NoPermission, a total
+        of 0), the CUDA runtime's ``mem_get_info`` when torch sees the device, else the host's
+        available memory for a unified-memory GPU, else unknown; ``memory_reason`` says why.
+
+        Raises:
+            DeviceUnavailableError: the query failed otherwise; ``reason`` is ``gpu_lost`` for a
+                GPU that fell off the bus.
+        """
+        lib = self._library()
+        with _nvml_errors(lib, f"read the memory of GPU {device.uuid}"):
+            memory, reason, detail = self._memory(lib, device)
+        return device.info(memory, reason=reason, detail=detail)
+
+    def _memory(self, lib: Any, device: NvmlDevice) -> tuple[MemoryInfo, str, str]:
+        try:
+            memory = _nvml_memory(lib, device.handle)
+        except _error_classes(lib, _UNREADABLE_MEMORY_ERRORS) as exc:
+            reason = _reason(lib, exc)
+            detail = f"NVML could not read the memory of GPU {device.uuid}: {exc}"
+        else:
+            if memory.total_memory_bytes:
+                return memory, "", ""
+            reason = "zero_total"
+            detail = f"NVML reported a total of 0 bytes for GPU {device.uuid}"
+        fallback = self._torch_mem_get_info(device.uuid) if device.cuda_index is not None else None
+        if fallback is not None:
+            free_bytes, total_bytes = fallback
+            memory = MemoryInfo(
+                total_memory_bytes=total_bytes,
+                free_memory_bytes=free_bytes,
+                used_memory_bytes=total_bytes - free_bytes,
+                used_includes_reserved=True,
+                memory_source="cuda_runtime",
+            )
+            return memory, reason, detail + "; memory from torch.cuda.mem_get_info"
+        if not device.is_mig and _unified(lib, device.handle):
+            host = self._host_memory()
+            if host is not None:
+                available_bytes, total_bytes = host
+                memory = MemoryInfo(
+                    total_memory_bytes=total_bytes,
+                    free_memory_bytes=available_bytes,
+                    used_memory_bytes=total_bytes - available_bytes,
+                    used_includes_reserved=True,
+                    memory_source="host",
+                    unified_memory=True,
+                )
+                return memory, reason, detail + "; unified memory: the host's available memory"
+        return UNKNOWN_MEMORY, reason, detail + "; memory unknown"
 
     def list_gpus(self) -> list[GpuInfo]:
         """Every GPU NVML sees, in NVML order, each GPU in MIG mode followed by its instances.
 
         Returns:
             One :class:`GpuInfo` per physical GPU and per MIG instance (a MIG instance carries
-            its own memory and ``parent_uuid``; a GPU in MIG mode has ``cuda_index`` None, since
-            CUDA sees its instances instead).
+            its own memory, profile and ``parent_uuid``; a GPU in MIG mode has ``cuda_index``
+            None, since CUDA sees its instances instead). A GPU whose memory cannot be read
+            (even one lost) is listed with ``memory_reason`` set; it never hides the others.
 
         Raises:
-            DeviceUnavailableError: no driver or libnvidia-ml, or a query failed (GPU lost, no
-                permission), or neither NVML nor torch reports some GPU's memory.
+            DeviceUnavailableError: no driver or libnvidia-ml, or the listing itself failed.
         """
-        lib = self._library()
-        with _nvml_errors(lib, "list GPUs"):
-            return self._gpu_infos(lib)
+        gpus: list[GpuInfo] = []
+        for device in self.devices():
+            try:
+                gpus.append(self.read(device))
+            except DeviceUnavailableError as exc:
+                gpus.append(device.info(UNKNOWN_MEMORY, reason=exc.reason, detail=str(exc)))
+        return gpus
 
     def gpu_for_cuda_index(self, cuda_index: int) -> GpuInfo:
-        """The GPU torch calls ``cuda:cuda_index`` under this process's ``CUDA_VISIBLE_DEVICES``.
+        """The GPU CUDA calls ``cuda:cuda_index`` in this process's device set.
 
         Raises:
-            DeviceUnavailableError: that index is not visible (the message gives the visible
-                count and ``CUDA_VISIBLE_DEVICES``), or NVML is unavailable.
+            DeviceUnavailableError: that index is not in the set (the message gives the visible
+                count and the variables), or NVML is unavailable.
         """
-        gpus = self.list_gpus()
-        for gpu in gpus:
-            if gpu.cuda_index == cuda_index:
-                return gpu
-        num_visible = sum(gpu.cuda_index is not None for gpu in gpus)
+        devices = self.devices()
+        for device in devices:
+            if device.cuda_index == cuda_index:
+                return self.read(device)
+        num_visible = sum(device.cuda_index is not None for device in devices)
+        environ = self.environ
         raise DeviceUnavailableError(
             f"CUDA device {cuda_index} is not visible: this process sees {num_visible} CUDA "
-            f"device(s) ({_VISIBLE_DEVICES_VAR}={self._visible_devices_spec()!r})."
+            f"device(s) ({CUDA_VISIBLE_VAR}={environ.get(CUDA_VISIBLE_VAR)!r}, "
+            f"{NVIDIA_VISIBLE_VAR}={environ.get(NVIDIA_VISIBLE_VAR)!r}).",
+            reason="not_visible",
         )
 
     def gpu_for_uuid(self, uuid: str) -> GpuInfo:
@@ -359,10 +471,10 @@ class Nvml:
             DeviceUnavailableError: no such device, or NVML is unavailable.
         """
         wanted = _strip_uuid_prefix(uuid)
-        for gpu in self.list_gpus():
-            if _strip_uuid_prefix(gpu.uuid) == wanted:
-                return gpu
-        raise DeviceUnavailableError(f"NVML lists no GPU with UUID {uuid!r}.")
+        for device in self.devices():
+            if _strip_uuid_prefix(device.uuid) == wanted:
+                return self.read(device)
+        raise DeviceUnavailableError(f"NVML lists no GPU with UUID {uuid!r}.", reason="not_found")
 
     def driver_version(self) -> str:
         """The NVIDIA driver's version, e.g. ``"550.54.15"``.
@@ -374,35 +486,45 @@ class Nvml:
         with _nvml_errors(lib, "read the driver version"):
             return _text(lib.nvmlSystemGetDriverVersion())
 
-    def foreign_process_memory_bytes(self, uuid: str) -> int | None:
-        """Bytes that other processes' CUDA contexts hold on the GPU with this UUID.
 
-        Processes are matched by pid; inside a container NVML reports host pids, so this process
-        may be counted as foreign there.
+def _is_stub(path: str) -> bool:
+    return "/stubs/" in path and os.path.basename(path).startswith("libnvidia-ml.so")
 
-        Returns:
-            The sum of ``usedGpuMemory`` over compute processes other than this one, in bytes;
-            None when the driver does not report it (NotSupported, or per-process memory
-            unavailable as under Windows WDDM).
 
-        Raises:
-            DeviceUnavailableError: no such GPU, or NVML is unavailable.
-        """
-        lib = self._library()
-        with _nvml_errors(lib, "list the processes on a GPU"):
-            wanted = _strip_uuid_prefix(uuid)
-            entries = [e for e in self._entries(lib) if _strip_uuid_prefix(e.uuid) == wanted]
-            if not entries:
-                raise DeviceUnavailableError(f"NVML lists no GPU with UUID {uuid!r}.")
-            unsupported = _error_classes(lib, (*_NOT_SUPPORTED_ERRORS, "NVMLLibraryMismatchError"))
-            try:
-                processes = lib.nvmlDeviceGetComputeRunningProcesses(entries[0].handle)
-            except unsupported:
-                return None
-            used = [p.usedGpuMemory for p in processes if p.pid != self._pid]
-            if any(used_bytes is None for used_bytes in used):
-                return None
-            return sum(int(used_bytes) for used_bytes in used)
+def _mig_devices(lib: Any, nvml_index: int, handle: Any, uuid: str) -> list[NvmlDevice]:
+    found: list[NvmlDevice] = []
+    for slot in range(lib.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig_handle = lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except _error_classes(lib, _EMPTY_MIG_SLOT_ERRORS):
+            continue  # no instance in this slot
+        name = _text(lib.nvmlDeviceGetName(mig_handle))
+        match = _MIG_PROFILE.search(name)
+        found.append(
+            NvmlDevice(
+                nvml_index=nvml_index,
+                uuid=_text(lib.nvmlDeviceGetUUID(mig_handle)),
+                name=name,
+                handle=mig_handle,
+                is_mig=True,
+                parent_uuid=uuid,
+                mig_slot=slot,
+                mig_profile=match.group(1).lower() if match else "",
+            )
+        )
+    return found
+
+
+def _unified(lib: Any, handle: Any) -> bool:
+    """Whether the GPU addresses host memory as its own (ATS; e.g. GB10); False when unknown."""
+    ats = getattr(lib, _UNIFIED_ADDRESSING_MODE, None)
+    function = getattr(lib, "nvmlDeviceGetAddressingMode", None)
+    if ats is None or function is None:
+        return False
+    try:
+        return bool(function(handle) == ats)
+    except _error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError")):
+        return False
 
 
 def _nvml_memory(lib: Any, handle: Any) -> MemoryInfo:
@@ -425,6 +547,7 @@ def _nvml_memory(lib: Any, handle: Any) -> MemoryInfo:
         total_memory_bytes=int(memory.total),
         free_memory_bytes=int(memory.free),
         used_memory_bytes=int(memory.used),
+        used_includes_reserved=True,
     )
 
 
@@ -442,15 +565,5 @@ def default_nvml() -> Nvml:
 
 
 def list_gpus() -> list[GpuInfo]:
-    """:meth:`Nvml.list_gpus` on :func:`default_nvml`; what ``autobatch gpus`` prints."""
+    """:meth:`Nvml.list_gpus` on :func:`default_nvml`; what ``autobatch devices`` prints."""
     return default_nvml().list_gpus()
-
-
-def gpu_for_cuda_index(cuda_index: int) -> GpuInfo:
-    """:meth:`Nvml.gpu_for_cuda_index` on :func:`default_nvml`."""
-    return default_nvml().gpu_for_cuda_index(cuda_index)
-
-
-def driver_version() -> str:
-    """:meth:`Nvml.driver_version` on :func:`default_nvml`."""
-    return default_nvml().driver_version()

@@ -1,6 +1,8 @@
 """``/healthz`` (alive), ``/readyz`` (store writable, NVML state), ``/metrics`` (Prometheus).
 
-These stay open when an API token is set, for kubelet probes and scrapers.
+These stay open when an API token is set, for kubelet probes and scrapers. ``/healthz`` never
+touches NVML; ``/readyz`` and ``/metrics`` read it through ``service.gpus``, so a hung driver
+costs them at most the NVML timeout once, then answers at once until the driver recovers.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from fastapi.responses import JSONResponse
 
 from autobatch.errors import DeviceUnavailableError, StoreError
 from service.deps import StateDep
+from service.gpus import HEALTH_FAILURES
 from service.metrics import CONTENT_TYPE
-from service.schemas import HealthPublic, ReadyPublic
+from service.schemas import GpuProblem, HealthPublic, ReadyPublic
 
 router = APIRouter(prefix="", tags=["health"])
 
@@ -28,27 +31,45 @@ async def healthz() -> HealthPublic:
     response_model=ReadyPublic,
     responses={503: {"model": ReadyPublic, "description": "Not ready"}},
 )
-def readyz(state: StateDep) -> JSONResponse:
-    store, list_gpus, settings = state.store, state.list_gpus, state.settings
+async def readyz(state: StateDep) -> JSONResponse:
+    """Not ready when the store is not writable, when a GPU given to this container cannot be
+    read now (``nvml_timeout``, ``gpu_lost``), or with ``require_gpu`` when none answers."""
+    store, settings = state.store, state.settings
     store_detail = None
     try:
         store.check_writable()
     except StoreError as exc:
         store_detail = str(exc)
-    nvml_detail = None
+    nvml_reason = nvml_detail = None
     num_gpus = 0
+    problems: list[GpuProblem] = []
     try:
-        num_gpus = len(list_gpus())
+        _inventory, readings = await state.gpus.snapshot()
     except DeviceUnavailableError as exc:
-        nvml_detail = str(exc)
-    ready = store_detail is None and (not settings.require_gpu or num_gpus > 0)
+        nvml_reason, nvml_detail = exc.reason, str(exc)
+        if exc.reason in HEALTH_FAILURES:  # NVML itself hangs: not "no GPU here"
+            problems.append(GpuProblem(uuid="", reason=exc.reason, detail=str(exc)))
+    else:
+        for reading in readings:
+            gpu = reading.gpu
+            if not gpu.given:
+                continue
+            if gpu.memory_reason in HEALTH_FAILURES:
+                problems.append(
+                    GpuProblem(uuid=gpu.uuid, reason=gpu.memory_reason, detail=gpu.memory_detail)
+                )
+            elif gpu.cuda_index is not None:
+                num_gpus += 1
+    ready = store_detail is None and not problems and (not settings.require_gpu or num_gpus > 0)
     body = ReadyPublic(
         ready=ready,
         store_writable=store_detail is None,
         store_detail=store_detail,
-        nvml_available=nvml_detail is None,
+        nvml_available=nvml_reason is None,
         num_gpus=num_gpus,
+        nvml_reason=nvml_reason,
         nvml_detail=nvml_detail,
+        gpu_problems=problems,
         require_gpu=settings.require_gpu,
     )
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
@@ -60,5 +81,10 @@ def readyz(state: StateDep) -> JSONResponse:
     response_class=Response,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-def metrics(state: StateDep) -> Response:
-    return Response(state.metrics.render(state.list_gpus), media_type=CONTENT_TYPE)
+async def metrics(state: StateDep) -> Response:
+    try:
+        _inventory, readings = await state.gpus.snapshot()
+        gpus = [reading.gpu for reading in readings]
+    except DeviceUnavailableError:
+        gpus = []
+    return Response(state.metrics.render(lambda: gpus), media_type=CONTENT_TYPE)

@@ -6,7 +6,12 @@ device, when given, is a local GPU (``cuda_index``/``uuid``, read from NVML), a 
 or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB). ``world_sizes``
 adds a table over candidate world sizes (``planner.plan_world_sizes``).
 
-Pure arithmetic after one store lookup at most: no torch is imported on this path.
+A local GPU is one of the cards this container was given (``NVIDIA_VISIBLE_DEVICES``, then
+``CUDA_VISIBLE_DEVICES``; ``cuda_index`` is CUDA's number in that set), read through
+``service.gpus``: off the event loop, 503 ``nvml_timeout``/``gpu_lost`` rather than a wait.
+
+Pure arithmetic after one store lookup and one (cached) NVML reading at most: no torch is
+imported on this path.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from autobatch.limits import PlanSource, stored_profile_source
 from autobatch.planner import Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileNotFoundError, ProfileStore
-from service.deps import DeviceLister, service_state
+from autobatch.units import format_bytes
+from service.deps import service_state
+from service.gpus import GpuMonitor
 from service.problems import Problem, problem_responses, unknown_profile
 from service.routing import JsonBodyRoute
 from service.schemas import (
@@ -58,7 +65,7 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
     says how far and from which line).
     """
     state = service_state(request)  # not StateDep: schedulers call this route in a loop
-    device = None if body.device is None else _resolve_device(body.device, state.list_gpus)
+    device = None if body.device is None else await _resolve_device(body.device, state.gpus)
     capacity = None if device is None else device.capacity_bytes
     limit, profile_id, source = _resolve_limit(body, state.store, device)
     options: dict[str, Any] = {
@@ -126,7 +133,7 @@ def _configs(result: Plan) -> dict[str, Any]:
         }
 
 
-def _resolve_device(spec: DeviceSpec, list_gpus: DeviceLister) -> ResolvedDevice:
+async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
     if spec.capacity_bytes is not None:
         return ResolvedDevice(source="capacity_bytes", capacity_bytes=spec.capacity_bytes)
     if spec.node_labels is not None:
@@ -146,32 +153,67 @@ def _resolve_device(spec: DeviceSpec, list_gpus: DeviceLister) -> ResolvedDevice
             capacity_bytes=int(mib) * 2**20,
             name=spec.node_labels.get(GPU_PRODUCT_LABEL),
         )
-    gpus = list_gpus()
+    reading, inventory = await gpus.reading_for(cuda_index=spec.cuda_index, uuid=spec.uuid)
     if spec.cuda_index is not None:
-        found = [gpu for gpu in gpus if gpu.cuda_index == spec.cuda_index]
         field, wanted = "body.device.cuda_index", f"cuda_index {spec.cuda_index}"
     else:
-        assert spec.uuid is not None
-        found = [gpu for gpu in gpus if gpu.uuid == spec.uuid]
         field, wanted = "body.device.uuid", f"uuid {spec.uuid!r}"
-    if not found:
+    if reading is None:
         visible = ", ".join(
-            f"{gpu.cuda_index}: {gpu.uuid}" for gpu in gpus if gpu.cuda_index is not None
+            f"{device.cuda_index}: {device.uuid}"
+            for device in inventory.devices
+            if device.cuda_index is not None
         )
+        not_given = any(
+            device.uuid == spec.uuid and not device.given for device in inventory.devices
+        )
+        why = " (NVML sees it, but this container was not given it)" if not_given else ""
         raise Problem(
             422,
             "unknown-device",
-            f"this node has no GPU with {wanted} (visible: {visible or 'none'})",
+            f"this node has no GPU with {wanted}{why} (visible: {visible or 'none'})",
             field=field,
         )
-    gpu = found[0]
-    memory = gpu.memory
+    gpu, memory = reading.gpu, reading.gpu.memory
+    if memory.total_memory_bytes is None or memory.free_memory_bytes is None:
+        raise Problem(
+            503,
+            "memory-unknown",
+            f"the memory of GPU {gpu.uuid} is unknown ({gpu.memory_reason}: "
+            f"{gpu.memory_detail}); plan with device.capacity_bytes instead",
+            field=field,
+        )
     capacity = memory.total_memory_bytes if spec.memory == "total" else memory.free_memory_bytes
     if capacity < 1:
         raise Problem(
             422, "no-free-memory", f"GPU {gpu.uuid} has no free memory", field="body.device.memory"
         )
-    return ResolvedDevice(source="nvml", capacity_bytes=capacity, name=gpu.name, uuid=gpu.uuid)
+    held = memory.used_memory_bytes
+    note = None
+    if spec.memory == "total" and held:
+        reserve = (
+            ", the driver's reserve included (NVML's v1 memory API does not separate it)"
+            if memory.used_includes_reserved
+            else ""
+        )
+        note = (
+            f"other processes hold {format_bytes(held)} ({held} bytes{reserve}) on this GPU now; "
+            'this plan for memory "total" assumes they will be gone when the job runs; plan '
+            'with memory "free" to leave room for them'
+        )
+    return ResolvedDevice(
+        source="nvml",
+        capacity_bytes=capacity,
+        name=gpu.name,
+        uuid=gpu.uuid,
+        cuda_index=gpu.cuda_index,
+        mig_profile=gpu.mig_profile or None,
+        memory_source=memory.memory_source,
+        sampled_at=reading.sampled_at,
+        age_seconds=round(reading.age_seconds(), 3),
+        memory_held_by_others_bytes=held,
+        note=note,
+    )
 
 
 def _resolve_limit(

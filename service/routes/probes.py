@@ -9,7 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from autobatch.errors import DeviceUnavailableError
-from service.deps import DeviceLister, StateDep
+from service.deps import StateDep
+from service.gpus import GpuMonitor
 from service.jobs import Job, UnknownModelError
 from service.problems import Problem, problem_responses
 from service.registry import cuda_index
@@ -64,13 +65,13 @@ def probe_public(job: Job) -> ProbePublic:
     summary="Start a probe job for a registered model",
     responses=problem_responses(400, 404, 409, 413, 415, 422),
 )
-def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> ProbePublic:
+async def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> ProbePublic:
     """Queues the job and returns at once (``Location`` names it). 404 for a model not in the
     server's registry; 422 for a CUDA device this node does not have; 409 when the device's
     queue is full."""
     entry = state.jobs.registry.models.get(body.model)
     if entry is not None:
-        _check_cuda_device(body.device or entry.device, state.list_gpus, body.device is None)
+        await _check_cuda_device(body.device or entry.device, state.gpus, body.device is None)
     try:
         job = state.jobs.submit(body.model, device=body.device)
     except UnknownModelError as exc:
@@ -79,13 +80,15 @@ def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> Probe
     return probe_public(job)
 
 
-def _check_cuda_device(device: str, list_gpus: DeviceLister, from_registry: bool) -> None:
-    """422 now, rather than a job failing seconds later, for ``cuda:N`` with no such GPU here."""
+async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool) -> None:
+    """422 now, rather than a job failing seconds later, for ``cuda:N`` with no such GPU in the
+    device set this container was given (the job's child sees the same numbering)."""
     index = cuda_index(device)
     if index is None:
         return
     try:
-        visible = sorted(gpu.cuda_index for gpu in list_gpus() if gpu.cuda_index is not None)
+        inventory = await gpus.inventory()
+        visible = sorted(d.cuda_index for d in inventory.devices if d.cuda_index is not None)
     except DeviceUnavailableError as exc:
         reason = f"this node has no usable GPU ({exc})"
     else:

@@ -10,31 +10,32 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.device import GpuInfo
 from autobatch.device.nvml import Nvml
-from autobatch.errors import DeviceUnavailableError
 from service.main import create_app
 from service.settings import Settings
 from tests.service.models import REGISTRY_TOML
-from tests.unit.fake_pynvml import FakeGpu, FakePynvml, GiB
+from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
 A100_UUID = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
 H100_UUID = "GPU-9f8e7d6c-0000-1111-2222-333344445555"
 
 
-def fake_gpus() -> Callable[[], list[GpuInfo]]:
-    """Two GPUs behind a fake pynvml: an 80 GiB A100 (79 GiB free) and a 94 GiB H100."""
-    fake = FakePynvml(
-        [
-            FakeGpu(uuid=A100_UUID, name="NVIDIA A100-SXM4-80GB", total=80 * GiB, free=79 * GiB),
-            FakeGpu(uuid=H100_UUID, name="NVIDIA H100 NVL", total=94 * GiB, free=90 * GiB),
-        ]
-    )
-    return Nvml(fake, environ={}).list_gpus
+def two_gpus() -> list[FakeGpu]:
+    """An 80 GiB A100 (79 GiB free) and a 94 GiB H100 (90 GiB free)."""
+    return [
+        FakeGpu(uuid=A100_UUID, name="NVIDIA A100-SXM4-80GB", total=80 * GiB, free=79 * GiB),
+        FakeGpu(uuid=H100_UUID, name="NVIDIA H100 NVL", total=94 * GiB, free=90 * GiB),
+    ]
 
 
-def no_nvml() -> list[GpuInfo]:
-    raise DeviceUnavailableError("NVML is not available: no NVIDIA driver (test)")
+def fake_gpus() -> Nvml:
+    """NVML over a fake pynvml with :func:`two_gpus`, no visible-device variables set."""
+    return Nvml(FakePynvml(two_gpus()), environ={})
+
+
+def no_nvml() -> Nvml:
+    """NVML on a machine without the NVIDIA kernel driver: every initialisation fails."""
+    return Nvml(FakePynvml([], init_error=ERROR_CLASSES["NVMLError_DriverNotLoaded"]), environ={})
 
 
 @pytest.fixture
@@ -46,12 +47,12 @@ def registry_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_app(tmp_path: Path) -> Iterator[Callable[..., FastAPI]]:
-    """``make_app(list_gpus=..., **settings)``: an app on a fresh store, NVML faked."""
+    """``make_app(nvml=..., **settings)``: an app on a fresh store, NVML faked."""
     apps: list[FastAPI] = []
 
-    def make(list_gpus: Callable[[], list[GpuInfo]] | None = None, **settings: Any) -> FastAPI:
+    def make(nvml: Nvml | None = None, **settings: Any) -> FastAPI:
         settings.setdefault("store_path", str(tmp_path / f"store{len(apps)}.sqlite3"))
-        app = create_app(Settings(**settings), list_gpus=list_gpus or fake_gpus())
+        app = create_app(Settings(**settings), nvml=nvml or fake_gpus())
         apps.append(app)
         return app
 

@@ -73,7 +73,7 @@ def fields(body: dict[str, Any]) -> list[str]:
 
 
 def test_healthz_checks_nothing_but_the_process(make_app: Callable[..., FastAPI]) -> None:
-    client = TestClient(make_app(list_gpus=no_nvml, require_gpu=True))
+    client = TestClient(make_app(nvml=no_nvml(), require_gpu=True))
     assert client.get("/healthz").json() == {"status": "ok"}
 
 
@@ -86,15 +86,16 @@ def test_readyz_reports_store_and_nvml(client: TestClient) -> None:
 
 
 def test_readyz_503_when_a_required_gpu_is_missing(make_app: Callable[..., FastAPI]) -> None:
-    response = TestClient(make_app(list_gpus=no_nvml, require_gpu=True)).get("/readyz")
+    response = TestClient(make_app(nvml=no_nvml(), require_gpu=True)).get("/readyz")
     assert response.status_code == 503
     body = response.json()
     assert (body["ready"], body["store_writable"], body["nvml_available"]) == (False, True, False)
-    assert "no NVIDIA driver" in body["nvml_detail"]
+    assert body["nvml_reason"] == "driver_not_loaded"
+    assert "kernel driver is not loaded" in body["nvml_detail"]
 
 
 def test_readyz_ready_without_gpu_when_not_required(make_app: Callable[..., FastAPI]) -> None:
-    response = TestClient(make_app(list_gpus=no_nvml)).get("/readyz")
+    response = TestClient(make_app(nvml=no_nvml())).get("/readyz")
     assert response.status_code == 200
     assert response.json()["num_gpus"] == 0
 
@@ -141,9 +142,10 @@ def test_devices_lists_gpus_from_nvml(client: TestClient) -> None:
 
 
 def test_devices_empty_with_reason_without_nvml(make_app: Callable[..., FastAPI]) -> None:
-    body = TestClient(make_app(list_gpus=no_nvml)).get("/v1/devices").json()
+    body = TestClient(make_app(nvml=no_nvml())).get("/v1/devices").json()
     assert body["devices"] == []
-    assert "no NVIDIA driver" in body["reason"]
+    assert body["reason"] == "driver_not_loaded"
+    assert "modprobe nvidia" in body["detail"]
 
 
 # -- plans -------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_plan_from_a_memory_model_and_capacity(client: TestClient) -> None:
     assert plan["predicted_peak_memory_bytes"] == 40 * GiB
     assert plan["headroom_bytes"] == 0
     assert plan["source"] == "given"
-    assert body["device"] == {
+    assert {key: body["device"][key] for key in ("source", "capacity_bytes", "name", "uuid")} == {
         "source": "capacity_bytes",
         "capacity_bytes": 40 * GiB,
         "name": None,
@@ -322,7 +324,7 @@ def test_plan_unknown_local_gpu_is_422(client: TestClient) -> None:
 
 
 def test_plan_local_gpu_without_nvml_is_503(make_app: Callable[..., FastAPI]) -> None:
-    response = TestClient(make_app(list_gpus=no_nvml)).post(
+    response = TestClient(make_app(nvml=no_nvml())).post(
         "/v1/plan",
         json={
             "memory_model": {"fixed_bytes": 0, "bytes_per_sample": GiB},
@@ -793,13 +795,13 @@ def test_a_probe_on_a_gpu_this_node_lacks_is_422_at_once(
         "unknown-device",
     )
     assert fields(body) == ["body.device"] and "visible: [0, 1]" in body["detail"]
-    no_gpu = TestClient(make_app(config_file=registry_file, list_gpus=no_nvml))
+    no_gpu = TestClient(make_app(config_file=registry_file, nvml=no_nvml()))
     body = problem(
         no_gpu.post("/v1/probes", json={"model": "tiny-mlp", "device": "cuda:0"}),
         422,
         "unknown-device",
     )
-    assert "no usable GPU" in body["detail"] and "no NVIDIA driver" in body["detail"]
+    assert "no usable GPU" in body["detail"] and "driver is not loaded" in body["detail"]
     assert client.get("/v1/probes").json()["probes"] == []  # nothing was queued
 
 

@@ -27,7 +27,7 @@ from tests.service.test_service_api import make_profile
 _STORE_DIR = Path(tempfile.mkdtemp(prefix="autobatch-fuzz-"))
 _TOKEN = "fuzz-token"
 _APP = create_app(
-    Settings(store_path=str(_STORE_DIR / "store.sqlite3"), api_token=_TOKEN), list_gpus=fake_gpus()
+    Settings(store_path=str(_STORE_DIR / "store.sqlite3"), api_token=_TOKEN), nvml=fake_gpus()
 )
 _APP.state.service.store.put(
     make_profile(memory_model=MemoryModel(fixed_bytes=2**30, bytes_per_sample=2**20))

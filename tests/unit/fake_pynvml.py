@@ -98,6 +98,16 @@ class FakeGpu:
     """(pid, usedGpuMemory bytes); None: the query raises NotSupported."""
     memory_v2_error: type[Exception] | None = None
     memory_v1_error: type[Exception] | None = None
+    memory_gate: threading.Event | None = None
+    """When set, a memory query blocks until the event is set (a hung driver)."""
+    memory_delay_s: float = 0.0
+    """A memory query sleeps this long first (a slow or hung driver, in another process)."""
+    num_cores: int | None = None
+    """nvmlDeviceGetNumGpuCores; None: NotSupported."""
+    max_sm_clock_mhz: int | None = None
+    """nvmlDeviceGetMaxClockInfo(NVML_CLOCK_SM); None: NotSupported."""
+    addressing_mode: int | None = None
+    """nvmlDeviceGetAddressingMode (2: ATS, unified memory); None: NotSupported."""
 
 
 class FakePynvml:
@@ -108,6 +118,7 @@ class FakePynvml:
         driver_version: what ``nvmlSystemGetDriverVersion`` answers (str, or bytes as old bindings).
         init_errors: raised by successive ``nvmlInit`` calls, one each, before it succeeds.
         init_delay_s: ``nvmlInit`` sleeps this long (to widen races).
+        init_error: raised by every ``nvmlInit`` (a machine without a driver).
     """
 
     NVMLError = NVMLError
@@ -115,6 +126,10 @@ class FakePynvml:
     nvmlMemory_v2 = 0x02000028
     NVML_DEVICE_MIG_DISABLE = 0
     NVML_DEVICE_MIG_ENABLE = 1
+    NVML_CLOCK_SM = 1
+    NVML_DEVICE_ADDRESSING_MODE_NONE = 0
+    NVML_DEVICE_ADDRESSING_MODE_HMM = 1
+    NVML_DEVICE_ADDRESSING_MODE_ATS = 2
 
     def __init__(
         self,
@@ -123,11 +138,13 @@ class FakePynvml:
         driver_version: str | bytes = "550.54.15",
         init_errors: list[BaseException] | None = None,
         init_delay_s: float = 0.0,
+        init_error: type[BaseException] | None = None,
     ) -> None:
         self.gpus = gpus
         self.driver_version = driver_version
         self.init_errors = list(init_errors or [])
         self.init_delay_s = init_delay_s
+        self.init_error = init_error
         self.num_init_calls = 0
         self.memory_calls: list[tuple[str, int | None]] = []
         self.count_error: BaseException | None = None
@@ -149,6 +166,8 @@ class FakePynvml:
         time.sleep(self.init_delay_s)
         if self.init_errors:
             raise self.init_errors.pop(0)
+        if self.init_error is not None:
+            raise self.init_error()
         self._initialised = True
 
     def nvmlSystemGetDriverVersion(self) -> str | bytes:
@@ -176,6 +195,9 @@ class FakePynvml:
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu, version: int | None = None) -> Any:
         self._check()
         self.memory_calls.append((handle.uuid, version))
+        if handle.memory_gate is not None:
+            handle.memory_gate.wait()
+        time.sleep(handle.memory_delay_s)
         if version is None:
             if handle.memory_v1_error is not None:
                 raise handle.memory_v1_error()
@@ -213,3 +235,22 @@ class FakePynvml:
         if handle.processes is None:
             raise NVMLError_NotSupported()
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in handle.processes]
+
+    def nvmlDeviceGetNumGpuCores(self, handle: FakeGpu) -> int:
+        self._check()
+        if handle.num_cores is None:
+            raise NVMLError_NotSupported()
+        return handle.num_cores
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: FakeGpu, clock_type: int) -> int:
+        self._check()
+        assert clock_type == self.NVML_CLOCK_SM
+        if handle.max_sm_clock_mhz is None:
+            raise NVMLError_NotSupported()
+        return handle.max_sm_clock_mhz
+
+    def nvmlDeviceGetAddressingMode(self, handle: FakeGpu) -> int:
+        self._check()
+        if handle.addressing_mode is None:
+            raise NVMLError_NotSupported()
+        return handle.addressing_mode

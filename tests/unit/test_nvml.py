@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -13,22 +14,27 @@ from pathlib import Path
 import pytest
 
 import autobatch.device.nvml as nvml_module
-from autobatch.device import Capacity, MemoryInfo
+from autobatch.device import UNKNOWN_MEMORY, Capacity, MemoryInfo
 from autobatch.device.cuda import CudaDevice, usable_capacity
-from autobatch.device.nvml import Nvml
+from autobatch.device.nvml import REASONS, Nvml
 from autobatch.errors import DeviceUnavailableError
 from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB, MiB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-UNAVAILABLE = (
-    r"NVML is not available: no NVIDIA driver or libnvidia-ml found \(.*\)\. "
-    r"autobatch can still probe the CPU or a simulated device \(--device sim:SIZE\)\."
-)
-MISSING_LIBRARY = {
-    "NVMLError_LibraryNotFound",
-    "NVMLError_DriverNotLoaded",
-    "NVMLError_LibRmVersionMismatch",
-    "NVMLError_Uninitialized",
+UNAVAILABLE = r"NVML is not available: libnvidia-ml.so.1 was not found: run the container with"
+NO_NVML_REASONS = {
+    "NVMLError_LibraryNotFound": "library_missing",
+    "NVMLError_DriverNotLoaded": "driver_not_loaded",
+    "NVMLError_LibRmVersionMismatch": "driver_library_mismatch",
+}
+QUERY_REASONS = {
+    "NVMLError_GpuIsLost": "gpu_lost",
+    "NVMLError_ResetRequired": "gpu_lost",
+    "NVMLError_GpuNotFound": "gpu_lost",
+    "NVMLError_NoPermission": "no_permission",
+    "NVMLError_NotSupported": "not_supported",
+    "NVMLError_FunctionNotFound": "not_supported",
+    "NVMLError_Timeout": "nvml_timeout",
 }
 
 
@@ -99,7 +105,8 @@ def test_memory_falls_back_to_v1_when_the_driver_lacks_v2(v2_error: str) -> None
         total_memory_bytes=80 * GiB,
         free_memory_bytes=80 * GiB - 912 * MiB,  # the same free as v2
         used_memory_bytes=912 * MiB,
-        reserved_memory_bytes=0,
+        reserved_memory_bytes=None,  # not measured: v1's used includes it
+        used_includes_reserved=True,
     )
     assert fake.memory_calls == [("GPU-idle", fake.nvmlMemory_v2), ("GPU-idle", None)]
 
@@ -112,10 +119,10 @@ def no_memory_info() -> dict[str, type[Exception]]:
 def test_memory_not_supported_falls_back_to_torch_for_a_visible_device() -> None:
     gpus = three_gpus()
     gpus[2] = FakeGpu(uuid="GPU-cccc-3333", name="NVIDIA GB10", total=1, free=1, **no_memory_info())
-    asked: list[int] = []
+    asked: list[str] = []
 
-    def torch_mem_get_info(cuda_index: int) -> tuple[int, int] | None:
-        asked.append(cuda_index)
+    def torch_mem_get_info(uuid: str) -> tuple[int, int] | None:
+        asked.append(uuid)
         return 100 * GiB, 119 * GiB  # (free, total), torch's order
 
     nvml = Nvml(
@@ -127,30 +134,72 @@ def test_memory_not_supported_falls_back_to_torch_for_a_visible_device() -> None
 
     assert gpu.uuid == "GPU-cccc-3333"
     assert gpu.memory == MemoryInfo(
-        total_memory_bytes=119 * GiB, free_memory_bytes=100 * GiB, used_memory_bytes=19 * GiB
+        total_memory_bytes=119 * GiB,
+        free_memory_bytes=100 * GiB,
+        used_memory_bytes=19 * GiB,
+        used_includes_reserved=True,
+        memory_source="cuda_runtime",
     )
-    assert asked == [0]  # torch's index under CUDA_VISIBLE_DEVICES, not NVML's 2
+    assert gpu.memory_reason == "not_supported"
+    assert asked == ["GPU-cccc-3333"]  # torch is asked by UUID, never by an index of its own
 
 
-def test_memory_not_supported_never_becomes_a_zero_budget() -> None:
-    gpus = [FakeGpu(uuid="GPU-nomem", name="NVIDIA GB10", total=0, free=0, **no_memory_info())]
-    nvml = Nvml(FakePynvml(gpus), environ={}, torch_mem_get_info=lambda cuda_index: None)
+def test_an_unreadable_gpu_is_listed_with_unknown_memory_and_never_hides_the_others() -> None:
+    # GB10-like board without unified addressing reported, torch cannot see it: unknown.
+    gpus = three_gpus()
+    gpus[1] = FakeGpu(uuid="GPU-bbbb-2222", name="NVIDIA GB10", total=0, free=0, **no_memory_info())
+    nvml = Nvml(FakePynvml(gpus), environ={}, torch_mem_get_info=lambda uuid: None)
 
-    with pytest.raises(
-        DeviceUnavailableError,
-        match=r"NVML could not read the memory of GPU GPU-nomem \(nor can torch\): .*NotSupported",
-    ) as excinfo:
-        nvml.list_gpus()
-    assert isinstance(excinfo.value.__cause__, ERROR_CLASSES["NVMLError_NotSupported"])
+    listed = nvml.list_gpus()
+    assert [g.uuid for g in listed] == ["GPU-aaaa-1111", "GPU-bbbb-2222", "GPU-cccc-3333"]
+    unreadable = listed[1]
+    assert unreadable.memory == UNKNOWN_MEMORY
+    assert unreadable.memory.total_memory_bytes is None  # never a capacity of 0
+    assert (unreadable.memory_reason, unreadable.memory.memory_source) == (
+        "not_supported",
+        "unknown",
+    )
+    assert "NotSupported" in unreadable.memory_detail
+    assert listed[2].memory.total_memory_bytes == 81 * GiB  # the healthy H100 beside it
+    assert nvml.gpu_for_cuda_index(2).memory.free_memory_bytes == 3 * GiB
+
+
+def test_a_total_of_zero_is_unknown_never_a_capacity_of_zero() -> None:
+    gpus = [FakeGpu(uuid="GPU-zero", name="NVIDIA GB10", total=0, free=0)]
+    (gpu,) = Nvml(FakePynvml(gpus), environ={}, torch_mem_get_info=lambda uuid: None).list_gpus()
+    assert gpu.memory.total_memory_bytes is None
+    assert gpu.memory_reason == "zero_total"
+
+
+def test_unified_memory_board_reports_the_hosts_available_memory() -> None:
+    board = FakeGpu(
+        uuid="GPU-gb10", name="NVIDIA GB10", total=0, free=0, addressing_mode=2, **no_memory_info()
+    )
+    nvml = Nvml(
+        FakePynvml([board]),
+        environ={},
+        torch_mem_get_info=lambda uuid: None,
+        host_memory=lambda: (100 * GiB, 119 * GiB),
+    )
+    (gpu,) = nvml.list_gpus()
+    assert gpu.memory == MemoryInfo(
+        total_memory_bytes=119 * GiB,
+        free_memory_bytes=100 * GiB,
+        used_memory_bytes=19 * GiB,
+        used_includes_reserved=True,
+        memory_source="host",
+        unified_memory=True,
+    )
+    assert gpu.memory_reason == "not_supported"
 
 
 def test_memory_not_supported_on_an_invisible_gpu_does_not_ask_torch() -> None:
     gpus = three_gpus()
     gpus[1] = FakeGpu(uuid="GPU-bbbb-2222", name="NVIDIA L4", total=0, free=0, **no_memory_info())
-    asked: list[int] = []
+    asked: list[str] = []
 
-    def torch_mem_get_info(cuda_index: int) -> tuple[int, int] | None:
-        asked.append(cuda_index)
+    def torch_mem_get_info(uuid: str) -> tuple[int, int] | None:
+        asked.append(uuid)
         return 1, 1
 
     nvml = Nvml(
@@ -158,9 +207,24 @@ def test_memory_not_supported_on_an_invisible_gpu_does_not_ask_torch() -> None:
         environ={"CUDA_VISIBLE_DEVICES": "0"},
         torch_mem_get_info=torch_mem_get_info,
     )
-    with pytest.raises(DeviceUnavailableError, match="GPU-bbbb-2222"):
-        nvml.list_gpus()
+    assert nvml.list_gpus()[1].memory.memory_source == "unknown"
     assert asked == []
+
+
+def test_a_lost_gpu_is_listed_with_its_reason_and_read_raises_gpu_lost() -> None:
+    gpus = three_gpus()
+    gpus[0].memory_v2_error = ERROR_CLASSES["NVMLError_GpuIsLost"]
+    nvml = Nvml(FakePynvml(gpus), environ={})
+
+    listed = nvml.list_gpus()
+    assert [(g.uuid, g.memory_reason) for g in listed] == [
+        ("GPU-aaaa-1111", "gpu_lost"),
+        ("GPU-bbbb-2222", ""),
+        ("GPU-cccc-3333", ""),
+    ]
+    with pytest.raises(DeviceUnavailableError, match="GpuIsLost.*drain the node") as excinfo:
+        nvml.gpu_for_cuda_index(0)
+    assert excinfo.value.reason == "gpu_lost"
 
 
 # --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------------
@@ -218,7 +282,7 @@ def test_gpu_for_cuda_index_follows_the_reordering() -> None:
     with pytest.raises(
         DeviceUnavailableError,
         match=r"CUDA device 2 is not visible: this process sees 2 CUDA device\(s\) "
-        r"\(CUDA_VISIBLE_DEVICES='2,0'\)\.",
+        r"\(CUDA_VISIBLE_DEVICES='2,0', NVIDIA_VISIBLE_DEVICES=None\)\.",
     ):
         nvml.gpu_for_cuda_index(2)
 
@@ -240,6 +304,122 @@ def test_gpu_for_uuid_accepts_the_uuid_with_or_without_prefix() -> None:
     assert nvml.gpu_for_uuid("bbbb-2222").name == "NVIDIA L4"  # torch's uuid has no prefix
     with pytest.raises(DeviceUnavailableError, match="no GPU with UUID 'GPU-zzzz'"):
         nvml.gpu_for_uuid("GPU-zzzz")
+
+
+# --- NVIDIA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected", "num_given"),
+    [
+        # What the NVIDIA container runtime gives a pod, in a privileged pod that sees all cards.
+        ({"NVIDIA_VISIBLE_DEVICES": "GPU-bbbb-2222"}, {"GPU-bbbb-2222": 0}, 1),
+        (
+            {"NVIDIA_VISIBLE_DEVICES": "GPU-cccc-3333,GPU-aaaa-1111"},
+            {"GPU-aaaa-1111": 0, "GPU-cccc-3333": 1},
+            2,
+        ),
+        ({"NVIDIA_VISIBLE_DEVICES": "2"}, {"GPU-cccc-3333": 0}, 1),
+        ({"NVIDIA_VISIBLE_DEVICES": "0,2"}, {"GPU-aaaa-1111": 0, "GPU-cccc-3333": 1}, 2),
+        (
+            {"NVIDIA_VISIBLE_DEVICES": "all"},
+            {"GPU-aaaa-1111": 0, "GPU-bbbb-2222": 1, "GPU-cccc-3333": 2},
+            3,
+        ),
+        ({"NVIDIA_VISIBLE_DEVICES": "none"}, {}, 0),
+        ({"NVIDIA_VISIBLE_DEVICES": "void"}, {}, 0),
+        ({"NVIDIA_VISIBLE_DEVICES": ""}, {}, 0),
+        # then CUDA_VISIBLE_DEVICES indexes the given set
+        (
+            {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa-1111,GPU-cccc-3333", "CUDA_VISIBLE_DEVICES": "1"},
+            {"GPU-cccc-3333": 0},
+            2,
+        ),
+        (
+            {"NVIDIA_VISIBLE_DEVICES": "GPU-cccc-3333", "CUDA_VISIBLE_DEVICES": "GPU-bbbb"},
+            {},
+            1,
+        ),
+    ],
+    ids=[
+        "uuid",
+        "uuids",
+        "index",
+        "indices",
+        "all",
+        "none",
+        "void",
+        "empty",
+        "then-cuda",
+        "cuda-outside",
+    ],
+)
+def test_nvidia_visible_devices_is_the_device_set(
+    environ: dict[str, str], expected: dict[str, int], num_given: int
+) -> None:
+    gpus = Nvml(FakePynvml(three_gpus()), environ=environ).list_gpus()
+
+    assert {g.uuid: g.cuda_index for g in gpus if g.cuda_index is not None} == expected
+    assert sum(g.given for g in gpus) == num_given
+    assert len(gpus) == 3  # the others are listed, marked not given
+
+
+def test_privileged_pod_lists_the_cards_it_was_not_given_and_says_so() -> None:
+    nvml = Nvml(FakePynvml(three_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": "GPU-bbbb-2222"})
+    devices, resolved = nvml.visible()
+
+    assert [(d.uuid, d.given) for d in devices] == [
+        ("GPU-aaaa-1111", False),
+        ("GPU-bbbb-2222", True),
+        ("GPU-cccc-3333", False),
+    ]
+    assert "NVML sees 2 GPU(s) this container was not given" in resolved.note
+    assert nvml.gpu_for_cuda_index(0).name == "NVIDIA L4"  # never another pod's card
+
+
+def test_index_list_in_a_plain_container_means_the_cards_nvml_renumbered() -> None:
+    # The runtime exposed host GPU 5 only; NVML inside calls it 0.
+    gpus = Nvml(FakePynvml(three_gpus()[:1]), environ={"NVIDIA_VISIBLE_DEVICES": "5"}).list_gpus()
+    assert [(g.uuid, g.cuda_index, g.given) for g in gpus] == [("GPU-aaaa-1111", 0, True)]
+
+
+def mixed_node() -> list[FakeGpu]:
+    """PCI order: a slow L4 first, then a fast H100."""
+    return [
+        FakeGpu(
+            uuid="GPU-l4",
+            name="NVIDIA L4",
+            total=24 * GiB,
+            free=24 * GiB,
+            num_cores=7424,
+            max_sm_clock_mhz=2040,
+        ),
+        FakeGpu(
+            uuid="GPU-h100",
+            name="NVIDIA H100 80GB HBM3",
+            total=80 * GiB,
+            free=80 * GiB,
+            num_cores=16896,
+            max_sm_clock_mhz=1980,
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("environ", "cuda_0"),
+    [
+        ({}, "GPU-h100"),  # CUDA's default, FASTEST_FIRST
+        ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, "GPU-h100"),
+        ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, "GPU-l4"),
+        ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}, "GPU-h100"),
+        ({"CUDA_VISIBLE_DEVICES": "1"}, "GPU-l4"),
+    ],
+)
+def test_cuda_device_order_is_honoured(environ: dict[str, str], cuda_0: str) -> None:
+    nvml = Nvml(FakePynvml(mixed_node()), environ=environ)
+    assert nvml.gpu_for_cuda_index(0).uuid == cuda_0
+    if "PCI_BUS_ID" not in environ.values():
+        assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in nvml.visible()[1].note
 
 
 # --- MIG ------------------------------------------------------------------------------------
@@ -288,6 +468,7 @@ def test_mig_instances_are_listed_with_their_own_memory() -> None:
     assert by_uuid["MIG-aaaa"].memory.total_memory_bytes == 40 * GiB - 512 * MiB
     assert by_uuid["MIG-bbbb"].memory.free_memory_bytes == 9 * GiB
     assert by_uuid["MIG-bbbb"].name == "NVIDIA A100-SXM4-80GB MIG 1g.10gb"
+    assert [g.mig_profile for g in gpus] == ["", "3g.40gb", "1g.10gb", "", ""]
     # CUDA sees one MIG instance in place of its GPU, not the GPU in MIG mode itself.
     assert cuda_indices(gpus) == {
         "GPU-mig0": None,
@@ -316,6 +497,24 @@ def test_mig_instances_selected_by_uuid(visible: str, expected_cuda_0: str) -> N
     assert num_visible == (2 if visible == "GPU-plain,MIG-aaaa" else 1)  # one MIG per process
 
 
+def test_mig_parent_without_permission_breaks_nothing() -> None:
+    machine = mig_machine()
+    no_permission = ERROR_CLASSES["NVMLError_NoPermission"]
+    machine[0].memory_v2_error = no_permission  # the parent, as in a MIG container
+    machine[0].memory_v1_error = no_permission
+    nvml = Nvml(FakePynvml(machine), environ={"NVIDIA_VISIBLE_DEVICES": "MIG-aaaa"})
+
+    gpus = nvml.list_gpus()
+    by_uuid = {g.uuid: g for g in gpus}
+    assert by_uuid["GPU-mig0"].memory_reason == "no_permission"
+    assert by_uuid["GPU-mig0"].memory.total_memory_bytes is None
+    instance = nvml.gpu_for_cuda_index(0)
+    assert (instance.uuid, instance.mig_profile) == ("MIG-aaaa", "3g.40gb")
+    assert instance.memory.total_memory_bytes == 40 * GiB - 512 * MiB
+    assert nvml.gpu_for_uuid("MIG-aaaa").memory.free_memory_bytes == 39 * GiB
+    assert [g.uuid for g in gpus if g.given] == ["MIG-aaaa"]
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 
@@ -327,18 +526,43 @@ def test_fake_has_exactly_the_real_modules_error_classes() -> None:
 
 
 @pytest.mark.parametrize("error_name", sorted(ERROR_CLASSES))
-def test_every_nvml_error_becomes_device_unavailable(error_name: str) -> None:
+def test_every_nvml_error_becomes_device_unavailable_with_a_stable_reason(error_name: str) -> None:
     fake = FakePynvml(three_gpus())
     fake.count_error = ERROR_CLASSES[error_name]()
+    reason = NO_NVML_REASONS.get(error_name) or QUERY_REASONS.get(error_name, "nvml_error")
     message = (
-        UNAVAILABLE
-        if error_name in MISSING_LIBRARY
-        else rf"NVML could not list GPUs: .*\({error_name}\)\."
-    )
+        r"NVML is not available: "
+        if error_name in NO_NVML_REASONS
+        else rf"NVML could not list GPUs: .*\({error_name}\); "
+    ) + re.escape(REASONS[reason])
 
     with pytest.raises(DeviceUnavailableError, match=message) as excinfo:
         Nvml(fake, environ={}).list_gpus()
     assert excinfo.value.__cause__ is fake.count_error
+    assert excinfo.value.reason == reason
+
+
+def test_rm_version_mismatch_is_not_reported_as_a_missing_driver() -> None:
+    fake = FakePynvml([], init_errors=[ERROR_CLASSES["NVMLError_LibRmVersionMismatch"]()])
+    with pytest.raises(DeviceUnavailableError, match="reload the nvidia kernel modules or reboot"):
+        Nvml(fake).driver_version()
+
+
+def test_the_cuda_toolkit_stub_library_is_named_as_such() -> None:
+    stub = "/usr/local/cuda-12.4/targets/x86_64-linux/lib/stubs/libnvidia-ml.so"
+    fake = FakePynvml([], init_errors=[ERROR_CLASSES["NVMLError_Unknown"]()])
+    nvml = Nvml(fake, loaded_libraries=lambda: ["/usr/lib/libc.so.6", stub])
+
+    with pytest.raises(DeviceUnavailableError, match="stubs directory from LD_LIBRARY_PATH") as e:
+        nvml.driver_version()
+    assert e.value.reason == "cuda_stub_library"
+    assert stub in str(e.value)
+
+
+def test_device_unavailable_keeps_its_reason_across_pickling() -> None:
+    error = DeviceUnavailableError("lost", reason="gpu_lost")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (str(copy), copy.reason) == ("lost", "gpu_lost")
 
 
 @pytest.mark.parametrize(
@@ -356,8 +580,9 @@ def test_nvml_errors_at_init_become_device_unavailable(error_name: str) -> None:
 def test_library_mismatch_becomes_device_unavailable() -> None:
     fake = FakePynvml(three_gpus())
     fake.count_error = fake.NVMLLibraryMismatchError("Unversioned function called")
-    with pytest.raises(DeviceUnavailableError, match="Unversioned function called"):
+    with pytest.raises(DeviceUnavailableError, match="Unversioned function called") as excinfo:
         Nvml(fake, environ={}).list_gpus()
+    assert excinfo.value.reason == "bindings_mismatch"
 
 
 @pytest.mark.parametrize("error", [TypeError("a bug"), KeyError("a bug"), RuntimeError("a bug")])
@@ -370,24 +595,25 @@ def test_unrelated_exceptions_propagate(error: Exception) -> None:
 
 
 @pytest.mark.parametrize(
-    "error",
+    ("error", "reason"),
     [
-        ImportError("No module named 'pynvml'"),
-        OSError("libnvidia-ml.so.1: cannot open shared object file"),
+        (ImportError("No module named 'pynvml'"), "pynvml_missing"),
+        (OSError("libnvidia-ml.so.1: cannot open shared object file"), "library_missing"),
     ],
 )
 def test_missing_library_gives_the_plain_message(
-    monkeypatch: pytest.MonkeyPatch, error: Exception
+    monkeypatch: pytest.MonkeyPatch, error: Exception, reason: str
 ) -> None:
     def import_pynvml() -> object:
         raise error
 
     monkeypatch.setattr(nvml_module, "_import_pynvml", import_pynvml)
 
-    with pytest.raises(DeviceUnavailableError, match=UNAVAILABLE) as excinfo:
+    with pytest.raises(DeviceUnavailableError, match=re.escape(REASONS[reason])) as excinfo:
         Nvml().list_gpus()
     assert str(error) in str(excinfo.value)
     assert excinfo.value.__cause__ is error
+    assert excinfo.value.reason == reason
 
 
 @pytest.mark.skipif(
@@ -475,40 +701,18 @@ def test_failed_init_is_retried_on_the_next_query() -> None:
     fake = FakePynvml(three_gpus(), init_errors=[ERROR_CLASSES["NVMLError_DriverNotLoaded"]()])
     nvml = Nvml(fake, environ={})
 
-    with pytest.raises(DeviceUnavailableError, match=UNAVAILABLE):
+    with pytest.raises(DeviceUnavailableError, match="kernel driver is not loaded"):
         nvml.list_gpus()
     assert len(nvml.list_gpus()) == 3
     assert fake.num_init_calls == 2
 
 
-# --- driver version and other processes -----------------------------------------------------
+# --- driver version --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("reported", ["550.54.15", b"550.54.15"])
 def test_driver_version(reported: str | bytes) -> None:
     assert Nvml(FakePynvml([], driver_version=reported)).driver_version() == "550.54.15"
-
-
-def test_foreign_process_memory_excludes_this_process() -> None:
-    gpus = three_gpus()
-    gpus[0].processes = [(1234, 2 * GiB), (5678, 30 * GiB), (91011, 512 * MiB)]
-    nvml = Nvml(FakePynvml(gpus), environ={}, pid=1234)
-
-    assert nvml.foreign_process_memory_bytes("GPU-aaaa-1111") == 30 * GiB + 512 * MiB
-    assert nvml.foreign_process_memory_bytes("aaaa-1111") == 30 * GiB + 512 * MiB
-    assert nvml.foreign_process_memory_bytes("GPU-bbbb-2222") == 0
-
-
-def test_foreign_process_memory_unknown() -> None:
-    gpus = three_gpus()
-    gpus[0].processes = None  # NotSupported
-    gpus[1].processes = [(5678, None)]  # per-process memory not available (WDDM)
-    nvml = Nvml(FakePynvml(gpus), environ={}, pid=1234)
-
-    assert nvml.foreign_process_memory_bytes("GPU-aaaa-1111") is None
-    assert nvml.foreign_process_memory_bytes("GPU-bbbb-2222") is None
-    with pytest.raises(DeviceUnavailableError, match="no GPU with UUID 'GPU-zzzz'"):
-        nvml.foreign_process_memory_bytes("GPU-zzzz")
 
 
 # --- CUDA capacity arithmetic (autobatch.device.cuda) ---------------------------------------
