@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from autobatch.errors import AutobatchError, ConfigError
+from autobatch.errors import AutobatchError, ConfigError, Remedy
 from autobatch.units import format_bytes, parse_bytes
 
 __all__ = ["build_parser", "main"]
@@ -174,11 +174,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except AutobatchError as exc:
-        print(f"autobatch: error: {exc}", file=sys.stderr)
+        print(f"autobatch: error: {exc.describe(_flag_wording)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
+
+
+_AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def _flag_wording(remedy: Remedy) -> str:
+    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``.
+
+    The one place the CLI words remedies (the library names them by Python argument).
+    """
+    if not remedy.parameter:
+        return remedy.purpose
+    flag = "--" + {"amp_dtype": "amp"}.get(remedy.parameter, remedy.parameter).replace("_", "-")
+    if remedy.values == (True,):
+        phrase = flag  # a switch
+    else:
+        values = (_AMP_FLAG_VALUES.get(str(v), str(v)) for v in remedy.values)
+        phrase = f"{flag} {' or '.join(values)}"
+    return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
 
 
 def _stdout_closed() -> int:
@@ -354,7 +373,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
             {
                 "world_size": o.world_size,
                 "plan": None if o.plan is None else o.plan.to_dict(),
-                "reason": o.reason,
+                "reason": o.describe(_flag_wording),
             }
             for o in options
         ]
@@ -363,7 +382,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
     for option in options:
         if option.plan is None:
-            print(f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {option.reason}", file=out)
+            print(
+                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {option.describe(_flag_wording)}",
+                file=out,
+            )
             continue
         p = option.plan
         seconds = p.predicted_seconds_per_effective_batch
@@ -457,22 +479,22 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
         return 0
 
 
+_SERVICE_EXTRA = "pip install -e '.[service]' in the autobatch checkout"
+"""From the checkout: the name ``autobatch`` on PyPI is another project's."""
+
+
 def _serve(args: argparse.Namespace, out: TextIO) -> int:
     try:
         from service.__main__ import main as serve_main
     except ImportError as exc:
-        raise ConfigError(
-            f"the service needs its extras: pip install 'autobatch[service]' ({exc})"
-        ) from exc
+        raise ConfigError(f"the service needs its extras: {_SERVICE_EXTRA} ({exc})") from exc
     forwarded = list(args.args)
     if args.store and "--store-path" not in forwarded:
         forwarded += ["--store-path", args.store]
     try:
         return int(serve_main(forwarded))
     except ImportError as exc:  # fastapi/uvicorn are imported when the server starts
-        raise ConfigError(
-            f"the service needs its extras: pip install 'autobatch[service]' ({exc})"
-        ) from exc
+        raise ConfigError(f"the service needs its extras: {_SERVICE_EXTRA} ({exc})") from exc
 
 
 def _input(shapes: Any) -> str:

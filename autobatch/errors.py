@@ -15,17 +15,26 @@ Every error autobatch raises on purpose derives from :class:`AutobatchError`::
 Foreign exceptions (``pynvml.NVMLError_*``, ``torch.OutOfMemoryError``) are translated at the device
 boundary only (``autobatch.device``), with ``raise ... from exc``.
 
+An error that a changed argument would get past carries that change as structured
+:class:`Remedy` values (``exc.remedies``) rather than in its text, so that each surface names it
+in its own terms, in one place per surface: ``str(exc)`` words it for Python
+(``allow_inexact=True``), the CLI as a flag (``--allow-inexact``), the service as a JSON field
+(``"allow_inexact": true``), each through :meth:`AutobatchError.describe`.
+
 Example::
 
     try:
         profile = autobatch.probe(model, sample, device="sim:2GiB")
     except autobatch.DoesNotFitError as exc:
         print(exc.required_bytes, exc.capacity_bytes)
+    except autobatch.ConfigError as exc:
+        print(exc.reason, [remedy.parameter for remedy in exc.remedies])
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -35,14 +44,86 @@ __all__ = [
     "DistributedError",
     "DoesNotFitError",
     "NoFeasiblePlanError",
+    "Remedy",
     "ServiceError",
     "StepFailedError",
     "StoreError",
+    "python_wording",
+    "with_remedies",
 ]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Remedy:
+    """One way past an error, named by the library's argument; each surface words it.
+
+    Example: ``Remedy(parameter="allow_inexact", values=(True,), purpose="plan the nearest")``
+    reads ``allow_inexact=True (plan the nearest)`` in Python and ``--allow-inexact (plan the
+    nearest)`` on the command line.
+    """
+
+    parameter: str = ""
+    """The library argument to change (``"allow_inexact"``, ``"amp_dtype"``,
+    ``"effective_batch_size"``); empty for a remedy no argument expresses (a larger device)."""
+    values: tuple[object, ...] = ()
+    """Values to give it, in the library's terms: ``(True,)``, ``(96, 100)``; a dtype by its
+    torch name, ``("bfloat16",)``."""
+    purpose: str = ""
+    """What it does, in plain words (``"reduced precision"``); for a remedy without
+    ``parameter``, the whole remedy (``"a larger device"``)."""
+
+    def __post_init__(self) -> None:
+        if not (self.parameter and self.values) and not (self.purpose and not self.values):
+            raise ValueError(f"{self!r} needs a parameter and values, or a purpose alone")
+
+
+def python_wording(remedy: Remedy) -> str:
+    """A remedy in Python's terms, as ``str(exc)`` shows it: ``amp_dtype=torch.bfloat16``."""
+    if not remedy.parameter:
+        return remedy.purpose
+    shown = (f"torch.{v}" if remedy.parameter == "amp_dtype" else repr(v) for v in remedy.values)
+    phrase = f"{remedy.parameter}={' or '.join(shown)}"
+    return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
+
+
+def with_remedies(reason: str, remedies: Sequence[Remedy], word: Callable[[Remedy], str]) -> str:
+    """``reason``, then ``"; use A, B, or C"`` with each remedy worded by ``word``."""
+    phrases = [word(remedy) for remedy in remedies]
+    if not phrases:
+        return reason
+    if len(phrases) > 1:
+        phrases = [", ".join(phrases[:-1]), phrases[-1]]
+    return f"{reason}; use {', or '.join(phrases)}"
+
+
 class AutobatchError(Exception):
-    """Root of every error autobatch raises on purpose."""
+    """Root of every error autobatch raises on purpose.
+
+    Args:
+        message: what went wrong, with the numbers; the fix too, unless it is in ``remedies``.
+        remedies: changed arguments that get past the error, for each surface to word.
+    """
+
+    def __init__(self, message: str, *, remedies: Sequence[Remedy] = ()) -> None:
+        super().__init__(message)
+        self.remedies: tuple[Remedy, ...] = tuple(remedies)
+        """Ways past the error, named by library argument; see :meth:`describe`."""
+
+    @property
+    def reason(self) -> str:
+        """The message without the remedies."""
+        return str(self.args[0]) if self.args else ""
+
+    def describe(self, word: Callable[[Remedy], str]) -> str:
+        """The message with each remedy worded by ``word``, one surface's wording.
+
+        Args:
+            word: e.g. :func:`python_wording`; the CLI's names flags, the service's JSON fields.
+        """
+        return with_remedies(self.reason, self.remedies, word)
+
+    def __str__(self) -> str:
+        return self.describe(python_wording)
 
 
 class ConfigError(AutobatchError, ValueError):
@@ -88,8 +169,9 @@ class DoesNotFitError(AutobatchError):
         capacity_bytes: int,
         required_bytes: int,
         static_bytes: int,
+        remedies: Sequence[Remedy] = (),
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, remedies=remedies)
         self.device_name = device_name
         self.capacity_bytes = capacity_bytes
         self.required_bytes = required_bytes

@@ -373,7 +373,7 @@ def run_estimate(
     amp_dtype: torch.dtype | None,
 ) -> Profile:
     """The estimate as a Profile (shared by :func:`estimate` and the probe)."""
-    from autobatch.errors import DoesNotFitError
+    from autobatch.errors import DoesNotFitError, Remedy
     from autobatch.units import format_bytes
 
     started = time.perf_counter()
@@ -386,8 +386,12 @@ def run_estimate(
         need = points[0].peak_bytes
         raise DoesNotFitError(
             f"the training step needs about {format_bytes(need)} at micro-batch 1 but the "
-            f"capacity is {format_bytes(capacity_bytes)}; use a larger device, reduced precision "
-            "(amp_dtype), or a smaller model",
+            f"capacity is {format_bytes(capacity_bytes)}",
+            remedies=(
+                Remedy(purpose="a larger device"),
+                Remedy(parameter="amp_dtype", values=("bfloat16",), purpose="reduced precision"),
+                Remedy(purpose="a smaller model"),
+            ),
             device_name=device_name,
             capacity_bytes=capacity_bytes,
             required_bytes=need,

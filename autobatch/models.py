@@ -56,7 +56,8 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:
         raise ConfigError(
-            "built-in models need transformers: pip install 'autobatch[models]'"
+            "built-in models need transformers: pip install -e '.[models]' in the autobatch "
+            "checkout (the name autobatch on PyPI is another project's)"
         ) from exc
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     return transformers

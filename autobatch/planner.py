@@ -37,7 +37,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.errors import (
+    ConfigError,
+    NoFeasiblePlanError,
+    Remedy,
+    python_wording,
+    with_remedies,
+)
 from autobatch.extrapolation import Prediction
 from autobatch.limits import (
     DEFAULT_SAFETY_MARGIN,
@@ -199,18 +205,25 @@ class WorldSizeOption:
     plan: Plan | None
     """The plan at this world size; None when infeasible."""
     reason: str = ""
-    """Why no plan exists at this world size (the error message); empty when ``plan`` is set."""
+    """Why no plan exists at this world size; empty when ``plan`` is set. The fix is in
+    ``remedies``; :meth:`describe` gives both."""
+    remedies: tuple[Remedy, ...] = ()
+    """Ways past it, named by library argument (see :class:`~autobatch.errors.Remedy`)."""
 
     def __post_init__(self) -> None:
         if (self.plan is None) == (not self.reason):
             raise ConfigError("a WorldSizeOption has either a plan or a reason, not both/neither")
 
+    def describe(self, word: Callable[[Remedy], str] = python_wording) -> str:
+        """The reason and its remedies, worded by ``word`` (default: in Python's terms)."""
+        return with_remedies(self.reason, self.remedies, word)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
+        """A JSON-ready dict; ``reason`` is :meth:`describe`'s."""
         return {
             "world_size": self.world_size,
             "plan": None if self.plan is None else self.plan.to_dict(),
-            "reason": self.reason,
+            "reason": self.describe(),
         }
 
 
@@ -238,12 +251,16 @@ class _Rules:
     def unequal_allowed(self) -> bool:
         return self.multiple_of == 1 and self.uneven != "never"
 
-    def describe(self) -> str:
+    def describe(self, per_rank: int) -> str:
         text = f"micro-batches of at most {self.max_micro_batch_size}"
         if self.multiple_of > 1:
             text += f" that are multiples of {self.multiple_of}"
-        if self.max_steps is not None:
-            text += f", at most {self.max_steps} accumulation steps"
+        steps = self.max_steps
+        # The user's limit is always named; the internal cap only where it binds.
+        if steps is not None and (
+            steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > self.max_micro_batch_size * steps
+        ):
+            text += f", at most {steps} accumulation steps"
         if not self.unequal_allowed:
             text += ", equal sizes"
         return text
@@ -384,7 +401,11 @@ def plan_world_sizes(
         try:
             result = _plan(resolved, options, effective_batch_size, world_size)
         except (ConfigError, NoFeasiblePlanError) as exc:
-            rows.append(WorldSizeOption(world_size=world_size, plan=None, reason=str(exc)))
+            rows.append(
+                WorldSizeOption(
+                    world_size=world_size, plan=None, reason=exc.reason, remedies=exc.remedies
+                )
+            )
         else:
             rows.append(WorldSizeOption(world_size=world_size, plan=result))
     return rows
@@ -528,10 +549,6 @@ def _nearest(effective: int, world_size: int, rules: _Rules) -> tuple[int | None
     )
 
 
-def _name_nearest(below: int | None, above: int | None) -> str:
-    return " or ".join(str(v) for v in (below, above) if v is not None) or "none"
-
-
 def _plan(limit: Limit, options: _Options, effective: int, world_size: int) -> Plan:
     require_int("world_size", world_size, 1)
     rules = _Rules(
@@ -558,27 +575,29 @@ def _plan(limit: Limit, options: _Options, effective: int, world_size: int) -> P
         chosen = _choose_steps(effective // world_size, rules, limit.step_time)
     if chosen is None:
         below, above = _nearest(effective, world_size, rules)
-        if not rules.allow_inexact and effective % world_size:
-            raise ConfigError(
-                f"effective_batch_size {effective} is not a multiple of world_size {world_size}; "
-                f"use {_name_nearest(below, above)} (or pass allow_inexact=True)"
+        nearest = tuple(v for v in (below, above) if v is not None)
+        inexact = Remedy(parameter="allow_inexact", values=(True,), purpose="plan the nearest")
+        if effective % world_size:
+            cause = f"effective_batch_size {effective} is not a multiple of world_size {world_size}"
+        else:
+            cause = (
+                f"no plan reaches effective_batch_size {effective} on world_size {world_size} "
+                f"with {rules.describe(effective // world_size)}"
             )
+        if not rules.allow_inexact and effective % world_size:
+            use = [Remedy(parameter="effective_batch_size", values=nearest)] if nearest else []
+            raise ConfigError(cause, remedies=[*use, inexact])
         if not rules.allow_inexact:
             raise NoFeasiblePlanError(
-                f"no plan reaches effective_batch_size {effective} on world_size {world_size} "
-                f"with {rules.describe()}; nearest reachable effective_batch_size: "
+                f"{cause}; nearest reachable effective_batch_size: "
                 f"{below if below is not None else 'none'} below, "
-                f"{above if above is not None else 'none'} above; pass allow_inexact=True to plan "
-                "the nearest, or relax the constraints"
+                f"{above if above is not None else 'none'} above",
+                remedies=(inexact, Remedy(purpose="looser constraints")),
             )
-        candidates = [v for v in (below, above) if v is not None]
-        target = min(candidates, key=lambda v: abs(v - effective))
+        target = min(nearest, key=lambda v: abs(v - effective))
         chosen = _choose_steps(target // world_size, rules, limit.step_time)
         assert chosen is not None, "a reachable effective batch size must have a plan"
-        notes.append(
-            f"effective_batch_size {effective} is not reachable with {rules.describe()}; "
-            f"planned the nearest, {target} (allow_inexact=True)"
-        )
+        notes.append(f"{cause}; planned the nearest, {target}")
     steps, note = chosen
     if note:
         notes.append(note)

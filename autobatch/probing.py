@@ -45,7 +45,13 @@ from autobatch.compiled import (
 )
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
-from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, StepFailedError
+from autobatch.errors import (
+    ConfigError,
+    DistributedError,
+    DoesNotFitError,
+    Remedy,
+    StepFailedError,
+)
 from autobatch.estimator import (
     DEFAULT_LIMIT,
     EstimateUnavailableError,
@@ -565,9 +571,13 @@ class _Probe:
             f"capacity {format_bytes(capacity.capacity_bytes)} "
             f"(total {format_bytes(capacity.total_memory_bytes)}, "
             f"{format_bytes(capacity.foreign_memory_bytes)} used by others); the model's static "
-            f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}. "
-            "Use a larger device, reduced precision (amp_dtype=torch.bfloat16), a lighter "
-            "optimizer, or a smaller model.",
+            f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}",
+            remedies=(
+                Remedy(purpose="a larger device"),
+                Remedy(parameter="amp_dtype", values=("bfloat16",), purpose="reduced precision"),
+                Remedy(purpose="a lighter optimizer"),
+                Remedy(purpose="a smaller model"),
+            ),
             device_name=self.device.name,
             capacity_bytes=capacity.capacity_bytes,
             required_bytes=static,

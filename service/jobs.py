@@ -38,6 +38,7 @@ from autobatch.errors import ConfigError
 from autobatch.profile import Profile
 from autobatch.store import ProfileStore
 from service.registry import ModelEntry, Registry, cuda_index
+from service.wording import describe
 
 __all__ = [
     "Job",
@@ -381,7 +382,8 @@ def _child_main(entry_data: dict[str, Any], device: str, messages: Any) -> None:
     try:
         messages.put(("profile", _probe(ModelEntry.model_validate(entry_data), device, messages)))
     except Exception as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        text = describe(exc)  # remedies as the service words them
+        first_line = text.splitlines()[0] if text else ""
         messages.put(("error", f"{type(exc).__name__}: {first_line}"))
     messages.close()
     messages.join_thread()

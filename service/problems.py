@@ -42,6 +42,7 @@ from autobatch.errors import (
 )
 from autobatch.store import ProfileNotFoundError
 from service.jobs import QueueFullError, UnknownJobError, UnknownModelError
+from service.wording import describe
 
 __all__ = [
     "PROBLEM_MEDIA_TYPE",
@@ -237,7 +238,7 @@ async def _on_library(request: Request, exc: Exception) -> JSONResponse:
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         detail = "internal error; see the server log"
     else:
-        detail = str(exc)
+        detail = describe(exc)  # remedies as the request's JSON fields
     errors = [("body", detail)] if status in (400, 422) else []
     headers = {"Retry-After": "5"} if slug in _DEVICE_REASON_SLUGS else None
     return problem_response(

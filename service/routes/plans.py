@@ -38,6 +38,7 @@ from service.schemas import (
     PlanPublic,
     ResolvedDevice,
 )
+from service.wording import field_wording
 
 router = APIRouter(
     prefix="/v1/plan",
@@ -97,7 +98,7 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
             {
                 "world_size": row.world_size,
                 "plan": None if row.plan is None else row.plan.to_dict(),
-                "reason": row.reason,
+                "reason": row.describe(field_wording),
             }
             for row in rows
         ]

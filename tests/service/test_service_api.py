@@ -220,7 +220,10 @@ def test_plan_world_sizes_table(client: TestClient) -> None:
         for r in rows
         if r["plan"]
     ] == [(24, 4), (24, 2), (12, 1)]
-    assert rows[2]["plan"] is None and "not a multiple of world_size 5" in rows[2]["reason"]
+    assert rows[2]["plan"] is None and rows[2]["reason"] == (
+        'effective_batch_size 96 is not a multiple of world_size 5; use "effective_batch_size": '
+        '95 or 100, or "allow_inexact": true (plan the nearest)'
+    )
 
 
 def test_plan_uneven_has_no_framework_configs(client: TestClient) -> None:
@@ -415,7 +418,10 @@ def test_plan_library_errors_are_422(client: TestClient) -> None:
         "/v1/plan", json={"max_micro_batch_size": 8, "effective_batch_size": 10, "world_size": 4}
     )
     body = problem(response, 422, "invalid-config")
-    assert "not a multiple of world_size 4; use 8 or 12" in body["detail"]
+    assert (  # the remedies as the request's fields, not Python's arguments
+        'not a multiple of world_size 4; use "effective_batch_size": 8 or 12, or '
+        '"allow_inexact": true (plan the nearest)' in body["detail"]
+    )
     response = client.post(
         "/v1/plan",
         json={

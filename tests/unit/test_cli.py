@@ -117,6 +117,21 @@ def test_plan_world_size_table_and_json(capsys: pytest.CaptureFixture[str]) -> N
     assert rows[2]["plan"] is None and "multiple" in rows[2]["reason"]
 
 
+def test_inexact_plan_names_the_real_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys,
+        *["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "97"],
+        *["--world-size", "4", "--allow-inexact"],
+    )
+    assert code == 0
+    assert "effective_batch_size         96" in out
+    assert (
+        "note: effective_batch_size 97 is not a multiple of world_size 4; planned the nearest, 96"
+        in out
+    )
+    assert "accumulation steps" not in out  # not the internal cap on steps
+
+
 def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
         capsys,
@@ -151,7 +166,17 @@ def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
                 "--world-size",
                 "3",
             ],
-            "use 99 or 102",
+            "use --effective-batch-size 99 or 102, or --allow-inexact (plan the nearest)",
+        ),
+        (
+            ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "97"]
+            + ["--world-size", "4"],
+            "effective_batch_size 97 is not a multiple of world_size 4; use "
+            "--effective-batch-size 96 or 100, or --allow-inexact (plan the nearest)",
+        ),
+        (
+            ["estimate", "gpt2-tiny", "--seq-len", "32", "--capacity", "1KiB"],
+            "use a larger device, --amp bf16 (reduced precision), or a smaller model",
         ),
         (
             ["plan", "--max-micro-batch-size", "0", "--effective-batch-size", "8"],
@@ -170,6 +195,34 @@ def test_bad_input_exits_non_zero_with_one_clear_line(
     assert code != 0
     assert message in err
     assert "Traceback" not in err
+    assert "allow_inexact" not in err and "amp_dtype" not in err  # flags, not Python arguments
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing", "hint"),
+    [
+        (["serve"], "service.__main__", "pip install -e '.[service]' in the autobatch checkout"),
+        (
+            ["estimate", "gpt2-tiny", "--capacity", "1GiB"],
+            "transformers",
+            "pip install -e '.[models]' in the autobatch checkout",
+        ),
+    ],
+)
+def test_missing_extras_name_the_install_from_the_checkout(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    missing: str,
+    hint: str,
+) -> None:
+    # The name autobatch on PyPI is another project: `pip install 'autobatch[service]'` would
+    # install that one.
+    monkeypatch.setitem(sys.modules, missing, None)  # the import raises ImportError
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    assert hint in err
+    assert "autobatch[" not in err
 
 
 def test_devices_without_nvml_says_so_in_one_line() -> None:

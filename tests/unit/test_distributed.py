@@ -172,7 +172,7 @@ def test_a_busier_card_lowers_the_plan_of_every_rank_and_only_rank_0_stores(
     assert cached[0]["plan"] == cached[1]["plan"]
     assert cached[0]["sizes"] == cached[1]["sizes"] == []  # no step ran
     assert [o["error"] for o in odd] == ["ConfigError", "ConfigError"]
-    assert "use 96 or 98" in odd[0]["message"]
+    assert "use effective_batch_size=96 or 98" in odd[0]["message"]
     assert stored_rows(tmp / "busy" / "rank0.sqlite3") == 1
     assert not (tmp / "busy" / "rank1.sqlite3").exists()
     with ProfileStore(tmp / "busy" / "rank0.sqlite3") as store:

@@ -119,7 +119,8 @@ def test_huge_effective_batch_is_fast() -> None:
         (
             {"effective_batch_size": 100, "world_size": 3},
             ConfigError,
-            "effective_batch_size 100 is not a multiple of world_size 3; use 99 or 102",
+            "effective_batch_size 100 is not a multiple of world_size 3; use "
+            "effective_batch_size=99 or 102, or allow_inexact=True (plan the nearest)",
         ),
         (
             {"effective_batch_size": 2, "world_size": 4},
@@ -174,7 +175,7 @@ def test_huge_effective_batch_is_fast() -> None:
         (
             {"effective_batch_size": 100, "world_size": 3, "multiple_of": 8},
             ConfigError,
-            "not a multiple of world_size 3; use 96 or 120",  # per rank 32 or 40
+            "not a multiple of world_size 3; use effective_batch_size=96 or 120",  # per rank 32, 40
         ),
     ],
 )
@@ -495,7 +496,8 @@ def test_plan_world_sizes_table() -> None:
     assert [row.world_size for row in rows] == [1, 2, 3, 5, 8, 128]
     sizes = [None if row.plan is None else row.plan.micro_batch_sizes for row in rows]
     assert sizes == [(24,) * 4, (24, 24), (16, 16), None, (12,), None]
-    assert "not a multiple of world_size 5; use 95 or 100" in rows[3].reason
+    assert rows[3].reason == "effective_batch_size 96 is not a multiple of world_size 5"
+    assert "; use effective_batch_size=95 or 100, or allow_inexact=True" in rows[3].describe()
     assert "less than world_size 128" in rows[5].reason
     assert rows[0].reason == ""
     for row in rows:
@@ -505,7 +507,7 @@ def test_plan_world_sizes_table() -> None:
     assert json.loads(json.dumps(rows[3].to_dict())) == {
         "world_size": 5,
         "plan": None,
-        "reason": rows[3].reason,
+        "reason": rows[3].describe(),  # with its remedies, in Python's terms
     }
 
 
@@ -616,8 +618,9 @@ def test_plan_matches_brute_force_reference(
             assert f"{below if below is not None else 'none'} below" in message
             assert f"{above if above is not None else 'none'} above" in message
         else:
-            named = " or ".join(str(v) for v in (below, above) if v is not None)
-            assert f"use {named} (" in message
+            nearest = tuple(v for v in (below, above) if v is not None)
+            named = [r.values for r in exc.remedies if r.parameter == "effective_batch_size"]
+            assert named == ([nearest] if nearest else [])
         return
     assert reference_reachable(effective, world_size, *args)
     expected = reference_steps(effective // world_size, *args)
