@@ -28,7 +28,7 @@ Example::
     except autobatch.DoesNotFitError as exc:
         print(exc.required_bytes, exc.capacity_bytes)
     except autobatch.ConfigError as exc:
-        print(exc.reason, [remedy.parameter for remedy in exc.remedies])
+        print(exc.message, [remedy.parameter for remedy in exc.remedies])
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class AutobatchError(Exception):
         """Ways past the error, named by library argument; see :meth:`describe`."""
 
     @property
-    def reason(self) -> str:
+    def message(self) -> str:
         """The message without the remedies."""
         return str(self.args[0]) if self.args else ""
 
@@ -120,7 +120,7 @@ class AutobatchError(Exception):
         Args:
             word: e.g. :func:`python_wording`; the CLI's names flags, the service's JSON fields.
         """
-        return with_remedies(self.reason, self.remedies, word)
+        return with_remedies(self.message, self.remedies, word)
 
     def __str__(self) -> str:
         return self.describe(python_wording)

@@ -403,7 +403,7 @@ def plan_world_sizes(
         except (ConfigError, NoFeasiblePlanError) as exc:
             rows.append(
                 WorldSizeOption(
-                    world_size=world_size, plan=None, reason=exc.reason, remedies=exc.remedies
+                    world_size=world_size, plan=None, reason=exc.message, remedies=exc.remedies
                 )
             )
         else:

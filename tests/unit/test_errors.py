@@ -52,7 +52,7 @@ def test_remedies_join_after_the_reason(num_remedies: int, text: str) -> None:
     assert with_remedies("too big", remedies, python_wording) == text
     error = ConfigError("too big", remedies=remedies)
     assert str(error) == text
-    assert error.reason == "too big"
+    assert error.message == "too big"
 
 
 def test_each_surface_words_the_remedies_through_describe() -> None:
@@ -91,7 +91,7 @@ def test_not_a_multiple_is_structured_and_names_the_cause() -> None:
         ConfigError, match=re.escape("97 is not a multiple of world_size 4")
     ) as info:
         plan(24, effective_batch_size=97, world_size=4)
-    assert info.value.reason == "effective_batch_size 97 is not a multiple of world_size 4"
+    assert info.value.message == "effective_batch_size 97 is not a multiple of world_size 4"
     assert info.value.remedies == (
         Remedy(parameter="effective_batch_size", values=(96, 100)),
         INEXACT,
@@ -103,4 +103,16 @@ def test_inexact_note_names_the_real_cause_not_the_step_cap() -> None:
     assert result.effective_batch_size == 96
     assert result.notes == (
         "effective_batch_size 97 is not a multiple of world_size 4; planned the nearest, 96",
+    )
+
+
+def test_device_unavailable_keeps_its_reason_code() -> None:
+    # DeviceUnavailableError.reason is a stable code; the remedy-free text is ``message``.
+    from autobatch.errors import DeviceUnavailableError
+
+    error = DeviceUnavailableError("no driver", reason="driver_not_loaded")
+    assert (error.reason, error.message, str(error)) == (
+        "driver_not_loaded",
+        "no driver",
+        "no driver",
     )
