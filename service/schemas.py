@@ -86,7 +86,13 @@ class DeviceSpec(_Strict):
         default=None,
         max_length=256,
         description="Node labels including 'nvidia.com/gpu.memory' (MiB) and, optionally, "
-        "'nvidia.com/gpu.product'.",
+        "'nvidia.com/gpu.product'; on a MIG node (mixed strategy) the slices' "
+        "'nvidia.com/mig-<profile>.memory'.",
+    )
+    mig_profile: Annotated[str, Field(pattern=r"^[0-9]+g\.[0-9]+gb(\+[a-z0-9]+)?$")] | None = Field(
+        default=None,
+        description="With node_labels on a MIG node: the slice the job gets, e.g. '1g.5gb'; "
+        "the plan is for the slice's memory, not the card's.",
     )
     memory: Literal["total", "free"] = Field(
         default="total",
@@ -105,6 +111,11 @@ class DeviceSpec(_Strict):
             raise ValueError(
                 "give exactly one of cuda_index, uuid, capacity_bytes, node_labels; got "
                 + (", ".join(given) or "none")
+            )
+        if self.mig_profile is not None and self.node_labels is None:
+            raise ValueError(
+                "mig_profile goes with node_labels; for a local MIG slice give its uuid "
+                "('MIG-...'), or give capacity_bytes"
             )
         return self
 
@@ -135,6 +146,8 @@ class ResolvedDevice(BaseModel):
         description="Set when a plan for memory 'total' assumes memory other processes hold "
         "now will be gone; plan with memory 'free' to leave room for them.",
     )
+    warnings: list[str] = []
+    """What was corrected in reading the device (a memory label in bytes, NVML over a label)."""
 
 
 class GpuPublic(BaseModel):

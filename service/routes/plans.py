@@ -3,8 +3,9 @@
 The limit comes from exactly one of: a stored profile (``profile_id``), the newest stored profile
 of a model (``model_fingerprint``), a plain ``max_micro_batch_size``, or a ``memory_model``. The
 device, when given, is a local GPU (``cuda_index``/``uuid``, read from NVML), a capacity in bytes,
-or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB). ``world_sizes``
-adds a table over candidate world sizes (``planner.plan_world_sizes``).
+or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB, a MIG slice's
+``nvidia.com/mig-<profile>.memory`` with ``mig_profile``; see :mod:`service.labels`).
+``world_sizes`` adds a table over candidate world sizes (``planner.plan_world_sizes``).
 
 A local GPU is one of the cards this container was given (``NVIDIA_VISIBLE_DEVICES``, then
 ``CUDA_VISIBLE_DEVICES``; ``cuda_index`` is CUDA's number in that set), read through
@@ -21,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, DeviceUnavailableError
 from autobatch.integrations.configs import deepspeed_config, hf_training_arguments, lightning_config
 from autobatch.limits import PlanSource, stored_profile_source
 from autobatch.planner import Plan, plan, plan_world_sizes
@@ -30,6 +31,7 @@ from autobatch.store import ProfileNotFoundError, ProfileStore
 from autobatch.units import format_bytes
 from service.deps import service_state
 from service.gpus import GpuMonitor
+from service.labels import LabelError, read_node_labels
 from service.problems import Problem, problem_responses, unknown_profile
 from service.routing import JsonBodyRoute
 from service.schemas import (
@@ -46,9 +48,6 @@ router = APIRouter(
     tags=["plans"],
     responses=problem_responses(401),
 )
-
-GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
 @router.post(
@@ -138,21 +137,20 @@ async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
     if spec.capacity_bytes is not None:
         return ResolvedDevice(source="capacity_bytes", capacity_bytes=spec.capacity_bytes)
     if spec.node_labels is not None:
-        mib = spec.node_labels.get(GPU_MEMORY_LABEL, "")
-        if not (mib.isascii() and mib.isdigit()) or not 1 <= int(mib) <= 2**40:
-            raise Problem(
-                422,
-                "validation",
-                f"label {GPU_MEMORY_LABEL} must be the GPU memory in MiB (e.g. '81920'), got "
-                f"{mib!r}"
-                if mib
-                else f"label {GPU_MEMORY_LABEL} (GPU memory in MiB) is missing",
-                field=f"body.device.node_labels.{GPU_MEMORY_LABEL}",
-            )
+        try:
+            seen = [reading.gpu for reading in (await gpus.snapshot())[1]]
+        except DeviceUnavailableError:
+            seen = []  # a central instance, or no driver: the labels alone
+        try:
+            labelled = read_node_labels(spec.node_labels, mig_profile=spec.mig_profile, gpus=seen)
+        except LabelError as exc:
+            raise Problem(422, "validation", str(exc), field=exc.field) from None
         return ResolvedDevice(
             source="node_labels",
-            capacity_bytes=int(mib) * 2**20,
-            name=spec.node_labels.get(GPU_PRODUCT_LABEL),
+            capacity_bytes=labelled.capacity_bytes,
+            name=labelled.name,
+            mig_profile=spec.mig_profile,
+            warnings=list(labelled.warnings),
         )
     reading, inventory = await gpus.reading_for(cuda_index=spec.cuda_index, uuid=spec.uuid)
     if spec.cuda_index is not None:
