@@ -130,7 +130,7 @@ def test_service_prefers_its_nvml_over_a_wrong_label(client: TestClient) -> None
 
 
 def test_service_without_nvml_takes_the_label(make_app: Any) -> None:
-    client = TestClient(make_app(list_gpus=no_nvml))
+    client = TestClient(make_app(nvml=no_nvml()))
     labels = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "40960"}
     body = client.post("/v1/plan", json=plan_body({"node_labels": labels})).json()
     assert body["device"]["capacity_bytes"] == 40 * GiB
