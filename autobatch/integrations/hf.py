@@ -1,0 +1,273 @@
+"""Hugging Face Trainer: :func:`autotune_trainer`, one call before ``trainer.train()``.
+
+It probes the Trainer's model with the Trainer's own loss (``compute_loss``), the optimizer the
+Trainer will create (or the one it was given), its precision (``bf16``/``fp16``) and activation
+checkpointing settings, on a batch its data collator builds from the longest rows of its train
+dataset, then sets ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` so that
+``micro_batch_size * gradient_accumulation_steps * world_size == effective_batch_size``, where
+``world_size`` is the Trainer's data-parallel size (``args.world_size`` over tensor, context and
+sequence parallel sizes, times ``n_gpu`` under DataParallel). Under torch.distributed (torchrun)
+every rank probes its own device and the ranks agree.
+
+There is no ``TrainerCallback`` form: a callback's first hook in training (``on_train_begin``)
+runs after the Trainer has built its train dataloader at the old batch size.
+
+Example::
+
+    from autobatch.integrations.hf import autotune_trainer
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=collate)
+    plan = autotune_trainer(trainer, effective_batch_size=256)
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from autobatch.device import Device
+from autobatch.errors import ConfigError
+from autobatch.integrations._tuning import (
+    FrameworkStep,
+    check_epoch_end,
+    check_options,
+    code_identity,
+    dataset_rows,
+    tune,
+)
+from autobatch.planner import Plan
+from autobatch.state import preserved_rng
+
+__all__ = ["autotune_trainer", "longest_rows", "row_length"]
+
+SAMPLE_ROWS = 4
+"""Rows of the probe's sample: the longest ones of the train dataset (micro-batches of any size
+repeat them, so every micro-batch is padded to the longest row)."""
+
+
+def autotune_trainer(
+    trainer: Any,
+    effective_batch_size: int,
+    *,
+    device: str | Device | None = None,
+    sample: Any = None,
+    **options: Any,
+) -> Plan:
+    """Probe ``trainer``'s training step, then set its micro-batch and accumulation steps.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass), before ``train()``.
+        effective_batch_size: samples per optimizer step over all ranks (> 0, a multiple of the
+            data-parallel world size).
+        device: the device to probe: None (the model's), ``"cuda:N"``, ``"sim:SIZE"`` (a
+            simulated card for a CPU Trainer) or a Device.
+        sample: a collated batch (a dict of tensors, batch dimension first) to probe instead of
+            the train dataset's longest rows; for datasets too large to scan (every row is read
+            once to find the longest).
+        **options: probe and planner options of :func:`autobatch.autotune` (``safety_margin``,
+            ``max_micro_batch_size``, ``multiple_of``, ``max_gradient_accumulation_steps``,
+            ``store``, ``refresh``, ``amp_dtype``...).
+
+    A WARNING on the ``autobatch.integrations`` logger says when the train dataset's rows do
+    not fill whole optimizer steps (the Trainer's last step of an epoch then sees fewer samples).
+
+    Returns:
+        The Plan applied to ``trainer.args``: ``per_device_train_batch_size ==
+        plan.micro_batch_size``, ``gradient_accumulation_steps ==
+        plan.gradient_accumulation_steps``.
+
+    Raises:
+        ConfigError: an option autotune does not take or that this function sets itself; no
+            train dataset; ``auto_find_batch_size`` on (it would halve the micro-batch without
+            raising the accumulation steps, changing the effective batch); DeepSpeed or FSDP
+            (their memory is sharded: call autobatch.autotune on the sharded step).
+        DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
+            :func:`autobatch.autotune`.
+    """
+    check_options(options, caller="autotune_trainer")
+    args = trainer.args
+    if args.auto_find_batch_size:
+        raise ConfigError(
+            "TrainingArguments(auto_find_batch_size=True) halves the micro-batch on an OOM "
+            "without raising gradient_accumulation_steps, so the effective batch would shrink; "
+            "set auto_find_batch_size=False when autotune_trainer plans the batch"
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
+        trainer, "is_fsdp_enabled", False
+    ):
+        raise ConfigError(
+            "autotune_trainer probes an unsharded model; under DeepSpeed or FSDP call "
+            "autobatch.autotune on the sharded model and step, then set "
+            "per_device_train_batch_size and gradient_accumulation_steps from the plan"
+        )
+    model = trainer.model
+    world_size = _data_parallel_size(trainer)
+    model_device = next(model.parameters()).device
+    if sample is None:
+        sample = _longest_batch(trainer)
+    sample = tree_map(lambda t: t.to(model_device) if isinstance(t, torch.Tensor) else t, sample)
+    step = FrameworkStep(
+        lambda model, batch: _compute_loss(trainer, model, batch),
+        identity=f"{code_identity(type(trainer).compute_loss)}:"
+        f"smoothing={getattr(trainer, 'label_smoother', None)!r}:"
+        f"loss_func={code_identity(getattr(trainer, 'compute_loss_func', None) or _compute_loss)}",
+    )
+    amp_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    with _trainer_optimizer(trainer) as optimizer, _checkpointing(model, args):
+        result = tune(
+            model,
+            sample,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            optimizer=optimizer,
+            train_step=step,
+            device=device,
+            amp_dtype=amp_dtype,
+            options=options,
+            caller="autotune_trainer",
+        )
+    args.per_device_train_batch_size = result.micro_batch_size
+    args.gradient_accumulation_steps = result.gradient_accumulation_steps
+    trainer._train_batch_size = args.train_batch_size  # what train() builds its dataloader with
+    total = trainer.get_total_train_batch_size(args)
+    if total != effective_batch_size:
+        raise ConfigError(
+            f"the Trainer now computes a total train batch of {total}, not the effective batch "
+            f"{effective_batch_size} planned ({result.micro_batch_size} x "
+            f"{result.gradient_accumulation_steps} x world size {world_size}); its parallel "
+            "layout is one autotune_trainer does not know: plan with autobatch.autotune"
+        )
+    check_epoch_end(
+        dataset_rows(trainer.train_dataset),
+        result,
+        drop_last=bool(args.dataloader_drop_last),
+        caller="autotune_trainer",
+    )
+    return result
+
+
+def _data_parallel_size(trainer: Any) -> int:
+    """Ranks that each take a different micro-batch: the world size over the tensor, context
+    and sequence parallel sizes, times the GPUs one process drives under DataParallel."""
+    args = trainer.args
+    size = int(args.world_size)
+    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        get = getattr(trainer, name, None)
+        if callable(get):
+            size //= int(get())
+    return size * max(1, int(args.n_gpu))
+
+
+def _compute_loss(trainer: Any, model: torch.nn.Module, batch: Mapping[str, Any]) -> Any:
+    """The Trainer's loss for one micro-batch, under its autocast context."""
+    with trainer.compute_loss_context_manager():
+        return trainer.compute_loss(model, dict(batch))  # it may pop "labels"
+
+
+@contextlib.contextmanager
+def _trainer_optimizer(trainer: Any) -> Iterator[torch.optim.Optimizer]:
+    """The optimizer the Trainer trains with: the one it was given, or the one
+    ``create_optimizer`` builds (discarded afterwards, so ``train()`` builds its own)."""
+    if trainer.optimizer is not None:
+        yield trainer.optimizer
+        return
+    try:
+        yield trainer.create_optimizer()
+    finally:
+        trainer.optimizer = None
+
+
+@contextlib.contextmanager
+def _checkpointing(model: torch.nn.Module, args: Any) -> Iterator[None]:
+    """Activation checkpointing on during the probe when the Trainer will turn it on in
+    ``train()``, with the same settings; off again afterwards."""
+    wanted = bool(
+        getattr(args, "activation_checkpointing", False)
+        or getattr(args, "gradient_checkpointing", False)
+    )
+    active = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if not wanted or active:
+        yield
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):  # transformers >= 5
+        kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+        every_n_layers = kwargs.pop("every_n_layers", 1)
+        offload = kwargs.pop("offload", False)
+        enable(
+            activation_checkpointing_kwargs=kwargs or None,
+            every_n_layers=every_n_layers,
+            offload=offload,
+        )
+        disable = model.activation_checkpointing_disable
+    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs=getattr(args, "gradient_checkpointing_kwargs", None)
+        )
+        disable = model.gradient_checkpointing_disable
+    else:
+        raise ConfigError(
+            f"the Trainer will turn on activation checkpointing, but {type(model).__name__} has "
+            "no activation_checkpointing_enable(); turn it on in the model before autotune_trainer"
+        )
+    try:
+        yield
+    finally:
+        disable()  # type: ignore[operator]
+
+
+def _longest_batch(trainer: Any) -> Any:
+    """The Trainer's data collator applied to the longest rows of its train dataset (with the
+    columns its dataloader drops already dropped)."""
+    if trainer.train_dataset is None:
+        raise ConfigError("the Trainer has no train_dataset; pass train_dataset=... or sample=...")
+    loader = trainer.get_train_dataloader()  # the dataset and collator train() will use
+    dataset, collate = loader.dataset, loader.collate_fn
+    registered = getattr(trainer.accelerator, "_dataloaders", None)
+    if isinstance(registered, list) and loader in registered:
+        registered.remove(loader)  # only built to read the two above
+    del loader
+    with preserved_rng():
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            rows: list[Any] = []  # no length to scan: the first rows
+            for row in dataset:
+                rows.append(row)
+                if len(rows) == SAMPLE_ROWS:
+                    break
+        else:
+            rows = longest_rows(dataset, SAMPLE_ROWS)
+        if not rows:
+            raise ConfigError("the Trainer's train_dataset is empty; give it rows to train on")
+        return collate(rows)
+
+
+def row_length(row: Any) -> int:
+    """A row's load: the length of its longest sequence field (a list, a tuple or a tensor's
+    first dimension; a mapping's values or a sequence's items), 0 when it has none."""
+    values = row.values() if isinstance(row, Mapping) else row if isinstance(row, tuple) else [row]
+    longest = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            longest = max(longest, int(value.shape[0]) if value.dim() > 0 else 0)
+        elif isinstance(value, list | tuple):
+            longest = max(longest, len(value))
+    return longest
+
+
+def longest_rows(dataset: Sequence[Any], count: int) -> list[Any]:
+    """The ``count`` longest rows of ``dataset`` by :func:`row_length` (ties: earlier rows
+    first), in dataset order. Reads every row once.
+
+    Example::
+
+        longest_rows([{"input_ids": [1] * 3}, {"input_ids": [1] * 9}], 1)  # the 9-token row
+    """
+    loads = ((row_length(dataset[i]), -i) for i in range(len(dataset)))
+    chosen = sorted(-index for _, index in heapq.nlargest(count, loads))
+    return [dataset[i] for i in chosen]

@@ -1,0 +1,294 @@
+"""PyTorch Lightning: :class:`AutobatchFinder`, a drop-in for ``BatchSizeFinder`` that keeps the
+effective batch exact.
+
+At fit start it probes the LightningModule's own ``training_step`` (with the optimizer from
+``configure_optimizers``, the Trainer's precision, on the Trainer's device, with a batch drawn from
+the module's or datamodule's train dataloader), then sets the batch size attribute (the names
+``BatchSizeFinder`` looks for: the module, its ``hparams``, the datamodule, its ``hparams``) and
+``Trainer.accumulate_grad_batches`` so that
+``micro_batch_size * accumulate_grad_batches * world_size == effective_batch_size``, and the train
+dataloader is rebuilt. Under DDP every rank probes its own device and the ranks agree (a size fits
+only if it fits on every rank); ``BatchSizeFinder`` refuses distributed strategies.
+
+Example::
+
+    from autobatch.integrations.lightning import AutobatchFinder
+
+    trainer = lightning.pytorch.Trainer(callbacks=[AutobatchFinder(effective_batch_size=256)])
+    trainer.fit(module)          # module.batch_size and trainer.accumulate_grad_batches are set
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+from autobatch.device import Device
+from autobatch.errors import ConfigError
+from autobatch.integrations._tuning import (
+    FrameworkStep,
+    check_epoch_end,
+    check_options,
+    code_identity,
+    dataset_rows,
+    tune,
+)
+from autobatch.planner import Plan
+from autobatch.state import preserved_rng
+
+__all__ = ["AutobatchFinder"]
+
+_AMP_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+"""Lightning precision settings that autocast the step (the probe autocasts the same way)."""
+
+
+class AutobatchFinder(Callback):
+    """Set the micro-batch and ``accumulate_grad_batches`` that reach ``effective_batch_size``.
+
+    Args:
+        effective_batch_size: samples per optimizer step over all ranks (> 0, a multiple of the
+            Trainer's world size).
+        device: the device to probe: None (the Trainer's device), ``"cuda:N"`` or
+            ``"sim:SIZE"`` (a simulated card on the CPU Trainer), or a Device.
+        batch_arg_name: the attribute the train dataloader reads its batch size from (as
+            ``BatchSizeFinder``'s).
+        **options: probe and planner options of :func:`autobatch.autotune` (``safety_margin``,
+            ``max_micro_batch_size``, ``multiple_of``, ``max_gradient_accumulation_steps``,
+            ``store``, ``refresh``...).
+
+    Attributes:
+        plan: the Plan applied at the last fit start (None before).
+
+    Raises:
+        ConfigError: at construction, an option autotune does not take or that the finder sets
+            itself (the model, step, optimizer, world size). At fit start: the batch size
+            attribute is missing, the dataloader was passed to ``fit()`` directly or ignores the
+            attribute, several optimizers or train dataloaders, a ``GradientAccumulationScheduler``,
+            manual optimization that would need accumulation, ``SyncBatchNorm`` across ranks.
+        DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
+            :func:`autobatch.autotune`.
+
+    Lightning steps at an epoch's end with the micro-batches left, so that step sees fewer
+    samples when the train dataset's rows do not fill whole optimizer steps; a WARNING on the
+    ``autobatch.integrations`` logger says so (give the dataset a multiple of
+    ``effective_batch_size`` rows).
+    """
+
+    def __init__(
+        self,
+        effective_batch_size: int,
+        *,
+        device: str | Device | None = None,
+        batch_arg_name: str = "batch_size",
+        **options: Any,
+    ) -> None:
+        check_options(options, caller="AutobatchFinder")
+        if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int):
+            raise ConfigError(
+                f"effective_batch_size {effective_batch_size!r} must be an int (samples per "
+                "optimizer step over all ranks)"
+            )
+        self.effective_batch_size = effective_batch_size
+        self.device = device
+        self.batch_arg_name = batch_arg_name
+        self.options = dict(options)
+        self.plan: Plan | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not trainer.fit_loop._data_source.is_module():  # as BatchSizeFinder checks it
+            raise ConfigError(
+                "AutobatchFinder cannot resize a dataloader passed to trainer.fit() directly; "
+                "return it from LightningModule.train_dataloader() or a LightningDataModule, "
+                f"built with batch_size=self.{self.batch_arg_name}"
+            )
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise ConfigError(
+                f"AutobatchFinder found no {self.batch_arg_name!r} in the model, the datamodule, "
+                f"or their hparams; add self.{self.batch_arg_name} and build the train dataloader "
+                f"with it, or pass batch_arg_name=... naming the attribute you use"
+            )
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            raise ConfigError(
+                "AutobatchFinder sets accumulate_grad_batches, which a "
+                "GradientAccumulationScheduler "
+                "callback would change per epoch (and the effective batch with it); remove one"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plan = tune_lightning(
+            trainer,
+            pl_module,
+            effective_batch_size=self.effective_batch_size,
+            device=self.device,
+            batch_arg_name=self.batch_arg_name,
+            options=self.options,
+        )
+
+
+def tune_lightning(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    *,
+    effective_batch_size: int,
+    device: str | Device | None,
+    batch_arg_name: str,
+    options: dict[str, Any],
+) -> Plan:
+    """Probe, plan and apply (what :class:`AutobatchFinder` does at fit start); see there."""
+    optimizers = trainer.optimizers
+    if len(optimizers) != 1:
+        raise ConfigError(
+            f"AutobatchFinder probes a step with one optimizer; configure_optimizers gave "
+            f"{len(optimizers)}. Use autobatch.autotune with your own train_step instead"
+        )
+    world_size = trainer.world_size
+    if world_size > 1 and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()):
+        raise ConfigError(
+            "SyncBatchNorm gathers statistics across ranks inside the forward pass, so ranks "
+            "cannot agree on a failed trial before that collective; turn off sync_batchnorm for "
+            "the tuning run, or tune with autobatch.autotune on one rank"
+        )
+    manual = not pl_module.automatic_optimization
+    tuning_options = dict(options)
+    if manual:  # Lightning does not accumulate for manual optimization: one micro-batch a step
+        tuning_options["max_gradient_accumulation_steps"] = 1
+    sample = _draw_batch(trainer)
+    step = FrameworkStep(
+        lambda model, batch: _training_step_loss(trainer, model, batch, manual=manual),
+        identity=code_identity(type(pl_module).training_step),
+    )
+    with _probing(trainer, pl_module):
+        result = tune(
+            pl_module,
+            sample,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            optimizer=optimizers[0],
+            train_step=step,
+            step_includes_update=manual,
+            device=device,
+            amp_dtype=_AMP_DTYPES.get(str(trainer.precision)),
+            options=tuning_options,
+            caller="AutobatchFinder",
+            constraint_note=(
+                " (under manual optimization Lightning does not accumulate gradients, so one "
+                "micro-batch must hold effective_batch_size / world_size samples)"
+                if manual
+                else ""
+            ),
+        )
+    del sample
+    lightning_setattr(pl_module, batch_arg_name, result.micro_batch_size)
+    trainer.accumulate_grad_batches = result.gradient_accumulation_steps
+    _rebuild_train_dataloader(trainer, result, batch_arg_name)
+    return result
+
+
+def _single_train_loader(trainer: pl.Trainer) -> torch.utils.data.DataLoader[Any]:
+    loader = trainer.train_dataloader
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise ConfigError(
+            f"AutobatchFinder needs one train DataLoader, got {type(loader).__name__}; tune "
+            "with autobatch.autotune for several train dataloaders"
+        )
+    return loader
+
+
+def _draw_batch(trainer: pl.Trainer) -> Any:
+    """The first batch of the train dataloader, on the Trainer's device (through the module's
+    batch transfer hooks); the RNG streams are left as they were."""
+    with preserved_rng():  # building the loader draws from torch's RNG, as iterating it does
+        trainer.fit_loop.setup_data()
+        loader = _single_train_loader(trainer)
+        iterator = iter(loader)
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise ConfigError(
+                "the train dataloader gave no batch; AutobatchFinder probes with one"
+            ) from None
+        finally:
+            del iterator
+    return trainer.strategy.batch_to_device(batch)
+
+
+def _training_step_loss(
+    trainer: pl.Trainer, module: torch.nn.Module, batch: Any, *, manual: bool
+) -> torch.Tensor:
+    """``module.training_step`` as Lightning runs it (under the precision plugin's context),
+    reduced to its loss tensor. ``module`` is the LightningModule, or the estimator's copy of it
+    on fake tensors (which has no Trainer attached: a step that needs one is not estimated, and
+    the probe searches by doubling)."""
+    with trainer.precision_plugin.train_step_context():
+        output = module.training_step(batch, 0)  # type: ignore[operator]
+    if isinstance(output, dict):
+        output = output.get("loss")
+    if isinstance(output, torch.Tensor):
+        return output
+    if manual:  # the step already ran backward and stepped; its return value is free-form
+        return torch.zeros((), device=next(module.parameters()).device)
+    raise ConfigError(
+        f"training_step returned {type(output).__name__} for the probe's batch; AutobatchFinder "
+        "needs the loss (a tensor, or a dict with 'loss') to probe the whole step"
+    )
+
+
+@contextlib.contextmanager
+def _probing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+    """While the probe runs ``training_step`` outside Lightning's loop: ``self.log`` and
+    ``self.log_dict`` do nothing (no results collection is active at fit start), DDP's gradient
+    synchronisation is off (no collective inside a trial), and the GradScaler's state and fresh
+    torchmetrics metrics are restored afterwards."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    wrapped = trainer.strategy.model
+    no_sync = getattr(wrapped, "no_sync", None)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    scaler_state = scaler.state_dict() if scaler is not None else None
+    fresh_metrics = [m for m in pl_module.modules() if getattr(m, "update_count", None) == 0]
+    pl_module.log = ignore  # type: ignore[method-assign]
+    pl_module.log_dict = ignore  # type: ignore[method-assign]
+    try:
+        with no_sync() if callable(no_sync) else contextlib.nullcontext():
+            yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
+        for metric in fresh_metrics:
+            metric.reset()  # type: ignore[operator]
+
+
+def _rebuild_train_dataloader(trainer: pl.Trainer, plan: Plan, name: str) -> None:
+    """Rebuild the train dataloader (as Lightning's tuner does) and check that it now gives
+    micro-batches of ``plan.micro_batch_size``. The fit loop then uses it as built here, so this
+    build takes the RNG draws Lightning's own build would have taken."""
+    loop = trainer.fit_loop
+    loop._combined_loader = None  # force a reload, as lightning.pytorch.tuner does
+    loop.setup_data()
+    loader = _single_train_loader(trainer)
+    batch_size = loader.batch_size
+    if batch_size is None and loader.batch_sampler is not None:
+        batch_size = getattr(loader.batch_sampler, "batch_size", None)
+    if batch_size != plan.micro_batch_size:
+        raise ConfigError(
+            f"after setting {name}={plan.micro_batch_size}, the rebuilt train dataloader has batch "
+            f"size {batch_size}; build it with DataLoader(..., batch_size=self.{name}) so the "
+            "effective batch is exact"
+        )
+    check_epoch_end(
+        dataset_rows(loader.dataset),
+        plan,
+        drop_last=loader.drop_last,
+        caller="AutobatchFinder",
+    )
