@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
     from autobatch.tuning import ReportWarning, autotune
     from autobatch.units import format_bytes, parse_bytes
+    from autobatch.worst_case import WorstCaseSample, worst_case_sample
 
 __version__ = "0.1.0"
 
@@ -85,6 +86,7 @@ __all__ = [
     "Trial",
     "Uneven",
     "WorldSizeOption",
+    "WorstCaseSample",
     "autotune",
     "deepspeed_config",
     "default_store_path",
@@ -98,6 +100,7 @@ __all__ = [
     "plan_world_sizes",
     "probe",
     "resolve_device",
+    "worst_case_sample",
 ]
 
 # Names are imported on first use (PEP 562), so the torch-free parts (planner, profile, store,
@@ -152,6 +155,8 @@ _EXPORTS: dict[str, str] = {
     "SplitEvent": "autobatch.splitting",
     "format_bytes": "autobatch.units",
     "parse_bytes": "autobatch.units",
+    "WorstCaseSample": "autobatch.worst_case",
+    "worst_case_sample": "autobatch.worst_case",
 }
 
 

@@ -70,7 +70,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "model",
         help="built-in (gpt2, bert-base, vit-base, llama-small, gpt2-tiny) or module:factory",
     )
-    parser.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sample")
+    parser.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="tokens per sample (default: the model's maximum, the worst case to probe with)",
+    )
     parser.add_argument("--image-size", type=_positive_int, default=224, help="pixels per side")
     parser.add_argument(
         "--input-shape", type=_shape, help="one sample's shape for a bare model, e.g. 3,224,224"

@@ -12,6 +12,10 @@ name            architecture                                   sample
 ``gpt2-tiny``   GPT-2, 2 layers x 64 (tests and demos)          tokens, ``--seq-len``
 ==============  =============================================  ==========================
 
+``--seq-len`` defaults to the model's maximum (1024 for GPT-2, 512 for BERT, 4096 for the
+Llama): a probe must see the longest sequence training will, or its answer runs out of memory
+the first time one comes by.
+
 User code is named ``module:factory`` (the module must be importable, e.g. from the current
 directory). The factory is called with no arguments and returns either a model, or a dict with
 ``model`` and ``sample`` (and optionally ``loss_fn`` and ``optimizer``). For a bare model the
@@ -68,20 +72,20 @@ def _tokens(vocab_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _gpt2(seq_len: int, image_size: int, tiny: bool = False) -> tuple[torch.nn.Module, Any]:
+def _gpt2(seq_len: int | None, image_size: int, tiny: bool = False) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     if tiny:
         config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=1024)
     else:
         config = tf.GPT2Config()
-    _check_seq_len(seq_len, config.n_positions)
+    seq_len = _seq_len(seq_len, config.n_positions)
     return tf.GPT2LMHeadModel(config), _tokens(config.vocab_size, seq_len)
 
 
-def _bert(seq_len: int, image_size: int) -> tuple[torch.nn.Module, Any]:
+def _bert(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     config = tf.BertConfig(num_labels=2)
-    _check_seq_len(seq_len, config.max_position_embeddings)
+    seq_len = _seq_len(seq_len, config.max_position_embeddings)
     sample = {
         "input_ids": torch.randint(0, config.vocab_size, (1, seq_len)),
         "attention_mask": torch.ones(1, seq_len, dtype=torch.long),
@@ -90,7 +94,7 @@ def _bert(seq_len: int, image_size: int) -> tuple[torch.nn.Module, Any]:
     return tf.BertForSequenceClassification(config), sample
 
 
-def _vit(seq_len: int, image_size: int) -> tuple[torch.nn.Module, Any]:
+def _vit(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     if image_size % 16:
         raise ConfigError(f"--image-size {image_size} must be a multiple of the patch size 16")
@@ -102,7 +106,7 @@ def _vit(seq_len: int, image_size: int) -> tuple[torch.nn.Module, Any]:
     return tf.ViTForImageClassification(config), sample
 
 
-def _llama(seq_len: int, image_size: int) -> tuple[torch.nn.Module, Any]:
+def _llama(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     config = tf.LlamaConfig(
         vocab_size=32000,
@@ -113,29 +117,33 @@ def _llama(seq_len: int, image_size: int) -> tuple[torch.nn.Module, Any]:
         num_key_value_heads=8,
         max_position_embeddings=4096,
     )
-    _check_seq_len(seq_len, config.max_position_embeddings)
+    seq_len = _seq_len(seq_len, config.max_position_embeddings)
     return tf.LlamaForCausalLM(config), _tokens(config.vocab_size, seq_len)
 
 
-def _check_seq_len(seq_len: int, limit: int) -> None:
+def _seq_len(seq_len: int | None, limit: int) -> int:
+    """The tokens per sample: by default the model's maximum, the worst case to probe with."""
+    if seq_len is None:
+        return limit
     if not 1 <= seq_len <= limit:
         raise ConfigError(f"--seq-len {seq_len} must be in 1..{limit} for this model")
+    return seq_len
 
 
-BUILTIN_MODELS: dict[str, Callable[[int, int], tuple[torch.nn.Module, Any]]] = {
+BUILTIN_MODELS: dict[str, Callable[[int | None, int], tuple[torch.nn.Module, Any]]] = {
     "bert-base": _bert,
     "gpt2": _gpt2,
     "gpt2-tiny": lambda seq_len, image_size: _gpt2(seq_len, image_size, tiny=True),
     "llama-small": _llama,
     "vit-base": _vit,
 }
-"""Built-in model names -> builder(seq_len, image_size)."""
+"""Built-in model names -> builder(seq_len, image_size); seq_len None: the model's maximum."""
 
 
 def load_model(
     name: str,
     *,
-    seq_len: int = 128,
+    seq_len: int | None = None,
     image_size: int = 224,
     input_shape: tuple[int, ...] | None = None,
     seed: int = 0,

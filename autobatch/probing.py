@@ -77,6 +77,7 @@ from autobatch.search import (
 from autobatch.state import Snapshot, resident_tensors
 from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 from autobatch.units import format_bytes
+from autobatch.worst_case import WorstCaseSample
 
 __all__ = ["Consensus", "LocalConsensus", "probe"]
 
@@ -202,7 +203,7 @@ def probe(
         model.train()
         for param in model.parameters():
             param.grad = None
-        return _Probe(
+        profile = _Probe(
             model=model,
             optimizer=run_optimizer,
             user_optimizer=optimizer,
@@ -218,6 +219,9 @@ def probe(
             on_trial=on_trial,
             consensus=consensus if consensus is not None else LocalConsensus(),
         ).run()
+        if isinstance(sample, WorstCaseSample):  # the profile records the load it measured
+            profile = dataclasses.replace(profile, notes=(*profile.notes, sample.describe()))
+        return profile
     finally:
         del run_optimizer
         snapshot.restore()

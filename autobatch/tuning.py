@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -34,10 +35,11 @@ from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, st
 from autobatch.planner import Plan, Uneven, plan
 from autobatch.probing import OnTrial, _model_device, probe
 from autobatch.profile import Profile, profile_cache_key
+from autobatch.splitting import SplitEvent
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
 
-__all__ = ["autotune", "autotune_profile"]
+__all__ = ["autotune", "autotune_profile", "split_recorder"]
 
 
 def autotune(
@@ -155,26 +157,17 @@ def autotune_profile(
     )
     target = resolve_device(device, default=_model_device(model))
     consensus = process_group_consensus()
-    source = BatchSource.from_sample(sample)
     capacity_now = target.capacity()
-    key = profile_cache_key(
-        model_fingerprint=model_fingerprint(model),
-        step_fingerprint=step_fingerprint(
-            model,
-            optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-        ),
-        input_shape=source.sample_shapes,
-        input_dtypes=source.sample_dtypes,
-        dtype=param_dtype(model),
-        amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
-        optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
-        device_name=target.name,
-        total_memory_bytes=capacity_now.total_memory_bytes,
-        torch_version=torch.__version__,
-        backend_flags=backend_flags(),
+    key = _cache_key(
+        model,
+        sample,
+        target,
+        capacity_now.total_memory_bytes,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        amp_dtype=amp_dtype,
     )
 
     def run_probe() -> Profile:
@@ -329,3 +322,115 @@ def _same_request(
         and profile.max_micro_batch_size <= max_micro_batch_size
         and (not limit_hit or profile.max_micro_batch_size == max_micro_batch_size)
     )
+
+
+def _cache_key(
+    model: torch.nn.Module,
+    sample: Any,
+    target: Device,
+    total_memory_bytes: int,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: LossFn | None,
+    train_step: TrainStep | None,
+    step_includes_update: bool,
+    amp_dtype: torch.dtype | None,
+) -> str:
+    """The store key of this request's profile (see :meth:`Profile.cache_key`)."""
+    source = BatchSource.from_sample(sample)
+    return profile_cache_key(
+        model_fingerprint=model_fingerprint(model),
+        step_fingerprint=step_fingerprint(
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+        ),
+        input_shape=source.sample_shapes,
+        input_dtypes=source.sample_dtypes,
+        dtype=param_dtype(model),
+        amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
+        optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
+        device_name=target.name,
+        total_memory_bytes=total_memory_bytes,
+        torch_version=torch.__version__,
+        backend_flags=backend_flags(),
+    )
+
+
+def split_recorder(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    train_step: TrainStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None = None,
+    amp_dtype: torch.dtype | None = None,
+    store: ProfileStore | str | os.PathLike[str] | None = None,
+) -> Callable[[SplitEvent], None]:
+    """A callback for ``Accumulator(on_split=...)``: the store learns the size that really fit.
+
+    Give it the arguments given to :func:`autotune` (they name the stored profile). On each
+    split, the newest profile under that key, if it allows more than the split's new size, is
+    stored again with ``max_micro_batch_size`` and ``recommended_micro_batch_size`` lowered to it
+    and a note saying why, so the next ``autotune`` starts from what fitted. Under
+    torch.distributed only rank 0 writes.
+
+    Example::
+
+        acc = Accumulator(model, optimizer, gradient_accumulation_steps=plan.
+                          gradient_accumulation_steps, on_oom="split",
+                          on_split=split_recorder(model, sample, optimizer=optimizer,
+                                                  device="cuda:0"))
+
+    Raises:
+        ConfigError: as :func:`autotune` for the arguments (when called); the callback raises
+            StoreError when the store cannot be written.
+    """
+    target = resolve_device(device, default=_model_device(model))
+    key = _cache_key(
+        model,
+        sample,
+        target,
+        target.capacity().total_memory_bytes,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        amp_dtype=amp_dtype,
+    )
+
+    def record(event: SplitEvent) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        opened = store if isinstance(store, ProfileStore) else ProfileStore(store)
+        try:
+            found = opened.find(key)
+            if found is None or found[1].max_micro_batch_size <= event.new_micro_batch_size:
+                return
+            profile = found[1]
+            size = event.new_micro_batch_size
+            note = (
+                f"lowered from {profile.max_micro_batch_size} to {size}: training ran out of "
+                f"memory at micro-batch size {event.old_micro_batch_size} (window "
+                f"{event.window_index}, micro-batch {event.micro_step_index}, {event.phase}: "
+                f"{event.reason})"
+            )
+            opened.put(
+                dataclasses.replace(
+                    profile,
+                    max_micro_batch_size=size,
+                    recommended_micro_batch_size=min(profile.recommended_micro_batch_size, size),
+                    notes=(*profile.notes, note),
+                    stop_reason=f"lowered to {size} after running out of memory in training",
+                    created_at="",
+                )
+            )
+        finally:
+            if opened is not store:
+                opened.close()
+
+    return record
