@@ -64,11 +64,6 @@ class MemoryInfo:
     """The GPU shares the host's memory (e.g. GB10): the numbers are the host's available
     memory, which the CPU side uses too."""
 
-    @property
-    def known(self) -> bool:
-        """Whether total and free bytes were read (from any source)."""
-        return self.total_memory_bytes is not None and self.free_memory_bytes is not None
-
 
 UNKNOWN_MEMORY = MemoryInfo(
     total_memory_bytes=None,

@@ -4,6 +4,7 @@ break nothing, and the answers say where their numbers came from."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -287,3 +288,20 @@ def test_a_total_plan_says_what_other_processes_hold(make_app: Callable[..., Fas
     assert free.json()["device"]["note"] is None
     idle = client.post("/v1/plan", json=local_plan({"cuda_index": 1})).json()["device"]
     assert (idle["memory_held_by_others_bytes"], idle["note"]) == (0, None)
+
+
+# -- probe jobs --------------------------------------------------------------------------------
+
+
+def test_a_probe_child_sees_the_containers_cards_in_the_services_numbering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import autobatch.device.nvml as nvml_module
+    from service.jobs import _pin_visible_devices
+
+    given = Nvml(FakePynvml(two_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": H100_UUID})
+    monkeypatch.setattr(nvml_module, "_default_nvml", given)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # what a privileged pod's CUDA would use
+
+    _pin_visible_devices()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == H100_UUID  # the child's cuda:0 is cuda_index 0

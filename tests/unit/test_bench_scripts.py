@@ -73,6 +73,8 @@ def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
     for row in rows:
         assert all(float(value) > 0 for value in row[-4:]), row
     assert out.count("(trivial/plan throughput; plan/trivial CPU)") == 2
+    goals = [line for line in out.splitlines() if "p99 plan/empty" in line]
+    assert len(goals) == 2 and all("server CPU per request plan/empty" in g for g in goals)
 
 
 @pytest.mark.slow

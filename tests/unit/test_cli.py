@@ -235,6 +235,41 @@ def test_devices_without_nvml_says_so_in_one_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_devices_lists_a_mig_instance_whose_parent_refuses_queries(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import autobatch.device.nvml as nvml_module
+    from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
+
+    no_permission = ERROR_CLASSES["NVMLError_NoPermission"]
+    instance = FakeGpu(
+        uuid="MIG-aaaa", name="NVIDIA A100-SXM4-80GB MIG 3g.40gb", total=40 * GiB, free=39 * GiB
+    )
+    parent = FakeGpu(
+        uuid="GPU-mig0",
+        name="NVIDIA A100-SXM4-80GB",
+        total=80 * GiB,
+        free=40 * GiB,
+        mig_mode=1,
+        mig_slots={0: instance},
+        memory_v2_error=no_permission,
+        memory_v1_error=no_permission,
+    )
+    fake_nvml = nvml_module.Nvml(
+        FakePynvml([parent]), environ={"NVIDIA_VISIBLE_DEVICES": "MIG-aaaa"}
+    )
+    monkeypatch.setattr(nvml_module, "_default_nvml", fake_nvml)
+
+    code, out, _err = run(capsys, "devices")
+    assert code == 0
+    parent_line, instance_line = out.splitlines()
+    assert "total unknown" in parent_line and "(unknown: no_permission)" in parent_line
+    assert "(not given to this container)" in parent_line
+    assert (
+        "cuda 0  MIG NVIDIA A100-SXM4-80GB MIG 3g.40gb  MIG-aaaa  total 40.00 GiB" in instance_line
+    )
+
+
 def test_closed_stdout_exits_quietly() -> None:
     # `autobatch ... | head`: the reader has gone before anything is written.
     argv = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64"]
