@@ -41,33 +41,38 @@ __all__ = [
 
 logger = logging.getLogger("autobatch.integrations")
 
-_SET_BY_US = frozenset(
+SET_BY_FRAMEWORK = frozenset(
     {
         "model",
         "sample",
         "effective_batch_size",
         "world_size",
         "optimizer",
-        "loss_fn",
-        "train_step",
-        "step_includes_update",
         "uneven",
         "allow_inexact",
     }
 )
-"""autotune arguments a drop-in derives from the framework; a user may not pass them."""
+"""autotune arguments every drop-in derives from the framework; a user may not pass them."""
+
+STEP_ARGUMENTS = frozenset({"loss_fn", "train_step", "step_includes_update"})
+"""How a sample becomes a step: the drop-ins that run the framework's own step set these too."""
+
+_NEVER_OFFERED = frozenset({"allow_inexact", "uneven"})
+"""Planner remedies no drop-in takes: it keeps the effective batch exact, one micro-batch size."""
 
 
-def check_options(options: Mapping[str, Any], *, caller: str) -> None:
+def check_options(
+    options: Mapping[str, Any], *, caller: str, owned: frozenset[str] = SET_BY_FRAMEWORK
+) -> None:
     """Refuse probe options that :func:`autobatch.autotune` does not take, or that the drop-in
-    sets itself from the framework (the model, its step, the world size...).
+    sets itself from the framework (``owned``: the model, the world size...).
 
     Raises:
         ConfigError: names the option and what to do instead.
     """
-    accepted = set(inspect.signature(autotune).parameters) - _SET_BY_US
+    accepted = set(inspect.signature(autotune).parameters) - owned
     for name in options:
-        if name in _SET_BY_US:
+        if name in owned:
             raise ConfigError(
                 f"{caller} sets {name!r} itself from the framework (the model, its own training "
                 "step and optimizer, the world size, equal micro-batches and an exact effective "
@@ -142,7 +147,7 @@ def tune(
     effective_batch_size: int,
     world_size: int,
     optimizer: torch.optim.Optimizer | None,
-    train_step: FrameworkStep,
+    train_step: FrameworkStep | None = None,
     step_includes_update: bool = False,
     device: str | Device | None,
     amp_dtype: torch.dtype | None,
@@ -152,7 +157,9 @@ def tune(
 ) -> Plan:
     """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch.
 
-    ``options`` (already checked by :func:`check_options`) override ``amp_dtype``. When no plan
+    ``options`` (already checked by :func:`check_options`) override ``amp_dtype``; they hold
+    the user's ``loss_fn``/``train_step`` where the drop-in has no step of its own (``train_step``
+    None). When no plan
     is exact, the error says so in the ``caller``'s terms, with ``constraint_note`` (why the
     framework adds a constraint) appended, and offers only remedies the caller accepts (not
     ``allow_inexact``).
@@ -162,6 +169,8 @@ def tune(
             NoFeasiblePlanError, StoreError, DistributedError: see :func:`autobatch.autotune`.
     """
     arguments: dict[str, Any] = {"amp_dtype": amp_dtype, **options}
+    if train_step is not None:
+        arguments.update(train_step=train_step, step_includes_update=step_includes_update)
     try:
         with _objects_frozen():
             result = autotune(
@@ -170,8 +179,6 @@ def tune(
                 effective_batch_size=effective_batch_size,
                 world_size=world_size,
                 optimizer=optimizer,
-                train_step=train_step,
-                step_includes_update=step_includes_update,
                 device=device,
                 uneven="never",  # a framework takes one micro-batch size
                 allow_inexact=False,
@@ -180,14 +187,14 @@ def tune(
     except (ConfigError, NoFeasiblePlanError) as exc:
         if type(exc) not in (ConfigError, NoFeasiblePlanError) or not (
             isinstance(exc, NoFeasiblePlanError)
-            or any(remedy.parameter in _SET_BY_US for remedy in exc.remedies)
+            or any(remedy.parameter in _NEVER_OFFERED for remedy in exc.remedies)
         ):
             raise
         # The planner offers ways (allow_inexact, unequal sizes) this caller never takes.
         raise type(exc)(
             f"{exc.message}; {caller} keeps the effective batch exact and gives the framework "
             f"one micro-batch size{constraint_note}",
-            remedies=[r for r in exc.remedies if r.parameter not in _SET_BY_US],
+            remedies=[r for r in exc.remedies if r.parameter not in _NEVER_OFFERED],
         ) from exc
     assert result.exact and not result.uneven, result
     return result

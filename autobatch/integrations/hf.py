@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_map
 from autobatch.device import Device
 from autobatch.errors import ConfigError
 from autobatch.integrations._tuning import (
+    SET_BY_FRAMEWORK,
+    STEP_ARGUMENTS,
     FrameworkStep,
     check_epoch_end,
     check_options,
@@ -90,7 +92,7 @@ def autotune_trainer(
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
     """
-    check_options(options, caller="autotune_trainer")
+    check_options(options, caller="autotune_trainer", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
     args = trainer.args
     if args.auto_find_batch_size:
         raise ConfigError(

@@ -32,6 +32,8 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from autobatch.device import Device
 from autobatch.errors import ConfigError
 from autobatch.integrations._tuning import (
+    SET_BY_FRAMEWORK,
+    STEP_ARGUMENTS,
     FrameworkStep,
     check_epoch_end,
     check_options,
@@ -88,7 +90,7 @@ class AutobatchFinder(Callback):
         batch_arg_name: str = "batch_size",
         **options: Any,
     ) -> None:
-        check_options(options, caller="AutobatchFinder")
+        check_options(options, caller="AutobatchFinder", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
         if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int):
             raise ConfigError(
                 f"effective_batch_size {effective_batch_size!r} must be an int (samples per "

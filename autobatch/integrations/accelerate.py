@@ -1,0 +1,112 @@
+"""Hugging Face Accelerate: :func:`autotune_accelerator` plans the batch for a model and dataloader
+prepared by an ``Accelerator`` and sets the Accelerator's gradient accumulation steps.
+
+It probes the unwrapped model (no DDP wrapper, so no collective inside a trial) with a batch drawn
+from the dataloader, the optimizer (unwrapped from Accelerate's), and the Accelerator's mixed
+precision, on its device; every process probes its own device and the processes agree. The
+dataloader keeps its batch size: build it again with ``batch_size=plan.micro_batch_size`` and
+prepare it, so that ``micro_batch_size * gradient_accumulation_steps * num_processes ==
+effective_batch_size``.
+
+Example::
+
+    from autobatch.integrations.accelerate import autotune_accelerator
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    plan = autotune_accelerator(accelerator, model, loader, 256, optimizer=optimizer,
+                                loss_fn=torch.nn.functional.cross_entropy)
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=plan.micro_batch_size))
+    for batch in loader:
+        with accelerator.accumulate(model):   # steps every plan.gradient_accumulation_steps
+            ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from autobatch.device import Device
+from autobatch.errors import ConfigError
+from autobatch.integrations._tuning import SET_BY_FRAMEWORK, check_options, tune
+from autobatch.planner import Plan
+from autobatch.state import preserved_rng
+
+__all__ = ["autotune_accelerator"]
+
+_AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def autotune_accelerator(
+    accelerator: Any,
+    model: torch.nn.Module,
+    dataloader: Any,
+    effective_batch_size: int,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: str | Device | None = None,
+    **options: Any,
+) -> Plan:
+    """Probe the step, plan it, and set ``accelerator.gradient_accumulation_steps``.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+        model: the model, prepared by ``accelerator`` (or not).
+        dataloader: a DataLoader (prepared or not); its first batch is the probe's sample, so a
+            batch of the longest inputs makes the plan safe for all of them.
+        effective_batch_size: samples per optimizer step over all processes (> 0, a multiple of
+            ``accelerator.num_processes``).
+        optimizer: the training optimizer (Accelerate's wrapper or the torch one); None probes
+            with an AdamW.
+        device: None (the model's device), ``"cuda:N"``, ``"sim:SIZE"`` or a Device.
+        **options: how a batch becomes a loss (``loss_fn``, ``train_step``,
+            ``step_includes_update``; see :func:`autobatch.autotune`) and its probe and planner
+            options (``safety_margin``, ``max_gradient_accumulation_steps``, ``store``...).
+
+    Returns:
+        The Plan; ``accelerator.gradient_accumulation_steps`` is its
+        ``gradient_accumulation_steps``. Rebuild the dataloader with ``plan.micro_batch_size``.
+
+    Raises:
+        ConfigError: an option autotune does not take or that this function sets itself; an
+            empty dataloader.
+        DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
+            :func:`autobatch.autotune`.
+    """
+    check_options(options, caller="autotune_accelerator", owned=SET_BY_FRAMEWORK)
+    unwrapped = accelerator.unwrap_model(model)
+    inner_optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps one
+    sample = _first_batch(dataloader, next(unwrapped.parameters()).device)
+    result = tune(
+        unwrapped,
+        sample,
+        effective_batch_size=effective_batch_size,
+        world_size=int(accelerator.num_processes),
+        optimizer=inner_optimizer,
+        device=device,
+        amp_dtype=_AMP_DTYPES.get(str(accelerator.mixed_precision)),
+        options=options,
+        caller="autotune_accelerator",
+    )
+    accelerator.gradient_accumulation_steps = result.gradient_accumulation_steps
+    return result
+
+
+def _first_batch(dataloader: Any, device: torch.device) -> Any:
+    """The first batch of the dataloader's underlying DataLoader (Accelerate's wrapper keeps
+    iteration state and synchronises RNGs across processes; the plain one does neither), on
+    ``device``, with the RNG streams left as they were."""
+    base = getattr(dataloader, "base_dataloader", dataloader)
+    with preserved_rng():
+        iterator = iter(base)
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise ConfigError(
+                "the dataloader gave no batch; autotune_accelerator probes with its first one"
+            ) from None
+        finally:
+            del iterator
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
