@@ -138,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="probe the device, then plan")
     _add_model_args(tune)
     _add_plan_args(tune, world_sizes=False)
-    tune.add_argument("--device", default="cpu", help="cuda:N, cpu or sim:SIZE (e.g. sim:3GiB)")
+    tune.add_argument(
+        "--device",
+        help="cuda:N, cpu or sim:SIZE (e.g. sim:3GiB); default cuda:0 with CUDA, else cpu",
+    )
     tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
     tune.add_argument("--no-store", action="store_true", help="neither read nor write the store")
 
@@ -320,7 +323,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             spec.sample,
             optimizer=spec.optimizer,
             loss_fn=spec.loss_fn,
-            device=args.device,
+            device=_tune_device(args),
             amp_dtype=_amp(args),
             safety_margin=args.safety_margin,
             max_micro_batch_size=args.max_micro_batch_size,
@@ -335,6 +338,20 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     result = plan(profile, source=source, **_plan_kwargs(args, args.world_size))
     _print_plan(result, fmt, out, profile=profile)
     return 0
+
+
+def _tune_device(args: argparse.Namespace) -> str:
+    """``--device``, else where the model would train: ``cuda:0`` with CUDA, else ``cpu``;
+    says which on stderr."""
+    if args.device is not None:
+        return str(args.device)
+    import torch
+
+    device, why = (
+        ("cuda:0", "CUDA is available") if torch.cuda.is_available() else ("cpu", "no CUDA")
+    )
+    print(f"autobatch: tuning on {device} ({why}; --device chooses)", file=sys.stderr)
+    return device
 
 
 def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
@@ -467,12 +484,23 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
                 data = [{"id": pid, **p.to_dict()} for pid, p in rows]
                 print(json.dumps(data, indent=2), file=out)
                 return 0
-            for pid, p in rows:
-                print(
-                    f"{pid}  {p.created_at}  {p.device_name}  max {p.max_micro_batch_size}  "
-                    f"{p.optimizer}  {_input(p.input_shape)}  model {p.model_fingerprint}",
-                    file=out,
+            table = [("ID", "CREATED (UTC)", "DEVICE", "MAX", "OPTIMIZER", "INPUT", "MODEL")]
+            table += [
+                (
+                    pid,
+                    p.created_at[:16].replace("T", " ") or "-",
+                    p.device_name,
+                    str(p.max_micro_batch_size),
+                    p.optimizer or "-",
+                    _input(p.input_shape),
+                    p.model_fingerprint,
                 )
+                for pid, p in rows
+            ]
+            widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+            for row in table:
+                cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+                print("  ".join([*cells, row[-1]]), file=out)
             return 0
         if args.action == "show":
             print(json.dumps(store.get(args.profile_id).to_dict(), indent=2), file=out)
@@ -503,7 +531,8 @@ def _serve(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _input(shapes: Any) -> str:
-    return ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items())
+    """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``."""
+    return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
 
 
 class _Progress:

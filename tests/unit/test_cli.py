@@ -324,7 +324,40 @@ def test_tune_json_parses_and_second_run_is_cached(
     code, out, _ = run(capsys, *argv)
     assert code == 0 and json.loads(out)["plan"]["source"] == "cached"
     code, out, _ = run(capsys, "--store", str(tmp_path / "s.sqlite3"), "profiles", "list")
-    assert code == 0 and out.count("\n") == 1 and "sim" in out
+    assert code == 0
+    header, row = out.splitlines()
+    assert header.split() == [
+        "ID",
+        "CREATED",
+        "(UTC)",
+        "DEVICE",
+        "MAX",
+        "OPTIMIZER",
+        "INPUT",
+        "MODEL",
+    ]
+    assert row.index("sim") == header.index("DEVICE")  # columns line up under the header
+    assert row.index("input_ids 32, labels 32") == header.index("INPUT")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_tune_defaults_to_the_natural_device_and_says_which(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cuda: bool
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    code, out, err = run(
+        capsys,
+        *["tune", "examples.models:tiny_mlp", "--input-shape", "32", "--no-store", "--json"],
+        *["--max-micro-batch-size", "8", "--effective-batch-size", "64"],
+    )
+    if cuda:  # chosen, then refused: this machine has no GPU
+        assert err.startswith("autobatch: tuning on cuda:0 (CUDA is available; --device chooses)")
+        assert code == 1 and "CUDA device 0 does not exist" in err
+    else:
+        assert err == "autobatch: tuning on cpu (no CUDA; --device chooses)\n"
+        assert code == 0 and json.loads(out)["profile"]["device_type"] == "cpu"
 
 
 def test_profiles_show_and_delete_unknown(
