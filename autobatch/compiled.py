@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,10 +39,12 @@ CompiledMode = Compiled
 def is_compiled(model: torch.nn.Module) -> bool:
     """True when calling ``model`` enters torch.compile: it, or one of its submodules, is a
     ``torch.compile(module)`` wrapper or was compiled in place (``module.compile()``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    # Not imported means nothing was compiled; importing Dynamo would slow every gc.collect().
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper: type[Any] | None = getattr(eval_frame, "OptimizedModule", None)
     return any(
-        isinstance(module, OptimizedModule) or module._compiled_call_impl is not None
+        (wrapper is not None and isinstance(module, wrapper))
+        or module._compiled_call_impl is not None
         for module in model.modules()
     )
 
@@ -55,7 +58,11 @@ def measures_compiled(device_type: str) -> bool:
 @contextmanager
 def eager() -> Iterator[None]:
     """Run every torch.compile'd function and module eagerly inside the block, without entering
-    Dynamo (nothing compiles, nothing is recorded as skipped). The previous stance is restored."""
+    Dynamo (nothing compiles, nothing is recorded as skipped). The previous stance is restored.
+    Without Dynamo imported nothing was compiled, and the block runs as it is."""
+    if "torch._dynamo" not in sys.modules:
+        yield
+        return
     with torch.compiler.set_stance("force_eager"):
         yield
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from autobatch.errors import DistributedError
 
-__all__ = ["ProcessGroupConsensus", "process_group_consensus"]
+__all__ = ["ProcessGroupConsensus", "collective_layout", "process_group_consensus"]
 
 T = TypeVar("T")
 
@@ -139,3 +139,20 @@ def process_group_consensus() -> ProcessGroupConsensus | None:
     if dist.is_available() and dist.is_initialized():
         return ProcessGroupConsensus()
     return None
+
+
+def collective_layout(model: torch.nn.Module) -> str:
+    """The name of the layout whose training step runs collectives inside it (FSDP's
+    all-gathers and reduce-scatters), or "" when the step has none.
+
+    Such a step cannot stop on one rank between two collectives (an out-of-memory error in the
+    middle of it) without leaving the other ranks waiting; see :func:`autobatch.probe`.
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            return "FSDP2 (fully_shard)"
+        if isinstance(module, FullyShardedDataParallel):
+            return "FSDP (FullyShardedDataParallel)"
+    return ""

@@ -45,6 +45,7 @@ from autobatch.compiled import (
 )
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
+from autobatch.distributed import collective_layout
 from autobatch.errors import (
     ConfigError,
     DistributedError,
@@ -197,6 +198,9 @@ def probe(
             f"the model is on {model_device} but the sample is on {source.device}; move the "
             f"sample with .to({str(model_device)!r})"
         )
+    layout = collective_layout(model)
+    if layout:
+        target = _safe_for_collectives(target, layout, consensus)
     snapshot = Snapshot.take(model, optimizer)
     run_optimizer = optimizer if optimizer is not None else _default_optimizer(model)
     try:
@@ -218,6 +222,7 @@ def probe(
             use_estimate=use_estimate,
             on_trial=on_trial,
             consensus=consensus if consensus is not None else LocalConsensus(),
+            layout=layout,
         ).run()
         if isinstance(sample, WorstCaseSample):  # the profile records the load it measured
             profile = dataclasses.replace(profile, notes=(*profile.notes, sample.describe()))
@@ -249,6 +254,7 @@ class _Probe:
         use_estimate: bool,
         on_trial: OnTrial | None,
         consensus: Consensus,
+        layout: str = "",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -264,6 +270,7 @@ class _Probe:
         self.use_estimate = use_estimate
         self.on_trial = on_trial
         self.consensus = consensus
+        self.layout = layout
         scaler = None
         if amp_dtype == torch.float16:
             scaler = torch.amp.GradScaler(device.torch_device.type)
@@ -368,6 +375,12 @@ class _Probe:
             self.notes.append(
                 "estimate not used: a train_step that updates by itself (step_includes_update) "
                 "cannot run on a fake copy of the model; used doubling-then-bisect"
+            )
+            return None, None
+        if self.layout:
+            self.notes.append(
+                f"estimate not used: the step of a model sharded with {self.layout} runs "
+                "collectives, which a fake copy cannot; used doubling-then-bisect"
             )
             return None, None
         try:
@@ -632,6 +645,43 @@ class _Probe:
             backend_flags=backend_flags(),
             created_at=now_iso(),
         )
+
+
+def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | None) -> Device:
+    """The device to probe a model whose step runs collectives (FSDP) on; refuses a layout that
+    cannot be probed without leaving a rank waiting in a collective.
+
+    Raises:
+        ConfigError: several ranks without a consensus, or several ranks on a device whose
+            allocator raises out-of-memory errors in the middle of a step (CUDA, CPU).
+    """
+    import torch.distributed as dist
+
+    from autobatch.device.simulated import SimulatedDevice
+
+    if consensus is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                f"the model is sharded with {layout} over {dist.get_world_size()} ranks, but "
+                "probe() got no consensus, so the ranks would probe apart and one that runs out "
+                "of memory would leave the others in a collective; call autobatch.autotune, or "
+                "pass consensus=autobatch.distributed.ProcessGroupConsensus() on every rank"
+            )
+        return device
+    if consensus.world_size == 1:
+        return device
+    if isinstance(device, SimulatedDevice):
+        return device.deferring_oom()
+    raise ConfigError(
+        f"cannot probe a model sharded with {layout} on {consensus.world_size} ranks of "
+        f"{device.type} ({device.name}): its step runs collectives (all-gathers, "
+        "reduce-scatters), and a rank that runs out of memory in the middle of it would leave "
+        "the others waiting in one until the process group's timeout. Probe the same layout "
+        "on simulated devices of each card's capacity instead (device='sim:80GiB': the step "
+        "runs on the CPU, an out-of-memory error is raised once the step ends), or probe on a "
+        "single rank (world size 1), or plan from a micro-batch size you know with "
+        "autobatch.plan(...)"
+    )
 
 
 def _needs_two_samples(exc: BaseException | None) -> bool:

@@ -35,13 +35,23 @@ class SimulatedDevice:
         foreign_memory_bytes: bytes "held by another process": the probe may use only
             ``capacity_bytes - foreign_memory_bytes``.
         name: shown in profiles; default ``"sim"``.
+        defer_oom: let a step that goes over the capacity run to its end, and raise the
+            ``OutOfMemoryError`` when :meth:`measure`'s block exits. The probe uses it for steps
+            with collectives inside (FSDP's all-gathers and reduce-scatters) on several ranks: a
+            rank that stopped mid-step would leave the others waiting in a collective. The peak
+            counted is the same either way.
 
     Raises:
         ConfigError: a size is not positive, or the foreign bytes leave nothing.
     """
 
     def __init__(
-        self, *, capacity_bytes: int, foreign_memory_bytes: int = 0, name: str = "sim"
+        self,
+        *,
+        capacity_bytes: int,
+        foreign_memory_bytes: int = 0,
+        name: str = "sim",
+        defer_oom: bool = False,
     ) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes {capacity_bytes} must be > 0, e.g. 2 * 2**30")
@@ -52,6 +62,7 @@ class SimulatedDevice:
         self._total = capacity_bytes
         self._foreign = foreign_memory_bytes
         self._name = name
+        self._defer_oom = defer_oom
         self.num_ooms = 0
         """OutOfMemoryErrors raised so far."""
 
@@ -94,18 +105,30 @@ class SimulatedDevice:
     @contextmanager
     def measure(self, resident: Sequence[torch.Tensor]) -> Iterator[PeakMemory]:
         """Run the block under a byte counter with the device's capacity; see ``Device``."""
+        usable = self._total - self._foreign
         tracker = LiveBytes(
-            capacity_bytes=self._total - self._foreign, on_exceeded=self._out_of_memory
+            capacity_bytes=None if self._defer_oom else usable, on_exceeded=self._out_of_memory
         )
         tracker.add_resident(resident)
         peak = PeakMemory()
         try:
-            if tracker.live_bytes > self._total - self._foreign:
+            if tracker.live_bytes > usable:
                 raise self._out_of_memory(0, tracker.live_bytes)
             with tracker:
                 yield peak
         finally:
             peak.allocated_bytes = peak.reserved_bytes = tracker.peak_bytes
+        if tracker.peak_bytes > usable:  # only with defer_oom: the step ran to its end
+            raise self._out_of_memory(tracker.peak_bytes - usable, usable)
+
+    def deferring_oom(self) -> SimulatedDevice:
+        """This device (same name and capacity) with ``defer_oom=True``."""
+        return SimulatedDevice(
+            capacity_bytes=self._total,
+            foreign_memory_bytes=self._foreign,
+            name=self._name,
+            defer_oom=True,
+        )
 
     def release(self) -> None:
         gc.collect()

@@ -1,0 +1,227 @@
+"""Probing models sharded with FSDP2 (``fully_shard``) on 2 gloo ranks on CPU: an out-of-memory
+error on one rank never leaves the other waiting in a collective, both ranks get the same plan,
+and the model trains afterwards. A layout that cannot be probed safely is refused at once."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autobatch import autotune, probe
+from autobatch.device.simulated import SimulatedDevice
+from autobatch.distributed import collective_layout
+from autobatch.profile import Trial
+from tests.conftest import spawn_and_wait
+
+GROUP_TIMEOUT_S = 30
+"""The process group's timeout: a rank left in a collective would wait this long, then fail."""
+
+
+def _sharded_mlp() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        for _ in range(3)
+    ]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 10))
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _local(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+
+
+def _worker(rank: int, world_size: int, tmp: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    result: dict[str, Any] = {}
+    try:
+        model = _sharded_mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sample = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+        before = _local(model)
+        trials: list[Trial] = []
+        started = time.monotonic()
+        plan = autotune(
+            model,
+            sample,
+            effective_batch_size=8192,
+            optimizer=optimizer,
+            loss_fn=F.cross_entropy,
+            device=["sim:48MiB", "sim:24MiB"][rank],
+            use_store=False,
+            on_trial=trials.append,
+        )
+        result["seconds"] = time.monotonic() - started
+        result["plan"] = plan.to_dict()
+        result["trials"] = [[t.micro_batch_size, t.fits, t.oom] for t in trials]
+        result["restored"] = all(
+            torch.equal(a, b) for a, b in zip(before, _local(model), strict=True)
+        )
+        result["untouched_optimizer"] = not optimizer.state
+        losses = []
+        for _ in range(3):  # trains afterwards, at the planned micro-batch
+            inputs = sample[0].repeat(4, 1)[: plan.micro_batch_size]
+            targets = sample[1].repeat(4)[: plan.micro_batch_size]
+            loss = F.cross_entropy(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        result["losses"] = losses
+        # A device whose allocator raises in the middle of a step: refused before any trial.
+        started = time.monotonic()
+        try:
+            autotune(
+                model,
+                sample,
+                effective_batch_size=64,
+                loss_fn=F.cross_entropy,
+                device="cpu",
+                use_store=False,
+            )
+        except Exception as exc:
+            result["cpu_error"] = [type(exc).__name__, str(exc), time.monotonic() - started]
+        try:
+            probe(model, sample, loss_fn=F.cross_entropy, device="sim:48MiB")
+        except Exception as exc:
+            result["no_consensus_error"] = [type(exc).__name__, str(exc)]
+        result["layout"] = collective_layout(model)
+        result["fsdp1"] = _fsdp1(rank, sample)
+    finally:
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def _fsdp1(rank: int, sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """FSDP1 on small simulated cards (2 MiB and 1 MiB): the same plan, and it trains after."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = FullyShardedDataParallel(mlp, device_id=torch.device("cpu"), use_orig_params=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    trials: list[Trial] = []
+    plan = autotune(
+        model,
+        sample,
+        effective_batch_size=1024,
+        optimizer=optimizer,
+        loss_fn=F.cross_entropy,
+        device=["sim:2MiB", "sim:1MiB"][rank],
+        use_store=False,
+        on_trial=trials.append,
+    )
+    loss = F.cross_entropy(model(sample[0]), sample[1])
+    loss.backward()
+    optimizer.step()
+    return {
+        "plan": plan.to_dict(),
+        "ooms": sum(t.oom for t in trials),
+        "layout": collective_layout(model),
+        "loss": float(loss),
+    }
+
+
+@pytest.fixture(scope="module")
+def fsdp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    spawn_and_wait(_worker, (2, str(tmp)), 2, timeout_s=4 * GROUP_TIMEOUT_S)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_fsdp2_rank_stops_no_rank_in_a_collective(
+    fsdp2_ranks: list[dict[str, Any]],
+) -> None:
+    first, second = fsdp2_ranks
+
+    # The smaller card ran out of memory where the larger one did not: rank 1 alone saw OOMs.
+    assert any(oom for _, _, oom in second["trials"])
+    assert not any(oom for _, _, oom in first["trials"])
+    assert [size for size, *_ in first["trials"]] == [size for size, *_ in second["trials"]]
+    # No rank waited in a collective until the group's timeout.
+    assert first["seconds"] < GROUP_TIMEOUT_S and second["seconds"] < GROUP_TIMEOUT_S
+    assert first["plan"] == second["plan"]
+    plan = first["plan"]
+    assert plan["world_size"] == 2
+    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * 2 == 8192
+    largest_fitting = max(size for size, fits, _ in second["trials"] if fits)
+    assert plan["micro_batch_size"] <= largest_fitting
+
+
+@pytest.mark.slow
+def test_the_fsdp2_model_is_restored_and_trains_afterwards(
+    fsdp2_ranks: list[dict[str, Any]],
+) -> None:
+    for rank in fsdp2_ranks:
+        assert rank["restored"] and rank["untouched_optimizer"]
+        losses = rank["losses"]
+        assert all(loss == loss and loss < 10 for loss in losses)  # finite
+        assert losses[-1] < losses[0]  # it learns: the same batch, three steps
+    assert fsdp2_ranks[0]["losses"] == fsdp2_ranks[1]["losses"]  # one model, sharded
+
+
+@pytest.mark.slow
+def test_fsdp2_on_a_device_that_raises_mid_step_is_refused_at_once(
+    fsdp2_ranks: list[dict[str, Any]],
+) -> None:
+    for rank in fsdp2_ranks:
+        name, message, seconds = rank["cpu_error"]
+        assert name == "ConfigError"
+        assert "FSDP2 (fully_shard) on 2 ranks of cpu" in message
+        assert "device='sim:" in message  # the alternative
+        assert seconds < GROUP_TIMEOUT_S
+        name, message = rank["no_consensus_error"]
+        assert name == "ConfigError" and "got no consensus" in message
+        assert rank["layout"] == "FSDP2 (fully_shard)"
+
+
+@pytest.mark.slow
+def test_fsdp1_ranks_agree_too(fsdp2_ranks: list[dict[str, Any]]) -> None:
+    first, second = (rank["fsdp1"] for rank in fsdp2_ranks)
+
+    assert first["layout"] == "FSDP (FullyShardedDataParallel)"
+    assert first["plan"] == second["plan"]
+    assert first["ooms"] == 0 < second["ooms"]  # the 1 MiB card ran out; the plan is its
+    assert first["loss"] == second["loss"] < 10
+
+
+def test_a_plain_model_has_no_collective_layout() -> None:
+    assert collective_layout(torch.nn.Linear(2, 2)) == ""
+
+
+def test_a_simulated_device_deferring_oom_lets_the_step_end_then_raises_the_same_peak() -> None:
+    raising = SimulatedDevice(capacity_bytes=1 << 20, name="small")
+    deferring = raising.deferring_oom()
+    ran_to_the_end = []
+    oom = pytest.raises(torch.OutOfMemoryError, match="Simulated device small")
+    with oom, deferring.measure([]) as peak:
+        big = torch.zeros(1 << 19)  # 2 MiB: over the capacity
+        del big
+        ran_to_the_end.append(True)
+    assert ran_to_the_end == [True]
+    assert peak.allocated_bytes == 1 << 21
+    assert deferring.capacity() == raising.capacity()
+    with pytest.raises(torch.OutOfMemoryError), raising.measure([]):
+        torch.zeros(1 << 19)
+        ran_to_the_end.append(False)
+    assert ran_to_the_end == [True]
