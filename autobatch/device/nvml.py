@@ -352,7 +352,7 @@ class Nvml:
         lib = self._library()
         with _nvml_errors(lib, "list GPUs"):
             devices = self._scan(lib)
-            environ = self.environ
+            environ = _with_mounted_device_list(self.environ)
             physical_names = {device.name for device in devices if not device.is_mig}
             needs_speed = fastest_first(environ) and len(physical_names) > 1
             speed = self._speed(lib, devices) if needs_speed else None
@@ -485,6 +485,23 @@ class Nvml:
         lib = self._library()
         with _nvml_errors(lib, "read the driver version"):
             return _text(lib.nvmlSystemGetDriverVersion())
+
+
+def _with_mounted_device_list(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """``environ`` with a ``NVIDIA_VISIBLE_DEVICES`` path read as the device list it names.
+
+    The NVIDIA device plugin's ``volume-mounts`` strategy sets the variable to a directory
+    (``/var/run/nvidia-container-devices``) holding one entry per given device; a missing
+    directory gives an empty list (no device).
+    """
+    spec = environ.get(NVIDIA_VISIBLE_VAR, "")
+    if not spec.startswith("/"):
+        return environ
+    try:
+        names = sorted(os.listdir(spec))
+    except OSError:
+        names = []
+    return {**environ, NVIDIA_VISIBLE_VAR: ",".join(names)}
 
 
 def _is_stub(path: str) -> bool:

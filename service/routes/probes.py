@@ -10,7 +10,7 @@ from fastapi import APIRouter, Response
 
 from autobatch.errors import DeviceUnavailableError
 from service.deps import StateDep
-from service.gpus import GpuMonitor
+from service.gpus import HEALTH_FAILURES, GpuMonitor
 from service.jobs import Job, UnknownModelError
 from service.problems import Problem, problem_responses
 from service.registry import cuda_index
@@ -90,6 +90,8 @@ async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool)
         inventory = await gpus.inventory()
         visible = sorted(d.cuda_index for d in inventory.devices if d.cuda_index is not None)
     except DeviceUnavailableError as exc:
+        if exc.reason in HEALTH_FAILURES:
+            raise  # NVML hangs or lost a GPU: 503, not "no such device"
         reason = f"this node has no usable GPU ({exc})"
     else:
         if index in visible:

@@ -305,3 +305,15 @@ def test_a_probe_child_sees_the_containers_cards_in_the_services_numbering(
 
     _pin_visible_devices()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == H100_UUID  # the child's cuda:0 is cuda_index 0
+
+
+def test_a_probe_while_the_gpu_listing_hangs_is_503_not_unknown_device(
+    make_app: Callable[..., FastAPI], registry_file: Any
+) -> None:
+    fake = FakePynvml(two_gpus(), init_delay_s=1.0)  # nvmlInit itself hangs past the timeout
+    client = TestClient(
+        make_app(nvml=Nvml(fake, environ={}), config_file=registry_file, nvml_timeout_seconds=0.1)
+    )
+    response = client.post("/v1/probes", json={"model": "tiny-mlp", "device": "cuda:0"})
+    assert response.status_code == 503 and problem_type(response) == "nvml_timeout"
+    assert client.get("/v1/probes").json()["probes"] == []  # nothing was queued

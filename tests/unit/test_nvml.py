@@ -835,3 +835,32 @@ def test_cuda_device_without_cuda_is_device_unavailable() -> None:
         DeviceUnavailableError, match=r"CUDA is not available to torch .*--device sim:SIZE"
     ):
         CudaDevice(cuda_index=0)
+
+
+def test_a_cuda_device_on_a_mig_instance_is_named_with_its_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What a probe records as the profile's device_name, with torch's CUDA answering as on a
+    # MIG container (torch reports the instance's UUID) and NVML faked.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the real card answers")
+    properties = type("Props", (), {"uuid": "MIG-bbbb"})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    nvml = Nvml(FakePynvml(mig_machine()), environ={"NVIDIA_VISIBLE_DEVICES": "MIG-bbbb"})
+
+    device = CudaDevice(cuda_index=0, nvml=nvml)
+    assert device.name == "NVIDIA A100-SXM4-80GB MIG 1g.10gb"
+    assert nvml.gpu_for_uuid("MIG-bbbb").mig_profile == "1g.10gb"
+
+
+def test_nvidia_visible_devices_as_a_mounted_device_list(tmp_path: Path) -> None:
+    # The device plugin's volume-mounts strategy: the variable names a directory of devices.
+    (tmp_path / "GPU-cccc-3333").touch()
+    nvml = Nvml(FakePynvml(three_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": str(tmp_path)})
+    assert [(g.uuid, g.cuda_index) for g in nvml.list_gpus() if g.given] == [("GPU-cccc-3333", 0)]
+    missing = Nvml(FakePynvml(three_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": "/nonexistent"})
+    assert not any(g.given for g in missing.list_gpus())
