@@ -24,8 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import heapq
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,12 +44,13 @@ from autobatch.integrations._tuning import (
 )
 from autobatch.planner import Plan
 from autobatch.state import preserved_rng
+from autobatch.worst_case import worst_case_sample
 
-__all__ = ["autotune_trainer", "longest_rows", "row_length"]
+__all__ = ["autotune_trainer", "row_length"]
 
 SAMPLE_ROWS = 4
-"""Rows of the probe's sample: the longest ones of the train dataset (micro-batches of any size
-repeat them, so every micro-batch is padded to the longest row)."""
+"""Rows of the probe's sample: the longest ones of the train dataset by :func:`row_length`
+(micro-batches of any size repeat them; see :func:`autobatch.worst_case_sample`)."""
 
 
 def autotune_trainer(
@@ -111,9 +111,9 @@ def autotune_trainer(
     model = trainer.model
     world_size = _data_parallel_size(trainer)
     model_device = next(model.parameters()).device
-    if sample is None:
-        sample = _longest_batch(trainer)
-    sample = tree_map(lambda t: t.to(model_device) if isinstance(t, torch.Tensor) else t, sample)
+    sample = (
+        _worst_case_sample(trainer, model_device) if sample is None else _to(sample, model_device)
+    )
     step = FrameworkStep(
         lambda model, batch: _compute_loss(trainer, model, batch),
         identity=f"{code_identity(type(trainer).compute_loss)}:"
@@ -224,34 +224,51 @@ def _checkpointing(model: torch.nn.Module, args: Any) -> Iterator[None]:
         disable()  # type: ignore[operator]
 
 
-def _longest_batch(trainer: Any) -> Any:
-    """The Trainer's data collator applied to the longest rows of its train dataset (with the
-    columns its dataloader drops already dropped)."""
+def _worst_case_sample(trainer: Any, device: torch.device) -> Any:
+    """The Trainer's data collator over the longest rows of its train dataset (with the columns
+    its dataloader drops already dropped), on ``device``: a
+    :class:`~autobatch.WorstCaseSample` (the profile notes the length probed), or the collated
+    first rows of an iterable dataset."""
     if trainer.train_dataset is None:
         raise ConfigError("the Trainer has no train_dataset; pass train_dataset=... or sample=...")
-    loader = trainer.get_train_dataloader()  # the dataset and collator train() will use
+    with preserved_rng():
+        loader = trainer.get_train_dataloader()  # the dataset and collator train() will use
     dataset, collate = loader.dataset, loader.collate_fn
     registered = getattr(trainer.accelerator, "_dataloaders", None)
     if isinstance(registered, list) and loader in registered:
         registered.remove(loader)  # only built to read the two above
     del loader
-    with preserved_rng():
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            rows: list[Any] = []  # no length to scan: the first rows
-            for row in dataset:
-                rows.append(row)
-                if len(rows) == SAMPLE_ROWS:
-                    break
-        else:
-            rows = longest_rows(dataset, SAMPLE_ROWS)
-        if not rows:
-            raise ConfigError("the Trainer's train_dataset is empty; give it rows to train on")
-        return collate(rows)
+
+    def collate_on_device(rows: list[Any]) -> Any:
+        return _to(collate(rows), device)
+
+    with preserved_rng():  # reading rows may draw random numbers (augmentation)
+        if dataset_rows(dataset) is not None:
+            return worst_case_sample(
+                dataset, key=row_length, collate_fn=collate_on_device, num_items=SAMPLE_ROWS
+            )
+        rows: list[Any] = []  # no length to scan: the first rows
+        for row in dataset:
+            rows.append(row)
+            if len(rows) == SAMPLE_ROWS:
+                break
+    if not rows:
+        raise ConfigError("the Trainer's train_dataset is empty; give it rows to train on")
+    return collate_on_device(rows)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
 
 
 def row_length(row: Any) -> int:
     """A row's load: the length of its longest sequence field (a list, a tuple or a tensor's
-    first dimension; a mapping's values or a sequence's items), 0 when it has none."""
+    first dimension; a mapping's values or a tuple's items), 0 when it has none.
+
+    Example::
+
+        row_length({"input_ids": [5, 7, 9], "label": 1})   # 3
+    """
     values = row.values() if isinstance(row, Mapping) else row if isinstance(row, tuple) else [row]
     longest = 0
     for value in values:
@@ -260,16 +277,3 @@ def row_length(row: Any) -> int:
         elif isinstance(value, list | tuple):
             longest = max(longest, len(value))
     return longest
-
-
-def longest_rows(dataset: Sequence[Any], count: int) -> list[Any]:
-    """The ``count`` longest rows of ``dataset`` by :func:`row_length` (ties: earlier rows
-    first), in dataset order. Reads every row once.
-
-    Example::
-
-        longest_rows([{"input_ids": [1] * 3}, {"input_ids": [1] * 9}], 1)  # the 9-token row
-    """
-    loads = ((row_length(dataset[i]), -i) for i in range(len(dataset)))
-    chosen = sorted(-index for _, index in heapq.nlargest(count, loads))
-    return [dataset[i] for i in chosen]

@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 
 from autobatch.device.simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConfigError, NoFeasiblePlanError  # noqa: E402
-from autobatch.integrations.hf import autotune_trainer, longest_rows, row_length  # noqa: E402
+from autobatch.integrations.hf import autotune_trainer, row_length  # noqa: E402
 from autobatch.store import ProfileStore  # noqa: E402
 
 MIB = 2**20
@@ -57,11 +57,10 @@ def pad_collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 
 def make_trainer(tmp_path: Path, *, num_rows: int = 96, **arguments: Any) -> Any:
+    arguments = {"max_steps": 2, "per_device_train_batch_size": 2, **arguments}
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
-        max_steps=2,
-        per_device_train_batch_size=2,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
@@ -100,6 +99,7 @@ def test_autotune_trainer_sets_exact_sizes_and_the_trainer_trains_at_them(
     # The probe ran on the collator's batch of the longest rows.
     ((_, profile),) = store.list_profiles()
     assert profile.input_shape["input_ids"] == (LONGEST,)
+    assert any(f"row_length = {LONGEST}" in note for note in profile.notes)
     assert trainer.optimizer is None  # train() builds its own
     assert "do not fill whole optimizer steps" not in caplog.text
 
@@ -107,9 +107,22 @@ def test_autotune_trainer_sets_exact_sizes_and_the_trainer_trains_at_them(
     trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
+    torch.manual_seed(123)
     trainer.train()
     assert trainer.state.global_step == 2
     assert seen == [plan.micro_batch_size] * (2 * plan.gradient_accumulation_steps)
+
+    # Same run with the sizes given by hand: same weights, so the probe left nothing behind
+    # (weights, optimizer, RNG streams).
+    by_hand = make_trainer(
+        tmp_path,
+        per_device_train_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+    )
+    torch.manual_seed(123)
+    by_hand.train()
+    for mine, theirs in zip(trainer.model.parameters(), by_hand.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_rows_that_leave_a_short_last_step_are_reported(
@@ -170,9 +183,7 @@ def test_an_effective_batch_that_cannot_be_exact_is_refused(tmp_path: Path) -> N
     assert trainer.args.per_device_train_batch_size == 2  # unchanged
 
 
-def test_longest_rows_picks_the_longest_in_dataset_order() -> None:
-    rows = [{"input_ids": [0] * n, "label": 1} for n in (3, 9, 5, 9, 7)]
-    assert [len(r["input_ids"]) for r in longest_rows(rows, 3)] == [9, 9, 7]
-    assert longest_rows(rows, 3)[0] is rows[1]
+def test_row_length_is_the_longest_sequence_field() -> None:
+    assert row_length({"input_ids": [0] * 9, "labels": [0] * 9, "label": 1}) == 9
     assert row_length((torch.zeros(6, 2), 4)) == 6
     assert row_length({"pixel_values": torch.zeros(()), "x": 1}) == 0
