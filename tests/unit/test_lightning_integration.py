@@ -5,7 +5,12 @@ weights as a run given the same sizes by hand)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +23,7 @@ from autobatch.device.simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.lightning import AutobatchFinder  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 CAPACITY_BYTES = MIB * 3 // 10  # an MLP 32-256-10 with AdamW fits about 50 samples here
 
@@ -176,3 +182,32 @@ def test_an_effective_batch_the_world_cannot_split_is_refused_before_probing() -
     with pytest.raises(NoFeasiblePlanError, match="96.*multiples of 64.*64 below, 128 above"):
         make_trainer(finder).fit(Classifier())
     assert device.num_ooms == 0
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_the_smaller_card_and_train_at_the_plan(tmp_path: Path) -> None:
+    # Rank 1's card is smaller: the plan must fit it, and both ranks must apply the same plan.
+    smaller = AutobatchFinder(96, device=SimulatedDevice(capacity_bytes=MIB // 4), use_store=False)
+    make_trainer(smaller, max_steps=1).fit(Classifier())
+    assert smaller.plan is not None
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("lightning_ddp_worker.py")), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    plan = ranks[0]["plan"]
+    assert plan["world_size"] == 2
+    assert plan["max_micro_batch_size"] == smaller.plan.max_micro_batch_size
+    for rank in ranks:
+        assert rank["world_size"] == 2 and rank["global_step"] == 2
+        assert rank["batch_size"] * rank["accumulate_grad_batches"] * 2 == 96
+        assert rank["seen"] == [plan["micro_batch_size"]] * (
+            2 * plan["gradient_accumulation_steps"]
+        )
+    assert ranks[0]["first_weight"] == ranks[1]["first_weight"]  # DDP kept them in step
