@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
+    # transformers picks the loss from the class name, which here names none: say it, rather than
+    # have it warn "`loss_type=None` ... unrecognized" and fall back to the same loss.
+    model.loss_type = "ForCausalLM"
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     make_batch = token_batches(args.seq_len, config.vocab_size, seed=0)
 

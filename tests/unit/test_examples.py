@@ -26,6 +26,7 @@ def _run_example(store: Path) -> str:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "loss_type" not in done.stderr  # transformers' warning when no loss is named
     return done.stdout
 
 
