@@ -31,7 +31,7 @@ from autobatch.device.nvml import REASONS, Nvml
 from autobatch.device.visible import NvmlDevice, VisibleDevices
 from autobatch.errors import DeviceUnavailableError
 
-__all__ = ["GpuMonitor", "Inventory", "Reading"]
+__all__ = ["HEALTH_FAILURES", "GpuMonitor", "Inventory", "Reading"]
 
 T = TypeVar("T")
 

@@ -346,7 +346,13 @@ class Nvml:
     def visible(self) -> tuple[list[NvmlDevice], VisibleDevices]:
         """Every NVML device with its ``cuda_index`` and ``given`` set, and the resolved set.
 
-        No memory is read. Raises:
+        No memory is read: this is the listing the service caches, apart from the readings.
+
+        Returns:
+            The devices in NVML order (each GPU in MIG mode followed by its instances) and the
+            :class:`~autobatch.device.visible.VisibleDevices` they were resolved with.
+
+        Raises:
             DeviceUnavailableError: no driver or libnvidia-ml, or the listing failed.
         """
         lib = self._library()
