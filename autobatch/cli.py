@@ -120,7 +120,7 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole flag set (a test snapshots it)."""
+    """The whole flag set: global options, then one subparser per command."""
     parser = argparse.ArgumentParser(
         prog="autobatch", description="Memory-aware micro-batch auto-tuner for PyTorch training."
     )
@@ -310,20 +310,20 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.limits import stored_profile_source
-    from autobatch.planner import plan
-    from autobatch.tuning import autotune_profile
+    from autobatch.device import resolve_device
+    from autobatch.tuning import tune
 
-    spec = _load(args)
+    target = resolve_device(_tune_device(args))
+    spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
     progress = _Progress(enabled=fmt == "text")
     try:
-        profile, cached = autotune_profile(
+        tuned = tune(
             spec.model,
             spec.sample,
             optimizer=spec.optimizer,
             loss_fn=spec.loss_fn,
-            device=_tune_device(args),
+            device=target,
             amp_dtype=_amp(args),
             safety_margin=args.safety_margin,
             max_micro_batch_size=args.max_micro_batch_size,
@@ -331,12 +331,11 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             use_store=not args.no_store,
             refresh=args.refresh,
             on_trial=progress.trial,
+            **_plan_kwargs(args, args.world_size),
         )
     finally:
         progress.close()
-    source = stored_profile_source(profile) if cached else None
-    result = plan(profile, source=source, **_plan_kwargs(args, args.world_size))
-    _print_plan(result, fmt, out, profile=profile)
+    _print_plan(tuned.plan, fmt, out, profile=tuned.profile)
     return 0
 
 

@@ -38,7 +38,7 @@ from autobatch.planner import Plan, Uneven, WorldSizeOption
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileNotFoundError
 
-__all__ = ["AutobatchClient", "ProbeStatus", "ServiceError", "report_profile"]
+__all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError", "report_profile"]
 
 _PROBLEM = "urn:autobatch:problem:"
 
@@ -55,6 +55,8 @@ class ProbeStatus:
     num_trials: int
     num_ooms: int
     largest_fitting_micro_batch_size: int
+    cached: bool
+    """True when the job answered from the server's store without running a step."""
     profile_id: str | None
     profile: Profile | None
     error: str
@@ -64,8 +66,57 @@ class ProbeStatus:
         return self.status in ("succeeded", "failed")
 
 
-def _raise_for_problem(response: httpx.Response) -> None:
-    """The one place where an error response becomes an autobatch exception."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRequest:
+    """The body of ``POST /v1/plan`` (the service's ``PlanCreate``); see
+    :meth:`AutobatchClient.plan` for the fields."""
+
+    effective_batch_size: int
+    world_size: int = 1
+    world_sizes: tuple[int, ...] | None = None
+    profile_id: str | None = None
+    model_fingerprint: str | None = None
+    max_micro_batch_size: int | None = None
+    memory_model: MemoryModel | None = None
+    cuda_index: int | None = None
+    uuid: str | None = None
+    capacity_bytes: int | None = None
+    node_labels: Mapping[str, str] | None = None
+    multiple_of: int = 1
+    max_gradient_accumulation_steps: int | None = None
+    uneven: Uneven = "auto"
+    allow_inexact: bool = False
+    safety_margin: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body: unset (None) fields left out, the device fields under ``device``."""
+        device_fields = ("cuda_index", "uuid", "capacity_bytes", "node_labels")
+        body: dict[str, Any] = {}
+        device: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            if isinstance(value, MemoryModel):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            (device if field.name in device_fields else body)[field.name] = value
+        if device:
+            body["device"] = device
+        return body
+
+
+def _raise_for_problem(response: httpx.Response, *, profile_id: str = "") -> None:
+    """The one place where an error response becomes an autobatch exception.
+
+    Args:
+        response: the server's answer.
+        profile_id: the profile the request named (for :class:`ProfileNotFoundError`); ``""``
+            when it named none (a model fingerprint's newest profile).
+    """
     if response.is_success:
         return
     try:
@@ -79,7 +130,6 @@ def _raise_for_problem(response: httpx.Response) -> None:
     message = f"{response.request.method} {response.request.url.path}: {detail}"
     status = response.status_code
     if slug == "unknown-profile":
-        profile_id = response.request.url.path.rsplit("/", 1)[-1]
         raise ProfileNotFoundError(message, profile_id=profile_id)
     if slug == "no-feasible-plan":
         raise NoFeasiblePlanError(message)
@@ -131,14 +181,16 @@ class AutobatchClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, profile_id: str = "", **kwargs: Any
+    ) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise ServiceError(
                 f"{method} {path}: cannot reach the autobatch service: {exc}", status=0
             ) from exc
-        _raise_for_problem(response)
+        _raise_for_problem(response, profile_id=profile_id)
         return response
 
     # -- plans -------------------------------------------------------------------------------
@@ -172,8 +224,24 @@ class AutobatchClient:
             ProfileNotFoundError: no such profile (or none for the fingerprint).
             DeviceUnavailableError, StoreError, ServiceError: see the module docstring.
         """
-        body = self._plan_body(locals())
-        return Plan.from_dict(self._request("POST", "/v1/plan", json=body).json()["plan"])
+        request = PlanRequest(
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            profile_id=profile_id,
+            model_fingerprint=model_fingerprint,
+            max_micro_batch_size=max_micro_batch_size,
+            memory_model=memory_model,
+            cuda_index=cuda_index,
+            uuid=uuid,
+            capacity_bytes=capacity_bytes,
+            node_labels=node_labels,
+            multiple_of=multiple_of,
+            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+            uneven=uneven,
+            allow_inexact=allow_inexact,
+            safety_margin=safety_margin,
+        )
+        return Plan.from_dict(self._post_plan(request)["plan"])
 
     def plan_world_sizes(
         self,
@@ -196,52 +264,39 @@ class AutobatchClient:
     ) -> list[WorldSizeOption]:
         """The plan at each of ``world_sizes`` (a scheduler choosing N GPUs); arguments and
         errors as for :meth:`plan`. The primary plan is made at ``min(world_sizes)``."""
-        arguments = dict(locals())
-        arguments["world_size"] = min(world_sizes)
-        body = self._plan_body(arguments)
-        body["world_sizes"] = list(world_sizes)
-        rows = self._request("POST", "/v1/plan", json=body).json()["world_size_options"]
+        request = PlanRequest(
+            effective_batch_size=effective_batch_size,
+            world_size=min(world_sizes),
+            world_sizes=tuple(world_sizes),
+            profile_id=profile_id,
+            model_fingerprint=model_fingerprint,
+            max_micro_batch_size=max_micro_batch_size,
+            memory_model=memory_model,
+            cuda_index=cuda_index,
+            uuid=uuid,
+            capacity_bytes=capacity_bytes,
+            node_labels=node_labels,
+            multiple_of=multiple_of,
+            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+            uneven=uneven,
+            allow_inexact=allow_inexact,
+            safety_margin=safety_margin,
+        )
         return [
             WorldSizeOption(
                 world_size=row["world_size"],
                 plan=None if row["plan"] is None else Plan.from_dict(row["plan"]),
                 reason=row["reason"],
             )
-            for row in rows
+            for row in self._post_plan(request)["world_size_options"]
         ]
 
-    @staticmethod
-    def _plan_body(arguments: Mapping[str, Any]) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            name: arguments[name]
-            for name in (
-                "effective_batch_size",
-                "world_size",
-                "profile_id",
-                "model_fingerprint",
-                "max_micro_batch_size",
-                "multiple_of",
-                "max_gradient_accumulation_steps",
-                "uneven",
-                "allow_inexact",
-                "safety_margin",
-            )
-            if arguments[name] is not None
-        }
-        model = arguments["memory_model"]
-        if model is not None:
-            body["memory_model"] = {
-                "fixed_bytes": model.fixed_bytes,
-                "bytes_per_sample": model.bytes_per_sample,
-            }
-        device = {
-            name: dict(arguments[name]) if name == "node_labels" else arguments[name]
-            for name in ("cuda_index", "uuid", "capacity_bytes", "node_labels")
-            if arguments[name] is not None
-        }
-        if device:
-            body["device"] = device
-        return body
+    def _post_plan(self, request: PlanRequest) -> dict[str, Any]:
+        response = self._request(
+            "POST", "/v1/plan", profile_id=request.profile_id or "", json=request.to_json()
+        )
+        data: dict[str, Any] = response.json()
+        return data
 
     # -- profiles ----------------------------------------------------------------------------
 
@@ -256,7 +311,7 @@ class AutobatchClient:
         Raises:
             ProfileNotFoundError: no profile has this id.
         """
-        data = self._request("GET", f"/v1/profiles/{profile_id}").json()
+        data = self._request("GET", f"/v1/profiles/{profile_id}", profile_id=profile_id).json()
         return Profile.from_dict(data["profile"])
 
     def list_profiles(
@@ -281,7 +336,7 @@ class AutobatchClient:
         Raises:
             ProfileNotFoundError: no profile has this id.
         """
-        self._request("DELETE", f"/v1/profiles/{profile_id}")
+        self._request("DELETE", f"/v1/profiles/{profile_id}", profile_id=profile_id)
 
     # -- devices and probes ------------------------------------------------------------------
 
@@ -313,14 +368,17 @@ class AutobatchClient:
             for row in data["devices"]
         ]
 
-    def start_probe(self, model_name: str, *, device: str | None = None) -> str:
-        """``POST /v1/probes`` for a model registered on the server; returns the job id.
+    def start_probe(
+        self, model_name: str, *, device: str | None = None, refresh: bool = False
+    ) -> str:
+        """``POST /v1/probes`` for a model registered on the server; returns the job id. A
+        stored profile that still answers is the job's result unless ``refresh``.
 
         Raises:
             ConfigError: the model is not registered there.
             ServiceError: the device's queue is full (status 409).
         """
-        body: dict[str, Any] = {"model": model_name}
+        body: dict[str, Any] = {"model": model_name, "refresh": refresh}
         if device is not None:
             body["device"] = device
         return str(self._request("POST", "/v1/probes", json=body).json()["id"])
@@ -337,6 +395,7 @@ class AutobatchClient:
             num_trials=progress["num_trials"],
             num_ooms=progress["num_ooms"],
             largest_fitting_micro_batch_size=progress["largest_fitting_micro_batch_size"],
+            cached=data["cached"],
             profile_id=data["profile_id"],
             profile=None if data["profile"] is None else Profile.from_dict(data["profile"]),
             error=data["error"],

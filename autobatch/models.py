@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from autobatch.errors import ConfigError
 
@@ -53,6 +54,26 @@ class ModelSpec:
     sample: Any
     loss_fn: Callable[..., torch.Tensor] | None = None
     optimizer: torch.optim.Optimizer | None = None
+
+    def to(self, device: torch.device) -> ModelSpec:
+        """The model and sample on ``device``: the one place where the CLI and the service's
+        probe jobs put what they built on the device they probe (the library never moves a
+        user's model). The model moves in place (its parameters keep their identity, so an
+        optimizer built over them stays valid); the sample's tensors are copied.
+
+        Raises:
+            ConfigError: the sample is a callable (it builds its batches where it likes).
+        """
+        if callable(self.sample) and not isinstance(self.sample, torch.Tensor):
+            raise ConfigError(
+                f"model {self.name!r}: a callable sample cannot be moved to {device}; return "
+                "a sample batch from the factory"
+            )
+        self.model.to(device)
+        sample = tree_map(
+            lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.sample
+        )
+        return dataclasses.replace(self, sample=sample)
 
 
 def _transformers() -> Any:

@@ -185,19 +185,9 @@ def probe(
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
-    model_device = _model_device(model)
-    target = resolve_device(device, default=model_device)
-    if _normal(target.torch_device) != _normal(model_device):
-        raise ConfigError(
-            f"the model is on {model_device} but the device to probe is {target.name} "
-            f"({target.torch_device}); move the model with model.to({str(target.torch_device)!r})"
-        )
+    target = resolve_device(device, default=_model_device(model))
     source = BatchSource.from_sample(sample)
-    if _normal(source.device) != _normal(model_device):
-        raise ConfigError(
-            f"the model is on {model_device} but the sample is on {source.device}; move the "
-            f"sample with .to({str(model_device)!r})"
-        )
+    check_placement(model, source, target)
     layout = collective_layout(model)
     if layout:
         target = _safe_for_collectives(target, layout, consensus)
@@ -696,6 +686,26 @@ def _hint(exc: BaseException) -> str:
             "(and let it step and zero the optimizer too)"
         )
     return ""
+
+
+def check_placement(model: torch.nn.Module, source: BatchSource, target: Device) -> None:
+    """The model and the sample are on the device to probe (a probe never moves them).
+
+    Raises:
+        ConfigError: either is elsewhere (names both devices and the fix), or the model spans
+            devices or has no tensors.
+    """
+    model_device = _model_device(model)
+    if _normal(target.torch_device) != _normal(model_device):
+        raise ConfigError(
+            f"the model is on {model_device} but the device to probe is {target.name} "
+            f"({target.torch_device}); move the model with model.to({str(target.torch_device)!r})"
+        )
+    if _normal(source.device) != _normal(model_device):
+        raise ConfigError(
+            f"the model is on {model_device} but the sample is on {source.device}; move the "
+            f"sample with .to({str(model_device)!r})"
+        )
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

@@ -9,6 +9,11 @@ ranks agree (:mod:`autobatch.distributed`): a size fits only if it fits on every
 profile is used only when every rank has the same device, i.e. the same cache key), and every
 rank returns the same Plan.
 
+One road: :func:`autotune` (the Python API) and the CLI's ``tune`` go through :func:`tune`
+(the plan and the profile), which checks that some plan is possible before it probes and then
+calls :func:`autotune_profile`; the service's probe jobs call :func:`autotune_profile` directly
+(they store a profile, and plan later). The store is read and written only there.
+
 Example::
 
     plan = autobatch.autotune(model, sample, effective_batch_size=1024, device="sim:8GiB")
@@ -17,10 +22,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,13 +40,44 @@ from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.limits import stored_profile_source
 from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
 from autobatch.planner import Plan, Uneven, plan
-from autobatch.probing import OnTrial, _model_device, probe
+from autobatch.probing import OnTrial, _model_device, check_placement, probe
 from autobatch.profile import Profile, profile_cache_key
 from autobatch.splitting import SplitEvent
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
 
-__all__ = ["autotune", "autotune_profile", "split_recorder"]
+__all__ = [
+    "ReportWarning",
+    "TunedProfile",
+    "Tuning",
+    "autotune",
+    "autotune_profile",
+    "split_recorder",
+    "tune",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TunedProfile:
+    """What :func:`autotune_profile` found."""
+
+    profile: Profile
+    cached: bool
+    """True when the profile came from the store (no step ran)."""
+    profile_id: str | None
+    """The profile's id in the store; None when no store was used, on ranks other than 0, or
+    when the profile was not stored (a non-OOM failure cut the search short)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Tuning:
+    """What :func:`tune` found: the plan and the profile it was made from."""
+
+    plan: Plan
+    """``source`` is ``"cached"`` when the profile came from the store."""
+    profile: Profile
+    profile_id: str | None
+    """As for :attr:`TunedProfile.profile_id`."""
 
 
 def autotune(
@@ -96,6 +134,59 @@ def autotune(
         StoreError: the store is corrupt, newer, or not writable.
         DistributedError: under torch.distributed, another rank failed (it raises the cause).
     """
+    return tune(
+        model,
+        sample,
+        effective_batch_size=effective_batch_size,
+        world_size=world_size,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        device=device,
+        amp_dtype=amp_dtype,
+        safety_margin=safety_margin,
+        max_micro_batch_size=max_micro_batch_size,
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+        uneven=uneven,
+        allow_inexact=allow_inexact,
+        store=store,
+        use_store=use_store,
+        refresh=refresh,
+        report_to=report_to,
+        on_trial=on_trial,
+    ).plan
+
+
+def tune(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    effective_batch_size: int,
+    world_size: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    train_step: TrainStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None = None,
+    amp_dtype: torch.dtype | None = None,
+    safety_margin: float = 0.05,
+    max_micro_batch_size: int = DEFAULT_LIMIT,
+    multiple_of: int = 1,
+    max_gradient_accumulation_steps: int | None = None,
+    uneven: Uneven = "auto",
+    allow_inexact: bool = False,
+    store: ProfileStore | str | os.PathLike[str] | None = None,
+    use_store: bool = True,
+    refresh: bool = False,
+    report_to: str | None = None,
+    on_trial: OnTrial | None = None,
+) -> Tuning:
+    """:func:`autotune`, returning the profile (and its id in the store) beside the plan.
+
+    Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this.
+    """
     if world_size is None:
         group = process_group_consensus()
         world_size = 1 if group is None else group.world_size
@@ -109,7 +200,7 @@ def autotune(
     }
     # Fail before probing when no micro-batch the probe could find makes a plan.
     plan(max_micro_batch_size, **constraints)
-    profile, cached = autotune_profile(
+    found = autotune_profile(
         model,
         sample,
         optimizer=optimizer,
@@ -126,8 +217,9 @@ def autotune(
         report_to=report_to,
         on_trial=on_trial,
     )
-    source = stored_profile_source(profile) if cached else None
-    return plan(profile, source=source, **constraints)
+    source = stored_profile_source(found.profile) if found.cached else None
+    result = plan(found.profile, source=source, **constraints)
+    return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
 
 
 def autotune_profile(
@@ -142,21 +234,29 @@ def autotune_profile(
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = 0.05,
     max_micro_batch_size: int = DEFAULT_LIMIT,
+    use_estimate: bool = True,
     store: ProfileStore | str | os.PathLike[str] | None = None,
     use_store: bool = True,
     refresh: bool = False,
     report_to: str | None = None,
     on_trial: OnTrial | None = None,
-) -> tuple[Profile, bool]:
-    """The profile :func:`autotune` plans from, and whether it came from the store.
+) -> TunedProfile:
+    """The profile :func:`autotune` plans from: a stored one that answers this request, else a
+    new probe (stored unless a non-OOM failure cut it short).
 
-    Under torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
+    Arguments as for :func:`autotune`; ``use_estimate`` as for :func:`autobatch.probe`. Under
+    torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
+
+    Raises:
+        As :func:`autotune`, except NoFeasiblePlanError.
     """
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
     target = resolve_device(device, default=_model_device(model))
     consensus = process_group_consensus()
+    source = BatchSource.from_sample(sample)
+    check_placement(model, source, target)  # before the device is asked anything
     capacity_now = target.capacity()
     key = _cache_key(
         model,
@@ -182,6 +282,7 @@ def autotune_profile(
             amp_dtype=amp_dtype,
             safety_margin=safety_margin,
             max_micro_batch_size=max_micro_batch_size,
+            use_estimate=use_estimate,
             on_trial=on_trial,
             consensus=consensus,
         )
@@ -210,22 +311,33 @@ def autotune_profile(
             run_probe=run_probe,
             report_to=report_to,
         )
-    opened = None
-    if use_store and not isinstance(store, ProfileStore):
-        opened = store = ProfileStore(store)
-    try:
-        if isinstance(store, ProfileStore) and not refresh:
-            found = store.find(key)
+    with _opened(store if use_store else _NO_STORE) as active:
+        if active is not None and not refresh:
+            found = active.find(key)
             if found is not None and accepts(found[1]):
-                return found[1], True
+                return TunedProfile(profile=found[1], cached=True, profile_id=found[0])
         profile = run_probe()
-        if isinstance(store, ProfileStore) and not profile.failed_micro_batch_size:
-            store.put(profile)
+        profile_id = None
+        if active is not None and not profile.failed_micro_batch_size:
+            profile_id = active.put(profile)
         _report(report_to, profile)
-        return profile, False
-    finally:
-        if opened is not None:
-            opened.close()
+        return TunedProfile(profile=profile, cached=False, profile_id=profile_id)
+
+
+_NO_STORE = object()
+
+
+@contextlib.contextmanager
+def _opened(store: object) -> Iterator[ProfileStore | None]:
+    """The store to use: a given ProfileStore as it is (left open), a path (or None: the default
+    store) opened and closed here, :data:`_NO_STORE` none at all."""
+    if store is _NO_STORE:
+        yield None
+    elif isinstance(store, ProfileStore):
+        yield store
+    else:
+        with ProfileStore(store) as opened:  # type: ignore[arg-type]
+            yield opened
 
 
 def _agreed_profile(
@@ -238,7 +350,7 @@ def _agreed_profile(
     accepts: Callable[[Profile], bool],
     run_probe: Callable[[], Profile],
     report_to: str | None,
-) -> tuple[Profile, bool]:
+) -> TunedProfile:
     """Under torch.distributed: rank 0 reads the store and every rank uses what it found, or all
     probe together; rank 0 writes the result and every rank returns rank 0's profile.
 
@@ -247,6 +359,7 @@ def _agreed_profile(
     """
     use_store = consensus.all_equal(key) and use_store
     opened: list[ProfileStore] = []  # rank 0 only
+    profile_id: list[str] = []  # rank 0 only
 
     def look_up() -> Profile | None:
         if not use_store:
@@ -256,20 +369,28 @@ def _agreed_profile(
         else:
             opened.append(ProfileStore(store))
         found = None if refresh else opened[0].find(key)
-        return found[1] if found is not None and accepts(found[1]) else None
+        if found is None or not accepts(found[1]):
+            return None
+        profile_id.append(found[0])
+        return found[1]
 
     def save(profile: Profile) -> Profile:
         if opened and not profile.failed_micro_batch_size:
-            opened[0].put(profile)
+            profile_id.append(opened[0].put(profile))
         _report(report_to, profile)
         return profile
 
     try:
         cached = consensus.on_rank_zero(look_up, "reading the profile store")
         if cached is not None:
-            return cached, True
+            return TunedProfile(
+                profile=cached, cached=True, profile_id=profile_id[0] if profile_id else None
+            )
         profile = run_probe()
-        return consensus.on_rank_zero(lambda: save(profile), "writing the profile store"), False
+        agreed = consensus.on_rank_zero(lambda: save(profile), "writing the profile store")
+        return TunedProfile(
+            profile=agreed, cached=False, profile_id=profile_id[0] if profile_id else None
+        )
     finally:
         if opened and not isinstance(store, ProfileStore):
             opened[0].close()
@@ -298,8 +419,20 @@ def _report(report_to: str | None, profile: Profile) -> None:
             "The plan is returned and the profile is in the local store; send it later with "
             "autobatch.client.report_profile(url, profile), or probe again with refresh=True",
             ReportWarning,
-            stacklevel=4,
+            stacklevel=_outside_autobatch(),
         )
+
+
+def _outside_autobatch() -> int:
+    """The ``stacklevel`` that points a warning at the user's line: the first caller outside
+    the autobatch package (autotune, tune and autotune_profile sit at different depths)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)  # the function that warns
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 CAPACITY_TOLERANCE = 0.01

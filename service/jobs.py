@@ -1,4 +1,6 @@
-"""Probe jobs: each runs ``autobatch.probe`` on a registered model in its own child process.
+"""Probe jobs: each tunes a registered model in its own child process, through the library's
+one road (:func:`autobatch.tuning.autotune_profile`): a stored profile that still answers is the
+result, unless the job asks for ``refresh``; otherwise the child probes and stores the profile.
 
 Scheduling, per GPU (``"cuda:0"``) and one for the host (``cpu`` and every ``sim:SIZE``, see
 :func:`queue_key`): one job runs at a time; later jobs wait in a first-in, first-out queue of at
@@ -7,8 +9,10 @@ most ``max_queued`` jobs, and a submission beyond that raises :class:`QueueFullE
 
 A job's child is started with the ``spawn`` method (no state inherited from the server; torch is
 imported there, never in the server), reports each trial through a queue, and sends back the
-profile, which the server stores. A child that exceeds the timeout is killed; a child that
-crashes or is killed from outside marks its job failed; the server carries on with the next job.
+profile with its id in the store (the child writes the store's file, which SQLite lets processes
+share; the server stores what the child did not). A child that exceeds the timeout is killed; a
+child that crashes or is killed from outside marks its job failed; the server carries on with the
+next job.
 
 Example::
 
@@ -87,6 +91,10 @@ class Job:
     num_ooms: int = 0
     largest_fitting_micro_batch_size: int = 0
     last_trial: dict[str, Any] | None = None
+    refresh: bool = False
+    """Probe even when the store has a profile that answers."""
+    cached: bool = False
+    """True when the job answered from the store (no step ran)."""
     profile_id: str | None = None
     profile: dict[str, Any] | None = None
     error: str = ""
@@ -125,8 +133,12 @@ class JobManager:
         self._closed = False
         self._context = multiprocessing.get_context("spawn")
 
-    def submit(self, model: str, *, device: str | None = None) -> Job:
+    def submit(self, model: str, *, device: str | None = None, refresh: bool = False) -> Job:
         """Queue a probe of the registered ``model`` on ``device`` (default: the entry's).
+
+        A stored profile of the same model, input and device that still answers (see
+        :func:`autobatch.tuning.autotune_profile`) is the job's result, without a step, unless
+        ``refresh``.
 
         Raises:
             UnknownModelError: ``model`` is not registered.
@@ -156,6 +168,7 @@ class JobManager:
                 device=target,
                 status="queued",
                 created_at=_now(),
+                refresh=refresh,
             )
             self._jobs[job.id] = job
             waiting.append(job.id)
@@ -238,7 +251,7 @@ class JobManager:
                 job = self._jobs[job_id]
                 entry = self.registry.models[job.model]
             try:
-                self._run(job_id, entry, job.device)
+                self._run(job_id, entry, job.device, job.refresh)
             except Exception as exc:  # a bug here must not stop the device's queue
                 with self._lock:
                     self._update(
@@ -249,11 +262,17 @@ class JobManager:
                     )
                 self._on_event("failed")
 
-    def _run(self, job_id: str, entry: ModelEntry, device: str) -> None:
+    def _store_path(self) -> str | None:
+        """The store's file for the child; None for an in-memory store (the child cannot share
+        it: each job then probes, and the parent stores the result)."""
+        path = str(self._store.path)
+        return None if path == ":memory:" else path
+
+    def _run(self, job_id: str, entry: ModelEntry, device: str, refresh: bool) -> None:
         messages = self._context.Queue()
         child = self._context.Process(
             target=_child_main,
-            args=(entry.model_dump(), device, messages),
+            args=(entry.model_dump(), device, self._store_path(), refresh, messages),
             name=f"autobatch-probe-{job_id}",
             daemon=True,
         )
@@ -333,11 +352,15 @@ class JobManager:
         changes: dict[str, Any] = {"finished_at": _now(), "child_pid": None}
         if kind == "profile":
             try:
-                profile = Profile.from_dict(payload)
+                profile = Profile.from_dict(payload["profile"])
+                # The road stored it (or found it stored); a profile it does not store (cut
+                # short by a non-OOM failure, or an in-memory store) is kept here, so every
+                # job's result has an id to plan from.
                 changes.update(
                     status="succeeded",
                     profile=profile.to_dict(),
-                    profile_id=self._store.put(profile),
+                    cached=bool(payload["cached"]),
+                    profile_id=payload["profile_id"] or self._store.put(profile),
                 )
             except Exception as exc:
                 changes.update(status="failed", error=f"cannot store the profile: {exc}")
@@ -377,10 +400,17 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat()
 
 
-def _child_main(entry_data: dict[str, Any], device: str, messages: Any) -> None:
-    """The child process: build the registered model and sample, probe, report. Imports torch."""
+def _child_main(
+    entry_data: dict[str, Any],
+    device: str,
+    store_path: str | None,
+    refresh: bool,
+    messages: Any,
+) -> None:
+    """The child process: build the registered model and sample, tune, report. Imports torch."""
     try:
-        messages.put(("profile", _probe(ModelEntry.model_validate(entry_data), device, messages)))
+        entry = ModelEntry.model_validate(entry_data)
+        messages.put(("profile", _tune(entry, device, store_path, refresh, messages)))
     except Exception as exc:
         text = describe(exc)  # remedies as the service words them
         first_line = text.splitlines()[0] if text else ""
@@ -404,16 +434,45 @@ def _pin_visible_devices() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(resolved)
 
 
-def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
-    import torch
-    import torch.nn.functional as F
-
+def _tune(
+    entry: ModelEntry, device: str, store_path: str | None, refresh: bool, messages: Any
+) -> dict[str, Any]:
+    """Through the library's one road (:func:`autobatch.tuning.autotune_profile`): a stored
+    profile that still answers, unless ``refresh``; else a probe, stored by the road."""
     from autobatch.device import resolve_device
-    from autobatch.probing import probe
+    from autobatch.tuning import autotune_profile
 
     if cuda_index(device) is not None:
         _pin_visible_devices()
     target = resolve_device(device)
+    spec = _registered_model(entry).to(target.torch_device)
+    found = autotune_profile(
+        spec.model,
+        spec.sample,
+        loss_fn=spec.loss_fn,
+        device=target,
+        safety_margin=entry.safety_margin,
+        max_micro_batch_size=entry.max_micro_batch_size,
+        use_estimate=entry.use_estimate,
+        store=store_path,
+        use_store=store_path is not None,
+        refresh=refresh,
+        on_trial=lambda trial: messages.put(("trial", dataclasses.asdict(trial))),
+    )
+    return {
+        "profile": found.profile.to_dict(),
+        "cached": found.cached,
+        "profile_id": found.profile_id,
+    }
+
+
+def _registered_model(entry: ModelEntry) -> Any:
+    """The entry's model (its factory, seeded) and a random sample of one row, on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    from autobatch.models import ModelSpec
+
     module_name, _, function_name = entry.factory.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), function_name)
@@ -423,7 +482,7 @@ def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
             "working directory and PYTHONPATH are the import path)"
         ) from exc
     torch.manual_seed(0)
-    model = factory().to(target.torch_device)
+    model = factory()
     tensors: dict[str, torch.Tensor] = {}
     for name, spec in entry.inputs.items():
         shape = (1, *spec.shape)
@@ -434,20 +493,11 @@ def _probe(entry: ModelEntry, device: str, messages: Any) -> dict[str, Any]:
             tensors[name] = torch.randint(0, 2, shape).bool()
         else:
             tensors[name] = torch.randint(0, spec.high, shape, dtype=dtype)
-    tensors = {name: t.to(target.torch_device) for name, t in tensors.items()}
-    sample: Any = tensors
-    loss_fn = None
-    if entry.loss is not None:
-        sample = (tensors["input"], tensors["target"])
-        loss_fn = getattr(F, entry.loss)
-    profile = probe(
-        model,
-        sample,
-        loss_fn=loss_fn,
-        device=target,
-        safety_margin=entry.safety_margin,
-        max_micro_batch_size=entry.max_micro_batch_size,
-        use_estimate=entry.use_estimate,
-        on_trial=lambda trial: messages.put(("trial", dataclasses.asdict(trial))),
+    if entry.loss is None:
+        return ModelSpec(name=entry.factory, model=model, sample=tensors)
+    return ModelSpec(
+        name=entry.factory,
+        model=model,
+        sample=(tensors["input"], tensors["target"]),
+        loss_fn=getattr(F, entry.loss),
     )
-    return profile.to_dict()

@@ -36,21 +36,48 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from autobatch.device import parse_device
 from autobatch.errors import ConfigError
 
-__all__ = ["DEVICE_PATTERN", "InputSpec", "ModelEntry", "Registry", "load_registry"]
+__all__ = ["DeviceName", "InputSpec", "ModelEntry", "Registry", "load_registry"]
 
-DEVICE_PATTERN = r"^(cpu|cuda:[0-9]{1,4}|sim:[0-9]{1,15}(\.[0-9]+)?\s?[KMGT]?i?B?)$"
-"""Devices a probe may run on: ``cpu``, ``cuda:N``, ``sim:SIZE``."""
+
+def check_device(device: str) -> str:
+    """A device string the library understands (:func:`autobatch.device.parse_device`, the one
+    parser), for pydantic fields; raises ``ValueError`` naming the accepted forms."""
+    try:
+        parse_device(device)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return device
+
+
+DeviceName = Annotated[
+    str,
+    Field(
+        max_length=64,
+        description="'cuda:N', 'cpu' or 'sim:SIZE' (a simulated card, e.g. 'sim:16GiB')",
+        examples=["cuda:0", "cpu", "sim:16GiB"],
+    ),
+    AfterValidator(check_device),
+]
+"""A device a probe may run on, checked by the library's parser."""
 
 
 def cuda_index(device: str) -> int | None:
     """The CUDA index of a ``cuda:N`` device (``"cuda:01"`` is 1); None for ``cpu`` and
-    ``sim:SIZE``."""
-    kind, _, index = device.partition(":")
-    return int(index) if kind == "cuda" and index.isascii() and index.isdigit() else None
+    ``sim:SIZE``. ``device`` was checked by :data:`DeviceName`."""
+    return parse_device(device).cuda_index
 
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -78,7 +105,7 @@ class ModelEntry(BaseModel):
     inputs: dict[str, InputSpec] = Field(min_length=1)
     loss: LossName | None = None
     """A ``torch.nn.functional`` loss: the sample is ``(inputs["input"], inputs["target"])``."""
-    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
+    device: DeviceName = "cpu"
     max_micro_batch_size: int = Field(default=4096, ge=1, le=1 << 20)
     safety_margin: float = Field(default=0.05, ge=0, lt=1)
     use_estimate: bool = True

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from autobatch.profile import PROFILE_SCHEMA_VERSION
-from service.registry import DEVICE_PATTERN
+from service.registry import DeviceName
 
 __all__ = [
     "DeviceList",
@@ -378,8 +378,13 @@ class ProbeCreate(_Strict):
     """A probe of a model registered in the server's config file (never code named here)."""
 
     model: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
-    device: Annotated[str, Field(pattern=DEVICE_PATTERN)] | None = Field(
+    device: DeviceName | None = Field(
         default=None, description="Override the registered device, e.g. 'cuda:1'."
+    )
+    refresh: bool = Field(
+        default=False,
+        description="Probe even when a stored profile of this model on this device still "
+        "answers (by default such a job finishes at once with that profile).",
     )
 
 
@@ -401,6 +406,8 @@ class ProbePublic(BaseModel):
     queue_position: int | None
     child_pid: int | None
     progress: ProbeProgress
+    cached: bool
+    """True when the job answered from the store without running a step."""
     profile_id: str | None
     profile: ProfileBase | None
     error: str

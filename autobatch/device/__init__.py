@@ -31,7 +31,9 @@ __all__ = [
     "GpuInfo",
     "MemoryInfo",
     "MemorySource",
+    "ParsedDevice",
     "PeakMemory",
+    "parse_device",
     "resolve_device",
 ]
 
@@ -161,8 +163,59 @@ class Device(Protocol):
     def synchronize(self) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ParsedDevice:
+    """A device string understood: ``cuda:N``, ``cpu`` or ``sim:SIZE`` (no torch needed)."""
+
+    type: Literal["cuda", "cpu", "sim"]
+    cuda_index: int | None = None
+    """torch's CUDA index for ``cuda:N`` (``"cuda"`` alone is 0); None otherwise."""
+    capacity_bytes: int | None = None
+    """The simulated card's memory for ``sim:SIZE``, bytes; None otherwise."""
+
+    def __str__(self) -> str:
+        if self.type == "cuda":
+            return f"cuda:{self.cuda_index}"
+        if self.type == "sim":
+            return f"sim:{self.capacity_bytes}"
+        return "cpu"
+
+
+def parse_device(text: str) -> ParsedDevice:
+    """The one parser of device strings, shared by the library, the CLI and the service.
+
+    Args:
+        text: ``"cuda:N"`` (``"cuda"`` is ``"cuda:0"``), ``"cpu"``, or ``"sim:SIZE"`` with a memory
+            size such as ``"sim:2GiB"`` (see :func:`autobatch.units.parse_bytes`); surrounding
+            blanks are ignored.
+
+    Raises:
+        ConfigError: anything else (names the value and the accepted forms).
+    """
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"device {text!r} is not a device; pass 'cuda:N', 'cpu', 'sim:SIZE' or a Device"
+        )
+    kind, sep, rest = text.strip().partition(":")
+    if kind == "sim":
+        from autobatch.units import parse_bytes
+
+        if not rest.strip():
+            raise ConfigError(f"device {text!r}: give the simulated capacity, e.g. 'sim:2GiB'")
+        return ParsedDevice(type="sim", capacity_bytes=parse_bytes(rest.strip()))
+    if kind == "cpu" and not sep:
+        return ParsedDevice(type="cpu")
+    if kind == "cuda":
+        index = rest if sep else "0"
+        if not (index.isascii() and index.isdigit()):
+            raise ConfigError(f"device {text!r}: the CUDA index must be a number, e.g. 'cuda:0'")
+        return ParsedDevice(type="cuda", cuda_index=int(index))
+    raise ConfigError(f"device {text!r} is not understood; use 'cuda:N', 'cpu' or 'sim:SIZE'")
+
+
 def resolve_device(spec: str | Device | None, *, default: torch.device | None = None) -> Device:
-    """Turn ``"cuda:0"``, ``"cpu"``, ``"sim:2GiB"``, a Device, or None into a Device.
+    """Turn ``"cuda:0"``, ``"cpu"``, ``"sim:2GiB"`` (see :func:`parse_device`), a Device, or None
+    into a Device.
 
     Args:
         spec: the device. None means ``default`` (typically the model's device).
@@ -172,32 +225,21 @@ def resolve_device(spec: str | Device | None, *, default: torch.device | None = 
         ConfigError: the spec is not understood (names the value and the accepted forms).
         DeviceUnavailableError: CUDA was asked for but is not available.
     """
-    if spec is not None and not isinstance(spec, str):
-        if isinstance(spec, Device):
-            return spec
-        raise ConfigError(
-            f"device {spec!r} is not a device; pass 'cuda:N', 'cpu', 'sim:SIZE' or a Device"
-        )
+    if isinstance(spec, Device):
+        return spec
     if spec is None:
         spec = str(default) if default is not None else "cpu"
-    text = spec.strip()
-    if text == "sim" or text.startswith("sim:"):
+    parsed = parse_device(spec)
+    if parsed.type == "sim":
         from autobatch.device.simulated import SimulatedDevice
-        from autobatch.units import parse_bytes
 
-        _, sep, size = text.partition(":")
-        if not sep or not size:
-            raise ConfigError(f"device {spec!r}: give the simulated capacity, e.g. 'sim:2GiB'")
-        return SimulatedDevice(capacity_bytes=parse_bytes(size))
-    if text == "cpu":
+        assert parsed.capacity_bytes is not None
+        return SimulatedDevice(capacity_bytes=parsed.capacity_bytes)
+    if parsed.type == "cpu":
         from autobatch.device.cpu import CpuDevice
 
         return CpuDevice()
-    if text == "cuda" or text.startswith("cuda:"):
-        from autobatch.device.cuda import CudaDevice
+    from autobatch.device.cuda import CudaDevice
 
-        index_text = text.partition(":")[2] or "0"
-        if not (index_text.isascii() and index_text.isdigit()):
-            raise ConfigError(f"device {spec!r}: the CUDA index must be a number, e.g. 'cuda:0'")
-        return CudaDevice(cuda_index=int(index_text))
-    raise ConfigError(f"device {spec!r} is not understood; use 'cuda:N', 'cpu' or 'sim:SIZE'")
+    assert parsed.cuda_index is not None
+    return CudaDevice(cuda_index=parsed.cuda_index)

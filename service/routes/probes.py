@@ -51,6 +51,7 @@ def probe_public(job: Job) -> ProbePublic:
             if job.last_trial is None
             else TrialBase.model_validate(job.last_trial, strict=False),
         ),
+        cached=job.cached,
         profile_id=job.profile_id,
         profile=None
         if job.profile is None
@@ -66,14 +67,15 @@ def probe_public(job: Job) -> ProbePublic:
     responses=problem_responses(400, 404, 409, 413, 415, 422),
 )
 async def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> ProbePublic:
-    """Queues the job and returns at once (``Location`` names it). 404 for a model not in the
-    server's registry; 422 for a CUDA device this node does not have; 409 when the device's
-    queue is full."""
+    """Queues the job and returns at once (``Location`` names it). A stored profile of the model
+    on the device that still answers is the job's result, without a step, unless ``refresh``.
+    404 for a model not in the server's registry; 422 for a CUDA device this node does not have;
+    409 when the device's queue is full."""
     entry = state.jobs.registry.models.get(body.model)
     if entry is not None:
         await _check_cuda_device(body.device or entry.device, state.gpus, body.device is None)
     try:
-        job = state.jobs.submit(body.model, device=body.device)
+        job = state.jobs.submit(body.model, device=body.device, refresh=body.refresh)
     except UnknownModelError as exc:
         raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
     response.headers["Location"] = f"/v1/probes/{job.id}"

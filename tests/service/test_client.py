@@ -106,6 +106,39 @@ def test_errors_become_autobatch_errors(api: AutobatchClient) -> None:
         api.start_probe("resnet")
 
 
+def test_a_missing_profile_names_the_id_asked_for(api: AutobatchClient) -> None:
+    with pytest.raises(ProfileNotFoundError, match="x") as planned:
+        api.plan(profile_id="x", effective_batch_size=8)
+    assert planned.value.profile_id == "x"  # not "plan", the last part of the URL
+    with pytest.raises(ProfileNotFoundError) as fingerprinted:
+        api.plan(model_fingerprint="no-such-model", effective_batch_size=8)
+    assert fingerprinted.value.profile_id == ""  # the request named no profile id
+    with pytest.raises(ProfileNotFoundError) as deleted:
+        api.delete_profile("y")
+    assert deleted.value.profile_id == "y"
+
+
+def test_plan_request_body_leaves_out_what_is_unset_and_groups_the_device() -> None:
+    from autobatch.client import PlanRequest
+
+    body = PlanRequest(
+        effective_batch_size=64,
+        world_sizes=(1, 2),
+        memory_model=MemoryModel(fixed_bytes=3, bytes_per_sample=2),
+        node_labels={"nvidia.com/gpu.product": "NVIDIA-H100"},
+    ).to_json()
+    assert body == {
+        "effective_batch_size": 64,
+        "world_size": 1,
+        "world_sizes": [1, 2],
+        "memory_model": {"fixed_bytes": 3, "bytes_per_sample": 2},
+        "multiple_of": 1,
+        "uneven": "auto",
+        "allow_inexact": False,
+        "device": {"node_labels": {"nvidia.com/gpu.product": "NVIDIA-H100"}},
+    }
+
+
 def test_devices(api: AutobatchClient) -> None:
     gpus = api.list_devices()
     assert [(g.cuda_index, g.memory.total_memory_bytes) for g in gpus] == [

@@ -812,6 +812,16 @@ def test_a_probe_on_a_gpu_this_node_lacks_is_422_at_once(
     assert client.get("/v1/probes").json()["probes"] == []  # nothing was queued
 
 
+@pytest.mark.parametrize("device", ["sim:0", "gpu:0", "cuda:x"])
+def test_a_device_the_library_cannot_parse_is_422(
+    make_app: Callable[..., FastAPI], registry_file: Path, device: str
+) -> None:
+    client = TestClient(make_app(config_file=registry_file))
+    response = client.post("/v1/probes", json={"model": "tiny-mlp", "device": device})
+    assert fields(problem(response, 422, "validation")) == ["body.device"]
+    assert client.get("/v1/probes").json()["probes"] == []
+
+
 def test_probing_without_a_registry_says_how_to_give_one(client: TestClient) -> None:
     body = problem(client.post("/v1/probes", json={"model": "tiny-mlp"}), 404, "unknown-model")
     assert "started without --config-file" in body["detail"]
@@ -898,6 +908,39 @@ def test_probe_queue_per_device_timeout_and_409(
     listed = client.get("/v1/probes").json()["probes"]
     assert [p["id"] for p in listed] == [second.json()["id"], first.json()["id"]]
     assert 'autobatch_probe_jobs_total{event="failed"} 2.0' in client.get("/metrics").text
+
+
+@pytest.mark.slow  # three spawned children, each importing torch
+def test_a_second_probe_job_answers_from_the_store_unless_refresh(
+    make_app: Callable[..., FastAPI], registry_file: Path
+) -> None:
+    app = make_app(config_file=registry_file)
+    client, store = TestClient(app), app.state.service.store
+    first = wait_for(
+        client,
+        client.post("/v1/probes", json={"model": "tiny-mlp"}).json()["id"],
+        {"succeeded", "failed"},
+    )
+    assert first["status"] == "succeeded", first["error"]
+    assert not first["cached"] and first["progress"]["num_trials"] >= 2
+    again = wait_for(
+        client,
+        client.post("/v1/probes", json={"model": "tiny-mlp"}).json()["id"],
+        {"succeeded", "failed"},
+    )
+    assert again["status"] == "succeeded", again["error"]
+    assert again["cached"] and again["progress"]["num_trials"] == 0  # no step ran
+    assert again["profile_id"] == first["profile_id"] and again["profile"] == first["profile"]
+    assert len(store.list_profiles()) == 1  # no duplicate stored
+    fresh = wait_for(
+        client,
+        client.post("/v1/probes", json={"model": "tiny-mlp", "refresh": True}).json()["id"],
+        {"succeeded", "failed"},
+    )
+    assert fresh["status"] == "succeeded", fresh["error"]
+    assert not fresh["cached"] and fresh["progress"]["num_trials"] >= 2
+    assert fresh["profile_id"] != first["profile_id"]
+    assert len(store.list_profiles()) == 2
 
 
 # -- OpenAPI -----------------------------------------------------------------------------------

@@ -157,3 +157,44 @@ def test_a_service_that_cannot_take_the_report_warns_and_the_plan_is_returned(
     assert plan.source == "measured" and plan.effective_batch_size == 64
     assert "cannot reach the autobatch service" in str(caught[0].message)
     assert caught[0].filename == __file__  # points at the caller's autotune line
+
+
+def test_use_store_false_neither_reads_nor_writes_a_given_store(tmp_path: Path) -> None:
+    model = mlp()
+    sample = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    step = CountingStep()
+    with ProfileStore(tmp_path / "s.sqlite3") as store:
+        kwargs: dict[str, Any] = {
+            "effective_batch_size": 64,
+            "train_step": step,
+            "device": "sim:6MiB",
+            "store": store,
+        }
+        assert autotune(model, sample, **kwargs).source == "measured"
+        (stored,) = store.list_profiles()
+        steps_before = step.real_calls
+        again = autotune(model, sample, use_store=False, **kwargs)
+        assert again.source == "measured"  # the stored profile would have answered: not read
+        assert step.real_calls > steps_before
+        assert store.list_profiles() == [stored]  # nothing written
+
+
+def test_tune_returns_the_plan_the_profile_and_its_stored_id(tmp_path: Path) -> None:
+    model = mlp()
+    sample = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    kwargs: dict[str, Any] = {
+        "effective_batch_size": 96,
+        "loss_fn": F.cross_entropy,
+        "device": "sim:6MiB",
+        "store": tmp_path / "s.sqlite3",
+    }
+    first = autobatch.tuning.tune(model, sample, **kwargs)
+    assert first.plan.source == "measured"
+    assert first.plan.micro_batch_size <= first.profile.recommended_micro_batch_size
+    second = autobatch.tuning.tune(model, sample, **kwargs)
+    assert second.plan.source == "cached"
+    assert second.profile_id == first.profile_id is not None
+    with ProfileStore(tmp_path / "s.sqlite3") as store:
+        assert store.get(first.profile_id) == first.profile == second.profile
+    unstored = autobatch.tuning.tune(model, sample, use_store=False, **kwargs)
+    assert unstored.profile_id is None

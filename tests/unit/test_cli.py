@@ -1,4 +1,4 @@
-"""The command line: exit codes and output on good and bad input, and the flag set."""
+"""The command line: exit codes and output on good and bad input; NVML and devices faked."""
 
 from __future__ import annotations
 
@@ -6,10 +6,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from autobatch.cli import build_parser, main
+import autobatch.device
+from autobatch.cli import main
+from autobatch.device import Capacity, nvml
+from autobatch.device.nvml import Nvml
+from autobatch.errors import DeviceUnavailableError
+from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -19,74 +26,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def test_flag_set_snapshot() -> None:
-    parser = build_parser()
-    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    flags = {
-        name: sorted(opt for action in sub._actions for opt in action.option_strings)
-        for name, sub in commands.items()
-    }
-    assert flags == {
-        "devices": sorted(["--json", "-h", "--help"]),
-        "estimate": sorted(
-            [
-                "-h",
-                "--help",
-                "--seq-len",
-                "--image-size",
-                "--input-shape",
-                "--amp",
-                "--safety-margin",
-                "--max-micro-batch-size",
-                "--capacity",
-                "--json",
-            ]
-        ),
-        "tune": sorted(
-            [
-                "-h",
-                "--help",
-                "--seq-len",
-                "--image-size",
-                "--input-shape",
-                "--amp",
-                "--safety-margin",
-                "--max-micro-batch-size",
-                "--effective-batch-size",
-                "--world-size",
-                "--multiple-of",
-                "--max-gradient-accumulation-steps",
-                "--uneven",
-                "--allow-inexact",
-                "--format",
-                "--json",
-                "--device",
-                "--refresh",
-                "--no-store",
-            ]
-        ),
-        "plan": sorted(
-            [
-                "-h",
-                "--help",
-                "--max-micro-batch-size",
-                "--profile",
-                "--effective-batch-size",
-                "--world-size",
-                "--multiple-of",
-                "--max-gradient-accumulation-steps",
-                "--uneven",
-                "--allow-inexact",
-                "--format",
-                "--json",
-                "--capacity",
-            ]
-        ),
-        "profiles": ["--help", "-h"],
-        "serve": [],
-    }
 
 
 def test_plan_field_case_64_over_24(capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,14 +164,30 @@ def test_missing_extras_name_the_install_from_the_checkout(
     assert "autobatch[" not in err
 
 
-def test_devices_without_nvml_says_so_in_one_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "autobatch", "devices"], capture_output=True, text=True, timeout=120
+def test_devices_without_a_driver_says_so_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    no_driver = FakePynvml([], init_errors=[ERROR_CLASSES["NVMLError_DriverNotLoaded"]()])
+    monkeypatch.setattr(nvml, "default_nvml", lambda: Nvml(no_driver, environ={}))
+    code, out, err = run(capsys, "devices")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "NVML is not available" in err
+    assert "Traceback" not in err
+
+
+def test_devices_lists_what_nvml_reports(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpus = FakePynvml(
+        [FakeGpu(uuid="GPU-aaaa", name="NVIDIA A100-SXM4-80GB", total=80 * GiB, free=79 * GiB)]
     )
-    assert result.returncode == 1
-    assert result.stderr.strip().count("\n") == 0
-    assert "NVML is not available" in result.stderr
-    assert "Traceback" not in result.stderr
+    monkeypatch.setattr(nvml, "default_nvml", lambda: Nvml(gpus, environ={}))
+    code, out, _ = run(capsys, "devices")
+    assert code == 0
+    assert out.startswith("nvml 0  cuda 0  NVIDIA A100-SXM4-80GB  GPU-aaaa  total 80.00 GiB")
+    code, out, _ = run(capsys, "devices", "--json")
+    (listed,) = json.loads(out)
+    assert listed["uuid"] == "GPU-aaaa" and listed["memory"]["free_memory_bytes"] == 79 * GiB
 
 
 def test_devices_lists_a_mig_instance_whose_parent_refuses_queries(
@@ -358,6 +313,68 @@ def test_tune_defaults_to_the_natural_device_and_says_which(
     else:
         assert err == "autobatch: tuning on cpu (no CUDA; --device chooses)\n"
         assert code == 0 and json.loads(out)["profile"]["device_type"] == "cpu"
+
+
+TINY = ["tests.service.models:tiny_mlp", "--input-shape", "32"]
+
+
+def test_tune_no_store_neither_reads_nor_writes_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    store = tmp_path / "s.sqlite3"
+    argv = ["--store", str(store), "tune", *TINY, "--device", "sim:4MiB"]
+    argv += ["--effective-batch-size", "64", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out)["plan"]["source"] == "measured"
+    code, out, err = run(capsys, *argv, "--no-store")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["source"] == "measured"  # the stored profile was not read
+    code, out, _ = run(capsys, "--store", str(store), "profiles", "list", "--json")
+    assert len(json.loads(out)) == 1  # and the second was not written
+
+
+class OtherCard:
+    """A device whose tensors live on ``meta``, not the CPU: stands for ``cuda:0`` here. The
+    road checks that model and sample are on it before asking it anything; then it stops."""
+
+    name = "other-card"
+    type = "sim"
+    torch_device = torch.device("meta")
+    driver_version = ""
+
+    def capacity(self) -> Capacity:
+        raise DeviceUnavailableError("reached other-card with the model and sample on it")
+
+    def measure(self, resident: Any) -> Any:
+        raise AssertionError("not reached")
+
+    def release(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_tune_puts_model_and_sample_on_a_device_other_than_the_cpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``autobatch tune ... --device cuda:0`` once left the loaded model on the CPU."""
+    asked: list[str] = []
+
+    def resolve(spec: Any, **kwargs: Any) -> Any:
+        if isinstance(spec, OtherCard):  # the library passes a resolved device through
+            return spec
+        asked.append(spec)
+        return OtherCard()
+
+    monkeypatch.setattr(autobatch.device, "resolve_device", resolve)
+    code, _, err = run(
+        capsys, "tune", *TINY, "--device", "cuda:0", "--effective-batch-size", "8", "--no-store"
+    )
+    assert asked == ["cuda:0"]
+    assert code == 1
+    assert "reached other-card with the model and sample on it" in err, err
 
 
 def test_profiles_show_and_delete_unknown(

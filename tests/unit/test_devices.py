@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autobatch.device import ParsedDevice, parse_device, resolve_device
 from autobatch.device import cpu as cpu_module
-from autobatch.device import resolve_device
 from autobatch.device.cpu import CpuDevice
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
@@ -90,6 +90,35 @@ def test_resolve_simulated(spec: str, expected: int) -> None:
 def test_resolve_rejects(spec: object) -> None:
     with pytest.raises(ConfigError, match="device"):
         resolve_device(spec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("cuda:3", ParsedDevice(type="cuda", cuda_index=3)),
+        ("cuda", ParsedDevice(type="cuda", cuda_index=0)),
+        ("cuda:01", ParsedDevice(type="cuda", cuda_index=1)),
+        (" cpu ", ParsedDevice(type="cpu")),
+        ("sim:1.5GiB", ParsedDevice(type="sim", capacity_bytes=3 * 2**29)),
+        ("sim:16 MiB", ParsedDevice(type="sim", capacity_bytes=16 * 2**20)),
+    ],
+)
+def test_parse_device(text: str, expected: ParsedDevice) -> None:
+    assert parse_device(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("cpu:0", "not understood"),
+        ("cuda:-1", "CUDA index must be a number"),
+        ("sim:0", "memory size"),
+        ("tpu", "not understood"),
+    ],
+)
+def test_parse_device_rejects_with_the_value_and_the_forms(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_device(text)
 
 
 def test_backend_flags_are_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,16 +34,17 @@ def test_cache_misses_when_another_process_took_memory(tmp_path: Path) -> None:
     model, x = mlp(), torch.randn(4, 256)
     alone = SimulatedDevice(capacity_bytes=24 << 20)
     busy = SimulatedDevice(capacity_bytes=24 << 20, foreign_memory_bytes=8 << 20)
-    first, cached = autotune_profile(model, x, loss_fn=square_loss, device=alone, store=store)
-    assert not cached
-    second, cached = autotune_profile(model, x, loss_fn=square_loss, device=busy, store=store)
-    assert not cached
-    assert second.max_micro_batch_size < first.max_micro_batch_size
-    again, cached = autotune_profile(model, x, loss_fn=square_loss, device=busy, store=store)
-    assert cached and again.max_micro_batch_size == second.max_micro_batch_size
-    freed, cached = autotune_profile(model, x, loss_fn=square_loss, device=alone, store=store)
-    assert not cached  # the newest profile was probed with less room: probe again
-    assert freed.max_micro_batch_size == first.max_micro_batch_size
+    first = autotune_profile(model, x, loss_fn=square_loss, device=alone, store=store)
+    assert not first.cached
+    second = autotune_profile(model, x, loss_fn=square_loss, device=busy, store=store)
+    assert not second.cached
+    assert second.profile.max_micro_batch_size < first.profile.max_micro_batch_size
+    again = autotune_profile(model, x, loss_fn=square_loss, device=busy, store=store)
+    assert again.cached and again.profile_id == second.profile_id
+    assert again.profile.max_micro_batch_size == second.profile.max_micro_batch_size
+    freed = autotune_profile(model, x, loss_fn=square_loss, device=alone, store=store)
+    assert not freed.cached  # the newest profile was probed with less room: probe again
+    assert freed.profile.max_micro_batch_size == first.profile.max_micro_batch_size
 
 
 @pytest.mark.parametrize(
@@ -68,8 +69,7 @@ def test_cache_misses_when_the_step_differs(tmp_path: Path, change: str) -> None
         changed["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         sample = (sample[0], sample[1].to(torch.uint8))
-    _, cached = autotune_profile(model, sample, **changed)
-    assert not cached
+    assert not autotune_profile(model, sample, **changed).cached
 
 
 def test_a_profile_cut_short_by_a_non_oom_failure_is_not_cached(tmp_path: Path) -> None:
