@@ -94,8 +94,6 @@ class FakeGpu:
     """1 enabled, 0 disabled, None: nvmlDeviceGetMigMode raises NotSupported."""
     mig_slots: dict[int, FakeGpu] = dataclasses.field(default_factory=dict)
     max_mig_devices: int = 7
-    processes: list[tuple[int, int | None]] | None = dataclasses.field(default_factory=list)
-    """(pid, usedGpuMemory bytes); None: the query raises NotSupported."""
     memory_v2_error: type[Exception] | None = None
     memory_v1_error: type[Exception] | None = None
     memory_gate: threading.Event | None = None
@@ -229,12 +227,6 @@ class FakePynvml:
         if index not in handle.mig_slots:
             raise NVMLError_NotFound()
         return handle.mig_slots[index]
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpu) -> list[Any]:
-        self._check()
-        if handle.processes is None:
-            raise NVMLError_NotSupported()
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in handle.processes]
 
     def nvmlDeviceGetNumGpuCores(self, handle: FakeGpu) -> int:
         self._check()
