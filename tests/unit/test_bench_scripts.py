@@ -83,8 +83,11 @@ def test_accumulate_overhead_quick_prints_each_workload_with_its_interval() -> N
     for workload in ("tiny", "mlp", "gpt2"):
         assert f"{workload}: 6 interleaved repetitions" in out
     rows = [line.split() for line in out.splitlines() if "paired ratio" in line]
-    assert len(rows) == 6  # the A/A control and the Accumulator, per workload
+    # Per workload: the A/A control, the Accumulator, Window.run raise and split (against the
+    # hand-written loop), and split against raise.
+    assert len(rows) == 15
     for row in rows:
         ratio = float(row[row.index("ratio") + 1])
         assert 0.2 < ratio < 5.0, row  # a measured ratio of two timed loops, not a constant
-    assert out.count("target < 2%:") == 3
+    assert out.count("target < 2%:") == 6
+    assert out.count("run split / run raise paired ratio") == 3

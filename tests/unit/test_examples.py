@@ -50,3 +50,35 @@ def test_train_gpt2_autotunes_then_accumulates_token_weighted_windows(tmp_path: 
 
     again = _run_example(store)  # the same model, step and card: answered from the store
     assert re.search(rf"plan: micro-batch {micro_batch_size} x {steps} .*, cached\)", again), again
+
+
+@pytest.mark.slow
+def test_variable_length_training_splits_rare_long_batches_and_never_crashes(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "examples/train_variable_length.py", "--store", str(tmp_path / "p.db")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    plan = re.search(
+        r"plan: micro-batch (\d+) x (\d+) accumulation steps, probed at 32", done.stdout
+    )
+    assert plan is not None, done.stdout
+    summary = re.search(
+        r"done: 200 micro-steps, (\d+) with a 128-token sequence, (\d+) splits \(smallest "
+        r"piece (\d+)\), 0 crashes",
+        done.stdout,
+    )
+    assert summary is not None, done.stdout[-3000:]
+    num_long, num_splits, smallest = (int(g) for g in summary.groups())
+    # The simulated card runs out on the long batches (the plan never saw one), and the run
+    # goes on at a smaller piece size.
+    assert num_long > 0 and num_splits > 0
+    assert 1 <= smallest < int(plan[1])
+    assert "out of memory in forward at micro-batch size" in done.stderr
