@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -80,7 +80,9 @@ from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
 from autobatch.units import format_bytes
 from autobatch.worst_case import WorstCaseSample
 
-__all__ = ["Consensus", "LocalConsensus", "probe"]
+__all__ = ["Consensus", "LocalConsensus", "confirm_micro_batch_size", "probe"]
+
+T = TypeVar("T")
 
 OnTrial = Callable[[Trial], None]
 
@@ -182,6 +184,99 @@ def probe(
             rank raises StepFailedError or ConfigError).
     """
     check_search_arguments(max_micro_batch_size, safety_margin)
+    profile = _probing(
+        model,
+        sample,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        device=device,
+        amp_dtype=amp_dtype,
+        safety_margin=safety_margin,
+        limit=max_micro_batch_size,
+        use_estimate=use_estimate,
+        on_trial=on_trial,
+        consensus=consensus,
+        run=lambda search: search.run(),
+    )
+    if isinstance(sample, WorstCaseSample):  # the profile records the load it measured
+        profile = dataclasses.replace(profile, notes=(*profile.notes, sample.describe()))
+    return profile
+
+
+def confirm_micro_batch_size(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    micro_batch_size: int,
+    prior: MemoryModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    train_step: TrainStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None = None,
+    amp_dtype: torch.dtype | None = None,
+    safety_margin: float = 0.05,
+    on_trial: OnTrial | None = None,
+) -> tuple[Trial, Profile | None]:
+    """One real trial at a predicted ``micro_batch_size`` (after the warm-up step that creates the
+    optimizer state), leaving no trace, as :func:`probe` does.
+
+    Args:
+        micro_batch_size: the size to confirm (>= 1), e.g. a plan predicted from another card.
+        prior: the memory line the prediction came from; the returned profile's line has its
+            slope through the confirmed peak.
+        model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
+            safety_margin, on_trial: as for :func:`probe`.
+
+    Returns:
+        The confirming trial, and the Profile it makes for this device when it confirms the
+        prediction (the step fits and its peak keeps ``safety_margin`` of the capacity free);
+        None otherwise (the trial's ``error`` or peak says why).
+
+    Raises:
+        ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError: as for
+            :func:`probe`.
+    """
+    check_search_arguments(micro_batch_size, safety_margin)
+    return _probing(
+        model,
+        sample,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        device=device,
+        amp_dtype=amp_dtype,
+        safety_margin=safety_margin,
+        limit=micro_batch_size,
+        use_estimate=False,
+        on_trial=on_trial,
+        consensus=None,
+        run=lambda search: search.confirm(micro_batch_size, prior),
+    )
+
+
+def _probing(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: LossFn | None,
+    train_step: TrainStep | None,
+    step_includes_update: bool,
+    device: str | Device | None,
+    amp_dtype: torch.dtype | None,
+    safety_margin: float,
+    limit: int,
+    use_estimate: bool,
+    on_trial: OnTrial | None,
+    consensus: Consensus | None,
+    run: Callable[[_Probe], T],
+) -> T:
+    """Check the arguments, snapshot what a probe must leave as it was, ``run`` a :class:`_Probe`,
+    and restore."""
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
@@ -197,7 +292,7 @@ def probe(
         model.train()
         for param in model.parameters():
             param.grad = None
-        profile = _Probe(
+        search = _Probe(
             model=model,
             optimizer=run_optimizer,
             user_optimizer=optimizer,
@@ -208,15 +303,13 @@ def probe(
             step_includes_update=step_includes_update,
             amp_dtype=amp_dtype,
             safety_margin=safety_margin,
-            limit=max_micro_batch_size,
+            limit=limit,
             use_estimate=use_estimate,
             on_trial=on_trial,
             consensus=consensus if consensus is not None else LocalConsensus(),
             layout=layout,
-        ).run()
-        if isinstance(sample, WorstCaseSample):  # the profile records the load it measured
-            profile = dataclasses.replace(profile, notes=(*profile.notes, sample.describe()))
-        return profile
+        )
+        return run(search)
     finally:
         del run_optimizer
         snapshot.restore()
@@ -295,6 +388,32 @@ class _Probe:
             profile = self._search()
         self._confirm_compiled(profile.recommended_micro_batch_size)
         return dataclasses.replace(profile, num_steps=self.num_steps, notes=tuple(self.notes))
+
+    def confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
+        """Warm up (when the optimizer has no state yet), then one real trial at ``size``."""
+        if self.compiled != "confirmed":
+            return self._confirm(size, prior)
+        with eager():
+            trial, profile = self._confirm(size, prior)
+        if profile is None:
+            return trial, None
+        self._confirm_compiled(size)
+        return trial, dataclasses.replace(
+            profile, num_steps=self.num_steps, notes=tuple(self.notes)
+        )
+
+    def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
+        own = self.device.capacity()
+        capacity = self.capacity = self._agree_capacity(own)
+        if not self.optimizer.state:
+            self._warm_up(own)
+        self._trial(size, own)
+        trial = self.trials[-1]
+        if not trial.fits:
+            return trial, None
+        stop = f"confirmation: micro-batch {size}, predicted from another card, fits here"
+        profile = self._profile(capacity, prior, size, stop)
+        return trial, profile if profile.recommended_micro_batch_size == size else None
 
     def _search(self) -> Profile:
         own = self.device.capacity()

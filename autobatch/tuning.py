@@ -2,6 +2,10 @@
 
 A repeated call for the same model architecture, input shape, dtype/AMP, optimizer, device and
 torch version is answered from the store without running a step (``refresh=True`` probes again).
+When the store has no profile for this card but one of the same step on another card, whose plan
+for this card would be ``predicted``, one real trial at the predicted size confirms it instead of
+a probe; a failed confirmation probes and says so (:mod:`autobatch.confirmation`; single process
+only: under torch.distributed the ranks probe).
 
 Under an initialised torch.distributed process group every rank probes its own device and the
 ranks agree (:mod:`autobatch.distributed`): a size fits only if it fits on every rank,
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import warnings
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 
 from autobatch.batch import BatchSource
+from autobatch.confirmation import confirm_on_arrival, find_prediction
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.errors import AutobatchError
@@ -40,8 +46,14 @@ from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.limits import stored_profile_source
 from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
 from autobatch.planner import Plan, Uneven, plan
-from autobatch.probing import OnTrial, _model_device, check_placement, probe
-from autobatch.profile import Profile, profile_cache_key
+from autobatch.probing import (
+    OnTrial,
+    _model_device,
+    check_placement,
+    confirm_micro_batch_size,
+    probe,
+)
+from autobatch.profile import MemoryModel, Profile, Trial, profile_cache_key
 from autobatch.splitting import SplitEvent
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
@@ -78,6 +90,9 @@ class Tuning:
     profile: Profile
     profile_id: str | None
     """As for :attr:`TunedProfile.profile_id`."""
+
+
+logger = logging.getLogger("autobatch")
 
 
 def autotune(
@@ -124,7 +139,8 @@ def autotune(
             (:class:`ReportWarning`) and does not raise.
 
     Returns:
-        The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise.
+        The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise
+        (a probe, or a prediction confirmed by a real trial here).
         ``micro_batch_size`` is at most the profile's recommended size.
 
     Raises:
@@ -289,6 +305,22 @@ def autotune_profile(
         assert profile.cache_key() == key, "probe and autotune disagree on the cache key"
         return profile
 
+    def run_confirmation(size: int, line: MemoryModel) -> tuple[Trial, Profile | None]:
+        return confirm_micro_batch_size(
+            model,
+            sample,
+            micro_batch_size=size,
+            prior=line,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            device=target,
+            amp_dtype=amp_dtype,
+            safety_margin=safety_margin,
+            on_trial=on_trial,
+        )
+
     # The capacity a profile answers for: under torch.distributed, the smallest rank's (the
     # capacity the ranks probe together).
     (searched_capacity,) = (
@@ -312,11 +344,28 @@ def autotune_profile(
             report_to=report_to,
         )
     with _opened(store if use_store else _NO_STORE) as active:
+        note = ""
         if active is not None and not refresh:
             found = active.find(key)
             if found is not None and accepts(found[1]):
                 return TunedProfile(profile=found[1], cached=True, profile_id=found[0])
+            predicted = find_prediction(
+                active,
+                key,
+                capacity_bytes=searched_capacity,
+                safety_margin=safety_margin,
+                max_micro_batch_size=max_micro_batch_size,
+            )
+            if predicted is not None:
+                confirmed, note = confirm_on_arrival(predicted, run_confirmation)
+                if confirmed is not None:
+                    confirmed_id = active.put(confirmed)
+                    _report(report_to, confirmed)
+                    return TunedProfile(profile=confirmed, cached=False, profile_id=confirmed_id)
+                logger.warning("%s", note)
         profile = run_probe()
+        if note:
+            profile = dataclasses.replace(profile, notes=(*profile.notes, note))
         profile_id = None
         if active is not None and not profile.failed_micro_batch_size:
             profile_id = active.put(profile)

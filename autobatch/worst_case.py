@@ -121,11 +121,7 @@ def worst_case_sample(
     loads: list[float] = []
     for index in range(size):
         value = key(dataset[index])
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, Real)
-            or not math.isfinite(value)
-        ):
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
             raise ConfigError(
                 f"key {key_name} returned {value!r} for item {index}; it must return the item's "
                 "load as a finite number (its length, its number of labels...)"

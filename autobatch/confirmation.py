@@ -1,0 +1,143 @@
+"""Confirm on arrival: a plan predicted for this card from another card's profile is tried once.
+
+A predicted plan (``plan.source == "predicted"``) is a pure function of a stored profile and a
+capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
+card it runs on, it looks in the store for a profile of the *same step* (model, step, input,
+dtypes, optimizer, torch, backend flags: the cache key without the device) probed on another
+card, and plans from it for this card's capacity. When that plan is predicted (past the largest
+size that really ran there), one real trial at the predicted max micro-batch confirms it: the
+confirming profile is stored for this card (later calls read it from the store) and the plan is
+``measured``. When the trial runs out of memory, or its peak does not keep the safety margin
+free, a normal probe runs instead, and the profile's notes and the ``autobatch`` logger say so.
+
+Imports no torch: the trial is the caller's (:func:`autobatch.probing.confirm_micro_batch_size`).
+
+Example::
+
+    found = find_prediction(store, key, capacity_bytes=80 * 2**30, safety_margin=0.05,
+                            max_micro_batch_size=4096)
+    found.micro_batch_size, found.profile_id      # e.g. 171, "3f9c..."
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.extrapolation import Prediction
+from autobatch.planner import plan
+from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.store import ProfileStore
+
+__all__ = ["ArrivalPrediction", "confirm_on_arrival", "find_prediction"]
+
+_DEVICE_FIELDS = ("device", "total")
+"""The parts of a cache key that name the card; the rest names the step."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ArrivalPrediction:
+    """A plan predicted for this card from a stored profile of the same step on another card."""
+
+    profile_id: str
+    """The stored profile the prediction comes from."""
+    profile: Profile
+    micro_batch_size: int
+    """The predicted max micro-batch for this card (capped by the caller's limit)."""
+    prediction: Prediction
+
+    def line(self) -> MemoryModel:
+        """The prediction's memory line."""
+        return MemoryModel(
+            fixed_bytes=self.prediction.fixed_bytes,
+            bytes_per_sample=self.prediction.bytes_per_sample,
+        )
+
+
+def find_prediction(
+    store: ProfileStore,
+    cache_key: str,
+    *,
+    capacity_bytes: int,
+    safety_margin: float,
+    max_micro_batch_size: int,
+) -> ArrivalPrediction | None:
+    """The predicted plan for this card from the newest stored profile of the same step.
+
+    Args:
+        store: where profiles are stored.
+        cache_key: this request's cache key (:func:`autobatch.profile.profile_cache_key`).
+        capacity_bytes: bytes the step may use on this card.
+        safety_margin: fraction of ``capacity_bytes`` kept free.
+        max_micro_batch_size: the caller's limit; the predicted size is capped by it.
+
+    Returns:
+        The prediction, or None when no stored profile of this step on another card predicts
+        past its measured sizes here (none stored, an estimate, a line that cannot be trusted, or
+        a plan within the measured sizes).
+
+    Raises:
+        StoreError: the store is unreadable.
+    """
+    step = _step_identity(cache_key)
+    for profile_id, profile in store.list_profiles(model_fingerprint=str(step.get("model", ""))):
+        if profile.method == "estimate" or profile.failed_micro_batch_size:
+            continue
+        if profile.cache_key() == cache_key or _step_identity(profile.cache_key()) != step:
+            continue
+        try:
+            result = plan(
+                profile,
+                effective_batch_size=1,
+                capacity_bytes=capacity_bytes,
+                safety_margin=safety_margin,
+                source="cached",
+            )
+        except (ConfigError, NoFeasiblePlanError):
+            continue  # this profile cannot predict here; an older one might
+        if result.prediction is None or result.source != "predicted":
+            return None  # the newest profile of this step answers within its measured sizes
+        return ArrivalPrediction(
+            profile_id=profile_id,
+            profile=profile,
+            micro_batch_size=min(result.max_micro_batch_size, max_micro_batch_size),
+            prediction=result.prediction,
+        )
+    return None
+
+
+def confirm_on_arrival(
+    found: ArrivalPrediction, run_trial: Callable[[int, MemoryModel], tuple[Trial, Profile | None]]
+) -> tuple[Profile | None, str]:
+    """Run the confirming trial; the profile for this card (None when the prediction failed) and
+    a note saying what happened.
+
+    Args:
+        found: from :func:`find_prediction`.
+        run_trial: one real trial at a size with the prediction's line (warm-up included), e.g.
+            :func:`autobatch.probing.confirm_micro_batch_size` bound to the model and device.
+    """
+    size = found.micro_batch_size
+    origin = (
+        f"micro-batch {size} predicted for this card from profile {found.profile_id} "
+        f"({found.profile.device_name}, largest measured "
+        f"{found.prediction.largest_measured_micro_batch_size})"
+    )
+    trial, confirmed = run_trial(size, found.line())
+    if confirmed is not None:
+        note = f"{origin}: confirmed by one real trial (peak {trial.peak_reserved_bytes} bytes)"
+        return dataclasses.replace(confirmed, notes=(*confirmed.notes, note)), note
+    why = trial.error or (
+        f"its peak {trial.peak_reserved_bytes} bytes does not keep the safety margin free"
+    )
+    return None, f"{origin}: the confirming trial failed ({why}); probed this card instead"
+
+
+def _step_identity(cache_key: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(cache_key)
+    for field in _DEVICE_FIELDS:
+        data.pop(field, None)
+    return data
