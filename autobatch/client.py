@@ -82,6 +82,7 @@ class PlanRequest:
     uuid: str | None = None
     capacity_bytes: int | None = None
     node_labels: Mapping[str, str] | None = None
+    mig_profile: str | None = None
     multiple_of: int = 1
     max_gradient_accumulation_steps: int | None = None
     uneven: Uneven = "auto"
@@ -90,7 +91,7 @@ class PlanRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body: unset (None) fields left out, the device fields under ``device``."""
-        device_fields = ("cuda_index", "uuid", "capacity_bytes", "node_labels")
+        device_fields = ("cuda_index", "uuid", "capacity_bytes", "node_labels", "mig_profile")
         body: dict[str, Any] = {}
         device: dict[str, Any] = {}
         for field in dataclasses.fields(self):
@@ -208,6 +209,7 @@ class AutobatchClient:
         uuid: str | None = None,
         capacity_bytes: int | None = None,
         node_labels: Mapping[str, str] | None = None,
+        mig_profile: str | None = None,
         multiple_of: int = 1,
         max_gradient_accumulation_steps: int | None = None,
         uneven: Uneven = "auto",
@@ -216,7 +218,9 @@ class AutobatchClient:
     ) -> Plan:
         """``POST /v1/plan``: the plan for ``world_size`` ranks. Give exactly one limit
         (``profile_id``, ``model_fingerprint``, ``max_micro_batch_size`` or ``memory_model``) and
-        at most one device (``cuda_index``, ``uuid``, ``capacity_bytes`` or ``node_labels``).
+        at most one device (``cuda_index``, ``uuid``, ``capacity_bytes`` or ``node_labels``,
+        with ``mig_profile`` for the MIG slice the job gets on a labelled MIG node). A plan past
+        the profile's largest measured size has ``source == "predicted"`` and its ``prediction``.
 
         Raises:
             ConfigError: the server rejected the request (the message names the field).
@@ -235,6 +239,7 @@ class AutobatchClient:
             uuid=uuid,
             capacity_bytes=capacity_bytes,
             node_labels=node_labels,
+            mig_profile=mig_profile,
             multiple_of=multiple_of,
             max_gradient_accumulation_steps=max_gradient_accumulation_steps,
             uneven=uneven,
@@ -256,6 +261,7 @@ class AutobatchClient:
         uuid: str | None = None,
         capacity_bytes: int | None = None,
         node_labels: Mapping[str, str] | None = None,
+        mig_profile: str | None = None,
         multiple_of: int = 1,
         max_gradient_accumulation_steps: int | None = None,
         uneven: Uneven = "auto",
@@ -276,6 +282,7 @@ class AutobatchClient:
             uuid=uuid,
             capacity_bytes=capacity_bytes,
             node_labels=node_labels,
+            mig_profile=mig_profile,
             multiple_of=multiple_of,
             max_gradient_accumulation_steps=max_gradient_accumulation_steps,
             uneven=uneven,

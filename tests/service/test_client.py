@@ -78,6 +78,23 @@ def test_plan_returns_a_library_plan(api: AutobatchClient) -> None:
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (80, 2)
 
 
+def test_plan_for_a_mig_slice_from_node_labels(api: AutobatchClient) -> None:
+    labels = {
+        "nvidia.com/mig.strategy": "mixed",
+        "nvidia.com/gpu.memory": "40537",
+        "nvidia.com/mig-1g.5gb.memory": "4864",
+    }
+    plan = api.plan(
+        memory_model=MemoryModel(fixed_bytes=0, bytes_per_sample=GiB),
+        node_labels=labels,
+        mig_profile="1g.5gb",
+        safety_margin=0.0,
+        effective_batch_size=8,
+    )
+    assert plan.capacity_bytes == 4864 * 2**20  # the slice, not the 40 GB card
+    assert plan.max_micro_batch_size == 4
+
+
 def test_plan_world_sizes(api: AutobatchClient) -> None:
     rows = api.plan_world_sizes(
         max_micro_batch_size=24, effective_batch_size=96, world_sizes=[2, 4, 5]

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from autobatch.cli import main
 from autobatch.errors import ConfigError
 from autobatch.extrapolation import (
     EXTRAPOLATION_GROWTH,
@@ -21,6 +23,7 @@ from autobatch.extrapolation import (
 )
 from autobatch.planner import Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.store import ProfileStore
 
 GIB = 2**30
 MIB = 2**20
@@ -261,3 +264,23 @@ def test_prediction_rejects_impossible_values() -> None:
             bytes_per_sample=0,
             margin=0.0,
         )
+
+
+def test_the_cli_prints_a_predicted_plan_and_how_far_it_guessed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "profiles.sqlite3"
+    with ProfileStore(store) as opened:
+        profile_id = opened.put(issue_profile())
+    argv = ["--store", str(store), "plan", "--profile", profile_id, "--effective-batch-size", "64"]
+
+    assert main([*argv, "--capacity", str(24 * UNIT)]) == 0
+    out = capsys.readouterr().out
+    assert "source                       predicted" in out
+    assert "largest measured             16 (predicted past it: 2 points" in out
+    assert "note: max micro-batch 169 is predicted, not measured" in out
+    assert main(argv) == 0  # on the card it was probed on: read from the store
+    assert "source                       cached" in capsys.readouterr().out
+    assert main([*argv, "--capacity", str(24 * UNIT), "--format", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["plan"]
+    assert printed["prediction"]["largest_measured_micro_batch_size"] == 16
