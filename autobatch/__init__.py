@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         StoreError,
     )
     from autobatch.estimator import EstimateUnavailableError, estimate
+    from autobatch.extrapolation import Prediction
     from autobatch.integrations.configs import (
         ConfigFormat,
         deepspeed_config,
@@ -71,6 +72,7 @@ __all__ = [
     "PeakMemory",
     "Plan",
     "PlanSource",
+    "Prediction",
     "ProcessGroupConsensus",
     "Profile",
     "ProfileNotFoundError",
@@ -136,6 +138,7 @@ _EXPORTS: dict[str, str] = {
     "format_config": "autobatch.integrations.configs",
     "hf_training_arguments": "autobatch.integrations.configs",
     "lightning_config": "autobatch.integrations.configs",
+    "Prediction": "autobatch.extrapolation",
     "Plan": "autobatch.planner",
     "PlanSource": "autobatch.planner",
     "Uneven": "autobatch.planner",

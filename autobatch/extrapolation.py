@@ -14,7 +14,7 @@ Example::
     peaks = {1: 1_700_000, 16: 9_700_000}          # micro-batch -> measured peak bytes
     limit_within(peaks, budget_bytes=8_000_000)     # 12: interpolated between 1 and 16
     size, prediction = predict_past(peaks, budget_bytes=190_000_000)
-    size, prediction.margin                          # 176, 1.25 (the line's peak raised by 125%)
+    size, prediction.margin                          # 163, 1.148 (the line's peak raised 115%)
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ Why it grows in proportion to the distance: a line fitted where activations domi
 term that grows faster than the micro-batch and is still small at the measured sizes (an
 ``n**2`` term such as a loss or an optimizer buffer that small batches hide, allocator rounding
 of ever larger blocks). Relative to the line's per-sample bytes ``b * n``, a term ``c * n**2``
-is ``(c / b) * n``, i.e. proportional to ``n`` (second-order Taylor term; the "hazards of
-extrapolation" of a regression line, Montgomery, Peck and Vining, *Introduction to Linear
-Regression Analysis*, 5th ed., section 3.8). The value 1/8 is a policy, not a bound: it is the
-growth that keeps issue 12's case (a ``0.0004 * n**2`` term that appears only above ``n = 32``,
-probed up to 16, planned for a card 20 times larger) under that card's true limit, with the
-default 5% safety margin. A term larger still can beat any margin, which is why a predicted
-plan is confirmed by one real trial on arrival (:func:`autobatch.autotune`)."""
+is ``(c / b) * n``, i.e. proportional to ``n`` (a second-order term the fit cannot see; on
+the hazards of extrapolating a fitted line past its data see e.g. Montgomery, Peck and Vining,
+*Introduction to Linear Regression Analysis*). The value 1/8 is a policy, not a bound, calibrated on
+issue 12's case (a ``0.0004 * n**2`` term that appears only above ``n = 32``, probed up to 16,
+planned for a card 20 times larger, default 5% safety margin): the true limit there is 180;
+growth 0.10 plans 182 (out of memory), 0.11 plans 177, 1/8 plans 169. A term larger still can
+beat any margin, which is why a predicted plan is confirmed by one real trial on arrival
+(:func:`autobatch.autotune`)."""
 
 FIT_TOLERANCE = 0.05
 """A line is trusted only when every point it was fitted to lies within this fraction of the
