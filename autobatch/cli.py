@@ -101,13 +101,22 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
     if world_sizes:
         parser.add_argument(
             "--world-size",
+            "--data-parallel-size",
+            dest="world_size",
             type=_int_list,
             default=[1],
-            help="data-parallel ranks; a list (1,2,4,8) prints a table",
+            help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
+            "parallelism); a list (1,2,4,8) prints a table",
         )
     else:
         parser.add_argument(
-            "--world-size", type=_positive_int, default=1, help="data-parallel ranks"
+            "--world-size",
+            "--data-parallel-size",
+            dest="world_size",
+            type=_positive_int,
+            default=1,
+            help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
+            "parallelism)",
         )
     parser.add_argument("--multiple-of", type=_positive_int, default=1)
     parser.add_argument("--max-gradient-accumulation-steps", type=_positive_int)
@@ -473,6 +482,8 @@ def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> N
         )
     for note in result.notes:
         print(f"note: {note}", file=out)
+    if result.world_size > 1 and result.formula() not in result.notes:
+        print(f"note: {result.formula()}", file=out)
 
 
 def _profiles(args: argparse.Namespace, out: TextIO) -> int:

@@ -27,10 +27,16 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.errors import DistributedError
 
-__all__ = ["ProcessGroupConsensus", "collective_layout", "process_group_consensus"]
+__all__ = [
+    "ProcessGroupConsensus",
+    "collective_layout",
+    "data_parallel_size",
+    "process_group_consensus",
+]
 
 T = TypeVar("T")
 
@@ -149,10 +155,93 @@ def collective_layout(model: torch.nn.Module) -> str:
     middle of it) without leaving the other ranks waiting; see :func:`autobatch.probe`.
     """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
             return "FSDP2 (fully_shard)"
         if isinstance(module, FullyShardedDataParallel):
             return "FSDP (FullyShardedDataParallel)"
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        return "tensor parallel (DTensor parameters)"
     return ""
+
+
+def data_parallel_size(
+    model: torch.nn.Module,
+    *,
+    world_size: int | None = None,
+    data_parallel_size: int | None = None,
+    process_group: dist.ProcessGroup | DeviceMesh | None = None,
+) -> int:
+    """The number of data-parallel ranks (W in ``E = m x k x W``), from what the caller said.
+
+    At most one of ``world_size``, ``data_parallel_size`` and ``process_group`` (the data-parallel
+    ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
+    When none is given: the default group's size under an initialised torch.distributed, else 1;
+    but a model whose parameters live on a DeviceMesh that is not the whole world as one
+    dimension (tensor or 2-D parallelism) is refused, since some of the ranks are then not
+    data-parallel and dividing by all of them would make the effective batch too small.
+
+    Raises:
+        ConfigError: the sources disagree, a size is not a positive int, a mesh has more than
+            one dimension, or the data-parallel ranks cannot be told apart (names the fix).
+    """
+    from autobatch.errors import ConfigError
+
+    given: dict[str, int] = {}
+    for name, value in (("world_size", world_size), ("data_parallel_size", data_parallel_size)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} {value!r} must be an int >= 1 (data-parallel ranks)")
+        given[name] = value
+    if process_group is not None:
+        given["process_group"] = _group_size(process_group)
+    if len(set(given.values())) > 1:
+        said = ", ".join(f"{name}={value}" for name, value in given.items())
+        raise ConfigError(f"{said} disagree on the number of data-parallel ranks; pass one of them")
+    if given:
+        return next(iter(given.values()))
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    world = dist.get_world_size()
+    mesh = _parameter_mesh(model)
+    if mesh is not None and (mesh.ndim > 1 or mesh.size() != world):
+        names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+        raise ConfigError(
+            f"the model's parameters are on a DeviceMesh of shape {tuple(mesh.shape)}{names} in "
+            f"a world of {world} ranks, so not every rank is data-parallel (tensor or pipeline "
+            f"parallel ranks share each sample), and dividing the effective batch by {world} "
+            "would make it too small; pass data_parallel_size=N, or process_group=mesh['dp'] "
+            "(the data-parallel dimension of your mesh)"
+        )
+    return world
+
+
+def _group_size(group: dist.ProcessGroup | DeviceMesh) -> int:
+    from autobatch.errors import ConfigError
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ConfigError(
+                f"process_group is a DeviceMesh of {group.ndim} dimensions "
+                f"{group.mesh_dim_names or ''}; pass its data-parallel dimension, e.g. "
+                "mesh['dp']"
+            )
+        return group.size()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "process_group was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first, or pass data_parallel_size=N"
+        )
+    return dist.get_world_size(group)
+
+
+def _parameter_mesh(model: torch.nn.Module) -> DeviceMesh | None:
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return param.device_mesh
+    return None

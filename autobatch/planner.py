@@ -165,6 +165,18 @@ class Plan:
         """True when the micro-batches are of unequal size."""
         return self.micro_batch_sizes[0] != self.micro_batch_sizes[-1]
 
+    def formula(self) -> str:
+        """``E = m x k x dp`` in words: ``"effective_batch_size 64 = 16 (micro_batch_size) x 2
+        (gradient_accumulation_steps) x 2 (data-parallel ranks)"``."""
+        sizes = self.micro_batch_sizes
+        m = "m" if self.uneven else str(sizes[0])
+        sums = f", sum of micro_batch_sizes {sum(sizes)}" if self.uneven else ""
+        return (
+            f"effective_batch_size {self.effective_batch_size} = {m} (micro_batch_size) x "
+            f"{len(sizes)} (gradient_accumulation_steps) x {self.world_size} (data-parallel "
+            f"ranks){sums}"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists)."""
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}

@@ -36,11 +36,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.batch import BatchSource
 from autobatch.confirmation import confirm_on_arrival, find_prediction
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
+from autobatch.distributed import data_parallel_size as _data_parallel_size
 from autobatch.errors import AutobatchError
 from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.limits import stored_profile_source
@@ -101,6 +104,8 @@ def autotune(
     *,
     effective_batch_size: int,
     world_size: int | None = None,
+    data_parallel_size: int | None = None,
+    process_group: dist.ProcessGroup | DeviceMesh | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: LossFn | None = None,
     train_step: TrainStep | None = None,
@@ -125,8 +130,14 @@ def autotune(
         model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
             safety_margin, max_micro_batch_size, on_trial: as for :func:`autobatch.probe`.
         effective_batch_size: samples per optimizer step over all ranks (> 0).
-        world_size: data-parallel ranks; default the process group's size under an initialised
-            torch.distributed, else 1.
+        world_size, data_parallel_size: data-parallel ranks (the same thing; give one). Default:
+            the size of ``process_group`` when given, else the default process group's size
+            under an initialised torch.distributed (refused when the model's parameters are on
+            a DeviceMesh with tensor-parallel ranks: say which ranks are data-parallel), else 1.
+            Under torch.distributed the plan's notes end with ``E = m x k x dp`` in words.
+        process_group: the data-parallel ranks' process group, or that dimension of a
+            DeviceMesh (``mesh["dp"]``); only its size is used. The ranks probing together are
+            always the whole default group (a micro-batch must fit on every rank).
         multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact: planner constraints,
             see :func:`autobatch.plan`.
         store: a ProfileStore or a path; None means the default store
@@ -155,6 +166,8 @@ def autotune(
         sample,
         effective_batch_size=effective_batch_size,
         world_size=world_size,
+        data_parallel_size=data_parallel_size,
+        process_group=process_group,
         optimizer=optimizer,
         loss_fn=loss_fn,
         train_step=train_step,
@@ -181,6 +194,8 @@ def tune(
     *,
     effective_batch_size: int,
     world_size: int | None = None,
+    data_parallel_size: int | None = None,
+    process_group: dist.ProcessGroup | DeviceMesh | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: LossFn | None = None,
     train_step: TrainStep | None = None,
@@ -203,9 +218,12 @@ def tune(
 
     Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this.
     """
-    if world_size is None:
-        group = process_group_consensus()
-        world_size = 1 if group is None else group.world_size
+    world_size = _data_parallel_size(
+        model,
+        world_size=world_size,
+        data_parallel_size=data_parallel_size,
+        process_group=process_group,
+    )
     constraints: dict[str, Any] = {
         "effective_batch_size": effective_batch_size,
         "world_size": world_size,
@@ -235,6 +253,8 @@ def tune(
     )
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan(found.profile, source=source, **constraints)
+    if world_size > 1 or process_group_consensus() is not None:
+        result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
     return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
 
 

@@ -284,6 +284,11 @@ class PlanCreate(_Strict):
     device: DeviceSpec | None = None
     effective_batch_size: Size
     world_size: WorldSize = 1
+    data_parallel_size: WorldSize | None = Field(
+        default=None,
+        description="Data-parallel ranks (the same as world_size; give one): with tensor or "
+        "pipeline parallelism, the number of model replicas, not of GPUs.",
+    )
     world_sizes: list[WorldSize] | None = Field(
         default=None,
         min_length=1,
@@ -311,7 +316,17 @@ class PlanCreate(_Strict):
                 "give exactly one of profile_id, model_fingerprint, max_micro_batch_size, "
                 "memory_model; got " + (", ".join(given) or "none")
             )
+        ranks = self.data_parallel_size
+        if ranks is not None and self.world_size not in (1, ranks):
+            raise ValueError(
+                f"world_size {self.world_size} and data_parallel_size {ranks} disagree; give one"
+            )
         return self
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """``data_parallel_size`` when given, else ``world_size``."""
+        return self.world_size if self.data_parallel_size is None else self.data_parallel_size
 
 
 class PredictionFields(BaseModel):

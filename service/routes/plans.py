@@ -17,6 +17,7 @@ imported on this path.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -80,10 +81,12 @@ async def create_plan(body: PlanCreate, request: Request) -> Response:
     result = plan(
         limit,
         effective_batch_size=body.effective_batch_size,
-        world_size=body.world_size,
+        world_size=body.data_parallel_ranks,
         source=source,
         **options,
     )
+    if result.world_size > 1:  # as autotune says it: E = m x k x data-parallel ranks
+        result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
     options_table = None
     if body.world_sizes is not None:
         rows = plan_world_sizes(

@@ -395,3 +395,19 @@ def test_store_that_is_not_a_database_is_a_clear_error(
     code, _, err = run(capsys, "--store", str(bad), "profiles", "list")
     assert code == 1 and str(bad) in err
     assert bad.read_bytes() == b"not a database at all" * 100
+
+
+def test_plan_takes_the_data_parallel_size_and_prints_the_formula(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(
+        capsys,
+        *["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64"],
+        *["--data-parallel-size", "2"],
+    )
+    assert code == 0
+    assert "world_size                   2" in out
+    assert (
+        "note: effective_batch_size 64 = 16 (micro_batch_size) x 2 (gradient_accumulation_steps)"
+        " x 2 (data-parallel ranks)" in out
+    )
