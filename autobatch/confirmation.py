@@ -2,11 +2,12 @@
 
 A predicted plan (``plan.source == "predicted"``) is a pure function of a stored profile and a
 capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
-card it runs on, it looks in the store for a profile of the *same step* (model, step, input,
-dtypes, optimizer, torch, backend flags: the cache key without the device) probed on another
-card, and plans from it for this card's capacity. When that plan is predicted (past the largest
-size that really ran there), one real trial at the predicted max micro-batch confirms it: the
-confirming profile is stored for this card (later calls read it from the store) and the plan is
+card it runs on, it looks in the store, then (with ``report_to``) in the service, for a profile
+of the *same step* (model, step, input, dtypes, optimizer, torch, backend flags: the cache key
+without the device) probed on another card, and plans from it for this card's capacity. When
+that plan is predicted (past the largest size that really ran there), one real trial at the
+predicted max micro-batch confirms it: the confirming profile is stored for this card (later
+calls read it from the store; with ``report_to`` the service gets it too) and the plan is
 ``measured``. When the trial runs out of memory, or its peak does not keep the safety margin
 free, a normal probe runs instead, and the profile's notes and the ``autobatch`` logger say so.
 
@@ -14,8 +15,8 @@ Imports no torch: the trial is the caller's (:func:`autobatch.probing.confirm_mi
 
 Example::
 
-    found = find_prediction(store, key, capacity_bytes=80 * 2**30, safety_margin=0.05,
-                            max_micro_batch_size=4096)
+    found = find_prediction(stored_profiles(store, key), key, capacity_bytes=80 * 2**30,
+                            safety_margin=0.05, max_micro_batch_size=4096)
     found.micro_batch_size, found.profile_id      # e.g. 171, "3f9c..."
 """
 
@@ -23,16 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.errors import AutobatchError, ConfigError, NoFeasiblePlanError
 from autobatch.extrapolation import Prediction
 from autobatch.planner import plan
 from autobatch.profile import MemoryModel, Profile, Trial
 from autobatch.store import ProfileStore
 
-__all__ = ["ArrivalPrediction", "confirm_on_arrival", "find_prediction"]
+__all__ = [
+    "ArrivalPrediction",
+    "confirm_on_arrival",
+    "find_prediction",
+    "service_profiles",
+    "stored_profiles",
+]
 
 _DEVICE_FIELDS = ("device", "total")
 """The parts of a cache key that name the card; the rest names the step."""
@@ -58,32 +65,30 @@ class ArrivalPrediction:
 
 
 def find_prediction(
-    store: ProfileStore,
+    candidates: Iterable[tuple[str, Profile]],
     cache_key: str,
     *,
     capacity_bytes: int,
     safety_margin: float,
     max_micro_batch_size: int,
 ) -> ArrivalPrediction | None:
-    """The predicted plan for this card from the newest stored profile of the same step.
+    """The predicted plan for this card from the first profile of the same step in ``candidates``.
 
     Args:
-        store: where profiles are stored.
+        candidates: ``(id, profile)`` pairs, most trusted first (e.g. :func:`stored_profiles`,
+            then :func:`service_profiles`); profiles of other steps are skipped.
         cache_key: this request's cache key (:func:`autobatch.profile.profile_cache_key`).
         capacity_bytes: bytes the step may use on this card.
         safety_margin: fraction of ``capacity_bytes`` kept free.
         max_micro_batch_size: the caller's limit; the predicted size is capped by it.
 
     Returns:
-        The prediction, or None when no stored profile of this step on another card predicts
-        past its measured sizes here (none stored, an estimate, a line that cannot be trusted, or
-        a plan within the measured sizes).
-
-    Raises:
-        StoreError: the store is unreadable.
+        The prediction, or None when no profile of this step on another card predicts past its
+        measured sizes here (none, an estimate, a line that cannot be trusted, or a plan within
+        the measured sizes).
     """
     step = _step_identity(cache_key)
-    for profile_id, profile in store.list_profiles(model_fingerprint=str(step.get("model", ""))):
+    for profile_id, profile in candidates:
         if profile.method == "estimate" or profile.failed_micro_batch_size:
             continue
         if profile.cache_key() == cache_key or _step_identity(profile.cache_key()) != step:
@@ -99,7 +104,7 @@ def find_prediction(
         except (ConfigError, NoFeasiblePlanError):
             continue  # this profile cannot predict here; an older one might
         if result.prediction is None or result.source != "predicted":
-            return None  # the newest profile of this step answers within its measured sizes
+            return None  # the first profile of this step answers within its measured sizes
         return ArrivalPrediction(
             profile_id=profile_id,
             profile=profile,
@@ -134,6 +139,41 @@ def confirm_on_arrival(
         f"its peak {trial.peak_reserved_bytes} bytes does not keep the safety margin free"
     )
     return None, f"{origin}: the confirming trial failed ({why}); probed this card instead"
+
+
+def stored_profiles(store: ProfileStore | None, cache_key: str) -> list[tuple[str, Profile]]:
+    """The store's profiles of this cache key's model, newest first (none without a store).
+
+    Raises:
+        StoreError: the store is unreadable.
+    """
+    if store is None:
+        return []
+    return store.list_profiles(model_fingerprint=_model_fingerprint(cache_key))
+
+
+def service_profiles(
+    url: str | None, cache_key: str, *, token: str | None
+) -> tuple[list[tuple[str, Profile]], str]:
+    """The profiles of this cache key's model held by the autobatch service at ``url``, newest
+    first, and why there are none when the service could not be asked ("" otherwise).
+
+    A failure does not raise: without the service's profiles the card is probed as usual.
+    """
+    if url is None:
+        return [], ""
+    from autobatch.client import AutobatchClient
+
+    try:
+        with AutobatchClient(url, token=token, timeout=10.0) as client:
+            found = client.list_profiles(model_fingerprint=_model_fingerprint(cache_key))
+    except AutobatchError as exc:
+        return [], f"could not ask the autobatch service at {url} for profiles of this step: {exc}"
+    return [(f"{url} {profile_id}", profile) for profile_id, profile in found], ""
+
+
+def _model_fingerprint(cache_key: str) -> str:
+    return str(_step_identity(cache_key).get("model", ""))
 
 
 def _step_identity(cache_key: str) -> dict[str, Any]:

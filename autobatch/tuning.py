@@ -2,10 +2,10 @@
 
 A repeated call for the same model architecture, input shape, dtype/AMP, optimizer, device and
 torch version is answered from the store without running a step (``refresh=True`` probes again).
-When the store has no profile for this card but one of the same step on another card, whose plan
-for this card would be ``predicted``, one real trial at the predicted size confirms it instead of
-a probe; a failed confirmation probes and says so (:mod:`autobatch.confirmation`; single process
-only: under torch.distributed the ranks probe).
+When the store has no profile for this card but it (or the service at ``report_to``) has one of
+the same step on another card, whose plan for this card would be ``predicted``, one real trial at
+the predicted size confirms it instead of a probe; a failed confirmation probes and says so
+(:mod:`autobatch.confirmation`; single process only: under torch.distributed the ranks probe).
 
 Under an initialised torch.distributed process group every rank probes its own device and the
 ranks agree (:mod:`autobatch.distributed`): a size fits only if it fits on every rank,
@@ -40,7 +40,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.batch import BatchSource
-from autobatch.confirmation import confirm_on_arrival, find_prediction
+from autobatch.confirmation import (
+    ArrivalPrediction,
+    confirm_on_arrival,
+    find_prediction,
+    service_profiles,
+    stored_profiles,
+)
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import ProcessGroupConsensus, process_group_consensus
 from autobatch.distributed import data_parallel_size as _data_parallel_size
@@ -369,9 +375,11 @@ def autotune_profile(
             found = active.find(key)
             if found is not None and accepts(found[1]):
                 return TunedProfile(profile=found[1], cached=True, profile_id=found[0])
-            predicted = find_prediction(
+        if not refresh:
+            predicted = _prediction_here(
                 active,
                 key,
+                report_to=report_to,
                 capacity_bytes=searched_capacity,
                 safety_margin=safety_margin,
                 max_micro_batch_size=max_micro_batch_size,
@@ -379,7 +387,7 @@ def autotune_profile(
             if predicted is not None:
                 confirmed, note = confirm_on_arrival(predicted, run_confirmation)
                 if confirmed is not None:
-                    confirmed_id = active.put(confirmed)
+                    confirmed_id = None if active is None else active.put(confirmed)
                     _report(report_to, confirmed)
                     return TunedProfile(profile=confirmed, cached=False, profile_id=confirmed_id)
                 logger.warning("%s", note)
@@ -391,6 +399,31 @@ def autotune_profile(
             profile_id = active.put(profile)
         _report(report_to, profile)
         return TunedProfile(profile=profile, cached=False, profile_id=profile_id)
+
+
+def _prediction_here(
+    store: ProfileStore | None,
+    key: str,
+    *,
+    report_to: str | None,
+    capacity_bytes: int,
+    safety_margin: float,
+    max_micro_batch_size: int,
+) -> ArrivalPrediction | None:
+    """A plan predicted for this card from a profile of the same step on another card: from the
+    store, else from the service at ``report_to`` (:mod:`autobatch.confirmation`)."""
+    options: dict[str, Any] = {
+        "capacity_bytes": capacity_bytes,
+        "safety_margin": safety_margin,
+        "max_micro_batch_size": max_micro_batch_size,
+    }
+    found = find_prediction(stored_profiles(store, key), key, **options)
+    if found is not None or report_to is None:
+        return found
+    remote, why = service_profiles(report_to, key, token=os.environ.get("AUTOBATCH_API_TOKEN"))
+    if why:
+        logger.warning("%s; probing this card without it", why)
+    return find_prediction(remote, key, **options)
 
 
 _NO_STORE = object()

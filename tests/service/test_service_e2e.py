@@ -167,3 +167,41 @@ def test_autotune_reports_a_new_profile_to_the_service(
     matching = [p for p in items if p["profile"]["model_fingerprint"] == fingerprint]
     assert len(matching) == 1
     assert matching[0]["profile"]["recommended_micro_batch_size"] == plan.max_micro_batch_size
+
+
+@pytest.mark.slow  # the server, a probe on a small card, then the confirmation
+def test_autotune_confirms_a_plan_predicted_from_a_profile_the_service_holds(
+    server: httpx.Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import torch
+
+    import autobatch
+    from autobatch.tuning import autotune_profile
+
+    monkeypatch.setenv("AUTOBATCH_API_TOKEN", "e2e-token")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    sample = (torch.randn(2, 16), torch.randint(0, 4, (2,)))
+    step: dict[str, Any] = {"loss_fn": torch.nn.functional.cross_entropy}
+    small = autotune_profile(model, sample, device="sim:2MiB", use_store=False, **step).profile
+    assert "id" in server.post("/v1/profiles", json=small.to_dict()).json()
+    predicted = autobatch.plan(small, effective_batch_size=1, capacity_bytes=8 * 2**20)
+    assert predicted.source == "predicted"
+
+    # A card of another size, an empty local store: the service's profile predicts, one trial
+    # confirms, and the service gets the confirming profile.
+    plan = autobatch.autotune(
+        model,
+        sample,
+        effective_batch_size=64,
+        device="sim:8MiB",
+        store=tmp_path / "local.sqlite3",
+        report_to=str(server.base_url),
+        **step,
+    )
+    assert plan.source == "measured"
+    assert plan.max_micro_batch_size == predicted.max_micro_batch_size
+    items = server.get("/v1/profiles").json()["profiles"]
+    confirmed = [p["profile"] for p in items if p["profile"]["stop_reason"].startswith("confirm")]
+    assert len(confirmed) == 1
+    assert confirmed[0]["max_micro_batch_size"] == predicted.max_micro_batch_size

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import autotune, plan
-from autobatch.confirmation import find_prediction
+from autobatch.confirmation import find_prediction, service_profiles, stored_profiles
 from autobatch.profile import Profile
 from autobatch.store import ProfileStore
 from autobatch.tuning import autotune_profile
@@ -109,9 +109,10 @@ def test_a_failed_confirmation_probes_and_says_so(
     )
     with ProfileStore(store) as opened:
         opened.put(wrong)
+        here = small.cache_key().replace('"total":6291456', '"total":25165824')
         found = find_prediction(
-            opened,
-            small.cache_key().replace('"total":6291456', '"total":25165824'),
+            stored_profiles(opened, here),
+            here,
             capacity_bytes=24 * 2**20,
             safety_margin=0.05,
             max_micro_batch_size=4096,
@@ -143,10 +144,11 @@ def test_no_prediction_without_a_profile_of_the_same_step(
     small = small_card_profile(store, probed_on_a_small_card)
     other_input = small.cache_key().replace('"total":6291456', '"total":25165824')
     with ProfileStore(store) as opened:
+        other_step = other_input.replace('"input":{', '"input":{"extra":[1],')
         assert (
             find_prediction(
-                opened,
-                other_input.replace('"input":{', '"input":{"extra":[1],'),
+                stored_profiles(opened, other_step),
+                other_step,
                 capacity_bytes=24 * 2**20,
                 safety_margin=0.05,
                 max_micro_batch_size=4096,
@@ -156,7 +158,7 @@ def test_no_prediction_without_a_profile_of_the_same_step(
         # The same card: the store's own cache answers; nothing is predicted.
         assert (
             find_prediction(
-                opened,
+                stored_profiles(opened, small.cache_key()),
                 small.cache_key(),
                 capacity_bytes=small.capacity_bytes,
                 safety_margin=0.05,
@@ -164,3 +166,16 @@ def test_no_prediction_without_a_profile_of_the_same_step(
             )
             is None
         )
+
+
+def test_an_unreachable_service_gives_no_profiles_and_says_why() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    key = '{"device":"sim","model":"fp","total":1}'
+    found, why = service_profiles(url, key, token=None)
+    assert found == []
+    assert why.startswith(f"could not ask the autobatch service at {url}")
+    assert service_profiles(None, key, token=None) == ([], "")
