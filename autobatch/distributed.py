@@ -34,6 +34,7 @@ from autobatch.errors import DistributedError
 __all__ = [
     "ProcessGroupConsensus",
     "collective_layout",
+    "consensus_device",
     "data_parallel_size",
     "process_group_consensus",
 ]
@@ -48,12 +49,18 @@ class ProcessGroupConsensus:
 
     Args:
         group: the process group; None means the default (``WORLD``) group.
+        device: the device this rank probes. Under nccl the agreement's small tensors go there
+            (a CUDA device), not to the current CUDA device, which on a rank that never called
+            ``torch.cuda.set_device`` is cuda:0, another rank's GPU. None: the current device.
 
     Raises:
-        DistributedError: torch.distributed is not available or not initialised.
+        DistributedError: torch.distributed is not available or not initialised, or the group
+            is bound to another CUDA device than ``device`` (``init_process_group(device_id=)``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise DistributedError(
                 "torch.distributed is not initialised; call torch.distributed.init_process_group "
@@ -63,12 +70,18 @@ class ProcessGroupConsensus:
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._src = 0 if group is None else dist.get_global_rank(group, 0)
-        backend = str(dist.get_backend(group))
-        self._device = (
-            torch.device("cpu")
-            if "gloo" in backend or "mpi" in backend
-            else torch.device("cuda", torch.cuda.current_device())
+        pg = group if group is not None else dist.group.WORLD
+        self._device = consensus_device(
+            str(dist.get_backend(group)),
+            probed=device,
+            bound=getattr(pg, "bound_device_id", None),
+            current_cuda_index=torch.cuda.current_device,
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the agreement's tensors live: the CPU for gloo, a CUDA device otherwise."""
+        return self._device
 
     def __repr__(self) -> str:
         return (
@@ -140,11 +153,49 @@ class _Failure:
         self.message = message
 
 
-def process_group_consensus() -> ProcessGroupConsensus | None:
-    """The default group's consensus when torch.distributed is initialised, else None."""
+def process_group_consensus(device: torch.device | None = None) -> ProcessGroupConsensus | None:
+    """The default group's consensus when torch.distributed is initialised, else None.
+
+    Args:
+        device: the device this rank probes (see :class:`ProcessGroupConsensus`).
+    """
     if dist.is_available() and dist.is_initialized():
-        return ProcessGroupConsensus()
+        return ProcessGroupConsensus(device=device)
     return None
+
+
+def consensus_device(
+    backend: str,
+    *,
+    probed: torch.device | None,
+    bound: torch.device | None,
+    current_cuda_index: Callable[[], int],
+) -> torch.device:
+    """Where a consensus over ``backend`` puts its tensors.
+
+    gloo and mpi: the CPU. Otherwise (nccl) a CUDA device: the probed one when it is CUDA, else
+    the one the group is bound to, else the current one. Pure apart from ``current_cuda_index``,
+    which is called only when nothing else says.
+
+    Raises:
+        DistributedError: the group is bound to a CUDA device other than the probed one.
+    """
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if probed is not None and probed.type == "cuda":
+        probed = torch.device("cuda", probed.index if probed.index is not None else 0)
+        if bound is not None and bound != probed:
+            raise DistributedError(
+                f"this rank probes {probed} but its process group is bound to {bound} "
+                f"(init_process_group(device_id={bound})); agreeing on {bound} would leave a "
+                f"CUDA context on a GPU this rank does not train on. Probe the GPU the group "
+                f"is bound to (device='{bound}', with the model moved there), or bind the "
+                f"group to {probed}"
+            )
+        return probed
+    if bound is not None:
+        return bound
+    return torch.device("cuda", current_cuda_index())
 
 
 def collective_layout(model: torch.nn.Module) -> str:

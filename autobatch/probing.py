@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -309,7 +310,8 @@ def _probing(
             consensus=consensus if consensus is not None else LocalConsensus(),
             layout=layout,
         )
-        return run(search)
+        with on_cuda_device(target.torch_device):
+            return run(search)
     finally:
         del run_optimizer
         snapshot.restore()
@@ -754,6 +756,15 @@ class _Probe:
             backend_flags=backend_flags(),
             created_at=now_iso(),
         )
+
+
+def on_cuda_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make a probed CUDA device the current one during the trials, and restore the previous one
+    after: a step that allocates on "the current device" (``.cuda()``, NCCL's first collective)
+    must not reach cuda:0, another rank's GPU, on a rank that never called set_device."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()
 
 
 def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | None) -> Device:

@@ -259,7 +259,7 @@ def tune(
     )
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan(found.profile, source=source, **constraints)
-    if world_size > 1 or process_group_consensus() is not None:
+    if world_size > 1 or (dist.is_available() and dist.is_initialized()):
         result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
     return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
 
@@ -296,7 +296,7 @@ def autotune_profile(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
     target = resolve_device(device, default=_model_device(model))
-    consensus = process_group_consensus()
+    consensus = process_group_consensus(target.torch_device)
     source = BatchSource.from_sample(sample)
     check_placement(model, source, target)  # before the device is asked anything
     capacity_now = target.capacity()
