@@ -133,7 +133,9 @@ def resolve_limit(
         if not limit_size:
             limit_size, _ = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
         limit_size = min(profile.max_micro_batch_size, limit_size)
-        needed = peak_bytes(1) or peaks[min(peaks)]
+        needed = peak_bytes(1)
+        if needed is None:  # no stored line: the peaks (two sizes at least) start above 1
+            needed = peaks[min(peaks)]
         _require_fits(limit_size, needed, budget_bytes, profile.capacity_bytes, margin)
         notes = (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
     if step_time is None:

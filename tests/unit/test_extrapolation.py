@@ -284,3 +284,13 @@ def test_the_cli_prints_a_predicted_plan_and_how_far_it_guessed(
     assert main([*argv, "--capacity", str(24 * UNIT), "--format", "json"]) == 0
     printed = json.loads(capsys.readouterr().out)["plan"]
     assert printed["prediction"]["largest_measured_micro_batch_size"] == 16
+
+
+def test_a_new_margin_on_the_same_card_works_from_the_stored_line_alone() -> None:
+    # An older profile: no peaks kept, only the line (0.2 units + 0.06 units per sample).
+    profile = issue_profile(trials=(Trial(micro_batch_size=16, fits=True),))
+    result = plan(profile, effective_batch_size=8, safety_margin=0.5)
+
+    # int(1.2 units * 0.5) = 0.6 units: (0.6 - 0.2) / 0.06 = 6.67 -> 6.
+    assert result.max_micro_batch_size == 6
+    assert result.source == "measured"
