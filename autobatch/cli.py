@@ -420,6 +420,9 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         p = option.plan
         seconds = p.predicted_seconds_per_effective_batch
         note = "" if seconds is None else f"{seconds:.3f} s per effective batch"
+        if p.prediction is not None:  # the max micro-batch is predicted, not measured
+            found = p.prediction.largest_measured_micro_batch_size
+            note = "; ".join(filter(None, (note, f"{p.source}: past measured {found}")))
         sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
         print(
             f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",

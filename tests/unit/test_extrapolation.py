@@ -294,3 +294,17 @@ def test_a_new_margin_on_the_same_card_works_from_the_stored_line_alone() -> Non
     # int(1.2 units * 0.5) = 0.6 units: (0.6 - 0.2) / 0.06 = 6.67 -> 6.
     assert result.max_micro_batch_size == 6
     assert result.source == "measured"
+
+
+def test_the_cli_world_size_table_marks_predicted_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "profiles.sqlite3"
+    with ProfileStore(store) as opened:
+        profile_id = opened.put(issue_profile())
+    argv = ["--store", str(store), "plan", "--profile", profile_id, "--effective-batch-size", "64"]
+
+    assert main([*argv, "--world-size", "1,2", "--capacity", str(24 * UNIT)]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [["1", "64", "1"], ["2", "32", "1"]]
+    assert all(row.endswith("predicted: past measured 16") for row in rows)

@@ -682,7 +682,7 @@ def test_planner_and_integrations_import_neither_torch_nor_pynvml() -> None:
         "package = types.ModuleType('autobatch')\n"
         f"package.__path__ = [{str(package_dir)!r}]\n"
         "sys.modules['autobatch'] = package\n"
-        "import autobatch.planner, autobatch.integrations\n"
+        "import autobatch.planner, autobatch.integrations, autobatch.confirmation\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pynvml')))\n"
     )
     done = subprocess.run(
