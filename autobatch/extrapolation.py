@@ -215,7 +215,7 @@ def _line(peaks: Mapping[int, int], stored: MemoryModel | None) -> _Line:
         if stored is None:
             raise ConfigError(
                 f"the profile has peaks measured at {len(peaks)} micro-batch size(s) and no "
-                "memory model, so it cannot predict a larger micro-batch; probe on that card "
+                "memory model, so it cannot predict a micro-batch outside them; probe on that card "
                 "(autobatch tune --device cuda:N, or POST /v1/probes on its node)"
             )
         return _Line(float(stored.fixed_bytes), float(stored.bytes_per_sample), 0, 0)

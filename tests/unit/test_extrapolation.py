@@ -308,3 +308,10 @@ def test_the_cli_world_size_table_marks_predicted_rows(
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[:3] for row in rows] == [["1", "64", "1"], ["2", "32", "1"]]
     assert all(row.endswith("predicted: past measured 16") for row in rows)
+
+
+def test_one_measured_size_without_a_stored_line_predicts_nothing() -> None:
+    one = (Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=issue_peak_bytes(16)),)
+    profile = issue_profile(trials=one, memory_model=None)
+    with pytest.raises(ConfigError, match="peaks measured at 1 micro-batch size.* probe on that"):
+        plan(profile, effective_batch_size=8, capacity_bytes=24 * UNIT)
