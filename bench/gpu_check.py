@@ -10,6 +10,9 @@ estimator's error against measured peaks, in under 8 minutes.
 3. Estimator error: for each size autobatch measured as fitting, the fake-tensor peak
    (:class:`autobatch.estimator.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
    ``max_memory_reserved`` of the real step at the same size.
+4. Modern stacks (``bench/_stacks.py``): a torch.compile'd model (inductor; Dynamo frames
+   counted, compilation still working after the probe) and an FSDP2 model on a one-rank group,
+   at the smallest capacity; run before the cells, so that the budget cannot skip them.
 
 A global time budget (``--budget-s``, default 450 s from start) is checked before every piece of
 work; what no longer fits is skipped and listed. Tables are printed last; with ``$OUT`` set the
@@ -65,6 +68,7 @@ from bench._peers import (
     run_lightning,
     summarize,
 )
+from bench._stacks import check_compiled, check_fsdp2, format_stacks
 
 MIN_SECONDS_PER_CELL = 45.0
 """A (model, capacity) cell is started only with at least this much budget left (GPU run)."""
@@ -298,6 +302,33 @@ def main(argv: list[str] | None = None) -> int:
     pytest_result = {"ran": False} if args.skip_pytest else run_pytest(budget, dry_run=args.dry_run)
     print(f"pytest: {pytest_result}", file=sys.stderr, flush=True)
 
+    stacks: list[dict[str, Any]] = []
+    if budget.allows("modern stacks (compiled, FSDP2)", 10.0 if args.dry_run else 90.0):
+        if args.dry_run:
+            backend, width, depth = "eager", 32, 2
+
+            def stack_device() -> Device:
+                return SimulatedDevice(capacity_bytes=1 * MIB)
+        else:
+            backend, width, depth = "inductor", 1024, 4
+            _set_cuda_capacity(min(capacities), total_bytes)
+            stack_cuda = CudaDevice(0)
+
+            def stack_device() -> Device:
+                return stack_cuda
+
+        for what, check in (
+            (
+                "compiled",
+                lambda: check_compiled(stack_device, backend=backend, width=width, depth=depth),
+            ),
+            ("fsdp2", lambda: check_fsdp2(stack_device, width=width, depth=depth)),
+        ):
+            row = _guarded(errors, f"stacks {what}", check)
+            if row is not None:
+                stacks.append(row)
+                if not row["ok"]:
+                    errors.append(f"stacks {what}: {row}")
     rows: list[dict[str, Any]] = []
     estimator: list[dict[str, Any]] = []
     for capacity in capacities:  # smallest first: the budget cuts the most expensive cells
@@ -342,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [_jsonable(row) for row in rows],
         "summary": summarize(rows) if rows else {},
         "estimator": estimator,
+        "stacks": stacks,
         "skipped": budget.skipped,
         "errors": errors,
         "elapsed_seconds": elapsed,
@@ -364,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIPPED (time budget or device size): {item}")
     for item in errors:
         print(f"ERROR: {item}")
+    print()
+    print("Modern stacks (torch.compile, FSDP2):")
+    print(format_stacks(stacks))
     print()
     print("Estimator (fake tensors) vs measured peak at the same micro-batch:")
     print(format_estimator(estimator))

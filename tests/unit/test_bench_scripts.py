@@ -38,8 +38,9 @@ def _run(args: list[str], *, timeout_s: float, out_dir: Path | None = None) -> s
 @pytest.mark.slow
 def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> None:
     out = _run(
-        ["bench/gpu_check.py", "--dry-run", "--budget-s", "50"], timeout_s=120, out_dir=tmp_path
+        ["bench/gpu_check.py", "--dry-run", "--budget-s", "75"], timeout_s=150, out_dir=tmp_path
     )
+    assert "compiled (eager)       ok " in out and "fsdp2 (1 rank)         ok " in out
     assert "Estimator (fake tensors) vs measured peak" in out
     assert "Search for the largest micro-batch" in out
     assert "gpt2-tiny" in out and "autobatch" in out
@@ -48,6 +49,7 @@ def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> 
     assert result["env"]["dry_run"] is True
     assert result["errors"] == []
     assert result["rows"][0]["autobatch"]["micro_batch_size"] >= 1
+    assert [row["case"] for row in result["stacks"]] == ["compiled (eager)", "fsdp2 (1 rank)"]
 
 
 @pytest.mark.slow
