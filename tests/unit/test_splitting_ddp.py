@@ -4,9 +4,9 @@ the synchronised backward makes both ranks raise at once instead of hanging."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -114,16 +114,18 @@ def test_ddp_ranks_split_together_and_keep_the_global_gradient(tmp_path: Path) -
                                        atol=1e-12)  # fmt: skip
 
 
-def _synced_oom_worker(rank: int, store_path: str, out_dir: str) -> None:
+def _failing_worker(rank: int, store_path: str, out_dir: str, phase: str) -> None:
+    """Rank 1 runs out of memory on one row whatever the size: in the backward of the window's
+    last micro-batch (synchronised), or in the forward of its first (agreed on, then raised)."""
     _init(rank, store_path)
     outcome: dict[str, Any] = {}
     try:
         data = _data(rank)
-        if rank == 1:  # only in the window's last micro-batch: the synchronised backward
-            data[1][0][0, 0] = HEAVY
+        if rank == 1:
+            data[1 if phase == "backward" else 0][0][0, 0] = HEAVY
 
-        def oom_when(phase: str, rows: torch.Tensor) -> bool:
-            return phase == "backward" and bool((rows[:, 0] == HEAVY).any())
+        def oom_when(where: str, rows: torch.Tensor) -> bool:
+            return where == phase and bool((rows[:, 0] == HEAVY).any())
 
         model = GatedModel(oom_when)
         ddp = DistributedDataParallel(model)
@@ -138,15 +140,23 @@ def _synced_oom_worker(rank: int, store_path: str, out_dir: str) -> None:
         outcome["seconds"] = time.monotonic() - start
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
-        with contextlib.suppress(Exception):  # rank 1 aborted its group already
-            dist.destroy_process_group()
+    if phase == "forward":  # the group is sound: both past the agreement before teardown
+        dist.barrier()
+        dist.destroy_process_group()
+    else:
+        # Rank 1 aborted the group and rank 0's is broken; tearing gloo down from here can
+        # race its background threads into SIGABRT, after the errors this test checks.
+        os._exit(0)
 
 
 @pytest.mark.slow
 def test_ddp_oom_in_the_synchronised_backward_makes_every_rank_raise(tmp_path: Path) -> None:
     assert fake_oom().args  # the gate raises torch's CUDA-like OOM
     spawn_and_wait(
-        _synced_oom_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD_SIZE, SPAWN_TIMEOUT_S
+        _failing_worker,
+        (str(tmp_path / "store"), str(tmp_path), "backward"),
+        WORLD_SIZE,
+        SPAWN_TIMEOUT_S,
     )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     assert ranks[1]["error"] == "DistributedError"
@@ -160,3 +170,20 @@ def test_ddp_oom_in_the_synchronised_backward_makes_every_rank_raise(tmp_path: P
     )
     # Far below the process group's 600 s timeout: rank 0 did not wait for it.
     assert ranks[0]["seconds"] < PG_TIMEOUT.total_seconds() / 10
+
+
+@pytest.mark.slow
+def test_ddp_a_row_that_fits_nowhere_makes_every_rank_raise(tmp_path: Path) -> None:
+    spawn_and_wait(
+        _failing_worker,
+        (str(tmp_path / "store"), str(tmp_path), "forward"),
+        WORLD_SIZE,
+        SPAWN_TIMEOUT_S,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert ranks[1]["error"] == "DoesNotFitError"
+    assert (
+        "micro-batch 0 of window 0 does not fit even at micro-batch size 1" in (ranks[1]["message"])
+    )
+    assert ranks[0]["error"] == "DistributedError"
+    assert "another rank could not fit micro-batch 0 of window 0" in ranks[0]["message"]
