@@ -77,13 +77,24 @@ from autobatch.search import (
     recommended_size,
 )
 from autobatch.state import Snapshot, resident_tensors
-from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
+from autobatch.step import (
+    LossFn,
+    OptimizerSteps,
+    TrainingStep,
+    TrainStep,
+    check_step_arguments,
+)
 from autobatch.units import format_bytes
 from autobatch.worst_case import WorstCaseSample
 
-__all__ = ["Consensus", "LocalConsensus", "confirm_micro_batch_size", "probe"]
+__all__ = ["MAX_WARM_UP_CALLS", "Consensus", "LocalConsensus", "confirm_micro_batch_size", "probe"]
 
 T = TypeVar("T")
+
+MAX_WARM_UP_CALLS = 64
+"""Calls the warm-up makes to a ``train_step`` that updates by itself (``step_includes_update``)
+until it steps the optimizer (one that accumulates gradients over several calls); a step that
+never does within this many calls is refused, as its optimizer state would never appear."""
 
 OnTrial = Callable[[Trial], None]
 
@@ -410,6 +421,8 @@ class _Probe:
         if not self.optimizer.state:
             self._warm_up(own)
         self._trial(size, own)
+        if self.trials[-1].fits:
+            self._second_step(size, own)
         trial = self.trials[-1]
         if not trial.fits:
             return trial, None
@@ -426,30 +439,22 @@ class _Probe:
         if not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]:
             self._warm_up(own)
             if size is None:
-                size = self._agree_size(
-                    next_micro_batch_size(
-                        self.points,
-                        capacity_bytes=capacity.capacity_bytes,
-                        limit=self.limit,
-                        prior=prior,
-                    )
-                )
-        while size is not None:
-            failure = self._trial(size, own)
-            if failure:
-                stop_reason = failure
+                size = self._next_size(capacity, prior)
+        while True:
+            while size is not None and not stop_reason:
+                stop_reason = self._trial(size, own)
+                if not stop_reason:
+                    size = self._next_size(capacity, prior)
+            lo, hi = bracket(self.points)
+            if lo == 0:
+                self._does_not_fit(capacity)
+            fits, failure = self._second_step(lo, own)
+            if fits:
                 break
-            size = self._agree_size(
-                next_micro_batch_size(
-                    self.points,
-                    capacity_bytes=capacity.capacity_bytes,
-                    limit=self.limit,
-                    prior=prior,
-                )
-            )
+            stop_reason = stop_reason or failure
+            if not stop_reason:
+                size = self._next_size(capacity, prior)
         lo, hi = bracket(self.points)
-        if lo == 0:
-            self._does_not_fit(capacity)
         if not stop_reason:
             stop_reason = (
                 f"limit max_micro_batch_size={self.limit} reached"
@@ -457,6 +462,44 @@ class _Probe:
                 else f"micro-batch {hi} does not fit"
             )
         return self._profile(capacity, prior, lo, stop_reason)
+
+    def _next_size(self, capacity: Capacity, prior: MemoryModel | None) -> int | None:
+        """The next size to try, agreed by the ranks (None: the search is over)."""
+        return self._agree_size(
+            next_micro_batch_size(
+                self.points, capacity_bytes=capacity.capacity_bytes, limit=self.limit, prior=prior
+            )
+        )
+
+    def _second_step(self, size: int, capacity: Capacity) -> tuple[bool, str]:
+        """Run the chosen ``size`` again: the first steps of a run differ (cuDNN benchmarking
+        workspaces, allocator warm-up), so it stays chosen only if a second step fits too.
+
+        Returns:
+            Whether it fitted again, and a stop reason for a non-OOM failure ("" otherwise).
+        """
+        failure = self._trial(size, capacity, repeat=True)
+        fits = bracket(self.points)[0] >= size
+        if not fits and not failure:
+            self.notes.append(
+                f"micro-batch {size} fitted at its first step but not at its second "
+                f"({self.trials[-1].error}): the first steps of a run differ (cuDNN "
+                "benchmarking, allocator warm-up); searched below it"
+            )
+        return fits, failure
+
+    def _never_updated(self, size: int, calls: int) -> ConfigError:
+        """The error for a warm-up whose ``train_step`` never stepped the optimizer."""
+        name = type(self.optimizer).__name__
+        return ConfigError(
+            f"train_step ran {calls} times at micro-batch {size} and never called step() on the "
+            f"optimizer passed as optimizer= ({name}), so its state (e.g. Adam's moments) never "
+            "appeared and no measured step would include it. With step_includes_update=True "
+            f"train_step must step that optimizer at least once every {MAX_WARM_UP_CALLS} calls: "
+            "pass the optimizer it steps, accumulate over fewer calls while probing, or pass "
+            "step_includes_update=False (the probe then adds backward, optimizer.step() and "
+            "zero_grad() around a train_step that returns the loss)"
+        )
 
     def _agree_capacity(self, own: Capacity) -> Capacity:
         """This device's capacity, lowered to the smallest rank's (the capacity searched)."""
@@ -577,23 +620,34 @@ class _Probe:
             f"the compiled step ran at micro-batch {size}, its peak not measured"
         )
 
-    def _trial(self, size: int, capacity: Capacity, *, warm_up: bool = False) -> str:
+    def _trial(
+        self, size: int, capacity: Capacity, *, warm_up: bool = False, repeat: bool = False
+    ) -> str:
         """Run one real step at ``size``; records it. Returns a stop reason for a non-OOM failure
         after some size passed, "" otherwise.
 
+        A warm-up runs a ``train_step`` that updates by itself again (up to
+        :data:`MAX_WARM_UP_CALLS` calls) until it steps the optimizer. A ``repeat`` is the second
+        step at a size that fitted: the size's point keeps the larger peak, or no longer fits.
+
         Raises:
             StepFailedError: a non-OOM failure before any size passed.
-            ConfigError: the step is misconfigured.
+            ConfigError: the step is misconfigured, or a warm-up never stepped the optimizer.
         """
         self.device.release()
         error = ""
         oom = False
         failed = False
         fatal: Exception | None = None  # raised once every rank knows
+        updates = OptimizerSteps(self.optimizer)
+        calls = MAX_WARM_UP_CALLS if warm_up and self.step_includes_update else 1
+        ran = 0
         started = time.perf_counter()
         try:
-            with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak:
-                self.step.run(self._batch(size))
+            with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
+                while ran == 0 or (ran < calls and not updates.count):
+                    ran += 1
+                    self.step.run(self._batch(size))
                 self.device.synchronize()
         except Exception as exc:  # classified right here; only a fatal one is kept
             oom = not isinstance(exc, ConfigError) and is_oom(exc)
@@ -609,7 +663,12 @@ class _Probe:
                 )
                 fatal.__cause__ = exc
         seconds = time.perf_counter() - started
-        self.num_steps += 1
+        self.num_steps += ran
+        skipped_update = not (oom or failed) and not updates.count
+        if skipped_update and warm_up:
+            failed = True
+            error = f"no optimizer step in {ran} calls"
+            fatal = self._never_updated(size, ran)
         if oom or failed:
             self._clean_up_after_failure()
         fits = not (oom or failed) and peak.reserved_bytes <= capacity.capacity_bytes
@@ -650,11 +709,20 @@ class _Probe:
             step_seconds=seconds if not (oom or failed) else 0.0,
             error=error,
             warm_up=warm_up,
+            skipped_optimizer_step=skipped_update,
+            repeat=repeat,
         )
         self.trials.append(trial)
+        first_peaks = [p.peak_bytes for p in self.points if p.micro_batch_size == size]
+        if repeat:  # the size's outcome is both steps'
+            self.points = [p for p in self.points if p.micro_batch_size != size]
         if failed_rank == ranks:  # the largest peak of the ranks, when every rank measured one
             agreed_peak = -minus_max_peak if min_peak > 0 else 0
+            if repeat and fits:
+                agreed_peak = max(agreed_peak, *first_peaks)
             self.points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=agreed_peak))
+        elif repeat:
+            self.points.append(Point(micro_batch_size=size, fits=False))
         if self.on_trial is not None:
             self.on_trial(trial)
         if warm_up and not fits:
@@ -716,6 +784,13 @@ class _Probe:
         self, capacity: Capacity, prior: MemoryModel | None, largest: int, stop_reason: str
     ) -> Profile:
         line, _ = fit_memory_model(self.points, prior)
+        skipped = sorted({t.micro_batch_size for t in self.trials if t.skipped_optimizer_step})
+        if skipped:
+            self.notes.append(
+                f"train_step did not step the optimizer in the trials at micro-batch "
+                f"{', '.join(map(str, skipped))} (it accumulates by itself): their peaks lack "
+                "the update's temporaries; the optimizer state was present"
+            )
         return Profile(
             max_micro_batch_size=largest,
             recommended_micro_batch_size=recommended_size(

@@ -50,6 +50,15 @@ class Trial:
     warm_up: bool = False
     """True for the step that created the optimizer state; its peak lacks that state, so the
     search does not use it."""
+    skipped_optimizer_step: bool = False
+    """True when the step completed without ``optimizer.step()`` (a ``train_step`` with
+    ``step_includes_update=True`` that accumulates gradients over several calls): its peak lacks
+    the update's temporaries. The warm-up always ends with an optimizer step, so the optimizer
+    state was present."""
+    repeat: bool = False
+    """True for the second step at the size the search chose: the first steps of a run differ
+    (cuDNN benchmarking workspaces, allocator warm-up), so that size fits only if both steps did,
+    and its peak is the larger of the two."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:

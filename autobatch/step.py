@@ -20,13 +20,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 import torch
 
 from autobatch.errors import ConfigError
 
-__all__ = ["LossFn", "TrainStep", "TrainingStep", "check_step_arguments"]
+__all__ = ["LossFn", "OptimizerSteps", "TrainStep", "TrainingStep", "check_step_arguments"]
 
 LossFn = Callable[..., torch.Tensor]
 TrainStep = Callable[[torch.nn.Module, Any], Any]
@@ -152,6 +153,43 @@ class TrainingStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return _value(value)
+
+
+class OptimizerSteps:
+    """Counts the calls of ``optimizer.step()`` inside a ``with`` block, through a step post-hook
+    on that optimizer alone, removed when the block exits (nothing is left on the optimizer).
+
+    Args:
+        optimizer: the optimizer to watch.
+
+    Example::
+
+        with OptimizerSteps(optimizer) as updates:
+            step.run(batch)
+        updates.count   # 0 when the step accumulated gradients without updating
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.count = 0
+        """``optimizer.step()`` calls completed inside the block so far."""
+        self._handle: Any = None
+
+    def __enter__(self) -> OptimizerSteps:
+        self._handle = self.optimizer.register_step_post_hook(self._stepped)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._handle.remove()
+        self._handle = None
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.count += 1
 
 
 def _device_type(model: torch.nn.Module) -> str:

@@ -213,6 +213,8 @@ class TrialBase(_Strict):
     step_seconds: float = Field(default=0.0, ge=0, le=1e9)
     error: LongText = ""
     warm_up: bool = False
+    skipped_optimizer_step: bool = False
+    repeat: bool = False
 
 
 class MemoryModelBase(_Strict):

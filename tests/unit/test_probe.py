@@ -171,7 +171,8 @@ def test_optimizer_state_counts(make_optimizer: Callable[[Any], Any], expected: 
     assert profile.max_micro_batch_size == expected
 
 
-def test_a_probe_that_skipped_the_optimizer_step_would_say_80() -> None:
+def test_a_train_step_that_never_steps_the_optimizer_is_refused() -> None:
+    # Its optimizer state would never appear: such a probe would say 80 where training gets 60.
     model = Toy()
 
     def forward_backward_only(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -181,15 +182,15 @@ def test_a_probe_that_skipped_the_optimizer_step_would_say_80() -> None:
             p.grad = None
         return loss.detach()
 
-    profile = probe(
-        model,
-        torch.randn(1, UNIT),
-        optimizer=Moments(model.parameters()),
-        train_step=forward_backward_only,
-        step_includes_update=True,
-        device=SimulatedDevice(capacity_bytes=100 * UNIT * 4 + UNIT * 2),
-    )
-    assert profile.max_micro_batch_size == 80
+    with pytest.raises(ConfigError, match=r"never called step\(\) on the optimizer.*Moments"):
+        probe(
+            model,
+            torch.randn(1, UNIT),
+            optimizer=Moments(model.parameters()),
+            train_step=forward_backward_only,
+            step_includes_update=True,
+            device=SimulatedDevice(capacity_bytes=100 * UNIT * 4 + UNIT * 2),
+        )
 
 
 def test_real_adam_temporaries_count_too() -> None:
@@ -267,7 +268,9 @@ def test_a_non_oom_failure_later_stops_at_the_last_size_that_passed() -> None:
     assert profile.num_ooms == 0
     assert "invalid configuration argument" in profile.stop_reason
     assert len(failed) == 1 and not failed[0].oom and failed[0].micro_batch_size > 10
-    assert profile.trials[-1] is failed[0]  # the search ended there
+    assert profile.trials[-2] is failed[0]  # the search ended there,
+    assert profile.trials[-1].repeat  # and the chosen size ran its second step
+    assert profile.trials[-1].micro_batch_size == profile.max_micro_batch_size
 
 
 def test_falls_back_to_doubling_when_the_step_cannot_run_on_fake_tensors() -> None:
