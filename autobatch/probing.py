@@ -321,7 +321,7 @@ def _probing(
             consensus=consensus if consensus is not None else LocalConsensus(),
             layout=layout,
         )
-        with on_cuda_device(target.torch_device):
+        with on_cuda_device(target.torch_device), _no_gradient_sync(model, search.notes):
             return run(search)
     finally:
         del run_optimizer
@@ -840,6 +840,25 @@ def on_cuda_device(device: torch.device) -> AbstractContextManager[object]:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return nullcontext()
+
+
+def _no_gradient_sync(model: torch.nn.Module, notes: list[str]) -> AbstractContextManager[object]:
+    """``model.no_sync()`` for a ``DistributedDataParallel`` model (noted), else nothing.
+
+    DDP all-reduces gradients inside backward: a rank that ran out of memory earlier in the
+    step would leave the others waiting in that all-reduce. Without it, the ranks' next
+    collective is the probe's own agreement after the step, which every rank reaches. The
+    gradient buckets are allocated when DDP wraps the model, so CUDA's statistics count them.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return nullcontext()
+    notes.append(
+        "DistributedDataParallel: trials ran under no_sync() (no gradient all-reduce inside a "
+        "trial, so no rank waits in one while another is out of memory)"
+    )
+    return model.no_sync()
 
 
 def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | None) -> Device:

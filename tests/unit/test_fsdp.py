@@ -106,6 +106,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
             result["no_consensus_error"] = [type(exc).__name__, str(exc)]
         result["layout"] = collective_layout(model)
         result["fsdp1"] = _fsdp1(rank, sample)
+        result["ddp"] = _ddp(rank, sample)
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
@@ -138,6 +139,39 @@ def _fsdp1(rank: int, sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, An
         "ooms": sum(t.oom for t in trials),
         "layout": collective_layout(model),
         "loss": float(loss),
+    }
+
+
+def _ddp(rank: int, sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """DDP (gradient all-reduce inside backward) on 2 MiB and 1 MiB: trials under no_sync."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = DistributedDataParallel(mlp)
+    optimizer = torch.optim.AdamW(model.parameters())
+    trials: list[Trial] = []
+    started = time.monotonic()
+    plan = autotune(
+        model,
+        sample,
+        effective_batch_size=1024,
+        optimizer=optimizer,
+        loss_fn=F.cross_entropy,
+        device=["sim:2MiB", "sim:1MiB"][rank],
+        use_store=False,
+        on_trial=trials.append,
+    )
+    seconds = time.monotonic() - started
+    loss = F.cross_entropy(model(sample[0]), sample[1])
+    loss.backward()  # all-reduces: the ranks are in step again after the probe
+    optimizer.step()
+    return {
+        "plan": plan.to_dict(),
+        "ooms": sum(t.oom for t in trials),
+        "seconds": seconds,
+        "loss": float(loss.detach()),
+        "grad_sync": model.require_backward_grad_sync,
     }
 
 
@@ -202,6 +236,19 @@ def test_fsdp1_ranks_agree_too(fsdp2_ranks: list[dict[str, Any]]) -> None:
     assert first["layout"] == "FSDP (FullyShardedDataParallel)"
     assert first["plan"] == second["plan"]
     assert first["ooms"] == 0 < second["ooms"]  # the 1 MiB card ran out; the plan is its
+    assert first["loss"] == second["loss"] < 10
+
+
+@pytest.mark.slow
+def test_ddp_ranks_probe_without_gradient_sync_and_agree(
+    fsdp2_ranks: list[dict[str, Any]],
+) -> None:
+    first, second = (rank["ddp"] for rank in fsdp2_ranks)
+
+    assert first["plan"] == second["plan"]
+    assert first["ooms"] == 0 < second["ooms"]  # rank 1 ran out mid-step; rank 0 did not wait
+    assert first["seconds"] < GROUP_TIMEOUT_S and second["seconds"] < GROUP_TIMEOUT_S
+    assert first["grad_sync"] and second["grad_sync"]  # no_sync() ended with the probe
     assert first["loss"] == second["loss"] < 10
 
 
