@@ -4,9 +4,10 @@ four times longer than the rest, on a simulated card, without a crash.
 The plan is probed at the usual length, so a micro-batch holding one long sequence (padded to
 it) does not fit. ``Accumulator(..., on_oom="split")`` runs that micro-batch again in halves cut
 from the original, weighted by their token counts, so every optimizer step still applies the
-window's exact mean gradient; each split is logged. Runs on a CPU in well under a minute::
+window's exact mean gradient. Each split is logged, and the profile store learns the smaller
+size, so the next run plans with it from the start. About 20 s of CPU time::
 
-    python examples/train_variable_length.py --device sim:48MiB --micro-steps 200
+    python examples/train_variable_length.py --device sim:20MiB --micro-steps 200
 
 Probing with ``autobatch.worst_case_sample(dataset, key=len, ...)`` instead (the longest
 sequence) gives a plan with no splits at all, at a smaller micro-batch.
@@ -23,6 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import autobatch
 from autobatch.accumulate import Accumulator
+from autobatch.tuning import split_recorder
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100  # labels Hugging Face's loss skips
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         gradient_accumulation_steps=plan.gradient_accumulation_steps,
         max_grad_norm=1.0,
         on_oom="split",
+        # The store learns the size that fitted: the next run's autotune starts from it.
+        on_split=split_recorder(model, usual, optimizer=optimizer, device=device, store=args.store),
     )
     num_micro_steps = num_splits = num_long = 0
     smallest = plan.micro_batch_size
