@@ -1,7 +1,10 @@
-"""Framework integrations: config output for DeepSpeed, Hugging Face and Lightning.
+"""Framework integrations: config output for DeepSpeed, Hugging Face and Lightning, and drop-ins.
 
 Each framework's own drop-in lives in its own submodule and imports that framework only there,
-so ``import autobatch.integrations`` stays free of torch and of every framework.
+so ``import autobatch.integrations`` stays free of torch and of every framework:
+``autobatch.integrations.lightning.AutobatchFinder`` (a Callback, ``.[lightning]``),
+``autobatch.integrations.hf.autotune_trainer`` (``.[hf]``) and
+``autobatch.integrations.accelerate.autotune_accelerator``.
 
 Example::
 

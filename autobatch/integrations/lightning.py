@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from torchmetrics import Metric
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
@@ -164,7 +165,9 @@ def tune_lightning(
         tuning_options["max_gradient_accumulation_steps"] = 1
     sample = _draw_batch(trainer)
     step = FrameworkStep(
-        lambda model, batch: _training_step_loss(trainer, model, batch, manual=manual),
+        lambda model, batch: _training_step_loss(
+            trainer, model, batch, manual=manual, estimating=model is not pl_module
+        ),
         identity=code_identity(type(pl_module).training_step),
     )
     with _probing(trainer, pl_module):
@@ -223,12 +226,18 @@ def _draw_batch(trainer: pl.Trainer) -> Any:
 
 
 def _training_step_loss(
-    trainer: pl.Trainer, module: torch.nn.Module, batch: Any, *, manual: bool
+    trainer: pl.Trainer, module: torch.nn.Module, batch: Any, *, manual: bool, estimating: bool
 ) -> torch.Tensor:
     """``module.training_step`` as Lightning runs it (under the precision plugin's context),
-    reduced to its loss tensor. ``module`` is the LightningModule, or the estimator's copy of it
-    on fake tensors (which has no Trainer attached: a step that needs one is not estimated, and
-    the probe searches by doubling)."""
+    reduced to its loss tensor.
+
+    ``module`` is the LightningModule, or (``estimating``) the estimator's copy of it on fake
+    tensors, whose torchmetrics metrics are switched off: their updates cost next to no memory,
+    and some (``bincount`` in accuracy) cannot run on fake tensors. The copy has no Trainer
+    attached: a step that needs one is not estimated, and the probe searches by doubling.
+    """
+    if estimating:
+        _switch_off_metrics(module)
     with trainer.precision_plugin.train_step_context():
         output = module.training_step(batch, 0)  # type: ignore[operator]
     if isinstance(output, dict):
@@ -241,6 +250,19 @@ def _training_step_loss(
         f"training_step returned {type(output).__name__} for the probe's batch; AutobatchFinder "
         "needs the loss (a tensor, or a dict with 'loss') to probe the whole step"
     )
+
+
+def _switch_off_metrics(module: torch.nn.Module) -> None:
+    """Every torchmetrics Metric in ``module`` ignores updates (its ``update`` and ``forward``
+    return None). Only for the estimator's throwaway copy."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.update = ignore  # type: ignore[method-assign]
+            metric.forward = ignore  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -257,7 +279,7 @@ def _probing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[Non
     no_sync = getattr(wrapped, "no_sync", None)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scaler_state = scaler.state_dict() if scaler is not None else None
-    fresh_metrics = [m for m in pl_module.modules() if getattr(m, "update_count", None) == 0]
+    fresh_metrics = [m for m in pl_module.modules() if isinstance(m, Metric) and not m.update_count]
     pl_module.log = ignore  # type: ignore[method-assign]
     pl_module.log_dict = ignore  # type: ignore[method-assign]
     try:
@@ -268,7 +290,7 @@ def _probing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[Non
         if scaler is not None and scaler_state is not None:
             scaler.load_state_dict(scaler_state)
         for metric in fresh_metrics:
-            metric.reset()  # type: ignore[operator]
+            metric.reset()
 
 
 def _rebuild_train_dataloader(trainer: pl.Trainer, plan: Plan, name: str) -> None:
