@@ -2,20 +2,21 @@
 
 A predicted plan (``plan.source == "predicted"``) is a pure function of a stored profile and a
 capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
-card it runs on, it looks in the store, then (with ``report_to``) in the service, for a profile
-of the *same step* (model, step, input, dtypes, optimizer, torch, backend flags: the cache key
-without the device) probed on another card, and plans from it for this card's capacity. When
-that plan is predicted (past the largest size that really ran there), one real trial at the
-predicted max micro-batch confirms it: the confirming profile is stored for this card (later
+card it runs on, it looks in the store, then (with ``report_to``) in the service, for a profile of
+the *same step* (the same :class:`~autobatch.profile.StepIdentity`: model, step, input, dtypes,
+optimizer, torch, backend flags) probed on another card, and plans from it for this card's
+capacity. When that plan is predicted (past the largest size that really ran there), one real trial
+at the predicted max micro-batch confirms it: the confirming profile is stored for this card (later
 calls read it from the store; with ``report_to`` the service gets it too) and the plan is
-``measured``. When the trial runs out of memory, or its peak does not keep the safety margin
-free, a normal probe runs instead, and the profile's notes and the ``autobatch`` logger say so.
+``measured``. When the trial runs out of memory, or its peak does not keep the safety margin free,
+a normal probe runs instead, and the profile's notes and the ``autobatch`` logger say so.
 
 Imports no torch: the trial is the caller's (:func:`autobatch.probing.confirm_micro_batch_size`).
 
 Example::
 
-    found = find_prediction(stored_profiles(store, key), key, capacity_bytes=80 * 2**30,
+    found = find_prediction(stored_profiles(store, identity), identity, device_name="NVIDIA H100",
+                            total_memory_bytes=80 * 2**30, capacity_bytes=76 * 2**30,
                             safety_margin=0.05, max_micro_batch_size=4096)
     found.micro_batch_size, found.profile_id      # e.g. 171, "3f9c..."
 """
@@ -23,14 +24,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from autobatch.errors import AutobatchError, ConfigError, NoFeasiblePlanError
 from autobatch.extrapolation import Prediction
 from autobatch.planner import plan
-from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 from autobatch.store import ProfileStore
 
 __all__ = [
@@ -40,9 +39,6 @@ __all__ = [
     "service_profiles",
     "stored_profiles",
 ]
-
-_DEVICE_FIELDS = ("device", "total")
-"""The parts of a cache key that name the card; the rest names the step."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,8 +62,10 @@ class ArrivalPrediction:
 
 def find_prediction(
     candidates: Iterable[tuple[str, Profile]],
-    cache_key: str,
+    identity: StepIdentity,
     *,
+    device_name: str,
+    total_memory_bytes: int,
     capacity_bytes: int,
     safety_margin: float,
     max_micro_batch_size: int,
@@ -76,8 +74,10 @@ def find_prediction(
 
     Args:
         candidates: ``(id, profile)`` pairs, most trusted first (e.g. :func:`stored_profiles`,
-            then :func:`service_profiles`); profiles of other steps are skipped.
-        cache_key: this request's cache key (:func:`autobatch.profile.profile_cache_key`).
+            then :func:`service_profiles`); profiles of other steps, and of this card, are
+            skipped.
+        identity: this request's step (:func:`autobatch.metadata.step_identity`).
+        device_name, total_memory_bytes: this card (with ``identity``, the cache key).
         capacity_bytes: bytes the step may use on this card.
         safety_margin: fraction of ``capacity_bytes`` kept free.
         max_micro_batch_size: the caller's limit; the predicted size is capped by it.
@@ -87,11 +87,12 @@ def find_prediction(
         measured sizes here (none, an estimate, a line that cannot be trusted, or a plan within
         the measured sizes).
     """
-    step = _step_identity(cache_key)
+    card = (device_name, total_memory_bytes)
     for profile_id, profile in candidates:
-        if profile.method == "estimate" or profile.failed_micro_batch_size:
+        if profile.method == "estimate" or profile.stop_kind == "failure":
             continue
-        if profile.cache_key() == cache_key or _step_identity(profile.cache_key()) != step:
+        elsewhere = (profile.device_name, profile.total_memory_bytes) != card
+        if profile.identity != identity or not elsewhere:
             continue
         try:
             result = plan(
@@ -141,21 +142,23 @@ def confirm_on_arrival(
     return None, f"{origin}: the confirming trial failed ({why}); probed this card instead"
 
 
-def stored_profiles(store: ProfileStore | None, cache_key: str) -> list[tuple[str, Profile]]:
-    """The store's profiles of this cache key's model, newest first (none without a store).
+def stored_profiles(
+    store: ProfileStore | None, identity: StepIdentity
+) -> list[tuple[str, Profile]]:
+    """The store's profiles of this step's model, newest first (none without a store).
 
     Raises:
         StoreError: the store is unreadable.
     """
     if store is None:
         return []
-    return store.list_profiles(model_fingerprint=_model_fingerprint(cache_key))
+    return store.list_profiles(model_fingerprint=identity.model_fingerprint)
 
 
 def service_profiles(
-    url: str | None, cache_key: str, *, token: str | None
+    url: str | None, identity: StepIdentity, *, token: str | None
 ) -> tuple[list[tuple[str, Profile]], str]:
-    """The profiles of this cache key's model held by the autobatch service at ``url``, newest
+    """The profiles of this step's model held by the autobatch service at ``url``, newest
     first, and why there are none when the service could not be asked ("" otherwise).
 
     A failure does not raise: without the service's profiles the card is probed as usual.
@@ -166,18 +169,7 @@ def service_profiles(
 
     try:
         with AutobatchClient(url, token=token, timeout=10.0) as client:
-            found = client.list_profiles(model_fingerprint=_model_fingerprint(cache_key))
+            found = client.list_profiles(model_fingerprint=identity.model_fingerprint)
     except AutobatchError as exc:
         return [], f"could not ask the autobatch service at {url} for profiles of this step: {exc}"
     return [(f"{url} {profile_id}", profile) for profile_id, profile in found], ""
-
-
-def _model_fingerprint(cache_key: str) -> str:
-    return str(_step_identity(cache_key).get("model", ""))
-
-
-def _step_identity(cache_key: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(cache_key)
-    for field in _DEVICE_FIELDS:
-        data.pop(field, None)
-    return data

@@ -33,14 +33,8 @@ from autobatch.batch import BatchSource
 from autobatch.compiled import eager, is_compiled
 from autobatch.errors import AutobatchError, ConfigError
 from autobatch.live_bytes import LiveBytes
-from autobatch.metadata import (
-    backend_flags,
-    model_fingerprint,
-    now_iso,
-    param_dtype,
-    step_fingerprint,
-)
-from autobatch.profile import Profile, Trial
+from autobatch.metadata import now_iso, step_identity
+from autobatch.profile import Profile, StepIdentity, Trial
 from autobatch.search import Point, fit_memory_model, next_micro_batch_size, recommended_size
 from autobatch.state import preserved_rng, resident_tensors
 from autobatch.step import LossFn, TrainingStep, TrainStep, check_step_arguments
@@ -295,13 +289,19 @@ def estimate(
             )
             profile = run_estimate(
                 fake,
-                model=model,
-                optimizer_name=type(optimizer).__name__ if optimizer is not None else "AdamW",
+                identity=step_identity(
+                    model,
+                    source,
+                    optimizer,
+                    loss_fn=loss_fn,
+                    train_step=train_step,
+                    step_includes_update=step_includes_update,
+                    amp_dtype=amp_dtype,
+                ),
                 capacity_bytes=capacity_bytes,
                 max_micro_batch_size=max_micro_batch_size,
                 safety_margin=safety_margin,
                 device_name=device_name,
-                amp_dtype=amp_dtype,
             )
     finally:
         for param, grad in grads:
@@ -309,17 +309,7 @@ def estimate(
     notes = profile.notes
     if is_compiled(model):
         notes += ("torch.compile: estimated on the uncompiled step (fake tensors)",)
-    return dataclasses.replace(
-        profile,
-        notes=notes,
-        step_fingerprint=step_fingerprint(
-            model,
-            optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-        ),
-    )
+    return dataclasses.replace(profile, notes=notes)
 
 
 def check_search_arguments(max_micro_batch_size: int, safety_margin: float) -> None:
@@ -364,15 +354,18 @@ def estimate_points(
 def run_estimate(
     fake: FakeStep,
     *,
-    model: torch.nn.Module,
-    optimizer_name: str,
+    identity: StepIdentity,
     capacity_bytes: int,
     max_micro_batch_size: int,
     safety_margin: float,
     device_name: str,
-    amp_dtype: torch.dtype | None,
 ) -> Profile:
-    """The estimate as a Profile (shared by :func:`estimate` and the probe)."""
+    """:func:`estimate`'s search on ``fake``, as a Profile of ``identity``. (The probe does not
+    call it: it runs :func:`estimate_points` for a prior and a first size.)
+
+    Raises:
+        DoesNotFitError: not even micro-batch 1 fits in ``capacity_bytes``.
+    """
     from autobatch.errors import DoesNotFitError, Remedy
     from autobatch.units import format_bytes
 
@@ -423,19 +416,13 @@ def run_estimate(
         total_memory_bytes=capacity_bytes,
         capacity_bytes=capacity_bytes,
         memory_model=model_line,
+        stop_kind="limit" if largest >= max_micro_batch_size else "boundary",
         stop_reason=(
             f"limit max_micro_batch_size={max_micro_batch_size} reached"
             if largest >= max_micro_batch_size
             else f"size {largest + 1} is over capacity"
         ),
         notes=(f"estimated on fake tensors in {seconds:.1f} s",),
-        torch_version=torch.__version__,
-        dtype=param_dtype(model),
-        amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
-        optimizer=optimizer_name,
-        input_shape=dict(fake.source.sample_shapes),
-        input_dtypes=dict(fake.source.sample_dtypes),
-        model_fingerprint=model_fingerprint(model),
-        backend_flags=backend_flags(),
+        identity=identity,
         created_at=now_iso(),
     )

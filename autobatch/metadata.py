@@ -1,8 +1,10 @@
-"""What a Profile records about the model, inputs and backend, and the model fingerprint.
+"""What a Profile records about the model, inputs and backend: the step's identity.
 
 Example::
 
     model_fingerprint(torch.nn.Linear(4, 2))    # 'b1946ac92492d234'
+    step_identity(model, BatchSource.from_sample(x), None).cache_key(
+        device_name="sim", total_memory_bytes=2**30)
 """
 
 from __future__ import annotations
@@ -13,7 +15,17 @@ from datetime import UTC, datetime
 
 import torch
 
-__all__ = ["backend_flags", "model_fingerprint", "now_iso", "param_dtype", "step_fingerprint"]
+from autobatch.batch import BatchSource
+from autobatch.profile import StepIdentity
+
+__all__ = [
+    "backend_flags",
+    "model_fingerprint",
+    "now_iso",
+    "param_dtype",
+    "step_fingerprint",
+    "step_identity",
+]
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -94,3 +106,42 @@ def step_fingerprint(
         body = code.co_code if code is not None else b""
         digest.update(cls.__qualname__.encode() + hashlib.sha256(body).digest())
     return digest.hexdigest()[:16]
+
+
+def step_identity(
+    model: torch.nn.Module,
+    source: BatchSource,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    loss_fn: object = None,
+    train_step: object = None,
+    step_includes_update: bool = False,
+    amp_dtype: torch.dtype | None = None,
+) -> StepIdentity:
+    """The one builder of a step's :class:`~autobatch.profile.StepIdentity`, shared by the probe,
+    the estimate and ``autotune`` (so a profile's cache key is the one its request looks up).
+
+    Args:
+        model: the model (its fingerprint and parameter dtype).
+        source: the micro-batch source (one sample's shapes and dtypes).
+        optimizer: the user's optimizer; None stands for the default AdamW.
+        loss_fn, train_step, step_includes_update: how the step is formed.
+        amp_dtype: autocast dtype, None without AMP.
+    """
+    return StepIdentity(
+        model_fingerprint=model_fingerprint(model),
+        step_fingerprint=step_fingerprint(
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+        ),
+        input_shape=dict(source.sample_shapes),
+        input_dtypes=dict(source.sample_dtypes),
+        dtype=param_dtype(model),
+        amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
+        optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
+        torch_version=torch.__version__,
+        backend_flags=backend_flags(),
+    )

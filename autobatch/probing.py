@@ -61,14 +61,8 @@ from autobatch.estimator import (
     check_search_arguments,
     estimate_points,
 )
-from autobatch.metadata import (
-    backend_flags,
-    model_fingerprint,
-    now_iso,
-    param_dtype,
-    step_fingerprint,
-)
-from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.metadata import now_iso, step_identity
+from autobatch.profile import MemoryModel, Profile, StopKind, Trial
 from autobatch.search import (
     Point,
     bracket,
@@ -427,7 +421,8 @@ class _Probe:
         if not trial.fits:
             return trial, None
         stop = f"confirmation: micro-batch {size}, predicted from another card, fits here"
-        profile = self._profile(capacity, prior, size, stop)
+        # The boundary is the prediction's (from the other card's line), not this trial's limit.
+        profile = self._profile(capacity, prior, size, stop, "boundary")
         return trial, profile if profile.recommended_micro_batch_size == size else None
 
     def _search(self) -> Profile:
@@ -461,7 +456,14 @@ class _Probe:
                 if lo >= self.limit
                 else f"micro-batch {hi} does not fit"
             )
-        return self._profile(capacity, prior, lo, stop_reason)
+        kind: StopKind = (
+            "failure"
+            if self.failed_micro_batch_size
+            else "limit"
+            if lo >= self.limit
+            else "boundary"
+        )
+        return self._profile(capacity, prior, lo, stop_reason, kind)
 
     def _next_size(self, capacity: Capacity, prior: MemoryModel | None) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""
@@ -781,7 +783,12 @@ class _Probe:
         )
 
     def _profile(
-        self, capacity: Capacity, prior: MemoryModel | None, largest: int, stop_reason: str
+        self,
+        capacity: Capacity,
+        prior: MemoryModel | None,
+        largest: int,
+        stop_reason: str,
+        stop_kind: StopKind,
     ) -> Profile:
         line, _ = fit_memory_model(self.points, prior)
         skipped = sorted({t.micro_batch_size for t in self.trials if t.skipped_optimizer_step})
@@ -809,26 +816,21 @@ class _Probe:
             capacity_bytes=capacity.capacity_bytes,
             foreign_memory_bytes=capacity.foreign_memory_bytes,
             memory_model=line,
+            stop_kind=stop_kind,
             stop_reason=stop_reason,
             notes=tuple(self.notes),
-            torch_version=torch.__version__,
             driver_version=self.device.driver_version,
-            dtype=param_dtype(self.model),
-            amp_dtype=str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else "",
-            optimizer=type(self.user_optimizer or self.optimizer).__name__,
-            input_shape=dict(self.source.sample_shapes),
-            input_dtypes=dict(self.source.sample_dtypes),
-            model_fingerprint=model_fingerprint(self.model),
-            step_fingerprint=step_fingerprint(
+            identity=step_identity(
                 self.model,
+                self.source,
                 self.user_optimizer,
                 loss_fn=self.loss_fn,
                 train_step=self.train_step,
                 step_includes_update=self.step_includes_update,
+                amp_dtype=self.amp_dtype,
             ),
             failed_micro_batch_size=self.failed_micro_batch_size,
             compiled=self.compiled,
-            backend_flags=backend_flags(),
             created_at=now_iso(),
         )
 

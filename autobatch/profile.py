@@ -19,12 +19,17 @@ from typing import Any, Literal
 
 from autobatch.errors import ConfigError
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "MemoryModel", "Profile", "Trial"]
+__all__ = ["PROFILE_SCHEMA_VERSION", "MemoryModel", "Profile", "StepIdentity", "StopKind", "Trial"]
 
-PROFILE_SCHEMA_VERSION = 1
-"""Bumped whenever a field of :class:`Profile` changes meaning or is removed."""
+PROFILE_SCHEMA_VERSION = 2
+"""Bumped whenever a field of :class:`Profile` is added, changes meaning or is removed (older
+autobatch versions then skip such profiles in a shared store). Version 2 added ``stop_kind``;
+version 1 profiles are still read (their ``stop_kind`` derived from ``stop_reason``)."""
 
 Method = Literal["estimate", "probe", "doubling"]
+StopKind = Literal["boundary", "limit", "failure"]
+"""Why a search stopped: ``"boundary"`` the next size did not fit; ``"limit"`` it reached
+``max_micro_batch_size``; ``"failure"`` a non-OOM failure cut it short."""
 Compiled = Literal["", "measured", "confirmed"]
 
 
@@ -93,6 +98,91 @@ class MemoryModel:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepIdentity:
+    """Everything about a training step, apart from the device, that changes its peak memory;
+    with the device's name and total memory it makes a profile's cache key (:meth:`cache_key`).
+
+    Built once per request by :func:`autobatch.metadata.step_identity` (the probe, the estimate
+    and ``autotune`` all call it) and kept on the :class:`Profile`. Empty strings mean unknown
+    (a profile built from numbers alone).
+    """
+
+    model_fingerprint: str = ""
+    """Hash of the model's class, parameter/buffer names, shapes and dtypes."""
+    step_fingerprint: str = ""
+    """Hash of how the step is formed: the loss function or train step (name and code), the
+    optimizer's hyperparameters and parameter groups, and the code of each module's forward."""
+    input_shape: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Shape of one sample per input tensor (batch dimension removed), keyed by path."""
+    input_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Dtype of each input tensor, keyed like ``input_shape``."""
+    dtype: str = ""
+    """Dtype of the model's floating-point parameters, e.g. ``"float32"``."""
+    amp_dtype: str = ""
+    """Autocast dtype, empty when AMP is off."""
+    optimizer: str = ""
+    """Optimizer class name, e.g. ``"AdamW"``."""
+    torch_version: str = ""
+    backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
+
+    def cache_key(self, *, device_name: str, total_memory_bytes: int) -> str:
+        """Canonical JSON of this identity and the device, as a string key (see
+        ``autobatch.store``): equal keys, equal steps on equal cards."""
+        return json.dumps(
+            {
+                "model": self.model_fingerprint,
+                "step": self.step_fingerprint,
+                "input": {k: list(v) for k, v in sorted(self.input_shape.items())},
+                "input_dtypes": dict(sorted(self.input_dtypes.items())),
+                "dtype": self.dtype,
+                "amp": self.amp_dtype,
+                "optimizer": self.optimizer,
+                "device": device_name,
+                "total": total_memory_bytes,
+                "torch": self.torch_version,
+                "flags": dict(sorted(self.backend_flags.items())),
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists); its keys sit at a profile's top level."""
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "step_fingerprint": self.step_fingerprint,
+            "input_shape": {k: list(v) for k, v in self.input_shape.items()},
+            "input_dtypes": dict(self.input_dtypes),
+            "dtype": self.dtype,
+            "amp_dtype": self.amp_dtype,
+            "optimizer": self.optimizer,
+            "torch_version": self.torch_version,
+            "backend_flags": dict(self.backend_flags),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepIdentity:
+        """The identity's keys of ``data`` (a profile's dict); missing ones are empty."""
+        return cls(
+            model_fingerprint=str(data.get("model_fingerprint", "")),
+            step_fingerprint=str(data.get("step_fingerprint", "")),
+            input_shape={
+                str(k): tuple(int(d) for d in v) for k, v in data.get("input_shape", {}).items()
+            },
+            input_dtypes={str(k): str(v) for k, v in data.get("input_dtypes", {}).items()},
+            dtype=str(data.get("dtype", "")),
+            amp_dtype=str(data.get("amp_dtype", "")),
+            optimizer=str(data.get("optimizer", "")),
+            torch_version=str(data.get("torch_version", "")),
+            backend_flags={str(k): str(v) for k, v in data.get("backend_flags", {}).items()},
+        )
+
+
+_IDENTITY_KEYS = frozenset(f.name for f in dataclasses.fields(StepIdentity))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     """What one probe (or estimate) found for one model, input, optimizer and device.
 
@@ -126,27 +216,17 @@ class Profile:
     """Bytes held by other processes on the device at probe time (NVML), 0 when unknown."""
     memory_model: MemoryModel | None = None
     """Linear fit of peak bytes near the answer; None when fewer than two sizes fitted."""
+    stop_kind: StopKind = "boundary"
+    """Why the search stopped, for code (the cache-reuse rule reads it); ``"failure"`` exactly
+    when ``failed_micro_batch_size`` is set."""
     stop_reason: str = ""
-    """Why the search stopped where it did (boundary found, limit reached, non-OOM failure...)."""
+    """The same, in words for display (e.g. ``"micro-batch 41 does not fit"``)."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. "estimate unavailable: ...; used doubling")."""
-    torch_version: str = ""
     driver_version: str = ""
-    dtype: str = ""
-    """Dtype of the model's floating-point parameters, e.g. ``"float32"``."""
-    amp_dtype: str = ""
-    """Autocast dtype, empty when AMP is off."""
-    optimizer: str = ""
-    """Optimizer class name, e.g. ``"AdamW"``."""
-    input_shape: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    """Shape of one sample per input tensor (batch dimension removed), keyed by path."""
-    input_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Dtype of each input tensor, keyed like ``input_shape``."""
-    model_fingerprint: str = ""
-    """Hash of the model's class, parameter/buffer names, shapes and dtypes."""
-    step_fingerprint: str = ""
-    """Hash of how the step is formed: the loss function or train step (name and code), the
-    optimizer's hyperparameters and parameter groups, and the code of each module's forward."""
+    identity: StepIdentity = dataclasses.field(default_factory=StepIdentity)
+    """The step this profile measured (model, inputs, dtypes, optimizer, torch, backend): with
+    the device, the cache key. Serialised flat, at the profile's top level."""
     failed_micro_batch_size: int = 0
     """The size at which a non-OOM failure ended the search; 0 when none did. Such a profile is
     not cached (the failure may have been transient)."""
@@ -155,8 +235,6 @@ class Profile:
     compiled step (CUDA: memory read from allocator statistics); ``"confirmed"`` the trials ran it
     eagerly (memory counted with a dispatch mode, which Dynamo cannot run under) and one compiled
     step at the recommended size ran afterwards, its peak not measured."""
-    backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
     created_at: str = ""
     """ISO-8601 UTC time of the probe."""
     schema_version: int = PROFILE_SCHEMA_VERSION
@@ -171,6 +249,12 @@ class Profile:
             )
         if not 0 <= self.safety_margin < 1:
             raise ConfigError(f"safety_margin {self.safety_margin} must be in [0, 1)")
+        if (self.stop_kind == "failure") != (self.failed_micro_batch_size > 0):
+            raise ConfigError(
+                f"stop_kind {self.stop_kind!r} disagrees with failed_micro_batch_size "
+                f"{self.failed_micro_batch_size}: a search stops by failure exactly when a size "
+                "failed for a reason other than memory"
+            )
         if not 0 <= self.capacity_bytes <= self.total_memory_bytes:
             raise ConfigError(
                 f"capacity_bytes {self.capacity_bytes} must be in 0..total_memory_bytes "
@@ -187,33 +271,69 @@ class Profile:
         """Trials that ran out of memory."""
         return sum(trial.oom for trial in self.trials)
 
+    # Read-only shorthands for the identity's fields (the public attributes of schema 1).
+
+    @property
+    def model_fingerprint(self) -> str:
+        """``identity.model_fingerprint``."""
+        return self.identity.model_fingerprint
+
+    @property
+    def step_fingerprint(self) -> str:
+        """``identity.step_fingerprint``."""
+        return self.identity.step_fingerprint
+
+    @property
+    def input_shape(self) -> Mapping[str, tuple[int, ...]]:
+        """``identity.input_shape``."""
+        return self.identity.input_shape
+
+    @property
+    def input_dtypes(self) -> Mapping[str, str]:
+        """``identity.input_dtypes``."""
+        return self.identity.input_dtypes
+
+    @property
+    def dtype(self) -> str:
+        """``identity.dtype``."""
+        return self.identity.dtype
+
+    @property
+    def amp_dtype(self) -> str:
+        """``identity.amp_dtype``."""
+        return self.identity.amp_dtype
+
+    @property
+    def optimizer(self) -> str:
+        """``identity.optimizer``."""
+        return self.identity.optimizer
+
+    @property
+    def torch_version(self) -> str:
+        """``identity.torch_version``."""
+        return self.identity.torch_version
+
+    @property
+    def backend_flags(self) -> Mapping[str, str]:
+        """``identity.backend_flags``."""
+        return self.identity.backend_flags
+
     def cache_key(self) -> str:
         """Key under which an equal request may reuse this profile (see ``autobatch.store``)."""
-        return profile_cache_key(
-            model_fingerprint=self.model_fingerprint,
-            step_fingerprint=self.step_fingerprint,
-            input_shape=self.input_shape,
-            input_dtypes=self.input_dtypes,
-            dtype=self.dtype,
-            amp_dtype=self.amp_dtype,
-            optimizer=self.optimizer,
-            device_name=self.device_name,
-            total_memory_bytes=self.total_memory_bytes,
-            torch_version=self.torch_version,
-            backend_flags=self.backend_flags,
+        return self.identity.cache_key(
+            device_name=self.device_name, total_memory_bytes=self.total_memory_bytes
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists)."""
+        """A JSON-ready dict (tuples become lists); the identity's fields at the top level."""
         data = dataclasses.asdict(self)
-        data["input_shape"] = {k: list(v) for k, v in self.input_shape.items()}
-        data["backend_flags"] = dict(self.backend_flags)
-        data["input_dtypes"] = dict(self.input_dtypes)
+        del data["identity"]
+        data.update(self.identity.to_dict())
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Profile:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`; also reads schema version 1 (without ``stop_kind``).
 
         Raises:
             ConfigError: a field is missing or of the wrong kind, or the schema is newer than this
@@ -230,54 +350,23 @@ class Profile:
                 f"({PROFILE_SCHEMA_VERSION}); upgrade autobatch"
             )
         try:
-            fields = dict(data)
+            fields = {k: v for k, v in data.items() if k not in _IDENTITY_KEYS}
+            fields["identity"] = StepIdentity.from_dict(data)
             fields["trials"] = tuple(Trial(**t) for t in data.get("trials", ()))
             model = data.get("memory_model")
             fields["memory_model"] = MemoryModel(**model) if model else None
             fields["notes"] = tuple(data.get("notes", ()))
-            fields["input_shape"] = {
-                str(k): tuple(int(d) for d in v) for k, v in data.get("input_shape", {}).items()
-            }
-            fields["backend_flags"] = {
-                str(k): str(v) for k, v in data.get("backend_flags", {}).items()
-            }
-            fields["input_dtypes"] = {
-                str(k): str(v) for k, v in data.get("input_dtypes", {}).items()
-            }
+            if fields.get("stop_kind") is None:  # schema 1, or a service body that left it out
+                fields["stop_kind"] = _stop_kind_of_v1(data)
+            fields["schema_version"] = PROFILE_SCHEMA_VERSION
             return cls(**fields)
-        except (TypeError, AttributeError) as exc:
+        except (TypeError, AttributeError, ValueError) as exc:
             raise ConfigError(f"not a valid profile: {exc}") from exc
 
 
-def profile_cache_key(
-    *,
-    model_fingerprint: str,
-    step_fingerprint: str,
-    input_shape: Mapping[str, tuple[int, ...]],
-    input_dtypes: Mapping[str, str],
-    dtype: str,
-    amp_dtype: str,
-    optimizer: str,
-    device_name: str,
-    total_memory_bytes: int,
-    torch_version: str,
-    backend_flags: Mapping[str, str],
-) -> str:
-    """Canonical JSON of everything that changes a step's peak memory, as a string key."""
-    return json.dumps(
-        {
-            "model": model_fingerprint,
-            "step": step_fingerprint,
-            "input": {k: list(v) for k, v in sorted(input_shape.items())},
-            "input_dtypes": dict(sorted(input_dtypes.items())),
-            "dtype": dtype,
-            "amp": amp_dtype,
-            "optimizer": optimizer,
-            "device": device_name,
-            "total": total_memory_bytes,
-            "torch": torch_version,
-            "flags": dict(sorted(backend_flags.items())),
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    )
+def _stop_kind_of_v1(data: Mapping[str, Any]) -> StopKind:
+    """The stop kind of a profile written before ``stop_kind`` existed, from what it recorded:
+    a failed size, or the prose autobatch wrote when the limit was reached."""
+    if data.get("failed_micro_batch_size"):
+        return "failure"
+    return "limit" if str(data.get("stop_reason", "")).startswith("limit") else "boundary"

@@ -53,7 +53,7 @@ from autobatch.distributed import data_parallel_size as _data_parallel_size
 from autobatch.errors import AutobatchError
 from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.limits import stored_profile_source
-from autobatch.metadata import backend_flags, model_fingerprint, param_dtype, step_fingerprint
+from autobatch.metadata import step_identity
 from autobatch.planner import Plan, Uneven, plan
 from autobatch.probing import (
     OnTrial,
@@ -62,7 +62,7 @@ from autobatch.probing import (
     confirm_micro_batch_size,
     probe,
 )
-from autobatch.profile import MemoryModel, Profile, Trial, profile_cache_key
+from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 from autobatch.splitting import SplitEvent
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
@@ -300,16 +300,17 @@ def autotune_profile(
     source = BatchSource.from_sample(sample)
     check_placement(model, source, target)  # before the device is asked anything
     capacity_now = target.capacity()
-    key = _cache_key(
+    identity = step_identity(
         model,
-        sample,
-        target,
-        capacity_now.total_memory_bytes,
-        optimizer=optimizer,
+        source,
+        optimizer,
         loss_fn=loss_fn,
         train_step=train_step,
         step_includes_update=step_includes_update,
         amp_dtype=amp_dtype,
+    )
+    key = identity.cache_key(
+        device_name=target.name, total_memory_bytes=capacity_now.total_memory_bytes
     )
 
     def run_probe() -> Profile:
@@ -328,7 +329,6 @@ def autotune_profile(
             on_trial=on_trial,
             consensus=consensus,
         )
-        assert profile.cache_key() == key, "probe and autotune disagree on the cache key"
         return profile
 
     def run_confirmation(size: int, line: MemoryModel) -> tuple[Trial, Profile | None]:
@@ -378,7 +378,9 @@ def autotune_profile(
         if not refresh:
             predicted = _prediction_here(
                 active,
-                key,
+                identity,
+                device_name=target.name,
+                total_memory_bytes=capacity_now.total_memory_bytes,
                 report_to=report_to,
                 capacity_bytes=searched_capacity,
                 safety_margin=safety_margin,
@@ -395,7 +397,7 @@ def autotune_profile(
         if note:
             profile = dataclasses.replace(profile, notes=(*profile.notes, note))
         profile_id = None
-        if active is not None and not profile.failed_micro_batch_size:
+        if active is not None and profile.stop_kind != "failure":
             profile_id = active.put(profile)
         _report(report_to, profile)
         return TunedProfile(profile=profile, cached=False, profile_id=profile_id)
@@ -403,8 +405,10 @@ def autotune_profile(
 
 def _prediction_here(
     store: ProfileStore | None,
-    key: str,
+    identity: StepIdentity,
     *,
+    device_name: str,
+    total_memory_bytes: int,
     report_to: str | None,
     capacity_bytes: int,
     safety_margin: float,
@@ -413,17 +417,19 @@ def _prediction_here(
     """A plan predicted for this card from a profile of the same step on another card: from the
     store, else from the service at ``report_to`` (:mod:`autobatch.confirmation`)."""
     options: dict[str, Any] = {
+        "device_name": device_name,
+        "total_memory_bytes": total_memory_bytes,
         "capacity_bytes": capacity_bytes,
         "safety_margin": safety_margin,
         "max_micro_batch_size": max_micro_batch_size,
     }
-    found = find_prediction(stored_profiles(store, key), key, **options)
+    found = find_prediction(stored_profiles(store, identity), identity, **options)
     if found is not None or report_to is None:
         return found
-    remote, why = service_profiles(report_to, key, token=os.environ.get("AUTOBATCH_API_TOKEN"))
+    remote, why = service_profiles(report_to, identity, token=os.environ.get("AUTOBATCH_API_TOKEN"))
     if why:
         logger.warning("%s; probing this card without it", why)
-    return find_prediction(remote, key, **options)
+    return find_prediction(remote, identity, **options)
 
 
 _NO_STORE = object()
@@ -477,7 +483,7 @@ def _agreed_profile(
         return found[1]
 
     def save(profile: Profile) -> Profile:
-        if opened and not profile.failed_micro_batch_size:
+        if opened and profile.stop_kind != "failure":
             profile_id.append(opened[0].put(profile))
         _report(report_to, profile)
         return profile
@@ -547,50 +553,15 @@ def _same_request(
     profile: Profile, safety_margin: float, max_micro_batch_size: int, capacity_bytes: int
 ) -> bool:
     """A stored profile answers only a request with the same margin, a limit it respected, and
-    (about) the capacity it was probed with; never one a non-OOM failure cut short."""
-    limit_hit = profile.stop_reason.startswith("limit")
+    (about) the capacity it was probed with; never one a non-OOM failure cut short. A search
+    that stopped at its limit answers only for that same limit (a larger one might go further)."""
     return (
-        profile.safety_margin == safety_margin
-        and not profile.failed_micro_batch_size
+        profile.stop_kind != "failure"
+        and profile.safety_margin == safety_margin
         and abs(capacity_bytes - profile.capacity_bytes)
         <= profile.capacity_bytes * CAPACITY_TOLERANCE
         and profile.max_micro_batch_size <= max_micro_batch_size
-        and (not limit_hit or profile.max_micro_batch_size == max_micro_batch_size)
-    )
-
-
-def _cache_key(
-    model: torch.nn.Module,
-    sample: Any,
-    target: Device,
-    total_memory_bytes: int,
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    loss_fn: LossFn | None,
-    train_step: TrainStep | None,
-    step_includes_update: bool,
-    amp_dtype: torch.dtype | None,
-) -> str:
-    """The store key of this request's profile (see :meth:`Profile.cache_key`)."""
-    source = BatchSource.from_sample(sample)
-    return profile_cache_key(
-        model_fingerprint=model_fingerprint(model),
-        step_fingerprint=step_fingerprint(
-            model,
-            optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-        ),
-        input_shape=source.sample_shapes,
-        input_dtypes=source.sample_dtypes,
-        dtype=param_dtype(model),
-        amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
-        optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
-        device_name=target.name,
-        total_memory_bytes=total_memory_bytes,
-        torch_version=torch.__version__,
-        backend_flags=backend_flags(),
+        and (profile.stop_kind != "limit" or profile.max_micro_batch_size == max_micro_batch_size)
     )
 
 
@@ -626,16 +597,17 @@ def split_recorder(
             StoreError when the store cannot be written.
     """
     target = resolve_device(device, default=_model_device(model))
-    key = _cache_key(
+    identity = step_identity(
         model,
-        sample,
-        target,
-        target.capacity().total_memory_bytes,
-        optimizer=optimizer,
+        BatchSource.from_sample(sample),
+        optimizer,
         loss_fn=loss_fn,
         train_step=train_step,
         step_includes_update=step_includes_update,
         amp_dtype=amp_dtype,
+    )
+    key = identity.cache_key(
+        device_name=target.name, total_memory_bytes=target.capacity().total_memory_bytes
     )
 
     def record(event: SplitEvent) -> None:
@@ -660,6 +632,7 @@ def split_recorder(
                     max_micro_batch_size=size,
                     recommended_micro_batch_size=min(profile.recommended_micro_batch_size, size),
                     notes=(*profile.notes, note),
+                    stop_kind="boundary",
                     stop_reason=f"lowered to {size} after running out of memory in training",
                     created_at="",
                 )

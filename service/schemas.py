@@ -239,6 +239,11 @@ class ProfileBase(_Strict):
     capacity_bytes: Bytes
     foreign_memory_bytes: Bytes = 0
     memory_model: MemoryModelBase | None = None
+    stop_kind: Literal["boundary", "limit", "failure"] | None = Field(
+        default=None,
+        description="Why the search stopped: the next size did not fit, the limit was reached, "
+        "or a non-OOM failure (schema version 1 profiles leave it out; it is then derived).",
+    )
     stop_reason: LongText = ""
     notes: list[LongText] = Field(default_factory=list, max_length=1000)
     torch_version: Name = ""

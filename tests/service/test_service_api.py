@@ -14,8 +14,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+import autobatch
 from autobatch.cli import main as cli_main
-from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.planner import Plan
+from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
 from service.routing import is_json_media_type
@@ -53,7 +55,8 @@ def make_profile(**changes: Any) -> Profile:
         "created_at": "2026-11-30T04:00:00+00:00",
     }
     fields.update(changes)
-    return Profile(**fields)
+    identity = {k: fields.pop(k) for k in list(fields) if k in StepIdentity.__dataclass_fields__}
+    return Profile(**fields, identity=StepIdentity(**identity))
 
 
 def problem(response: Any, status: int, slug: str) -> dict[str, Any]:
@@ -969,13 +972,26 @@ def test_openapi_documents_problems(client: TestClient) -> None:
 
 def test_the_profile_schema_has_every_profile_field() -> None:
     """The service must accept whatever autobatch.Profile.to_dict() produces (no drift)."""
-    import dataclasses
-
-    from autobatch.profile import Profile, Trial
     from service.schemas import ProfileBase, TrialBase
 
-    assert set(ProfileBase.model_fields) == {f.name for f in dataclasses.fields(Profile)}
-    assert set(TrialBase.model_fields) == {f.name for f in dataclasses.fields(Trial)}
+    data = make_profile().to_dict()
+    assert set(ProfileBase.model_fields) == set(data)
+    assert set(TrialBase.model_fields) == set(data["trials"][0])
+
+
+def test_the_plan_schema_has_every_plan_field(client: TestClient) -> None:
+    """A field of Plan missing from the response schema would be dropped from every answer."""
+    import dataclasses
+
+    from autobatch.extrapolation import Prediction
+    from service.schemas import PlanFields, PredictionFields
+
+    assert set(PlanFields.model_fields) == {f.name for f in dataclasses.fields(Plan)}
+    assert set(PredictionFields.model_fields) == {f.name for f in dataclasses.fields(Prediction)}
+    answer = client.post("/v1/plan", json={"max_micro_batch_size": 24, "effective_batch_size": 64})
+    served = Plan.from_dict(answer.json()["plan"])
+    assert served.to_dict().keys() == autobatch.plan(24, effective_batch_size=64).to_dict().keys()
+    assert (served.micro_batch_size, served.gradient_accumulation_steps) == (16, 4)
 
 
 def test_validator_messages_read_without_pydantics_prefix(client: TestClient) -> None:

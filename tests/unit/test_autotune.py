@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,11 @@ import autobatch
 from autobatch import autotune
 from autobatch.batch import BatchSource
 from autobatch.device.simulated import SimulatedDevice
+from autobatch.errors import StepFailedError
+from autobatch.profile import Profile
 from autobatch.step import TrainingStep
 from autobatch.store import ProfileStore
+from autobatch.tuning import autotune_profile
 
 
 def mlp() -> torch.nn.Module:
@@ -198,3 +202,83 @@ def test_tune_returns_the_plan_the_profile_and_its_stored_id(tmp_path: Path) -> 
         assert store.get(first.profile_id) == first.profile == second.profile
     unstored = autobatch.tuning.tune(model, sample, use_store=False, **kwargs)
     assert unstored.profile_id is None
+
+
+class ArmedStep:
+    """A train_step that, once armed, fails at its first real step: a request the store does
+    not answer shows up as StepFailedError, without running a whole probe."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __repr__(self) -> str:  # part of the step fingerprint: the same for every instance
+        return "ArmedStep()"
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        inputs, targets = batch
+        if self.armed and not isinstance(inputs, FakeTensor):
+            raise RuntimeError("probed: the store did not answer")
+        return F.cross_entropy(model(inputs), targets)
+
+
+@pytest.fixture(scope="module")
+def probed() -> tuple[torch.nn.Module, Any, ArmedStep, Profile]:
+    """One real probe (a boundary found below the limit), to vary in each store below."""
+    model, step = mlp(), ArmedStep()
+    sample = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    found = autotune_profile(model, sample, train_step=step, device="sim:6MiB", use_store=False)
+    assert found.profile.stop_kind == "boundary"
+    assert found.profile.max_micro_batch_size < 1000
+    step.armed = True
+    return model, sample, step, found.profile
+
+
+@pytest.mark.parametrize(
+    ("stored_change", "request_change", "answers"),
+    [
+        ({}, {}, True),
+        ({}, {"max_micro_batch_size": 5000}, True),  # a boundary holds under a larger limit
+        ({"safety_margin": 0.1}, {}, False),
+        ({"capacity_bytes": "-0.5%"}, {}, True),  # within the tolerance
+        ({"capacity_bytes": "-2%"}, {}, False),  # memory was freed since: it could be larger
+        ({}, {"foreign_memory_bytes": 2 * 6 * 2**20 // 100}, False),  # another process took 2%
+        ({}, {"max_micro_batch_size": "max-1"}, False),  # the profile exceeds the new limit
+        ({"stop_kind": "limit"}, {"max_micro_batch_size": "max"}, True),
+        ({"stop_kind": "limit"}, {"max_micro_batch_size": 5000}, False),  # might go further
+        ({"stop_kind": "failure", "failed_micro_batch_size": "max+1"}, {}, False),
+    ],
+)
+def test_every_cache_reuse_rule(
+    tmp_path: Path,
+    probed: tuple[torch.nn.Module, Any, ArmedStep, Profile],
+    stored_change: dict[str, Any],
+    request_change: dict[str, Any],
+    answers: bool,
+) -> None:
+    model, sample, step, profile = probed
+    largest = profile.max_micro_batch_size
+    sizes = {"max": largest, "max-1": largest - 1, "max+1": largest + 1}
+    change = {k: sizes.get(v, v) for k, v in stored_change.items()}
+    if isinstance(change.get("capacity_bytes"), str):
+        change["capacity_bytes"] = int(
+            profile.capacity_bytes * (1 + float(change["capacity_bytes"].rstrip("%")) / 100)
+        )
+    request: dict[str, Any] = {"max_micro_batch_size": 1 << 16, "safety_margin": 0.05}
+    request.update({k: sizes.get(v, v) for k, v in request_change.items()})
+    device = SimulatedDevice(  # the same card (name, total): the same cache key
+        capacity_bytes=6 * 2**20, foreign_memory_bytes=request.pop("foreign_memory_bytes", 0)
+    )
+    with ProfileStore(tmp_path / "s.sqlite3") as store:
+        stored_id = store.put(dataclasses.replace(profile, **change))
+        if answers:
+            found = autotune_profile(
+                model, sample, train_step=step, device=device, store=store, **request
+            )
+            assert found.cached and found.profile_id == stored_id
+        else:
+            with pytest.raises(StepFailedError, match="probed: the store did not answer"):
+                autotune_profile(
+                    model, sample, train_step=step, device=device, store=store, **request
+                )

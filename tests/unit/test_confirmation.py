@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from autobatch import autotune, plan
 from autobatch.confirmation import find_prediction, service_profiles, stored_profiles
-from autobatch.profile import Profile
+from autobatch.profile import Profile, StepIdentity
 from autobatch.store import ProfileStore
 from autobatch.tuning import autotune_profile
 
@@ -109,10 +109,11 @@ def test_a_failed_confirmation_probes_and_says_so(
     )
     with ProfileStore(store) as opened:
         opened.put(wrong)
-        here = small.cache_key().replace('"total":6291456', '"total":25165824')
         found = find_prediction(
-            stored_profiles(opened, here),
-            here,
+            stored_profiles(opened, small.identity),
+            small.identity,
+            device_name="sim",
+            total_memory_bytes=24 * 2**20,
             capacity_bytes=24 * 2**20,
             safety_margin=0.05,
             max_micro_batch_size=4096,
@@ -142,13 +143,16 @@ def test_no_prediction_without_a_profile_of_the_same_step(
 ) -> None:
     store = tmp_path / "profiles.sqlite3"
     small = small_card_profile(store, probed_on_a_small_card)
-    other_input = small.cache_key().replace('"total":6291456', '"total":25165824')
     with ProfileStore(store) as opened:
-        other_step = other_input.replace('"input":{', '"input":{"extra":[1],')
+        other_step = dataclasses.replace(
+            small.identity, input_shape={**small.identity.input_shape, "extra": (1,)}
+        )
         assert (
             find_prediction(
                 stored_profiles(opened, other_step),
                 other_step,
+                device_name="sim",
+                total_memory_bytes=24 * 2**20,
                 capacity_bytes=24 * 2**20,
                 safety_margin=0.05,
                 max_micro_batch_size=4096,
@@ -158,8 +162,10 @@ def test_no_prediction_without_a_profile_of_the_same_step(
         # The same card: the store's own cache answers; nothing is predicted.
         assert (
             find_prediction(
-                stored_profiles(opened, small.cache_key()),
-                small.cache_key(),
+                stored_profiles(opened, small.identity),
+                small.identity,
+                device_name=small.device_name,
+                total_memory_bytes=small.total_memory_bytes,
                 capacity_bytes=small.capacity_bytes,
                 safety_margin=0.05,
                 max_micro_batch_size=4096,
@@ -174,8 +180,8 @@ def test_an_unreachable_service_gives_no_profiles_and_says_why() -> None:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    key = '{"device":"sim","model":"fp","total":1}'
-    found, why = service_profiles(url, key, token=None)
+    identity = StepIdentity(model_fingerprint="fp")
+    found, why = service_profiles(url, identity, token=None)
     assert found == []
     assert why.startswith(f"could not ask the autobatch service at {url}")
-    assert service_profiles(None, key, token=None) == ([], "")
+    assert service_profiles(None, identity, token=None) == ([], "")

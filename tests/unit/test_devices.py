@@ -122,23 +122,14 @@ def test_parse_device_rejects_with_the_value_and_the_forms(text: str, message: s
 
 
 def test_backend_flags_are_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autobatch.metadata import backend_flags
-    from autobatch.profile import profile_cache_key
+    from autobatch.batch import BatchSource
+    from autobatch.metadata import step_identity
+
+    model, source = torch.nn.Linear(3, 2), BatchSource.from_sample(torch.randn(2, 3))
 
     def key() -> str:
-        return profile_cache_key(
-            model_fingerprint="m",
-            step_fingerprint="s",
-            input_shape={"x": (3,)},
-            input_dtypes={"x": "float32"},
-            dtype="float32",
-            amp_dtype="",
-            optimizer="AdamW",
-            device_name="sim",
-            total_memory_bytes=1,
-            torch_version=torch.__version__,
-            backend_flags=backend_flags(),
-        )
+        identity = step_identity(model, source, None)
+        return identity.cache_key(device_name="sim", total_memory_bytes=1)
 
     plain = key()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

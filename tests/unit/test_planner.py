@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.extrapolation import EXTRAPOLATION_GROWTH, Prediction
 from autobatch.planner import Plan, WorldSizeOption, plan, plan_world_sizes
-from autobatch.profile import MemoryModel, Profile, Trial
+from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 
 GIB = 2**30
 MIB = 2**20
@@ -252,7 +252,8 @@ def make_profile(**overrides: Any) -> Profile:
         "memory_model": MODEL,
     }
     fields.update(overrides)
-    return Profile(**fields)
+    identity = {k: fields.pop(k) for k in list(fields) if k in StepIdentity.__dataclass_fields__}
+    return Profile(**fields, identity=StepIdentity(**identity))
 
 
 def test_profile_uses_recommended_size_and_models_the_peak() -> None:

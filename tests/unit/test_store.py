@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import multiprocessing
 import os
 import pathlib
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from autobatch.errors import ConfigError, StoreError
-from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
+from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
 from autobatch.store import (
     STORE_SCHEMA_VERSION,
     ProfileNotFoundError,
@@ -67,7 +68,8 @@ def make_profile(**overrides: Any) -> Profile:
         "created_at": "2026-05-09T07:35:25+00:00",
     }
     fields.update(overrides)
-    return Profile(**fields)
+    identity = {k: fields.pop(k) for k in list(fields) if k in StepIdentity.__dataclass_fields__}
+    return Profile(**fields, identity=StepIdentity(**identity))
 
 
 @pytest.fixture
@@ -458,3 +460,56 @@ def test_processes_opening_a_new_file_at_once_all_succeed(tmp_path: pathlib.Path
             assert errors == [""] * num_workers, f"round {round_index}: {errors}"
             with ProfileStore(path) as store:
                 assert len(store.list_profiles(limit=100)) == num_workers
+
+
+@pytest.mark.parametrize(
+    ("recorded", "stop_kind"),
+    [
+        ({"stop_reason": "limit max_micro_batch_size=64 reached"}, "limit"),
+        ({"stop_reason": "micro-batch 41 does not fit"}, "boundary"),
+        (
+            {"stop_reason": "micro-batch 8 failed (RuntimeError)", "failed_micro_batch_size": 8},
+            "failure",
+        ),
+    ],
+)
+def test_a_schema_1_profile_in_the_store_is_read_with_its_stop_kind(
+    store: ProfileStore, recorded: dict[str, Any], stop_kind: str
+) -> None:
+    """Profiles stored before stop_kind existed (schema 1) still answer, with the kind derived."""
+    data = make_profile().to_dict()
+    del data["stop_kind"]
+    data.update(recorded, schema_version=1)
+    with sqlite3.connect(store.path) as conn:  # as autobatch 0.1 wrote it
+        conn.execute(
+            "INSERT INTO profiles (id, cache_key, model_fingerprint, device_name, created_at,"
+            " profile_schema_version, profile_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                "old",
+                make_profile().cache_key(),
+                "model-a",
+                "sim",
+                "2026-01-01",
+                1,
+                json.dumps(data),
+            ),
+        )
+    loaded = store.get("old")
+    assert loaded.stop_kind == stop_kind
+    assert loaded.stop_reason == recorded["stop_reason"]
+    assert loaded.schema_version == PROFILE_SCHEMA_VERSION
+    assert store.find(make_profile().cache_key()) == ("old", loaded)
+
+
+def test_stop_kind_must_agree_with_a_failed_size() -> None:
+    with pytest.raises(ConfigError, match="stop_kind 'boundary' disagrees"):
+        make_profile(failed_micro_batch_size=8)
+    assert make_profile(stop_kind="failure", failed_micro_batch_size=8).failed_micro_batch_size == 8
+
+
+def test_identity_is_stored_flat_as_before() -> None:
+    data = make_profile().to_dict()
+    assert "identity" not in data
+    assert data["model_fingerprint"] == "model-a"
+    assert data["input_shape"] == {"input_ids": [512], "labels": [512]}
+    assert Profile.from_dict(data) == make_profile()
