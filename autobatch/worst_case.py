@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
@@ -103,7 +103,8 @@ def worst_case_sample(
 
     Raises:
         ConfigError: the dataset is empty or not map-style, ``percentile`` or ``num_items`` out
-            of range, or ``key`` returned something that is not a finite real number.
+            of range, ``key`` returned something that is not a finite real number, or the
+            default ``key=len`` met a dict item (its len counts fields).
     """
     if not (isinstance(percentile, int | float) and 0 < percentile <= 100):
         raise ConfigError(f"percentile must be in (0, 100], got {percentile!r}; 100 is the max")
@@ -120,7 +121,13 @@ def worst_case_sample(
     key_name = getattr(key, "__name__", type(key).__name__)
     loads: list[float] = []
     for index in range(size):
-        value = key(dataset[index])
+        item = dataset[index]
+        if key is len and isinstance(item, Mapping):
+            raise ConfigError(
+                f"item {index} is a {type(item).__name__}, whose len() counts its fields, not "
+                "its load; pass key=lambda item: len(item['input_ids']) (or the field to measure)"
+            )
+        value = key(item)
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
             raise ConfigError(
                 f"key {key_name} returned {value!r} for item {index}; it must return the item's "

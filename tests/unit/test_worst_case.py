@@ -90,6 +90,11 @@ def test_bad_input_is_named(args: list[Any], kw: dict[str, Any], match: str) -> 
         worst_case_sample(args, **kw)
 
 
+def test_len_of_a_dict_item_is_refused_not_taken_for_its_length() -> None:
+    with pytest.raises(ConfigError, match=r"item 0 is a dict, whose len\(\) counts its fields"):
+        worst_case_sample(items([3, 9]), collate_fn=pad)
+
+
 def test_an_iterable_dataset_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"not map-style .* list\(itertools.islice"):
         worst_case_sample(iter([1, 2]), key=lambda x: x)  # type: ignore[arg-type]
