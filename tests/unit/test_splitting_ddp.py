@@ -44,16 +44,23 @@ def _init(rank: int, store_path: str) -> None:
     )  # fmt: skip
 
 
-def _split_worker(rank: int, store_path: str, out_dir: str) -> None:
+# Where rank 1's heavy row sits (micro-batch of window 0) and where it runs out of memory at 8
+# rows: in the backward of the first micro-batch (local, then the window is recomputed), or in
+# the forward of the last one (then its final piece is agreed on before the synchronised
+# backward, while rank 0 waits with its own final forward done).
+CASES = {"backward": 0, "forward": 1}
+
+
+def _split_worker(rank: int, store_path: str, out_dir: str, phase: str) -> None:
     _init(rank, store_path)
     try:
         data = _data(rank)
-        if rank == 1:  # rank 1's first micro-batch holds a row too heavy for 8 in backward
-            data[0][0][2, 0] = HEAVY
+        if rank == 1:
+            data[CASES[phase]][0][2, 0] = HEAVY
 
-        def oom_when(phase: str, rows: torch.Tensor) -> bool:
+        def oom_when(where: str, rows: torch.Tensor) -> bool:
             heavy = bool((rows[:, 0] == HEAVY).any())
-            return phase == "backward" and heavy and rows.shape[0] > 4
+            return where == phase and heavy and rows.shape[0] > 4
 
         model = GatedModel(oom_when)
         ddp = DistributedDataParallel(model)
@@ -85,18 +92,29 @@ def _split_worker(rank: int, store_path: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_ranks_split_together_and_keep_the_global_gradient(tmp_path: Path) -> None:
+@pytest.mark.parametrize("phase", list(CASES))
+def test_ddp_ranks_split_together_and_keep_the_global_gradient(tmp_path: Path, phase: str) -> None:
     spawn_and_wait(
-        _split_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD_SIZE, SPAWN_TIMEOUT_S
+        _split_worker,
+        (str(tmp_path / "store"), str(tmp_path), phase),
+        WORLD_SIZE,
+        SPAWN_TIMEOUT_S,
     )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    # Rank 1 ran out of memory in backward; rank 0 adopted the smaller size at the agreement.
-    assert ranks[1][0]["splits"] == [["backward", 8, 4]]
+    # Rank 1 ran out of memory; rank 0 adopted the smaller size at the agreement.
+    assert ranks[1][0]["splits"] == [[phase, 8, 4]]
     assert ranks[0][0]["splits"] == [["peer", 8, 4]]
     assert [w["limit"] for w in ranks[0][:2]] == [4, 4] == [w["limit"] for w in ranks[1][:2]]
-    # Rank 0: micro-batch 0 whole, then pieces of 4. Rank 1: 8 (failed), then pieces of 4.
-    assert ranks[0][2]["seen"] == [8, 4, 4, 4, 4, 4, 4]
-    assert ranks[1][2]["seen"] == [8, 4, 4, 4, 4, 4, 4, 4, 4]
+    if phase == "backward":
+        # Rank 0: micro-batch 0 whole, then pieces of 4. Rank 1: 8 (failed in backward), then
+        # the window again from micro-batch 0 in pieces of 4.
+        assert ranks[0][2]["seen"] == [8, 4, 4, 4, 4, 4, 4]
+        assert ranks[1][2]["seen"] == [8, 4, 4, 4, 4, 4, 4, 4, 4]
+    else:
+        # Both ran window 0 whole but rank 1's last micro-batch, which failed in forward and
+        # ran as two pieces (the second synchronised); window 1 in pieces of 4 on both.
+        assert ranks[0][2]["seen"] == [8, 8, 4, 4, 4, 4]
+        assert ranks[1][2]["seen"] == [8, 8, 4, 4, 4, 4, 4, 4]
     for window in range(2):
         assert ranks[0][window]["grad"] == ranks[1][window]["grad"]  # the same all-reduced step
         model = GatedModel(lambda phase, rows: False)
@@ -105,7 +123,7 @@ def test_ddp_ranks_split_together_and_keep_the_global_gradient(tmp_path: Path) -
                 p.copy_(torch.tensor(v, dtype=torch.float64))
         batches = [_data(r)[2 * window + i] for r in range(WORLD_SIZE) for i in range(2)]
         if window == 0:
-            batches[2][0][2, 0] = HEAVY
+            batches[2 + CASES[phase]][0][2, 0] = HEAVY
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         want = torch.autograd.grad(mse(model, (x, y)), list(model.parameters()))
