@@ -30,7 +30,14 @@ from torch.utils._pytree import tree_flatten
 
 from autobatch.profile import Compiled
 
-__all__ = ["CompiledMode", "eager", "is_compiled", "mark_batch_dynamic", "measures_compiled"]
+__all__ = [
+    "CompiledMode",
+    "compiled_mode",
+    "eager",
+    "is_compiled",
+    "mark_batch_dynamic",
+    "measures_compiled",
+]
 
 CompiledMode = Compiled
 """How a compiled step was probed; see :attr:`autobatch.Profile.compiled`."""
@@ -47,6 +54,14 @@ def is_compiled(model: torch.nn.Module) -> bool:
         or module._compiled_call_impl is not None
         for module in model.modules()
     )
+
+
+def compiled_mode(model: torch.nn.Module, device_type: str) -> CompiledMode:
+    """How a probe of ``model`` on a device of ``device_type`` runs its step: ``""`` (not
+    compiled), ``"measured"`` or ``"confirmed"``; see :attr:`autobatch.Profile.compiled`."""
+    if not is_compiled(model):
+        return ""
+    return "measured" if measures_compiled(device_type) else "confirmed"
 
 
 def measures_compiled(device_type: str) -> bool:

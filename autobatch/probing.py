@@ -37,13 +37,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from autobatch.batch import BatchSource
-from autobatch.compiled import (
-    CompiledMode,
-    eager,
-    is_compiled,
-    mark_batch_dynamic,
-    measures_compiled,
-)
+from autobatch.compiled import CompiledMode, compiled_mode, eager, mark_batch_dynamic
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
 from autobatch.distributed import collective_layout
@@ -374,9 +368,7 @@ class _Probe:
             grad_scaler=scaler,
             step_on_overflow=True,
         )
-        self.compiled: CompiledMode = ""
-        if is_compiled(model):
-            self.compiled = "measured" if measures_compiled(device.type) else "confirmed"
+        self.compiled: CompiledMode = compiled_mode(model, device.type)
         self.points: list[Point] = []
         self.trials: list[Trial] = []
         self.notes: list[str] = []

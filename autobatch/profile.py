@@ -126,11 +126,14 @@ class StepIdentity:
     backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
 
-    def cache_key(self, *, device_name: str, total_memory_bytes: int) -> str:
+    def cache_key(self, *, device_name: str, total_memory_bytes: int, compiled: str = "") -> str:
         """Canonical JSON of this identity and the device, as a string key (see
-        ``autobatch.store``): equal keys, equal steps on equal cards."""
+        ``autobatch.store``): equal keys, equal steps on equal cards. ``compiled`` (see
+        :attr:`Profile.compiled`) joins the key only when set: a compiled step's peak differs
+        from the eager one's, and uncompiled steps keep the keys they had."""
         return json.dumps(
             {
+                **({"compiled": compiled} if compiled else {}),
                 "model": self.model_fingerprint,
                 "step": self.step_fingerprint,
                 "input": {k: list(v) for k, v in sorted(self.input_shape.items())},
@@ -321,7 +324,9 @@ class Profile:
     def cache_key(self) -> str:
         """Key under which an equal request may reuse this profile (see ``autobatch.store``)."""
         return self.identity.cache_key(
-            device_name=self.device_name, total_memory_bytes=self.total_memory_bytes
+            device_name=self.device_name,
+            total_memory_bytes=self.total_memory_bytes,
+            compiled=self.compiled,
         )
 
     def to_dict(self) -> dict[str, Any]:

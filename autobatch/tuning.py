@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.batch import BatchSource
+from autobatch.compiled import compiled_mode
 from autobatch.confirmation import (
     ArrivalPrediction,
     confirm_on_arrival,
@@ -310,7 +311,9 @@ def autotune_profile(
         amp_dtype=amp_dtype,
     )
     key = identity.cache_key(
-        device_name=target.name, total_memory_bytes=capacity_now.total_memory_bytes
+        device_name=target.name,
+        total_memory_bytes=capacity_now.total_memory_bytes,
+        compiled=compiled_mode(model, target.type),
     )
 
     def run_probe() -> Profile:
@@ -607,7 +610,9 @@ def split_recorder(
         amp_dtype=amp_dtype,
     )
     key = identity.cache_key(
-        device_name=target.name, total_memory_bytes=target.capacity().total_memory_bytes
+        device_name=target.name,
+        total_memory_bytes=target.capacity().total_memory_bytes,
+        compiled=compiled_mode(model, target.type),
     )
 
     def record(event: SplitEvent) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from autobatch import estimate, probe
+from autobatch import autotune, estimate, probe
 from autobatch.compiled import eager, is_compiled
 from autobatch.device import Capacity, PeakMemory
 from autobatch.errors import StepFailedError
+from autobatch.store import ProfileStore
 
 
 def _mlp() -> torch.nn.Module:
@@ -169,3 +171,23 @@ def test_on_cuda_the_trials_measure_the_compiled_step_and_compile_once_for_all_s
     assert len(sizes) >= 6  # many sizes...
     assert counter.frame_count == 2  # ...one graph for size 1, one dynamic graph for the rest
     assert compiles_later() == 1
+
+
+def test_a_compiled_step_has_its_own_entry_in_the_store(tmp_path: Path) -> None:
+    store = tmp_path / "profiles.sqlite3"
+    options: dict[str, Any] = {
+        "effective_batch_size": 64,
+        "loss_fn": F.cross_entropy,
+        "device": "sim:4MiB",
+        "store": store,
+    }
+    eager_plan = autotune(_mlp(), SAMPLE, **options)
+    model = _mlp()
+    model.compile(backend=CompileCounterWithBackend("eager"))  # same fingerprint as eager
+
+    first = autotune(model, SAMPLE, **options)
+    again = autotune(model, SAMPLE, **options)
+
+    assert (eager_plan.source, first.source, again.source) == ("measured", "measured", "cached")
+    with ProfileStore(store) as opened:
+        assert sorted(p.compiled for _, p in opened.list_profiles()) == ["", "confirmed"]
