@@ -118,7 +118,10 @@ def autotune_trainer(
         lambda model, batch: _compute_loss(trainer, model, batch),
         identity=f"{code_identity(type(trainer).compute_loss)}:"
         f"smoothing={getattr(trainer, 'label_smoother', None)!r}:"
-        f"loss_func={code_identity(getattr(trainer, 'compute_loss_func', None) or _compute_loss)}",
+        f"loss_func={code_identity(getattr(trainer, 'compute_loss_func', None) or _compute_loss)}:"
+        # The profile's key sees module code, not HF's checkpointing flag: name it here.
+        f"checkpointing={_checkpointing_wanted(args) or _checkpointing_active(model)}"
+        f"{getattr(args, 'activation_checkpointing_kwargs', None)!r}",
     )
     amp_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     with _trainer_optimizer(trainer) as optimizer, _checkpointing(model, args):
@@ -185,16 +188,23 @@ def _trainer_optimizer(trainer: Any) -> Iterator[torch.optim.Optimizer]:
         trainer.optimizer = None
 
 
+def _checkpointing_wanted(args: Any) -> bool:
+    """The Trainer will turn activation checkpointing on in ``train()``."""
+    return bool(
+        getattr(args, "activation_checkpointing", False)
+        or getattr(args, "gradient_checkpointing", False)
+    )
+
+
+def _checkpointing_active(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 @contextlib.contextmanager
 def _checkpointing(model: torch.nn.Module, args: Any) -> Iterator[None]:
     """Activation checkpointing on during the probe when the Trainer will turn it on in
     ``train()``, with the same settings; off again afterwards."""
-    wanted = bool(
-        getattr(args, "activation_checkpointing", False)
-        or getattr(args, "gradient_checkpointing", False)
-    )
-    active = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    if not wanted or active:
+    if not _checkpointing_wanted(args) or _checkpointing_active(model):
         yield
         return
     enable = getattr(model, "activation_checkpointing_enable", None)

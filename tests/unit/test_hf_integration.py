@@ -187,3 +187,18 @@ def test_row_length_is_the_longest_sequence_field() -> None:
     assert row_length({"input_ids": [0] * 9, "labels": [0] * 9, "label": 1}) == 9
     assert row_length((torch.zeros(6, 2), 4)) == 6
     assert row_length({"pixel_values": torch.zeros(()), "x": 1}) == 0
+
+
+@pytest.mark.slow
+def test_the_trainers_precision_and_activation_checkpointing_are_probed(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path / "profiles.sqlite3")
+    device = SimulatedDevice(capacity_bytes=CAPACITY_BYTES)
+    autotune_trainer(make_trainer(tmp_path), 48, device=device, store=store)
+    bf16 = autotune_trainer(make_trainer(tmp_path, bf16=True), 48, device=device, store=store)
+    profiles = {p.amp_dtype: p for _, p in store.list_profiles()}
+    assert set(profiles) == {"", "bfloat16"}  # two cache keys: the second ran under autocast
+    trainer = make_trainer(tmp_path, bf16=True, activation_checkpointing=True)
+    checkpointed = autotune_trainer(trainer, 48, device=device, store=store)
+    # Checkpointing keeps a layer's inputs instead of all its activations: more rows fit.
+    assert checkpointed.max_micro_batch_size > bf16.max_micro_batch_size
+    assert not trainer.model.is_activation_checkpointing  # off again until train() turns it on
