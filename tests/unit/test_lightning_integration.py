@@ -221,3 +221,27 @@ def test_ddp_ranks_agree_on_the_smaller_card_and_train_at_the_plan(tmp_path: Pat
             2 * plan["gradient_accumulation_steps"]
         )
     assert ranks[0]["first_weight"] == ranks[1]["first_weight"]  # DDP kept them in step
+
+
+def test_the_batch_size_of_a_datamodule_is_set() -> None:
+    class Data(pl.LightningDataModule):
+        def __init__(self, source: Classifier) -> None:
+            super().__init__()
+            self.batch_size = 4
+            self.dataset = torch.utils.data.TensorDataset(source.inputs, source.targets)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+            return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size)
+
+    module = Classifier()
+    del module.batch_size  # the datamodule holds it, as BatchSizeFinder also allows
+    data = Data(module)
+    finder = AutobatchFinder(
+        96, device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES), use_store=False
+    )
+    trainer = make_trainer(finder, max_steps=1)
+    trainer.fit(module, datamodule=data)
+    assert finder.plan is not None
+    assert data.batch_size * trainer.accumulate_grad_batches == 96
+    assert data.batch_size == finder.plan.micro_batch_size
+    assert module.seen == [data.batch_size] * trainer.accumulate_grad_batches
