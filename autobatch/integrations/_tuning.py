@@ -4,11 +4,13 @@ framework's own step as a ``train_step`` with a stable identity, and one call to
 
 Example::
 
-    check_options(options, caller="AutobatchFinder")
-    step = FrameworkStep(lambda model, batch: module.training_step(batch, 0),
+    check_options(options, caller="AutobatchFinder", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
+    step = FrameworkStep(lambda model, batch: model.training_step(batch, 0),
                          identity=code_identity(type(module).training_step))
     plan = tune(module, sample, effective_batch_size=64, world_size=1, optimizer=optimizer,
-                train_step=step, options=options)
+                train_step=step, device="sim:1GiB", amp_dtype=None, options=options,
+                caller="AutobatchFinder")
+    check_epoch_end(len(dataset), plan, drop_last=False, caller="AutobatchFinder")
 """
 
 from __future__ import annotations

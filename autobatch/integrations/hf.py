@@ -69,9 +69,10 @@ def autotune_trainer(
             data-parallel world size).
         device: the device to probe: None (the model's), ``"cuda:N"``, ``"sim:SIZE"`` (a
             simulated card for a CPU Trainer) or a Device.
-        sample: a collated batch (a dict of tensors, batch dimension first) to probe instead of
-            the train dataset's longest rows; for datasets too large to scan (every row is read
-            once to find the longest).
+        sample: a collated batch (a dict of tensors, batch dimension first) or a callable
+            ``n -> batch`` (e.g. :func:`autobatch.worst_case_sample`) to probe instead of the
+            train dataset's longest rows; for datasets too large to scan (every row is read once
+            to find the longest) or a load measure other than :func:`row_length`.
         **options: probe and planner options of :func:`autobatch.autotune` (``safety_margin``,
             ``max_micro_batch_size``, ``multiple_of``, ``max_gradient_accumulation_steps``,
             ``store``, ``refresh``, ``amp_dtype``...).

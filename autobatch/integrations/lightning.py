@@ -126,7 +126,7 @@ class AutobatchFinder(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plan = tune_lightning(
+        self.plan = _tune(
             trainer,
             pl_module,
             effective_batch_size=self.effective_batch_size,
@@ -136,7 +136,7 @@ class AutobatchFinder(Callback):
         )
 
 
-def tune_lightning(
+def _tune(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
     *,

@@ -202,3 +202,18 @@ def test_the_trainers_precision_and_activation_checkpointing_are_probed(tmp_path
     # Checkpointing keeps a layer's inputs instead of all its activations: more rows fit.
     assert checkpointed.max_micro_batch_size > bf16.max_micro_batch_size
     assert not trainer.model.is_activation_checkpointing  # off again until train() turns it on
+
+
+def test_a_given_sample_is_probed_instead_of_the_dataset(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path / "profiles.sqlite3")
+    short = pad_collate([{"input_ids": list(range(16))}] * 2)
+    plan = autotune_trainer(
+        make_trainer(tmp_path),
+        48,
+        device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES),
+        store=store,
+        sample=short,
+    )
+    ((_, profile),) = store.list_profiles()
+    assert profile.input_shape["input_ids"] == (16,)
+    assert plan.max_micro_batch_size >= 48  # 16 tokens a row: three times the rows of 48 fit
