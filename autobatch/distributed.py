@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autobatch.errors import DistributedError
 
 __all__ = [
+    "FSDP2_LAYOUT",
     "ProcessGroupConsensus",
     "collective_layout",
     "consensus_device",
@@ -40,6 +41,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+FSDP2_LAYOUT = "FSDP2 (fully_shard)"
+""":func:`collective_layout`'s name for a model sharded with ``fully_shard``."""
 
 
 class ProcessGroupConsensus:
@@ -210,7 +214,7 @@ def collective_layout(model: torch.nn.Module) -> str:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            return "FSDP2 (fully_shard)"
+            return FSDP2_LAYOUT
         if isinstance(module, FullyShardedDataParallel):
             return "FSDP (FullyShardedDataParallel)"
     if any(isinstance(param, DTensor) for param in model.parameters()):

@@ -40,7 +40,7 @@ from autobatch.batch import BatchSource
 from autobatch.compiled import CompiledMode, compiled_mode, eager, mark_batch_dynamic
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.device.oom import is_oom
-from autobatch.distributed import collective_layout
+from autobatch.distributed import FSDP2_LAYOUT, collective_layout
 from autobatch.errors import (
     ConfigError,
     DistributedError,
@@ -55,6 +55,7 @@ from autobatch.estimator import (
     check_search_arguments,
     estimate_points,
 )
+from autobatch.fake_collectives import fsdp2_collectives_faked, reset_fsdp2
 from autobatch.metadata import now_iso, step_identity
 from autobatch.profile import MemoryModel, Profile, StopKind, Trial
 from autobatch.search import (
@@ -309,7 +310,11 @@ def _probing(
             consensus=consensus if consensus is not None else LocalConsensus(),
             layout=layout,
         )
-        with on_cuda_device(target.torch_device), _no_gradient_sync(model, search.notes):
+        with (
+            on_cuda_device(target.torch_device),
+            _no_gradient_sync(model, search.notes),
+            _local_fsdp2(model, layout, search),
+        ):
             return run(search)
     finally:
         del run_optimizer
@@ -742,7 +747,10 @@ class _Probe:
 
     def _clean_up_after_failure(self) -> None:
         """Drop what the failed step left (gradients, a half-built optimizer state), collect
-        garbage, then empty the allocator cache."""
+        garbage, then empty the allocator cache. An FSDP2 model gets its parameters resharded
+        and its per-step state reset (the step stopped mid-forward or mid-backward)."""
+        if self.layout == FSDP2_LAYOUT:
+            reset_fsdp2(self.model)
         for param in self.model.parameters():
             param.grad = None
         if self.optimizer.state and len(self.optimizer.state) != _num_trainable(self.optimizer):
@@ -855,6 +863,21 @@ def _no_gradient_sync(model: torch.nn.Module, notes: list[str]) -> AbstractConte
     return model.no_sync()
 
 
+def _local_fsdp2(
+    model: torch.nn.Module, layout: str, search: _Probe
+) -> AbstractContextManager[object]:
+    """FSDP2's collectives on fake groups during the trials of several ranks (noted), so that a
+    rank out of memory mid-step leaves no other waiting; see :mod:`autobatch.fake_collectives`."""
+    if layout != FSDP2_LAYOUT or search.consensus.world_size == 1:
+        return nullcontext()
+    search.notes.append(
+        "FSDP2: trials ran FSDP's all-gathers and reduce-scatters on a fake process group (no "
+        "communication, the same allocations), so no rank waited for another; the ranks "
+        "agreed after each step"
+    )
+    return fsdp2_collectives_faked(model)
+
+
 def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | None) -> Device:
     """The device to probe a model whose step runs collectives (FSDP) on; refuses a layout that
     cannot be probed without leaving a rank waiting in a collective.
@@ -876,7 +899,7 @@ def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | No
                 "pass consensus=autobatch.distributed.ProcessGroupConsensus() on every rank"
             )
         return device
-    if consensus.world_size == 1:
+    if consensus.world_size == 1 or layout == FSDP2_LAYOUT:  # FSDP2: faked collectives
         return device
     if isinstance(device, SimulatedDevice):
         return device.deferring_oom()
@@ -886,9 +909,9 @@ def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | No
         "reduce-scatters), and a rank that runs out of memory in the middle of it would leave "
         "the others waiting in one until the process group's timeout. Probe the same layout "
         "on simulated devices of each card's capacity instead (device='sim:80GiB': the step "
-        "runs on the CPU, an out-of-memory error is raised once the step ends), or probe on a "
-        "single rank (world size 1), or plan from a micro-batch size you know with "
-        "autobatch.plan(...)"
+        "runs on the CPU, an out-of-memory error is raised once the step ends), or shard with "
+        "FSDP2 (fully_shard), whose collectives the probe runs locally, or probe on a single "
+        "rank (world size 1), or plan from a micro-batch size you know with autobatch.plan(...)"
     )
 
 

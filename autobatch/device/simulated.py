@@ -37,9 +37,9 @@ class SimulatedDevice:
         name: shown in profiles; default ``"sim"``.
         defer_oom: let a step that goes over the capacity run to its end, and raise the
             ``OutOfMemoryError`` when :meth:`measure`'s block exits. The probe uses it for steps
-            with collectives inside (FSDP's all-gathers and reduce-scatters) on several ranks: a
-            rank that stopped mid-step would leave the others waiting in a collective. The peak
-            counted is the same either way.
+            with collectives inside (FSDP1's all-gathers, tensor parallel all-reduces) on
+            several ranks: a rank that stopped mid-step would leave the others waiting in a
+            collective. The peak counted is the same either way.
 
     Raises:
         ConfigError: a size is not positive, or the foreign bytes leave nothing.

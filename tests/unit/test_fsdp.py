@@ -19,6 +19,7 @@ from autobatch import autotune, probe
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.distributed import collective_layout
 from autobatch.profile import Trial
+from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
 
 GROUP_TIMEOUT_S = 30
@@ -60,7 +61,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
         before = _local(model)
         trials: list[Trial] = []
         started = time.monotonic()
-        plan = autotune(
+        tuned = tune(
             model,
             sample,
             effective_batch_size=8192,
@@ -71,6 +72,8 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
             on_trial=trials.append,
         )
         result["seconds"] = time.monotonic() - started
+        result["notes"] = list(tuned.profile.notes)
+        plan = tuned.plan
         result["plan"] = plan.to_dict()
         result["trials"] = [[t.micro_batch_size, t.fits, t.oom] for t in trials]
         result["restored"] = all(
@@ -87,19 +90,6 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
             optimizer.zero_grad()
             losses.append(float(loss))
         result["losses"] = losses
-        # A device whose allocator raises in the middle of a step: refused before any trial.
-        started = time.monotonic()
-        try:
-            autotune(
-                model,
-                sample,
-                effective_batch_size=64,
-                loss_fn=F.cross_entropy,
-                device="cpu",
-                use_store=False,
-            )
-        except Exception as exc:
-            result["cpu_error"] = [type(exc).__name__, str(exc), time.monotonic() - started]
         try:
             probe(model, sample, loss_fn=F.cross_entropy, device="sim:48MiB")
         except Exception as exc:
@@ -134,12 +124,26 @@ def _fsdp1(rank: int, sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, An
     loss = F.cross_entropy(model(sample[0]), sample[1])
     loss.backward()
     optimizer.step()
-    return {
+    result = {
         "plan": plan.to_dict(),
         "ooms": sum(t.oom for t in trials),
         "layout": collective_layout(model),
-        "loss": float(loss),
+        "loss": float(loss.detach()),
     }
+    # A device whose allocator raises in the middle of a step: refused before any trial.
+    started = time.monotonic()
+    try:
+        autotune(
+            model,
+            sample,
+            effective_batch_size=64,
+            loss_fn=F.cross_entropy,
+            device="cpu",
+            use_store=False,
+        )
+    except Exception as exc:
+        result["cpu_error"] = [type(exc).__name__, str(exc), time.monotonic() - started]
+    return result
 
 
 def _ddp(rank: int, sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
@@ -198,6 +202,7 @@ def test_an_oom_on_one_fsdp2_rank_stops_no_rank_in_a_collective(
     plan = first["plan"]
     assert plan["world_size"] == 2
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * 2 == 8192
+    assert any("fake process group" in note for note in first["notes"])
     largest_fitting = max(size for size, fits, _ in second["trials"] if fits)
     assert plan["micro_batch_size"] <= largest_fitting
 
@@ -215,13 +220,13 @@ def test_the_fsdp2_model_is_restored_and_trains_afterwards(
 
 
 @pytest.mark.slow
-def test_fsdp2_on_a_device_that_raises_mid_step_is_refused_at_once(
+def test_fsdp1_on_a_device_that_raises_mid_step_is_refused_at_once(
     fsdp2_ranks: list[dict[str, Any]],
 ) -> None:
     for rank in fsdp2_ranks:
-        name, message, seconds = rank["cpu_error"]
+        name, message, seconds = rank["fsdp1"]["cpu_error"]
         assert name == "ConfigError"
-        assert "FSDP2 (fully_shard) on 2 ranks of cpu" in message
+        assert "FSDP (FullyShardedDataParallel) on 2 ranks of cpu" in message
         assert "device='sim:" in message  # the alternative
         assert seconds < GROUP_TIMEOUT_S
         name, message = rank["no_consensus_error"]
