@@ -384,6 +384,13 @@ class _Probe:
     # -- the search -------------------------------------------------------------------------
 
     def run(self) -> Profile:
+        if self.compiled == "measured":
+            self.notes.append(
+                "torch.compile: the trials ran the compiled step, its batch dimension dynamic "
+                "(one graph for every size above 1); that graph stays in the model's compile "
+                "cache and training reuses it (torch._dynamo.reset() before training compiles "
+                "one of static shape)"
+            )
         if self.compiled != "confirmed":
             return self._search()
         # Memory is counted with a dispatch mode: trials run the step eagerly (Dynamo untouched),

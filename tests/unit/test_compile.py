@@ -170,6 +170,7 @@ def test_on_cuda_the_trials_measure_the_compiled_step_and_compile_once_for_all_s
     assert [t.micro_batch_size for t in profile.trials if t.warm_up] == [1, 2]
     assert len(sizes) >= 6  # many sizes...
     assert counter.frame_count == 2  # ...one graph for size 1, one dynamic graph for the rest
+    assert "its batch dimension dynamic" in profile.notes[0]
     assert compiles_later() == 1
 
 
