@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
     tune.add_argument("--no-store", action="store_true", help="neither read nor write the store")
+    tune.add_argument(
+        "--eval",
+        action="store_true",
+        help="also probe the evaluation micro-batch (forward under inference_mode, eval mode)",
+    )
 
     plan = commands.add_parser("plan", help="plan from a size, a stored profile or a capacity")
     source = plan.add_mutually_exclusive_group(required=True)
@@ -340,11 +345,12 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             use_store=not args.no_store,
             refresh=args.refresh,
             on_trial=progress.trial,
+            eval=args.eval,
             **_plan_kwargs(args, args.world_size),
         )
     finally:
         progress.close()
-    _print_plan(tuned.plan, fmt, out, profile=tuned.profile)
+    _print_plan(tuned.plan, fmt, out, profile=tuned.profile, eval_profile=tuned.eval_profile)
     return 0
 
 
@@ -431,13 +437,17 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> None:
+def _print_plan(
+    result: Any, fmt: str, out: TextIO, *, profile: Any = None, eval_profile: Any = None
+) -> None:
     from autobatch.integrations.configs import format_config
 
     if fmt == "json":
         data = {"plan": result.to_dict()}
         if profile is not None:
             data["profile"] = profile.to_dict()
+        if eval_profile is not None:
+            data["eval_profile"] = eval_profile.to_dict()
         print(json.dumps(data, indent=2), file=out)
         return
     if fmt != "text":
@@ -460,6 +470,8 @@ def _print_plan(result: Any, fmt: str, out: TextIO, *, profile: Any = None) -> N
     print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)
     print(f"world_size                   {result.world_size}", file=out)
     print(f"effective_batch_size         {result.effective_batch_size}", file=out)
+    if result.eval_micro_batch_size is not None:
+        print(f"eval_micro_batch_size        {result.eval_micro_batch_size}", file=out)
     if len(set(result.micro_batch_sizes)) > 1:
         print(f"micro_batch_sizes            {list(result.micro_batch_sizes)}", file=out)
     if not result.exact:

@@ -98,6 +98,12 @@ def resolve_limit(
             )
         return Limit(limit, source or "given", None, lambda _: None, step_time, ())
     profile = limit
+    if profile.mode == "eval":
+        raise ConfigError(
+            "the profile measured evaluation (mode 'eval': a forward under inference_mode), not "
+            "a training step; plan from a training profile (probe without eval=True), and use "
+            "this one's recommended_micro_batch_size as the evaluation micro-batch"
+        )
     if profile.method == "estimate" and source in ("measured", "cached"):
         raise ConfigError(
             f"source {source!r} claims real trials, but the profile is an estimate (method "

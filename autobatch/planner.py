@@ -118,6 +118,9 @@ class Plan:
     line, its points and residual, the margin); None when the limit was measured or given."""
     notes: tuple[str, ...] = ()
     """Things the user should know (unequal sizes and how to weight losses, inexact targets)."""
+    eval_micro_batch_size: int | None = None
+    """Samples per device per evaluation forward pass (under ``torch.inference_mode``, model in
+    eval mode), from a probe of evaluation (``autotune(..., eval=True)``); None when not probed."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -155,6 +158,8 @@ class Plan:
                 f"exact={self.exact} contradicts effective_batch_size {self.effective_batch_size}"
                 f" vs requested {self.requested_effective_batch_size}"
             )
+        if self.eval_micro_batch_size is not None and self.eval_micro_batch_size < 1:
+            raise ConfigError(f"eval_micro_batch_size {self.eval_micro_batch_size} must be >= 1")
         if self.source not in SOURCES:
             raise ConfigError(f"plan source {self.source!r} must be one of {list(SOURCES)}")
         if self.source == "predicted" and self.prediction is None:

@@ -146,6 +146,7 @@ def probe(
     use_estimate: bool = True,
     on_trial: OnTrial | None = None,
     consensus: Consensus | None = None,
+    eval: bool = False,
 ) -> Profile:
     """Find the largest micro-batch whose whole training step fits on ``device``.
 
@@ -169,13 +170,21 @@ def probe(
         consensus: how data-parallel ranks agree (every rank calls :func:`probe` with its own
             device); None for a single process. See
             :class:`autobatch.distributed.ProcessGroupConsensus`.
+        eval: probe the evaluation micro-batch instead: each trial is a forward (and the loss
+            when the step's form gives one) under ``torch.inference_mode`` with the model in eval
+            mode. With an ``optimizer``, its state is resident as during training (one training
+            step at the smallest size creates it when it has none); without one, only the
+            weights are. No estimate: doubling-then-bisect.
 
     Returns:
-        The Profile (``method="probe"``, or ``"doubling"`` without an estimate).
+        The Profile (``method="probe"``, or ``"doubling"`` without an estimate; ``mode="eval"``
+        with ``eval=True``, whose ``recommended_micro_batch_size`` is the evaluation
+        micro-batch).
 
     Raises:
         ConfigError: bad arguments, an empty or inconsistent sample, model and sample (or device)
-            on different devices, a step whose loss cannot be computed.
+            on different devices, a step whose loss cannot be computed, ``eval=True`` with a
+            ``train_step`` that updates by itself.
         DoesNotFitError: the step runs out of memory even at micro-batch 1 (names the device, its
             capacity and the model's static footprint).
         StepFailedError: the first trial failed for a reason other than memory (the original
@@ -199,6 +208,7 @@ def probe(
         use_estimate=use_estimate,
         on_trial=on_trial,
         consensus=consensus,
+        evaluating=eval,
         run=lambda search: search.run(),
     )
     if isinstance(sample, WorstCaseSample):  # the profile records the load it measured
@@ -220,6 +230,7 @@ def confirm_micro_batch_size(
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = 0.05,
     on_trial: OnTrial | None = None,
+    eval: bool = False,
 ) -> tuple[Trial, Profile | None]:
     """One real trial at a predicted ``micro_batch_size`` (after the warm-up step that creates the
     optimizer state), leaving no trace, as :func:`probe` does.
@@ -229,7 +240,7 @@ def confirm_micro_batch_size(
         prior: the memory line the prediction came from; the returned profile's line has its
             slope through the confirmed peak.
         model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
-            safety_margin, on_trial: as for :func:`probe`.
+            safety_margin, on_trial, eval: as for :func:`probe`.
 
     Returns:
         The confirming trial, and the Profile it makes for this device when it confirms the
@@ -255,6 +266,7 @@ def confirm_micro_batch_size(
         use_estimate=False,
         on_trial=on_trial,
         consensus=None,
+        evaluating=eval,
         run=lambda search: search.confirm(micro_batch_size, prior),
     )
 
@@ -274,6 +286,7 @@ def _probing(
     use_estimate: bool,
     on_trial: OnTrial | None,
     consensus: Consensus | None,
+    evaluating: bool,
     run: Callable[[_Probe], T],
 ) -> T:
     """Check the arguments, snapshot what a probe must leave as it was, ``run`` a :class:`_Probe`,
@@ -281,6 +294,12 @@ def _probing(
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
+    if evaluating and step_includes_update:
+        raise ConfigError(
+            "eval=True runs a forward under inference_mode, but a train_step that updates by "
+            "itself (step_includes_update=True) runs backward and steps the optimizer; pass an "
+            "evaluation step that returns the loss (or output), with step_includes_update=False"
+        )
     target = resolve_device(device, default=_model_device(model))
     source = BatchSource.from_sample(sample)
     check_placement(model, source, target)
@@ -309,6 +328,7 @@ def _probing(
             on_trial=on_trial,
             consensus=consensus if consensus is not None else LocalConsensus(),
             layout=layout,
+            evaluating=evaluating,
         )
         with (
             on_cuda_device(target.torch_device),
@@ -344,6 +364,7 @@ class _Probe:
         on_trial: OnTrial | None,
         consensus: Consensus,
         layout: str = "",
+        evaluating: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -360,6 +381,7 @@ class _Probe:
         self.on_trial = on_trial
         self.consensus = consensus
         self.layout = layout
+        self.evaluating = evaluating
         scaler = None
         if amp_dtype == torch.float16:
             scaler = torch.amp.GradScaler(device.torch_device.type)
@@ -416,7 +438,7 @@ class _Probe:
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
         own = self.device.capacity()
         capacity = self.capacity = self._agree_capacity(own)
-        if not self.optimizer.state:
+        if self._needs_state() and not self.optimizer.state:
             self._warm_up(own)
         self._trial(size, own)
         if self.trials[-1].fits:
@@ -435,10 +457,13 @@ class _Probe:
         prior, first = self._estimate(capacity)
         stop_reason = ""
         size = self._agree_size(first)
-        if not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]:
+        if (
+            self._needs_state()
+            and not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]
+        ):
             self._warm_up(own)
-            if size is None:
-                size = self._next_size(capacity, prior)
+        if size is None:
+            size = self._next_size(capacity, prior)
         while True:
             while size is not None and not stop_reason:
                 stop_reason = self._trial(size, own)
@@ -468,6 +493,19 @@ class _Probe:
             else "boundary"
         )
         return self._profile(capacity, prior, lo, stop_reason, kind)
+
+    def _needs_state(self) -> bool:
+        """Whether the measured steps need the optimizer state: every training step does; an
+        evaluation does when it runs during training (an optimizer was given)."""
+        return not self.evaluating or self.user_optimizer is not None
+
+    def _run_step(self, batch: Any, *, train: bool) -> None:
+        """A training step (model in train mode) or an evaluation step (model in eval mode)."""
+        self.model.train(train)
+        if train:
+            self.step.run(batch)
+        else:
+            self.step.evaluate(batch)
 
     def _next_size(self, capacity: Capacity, prior: MemoryModel | None) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""
@@ -528,6 +566,12 @@ class _Probe:
         """Prior memory line and first size to try, from fake tensors (None, None without)."""
         if not self.use_estimate:
             self.notes.append("estimate not used (use_estimate=False): doubling-then-bisect")
+            return None, None
+        if self.evaluating:
+            self.notes.append(
+                "estimate not used: the estimate traces a training step; the evaluation "
+                "micro-batch was found by doubling-then-bisect"
+            )
             return None, None
         if self.step_includes_update:
             # The train_step steps the user's own optimizer, over the real parameters: on a fake
@@ -598,7 +642,7 @@ class _Probe:
         self.device.release()
         failure: StepFailedError | None = None
         try:
-            self.step.run(self.source.make(size))
+            self._run_step(self.source.make(size), train=not self.evaluating)
         except Exception as exc:  # any failure: the eager measurements do not describe this step
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             failure = StepFailedError(
@@ -647,13 +691,14 @@ class _Probe:
         fatal: Exception | None = None  # raised once every rank knows
         updates = OptimizerSteps(self.optimizer)
         calls = MAX_WARM_UP_CALLS if warm_up and self.step_includes_update else 1
+        train = warm_up or not self.evaluating
         ran = 0
         started = time.perf_counter()
         try:
             with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
                 while ran == 0 or (ran < calls and not updates.count):
                     ran += 1
-                    self.step.run(self._batch(size))
+                    self._run_step(self._batch(size), train=train)
                 self.device.synchronize()
         except Exception as exc:  # classified right here; only a fatal one is kept
             oom = not isinstance(exc, ConfigError) and is_oom(exc)
@@ -670,7 +715,7 @@ class _Probe:
                 fatal.__cause__ = exc
         seconds = time.perf_counter() - started
         self.num_steps += ran
-        skipped_update = not (oom or failed) and not updates.count
+        skipped_update = train and not (oom or failed) and not updates.count
         if skipped_update and warm_up:
             failed = True
             error = f"no optimizer step in {ran} calls"
@@ -771,7 +816,8 @@ class _Probe:
         static = max(self.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer))
         ranks = self.consensus.world_size
         raise DoesNotFitError(
-            f"the training step does not fit on {self.device.name}"
+            f"the {'evaluation' if self.evaluating else 'training'} step does not fit on "
+            f"{self.device.name}"
             f"{f' (or another of the {ranks} ranks)' if ranks > 1 else ''} even at micro-batch 1: "
             f"capacity {format_bytes(capacity.capacity_bytes)} "
             f"(total {format_bytes(capacity.total_memory_bytes)}, "
@@ -837,6 +883,7 @@ class _Probe:
                 amp_dtype=self.amp_dtype,
             ),
             failed_micro_batch_size=self.failed_micro_batch_size,
+            mode="eval" if self.evaluating else "train",
             compiled=self.compiled,
             created_at=now_iso(),
         )

@@ -31,6 +31,7 @@ StopKind = Literal["boundary", "limit", "failure"]
 """Why a search stopped: ``"boundary"`` the next size did not fit; ``"limit"`` it reached
 ``max_micro_batch_size``; ``"failure"`` a non-OOM failure cut it short."""
 Compiled = Literal["", "measured", "confirmed"]
+Mode = Literal["train", "eval"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,14 +127,24 @@ class StepIdentity:
     backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
 
-    def cache_key(self, *, device_name: str, total_memory_bytes: int, compiled: str = "") -> str:
+    def cache_key(
+        self,
+        *,
+        device_name: str,
+        total_memory_bytes: int,
+        compiled: str = "",
+        mode: Mode = "train",
+    ) -> str:
         """Canonical JSON of this identity and the device, as a string key (see
         ``autobatch.store``): equal keys, equal steps on equal cards. ``compiled`` (see
         :attr:`Profile.compiled`) joins the key only when set: a compiled step's peak differs
-        from the eager one's, and uncompiled steps keep the keys they had."""
+        from the eager one's, and uncompiled steps keep the keys they had. ``mode`` (see
+        :attr:`Profile.mode`) likewise joins it only for ``"eval"``: an evaluation profile never
+        answers for training."""
         return json.dumps(
             {
                 **({"compiled": compiled} if compiled else {}),
+                **({"mode": mode} if mode != "train" else {}),
                 "model": self.model_fingerprint,
                 "step": self.step_fingerprint,
                 "input": {k: list(v) for k, v in sorted(self.input_shape.items())},
@@ -233,6 +244,10 @@ class Profile:
     failed_micro_batch_size: int = 0
     """The size at which a non-OOM failure ended the search; 0 when none did. Such a profile is
     not cached (the failure may have been transient)."""
+    mode: Mode = "train"
+    """The step measured: ``"train"`` (forward, loss, backward, optimizer step) or ``"eval"``
+    (forward, and the loss when the step's form gives one, under ``torch.inference_mode`` with
+    the model in eval mode: the evaluation micro-batch)."""
     compiled: Compiled = ""
     """Whether the step was torch.compile'd: ``""`` no; ``"measured"`` every trial ran the
     compiled step (CUDA: memory read from allocator statistics); ``"confirmed"`` the trials ran it
@@ -327,6 +342,7 @@ class Profile:
             device_name=self.device_name,
             total_memory_bytes=self.total_memory_bytes,
             compiled=self.compiled,
+            mode=self.mode,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -92,6 +92,49 @@ class TrainingStep:
             )
         return loss
 
+    def evaluate(self, batch: Any) -> None:
+        """One evaluation step under ``torch.inference_mode`` (and autocast when set): the
+        forward, and the loss when the step's form gives one (``train_step``, ``loss_fn``, or a
+        Hugging Face model that computes it from labels); nothing is kept. The caller puts the
+        model in eval mode.
+
+        Raises:
+            ConfigError: a tuple/list batch that is not ``(inputs, targets)``, or a
+                ``train_step`` that updates by itself.
+        """
+        if self.step_includes_update:
+            raise ConfigError(
+                "an evaluation step cannot run a train_step that updates by itself "
+                "(step_includes_update=True); pass one that returns the loss, with "
+                "step_includes_update=False"
+            )
+        model, loss_fn = self.model, self.loss_fn
+        enabled = self.amp_dtype is not None
+        with (
+            torch.inference_mode(),
+            torch.autocast(_device_type(model), dtype=self.amp_dtype, enabled=enabled),
+        ):
+            if self.train_step is not None:
+                self.train_step(model, batch)
+            elif isinstance(batch, Mapping):
+                output = model(**batch)
+                if loss_fn is not None:
+                    loss_fn(output, batch)
+            elif isinstance(batch, tuple | list):
+                if len(batch) != 2:
+                    raise ConfigError(
+                        f"a {type(batch).__name__} sample of {len(batch)} items needs the form "
+                        "(inputs, targets); or pass train_step=..."
+                    )
+                inputs, targets = batch
+                output = model(inputs)
+                if loss_fn is not None:
+                    loss_fn(output, targets)
+            else:
+                output = model(batch)
+                if loss_fn is not None:
+                    loss_fn(output)
+
     def _forward_loss(self, batch: Any) -> Any:
         model, loss_fn = self.model, self.loss_fn
         if self.train_step is not None:

@@ -100,6 +100,9 @@ class Tuning:
     profile: Profile
     profile_id: str | None
     """As for :attr:`TunedProfile.profile_id`."""
+    eval_profile: Profile | None = None
+    """The evaluation probe's profile (``eval=True``), whose recommended size is the plan's
+    ``eval_micro_batch_size``; None without ``eval``."""
 
 
 logger = logging.getLogger("autobatch")
@@ -130,6 +133,7 @@ def autotune(
     refresh: bool = False,
     report_to: str | None = None,
     on_trial: OnTrial | None = None,
+    eval: bool = False,
 ) -> Plan:
     """The micro-batch and accumulation steps that reach ``effective_batch_size`` on ``device``.
 
@@ -155,6 +159,9 @@ def autotune(
             (``POST /v1/profiles``, bearer token from ``AUTOBATCH_API_TOKEN``). Under
             torch.distributed only rank 0 reports. A failure to report warns
             (:class:`ReportWarning`) and does not raise.
+        eval: also probe the evaluation micro-batch (:func:`autobatch.probe` with
+            ``eval=True``, cached in the store apart from the training profile); the plan's
+            ``eval_micro_batch_size`` is its recommended size.
 
     Returns:
         The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise
@@ -192,6 +199,7 @@ def autotune(
         refresh=refresh,
         report_to=report_to,
         on_trial=on_trial,
+        eval=eval,
     ).plan
 
 
@@ -220,6 +228,7 @@ def tune(
     refresh: bool = False,
     report_to: str | None = None,
     on_trial: OnTrial | None = None,
+    eval: bool = False,
 ) -> Tuning:
     """:func:`autotune`, returning the profile (and its id in the store) beside the plan.
 
@@ -241,28 +250,35 @@ def tune(
     }
     # Fail before probing when no micro-batch the probe could find makes a plan.
     plan(max_micro_batch_size, **constraints)
-    found = autotune_profile(
-        model,
-        sample,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        device=device,
-        amp_dtype=amp_dtype,
-        safety_margin=safety_margin,
-        max_micro_batch_size=max_micro_batch_size,
-        store=store,
-        use_store=use_store,
-        refresh=refresh,
-        report_to=report_to,
-        on_trial=on_trial,
-    )
+    probing: dict[str, Any] = {
+        "optimizer": optimizer,
+        "loss_fn": loss_fn,
+        "train_step": train_step,
+        "step_includes_update": step_includes_update,
+        "device": device,
+        "amp_dtype": amp_dtype,
+        "safety_margin": safety_margin,
+        "max_micro_batch_size": max_micro_batch_size,
+        "store": store,
+        "use_store": use_store,
+        "refresh": refresh,
+        "report_to": report_to,
+        "on_trial": on_trial,
+    }
+    found = autotune_profile(model, sample, **probing)
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan(found.profile, source=source, **constraints)
     if world_size > 1 or (dist.is_available() and dist.is_initialized()):
         result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
-    return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
+    if not eval:
+        return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
+    evaluation = autotune_profile(model, sample, eval=True, **probing).profile
+    result = dataclasses.replace(
+        result, eval_micro_batch_size=evaluation.recommended_micro_batch_size
+    )
+    return Tuning(
+        plan=result, profile=found.profile, profile_id=found.profile_id, eval_profile=evaluation
+    )
 
 
 def autotune_profile(
@@ -283,11 +299,14 @@ def autotune_profile(
     refresh: bool = False,
     report_to: str | None = None,
     on_trial: OnTrial | None = None,
+    eval: bool = False,
 ) -> TunedProfile:
     """The profile :func:`autotune` plans from: a stored one that answers this request, else a
     new probe (stored unless a non-OOM failure cut it short).
 
-    Arguments as for :func:`autotune`; ``use_estimate`` as for :func:`autobatch.probe`. Under
+    Arguments as for :func:`autotune`; ``use_estimate`` as for :func:`autobatch.probe`;
+    ``eval=True`` finds (or probes) the evaluation profile (:func:`autobatch.probe`'s
+    ``eval``). Under
     torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
 
     Raises:
@@ -314,6 +333,7 @@ def autotune_profile(
         device_name=target.name,
         total_memory_bytes=capacity_now.total_memory_bytes,
         compiled=compiled_mode(model, target.type),
+        mode="eval" if eval else "train",
     )
 
     def run_probe() -> Profile:
@@ -331,6 +351,7 @@ def autotune_profile(
             use_estimate=use_estimate,
             on_trial=on_trial,
             consensus=consensus,
+            eval=eval,
         )
         return profile
 
@@ -348,6 +369,7 @@ def autotune_profile(
             amp_dtype=amp_dtype,
             safety_margin=safety_margin,
             on_trial=on_trial,
+            eval=eval,
         )
 
     # The capacity a profile answers for: under torch.distributed, the smallest rank's (the

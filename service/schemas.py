@@ -258,6 +258,7 @@ class ProfileBase(_Strict):
     model_fingerprint: Name = ""
     step_fingerprint: Name = ""
     failed_micro_batch_size: Count = 0
+    mode: Literal["train", "eval"] = "train"
     compiled: Literal["", "measured", "confirmed"] = ""
     backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
     created_at: Name = ""
@@ -364,6 +365,7 @@ class PlanFields(BaseModel):
     capacity_bytes: int | None
     headroom_bytes: int | None
     predicted_seconds_per_effective_batch: float | None
+    eval_micro_batch_size: int | None = None
     source: Literal["measured", "cached", "estimated", "given", "predicted"]
     prediction: PredictionFields | None = None
     notes: list[str]

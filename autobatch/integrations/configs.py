@@ -78,16 +78,21 @@ def hf_training_arguments(plan: Plan) -> dict[str, int]:
         plan: a plan with equal micro-batch sizes.
 
     Returns:
-        ``{"per_device_train_batch_size": m, "gradient_accumulation_steps": k}``.
+        ``{"per_device_train_batch_size": m, "gradient_accumulation_steps": k}``, and
+        ``"per_device_eval_batch_size"`` when the plan knows its ``eval_micro_batch_size``
+        (``autotune(..., eval=True)``).
 
     Raises:
         ConfigError: the plan's micro-batches are of unequal size.
     """
     _require_equal_sizes(plan, "Hugging Face TrainingArguments")
-    return {
+    arguments = {
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
     }
+    if plan.eval_micro_batch_size is not None:
+        arguments["per_device_eval_batch_size"] = plan.eval_micro_batch_size
+    return arguments
 
 
 def lightning_config(plan: Plan) -> dict[str, dict[str, int]]:
