@@ -83,7 +83,9 @@ def autotune_trainer(
     Returns:
         The Plan applied to ``trainer.args``: ``per_device_train_batch_size ==
         plan.micro_batch_size``, ``gradient_accumulation_steps ==
-        plan.gradient_accumulation_steps``.
+        plan.gradient_accumulation_steps``; with the option ``eval=True`` (the evaluation
+        forward probed on its own, under ``torch.inference_mode``) also
+        ``per_device_eval_batch_size == plan.eval_micro_batch_size``.
 
     Raises:
         ConfigError: an option autotune does not take or that this function sets itself; no
@@ -140,6 +142,8 @@ def autotune_trainer(
         )
     args.per_device_train_batch_size = result.micro_batch_size
     args.gradient_accumulation_steps = result.gradient_accumulation_steps
+    if result.eval_micro_batch_size is not None:
+        args.per_device_eval_batch_size = result.eval_micro_batch_size
     trainer._train_batch_size = args.train_batch_size  # what train() builds its dataloader with
     total = trainer.get_total_train_batch_size(args)
     if total != effective_batch_size:

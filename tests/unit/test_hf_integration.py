@@ -217,3 +217,24 @@ def test_a_given_sample_is_probed_instead_of_the_dataset(tmp_path: Path) -> None
     ((_, profile),) = store.list_profiles()
     assert profile.input_shape["input_ids"] == (16,)
     assert plan.max_micro_batch_size >= 48  # 16 tokens a row: three times the rows of 48 fit
+
+
+def test_eval_sets_the_eval_batch_size_and_evaluate_runs_at_it(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path)
+    plan = autotune_trainer(
+        trainer,
+        48,
+        device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES),
+        eval=True,
+        use_store=False,
+    )
+    assert plan.eval_micro_batch_size is not None
+    assert plan.eval_micro_batch_size > plan.micro_batch_size  # no gradients, no activations kept
+    assert trainer.args.per_device_eval_batch_size == plan.eval_micro_batch_size
+    assert trainer.args.per_device_train_batch_size == plan.micro_batch_size
+    seen: list[int] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    trainer.evaluate(eval_dataset=token_rows(plan.eval_micro_batch_size + 1))
+    assert seen == [plan.eval_micro_batch_size, 1]
