@@ -297,6 +297,7 @@ def install_openapi(app: FastAPI) -> None:
         validation = problem_responses(422)[422]
         for path, operations in schema.get("paths", {}).items():
             for operation in operations.values():
+                _reference_request_schema(operation, components)
                 if path.startswith("/v1/"):
                     operation["security"] = [{"bearer": []}]
                 responses = operation.get("responses", {})
@@ -306,3 +307,19 @@ def install_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _reference_request_schema(operation: dict[str, Any], components: dict[str, Any]) -> None:
+    """A JSON body documented inline (``service.routing.json_body_openapi``, for a route that
+    reads its own body) goes to ``components`` with its nested models, and the operation refers
+    to it by name: where FastAPI puts a declared body parameter's model. Copies, never edits,
+    the route's ``openapi_extra``, which every app built from the same router shares."""
+    body: dict[str, Any] = operation.get("requestBody", {})
+    content: dict[str, Any] = body.get("content", {})
+    if "application/json" not in content or "$ref" in content["application/json"]["schema"]:
+        return
+    schema = dict(content["application/json"]["schema"])
+    components.update(schema.pop("$defs", {}))
+    components[schema["title"]] = schema
+    reference = {"schema": {"$ref": f"#/components/schemas/{schema['title']}"}}
+    operation["requestBody"] = {**body, "content": {**content, "application/json": reference}}

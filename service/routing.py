@@ -1,27 +1,44 @@
-"""``JsonBodyRoute``: routes that take a JSON body answer 415 to any other ``Content-Type``.
+"""JSON request bodies: 415 to any other ``Content-Type``, and a cheaper read for hot routes.
 
-Checked before FastAPI reads the body, so a client that sends a form, text, or no
+``JsonBodyRoute``: routes that declare a JSON body answer 415 to any other ``Content-Type``,
+checked before FastAPI reads the body, so a client that sends a form, text, or no
 ``Content-Type`` gets that answer instead of a confusing type error. Done in the route class
 (FastAPI's documented hook for custom request handling) rather than a per-route dependency:
 it applies to exactly the routes with a body, and costs one function call, not a dependency
 resolution. Other methods and unknown paths never reach it (they get 405 and 404).
 
+``read_json_body`` and ``json_body_openapi``: for a route that schedulers call in a loop
+(``POST /v1/plan``), the route reads its body itself, as FastAPI documents for custom request
+bodies (``openapi_extra``), instead of declaring a body parameter. The answers are the same:
+415 as above, 400 ``malformed-json``, 422 with ``body.<field>`` paths; what it saves is FastAPI's
+per-request body and dependency handling (a ``Content-Type`` parse with ``email.message``, the
+body field's resolution): about 20 µs of the route's ~170 µs in-process on 2 cores.
+
 Example::
 
     router = APIRouter(prefix="/v1/plan", route_class=JsonBodyRoute)
+
+    @router.post("", openapi_extra=json_body_openapi(PlanCreate))
+    async def create_plan(request: Request) -> Response:
+        body = await read_json_body(request, PlanCreate)
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 
 from service.problems import Problem
 
-__all__ = ["JsonBodyRoute", "is_json_media_type"]
+__all__ = ["JsonBodyRoute", "is_json_media_type", "json_body_openapi", "read_json_body"]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def is_json_media_type(content_type: str | None) -> bool:
@@ -41,17 +58,72 @@ class JsonBodyRoute(APIRoute):
             return handler
 
         async def checked(request: Request) -> Response:
-            content_type = request.headers.get("content-type")
-            if not is_json_media_type(content_type):
-                given = (
-                    "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
-                )
-                raise Problem(
-                    415,
-                    "unsupported-media-type",
-                    f"send the body as JSON with Content-Type: application/json ({given} given)",
-                    field="header.content-type",
-                )
+            _require_json(request)
             return await handler(request)
 
         return checked
+
+
+def _require_json(request: Request) -> None:
+    """Raises: Problem: 415, the ``Content-Type`` is not JSON."""
+    content_type = request.headers.get("content-type")
+    if not is_json_media_type(content_type):
+        given = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
+        raise Problem(
+            415,
+            "unsupported-media-type",
+            f"send the body as JSON with Content-Type: application/json ({given} given)",
+            field="header.content-type",
+        )
+
+
+async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
+    """The request's JSON body validated as ``model``, failing as a declared FastAPI body does.
+
+    Parsed with ``json.loads`` and validated from the Python objects, as FastAPI does, so the
+    same input is accepted (models in strict mode accept less from Python than from JSON).
+
+    Raises:
+        Problem: 415, the ``Content-Type`` is not JSON.
+        RequestValidationError: malformed JSON (answered 400 ``malformed-json``), an empty body
+            or one that ``model`` rejects (422 ``validation``, fields as ``body.<field>``).
+        HTTPException: 400, a body that is not text (invalid UTF-8, say).
+    """
+    _require_json(request)
+    raw = await request.body()
+    if not raw:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise RequestValidationError([missing])
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", exc.pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": exc.msg},
+                }
+            ]
+        ) from exc
+    except (ValueError, RecursionError) as exc:  # not text (invalid UTF-8), or nested too deep
+        raise HTTPException(400, "There was an error parsing the body") from exc
+    try:
+        # from_attributes as FastAPI validates a body (JSON has no attributes; it words the
+        # error for a non-object body the same).
+        return model.model_validate(data, from_attributes=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in errors]
+        ) from None
+
+
+def json_body_openapi(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a required JSON body of ``model`` for a route that reads it
+    with :func:`read_json_body`; ``service.problems.install_openapi`` moves the schema and its
+    nested models to ``components``, as FastAPI places a declared body's."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

@@ -517,6 +517,26 @@ def test_plan_malformed_json_is_400(client: TestClient) -> None:
     assert "malformed JSON at character" in body["errors"][0]["reason"]
 
 
+@pytest.mark.parametrize(
+    ("content", "status", "slug", "detail"),
+    [
+        (b"", 422, "validation", "body: Field required"),
+        (b"[8]", 422, "validation", "body: Input should be a valid dictionary"),
+        (b'{"a": "\xff"}', 400, "http-error", "There was an error parsing the body"),
+        (b"[" * 5000 + b"]" * 5000, 400, "http-error", "There was an error parsing the body"),
+    ],
+)
+def test_plan_body_that_is_not_a_json_object_is_a_problem(
+    client: TestClient, content: bytes, status: int, slug: str, detail: str
+) -> None:
+    """The route reads its own body (service.routing.read_json_body) and answers as FastAPI
+    answers for a declared body: empty, not an object, not text, nested past the limit."""
+    response = client.post(
+        "/v1/plan", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert problem(response, status, slug)["detail"].startswith(detail)
+
+
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
 def test_post_without_json_content_type_is_415(
     client: TestClient, content_type: str | None
@@ -968,6 +988,22 @@ def test_openapi_documents_problems(client: TestClient) -> None:
     }
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     assert client.get("/docs").status_code == 200
+
+
+def test_openapi_documents_the_plan_body_in_every_app(make_app: Callable[..., FastAPI]) -> None:
+    """POST /v1/plan reads its own body; its schema still sits in components, with the nested
+    models, in each app built from the shared router (the route's openapi_extra is not edited)."""
+    from service.schemas import PlanCreate
+
+    for _ in range(2):
+        schema = TestClient(make_app()).get("/openapi.json").json()
+        body = schema["paths"]["/v1/plan"]["post"]["requestBody"]
+        reference = {"$ref": "#/components/schemas/PlanCreate"}
+        assert body == {"required": True, "content": {"application/json": {"schema": reference}}}
+        components = schema["components"]["schemas"]
+        assert set(components["PlanCreate"]["properties"]) == set(PlanCreate.model_fields)
+        assert components["PlanCreate"]["required"] == ["effective_batch_size"]
+        assert {"DeviceSpec", "MemoryModelBase"} <= set(components)
 
 
 def test_the_profile_schema_has_every_profile_field() -> None:

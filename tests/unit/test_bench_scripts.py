@@ -71,12 +71,16 @@ def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
     )
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["4"])]
     # conc, endpoint..., req/s, p50, p99, server CPU per request: all measured, all positive.
-    assert [row[0] for row in rows] == ["1", "1", "4", "4"]
+    assert [(row[0], row[-5]) for row in rows] == [
+        (level, endpoint)
+        for level in ("1", "4")
+        for endpoint in ("/v1/plan", "(service)", "(bare)")
+    ]
     for row in rows:
         assert all(float(value) > 0 for value in row[-4:]), row
-    assert out.count("(trivial/plan throughput; plan/trivial CPU)") == 2
-    goals = [line for line in out.splitlines() if "p99 plan/empty" in line]
-    assert len(goals) == 2 and all("server CPU per request plan/empty" in g for g in goals)
+    for baseline in ("service", "bare"):
+        goals = [line for line in out.splitlines() if f"plan/empty ({baseline}): p99 " in line]
+        assert len(goals) == 2 and all("server CPU per request " in g for g in goals), out
 
 
 @pytest.mark.slow
