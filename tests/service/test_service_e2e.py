@@ -20,6 +20,8 @@ from autobatch.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.slow  # the real server in a subprocess, probe children importing torch
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -80,6 +80,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # gloo ranks in spawned processes
 def test_ddp_window_gradient_is_the_global_mean_with_one_allreduce(tmp_path: Path) -> None:
     # A file store needs no port, so parallel test runs cannot collide.
     spawn_and_wait(_worker, (str(tmp_path / "store"), str(tmp_path)), WORLD_SIZE, TIMEOUT_S)

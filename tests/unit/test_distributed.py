@@ -157,6 +157,7 @@ def three_ranks(
     return tmp, run_ranks(tmp, 3, calls)
 
 
+@pytest.mark.slow  # gloo ranks in spawned processes
 def test_a_busier_card_lowers_the_plan_of_every_rank_and_only_rank_0_stores(
     two_ranks: tuple[Path, list[list[dict[str, Any]]]], single_device_max: int
 ) -> None:
@@ -181,6 +182,7 @@ def test_a_busier_card_lowers_the_plan_of_every_rank_and_only_rank_0_stores(
     assert "smallest capacity" in " ".join(profile.notes)
 
 
+@pytest.mark.slow  # gloo ranks in spawned processes
 def test_three_different_cards_agree_on_the_smallest_and_store_nothing(
     three_ranks: tuple[Path, list[list[dict[str, Any]]]], single_device_max: int
 ) -> None:
@@ -195,6 +197,7 @@ def test_three_different_cards_agree_on_the_smallest_and_store_nothing(
 
 
 @pytest.mark.parametrize("session", ["two_ranks", "three_ranks"])
+@pytest.mark.slow  # gloo ranks in spawned processes
 def test_a_step_failing_on_one_rank_fails_every_rank_without_a_hang(
     session: str, request: pytest.FixtureRequest
 ) -> None:
@@ -211,6 +214,7 @@ def test_a_step_failing_on_one_rank_fails_every_rank_without_a_hang(
     ] * world_size
 
 
+@pytest.mark.slow  # gloo ranks in spawned processes
 def test_a_later_failure_on_one_rank_stops_every_rank_at_the_last_size_that_passed(
     two_ranks: tuple[Path, list[list[dict[str, Any]]]],
 ) -> None:
