@@ -5,6 +5,12 @@ Trainer then trains at those sizes."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ from autobatch.errors import ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.hf import autotune_trainer, row_length  # noqa: E402
 from autobatch.store import ProfileStore  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 CAPACITY_BYTES = 24 * MIB  # GPT-2 tiny with AdamW fits about 10 rows of 48 tokens here
 LONGEST = 48
@@ -238,3 +245,43 @@ def test_eval_sets_the_eval_batch_size_and_evaluate_runs_at_it(tmp_path: Path) -
     )
     trainer.evaluate(eval_dataset=token_rows(plan.eval_micro_batch_size + 1))
     assert seen == [plan.eval_micro_batch_size, 1]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_agree_on_the_smaller_card_and_train_at_the_plan(tmp_path: Path) -> None:
+    smaller = autotune_trainer(
+        make_trainer(tmp_path), 96, device=SimulatedDevice(capacity_bytes=20 * MIB),
+        use_store=False,
+    )  # fmt: skip
+    with socket.socket() as probe_port:  # a free port for the ranks' rendezvous
+        probe_port.bind(("127.0.0.1", 0))
+        port = probe_port.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(port),
+        str(Path(__file__).with_name("hf_ddp_worker.py")), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # A session of its own, so a hang kills the ranks too, not only torchrun.
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as done:  # fmt: skip
+        try:
+            _, stderr = done.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(done.pid, signal.SIGKILL)
+            pytest.fail("torchrun with 2 ranks did not finish within 300 s (a hang)")
+    assert done.returncode == 0, stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    plan = ranks[0]["plan"]
+    assert plan["world_size"] == 2
+    assert plan["max_micro_batch_size"] == smaller.max_micro_batch_size
+    for rank in ranks:
+        assert rank["distributed"] and rank["total"] == 96 and rank["global_step"] == 2
+        assert rank["per_device"] * rank["accumulation"] * 2 == 96
+        assert rank["seen"] == [plan["micro_batch_size"]] * (
+            2 * plan["gradient_accumulation_steps"]
+        )
+    assert ranks[0]["first_weight"] == ranks[1]["first_weight"]  # DDP kept them in step
