@@ -19,7 +19,8 @@ sends a fixed number of requests to each, in interleaved rounds (plan, empty, ba
 so that a shift in the machine's speed during the run hits all alike, and prints requests/s,
 p50/p99 latency and the server process's CPU time per request (from /proc; on a 2-core machine
 shared with the client, the steadiest of the three), then the ratios measured side by side in
-this one run.
+this one run, with the p99 ratio of each round beside its neighbour (median and range) to show
+how much of a pooled p99 is one stall of the shared machine.
 
 Goals (issue 11), per concurrency level: the plan route's p99 latency within 1.5x of the empty
 route's, and its server CPU time per request within 2x; checked against each baseline. An
@@ -158,6 +159,8 @@ class Tally:
     """One endpoint's requests at one concurrency level, summed over rounds."""
 
     latencies: list[float] = dataclasses.field(default_factory=list)
+    round_p99s: list[float] = dataclasses.field(default_factory=list)
+    """Each round's own p99 (seconds), for ratios paired round by round."""
     seconds: float = 0.0
     server_cpu_seconds: float = 0.0
 
@@ -165,18 +168,24 @@ class Tally:
         self, server: subprocess.Popen[bytes], port: int, path: str, requests: int, concurrency: int
     ) -> None:
         cpu, started = cpu_seconds(server.pid), time.perf_counter()
-        self.latencies += asyncio.run(load(port, path, PLAN_BODY, requests, concurrency))
+        latencies = asyncio.run(load(port, path, PLAN_BODY, requests, concurrency))
         self.seconds += time.perf_counter() - started
         self.server_cpu_seconds += cpu_seconds(server.pid) - cpu
+        self.latencies += latencies
+        self.round_p99s.append(p99(latencies))
 
     def summary(self) -> dict[str, float]:
-        ordered = sorted(self.latencies)
         return {
-            "rps": len(ordered) / self.seconds,
-            "p50_ms": 1000 * statistics.median(ordered),
-            "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-            "cpu_us": 1e6 * self.server_cpu_seconds / len(ordered),
+            "rps": len(self.latencies) / self.seconds,
+            "p50_ms": 1000 * statistics.median(self.latencies),
+            "p99_ms": 1000 * p99(self.latencies),
+            "cpu_us": 1e6 * self.server_cpu_seconds / len(self.latencies),
         }
+
+
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 ENDPOINTS = (
@@ -226,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {result['cpu_us']:>18.0f}"
                 )
             plan = results[0]
-            for (name, _, _), empty_result in zip(ENDPOINTS[1:], results[1:], strict=True):
+            for (name, _, _), empty_result, empty_tally in zip(
+                ENDPOINTS[1:], results[1:], tallies[1:], strict=True
+            ):
                 p99_ratio = plan["p99_ms"] / empty_result["p99_ms"]
                 cpu = empty_result["cpu_us"]
                 cpu_ratio = plan["cpu_us"] / cpu if cpu else float("nan")
@@ -235,6 +246,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"({'met' if p99_ratio <= P99_GOAL else 'MISSED'}: <= {P99_GOAL}x), "
                     f"server CPU per request {cpu_ratio:.2f}x "
                     f"({'met' if cpu_ratio <= CPU_GOAL else 'MISSED'}: <= {CPU_GOAL}x)"
+                )
+                # At high concurrency one stall of the shared machine delays every request in
+                # flight at once, so a pooled p99 can be one event: the rounds' own ratios,
+                # each plan round beside the baseline round run right after it, show the spread.
+                paired = sorted(
+                    a / b
+                    for a, b in zip(tallies[0].round_p99s, empty_tally.round_p99s, strict=True)
+                )
+                print(
+                    f"{'':>4} {'':>{len(name) + 6}} p99 ratio round by round: median "
+                    f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x "
+                    f"over {len(paired)} rounds"
                 )
     finally:
         for server in servers:
