@@ -391,7 +391,7 @@ def run_estimate(
             static_bytes=sum(t.untyped_storage().nbytes() for t in fake.resident()),
         )
     largest = max(fitting)
-    model_line, _ = fit_memory_model(points, prior=None)
+    model_line = fit_memory_model(points, prior=None)
     trials = tuple(
         Trial(
             micro_batch_size=p.micro_batch_size,

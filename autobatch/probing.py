@@ -605,7 +605,7 @@ class _Probe:
             return None, None
         self.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
         lo, _ = bracket(points)
-        prior, _ = fit_memory_model(points, prior=None)
+        prior = fit_memory_model(points, prior=None)
         self.notes.append(
             f"estimate: micro-batch {lo} fits in {format_bytes(capacity.capacity_bytes)} "
             f"({fake.num_steps} fake steps)"
@@ -843,7 +843,7 @@ class _Probe:
         stop_reason: str,
         stop_kind: StopKind,
     ) -> Profile:
-        line, _ = fit_memory_model(self.points, prior)
+        line = fit_memory_model(self.points, prior)
         skipped = sorted({t.micro_batch_size for t in self.trials if t.skipped_optimizer_step})
         if skipped:
             self.notes.append(

@@ -67,14 +67,12 @@ def bracket(points: Sequence[Point]) -> tuple[int, int | None]:
     return lo, hi
 
 
-def fit_memory_model(
-    points: Sequence[Point], prior: MemoryModel | None
-) -> tuple[MemoryModel | None, bool]:
+def fit_memory_model(points: Sequence[Point], prior: MemoryModel | None) -> MemoryModel | None:
     """A line ``fixed + per_sample * n`` through the measured fitting points (see module doc).
 
     Returns:
-        The model (None without measurements or prior) and whether it is anchored on a measured
-        point of size > 1 (False when it is the prior alone).
+        The line through two measured points; else the prior's slope anchored on the largest
+        measured fitting size above 1; else the prior itself (None without one).
     """
     known = [p for p in points if p.peak_bytes > 0]
     fitted = sorted((p for p in known if p.fits), key=lambda p: p.micro_batch_size)
@@ -100,17 +98,17 @@ def fit_memory_model(
                 fixed_bytes=large.peak_bytes - per_sample * large.micro_batch_size,
                 bytes_per_sample=per_sample,
             )
-            return model, True
+            return model
     if prior is None:
-        return None, False
+        return None
     if fitted and fitted[-1].micro_batch_size > 1:
         anchor = fitted[-1]
         model = MemoryModel(
             fixed_bytes=anchor.peak_bytes - prior.bytes_per_sample * anchor.micro_batch_size,
             bytes_per_sample=prior.bytes_per_sample,
         )
-        return model, True
-    return prior, False
+        return model
+    return prior
 
 
 def _halved(points: Sequence[Point], index: int) -> bool:
@@ -150,7 +148,7 @@ def next_micro_batch_size(
     stalled = len(points) >= 4 and not any(
         _halved(points, index) for index in range(len(points) - 3, len(points))
     )
-    model, _ = fit_memory_model(points, prior)
+    model = fit_memory_model(points, prior)
     if model is not None and not stalled:
         last_known = max((i for i, p in enumerate(points) if p.peak_bytes > 0), default=-1)
         misses = sum(1 for p in points[last_known + 1 :] if not p.fits)

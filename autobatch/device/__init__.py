@@ -133,8 +133,10 @@ class Device(Protocol):
 
     ``measure`` brackets one step: it resets peak statistics, and on exit (normal or not) fills the
     :class:`PeakMemory` it yielded. ``resident`` names the tensors that exist before the step
-    (weights, gradients, optimizer state, the batch); devices that count tensors themselves
-    (simulated) add them to the count, devices with allocator statistics ignore it.
+    (:func:`autobatch.state.resident_tensors`: parameters, buffers, gradients, optimizer state;
+    not the batch, which the step builds inside the block, so the block counts it); devices that
+    count tensors themselves (simulated) add them to the count, devices with allocator
+    statistics ignore it.
     """
 
     @property

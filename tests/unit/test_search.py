@@ -104,19 +104,16 @@ def test_secant_through_the_two_latest_measured_points() -> None:
         Point(micro_batch_size=10, fits=True, peak_bytes=2_000),
         Point(micro_batch_size=20, fits=True, peak_bytes=3_000),
     ]
-    model, anchored = fit_memory_model(points, prior=None)
-    assert anchored
+    model = fit_memory_model(points, prior=None)
     assert model == MemoryModel(fixed_bytes=1_000, bytes_per_sample=100)
 
 
 def test_prior_slope_is_anchored_on_a_measured_point() -> None:
     prior = MemoryModel(fixed_bytes=0, bytes_per_sample=50)
-    model, anchored = fit_memory_model(
-        [Point(micro_batch_size=8, fits=True, peak_bytes=1_000)], prior
-    )
-    assert anchored and model == MemoryModel(fixed_bytes=600, bytes_per_sample=50)
-    alone, anchored = fit_memory_model([Point(micro_batch_size=1, fits=True)], prior)
-    assert not anchored and alone == prior
+    model = fit_memory_model([Point(micro_batch_size=8, fits=True, peak_bytes=1_000)], prior)
+    assert model == MemoryModel(fixed_bytes=600, bytes_per_sample=50)
+    assert fit_memory_model([Point(micro_batch_size=1, fits=True)], prior) == prior
+    assert fit_memory_model([Point(micro_batch_size=1, fits=True)], None) is None
 
 
 def test_recommended_size_keeps_the_margin() -> None:
