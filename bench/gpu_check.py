@@ -1,7 +1,8 @@
 """One prepared check on a real GPU: the gpu-marked tests, autobatch beside its peers, and the
 estimator's error against measured peaks, in under 8 minutes.
 
-1. ``pytest tests/gpu -m gpu`` once (a subprocess, bounded by the budget).
+1. ``pytest tests/gpu -m gpu`` once (a subprocess, bounded by the budget), then the CLI as a
+   user runs it: ``autobatch tune gpt2-tiny ... --device cuda:0 --json`` (a subprocess).
 2. For GPT-2 124M and BERT-base (transformers configs, random weights, sequence ``--seq-len``)
    at capacities cut by ``torch.cuda.set_per_process_memory_fraction`` to 16, 40 and 80 GiB:
    autobatch's probe, Lightning's BatchSizeFinder (binsearch), Accelerate's
@@ -136,6 +137,48 @@ def run_pytest(budget: Budget, *, dry_run: bool) -> dict[str, Any]:
         "summary": lines[-1] if lines else "",
         "tail": lines[-30:] if done.returncode not in (0, 5) else [],
     }
+
+
+def run_cli_tune(budget: Budget, *, dry_run: bool) -> dict[str, Any]:
+    """``autobatch tune gpt2-tiny ... --device cuda:0`` as a user runs it (a subprocess, this
+    tree first on the path): the CLI's own road onto the GPU (``sim:16MiB`` in a dry run)."""
+    if not budget.allows("autobatch tune (CLI)", 20.0 if dry_run else 60.0):
+        return {"ran": False}
+    device = "sim:16MiB" if dry_run else "cuda:0"
+    command = [sys.executable, "-m", "autobatch", "tune", "gpt2-tiny", "--seq-len", "32"]
+    command += ["--device", device, "--effective-batch-size", "256", "--no-store", "--json"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=min(120.0, budget.left()),
+            check=False,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ran": True, "device": device, "rc": None, "error": "timed out"}
+    result: dict[str, Any] = {
+        "ran": True,
+        "device": device,
+        "rc": done.returncode,
+        "seconds": time.perf_counter() - started,
+    }
+    if done.returncode != 0:
+        result["error"] = done.stderr.strip().splitlines()[-1:] or [""]
+        return result
+    answer = json.loads(done.stdout)
+    result.update(
+        device_name=answer["profile"]["device_name"],
+        max_micro_batch_size=answer["profile"]["max_micro_batch_size"],
+        micro_batch_size=answer["plan"]["micro_batch_size"],
+        gradient_accumulation_steps=answer["plan"]["gradient_accumulation_steps"],
+        source=answer["plan"]["source"],
+    )
+    return result
 
 
 def measure_estimator_error(
@@ -301,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
 
     pytest_result = {"ran": False} if args.skip_pytest else run_pytest(budget, dry_run=args.dry_run)
     print(f"pytest: {pytest_result}", file=sys.stderr, flush=True)
+    cli_tune = run_cli_tune(budget, dry_run=args.dry_run)  # its own process, the whole card
+    print(f"autobatch tune: {cli_tune}", file=sys.stderr, flush=True)
+    if cli_tune.get("ran") and cli_tune.get("rc") != 0:
+        errors.append(f"autobatch tune --device {cli_tune['device']}: {cli_tune}")
 
     stacks: list[dict[str, Any]] = []
     if budget.allows("modern stacks (compiled, FSDP2)", 10.0 if args.dry_run else 90.0):
@@ -370,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "env": env,
         "pytest": pytest_result,
+        "cli_tune": cli_tune,
         "rows": [_jsonable(row) for row in rows],
         "summary": summarize(rows) if rows else {},
         "estimator": estimator,
@@ -392,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in pytest_result.get("tail", []):
         print(f"  | {line}")
+    print(f"autobatch tune (CLI): {cli_tune}")
     for item in budget.skipped:
         print(f"SKIPPED (time budget or device size): {item}")
     for item in errors:

@@ -36,9 +36,10 @@ def _run(args: list[str], *, timeout_s: float, out_dir: Path | None = None) -> s
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # about 80 s on 2 idle cores (tests/gpu, the stacks, the CLI, one cell)
 def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> None:
     out = _run(
-        ["bench/gpu_check.py", "--dry-run", "--budget-s", "75"], timeout_s=150, out_dir=tmp_path
+        ["bench/gpu_check.py", "--dry-run", "--budget-s", "130"], timeout_s=240, out_dir=tmp_path
     )
     assert "compiled (eager)       ok " in out and "fsdp2 (1 rank)         ok " in out
     assert "Estimator (fake tensors) vs measured peak" in out
@@ -50,6 +51,9 @@ def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> 
     assert result["errors"] == []
     assert result["rows"][0]["autobatch"]["micro_batch_size"] >= 1
     assert [row["case"] for row in result["stacks"]] == ["compiled (eager)", "fsdp2 (1 rank)"]
+    tuned = result["cli_tune"]  # the CLI's own road, as on the GPU with --device cuda:0
+    assert (tuned["rc"], tuned["device_name"]) == (0, "sim"), tuned
+    assert tuned["micro_batch_size"] * tuned["gradient_accumulation_steps"] == 256
 
 
 @pytest.mark.slow
