@@ -528,7 +528,7 @@ class _Probe:
             self.notes.append(
                 f"micro-batch {size} fitted at its first step but not at its second "
                 f"({self.trials[-1].error}): the first steps of a run differ (cuDNN "
-                "benchmarking, allocator warm-up); searched below it"
+                "benchmarking, allocator warm-up), so it is not chosen"
             )
         return fits, failure
 
