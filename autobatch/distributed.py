@@ -214,12 +214,33 @@ def collective_layout(model: torch.nn.Module) -> str:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            if _beyond_fsdp2_meshes(model):
+                return "FSDP2 (fully_shard) with tensor parallel"
             return FSDP2_LAYOUT
         if isinstance(module, FullyShardedDataParallel):
             return "FSDP (FullyShardedDataParallel)"
     if any(isinstance(param, DTensor) for param in model.parameters()):
         return "tensor parallel (DTensor parameters)"
     return ""
+
+
+def _beyond_fsdp2_meshes(model: torch.nn.Module) -> bool:
+    """True when some parameter lives on a DeviceMesh that no ``fully_shard`` module shards
+    over (2-D FSDP2 + tensor parallel: the parameter's mesh also has the tensor-parallel
+    dimension), so the step runs collectives that are not FSDP2's own."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    meshes = [
+        group.mesh_info.mesh
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    ]
+    return any(
+        isinstance(param, DTensor) and all(param.device_mesh != mesh for mesh in meshes)
+        for param in model.parameters()
+    )
 
 
 def data_parallel_size(

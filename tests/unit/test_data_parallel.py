@@ -33,6 +33,13 @@ def _tensor_parallel_mlp(mesh: Any) -> torch.nn.Module:
     return parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+def _fsdp2_over_tensor_parallel(mesh: Any) -> torch.nn.Module:
+    """2-D parallelism: tensor parallel over "tp", then FSDP2 over "dp"."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(_tensor_parallel_mlp(mesh), mesh=mesh["dp"])
+
+
 def _worker(rank: int, world_size: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -72,6 +79,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
             except Exception as exc:
                 results.append([type(exc).__name__, str(exc)])
         results.append(collective_layout(model))
+        results.append(collective_layout(_fsdp2_over_tensor_parallel(mesh)))
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -88,7 +96,7 @@ def tp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
 def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
     tp2_ranks: list[list[Any]],
 ) -> None:
-    for refused, by_group, by_size, disagree, layout in tp2_ranks:
+    for refused, by_group, by_size, disagree, layout, two_d_layout in tp2_ranks:
         assert refused[0] == "ConfigError"
         assert "DeviceMesh of shape (2,) ('tp',) in a world of 4" in refused[1]
         assert "data_parallel_size=N" in refused[1]
@@ -103,6 +111,8 @@ def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
         assert disagree[0] == "ConfigError"
         assert "data_parallel_size=4, process_group=2 disagree" in disagree[1]
         assert layout == "tensor parallel (DTensor parameters)"
+        # Not FSDP2 alone: its tensor-parallel all-reduces are not FSDP's to fake.
+        assert two_d_layout == "FSDP2 (fully_shard) with tensor parallel"
     assert all(ranks[1] == tp2_ranks[0][1] for ranks in tp2_ranks)  # one plan everywhere
 
 
