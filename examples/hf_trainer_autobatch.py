@@ -20,6 +20,7 @@ import torch
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from autobatch.device import parse_device
 from autobatch.integrations.hf import autotune_trainer
 
 IGNORE_INDEX = -100  # labels Hugging Face's loss skips
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             model=GPT2LMHeadModel(config),
             args=transformers.TrainingArguments(
                 output_dir=output_dir,
-                use_cpu=args.device.startswith("sim:"),
+                use_cpu=parse_device(args.device).type == "sim",
                 max_steps=args.steps,
                 report_to=[],
                 save_strategy="no",

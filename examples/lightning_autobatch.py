@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from autobatch.device import parse_device
 from autobatch.integrations.lightning import AutobatchFinder
 
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
-    simulated = args.device.startswith("sim:")
+    simulated = parse_device(args.device).type == "sim"
     module = TinyGPT2(num_rows=4 * args.effective_batch_size, seq_len=args.seq_len)
     # The one line: was `callbacks=[BatchSizeFinder()]`, which changes the micro-batch only.
     finder = AutobatchFinder(

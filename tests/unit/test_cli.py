@@ -302,12 +302,13 @@ def test_tune_defaults_to_the_natural_device_and_says_which(
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same answer on a GPU host
     code, out, err = run(
         capsys,
         *["tune", "examples.models:tiny_mlp", "--input-shape", "32", "--no-store", "--json"],
         *["--max-micro-batch-size", "8", "--effective-batch-size", "64"],
     )
-    if cuda:  # chosen, then refused: this machine has no GPU
+    if cuda:  # chosen, then refused: the (faked) driver lists no device
         assert err.startswith("autobatch: tuning on cuda:0 (CUDA is available; --device chooses)")
         assert code == 1 and "CUDA device 0 does not exist" in err
     else:
