@@ -58,11 +58,13 @@ class ModelSpec:
     def to(self, device: torch.device) -> ModelSpec:
         """The model and sample on ``device``: the one place where the CLI and the service's
         probe jobs put what they built on the device they probe (the library never moves a
-        user's model). The model moves in place (its parameters keep their identity, so an
-        optimizer built over them stays valid); the sample's tensors are copied.
+        user's model). The model moves in place (``module.to``); the sample's tensors are
+        copied. A factory's optimizer stays valid where torch keeps the parameters' identity
+        (CPU to CUDA does).
 
         Raises:
-            ConfigError: the sample is a callable (it builds its batches where it likes).
+            ConfigError: the sample is a callable (it builds its batches where it likes), or the
+                move replaced parameters the optimizer holds.
         """
         if callable(self.sample) and not isinstance(self.sample, torch.Tensor):
             raise ConfigError(
@@ -70,6 +72,14 @@ class ModelSpec:
                 "a sample batch from the factory"
             )
         self.model.to(device)
+        if self.optimizer is not None:
+            held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            if not held <= {id(p) for p in self.model.parameters()}:
+                raise ConfigError(
+                    f"model {self.name!r}: moving it to {device} replaced the parameters its "
+                    "optimizer holds; let the factory return no optimizer (AdamW is used) or "
+                    "one the probe can rebuild"
+                )
         sample = tree_map(
             lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, self.sample
         )

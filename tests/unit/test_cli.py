@@ -412,3 +412,25 @@ def test_plan_takes_the_data_parallel_size_and_prints_the_formula(
         "note: effective_batch_size 64 = 16 (micro_batch_size) x 2 (gradient_accumulation_steps)"
         " x 2 (data-parallel ranks)" in out
     )
+
+
+def test_model_spec_to_moves_the_model_in_place_and_every_sample_tensor() -> None:
+    from autobatch.errors import ConfigError
+    from autobatch.models import ModelSpec
+
+    model = torch.nn.Linear(4, 2)
+    sample = {"x": torch.randn(1, 4), "meta": {"ids": torch.zeros(1, dtype=torch.long)}, "n": 3}
+    spec = ModelSpec(name="m", model=model, sample=sample).to(torch.device("meta"))
+    assert spec.model is model and model.weight.device.type == "meta"
+    assert spec.sample["x"].device.type == spec.sample["meta"]["ids"].device.type == "meta"
+    assert spec.sample["n"] == 3 and sample["x"].device.type == "cpu"  # the caller's sample stays
+    with pytest.raises(ConfigError, match="a callable sample cannot be moved"):
+        ModelSpec(name="f", model=model, sample=lambda n: torch.randn(n, 4)).to(torch.device("cpu"))
+    # CPU to meta replaces the parameters (CPU to CUDA keeps them): an optimizer over the old
+    # ones would step tensors the probe never uses.
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="replaced the parameters its optimizer holds"):
+        ModelSpec(name="o", model=model, sample=sample, optimizer=optimizer).to(
+            torch.device("meta")
+        )
