@@ -15,7 +15,9 @@ from autobatch.errors import ConfigError
 from autobatch.integrations.configs import hf_training_arguments
 from autobatch.planner import plan
 from autobatch.probing import probe
+from autobatch.profile import Profile
 from autobatch.tuning import tune
+from service.schemas import ProfileCreate
 from tests.unit.test_probe import UNIT, Moments, Toy, assert_same_state, state_of
 from tests.unit.test_probe_steps import CAPACITY_BYTES
 
@@ -52,6 +54,10 @@ def test_eval_without_optimizer_counts_the_weights_only() -> None:
     assert not any(t.warm_up for t in profile.trials)
     assert profile.trials[-1].repeat and profile.trials[-1].micro_batch_size == 90
     assert any("estimate not used" in note for note in profile.notes)
+    # the new fields travel: the store's dict and the service's schema
+    assert Profile.from_dict(profile.to_dict()) == profile
+    body = ProfileCreate.model_validate(profile.to_dict(), strict=False)
+    assert body.mode == "eval" and body.trials[-1].repeat
 
 
 def test_eval_during_training_counts_the_optimizer_state_and_leaves_no_trace() -> None:
