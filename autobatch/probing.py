@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -55,7 +54,8 @@ from autobatch.estimator import (
     check_search_arguments,
     estimate_points,
 )
-from autobatch.fake_collectives import fsdp2_collectives_faked, reset_fsdp2
+from autobatch.fake_collectives import reset_fsdp2
+from autobatch.layouts import device_for_layout, trial_context
 from autobatch.metadata import now_iso, step_identity
 from autobatch.profile import MemoryModel, Profile, StopKind, Trial
 from autobatch.search import (
@@ -305,7 +305,9 @@ def _probing(
     check_placement(model, source, target)
     layout = collective_layout(model)
     if layout:
-        target = _safe_for_collectives(target, layout, consensus)
+        target = device_for_layout(
+            target, layout, world_size=None if consensus is None else consensus.world_size
+        )
     snapshot = Snapshot.take(model, optimizer)
     run_optimizer = optimizer if optimizer is not None else _default_optimizer(model)
     try:
@@ -330,10 +332,12 @@ def _probing(
             layout=layout,
             evaluating=evaluating,
         )
-        with (
-            on_cuda_device(target.torch_device),
-            _no_gradient_sync(model, search.notes),
-            _local_fsdp2(model, layout, search),
+        with trial_context(
+            model,
+            layout,
+            device=target.torch_device,
+            world_size=search.consensus.world_size,
+            notes=search.notes,
         ):
             return run(search)
     finally:
@@ -887,86 +891,6 @@ class _Probe:
             compiled=self.compiled,
             created_at=now_iso(),
         )
-
-
-def on_cuda_device(device: torch.device) -> AbstractContextManager[object]:
-    """Make a probed CUDA device the current one during the trials, and restore the previous one
-    after: a step that allocates on "the current device" (``.cuda()``, NCCL's first collective)
-    must not reach cuda:0, another rank's GPU, on a rank that never called set_device."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return nullcontext()
-
-
-def _no_gradient_sync(model: torch.nn.Module, notes: list[str]) -> AbstractContextManager[object]:
-    """``model.no_sync()`` for a ``DistributedDataParallel`` model (noted), else nothing.
-
-    DDP all-reduces gradients inside backward: a rank that ran out of memory earlier in the
-    step would leave the others waiting in that all-reduce. Without it, the ranks' next
-    collective is the probe's own agreement after the step, which every rank reaches. The
-    gradient buckets are allocated when DDP wraps the model, so CUDA's statistics count them.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return nullcontext()
-    notes.append(
-        "DistributedDataParallel: trials ran under no_sync() (no gradient all-reduce inside a "
-        "trial, so no rank waits in one while another is out of memory)"
-    )
-    return model.no_sync()
-
-
-def _local_fsdp2(
-    model: torch.nn.Module, layout: str, search: _Probe
-) -> AbstractContextManager[object]:
-    """FSDP2's collectives on fake groups during the trials of several ranks (noted), so that a
-    rank out of memory mid-step leaves no other waiting; see :mod:`autobatch.fake_collectives`."""
-    if layout != FSDP2_LAYOUT or search.consensus.world_size == 1:
-        return nullcontext()
-    search.notes.append(
-        "FSDP2: trials ran FSDP's all-gathers and reduce-scatters on a fake process group (no "
-        "communication, the same allocations), so no rank waited for another; the ranks "
-        "agreed after each step"
-    )
-    return fsdp2_collectives_faked(model)
-
-
-def _safe_for_collectives(device: Device, layout: str, consensus: Consensus | None) -> Device:
-    """The device to probe a model whose step runs collectives (FSDP) on; refuses a layout that
-    cannot be probed without leaving a rank waiting in a collective.
-
-    Raises:
-        ConfigError: several ranks without a consensus, or several ranks on a device whose
-            allocator raises out-of-memory errors in the middle of a step (CUDA, CPU).
-    """
-    import torch.distributed as dist
-
-    from autobatch.device.simulated import SimulatedDevice
-
-    if consensus is None:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ConfigError(
-                f"the model is sharded with {layout} over {dist.get_world_size()} ranks, but "
-                "probe() got no consensus, so the ranks would probe apart and one that runs out "
-                "of memory would leave the others in a collective; call autobatch.autotune, or "
-                "pass consensus=autobatch.distributed.ProcessGroupConsensus() on every rank"
-            )
-        return device
-    if consensus.world_size == 1 or layout == FSDP2_LAYOUT:  # FSDP2: faked collectives
-        return device
-    if isinstance(device, SimulatedDevice):
-        return device.deferring_oom()
-    raise ConfigError(
-        f"cannot probe a model sharded with {layout} on {consensus.world_size} ranks of "
-        f"{device.type} ({device.name}): its step runs collectives (all-gathers, "
-        "reduce-scatters), and a rank that runs out of memory in the middle of it would leave "
-        "the others waiting in one until the process group's timeout. Probe the same layout "
-        "on simulated devices of each card's capacity instead (device='sim:80GiB': the step "
-        "runs on the CPU, an out-of-memory error is raised once the step ends), or shard with "
-        "FSDP2 (fully_shard), whose collectives the probe runs locally, or probe on a single "
-        "rank (world size 1), or plan from a micro-batch size you know with autobatch.plan(...)"
-    )
 
 
 def _needs_two_samples(exc: BaseException | None) -> bool:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from autobatch.distributed import ProcessGroupConsensus, consensus_device
 from autobatch.errors import DistributedError
-from autobatch.probing import on_cuda_device
+from autobatch.layouts import on_cuda_device
 
 
 def _no_current_device() -> int:

@@ -1,0 +1,124 @@
+"""How the probe runs a step under the model's parallel layout, so that no rank is ever left
+waiting in a collective while another has stopped (DESIGN.md, "Collectives in the step").
+
+- **FSDP2** (``fully_shard``): during the trials of several ranks its all-gathers and
+  reduce-scatters go to fake process groups (:mod:`autobatch.fake_collectives`), on any device.
+- **FSDP1, tensor parallel, 2-D FSDP2 + tensor parallel**: on a simulated card the step runs to
+  its end and the out-of-memory error comes after it; on a device whose allocator raises in the
+  middle of a step (CUDA, CPU) several ranks are refused at once, naming the alternatives.
+- **DDP**: the trials run under ``no_sync()`` (no gradient all-reduce inside a trial).
+- **CUDA**: the probed GPU is the current device while the trials run (restored after).
+
+Example::
+
+    target = device_for_layout(target, collective_layout(model), world_size=2)
+    with trial_context(model, layout, device=target.torch_device, world_size=2, notes=notes):
+        ...  # the trials
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+
+import torch
+
+from autobatch.device import Device
+from autobatch.distributed import FSDP2_LAYOUT
+from autobatch.errors import ConfigError
+from autobatch.fake_collectives import fsdp2_collectives_faked
+
+__all__ = ["device_for_layout", "on_cuda_device", "trial_context"]
+
+
+def device_for_layout(device: Device, layout: str, *, world_size: int | None) -> Device:
+    """The device to probe a model whose step runs collectives on; refuses a layout that
+    cannot be probed without leaving a rank waiting in a collective.
+
+    Args:
+        device: the device asked for.
+        layout: :func:`autobatch.distributed.collective_layout`'s name (not empty).
+        world_size: the ranks probing together; None when the probe has no consensus.
+
+    Raises:
+        ConfigError: several ranks without a consensus, or several ranks on a device whose
+            allocator raises out-of-memory errors in the middle of a step (CUDA, CPU) with a
+            layout whose collectives cannot be faked.
+    """
+    import torch.distributed as dist
+
+    from autobatch.device.simulated import SimulatedDevice
+
+    if world_size is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                f"the model is sharded with {layout} over {dist.get_world_size()} ranks, but "
+                "probe() got no consensus, so the ranks would probe apart and one that runs out "
+                "of memory would leave the others in a collective; call autobatch.autotune, or "
+                "pass consensus=autobatch.distributed.ProcessGroupConsensus() on every rank"
+            )
+        return device
+    if world_size == 1 or layout == FSDP2_LAYOUT:  # FSDP2: faked collectives
+        return device
+    if isinstance(device, SimulatedDevice):
+        return device.deferring_oom()
+    raise ConfigError(
+        f"cannot probe a model sharded with {layout} on {world_size} ranks of "
+        f"{device.type} ({device.name}): its step runs collectives (all-gathers, "
+        "reduce-scatters), and a rank that runs out of memory in the middle of it would leave "
+        "the others waiting in one until the process group's timeout. Probe the same layout "
+        "on simulated devices of each card's capacity instead (device='sim:80GiB': the step "
+        "runs on the CPU, an out-of-memory error is raised once the step ends), or shard with "
+        "FSDP2 (fully_shard), whose collectives the probe runs locally, or probe on a single "
+        "rank (world size 1), or plan from a micro-batch size you know with autobatch.plan(...)"
+    )
+
+
+def trial_context(
+    model: torch.nn.Module,
+    layout: str,
+    *,
+    device: torch.device,
+    world_size: int,
+    notes: list[str],
+) -> ExitStack:
+    """Everything the trials run inside for this layout and device; appends what it did to
+    ``notes`` (the profile's)."""
+    stack = ExitStack()
+    stack.enter_context(on_cuda_device(device))
+    stack.enter_context(_no_gradient_sync(model, notes))
+    if layout == FSDP2_LAYOUT and world_size > 1:
+        notes.append(
+            "FSDP2: trials ran FSDP's all-gathers and reduce-scatters on a fake process group "
+            "(no communication, the same allocations), so no rank waited for another; the ranks "
+            "agreed after each step"
+        )
+        stack.enter_context(fsdp2_collectives_faked(model))
+    return stack
+
+
+def on_cuda_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make a probed CUDA device the current one during the trials, and restore the previous one
+    after: a step that allocates on "the current device" (``.cuda()``, NCCL's first collective)
+    must not reach cuda:0, another rank's GPU, on a rank that never called set_device."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()
+
+
+def _no_gradient_sync(model: torch.nn.Module, notes: list[str]) -> AbstractContextManager[object]:
+    """``model.no_sync()`` for a ``DistributedDataParallel`` model (noted), else nothing.
+
+    DDP all-reduces gradients inside backward: a rank that ran out of memory earlier in the
+    step would leave the others waiting in that all-reduce. Without it, the ranks' next
+    collective is the probe's own agreement after the step, which every rank reaches. The
+    gradient buckets are allocated when DDP wraps the model, so CUDA's statistics count them.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return nullcontext()
+    notes.append(
+        "DistributedDataParallel: trials ran under no_sync() (no gradient all-reduce inside a "
+        "trial, so no rank waits in one while another is out of memory)"
+    )
+    return model.no_sync()
