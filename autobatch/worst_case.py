@@ -89,7 +89,8 @@ def worst_case_sample(
         dataset: map-style: ``len(dataset)`` and ``dataset[i]`` (a list, a torch ``Dataset``,
             a Hugging Face ``Dataset``). Every item is read once to measure it.
         key: an item's load, a real number: its length (the default, ``len``), its number of
-            labels, its pixels. For a dict item pass e.g. ``lambda item: len(item["input_ids"])``.
+            labels, its pixels. For a dict item pass e.g. ``lambda item: len(item["input_ids"])``,
+            for a tuple ``(input, target)`` e.g. ``lambda item: len(item[0])``.
         collate_fn: turns a list of items into a batch (pad them to the longest); default
             ``torch.utils.data.default_collate``.
         percentile: in (0, 100]: keep items whose load is at most this percentile of the loads
@@ -104,9 +105,12 @@ def worst_case_sample(
     Raises:
         ConfigError: the dataset is empty or not map-style, ``percentile`` or ``num_items`` out
             of range, ``key`` returned something that is not a finite real number, or the
-            default ``key=len`` met a dict item (its len counts fields).
+            default ``key=len`` met a dict or tuple item (e.g. a ``TensorDataset``'s
+            ``(input, target)``: its len counts fields).
     """
-    if not (isinstance(percentile, int | float) and 0 < percentile <= 100):
+    if isinstance(percentile, bool) or not (
+        isinstance(percentile, int | float) and 0 < percentile <= 100
+    ):
         raise ConfigError(f"percentile must be in (0, 100], got {percentile!r}; 100 is the max")
     if isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 1:
         raise ConfigError(f"num_items must be an int >= 1, got {num_items!r}")
@@ -122,10 +126,12 @@ def worst_case_sample(
     loads: list[float] = []
     for index in range(size):
         item = dataset[index]
-        if key is len and isinstance(item, Mapping):
+        if key is len and isinstance(item, Mapping | tuple):
+            field = "item['input_ids']" if isinstance(item, Mapping) else "item[0]"
             raise ConfigError(
-                f"item {index} is a {type(item).__name__}, whose len() counts its fields, not "
-                "its load; pass key=lambda item: len(item['input_ids']) (or the field to measure)"
+                f"item {index} is a {type(item).__name__}, whose len() counts its fields "
+                f"({len(item)}), not its load; pass key=lambda item: len({field}) (or the "
+                "field to measure)"
             )
         value = key(item)
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):

@@ -79,6 +79,7 @@ def test_default_key_and_collate_on_plain_tensors() -> None:
         ([], {}, "dataset is empty"),
         ([1, 2], {"percentile": 0}, r"percentile must be in \(0, 100\], got 0"),
         ([1, 2], {"percentile": 101}, r"percentile must be in \(0, 100\], got 101"),
+        ([1, 2], {"percentile": True}, r"percentile must be in \(0, 100\], got True"),
         ([1, 2], {"num_items": 0}, "num_items must be an int >= 1, got 0"),
         ([1, 2], {"key": str}, "key str returned '1' for item 0"),
         ([1, 2], {"key": lambda x: float("nan")}, "returned nan for item 0"),
@@ -93,6 +94,19 @@ def test_bad_input_is_named(args: list[Any], kw: dict[str, Any], match: str) -> 
 def test_len_of_a_dict_item_is_refused_not_taken_for_its_length() -> None:
     with pytest.raises(ConfigError, match=r"item 0 is a dict, whose len\(\) counts its fields"):
         worst_case_sample(items([3, 9]), collate_fn=pad)
+
+
+def test_len_of_a_tuple_item_is_refused_not_taken_for_its_length() -> None:
+    # A TensorDataset's item is (input, target): len() is 2 for every item, so the "heaviest"
+    # would be the first ones whatever their length.
+    x = torch.nn.utils.rnn.pad_sequence([torch.ones(n) for n in (2, 9, 4)], batch_first=True)
+    dataset = torch.utils.data.TensorDataset(x, torch.zeros(3))
+    with pytest.raises(
+        ConfigError, match=r"item 0 is a tuple, whose len\(\) counts its fields .* key=lambda item"
+    ):
+        worst_case_sample(dataset)
+    # A list of token ids is a sequence: its len is its length.
+    assert worst_case_sample([[1, 2], [1, 2, 3, 4], [5]], key=len, num_items=1).load == 4
 
 
 def test_an_iterable_dataset_is_refused_with_the_fix() -> None:
