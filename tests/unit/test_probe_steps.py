@@ -142,3 +142,24 @@ def test_a_well_behaved_step_costs_one_more_step_with_the_same_peak() -> None:
     assert profile.num_steps == len(search) + 1
     (first,) = [t for t in search if t.micro_batch_size == 60]
     assert repeat.peak_allocated_bytes == first.peak_allocated_bytes
+
+
+def test_an_optimizer_with_state_and_no_estimate_still_searches() -> None:
+    # Mid-training (state present, so no warm-up) and no estimate (use_estimate=False, or a
+    # train_step that updates by itself): no first size was chosen, and the probe said
+    # "does not fit even at micro-batch 1" without running a step.
+    model = Toy()
+    optimizer = Moments(model.parameters())
+    optimizer.zero_grad()
+    model(torch.randn(1, UNIT)).backward()
+    optimizer.step()
+    profile = probe(
+        model,
+        torch.randn(1, UNIT),
+        optimizer=optimizer,
+        loss_fn=lambda out: out,
+        device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES),
+        use_estimate=False,
+    )
+    assert profile.max_micro_batch_size == 60
+    assert profile.trials[0].micro_batch_size == 1 and not profile.trials[0].warm_up
