@@ -256,8 +256,9 @@ def data_parallel_size(
     ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
     When none is given: the default group's size under an initialised torch.distributed, else 1;
     but a model whose parameters live on a DeviceMesh that is not the whole world as one
-    dimension (tensor or 2-D parallelism) is refused, since some of the ranks are then not
-    data-parallel and dividing by all of them would make the effective batch too small.
+    dimension (tensor or 2-D parallelism; HSDP's replicate x shard mesh excepted) is refused,
+    since some of the ranks are then not data-parallel and dividing by all of them would make
+    the effective batch too small.
 
     Raises:
         ConfigError: the sources disagree, a size is not a positive int, a mesh has more than
@@ -283,7 +284,10 @@ def data_parallel_size(
         return 1
     world = dist.get_world_size()
     mesh = _parameter_mesh(model)
-    if mesh is not None and (mesh.ndim > 1 or mesh.size() != world):
+    # HSDP's 2-D mesh (replicate x shard) is all data-parallel; any other mesh that is not the
+    # whole world as one dimension has ranks that share samples.
+    other = mesh is not None and mesh.ndim > 1 and collective_layout(model) != FSDP2_LAYOUT
+    if mesh is not None and (other or mesh.size() != world):
         names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
         raise ConfigError(
             f"the model's parameters are on a DeviceMesh of shape {tuple(mesh.shape)}{names} in "

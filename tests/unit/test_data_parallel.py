@@ -42,6 +42,7 @@ def _fsdp2_over_tensor_parallel(mesh: Any) -> torch.nn.Module:
 
 def _worker(rank: int, world_size: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group(
         "gloo",
@@ -80,6 +81,8 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
                 results.append([type(exc).__name__, str(exc)])
         results.append(collective_layout(model))
         results.append(collective_layout(_fsdp2_over_tensor_parallel(mesh)))
+        hsdp = fully_shard(torch.nn.Linear(8, 8), mesh=mesh)  # replicate x shard: all dp
+        results.append([collective_layout(hsdp), data_parallel_size(hsdp)])
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -96,7 +99,7 @@ def tp2_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
 def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
     tp2_ranks: list[list[Any]],
 ) -> None:
-    for refused, by_group, by_size, disagree, layout, two_d_layout in tp2_ranks:
+    for refused, by_group, by_size, disagree, layout, two_d_layout, hsdp in tp2_ranks:
         assert refused[0] == "ConfigError"
         assert "DeviceMesh of shape (2,) ('tp',) in a world of 4" in refused[1]
         assert "data_parallel_size=N" in refused[1]
@@ -113,6 +116,7 @@ def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
         assert layout == "tensor parallel (DTensor parameters)"
         # Not FSDP2 alone: its tensor-parallel all-reduces are not FSDP's to fake.
         assert two_d_layout == "FSDP2 (fully_shard) with tensor parallel"
+        assert hsdp == ["FSDP2 (fully_shard)", 4]  # HSDP: every rank is data-parallel
     assert all(ranks[1] == tp2_ranks[0][1] for ranks in tp2_ranks)  # one plan everywhere
 
 
