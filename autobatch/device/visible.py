@@ -90,12 +90,22 @@ def _leading_int(token: str) -> int | None:
     return int(digits) if digits else None
 
 
+def _is_index(token: str) -> bool:
+    """An ``NVIDIA_VISIBLE_DEVICES`` index: ``"3"``, or ``"3:1"`` for a MIG instance."""
+    gpu_text, colon, slot_text = token.partition(":")
+    return (
+        gpu_text.isascii()
+        and gpu_text.isdigit()
+        and (not colon or (slot_text.isascii() and slot_text.isdigit()))
+    )
+
+
 def _given_uuids(spec: str | None, devices: Sequence[NvmlDevice]) -> tuple[set[str], str]:
     """UUIDs named by ``NVIDIA_VISIBLE_DEVICES=spec`` (None: unset), and a note on what was left.
 
     Indices are the host's NVML indices, as the container runtime reads them. Inside a container
     the runtime exposes only the given cards and NVML renumbers them from 0, so when NVML sees
-    exactly as many GPUs as the list names, they are all given.
+    exactly as many GPUs as the list names distinct indices, they are all given.
     """
     all_uuids = {device.uuid for device in devices}
     text = "" if spec is None else spec.strip().lower()
@@ -105,7 +115,9 @@ def _given_uuids(spec: str | None, devices: Sequence[NvmlDevice]) -> tuple[set[s
         return set(), f"{NVIDIA_VISIBLE_VAR}={spec!r}: this container was given no GPU"
     physical = [device for device in devices if not device.is_mig]
     tokens = [token.strip() for token in spec.split(",") if token.strip()]
-    if len(physical) == len(tokens) and all(not t.startswith(("GPU-", "MIG-")) for t in tokens):
+    if len(physical) == len(tokens) == len(set(tokens)) and all(
+        _is_index(token) for token in tokens
+    ):
         return all_uuids, ""  # the runtime exposed exactly these cards, renumbered by NVML
     given: set[str] = set()
     unknown: list[str] = []

@@ -383,6 +383,28 @@ def test_index_list_in_a_plain_container_means_the_cards_nvml_renumbered() -> No
     assert [(g.uuid, g.cuda_index, g.given) for g in gpus] == [("GPU-aaaa-1111", 0, True)]
 
 
+@pytest.mark.parametrize("spec", ["garbage", "-1", "gpu-aaaa-1111", "0;1"])
+def test_garbage_is_not_taken_for_an_index_list_the_runtime_renumbered(spec: str) -> None:
+    # One card seen and one token: only an index list means "the cards NVML renumbered"; the
+    # same garbage on a node of three gives nothing, so it gives nothing on a node of one.
+    for num_gpus in (1, 3):
+        nvml = Nvml(FakePynvml(three_gpus()[:num_gpus]), environ={"NVIDIA_VISIBLE_DEVICES": spec})
+        devices, resolved = nvml.visible()
+        assert [d.given for d in devices] == [False] * num_gpus, (spec, num_gpus)
+        assert resolved.cuda_order == ()
+        assert f"names devices NVML does not see: {spec}" in resolved.note
+
+
+def test_a_repeated_index_is_not_two_cards() -> None:
+    nvml = Nvml(FakePynvml(three_gpus()[:2]), environ={"NVIDIA_VISIBLE_DEVICES": "0,0"})
+    devices, resolved = nvml.visible()
+    assert [(d.uuid, d.given) for d in devices] == [
+        ("GPU-aaaa-1111", True),
+        ("GPU-bbbb-2222", False),
+    ]
+    assert resolved.cuda_order == ("GPU-aaaa-1111",)
+
+
 def mixed_node() -> list[FakeGpu]:
     """PCI order: a slow L4 first, then a fast H100."""
     return [
