@@ -274,6 +274,17 @@ def _devices(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _print_limit_note(profile: Any, out: TextIO) -> None:
+    """Say so when the search stopped at --max-micro-batch-size rather than at the memory's edge:
+    the max micro-batch printed is then a cap the user set (or the default), not what fits."""
+    if profile.stop_kind == "limit":
+        print(
+            f"note: {profile.max_micro_batch_size} is the --max-micro-batch-size limit, not the "
+            "memory's: larger micro-batches may fit; raise the limit to search further",
+            file=out,
+        )
+
+
 def _bytes_or_unknown(num_bytes: int | None) -> str:
     return "unknown" if num_bytes is None else format_bytes(num_bytes)
 
@@ -314,6 +325,7 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
     print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
     print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
     print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
+    _print_limit_note(profile, out)
     if model_line is not None:
         print(
             f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
@@ -466,6 +478,7 @@ def _print_plan(
             f"{profile.num_ooms} OOM, {profile.method})",
             file=out,
         )
+        _print_limit_note(profile, out)
     print(f"micro_batch_size             {result.micro_batch_size}", file=out)
     print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)
     print(f"world_size                   {result.world_size}", file=out)

@@ -434,3 +434,33 @@ def test_model_spec_to_moves_the_model_in_place_and_every_sample_tensor() -> Non
         ModelSpec(name="o", model=model, sample=sample, optimizer=optimizer).to(
             torch.device("meta")
         )
+
+
+@pytest.mark.parametrize(
+    ("limit", "says_limit"),
+    [("8", True), ("100000000", False)],  # 64 MiB holds ~20k rows of tiny_mlp, not 1e8
+)
+def test_estimate_says_when_the_max_is_the_limit_not_the_memory(
+    capsys: pytest.CaptureFixture[str], limit: str, says_limit: bool
+) -> None:
+    code, out, _ = run(
+        capsys,
+        *["estimate", "examples.models:tiny_mlp", "--input-shape", "32", "--capacity", "64MiB"],
+        *["--max-micro-batch-size", limit],
+    )
+    assert code == 0
+    assert ("max micro-batch  8  (estimated)" in out) is says_limit
+    assert ("is the --max-micro-batch-size limit, not the memory's" in out) is says_limit
+
+
+def test_tune_says_when_the_max_is_the_limit_not_the_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(
+        capsys,
+        *["tune", *TINY, "--no-store", "--device", "sim:4MiB", "--effective-batch-size", "8"],
+        *["--max-micro-batch-size", "4"],
+    )
+    assert code == 0
+    assert "max micro-batch  4  " in out
+    assert "note: 4 is the --max-micro-batch-size limit, not the memory's" in out
