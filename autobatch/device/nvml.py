@@ -58,7 +58,8 @@ REASONS: dict[str, str] = {
     "pynvml_missing": "the nvidia-ml-py package is not installed: pip install nvidia-ml-py",
     "library_missing": "libnvidia-ml.so.1 was not found: run the container with the NVIDIA "
     "runtime (Kubernetes runtimeClassName: nvidia, docker --gpus) so the driver's library is "
-    "mounted, or install the NVIDIA driver",
+    "mounted, or install the NVIDIA driver; on a machine without a GPU, use --device cpu or "
+    "sim:SIZE",
     "cuda_stub_library": "the CUDA toolkit's stub libnvidia-ml.so was loaded (it only serves "
     "linking): remove the toolkit's stubs directory from LD_LIBRARY_PATH so the driver's "
     "libnvidia-ml.so.1 loads",

@@ -175,6 +175,17 @@ def test_devices_without_a_driver_says_so_in_one_line(
     assert "Traceback" not in err
 
 
+def test_devices_on_a_machine_without_the_nvidia_library_points_to_cpu_and_sim(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    no_library = FakePynvml([], init_errors=[ERROR_CLASSES["NVMLError_LibraryNotFound"]()])
+    monkeypatch.setattr(nvml, "default_nvml", lambda: Nvml(no_library, environ={}))
+    code, out, err = run(capsys, "devices")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "libnvidia-ml.so.1 was not found" in err
+    assert "without a GPU, use --device cpu or sim:SIZE" in err
+
+
 def test_devices_lists_what_nvml_reports(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
