@@ -121,8 +121,8 @@ class AutobatchFinder(Callback):
         if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
             raise ConfigError(
                 "AutobatchFinder sets accumulate_grad_batches, which a "
-                "GradientAccumulationScheduler "
-                "callback would change per epoch (and the effective batch with it); remove one"
+                "GradientAccumulationScheduler callback would change per epoch (and the "
+                "effective batch with it); remove one of the two"
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

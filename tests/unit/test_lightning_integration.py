@@ -245,3 +245,17 @@ def test_the_batch_size_of_a_datamodule_is_set() -> None:
     assert data.batch_size * trainer.accumulate_grad_batches == 96
     assert data.batch_size == finder.plan.micro_batch_size
     assert module.seen == [data.batch_size] * trainer.accumulate_grad_batches
+
+
+def test_a_gradient_accumulation_scheduler_is_refused() -> None:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    trials: list[Any] = []
+    finder = AutobatchFinder(
+        96, device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES), use_store=False,
+        on_trial=trials.append,
+    )  # fmt: skip
+    trainer = make_trainer(finder, GradientAccumulationScheduler(scheduling={0: 2}))
+    with pytest.raises(ConfigError, match="GradientAccumulationScheduler.*remove one"):
+        trainer.fit(Classifier())
+    assert trials == []  # refused before probing
