@@ -440,7 +440,8 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         note = "" if seconds is None else f"{seconds:.3f} s per effective batch"
         if p.prediction is not None:  # the max micro-batch is predicted, not measured
             found = p.prediction.largest_measured_micro_batch_size
-            note = "; ".join(filter(None, (note, f"{p.source}: past measured {found}")))
+            where = "past" if p.max_micro_batch_size > found else "below"
+            note = "; ".join(filter(None, (note, f"{p.source}: {where} measured {found}")))
         sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
         print(
             f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",

@@ -288,7 +288,11 @@ def predict_past(
 
 
 def predict_below(
-    peaks: Mapping[int, int], *, budget_bytes: int, stored: MemoryModel | None = None
+    peaks: Mapping[int, int],
+    *,
+    budget_bytes: int,
+    stored: MemoryModel | None = None,
+    largest_measured_micro_batch_size: int = 0,
 ) -> tuple[int, Prediction]:
     """The largest micro-batch the line puts within ``budget_bytes`` when even the smallest
     measured size does not fit it (0 when none does); arguments and errors as for
@@ -299,7 +303,8 @@ def predict_below(
     if smallest:
         size = min(size, smallest - 1)
     return size, Prediction(
-        largest_measured_micro_batch_size=max(peaks, default=0) or 1,
+        largest_measured_micro_batch_size=max(peaks, default=0)
+        or max(largest_measured_micro_batch_size, 1),
         num_fit_points=line.num_points,
         fit_residual_bytes=line.residual_bytes,
         fixed_bytes=round(line.fixed),

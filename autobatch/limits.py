@@ -236,7 +236,12 @@ def _profile_limit(
                 largest_measured_micro_batch_size=profile.max_micro_batch_size,
             )
         else:
-            size, prediction = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
+            size, prediction = predict_below(
+                peaks,
+                budget_bytes=budget_bytes,
+                stored=model,
+                largest_measured_micro_batch_size=profile.max_micro_batch_size,
+            )
             size = min(size, profile.max_micro_batch_size)
     fixed, per_sample = prediction.fixed_bytes, prediction.bytes_per_sample
     _require_fits(size, fixed + per_sample, budget_bytes, capacity_bytes, margin)

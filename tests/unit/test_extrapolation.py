@@ -199,6 +199,26 @@ def test_below_the_smallest_measured_size_the_plan_is_predicted() -> None:
     assert result.prediction is not None and result.prediction.margin == 0
 
 
+def test_a_smaller_card_from_the_stored_line_alone_names_the_largest_size_that_ran(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # An older profile: no peaks kept, only the line; its largest fitting size was 16.
+    profile = issue_profile(trials=(Trial(micro_batch_size=16, fits=True),))
+    result = plan(profile, effective_batch_size=6, capacity_bytes=round(0.6 * UNIT))
+
+    assert result.max_micro_batch_size == 6 and result.source == "predicted"
+    assert result.prediction is not None
+    assert result.prediction.largest_measured_micro_batch_size == 16  # not 1
+    assert "the largest that really ran is 16" in result.notes[-1]
+    store = tmp_path / "profiles.sqlite3"
+    with ProfileStore(store) as opened:
+        profile_id = opened.put(profile)
+    argv = ["--store", str(store), "plan", "--profile", profile_id, "--effective-batch-size", "6"]
+    assert main([*argv, "--world-size", "1,2", "--capacity", str(round(0.6 * UNIT))]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.split()[:3] == ["1", "6", "1"] and row.endswith("predicted: below measured 16")
+
+
 # -- who says where the limit came from (issue 17) ------------------------------------------------
 
 
