@@ -42,10 +42,10 @@ if TYPE_CHECKING:
     )
     from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
     from autobatch.probing import Consensus, LocalConsensus, probe
-    from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, Trial
+    from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
     from autobatch.splitting import SplitEvent
     from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
-    from autobatch.tuning import ReportWarning, autotune
+    from autobatch.tuning import ReportWarning, Tuning, autotune, tune
     from autobatch.units import format_bytes, parse_bytes
     from autobatch.worst_case import WorstCaseSample, worst_case_sample
 
@@ -83,9 +83,11 @@ __all__ = [
     "SmallMicroBatchNormWarning",
     "SplitEvent",
     "StepFailedError",
+    "StepIdentity",
     "StepStats",
     "StoreError",
     "Trial",
+    "Tuning",
     "Uneven",
     "WorldSizeOption",
     "WorstCaseSample",
@@ -102,6 +104,7 @@ __all__ = [
     "plan_world_sizes",
     "probe",
     "resolve_device",
+    "tune",
     "worst_case_sample",
 ]
 
@@ -113,7 +116,9 @@ _EXPORTS: dict[str, str] = {
     "SmallMicroBatchNormWarning": "autobatch.accumulate",
     "StepStats": "autobatch.accumulate",
     "ReportWarning": "autobatch.tuning",
+    "Tuning": "autobatch.tuning",
     "autotune": "autobatch.tuning",
+    "tune": "autobatch.tuning",
     "Capacity": "autobatch.device",
     "Device": "autobatch.device",
     "GpuInfo": "autobatch.device",
@@ -151,6 +156,7 @@ _EXPORTS: dict[str, str] = {
     "MemoryModel": "autobatch.profile",
     "PROFILE_SCHEMA_VERSION": "autobatch.profile",
     "Profile": "autobatch.profile",
+    "StepIdentity": "autobatch.profile",
     "Trial": "autobatch.profile",
     "ProfileNotFoundError": "autobatch.store",
     "ProfileStore": "autobatch.store",
