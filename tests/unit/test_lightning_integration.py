@@ -23,6 +23,7 @@ torchmetrics = pytest.importorskip("torchmetrics")
 from autobatch.device.simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.lightning import AutobatchFinder  # noqa: E402
+from autobatch.store import ProfileStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -259,3 +260,22 @@ def test_a_gradient_accumulation_scheduler_is_refused() -> None:
     with pytest.raises(ConfigError, match="GradientAccumulationScheduler.*remove one"):
         trainer.fit(Classifier())
     assert trials == []  # refused before probing
+
+
+def test_the_trainers_mixed_precision_is_probed(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path / "profiles.sqlite3")
+    finder = AutobatchFinder(96, device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES), store=store)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[finder],
+    )
+    trainer.fit(Classifier())
+    ((_, profile),) = store.list_profiles()
+    assert profile.amp_dtype == "bfloat16"
