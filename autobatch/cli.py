@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from autobatch import __version__
 from autobatch.errors import AutobatchError, ConfigError, Remedy
 from autobatch.units import format_bytes, parse_bytes
 
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autobatch", description="Memory-aware micro-batch auto-tuner for PyTorch training."
     )
     parser.add_argument("--store", help="profile store path (default $AUTOBATCH_STORE or cache)")
+    parser.add_argument("--version", action="version", version=f"autobatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     devices = commands.add_parser("devices", help="list GPUs via NVML")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import autobatch
 import autobatch.device
 from autobatch.cli import main
 from autobatch.device import Capacity, nvml
@@ -475,3 +476,9 @@ def test_tune_says_when_the_max_is_the_limit_not_the_memory(
     assert code == 0
     assert "max micro-batch  4  " in out
     assert "note: 4 is the --max-micro-batch-size limit, not the memory's" in out
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert out == f"autobatch {autobatch.__version__}\n"
