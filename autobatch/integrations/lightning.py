@@ -70,7 +70,8 @@ class AutobatchFinder(Callback):
 
     Raises:
         ConfigError: at construction, an option autotune does not take or that the finder sets
-            itself (the model, step, optimizer, world size). At fit start: the batch size
+            itself (the model, step, optimizer, world size), or ``eval=True`` (Lightning sizes
+            evaluation through your ``val_dataloader``). At fit start: the batch size
             attribute is missing, the dataloader was passed to ``fit()`` directly or ignores the
             attribute, several optimizers or train dataloaders, a ``GradientAccumulationScheduler``,
             manual optimization that would need accumulation, ``SyncBatchNorm`` across ranks.
@@ -92,6 +93,13 @@ class AutobatchFinder(Callback):
         **options: Any,
     ) -> None:
         check_options(options, caller="AutobatchFinder", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
+        if options.get("eval"):
+            raise ConfigError(
+                "AutobatchFinder got eval=True, but it probes the module's training_step only: "
+                "Lightning takes the validation batch size from your val_dataloader, not from the "
+                "Trainer; remove eval=True and size that loader with "
+                "autobatch.probe(model, sample, eval=True).max_micro_batch_size"
+            )
         if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int):
             raise ConfigError(
                 f"effective_batch_size {effective_batch_size!r} must be an int (samples per "
