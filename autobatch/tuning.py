@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -394,7 +394,7 @@ def autotune_profile(
             run_probe=run_probe,
             report_to=report_to,
         )
-    with _opened(store if use_store else _NO_STORE) as active:
+    with _opened(store, use_store=use_store) as active:
         note = ""
         if active is not None and not refresh:
             found = active.find(key)
@@ -457,20 +457,16 @@ def _prediction_here(
     return find_prediction(remote, identity, **options)
 
 
-_NO_STORE = object()
-
-
-@contextlib.contextmanager
-def _opened(store: object) -> Iterator[ProfileStore | None]:
-    """The store to use: a given ProfileStore as it is (left open), a path (or None: the default
-    store) opened and closed here, :data:`_NO_STORE` none at all."""
-    if store is _NO_STORE:
-        yield None
-    elif isinstance(store, ProfileStore):
-        yield store
-    else:
-        with ProfileStore(store) as opened:  # type: ignore[arg-type]
-            yield opened
+def _opened(
+    store: ProfileStore | str | os.PathLike[str] | None, *, use_store: bool
+) -> contextlib.AbstractContextManager[ProfileStore | None]:
+    """The store to use: none without ``use_store``; a given ProfileStore as it is (left open);
+    a path (None: the default store) opened here and closed on exit."""
+    if not use_store:
+        return contextlib.nullcontext()
+    if isinstance(store, ProfileStore):
+        return contextlib.nullcontext(store)
+    return ProfileStore(store)
 
 
 def _agreed_profile(
