@@ -224,9 +224,9 @@ class _WindowRun:
         is_last = micro.is_last
         if start == 0 and limit is None:
             return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
-        from autobatch.accumulate import MicroStep, _as_count, _leading_dim
+        from autobatch.accumulate import MicroStep, _as_count
 
-        rows = _leading_dim(micro.batch)
+        rows = _rows(micro.batch, self.window.index, micro.index)
         if start == 0 and rows <= (limit or rows):
             return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
         size = limit if limit is not None else rows
@@ -289,9 +289,7 @@ class _WindowRun:
         # Out of the except block, the exception and its frames are gone; the caller releases
         # memory once this frame (and `loss`, the failed graph) is gone too.
         if rows < 0:
-            from autobatch.accumulate import _leading_dim
-
-            rows = _leading_dim(batch)
+            rows = _rows(batch, self.window.index, step.index)
         return _Failure(phase=phase, reason=reason, start=start, rows=rows)
 
     # -- reporting -----------------------------------------------------------------------------
@@ -382,13 +380,12 @@ class _WindowRun:
                 "even at micro-batch size 1 and raised DoesNotFitError; this rank stops too"
             )
         if agreed < (limit if limit is not None else _NO_LIMIT):
-            from autobatch.accumulate import _leading_dim
-
             self._add_event(
                 SplitEvent(
                     window_index=self.window.index,
                     micro_step_index=index,
-                    old_micro_batch_size=limit or _leading_dim(self.micros[index].batch),
+                    old_micro_batch_size=limit
+                    or _rows(self.micros[index].batch, self.window.index, index),
                     new_micro_batch_size=agreed,
                     phase="peer",
                     reason="another rank ran out of memory",
@@ -419,8 +416,9 @@ def run_window(
         The window's StepStats, ``splits`` and ``micro_batch_size_limit`` included.
 
     Raises:
-        ConfigError: the window already ran backward or stepped; a batch has no tensor with a
-            batch dimension (needed to split it); ``count_fn`` is not additive over rows (the
+        ConfigError: the window already ran backward or stepped; with ``on_oom="split"``, a
+            batch has no tensor with a batch dimension (needed to cut it; checked before any
+            step); ``count_fn`` is not additive over rows (the
             pieces' counts do not sum to the micro-batch's); a "mean" loss of a piece with 0
             counted items that must run (DDP's last); see also ``MicroStep.backward``.
         DoesNotFitError: a micro-batch runs out of memory even at size 1 (names the batch).
@@ -433,6 +431,9 @@ def run_window(
             "of the micro-step loop, not after it"
         )
     splitter: Splitter = window._acc._splitter
+    if splitter.on_oom == "split":
+        for micro in window:  # before any step, not at the first OOM hours into training
+            _rows(micro.batch, window.index, micro.index)
     splitter.start_window(window.index)
     state = _WindowRun(window, loss_of, reduction)
     state.run()
@@ -441,6 +442,27 @@ def run_window(
         micro._backward_done = True
     window._num_backward = len(state.micros)
     return window.step()
+
+
+def _rows(batch: Any, window_index: int, micro_index: int) -> int:
+    """Rows of a micro-batch to be cut into pieces (the dim 0 of its first tensor).
+
+    Raises:
+        ConfigError: nothing in it can be cut: no tensor with a batch dimension in a tensor or
+            a tuple/list/dict of them (an object of the user's, a list of samples).
+    """
+    from autobatch.accumulate import _leading_dim
+
+    try:
+        return _leading_dim(batch)
+    except ConfigError:
+        pass
+    raise ConfigError(
+        f"on_oom='split' cannot cut micro-batch {micro_index} of window {window_index} (a "
+        f"{type(batch).__name__}) into pieces: it needs a tensor, or a tuple/list/dict of tensors "
+        "with the batch dimension first (collate the samples into one, e.g. with "
+        "torch.utils.data.default_collate), or use on_oom='raise'"
+    )
 
 
 def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:

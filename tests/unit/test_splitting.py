@@ -283,6 +283,38 @@ def test_count_fn_must_be_additive_over_rows() -> None:
         window.run(lambda batch: mse(model, batch))
 
 
+class Rows:
+    """A batch object torch's pytree does not know: nothing in it can be cut into pieces."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+@pytest.mark.parametrize(
+    ("batch", "name"),
+    [
+        (Rows(torch.ones(4, 3, dtype=F64)), "Rows"),
+        ([{"x": torch.ones(3, dtype=F64)} for _ in range(4)], "list"),  # collate_fn=list
+    ],
+)
+def test_a_batch_that_cannot_be_cut_is_refused_before_any_step(batch: Any, name: str) -> None:
+    # count_fn is given, so the error must not ask for it: it must say why the batch cannot be
+    # split and what to do, at once, not when the first OOM comes hours into training.
+    model = nn.Linear(3, 1).to(F64)
+    acc = Accumulator(model, RecordingSGD(model.parameters()), gradient_accumulation_steps=1,
+                      on_oom="split")  # fmt: skip
+    (window,) = acc.windows([batch], count_fn=lambda batch: 4)
+    calls: list[int] = []
+    with pytest.raises(
+        ConfigError,
+        match=rf"on_oom='split' cannot cut micro-batch 0 of window 0 \(a {name}\) into pieces: "
+        r".*tensor, or a tuple/list/dict of tensors.*or use on_oom='raise'",
+    ):
+        window.run(lambda batch: torch.tensor(calls.append(1) or 0.0, requires_grad=True))
+    assert calls == []
+    assert all(p.grad is None for p in model.parameters())
+
+
 # -- the issue's "done when": a real byte count on the simulated device -----------------------
 
 
