@@ -62,6 +62,7 @@ __all__ = [
     "PlanSource",
     "Uneven",
     "WorldSizeOption",
+    "largest_useful_micro_batch_size",
     "plan",
     "plan_world_sizes",
 ]
@@ -283,6 +284,20 @@ class _Rules:
         return text
 
 
+def _with_failure_note(resolved: Limit, limit: int | Profile | MemoryModel) -> Limit:
+    """A profile whose search a failure other than memory bounded says so in every plan."""
+    if not isinstance(limit, Profile) or not limit.failure_note:
+        return resolved
+    return dataclasses.replace(resolved, notes=(limit.failure_note, *resolved.notes))
+
+
+def largest_useful_micro_batch_size(effective_batch_size: int, world_size: int) -> int:
+    """``ceil(effective_batch_size / world_size)``: no plan for that request uses a larger
+    micro-batch (the nearest reachable effective batch size included), so no probe for it needs
+    to try one. Both arguments are positive ints (checked by :func:`plan`)."""
+    return -(-effective_batch_size // world_size)
+
+
 def plan(
     limit: int | Profile | MemoryModel,
     *,
@@ -349,12 +364,15 @@ def plan(
         uneven=uneven,
         allow_inexact=allow_inexact,
     )
-    resolved = resolve_limit(
+    resolved = _with_failure_note(
+        resolve_limit(
+            limit,
+            capacity_bytes=capacity_bytes,
+            safety_margin=safety_margin,
+            step_seconds=step_seconds,
+            source=source,
+        ),
         limit,
-        capacity_bytes=capacity_bytes,
-        safety_margin=safety_margin,
-        step_seconds=step_seconds,
-        source=source,
     )
     require_int("effective_batch_size", effective_batch_size, 1)
     return _plan(resolved, options, effective_batch_size, world_size)
@@ -399,12 +417,15 @@ def plan_world_sizes(
         uneven=uneven,
         allow_inexact=allow_inexact,
     )
-    resolved = resolve_limit(
+    resolved = _with_failure_note(
+        resolve_limit(
+            limit,
+            capacity_bytes=capacity_bytes,
+            safety_margin=safety_margin,
+            step_seconds=step_seconds,
+            source=source,
+        ),
         limit,
-        capacity_bytes=capacity_bytes,
-        safety_margin=safety_margin,
-        step_seconds=step_seconds,
-        source=source,
     )
     require_int("effective_batch_size", effective_batch_size, 1)
     if isinstance(world_sizes, int | str) or not isinstance(world_sizes, Sequence):

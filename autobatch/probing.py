@@ -7,18 +7,22 @@
    profile's notes and falls back to doubling-then-bisect.
 3. **Confirm and bisect** with real steps (:mod:`autobatch.search`): typically a warm-up at
    micro-batch 1 (creates the optimizer state, so every measured step runs with it, as in
-   training), the predicted size, and one size above it.
+   training), the predicted size, and one size above it. The search is safeguarded: whatever the
+   peaks and the estimate say, it finds the exact max within ``ceil(log2(limit)) + 3`` trials
+   besides the warm-up. Each measured peak is set beside the estimate's; an estimate off by more
+   than :data:`UNRELIABLE_ESTIMATE` is said so in the notes and no longer steers the search.
 4. **OOM** (classified by :func:`autobatch.device.oom.is_oom`) marks a size too big; after it, no
    reference to the failed step survives (gradients dropped, ``gc.collect()`` then the allocator
    cache emptied). Any other exception is not OOM: at the first trial it is re-raised as
-   :class:`~autobatch.errors.StepFailedError`; later it ends the search at the last size that
-   passed, with the reason in the profile.
+   :class:`~autobatch.errors.StepFailedError`; later it is an upper bound (a kernel's launch
+   limit, say): the search goes on below it, and the profile names the size and the error.
 5. **Leave no trace** (:mod:`autobatch.state`): parameters, buffers, gradients, optimizer state,
    train/eval flags and RNG states are restored bitwise.
 6. **Ranks agree** through a :class:`Consensus` (one process: :class:`LocalConsensus`; under
    torch.distributed: :class:`autobatch.distributed.ProcessGroupConsensus`): every rank runs the
    same sizes in the same order, a size fits only if it fits on every rank (the capacity searched
-   is the smallest rank's), and a non-OOM failure on one rank ends the search on all of them.
+   is the smallest rank's), a non-OOM failure on one rank is an upper bound for all of them, and
+   a failure that ends the probe (at the first size) ends it on every rank.
 
 Example::
 
@@ -29,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -37,7 +42,7 @@ import torch
 
 from autobatch.batch import BatchSource
 from autobatch.compiled import CompiledMode, compiled_mode, eager, mark_batch_dynamic
-from autobatch.device import Capacity, Device, resolve_device
+from autobatch.device import Capacity, Device, PeakMemory, resolve_device
 from autobatch.device.oom import is_oom
 from autobatch.distributed import FSDP2_LAYOUT, collective_layout
 from autobatch.errors import (
@@ -62,6 +67,7 @@ from autobatch.search import (
     Point,
     bracket,
     fit_memory_model,
+    fit_wide_line,
     next_micro_batch_size,
     recommended_size,
 )
@@ -76,7 +82,14 @@ from autobatch.step import (
 from autobatch.units import format_bytes
 from autobatch.worst_case import WorstCaseSample
 
-__all__ = ["MAX_WARM_UP_CALLS", "Consensus", "LocalConsensus", "confirm_micro_batch_size", "probe"]
+__all__ = [
+    "MAX_WARM_UP_CALLS",
+    "UNRELIABLE_ESTIMATE",
+    "Consensus",
+    "LocalConsensus",
+    "confirm_micro_batch_size",
+    "probe",
+]
 
 T = TypeVar("T")
 
@@ -86,6 +99,10 @@ until it steps the optimizer (one that accumulates gradients over several calls)
 never does within this many calls is refused, as its optimizer state would never appear."""
 
 OnTrial = Callable[[Trial], None]
+
+UNRELIABLE_ESTIMATE = 0.25
+"""Relative error of the estimated peak (against the measured one) above which the estimate is
+called unreliable for this step, and the search goes on from measurements alone."""
 
 
 class Consensus(Protocol):
@@ -347,6 +364,38 @@ def _probing(
         target.release()
 
 
+class Outcome(enum.Enum):
+    """How one trial ended; the ranks agree on the worst (the lowest value)."""
+
+    FAILED = 0
+    """Raised something other than running out of memory: an upper bound on the sizes that run
+    (at the first size, the end of the probe)."""
+    OOM = 1
+    """Ran out of memory."""
+    OVER_CAPACITY = 2
+    """Finished, with a peak over this device's capacity."""
+    FITS = 3
+    """Finished within the capacity."""
+
+    @property
+    def ran(self) -> bool:
+        """The step finished, so its peak was measured."""
+        return self in (Outcome.OVER_CAPACITY, Outcome.FITS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Agreed:
+    """One trial's outcome as every rank sees it (see ``_Probe._agree_outcome``)."""
+
+    outcome: Outcome
+    rank: int
+    """Lowest rank with that outcome."""
+    peak_bytes: int
+    """Largest rank's peak when every rank measured one, else 0."""
+    fatal_rank: int | None
+    """Lowest rank whose error ends the probe, None when none."""
+
+
 class _Probe:
     """One probe's state; :meth:`run` does the search. Not public: use :func:`probe`."""
 
@@ -406,6 +455,9 @@ class _Probe:
         self.num_steps = 0
         self.estimated_static_bytes = 0
         self.failed_micro_batch_size = 0
+        """Smallest size that failed for a reason other than memory (0: none did)."""
+        self.prior: MemoryModel | None = None
+        """The estimate's memory line; dropped when a measured peak shows it unreliable."""
 
     # -- the search -------------------------------------------------------------------------
 
@@ -440,55 +492,49 @@ class _Probe:
         )
 
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
-        own = self.device.capacity()
-        capacity = self.capacity = self._agree_capacity(own)
+        self.own_capacity = self.device.capacity()
+        self.agreed_capacity = self._agree_capacity(self.own_capacity)
         if self._needs_state() and not self.optimizer.state:
-            self._warm_up(own)
-        self._trial(size, own)
+            self._warm_up()
+        self._trial(size)
         if self.trials[-1].fits:
-            self._second_step(size, own)
+            self._second_step(size)
         trial = self.trials[-1]
         if not trial.fits:
             return trial, None
         stop = f"confirmation: micro-batch {size}, predicted from another card, fits here"
         # The boundary is the prediction's (from the other card's line), not this trial's limit.
-        profile = self._profile(capacity, prior, size, stop, "boundary")
+        profile = self._profile(self.agreed_capacity, prior, size, stop, "boundary")
         return trial, profile if profile.recommended_micro_batch_size == size else None
 
     def _search(self) -> Profile:
-        own = self.device.capacity()
-        capacity = self.capacity = self._agree_capacity(own)
-        prior, first = self._estimate(capacity)
-        stop_reason = ""
-        size = self._agree_size(first)
+        own_capacity = self.own_capacity = self.device.capacity()
+        agreed_capacity = self.agreed_capacity = self._agree_capacity(own_capacity)
+        self.prior, first = self._estimate(agreed_capacity)
         if (
             self._needs_state()
             and not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]
         ):
-            self._warm_up(own)
-        if size is None:
-            size = self._next_size(capacity, prior)
+            self._warm_up()
+        size = self._agree_size(first) if first is not None else self._next_size()
         while True:
-            while size is not None and not stop_reason:
-                stop_reason = self._trial(size, own)
-                if not stop_reason:
-                    size = self._next_size(capacity, prior)
+            while size is not None:
+                self._trial(size)
+                size = self._next_size()
             lo, hi = bracket(self.points)
             if lo == 0:
-                self._does_not_fit(capacity)
-            fits, failure = self._second_step(lo, own)
-            if fits:
+                self._does_not_fit()
+            if self._second_step(lo):
                 break
-            stop_reason = stop_reason or failure
-            if not stop_reason:
-                size = self._next_size(capacity, prior)
-        lo, hi = bracket(self.points)
-        if not stop_reason:
-            stop_reason = (
-                f"limit max_micro_batch_size={self.limit} reached"
-                if lo >= self.limit
-                else f"micro-batch {hi} does not fit"
-            )
+            size = self._next_size()
+        self._compare_with_estimate()
+        if lo >= self.limit:
+            stop_reason = f"limit max_micro_batch_size={self.limit} reached"
+        elif hi == self.failed_micro_batch_size:
+            failed = next(t for t in self.trials if t.micro_batch_size == hi)
+            stop_reason = f"micro-batch {hi} failed for a reason other than memory ({failed.error})"
+        else:
+            stop_reason = f"micro-batch {hi} does not fit"
         kind: StopKind = (
             "failure"
             if self.failed_micro_batch_size
@@ -496,7 +542,10 @@ class _Probe:
             if lo >= self.limit
             else "boundary"
         )
-        return self._profile(capacity, prior, lo, stop_reason, kind)
+        profile = self._profile(agreed_capacity, self.prior, lo, stop_reason, kind)
+        if profile.failure_note:
+            profile = dataclasses.replace(profile, notes=(*profile.notes, profile.failure_note))
+        return profile
 
     def _needs_state(self) -> bool:
         """Whether the measured steps need the optimizer state: every training step does; an
@@ -511,30 +560,33 @@ class _Probe:
         else:
             self.step.evaluate(batch)
 
-    def _next_size(self, capacity: Capacity, prior: MemoryModel | None) -> int | None:
+    def _next_size(self) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""
         return self._agree_size(
             next_micro_batch_size(
-                self.points, capacity_bytes=capacity.capacity_bytes, limit=self.limit, prior=prior
+                self.points,
+                capacity_bytes=self.agreed_capacity.capacity_bytes,
+                limit=self.limit,
+                prior=self.prior,
             )
         )
 
-    def _second_step(self, size: int, capacity: Capacity) -> tuple[bool, str]:
+    def _second_step(self, size: int) -> bool:
         """Run the chosen ``size`` again: the first steps of a run differ (cuDNN benchmarking
         workspaces, allocator warm-up), so it stays chosen only if a second step fits too.
 
         Returns:
-            Whether it fitted again, and a stop reason for a non-OOM failure ("" otherwise).
+            Whether it fitted again.
         """
-        failure = self._trial(size, capacity, repeat=True)
+        self._trial(size, repeat=True)
         fits = bracket(self.points)[0] >= size
-        if not fits and not failure:
+        if not fits:
             self.notes.append(
                 f"micro-batch {size} fitted at its first step but not at its second "
                 f"({self.trials[-1].error}): the first steps of a run differ (cuDNN "
                 "benchmarking, allocator warm-up), so it is not chosen"
             )
-        return fits, failure
+        return fits
 
     def _never_updated(self, size: int, calls: int) -> ConfigError:
         """The error for a warm-up whose ``train_step`` never stepped the optimizer."""
@@ -551,15 +603,19 @@ class _Probe:
 
     def _agree_capacity(self, own: Capacity) -> Capacity:
         """This device's capacity, lowered to the smallest rank's (the capacity searched)."""
-        ranks = self.consensus.world_size
-        (packed,) = self.consensus.min_ints([own.capacity_bytes * ranks + self.consensus.rank])
-        smallest, rank = divmod(packed, ranks)
-        if ranks > 1:
+        (packed,) = self.consensus.min_ints([self._with_rank(own.capacity_bytes)])
+        smallest, rank = divmod(packed, self.consensus.world_size)
+        if self.consensus.world_size > 1:
             self.notes.append(
-                f"agreed over {ranks} ranks (a size fits only if it fits on every rank): the "
-                f"smallest capacity is {format_bytes(smallest)}, on rank {rank}"
+                f"agreed over {self.consensus.world_size} ranks (a size fits only if it fits on "
+                f"every rank): the smallest capacity is {format_bytes(smallest)}, on rank {rank}"
             )
         return dataclasses.replace(own, capacity_bytes=smallest)
+
+    def _with_rank(self, value: int) -> int:
+        """``value`` packed with this rank: the minimum over the ranks also names the (lowest)
+        rank that holds it, by ``divmod(minimum, world_size)``."""
+        return value * self.consensus.world_size + self.consensus.rank
 
     def _agree_size(self, size: int | None) -> int | None:
         """Rank 0's choice of the next size (None: the search is over), on every rank."""
@@ -609,7 +665,7 @@ class _Probe:
             return None, None
         self.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
         lo, _ = bracket(points)
-        prior = fit_memory_model(points, prior=None)
+        prior = fit_wide_line(points)
         self.notes.append(
             f"estimate: micro-batch {lo} fits in {format_bytes(capacity.capacity_bytes)} "
             f"({fake.num_steps} fake steps)"
@@ -617,13 +673,13 @@ class _Probe:
         del fake
         return prior, max(lo, 1)
 
-    def _warm_up(self, capacity: Capacity) -> None:
+    def _warm_up(self) -> None:
         """One step at micro-batch 1 to create the optimizer state (Adam's moments); at 2 when 1
         cannot train (BatchNorm needs more than one value per channel). A compiled step measured
         as compiled also warms up at 2, where Dynamo compiles the graph for every size above 1,
         so that no measured step's time includes compilation."""
         try:
-            self._trial(1, capacity, warm_up=True)
+            self._trial(1, warm_up=True)
         except StepFailedError as exc:
             if not _needs_two_samples(exc.__cause__) or self.limit < 2:
                 raise
@@ -631,10 +687,10 @@ class _Probe:
                 "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
                 "warmed up at 2: keep every micro-batch at 2 or more"
             )
-            self._trial(2, capacity, warm_up=True)
+            self._trial(2, warm_up=True)
             return
         if self.compiled == "measured" and self.limit >= 2:
-            self._trial(2, capacity, warm_up=True)
+            self._trial(2, warm_up=True)
 
     def _confirm_compiled(self, size: int) -> None:
         """Run the compiled step once at ``size``, outside any dispatch mode (no memory counted).
@@ -674,11 +730,8 @@ class _Probe:
             f"the compiled step ran at micro-batch {size}, its peak not measured"
         )
 
-    def _trial(
-        self, size: int, capacity: Capacity, *, warm_up: bool = False, repeat: bool = False
-    ) -> str:
-        """Run one real step at ``size``; records it. Returns a stop reason for a non-OOM failure
-        after some size passed, "" otherwise.
+    def _trial(self, size: int, *, warm_up: bool = False, repeat: bool = False) -> None:
+        """Run one real step at ``size``, agree on its outcome with the other ranks, record it.
 
         A warm-up runs a ``train_step`` that updates by itself again (up to
         :data:`MAX_WARM_UP_CALLS` calls) until it steps the optimizer. A ``repeat`` is the second
@@ -687,30 +740,33 @@ class _Probe:
         Raises:
             StepFailedError: a non-OOM failure before any size passed.
             ConfigError: the step is misconfigured, or a warm-up never stepped the optimizer.
+            DistributedError: another rank raised one of those.
+            DoesNotFitError: the warm-up did not fit.
         """
         self.device.release()
+        peak: PeakMemory | None = None
         error = ""
-        oom = False
-        failed = False
         fatal: Exception | None = None  # raised once every rank knows
         updates = OptimizerSteps(self.optimizer)
         calls = MAX_WARM_UP_CALLS if warm_up and self.step_includes_update else 1
         train = warm_up or not self.evaluating
-        ran = 0
+        calls_run = 0
         started = time.perf_counter()
         try:
             with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
-                while ran == 0 or (ran < calls and not updates.count):
-                    ran += 1
+                while calls_run == 0 or (calls_run < calls and not updates.count):
+                    calls_run += 1
                     self._run_step(self._batch(size), train=train)
                 self.device.synchronize()
+            within = peak.reserved_bytes <= self.own_capacity.capacity_bytes
+            outcome = Outcome.FITS if within else Outcome.OVER_CAPACITY
         except Exception as exc:  # classified right here; only a fatal one is kept
             oom = not isinstance(exc, ConfigError) and is_oom(exc)
-            failed = not oom
+            outcome = Outcome.OOM if oom else Outcome.FAILED
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if isinstance(exc, ConfigError):
                 fatal = exc
-            elif failed and bracket(self.points)[0] == 0:
+            elif outcome is Outcome.FAILED and bracket(self.points)[0] == 0:
                 fatal = StepFailedError(
                     f"the training step failed at micro-batch {size} for a reason other than "
                     f"memory: {error}{_hint(exc)}",
@@ -718,80 +774,115 @@ class _Probe:
                 )
                 fatal.__cause__ = exc
         seconds = time.perf_counter() - started
-        self.num_steps += ran
-        skipped_update = train and not (oom or failed) and not updates.count
+        self.num_steps += calls_run
+        skipped_update = train and outcome.ran and not updates.count
         if skipped_update and warm_up:
-            failed = True
-            error = f"no optimizer step in {ran} calls"
-            fatal = self._never_updated(size, ran)
-        if oom or failed:
+            outcome = Outcome.FAILED
+            error = f"no optimizer step in {calls_run} calls"
+            fatal = self._never_updated(size, calls_run)
+        if not outcome.ran:
             self._clean_up_after_failure()
-        fits = not (oom or failed) and peak.reserved_bytes <= capacity.capacity_bytes
-        if not (oom or failed) and not fits:
+        measured = peak.reserved_bytes if peak is not None and outcome.ran else 0
+        if outcome is Outcome.OVER_CAPACITY:
             error = (
-                f"peak {format_bytes(peak.reserved_bytes)} is over the capacity "
-                f"{format_bytes(capacity.capacity_bytes)}"
+                f"peak {format_bytes(measured)} is over the capacity "
+                f"{format_bytes(self.own_capacity.capacity_bytes)}"
             )
-        known_peak = 0 if (oom or failed or warm_up) else peak.reserved_bytes
-        ranks, rank = self.consensus.world_size, self.consensus.rank
-        all_fit, min_peak, minus_max_peak, failed_rank, fatal_rank = self.consensus.min_ints(
-            [
-                int(fits),
-                known_peak,
-                -known_peak,
-                rank if failed else ranks,
-                rank if fatal is not None else ranks,
-            ]
-        )
+        agreed = self._agree_outcome(outcome, 0 if warm_up else measured, fatal is not None)
         if fatal is not None:
             raise fatal
-        if fatal_rank < ranks:
+        if agreed.fatal_rank is not None:
             raise DistributedError(
-                f"rank {fatal_rank} failed at micro-batch {size} for a reason other than memory "
-                "(its own error says why); every rank stopped probing"
+                f"rank {agreed.fatal_rank} failed at micro-batch {size} for a reason other than "
+                "memory (its own error says why); every rank stopped probing"
             )
-        if fits and not all_fit:
-            error = f"micro-batch {size} does not fit on every rank"
-        fits = bool(all_fit)
-        if failed_rank < ranks and not failed:
-            error = f"rank {failed_rank} failed for a reason other than memory"
+        if agreed.outcome is not outcome:  # another rank did worse
+            error = (
+                f"rank {agreed.rank} failed for a reason other than memory"
+                if agreed.outcome is Outcome.FAILED
+                else f"micro-batch {size} does not fit on every rank"
+            )
         trial = Trial(
             micro_batch_size=size,
-            fits=fits,
-            oom=oom,
-            peak_allocated_bytes=peak.allocated_bytes if not (oom or failed) else 0,
-            peak_reserved_bytes=peak.reserved_bytes if not (oom or failed) else 0,
-            step_seconds=seconds if not (oom or failed) else 0.0,
+            fits=agreed.outcome is Outcome.FITS,
+            oom=outcome is Outcome.OOM,
+            peak_allocated_bytes=peak.allocated_bytes if peak is not None and outcome.ran else 0,
+            peak_reserved_bytes=measured,
+            step_seconds=seconds if outcome.ran else 0.0,
             error=error,
             warm_up=warm_up,
             skipped_optimizer_step=skipped_update,
             repeat=repeat,
+            estimated_peak_bytes=(
+                self.prior.peak_bytes(size)
+                if self.prior is not None and outcome.ran and not warm_up
+                else 0
+            ),
         )
         self.trials.append(trial)
-        first_peaks = [p.peak_bytes for p in self.points if p.micro_batch_size == size]
+        peak_bytes = agreed.peak_bytes
         if repeat:  # the size's outcome is both steps'
+            first_peaks = [p.peak_bytes for p in self.points if p.micro_batch_size == size]
             self.points = [p for p in self.points if p.micro_batch_size != size]
-        if failed_rank == ranks:  # the largest peak of the ranks, when every rank measured one
-            agreed_peak = -minus_max_peak if min_peak > 0 else 0
-            if repeat and fits:
-                agreed_peak = max(agreed_peak, *first_peaks)
-            self.points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=agreed_peak))
-        elif repeat:
-            self.points.append(Point(micro_batch_size=size, fits=False))
+            if trial.fits:
+                peak_bytes = max(peak_bytes, *first_peaks)
+        self.points.append(
+            Point(micro_batch_size=size, fits=trial.fits, peak_bytes=peak_bytes, warm_up=warm_up)
+        )
         if self.on_trial is not None:
             self.on_trial(trial)
-        if warm_up and not fits:
-            self._does_not_fit(self.capacity)
-        if failed_rank < ranks:
-            self.failed_micro_batch_size = size
-            lo = bracket(self.points)[0]
-            reason = (
-                f"micro-batch {size} failed for a reason other than memory ({error}); "
-                f"stopped at {lo}, the last size that passed"
+        if warm_up and not trial.fits:
+            self._does_not_fit()
+        if agreed.outcome is Outcome.FAILED and not 0 < self.failed_micro_batch_size < size:
+            self.failed_micro_batch_size = size  # the smallest size that failed so
+        self._check_estimate(trial)
+
+    def _agree_outcome(self, outcome: Outcome, peak_bytes: int, fatal: bool) -> _Agreed:
+        """Every rank's outcome of one trial, as one (a single collective): the worst outcome and
+        the lowest rank that had it, the largest peak when every rank measured one, and the
+        lowest rank that raises."""
+        ranks = self.consensus.world_size
+        worst, min_peak, minus_max_peak, fatal_rank = self.consensus.min_ints(
+            [
+                self._with_rank(outcome.value),
+                peak_bytes,
+                -peak_bytes,
+                self.consensus.rank if fatal else ranks,
+            ]
+        )
+        value, rank = divmod(worst, ranks)
+        return _Agreed(
+            outcome=Outcome(value),
+            rank=rank,
+            peak_bytes=-minus_max_peak if min_peak > 0 else 0,
+            fatal_rank=fatal_rank if fatal_rank < ranks else None,
+        )
+
+    def _check_estimate(self, trial: Trial) -> None:
+        """Drop the prior when a measured peak shows it off by more than UNRELIABLE_ESTIMATE."""
+        error = trial.estimate_error
+        if error is None or abs(error) <= UNRELIABLE_ESTIMATE or self.prior is None:
+            return
+        self.prior = None
+        self.notes.append(
+            f"the estimate was unreliable for this step: at micro-batch {trial.micro_batch_size} "
+            f"it predicted {format_bytes(trial.estimated_peak_bytes)}, the step measured "
+            f"{format_bytes(trial.peak_allocated_bytes)} ({error:+.0%}); the search went on from "
+            "measurements alone"
+        )
+
+    def _compare_with_estimate(self) -> None:
+        """One note setting the estimated peak beside the measured one at each confirmed size."""
+        compared = [t for t in self.trials if t.estimate_error is not None]
+        if compared:
+            self.notes.append(
+                "estimated vs measured peak: "
+                + "; ".join(
+                    f"micro-batch {t.micro_batch_size}: {format_bytes(t.estimated_peak_bytes)} vs "
+                    f"{format_bytes(t.peak_allocated_bytes)} ({t.estimate_error:+.1%})"
+                    for t in compared
+                )
             )
-            self.notes.append(reason)
-            return reason
-        return ""
 
     def _batch(self, size: int) -> Any:
         """The micro-batch of ``size``; its batch dimension dynamic for a step measured compiled,
@@ -813,7 +904,8 @@ class _Probe:
             self.optimizer.state.clear()
         self.device.release()
 
-    def _does_not_fit(self, capacity: Capacity) -> None:
+    def _does_not_fit(self) -> None:
+        capacity = self.agreed_capacity
         grads = sum(
             p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
         )

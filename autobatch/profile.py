@@ -65,10 +65,21 @@ class Trial:
     """True for the second step at the size the search chose: the first steps of a run differ
     (cuDNN benchmarking workspaces, allocator warm-up), so that size fits only if both steps did,
     and its peak is the larger of the two."""
+    estimated_peak_bytes: int = 0
+    """The estimate's predicted peak at this size (fake tensors, no workspaces), beside the
+    measured ``peak_allocated_bytes``; 0 when there was no estimate or nothing was measured."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ConfigError(f"trial micro_batch_size {self.micro_batch_size} must be >= 1")
+
+    @property
+    def estimate_error(self) -> float | None:
+        """``(estimated - measured) / measured`` peak bytes (0.3: the estimate said 30% more);
+        None without both."""
+        if self.estimated_peak_bytes <= 0 or self.peak_allocated_bytes <= 0:
+            return None
+        return (self.estimated_peak_bytes - self.peak_allocated_bytes) / self.peak_allocated_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -242,8 +253,9 @@ class Profile:
     """The step this profile measured (model, inputs, dtypes, optimizer, torch, backend): with
     the device, the cache key. Serialised flat, at the profile's top level."""
     failed_micro_batch_size: int = 0
-    """The size at which a non-OOM failure ended the search; 0 when none did. Such a profile is
-    not cached (the failure may have been transient)."""
+    """The smallest size that failed for a reason other than memory (its trial holds the error),
+    taken as an upper bound: ``max_micro_batch_size`` is the largest size below it that ran; 0
+    when none failed so. Such a profile is not cached (the failure may have been transient)."""
     mode: Mode = "train"
     """The step measured: ``"train"`` (forward, loss, backward, optimizer step) or ``"eval"``
     (forward, and the loss when the step's form gives one, under ``torch.inference_mode`` with
@@ -335,6 +347,22 @@ class Profile:
     def backend_flags(self) -> Mapping[str, str]:
         """``identity.backend_flags``."""
         return self.identity.backend_flags
+
+    @property
+    def failure_note(self) -> str:
+        """In plain words, the failure other than memory that bounded the search; "" if none."""
+        if not self.failed_micro_batch_size:
+            return ""
+        error = next(
+            (t.error for t in self.trials if t.micro_batch_size == self.failed_micro_batch_size),
+            "",
+        )
+        return (
+            f"micro-batch {self.failed_micro_batch_size} failed for a reason other than memory "
+            f"({error or 'no message'}), so it was taken as an upper bound: the largest "
+            f"micro-batch that ran is {self.max_micro_batch_size}. Larger sizes may fail the same "
+            "way in training (a kernel's launch limit, say); the profile is not cached"
+        )
 
     def cache_key(self) -> str:
         """Key under which an equal request may reuse this profile (see ``autobatch.store``)."""

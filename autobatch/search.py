@@ -1,25 +1,43 @@
 """PURE: which micro-batch size to try next, from the outcomes so far.
 
 The probe (real trials) and the estimator (fake trials) share this search. It keeps the bracket
-``lo`` (largest size that fitted) .. ``hi`` (smallest that did not) and proposes, in order of
-preference:
+``lo`` (largest size that fitted) .. ``hi`` (smallest that did not: ran out of memory, finished
+over the capacity, or failed for another reason) and proposes a *guided* size:
 
-1. the largest size a linear memory model predicts under the capacity, clamped into the bracket.
-   The model is a line through the two most recent measured peaks (a secant step: peak memory is
-   linear in the micro-batch where activations dominate, DESIGN.md), or the prior's slope through
-   the largest fitting size, or the prior alone;
-2. each miss (a predicted size that ran out of memory, so no new peak was measured) aims the next
-   prediction at 10% less capacity, so the next try lands inside and gives a measured point;
-   without a prior, growth before the first failure is capped at 4x per trial;
-3. bisection (or doubling while there is no upper bound) whenever the last three trials failed to
-   halve the bracket, so the worst case stays within about three times bisection's trial count.
+1. the largest size a linear memory model predicts under the capacity, clamped into the bracket
+   (one above it when a fit there would leave no spare trial: a failure one above agrees with
+   the model and caps the bracket, and the predicted size comes next). The model is a line
+   through the two most recent measured peaks (a secant step: peak memory is linear in the
+   micro-batch where activations dominate, DESIGN.md), or the line from the prior's fixed bytes
+   through the largest fitting size (the prior's slope when that is not above them), or the
+   prior alone;
+2. without any model (no prior, fewer than two different peaks), growth: 4x the largest fitting
+   size (1 before any trial). A line through tiny sizes, where the optimizer step dominates,
+   may overshoot; the failure then caps the bracket and the contradicted line is not trusted
+   (below).
+
+A guided size is only a proposal. It is taken while it is *safe* (in the spirit of Brent's
+safeguards, on integers), otherwise the search bisects the bracket:
+
+- **the budget**: ``ceil(log2(limit)) + 3`` trials besides the warm-up step that creates the
+  optimizer state (:func:`trial_budget`). A guided size is moved (towards the middle of the
+  bracket) until, whatever its outcome, bisection could still finish within the budget; so for
+  any failure pattern that is monotone in the size, the search ends at the exact max within the
+  budget, whatever the peaks say (a model trusted blindly once crept 20000, 19999, 19998, ...
+  down to a threshold the peaks did not predict);
+- **the model must not be contradicted**: a model that predicts the failed ``hi`` fits (the failure
+  came earlier than the peaks say: workspaces, fragmentation, launch limits, an estimate off by
+  any factor) could only creep below ``hi``, one size per trial; the search bisects instead
+  (after one step at ``hi - 1`` when a line through measured peaks is off by less than a
+  sixteenth of the bracket),
+  and trusts a model again once its prediction is below ``hi`` (new measured peaks refit it).
 
 Imports neither torch nor pynvml.
 
 Example::
 
     points = [Point(micro_batch_size=1, fits=True, peak_bytes=1_100)]
-    next_micro_batch_size(points, capacity_bytes=10_000, limit=4096, prior=None)   # 2 (doubling)
+    next_micro_batch_size(points, capacity_bytes=10_000, limit=4096, prior=None)   # 4 (growth)
 """
 
 from __future__ import annotations
@@ -31,21 +49,17 @@ from autobatch.profile import MemoryModel
 
 __all__ = [
     "MAX_GROWTH",
-    "MISS_BACKOFF",
     "Point",
     "bracket",
     "fit_memory_model",
+    "fit_wide_line",
     "next_micro_batch_size",
     "recommended_size",
+    "trial_budget",
 ]
 
-MISS_BACKOFF = 0.10
-"""Fraction of capacity given up per miss (a predicted size that did not fit) since the last
-measured peak, so the next prediction lands inside and gives a measured point."""
-
 MAX_GROWTH = 4
-"""Without a prior and before any failure, a prediction may not exceed this many times the
-largest fitting size: lines through tiny sizes, where the optimizer step dominates, overshoot."""
+"""Without a memory model, the next size is this many times the largest fitting size."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +72,9 @@ class Point:
     """Measured peak (compared with the capacity); 0 when unknown (the trial ran out of memory).
     A trial that finished over the capacity (an estimate, or a CUDA step over budget) has
     ``fits=False`` and a known peak."""
+    warm_up: bool = False
+    """The step that created the optimizer state (micro-batch 1, or 2 for BatchNorm); it brackets
+    the search but is not counted against :func:`trial_budget`."""
 
 
 def bracket(points: Sequence[Point]) -> tuple[int, int | None]:
@@ -71,8 +88,9 @@ def fit_memory_model(points: Sequence[Point], prior: MemoryModel | None) -> Memo
     """A line ``fixed + per_sample * n`` through the measured fitting points (see module doc).
 
     Returns:
-        The line through two measured points; else the prior's slope anchored on the largest
-        measured fitting size above 1; else the prior itself (None without one).
+        The line through two measured points; else the line from the prior's fixed bytes through
+        the largest measured fitting size above 1 (the prior's slope through it when its peak is
+        not above those bytes); else the prior itself (None without one).
     """
     known = [p for p in points if p.peak_bytes > 0]
     fitted = sorted((p for p in known if p.fits), key=lambda p: p.micro_batch_size)
@@ -103,23 +121,63 @@ def fit_memory_model(points: Sequence[Point], prior: MemoryModel | None) -> Memo
         return None
     if fitted and fitted[-1].micro_batch_size > 1:
         anchor = fitted[-1]
+        if anchor.peak_bytes > prior.fixed_bytes:
+            # The prior's fixed bytes (weights, gradients, optimizer state) are what an estimate
+            # gets right; its slope (activations) is what it gets wrong, by any factor.
+            per_sample = -(-(anchor.peak_bytes - prior.fixed_bytes) // anchor.micro_batch_size)
+        else:
+            per_sample = prior.bytes_per_sample
         model = MemoryModel(
-            fixed_bytes=anchor.peak_bytes - prior.bytes_per_sample * anchor.micro_batch_size,
-            bytes_per_sample=prior.bytes_per_sample,
+            fixed_bytes=anchor.peak_bytes - per_sample * anchor.micro_batch_size,
+            bytes_per_sample=per_sample,
         )
         return model
     return prior
 
 
-def _halved(points: Sequence[Point], index: int) -> bool:
-    """Did trial ``index`` at least halve the bracket (or extend an unbounded one)?"""
-    lo_before, hi_before = bracket(points[:index])
-    lo_after, hi_after = bracket(points[: index + 1])
-    if hi_before is None:
-        return hi_after is None and lo_after >= 2 * max(lo_before, 1) or hi_after is not None
-    width_before = hi_before - lo_before
-    assert hi_after is not None
-    return 2 * (hi_after - lo_after) <= width_before
+def fit_wide_line(points: Sequence[Point]) -> MemoryModel | None:
+    """A line through the largest fitting peak and one at no more than half its size (at least
+    2, past where the optimizer step may dominate): far apart, so allocator rounding does not
+    tilt it, and it predicts the peak across the range, where :func:`fit_memory_model`'s secant
+    through the two latest points (often adjacent sizes) is only good near them. Falls back to
+    that secant when there is no such pair.
+    """
+    known = sorted((p for p in points if p.peak_bytes > 0), key=lambda p: p.micro_batch_size)
+    fitted = [p for p in known if p.fits]
+    if fitted:
+        large = fitted[-1]
+        below = [
+            p
+            for p in known
+            if 2 <= p.micro_batch_size <= large.micro_batch_size // 2
+            and p.peak_bytes < large.peak_bytes
+        ]
+        if below:
+            small = below[-1]
+            per_sample = -(
+                -(large.peak_bytes - small.peak_bytes)
+                // (large.micro_batch_size - small.micro_batch_size)
+            )
+            return MemoryModel(
+                fixed_bytes=large.peak_bytes - per_sample * large.micro_batch_size,
+                bytes_per_sample=per_sample,
+            )
+    return fit_memory_model(points, prior=None)
+
+
+def trial_budget(limit: int) -> int:
+    """Most trials a search over sizes ``1..limit`` takes besides its warm-up step:
+    ``ceil(log2(limit)) + 3``.
+
+    Plain bisection after a warm-up at size 1 needs ``ceil(log2(limit))``; the three spare trials
+    are what guided sizes may spend.
+    """
+    return (limit - 1).bit_length() + 3
+
+
+def _bisection_trials(lo: int, top: int) -> int:
+    """Trials bisection needs when the answer is one of ``lo .. top - 1``."""
+    return (top - lo - 1).bit_length()
 
 
 def next_micro_batch_size(
@@ -132,7 +190,7 @@ def next_micro_batch_size(
     """The next size to try, or None when the search is over.
 
     Args:
-        points: every trial so far, in order; at least one.
+        points: every trial so far, in order (the warm-up included).
         capacity_bytes: peak bytes a step may reach.
         limit: largest size worth trying (>= 1).
         prior: an estimate of the memory line (e.g. from fake-tensor tracing), or None.
@@ -142,24 +200,53 @@ def next_micro_batch_size(
         None when ``hi == lo + 1``, when ``lo`` reached ``limit``, or when size 1 did not fit.
     """
     lo, hi = bracket(points)
-    upper = limit if hi is None else min(limit, hi - 1)
-    if lo >= upper or (hi is not None and lo == 0 and hi == 1):
+    top = limit + 1 if hi is None else min(hi, limit + 1)  # sizes above limit count as failed
+    if lo >= top - 1:
         return None
-    stalled = len(points) >= 4 and not any(
-        _halved(points, index) for index in range(len(points) - 3, len(points))
-    )
+    guided = _guided(points, lo, hi, top, capacity_bytes=capacity_bytes, limit=limit, prior=prior)
+    if guided is None:
+        return (lo + top) // 2
+    # Sizes from which bisection still ends within the budget, whatever the outcome: at most
+    # 2**spare sizes left on either side. The midpoint is always among them.
+    spare = trial_budget(limit) - _num_trials(points) - 1
+    return min(max(guided, top - (1 << spare), lo + 1), lo + (1 << spare), top - 1)
+
+
+def _guided(
+    points: Sequence[Point],
+    lo: int,
+    hi: int | None,
+    top: int,
+    *,
+    capacity_bytes: int,
+    limit: int,
+    prior: MemoryModel | None,
+) -> int | None:
+    """The model's (or growth's) proposal in ``(lo, top)``; None when it is not to be trusted."""
     model = fit_memory_model(points, prior)
-    if model is not None and not stalled:
-        last_known = max((i for i, p in enumerate(points) if p.peak_bytes > 0), default=-1)
-        misses = sum(1 for p in points[last_known + 1 :] if not p.fits)
-        target = int(capacity_bytes * max(0.0, 1 - MISS_BACKOFF * misses))
-        predicted = model.max_micro_batch_size(target)
-        if hi is None and prior is None:
-            predicted = min(predicted, MAX_GROWTH * max(lo, 1))
-        return max(lo + 1, min(predicted, upper))
-    if hi is None:
-        return min(max(2 * lo, 1), upper)
-    return (lo + hi) // 2
+    if model is None:
+        return min(MAX_GROWTH * lo if lo else 1, top - 1) if hi is None else None
+    predicted = model.max_micro_batch_size(capacity_bytes)
+    if hi is not None and predicted >= hi:
+        # Contradicted: the model says hi fits, and it did not. A line through measured peaks
+        # off by a little (allocator rounding) puts the max just below hi: one step there. Off
+        # by more, or once that step failed too, it could only creep down one size per trial.
+        measured = any(p.peak_bytes > 0 and p.micro_batch_size > 1 for p in points)
+        near = measured and predicted - hi <= (hi - lo) // 16
+        crept = any(not p.fits and p.micro_batch_size == hi + 1 for p in points)
+        return hi - 1 if near and not crept and hi - 1 > lo else None
+    guided = max(lo + 1, min(predicted, top - 1))
+    if _num_trials(points) + 1 + _bisection_trials(guided, top) >= trial_budget(limit):
+        # A fit at the predicted max would leave no spare trial to confirm it: aim one above
+        # instead, where a failure agrees with the model and caps the bracket (the predicted max
+        # comes next, and bisection below it is cheap).
+        guided = max(lo + 1, min(predicted + 1, top - 1))
+    return guided
+
+
+def _num_trials(points: Sequence[Point]) -> int:
+    """Trials counted against the budget: all but the warm-up."""
+    return sum(1 for p in points if not p.warm_up)
 
 
 def recommended_size(

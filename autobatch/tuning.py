@@ -55,7 +55,7 @@ from autobatch.errors import AutobatchError
 from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.limits import stored_profile_source
 from autobatch.metadata import step_identity
-from autobatch.planner import Plan, Uneven, plan
+from autobatch.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
 from autobatch.probing import (
     OnTrial,
     _model_device,
@@ -139,7 +139,9 @@ def autotune(
 
     Args:
         model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
-            safety_margin, max_micro_batch_size, on_trial: as for :func:`autobatch.probe`.
+            safety_margin, max_micro_batch_size, on_trial: as for :func:`autobatch.probe`; no
+            trial is larger than ``ceil(effective_batch_size / world_size)`` either, the largest
+            micro-batch a plan for this request can use.
         effective_batch_size: samples per optimizer step over all ranks (> 0).
         world_size, data_parallel_size: data-parallel ranks (the same thing; give one). Default:
             the size of ``process_group`` when given, else the default process group's size
@@ -250,6 +252,10 @@ def tune(
     }
     # Fail before probing when no micro-batch the probe could find makes a plan.
     plan(max_micro_batch_size, **constraints)
+    # Sizes no plan for this request can use are not worth a trial (nor the estimate's search).
+    max_micro_batch_size = min(
+        max_micro_batch_size, largest_useful_micro_batch_size(effective_batch_size, world_size)
+    )
     probing: dict[str, Any] = {
         "optimizer": optimizer,
         "loss_fn": loss_fn,

@@ -215,6 +215,7 @@ class TrialBase(_Strict):
     warm_up: bool = False
     skipped_optimizer_step: bool = False
     repeat: bool = False
+    estimated_peak_bytes: Bytes = 0
 
 
 class MemoryModelBase(_Strict):

@@ -1,10 +1,16 @@
 """Which exceptions mean "out of memory": the one place foreign errors are classified.
 
 OOM, for the probe's purposes, is torch's ``OutOfMemoryError`` (CUDA caching allocator, and our
-simulated device), allocation failures that surface from cuBLAS/cuDNN as ``RuntimeError`` text, and
-the CPU allocator's failure. Everything else (shape errors, device-side asserts, CUDA's "invalid
-configuration argument" from kernel launch limits at very large batches) is not OOM and must
-propagate: treating it as "too big" would silently shrink the batch.
+simulated device), Python's ``MemoryError``, and a ``RuntimeError`` whose text is an allocation
+failure: every backend's "... out of memory" (CUDA, HIP, XPU, MPS), cuBLAS/cuDNN allocation
+failures, cuDNN's ``CUDNN_STATUS_NOT_SUPPORTED`` (what cuDNN answers when a batch is too large
+for its workspace), the CPU and Gaudi (HPU) allocators, and the CUDA caching allocator's own
+``NVML_SUCCESS == r INTERNAL ASSERT FAILED`` (it fires in the allocator's out-of-memory path, seen
+on MIG slices). This covers every message PyTorch Lightning's ``is_oom_error`` and Hugging Face
+Accelerate's ``should_reduce_batch_size`` match. Everything else (shape errors, device-side
+asserts, CUDA's "invalid configuration argument" from kernel launch limits at very large batches)
+is not OOM and must not be read as one: treating it as "too big" would silently shrink the batch.
+The probe treats such a failure above a size that passed as an upper bound instead.
 
 Example::
 
@@ -22,15 +28,18 @@ import torch
 __all__ = ["OOM_MESSAGES", "is_oom"]
 
 OOM_MESSAGES: tuple[str, ...] = (
-    "CUDA out of memory",
-    "out of memory",
+    "out of memory",  # CUDA, HIP, XPU ("... out of memory."), MPS ("MPS backend out of memory")
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "CUDNN_STATUS_NOT_SUPPORTED",
     "DefaultCPUAllocator: can't allocate memory",
-    "HIP out of memory",
+    "PT_DEVMEM Allocation failed",  # Habana Gaudi (HPU)
 )
 """Substrings of ``RuntimeError`` messages that are allocation failures."""
+
+_ALLOCATOR_ASSERTION = ("NVML_SUCCESS", "INTERNAL ASSERT FAILED", "CUDACachingAllocator")
+"""Every part of the caching allocator's NVML assertion, raised instead of an OOM."""
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -39,5 +48,7 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError):
         message = str(exc)
-        return any(pattern in message for pattern in OOM_MESSAGES)
+        return any(pattern in message for pattern in OOM_MESSAGES) or all(
+            part in message for part in _ALLOCATOR_ASSERTION
+        )
     return False

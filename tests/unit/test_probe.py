@@ -255,21 +255,21 @@ def test_a_non_oom_failure_at_the_first_trial_is_raised_with_context() -> None:
     assert info.value.micro_batch_size == 1
 
 
-def test_a_non_oom_failure_later_stops_at_the_last_size_that_passed() -> None:
+def test_a_non_oom_failure_later_is_an_upper_bound_and_the_search_goes_on_below() -> None:
     def launch_limit(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         if batch.shape[0] > 10:
             raise RuntimeError("CUDA error: invalid configuration argument")
         return m(batch)
 
     profile = probe(Toy(), torch.randn(1, UNIT), train_step=launch_limit, device="sim:1GiB")
-    passed = [t.micro_batch_size for t in profile.trials if t.fits]
     failed = [t for t in profile.trials if t.error]
-    assert profile.max_micro_batch_size == max(passed) <= 10
+    assert profile.max_micro_batch_size == 10  # the largest size that runs, not the last passed
     assert profile.num_ooms == 0
+    assert profile.failed_micro_batch_size == 11
     assert "invalid configuration argument" in profile.stop_reason
-    assert len(failed) == 1 and not failed[0].oom and failed[0].micro_batch_size > 10
-    assert profile.trials[-2] is failed[0]  # the search ended there,
-    assert profile.trials[-1].repeat  # and the chosen size ran its second step
+    assert all(not t.oom and t.micro_batch_size > 10 for t in failed)
+    assert any("11 failed for a reason other than memory" in note for note in profile.notes)
+    assert profile.trials[-1].repeat  # the chosen size ran its second step
     assert profile.trials[-1].micro_batch_size == profile.max_micro_batch_size
 
 
