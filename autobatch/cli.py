@@ -276,15 +276,23 @@ def _devices(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _print_limit_note(profile: Any, out: TextIO) -> None:
-    """Say so when the search stopped at --max-micro-batch-size rather than at the memory's edge:
-    the max micro-batch printed is then a cap the user set (or the default), not what fits."""
-    if profile.stop_kind == "limit":
-        print(
-            f"note: {profile.max_micro_batch_size} is the --max-micro-batch-size limit, not the "
-            "memory's: larger micro-batches may fit; raise the limit to search further",
-            file=out,
-        )
+def _print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
+    """Say so when the search stopped at a limit rather than at the memory's edge: the max
+    micro-batch printed is then a cap, not what fits. ``flag_limit`` is --max-micro-batch-size;
+    a smaller cap is the largest micro-batch a plan for the effective batch size can use."""
+    if profile.stop_kind != "limit":
+        return
+    size = profile.max_micro_batch_size
+    if size >= flag_limit:
+        cause = "the --max-micro-batch-size limit"
+        fix = "raise the limit to search further"
+    else:
+        cause = "the largest a plan for this effective batch size uses"
+        fix = "nothing larger was tried"
+    print(
+        f"note: {size} is {cause}, not the memory's: larger micro-batches may fit; {fix}",
+        file=out,
+    )
 
 
 def _bytes_or_unknown(num_bytes: int | None) -> str:
@@ -327,7 +335,7 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
     print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
     print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
     print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
-    _print_limit_note(profile, out)
+    _print_limit_note(profile, out, flag_limit=args.max_micro_batch_size)
     if model_line is not None:
         print(
             f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
@@ -364,7 +372,14 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         )
     finally:
         progress.close()
-    _print_plan(tuned.plan, fmt, out, profile=tuned.profile, eval_profile=tuned.eval_profile)
+    _print_plan(
+        tuned.plan,
+        fmt,
+        out,
+        profile=tuned.profile,
+        eval_profile=tuned.eval_profile,
+        flag_limit=args.max_micro_batch_size,
+    )
     return 0
 
 
@@ -453,7 +468,13 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _print_plan(
-    result: Any, fmt: str, out: TextIO, *, profile: Any = None, eval_profile: Any = None
+    result: Any,
+    fmt: str,
+    out: TextIO,
+    *,
+    profile: Any = None,
+    eval_profile: Any = None,
+    flag_limit: int = 0,
 ) -> None:
     from autobatch.integrations.configs import format_config
 
@@ -481,7 +502,7 @@ def _print_plan(
             f"{profile.num_ooms} OOM, {profile.method})",
             file=out,
         )
-        _print_limit_note(profile, out)
+        _print_limit_note(profile, out, flag_limit=flag_limit)
     print(f"micro_batch_size             {result.micro_batch_size}", file=out)
     print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)
     print(f"world_size                   {result.world_size}", file=out)
