@@ -77,17 +77,24 @@ def test_a_predicted_plan_is_confirmed_by_one_real_trial_then_reads_as_measured(
     kwargs: dict[str, Any] = {"train_step": step, "device": "sim:24MiB", "store": store}
     arrived = autotune(mlp(), SAMPLE, effective_batch_size=4096, **kwargs)
 
-    assert step.real_calls == 2  # the warm-up step that creates AdamW's state, then one trial
+    # The warm-up step that creates AdamW's state, then one trial at the predicted size, which
+    # runs a second consecutive step as every chosen size does (issue 18).
+    assert step.real_calls == 3
     assert arrived.source == "measured"
     assert arrived.max_micro_batch_size == predicted.max_micro_batch_size
     with ProfileStore(store) as opened:
         confirmed = opened.list_profiles()[0][1]
     assert confirmed.stop_reason.startswith("confirmation: micro-batch")
     assert confirmed.max_micro_batch_size == predicted.max_micro_batch_size
-    assert [t.micro_batch_size for t in confirmed.trials] == [1, predicted.max_micro_batch_size]
+    confirmed_size = predicted.max_micro_batch_size
+    assert [(t.micro_batch_size, t.repeat) for t in confirmed.trials] == [
+        (1, False),
+        (confirmed_size, False),
+        (confirmed_size, True),
+    ]
     assert any("confirmed by one real trial" in note for note in confirmed.notes)
     again = autotune(mlp(), SAMPLE, effective_batch_size=4096, **kwargs)
-    assert step.real_calls == 2  # from the store now
+    assert step.real_calls == 3  # from the store now
     assert again.source == "cached"
 
 
