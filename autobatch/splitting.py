@@ -25,7 +25,8 @@ The rules:
   :data:`DEFAULT_OOM_RETRY_WINDOWS`) in a row without an out-of-memory error, the limit is lifted
   and the planned size is tried again; a window that splits starts the count anew.
 - **Size 1 that does not fit** raises :class:`~autobatch.errors.DoesNotFitError` naming the
-  window, the micro-batch and the row.
+  window, the micro-batch and the row. The window's gradients are dropped (as on any error in
+  :func:`run_window`) and nothing is stepped, so a loop that catches it skips the window.
 - **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
   new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
   store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
@@ -209,14 +210,18 @@ class _WindowRun:
             if failure.phase == "backward":
                 # A backward that failed may have added part of its gradient: start the window
                 # again from no gradient (the micro-batches done so far are run again).
-                self.acc.optimizer.zero_grad(set_to_none=True)
-                self.window._weighted_losses.clear()
-                self.window._num_backward = 0
-                for micro in micros:
-                    micro._backward_done = False
+                self.drop_gradients()
                 index, start = 0, 0
             else:
                 start = failure.start  # the forward added nothing; earlier rows stay done
+
+    def drop_gradients(self) -> None:
+        """Forget every backward of this window: its gradients, losses and counts."""
+        self.acc.optimizer.zero_grad(set_to_none=True)
+        self.window._weighted_losses.clear()
+        self.window._num_backward = 0
+        for micro in self.micros:
+            micro._backward_done = False
 
     def _run_rows(self, micro: MicroStep[Any], start: int) -> _Failure | None:
         """Run rows ``[start:)`` of one micro-batch in pieces of the limit; the first OOM."""
@@ -339,7 +344,8 @@ class _WindowRun:
             f"micro-batch {micro.index} of window {self.window.index} does not fit even at "
             f"micro-batch size 1: its row {failure.start} ran out of memory in {failure.phase} "
             f"({failure.reason}). That sample is larger than the ones the plan was probed with: "
-            "probe with the worst case (autobatch.worst_case_sample), or truncate it",
+            "probe with the worst case (autobatch.worst_case_sample), or truncate it. The "
+            "window's gradients were dropped: catch the error to skip the window",
             device_name=str(device),
             capacity_bytes=_total_memory_bytes(device),
             required_bytes=0,
@@ -422,6 +428,8 @@ def run_window(
             pieces' counts do not sum to the micro-batch's); a "mean" loss of a piece with 0
             counted items that must run (DDP's last); see also ``MicroStep.backward``.
         DoesNotFitError: a micro-batch runs out of memory even at size 1 (names the batch).
+            On this and any other error the window's gradients are dropped (set to None) and
+            nothing is stepped, so a loop that catches it skips the window.
         DistributedError: under DDP, another rank failed, or this rank ran out of memory in the
             synchronised backward (the process group is then aborted).
     """
@@ -436,7 +444,13 @@ def run_window(
             _rows(micro.batch, window.index, micro.index)
     splitter.start_window(window.index)
     state = _WindowRun(window, loss_of, reduction)
-    state.run()
+    try:
+        state.run()
+    except BaseException:
+        # The window is abandoned: its partial gradient must reach neither a step (it would be
+        # weighted as the whole window's) nor the next window, so catching the error skips it.
+        state.drop_gradients()
+        raise
     splitter.end_window(state.had_split)
     for micro in state.micros:
         micro._backward_done = True

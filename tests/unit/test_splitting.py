@@ -217,6 +217,29 @@ def test_a_row_that_does_not_fit_alone_raises_does_not_fit_naming_it() -> None:
         window.run(lambda batch: mse(model, batch))
 
 
+def test_a_window_that_does_not_fit_can_be_skipped_and_leaves_no_gradient() -> None:
+    # Window 0's micro-batch 0 ran backward before micro-batch 1's row 3 failed alone. Skipping
+    # the window (catch, continue) must apply none of it: not in a step, not in window 1's.
+    data = with_ids(make_data([4, 4, 4, 4]), heavy={(1, 3)})
+    model = GatedModel(lambda phase, x: bool((x[:, 0] == HEAVY).any()))
+    optimizer = RecordingSGD(model.parameters())
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=2, on_oom="split")
+    (expected,), _ = reference_grads(data[2:], 2)  # window 1 alone, from the same weights
+    stepped = []
+    for window in acc.windows(data):
+        try:
+            window.run(lambda batch: mse(model, batch))
+        except DoesNotFitError:
+            assert all(p.grad is None for p in model.parameters())
+            assert not window.pending_backward
+            continue
+        stepped.append(window.index)
+
+    assert stepped == [1]
+    for got, want in zip(optimizer.grads[0], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_raise_propagates_the_oom_and_split_propagates_other_errors() -> None:
     data = with_ids(make_data([4, 4]), heavy={(0, 0)})
     model = GatedModel(heavy_above(1, "forward"))
