@@ -527,9 +527,14 @@ def _print_plan(
             if found.num_fit_points
             else "the profile's stored line"
         )
+        where = (
+            "past"
+            if result.max_micro_batch_size > found.largest_measured_micro_batch_size
+            else "below"
+        )
         print(
             f"largest measured             {found.largest_measured_micro_batch_size} "
-            f"(predicted past it: {fit}; margin +{found.margin:.0%})",
+            f"(predicted {where} it: {fit}; margin +{found.margin:.0%})",
             file=out,
         )
     for note in result.notes:

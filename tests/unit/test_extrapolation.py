@@ -217,6 +217,9 @@ def test_a_smaller_card_from_the_stored_line_alone_names_the_largest_size_that_r
     assert main([*argv, "--world-size", "1,2", "--capacity", str(round(0.6 * UNIT))]) == 0
     row = capsys.readouterr().out.splitlines()[1]
     assert row.split()[:3] == ["1", "6", "1"] and row.endswith("predicted: below measured 16")
+    assert main([*argv, "--capacity", str(round(0.6 * UNIT))]) == 0
+    out = capsys.readouterr().out
+    assert "largest measured             16 (predicted below it: the profile's stored line" in out
 
 
 # -- who says where the limit came from (issue 17) ------------------------------------------------
