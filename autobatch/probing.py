@@ -458,6 +458,8 @@ class _Probe:
         """Smallest size that failed for a reason other than memory (0: none did)."""
         self.prior: MemoryModel | None = None
         """The estimate's memory line; dropped when a measured peak shows it unreliable."""
+        self.estimated = False
+        """An estimate started the search (even if later found unreliable)."""
 
     # -- the search -------------------------------------------------------------------------
 
@@ -511,6 +513,7 @@ class _Probe:
         own_capacity = self.own_capacity = self.device.capacity()
         agreed_capacity = self.agreed_capacity = self._agree_capacity(own_capacity)
         self.prior, first = self._estimate(agreed_capacity)
+        self.estimated = self.prior is not None
         if (
             self._needs_state()
             and not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]
@@ -956,7 +959,7 @@ class _Probe:
                 model=line,
             ),
             safety_margin=self.safety_margin,
-            method="probe" if prior is not None else "doubling",
+            method="probe" if self.estimated or prior is not None else "doubling",
             trials=tuple(self.trials),
             num_steps=self.num_steps,
             device_name=self.device.name,

@@ -289,12 +289,19 @@ def _release(device: Device) -> None:
 # -- autobatch -----------------------------------------------------------------------------------
 
 
-def run_autobatch(case: Case, device: Device) -> tuple[ToolResult, Profile]:
+def run_autobatch(
+    case: Case, device: Device, *, max_micro_batch_size: int = 1 << 16
+) -> tuple[ToolResult, Profile]:
     """``autobatch.probe`` with the case's optimizer (state restored afterwards)."""
     model, sample, optimizer = case.build(device.torch_device)
     started = time.perf_counter()
     profile = autobatch.probe(
-        model, sample, optimizer=optimizer, loss_fn=case.loss_fn, device=device
+        model,
+        sample,
+        optimizer=optimizer,
+        loss_fn=case.loss_fn,
+        device=device,
+        max_micro_batch_size=max_micro_batch_size,
     )
     seconds = time.perf_counter() - started
     del model, sample, optimizer

@@ -11,6 +11,7 @@ Example file::
     device = "sim:64MiB"                   # or "cuda:0", "cpu"
     loss = "cross_entropy"                 # tuple sample (input, target) with this loss
     max_micro_batch_size = 4096
+    effective_batch_size = 512             # optional: no probe tries more than 512 / world_size
     [models.tiny-mlp.inputs.input]
     shape = [32]                           # one sample, without the batch dimension
     dtype = "float32"
@@ -48,6 +49,7 @@ from pydantic import (
 
 from autobatch.device import parse_device
 from autobatch.errors import ConfigError
+from autobatch.planner import largest_useful_micro_batch_size
 
 __all__ = ["DeviceName", "InputSpec", "ModelEntry", "Registry", "load_registry"]
 
@@ -107,8 +109,21 @@ class ModelEntry(BaseModel):
     """A ``torch.nn.functional`` loss: the sample is ``(inputs["input"], inputs["target"])``."""
     device: DeviceName = "cpu"
     max_micro_batch_size: int = Field(default=4096, ge=1, le=1 << 20)
+    effective_batch_size: int | None = Field(default=None, ge=1)
+    """The job's effective batch size, when known: no probe tries a micro-batch above
+    ``ceil(effective_batch_size / world_size)``, which no plan for it could use."""
+    world_size: int = Field(default=1, ge=1)
+    """Data-parallel ranks of that job (only bounds the sizes probed)."""
     safety_margin: float = Field(default=0.05, ge=0, lt=1)
     use_estimate: bool = True
+
+    @property
+    def probe_limit(self) -> int:
+        """The largest micro-batch a probe of this model tries."""
+        if self.effective_batch_size is None:
+            return self.max_micro_batch_size
+        useful = largest_useful_micro_batch_size(self.effective_batch_size, self.world_size)
+        return min(self.max_micro_batch_size, useful)
 
     @field_validator("factory")
     @classmethod

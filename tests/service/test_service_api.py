@@ -406,6 +406,24 @@ def test_plan_by_model_fingerprint_prefers_the_same_gpu(client: TestClient) -> N
     assert body["profile_id"] == on_a100
 
 
+def test_plan_from_a_profile_bounded_by_a_launch_limit_says_so(client: TestClient) -> None:
+    launch = "RuntimeError: CUDA error: invalid configuration argument"
+    trials = (
+        *make_profile().trials[:2],
+        Trial(micro_batch_size=41, fits=False, error=launch),
+        Trial(micro_batch_size=40, fits=True, peak_allocated_bytes=24 * GiB),
+    )
+    profile = make_profile(trials=trials, failed_micro_batch_size=41, stop_kind="failure")
+    profile_id = client.post("/v1/profiles", json=profile.to_dict()).json()["id"]
+    body = client.post(
+        "/v1/plan", json={"profile_id": profile_id, "effective_batch_size": 72}
+    ).json()
+    assert body["plan"]["micro_batch_size"] <= 40
+    assert profile.failure_note in body["plan"]["notes"]
+    assert "micro-batch 41 failed for a reason other than memory" in profile.failure_note
+    assert launch in profile.failure_note
+
+
 def test_plan_unknown_profile_is_404(client: TestClient) -> None:
     response = client.post("/v1/plan", json={"profile_id": "feedbeef", "effective_batch_size": 8})
     body = problem(response, 404, "unknown-profile")

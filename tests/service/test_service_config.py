@@ -26,6 +26,27 @@ def test_registry_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("fields", "limit"),
+    [
+        ("", 4096),  # no effective batch: the registered max
+        ("effective_batch_size = 1000\n", 1000),
+        ("effective_batch_size = 1000\nworld_size = 8\n", 125),
+        ("effective_batch_size = 1001\nworld_size = 8\n", 126),  # ceil: 126 x 8 >= 1001
+        ("effective_batch_size = 100000\n", 4096),
+    ],
+)
+def test_a_probe_job_never_tries_a_size_no_plan_can_use(
+    tmp_path: Path, fields: str, limit: int
+) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(
+        '[models.x]\nfactory = "tests.service.models:tiny_mlp"\nmax_micro_batch_size = 4096\n'
+        f"{fields}[models.x.inputs.a]\nshape = [1]\n"
+    )
+    assert load_registry(path).models["x"].probe_limit == limit
+
+
+@pytest.mark.parametrize(
     ("text", "match"),
     [
         ("[models.x\n", "not valid TOML"),

@@ -63,6 +63,8 @@ def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
         assert f" {tool} " in out
     assert "medians | autobatch:" in out
     assert out.count("target ") == 4
+    # one failure pattern the peaks do not predict, and its two goals
+    assert "oom-above-37" in out and out.count("goal ") == 2
 
 
 @pytest.mark.slow

@@ -109,6 +109,7 @@ def test_an_estimate_off_by_5x_is_called_unreliable_and_the_search_still_exact(
     assert error is not None and abs(error) > UNRELIABLE_ESTIMATE
     assert math.copysign(1, error) == sign
     assert any("estimate was unreliable" in note for note in profile.notes)
+    assert profile.method == "probe"  # an estimate started the search
     # exact: the max fits, one more does not (the real step, measured on the same device)
     assert exact_max(model, capacity) == profile.max_micro_batch_size
 
