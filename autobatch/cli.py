@@ -53,7 +53,13 @@ def _bytes(text: str) -> int:
 
 
 def _shape(text: str) -> tuple[int, ...]:
-    return tuple(_positive_int(part) for part in text.split(","))
+    try:
+        return tuple(_positive_int(part) for part in text.split(","))
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape ({exc}): write one sample's sizes, whole numbers separated "
+            "by commas, e.g. 3,224,224"
+        ) from None
 
 
 def _margin(text: str) -> float:

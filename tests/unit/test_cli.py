@@ -489,3 +489,16 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run(capsys, "--version")
     assert code == 0
     assert out == f"autobatch {autobatch.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("shape", "cause"),
+    [("3x224", "'3x224' is not a whole number"), ("3,0", "0 must be at least 1")],
+)
+def test_a_malformed_input_shape_is_explained_with_an_example(
+    capsys: pytest.CaptureFixture[str], shape: str, cause: str
+) -> None:
+    code, _, err = run(capsys, "estimate", *TINY[:1], "--input-shape", shape, "--capacity", "1GiB")
+    assert code == 2
+    assert f"'{shape}' is not a shape ({cause}): write one sample's sizes" in err
+    assert "e.g. 3,224,224" in err
