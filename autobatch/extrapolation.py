@@ -82,6 +82,21 @@ class Prediction:
     (``EXTRAPOLATION_GROWTH * (n - n_m) / n_m``), >= 0."""
 
     def __post_init__(self) -> None:
+        for name in (
+            "largest_measured_micro_batch_size",
+            "num_fit_points",
+            "fit_residual_bytes",
+            "fixed_bytes",
+            "bytes_per_sample",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"a prediction's {name} must be an int, got {value!r}")
+        margin = self.margin
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise ConfigError(f"a prediction's margin must be a number >= 0, got {margin!r}")
+        if not math.isfinite(margin):
+            raise ConfigError(f"a prediction's margin must be a finite number >= 0, got {margin!r}")
         if self.largest_measured_micro_batch_size < 1 or self.num_fit_points < 0:
             raise ConfigError(
                 f"prediction needs largest_measured_micro_batch_size >= 1 and num_fit_points "

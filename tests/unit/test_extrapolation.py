@@ -289,6 +289,38 @@ def test_prediction_rejects_impossible_values() -> None:
         )
 
 
+GOOD_PREDICTION = {
+    "largest_measured_micro_batch_size": 16,
+    "num_fit_points": 2,
+    "fit_residual_bytes": 0,
+    "fixed_bytes": 10,
+    "bytes_per_sample": 5,
+    "margin": 0.5,
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("largest_measured_micro_batch_size", "16"),
+        ("bytes_per_sample", None),
+        ("bytes_per_sample", 2.5),
+        ("num_fit_points", True),
+        ("fixed_bytes", "10"),
+        ("margin", "x"),
+        ("margin", float("inf")),
+    ],
+)
+def test_a_prediction_of_the_wrong_kind_is_refused_naming_the_field(field: str, value: Any) -> None:
+    # What a service or a stored plan sends back: the error names the field and the value.
+    data = {**GOOD_PREDICTION, field: value}
+    with pytest.raises(
+        ConfigError, match=rf"prediction's {field} must be .*, got {re.escape(repr(value))}"
+    ):
+        Prediction.from_dict(data)
+    assert Prediction.from_dict(GOOD_PREDICTION).to_dict() == GOOD_PREDICTION
+
+
 def test_the_cli_prints_a_predicted_plan_and_how_far_it_guessed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
