@@ -42,9 +42,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import operator
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
@@ -53,6 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
+from autobatch.counting import as_count, leading_dim
 from autobatch.errors import ConfigError
 from autobatch.splitting import DEFAULT_OOM_RETRY_WINDOWS, OnOom, SplitEvent, Splitter, run_window
 
@@ -73,9 +73,6 @@ effective batch's, so :class:`SmallMicroBatchNormWarning` is emitted."""
 
 # Emitted by torch when scheduler.step() follows a GradScaler-skipped first optimizer step.
 _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
-
-# Containers the default count looks into (a tuple: isinstance checks it faster than a union).
-_NESTED_BATCH = (tuple, list, Mapping)
 
 # Re-entrant and reusable: the sync context of every micro-step that needs none.
 _NO_CONTEXT = contextlib.nullcontext()
@@ -187,6 +184,11 @@ class MicroStep(Generic[B]):
         self.count = count
         self.index = index
         self.is_last = is_last
+
+    def _piece(self, batch: B, count: int, is_last: bool, /) -> MicroStep[B]:
+        """A micro-step over some of this one's rows (``Window.run`` splitting it), counting
+        ``count`` items; the window's last when ``is_last``."""
+        return MicroStep(self._window, batch, count, self.index, is_last)
 
     def sync_context(self) -> contextlib.AbstractContextManager[Any]:
         """Context for this micro-step's forward AND backward.
@@ -319,8 +321,14 @@ class Window(Generic[B]):
     ) -> StepStats:
         """Run every micro-step's forward (``loss_of(batch) -> loss``) and weighted backward,
         then :meth:`step`; with ``on_oom="split"`` split a micro-batch that runs out of memory.
-        Arguments, result and errors: :func:`autobatch.splitting.run_window`."""
-        return run_window(self, loss_of, reduction=reduction)
+
+        Returns:
+            The window's :class:`StepStats`, ``splits`` and ``micro_batch_size_limit`` included.
+
+        Arguments and errors: :func:`autobatch.splitting.run_window`; and :meth:`step`'s.
+        """
+        run_window(self, loss_of, reduction=reduction)
+        return self.step()
 
     def step(self) -> StepStats:
         """Apply the window's gradient: unscale, clip, optimizer step, scaler update, scheduler
@@ -516,9 +524,9 @@ class Accumulator:
             if not batches:
                 return
             if count_fn is None:
-                counts = [_leading_dim(b) for b in batches]
+                counts = [leading_dim(b) for b in batches]
             else:
-                counts = [_as_count(count_fn(b), index, i) for i, b in enumerate(batches)]
+                counts = [as_count(count_fn(b), index, i) for i, b in enumerate(batches)]
             if not self._norm_checked:
                 self._check_batch_norm(batches)
             local_count = sum(counts)
@@ -544,7 +552,7 @@ class Accumulator:
         if not any(isinstance(m, _BatchNorm) and m.training for m in self.model.modules()):
             return
         try:
-            sizes = [_leading_dim(b) for b in batches]
+            sizes = [leading_dim(b) for b in batches]
         except ConfigError:
             return  # no tensor to measure; nothing reliable to say
         largest = max(sizes)
@@ -557,62 +565,3 @@ class Accumulator:
                 SmallMicroBatchNormWarning,
                 stacklevel=3,
             )
-
-
-def _leading_dim(batch: object) -> int:
-    """Dim-0 size of the first tensor in a tensor / tuple / list / dict batch."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            raise ConfigError("a 0-dim tensor batch has no dim 0 to count; pass count_fn")
-        return batch.shape[0]
-    items: Iterable[object] = ()
-    if isinstance(batch, tuple | list):
-        if isinstance(batch, list) and batch and isinstance(batch[0], _NESTED_BATCH):
-            raise ConfigError(
-                f"a list batch whose first item is a {type(batch[0]).__name__} looks like a list "
-                "of samples, whose count the default cannot tell from a field's size; pass "
-                "count_fn=len (or the number of counted items)"
-            )
-        items = batch
-    elif isinstance(batch, Mapping):  # dict, and UserDict such as Hugging Face's BatchEncoding
-        items = batch.values()
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            if item.dim():
-                return item.shape[0]
-        elif isinstance(item, _NESTED_BATCH):
-            try:
-                return _leading_dim(item)
-            except ConfigError:
-                continue
-    raise ConfigError(
-        f"cannot count the samples of a {type(batch).__name__} batch: no tensor with a dim 0; "
-        "pass count_fn=lambda batch: <number of counted items>"
-    )
-
-
-def _as_count(value: int | torch.Tensor, window: int, micro: int) -> int:
-    if type(value) is int and value >= 0:
-        return value
-    if isinstance(value, torch.Tensor):
-        if (
-            value.numel() != 1
-            or value.is_floating_point()
-            or value.is_complex()
-            or value.dtype == torch.bool
-        ):
-            raise ConfigError(
-                f"count_fn returned a tensor of shape {tuple(value.shape)} and dtype "
-                f"{value.dtype} for micro-batch {micro} of window {window}; return an int or a "
-                "one-element integer tensor"
-            )
-        value = int(value.item())
-    elif not isinstance(value, bool | int):
-        with contextlib.suppress(TypeError):
-            value = operator.index(value)  # NumPy integers, e.g. (labels != -100).sum()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"count_fn returned {value!r} for micro-batch {micro} of window {window}; "
-            "it must return the number of counted items, an int >= 0"
-        )
-    return value

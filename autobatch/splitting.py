@@ -55,22 +55,19 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from autobatch.counting import as_count, leading_dim
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError
 
-if TYPE_CHECKING:
-    from autobatch.accumulate import MicroStep, StepStats, Window
-
 __all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
-
-B = TypeVar("B")
 
 OnOom = Literal["raise", "split"]
 
@@ -158,6 +155,58 @@ class Splitter:
         self._clean_windows = 0 if had_split else self._clean_windows + 1
 
 
+# What a split run uses of autobatch.accumulate's Accumulator, Window and MicroStep, as protocols:
+# that module imports this one, never the other way round.
+
+
+class _SplitAccumulator(Protocol):
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def _ddp(self) -> object | None: ...
+    @property
+    def _group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def _splitter(self) -> Splitter: ...
+    def _params(self) -> list[torch.Tensor]: ...
+
+
+class _SplitMicroStep(Protocol):
+    _backward_done: bool
+
+    @property
+    def batch(self) -> Any: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def is_last(self) -> bool: ...
+    def sync_context(self) -> AbstractContextManager[Any]: ...
+    def backward(
+        self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean"
+    ) -> None: ...
+    def _piece(self, batch: Any, count: int, is_last: bool, /) -> _SplitMicroStep: ...
+
+
+class _SplitWindow(Protocol):
+    _num_backward: int
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def _acc(self) -> _SplitAccumulator: ...
+    @property
+    def _count_fn(self) -> Callable[[Any], int | torch.Tensor] | None: ...
+    @property
+    def _stepped(self) -> bool: ...
+    @property
+    def _splits(self) -> list[SplitEvent]: ...
+    @property
+    def _weighted_losses(self) -> list[torch.Tensor]: ...
+    def __iter__(self) -> Iterator[_SplitMicroStep]: ...
+
+
 @dataclasses.dataclass(slots=True)
 class _Failure:
     """What is kept of an out-of-memory error once its ``except`` block is left."""
@@ -174,7 +223,7 @@ class _WindowRun:
     """One call of :func:`run_window`: the cursor over (micro-batch, row) and the bookkeeping."""
 
     def __init__(
-        self, window: Window[Any], loss_of: Callable[[Any], torch.Tensor], reduction: str
+        self, window: _SplitWindow, loss_of: Callable[[Any], torch.Tensor], reduction: str
     ) -> None:
         self.window = window
         self.acc = window._acc
@@ -223,14 +272,12 @@ class _WindowRun:
         for micro in self.micros:
             micro._backward_done = False
 
-    def _run_rows(self, micro: MicroStep[Any], start: int) -> _Failure | None:
+    def _run_rows(self, micro: _SplitMicroStep, start: int) -> _Failure | None:
         """Run rows ``[start:)`` of one micro-batch in pieces of the limit; the first OOM."""
         limit = self.splitter.limit
         is_last = micro.is_last
         if start == 0 and limit is None:
             return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
-        from autobatch.accumulate import MicroStep, _as_count
-
         rows = _rows(micro.batch, self.window.index, micro.index)
         if start == 0 and rows <= (limit or rows):
             return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
@@ -244,11 +291,11 @@ class _WindowRun:
             if count_fn is None:
                 count = stop - piece_start
             else:
-                count = _as_count(count_fn(piece), self.window.index, micro.index)
+                count = as_count(count_fn(piece), self.window.index, micro.index)
             synced = is_last and stop == rows
             if count == 0 and not (synced and self.ddp is not None):
                 continue  # nothing counted: no share of the gradient
-            step = MicroStep(self.window, piece, count, micro.index, synced)
+            step = micro._piece(piece, count, synced)
             failure = self._run_piece(step, piece, piece_start, stop - piece_start, synced=synced)
             if failure is not None:
                 return failure
@@ -263,7 +310,7 @@ class _WindowRun:
         return None
 
     def _run_piece(
-        self, step: MicroStep[Any], batch: Any, start: int, rows: int, *, synced: bool
+        self, step: _SplitMicroStep, batch: Any, start: int, rows: int, *, synced: bool
     ) -> _Failure | None:
         """Forward and backward of one piece (``rows`` -1: the whole micro-batch, not yet
         counted); the OOM as a :class:`_Failure`, or None."""
@@ -336,7 +383,7 @@ class _WindowRun:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _does_not_fit(self, micro: MicroStep[Any], failure: _Failure) -> None:
+    def _does_not_fit(self, micro: _SplitMicroStep, failure: _Failure) -> None:
         if self.agree_ranks:
             self._agree(micro.index, failed=True)  # the other ranks raise too, and do not wait
         device = self._device()
@@ -352,7 +399,7 @@ class _WindowRun:
             static_bytes=_static_bytes(self.acc.optimizer),
         )
 
-    def _synchronised_backward_failed(self, step: MicroStep[Any], exc: Exception) -> None:
+    def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> None:
         where = f"micro-batch {step.index} of window {self.window.index}"
         group = self.acc._group
         if is_oom(exc):
@@ -405,21 +452,19 @@ class _WindowRun:
 
 
 def run_window(
-    window: Window[B],
-    loss_of: Callable[[B], torch.Tensor],
+    window: _SplitWindow,
+    loss_of: Callable[[Any], torch.Tensor],
     *,
     reduction: Literal["mean", "sum"] = "mean",
-) -> StepStats:
-    """Run a window's forward and backward passes, splitting on OOM as the module says, then step.
+) -> None:
+    """Run a window's forward and backward passes, splitting on OOM as the module says; the
+    caller (:meth:`Window.run <autobatch.accumulate.Window.run>`) then steps it.
 
     Args:
         window: a window of an Accumulator, none of whose micro-steps ran backward yet.
         loss_of: ``batch -> loss`` for one micro-batch (or piece): a 0-dim tensor, the mean (or,
             with ``reduction="sum"``, the sum) over its counted items. It must not call backward.
         reduction: how ``loss_of`` reduces over counted items.
-
-    Returns:
-        The window's StepStats, ``splits`` and ``micro_batch_size_limit`` included.
 
     Raises:
         ConfigError: the window already ran backward or stepped; with ``on_oom="split"``, a
@@ -455,7 +500,6 @@ def run_window(
     for micro in state.micros:
         micro._backward_done = True
     window._num_backward = len(state.micros)
-    return window.step()
 
 
 def _rows(batch: Any, window_index: int, micro_index: int) -> int:
@@ -465,10 +509,8 @@ def _rows(batch: Any, window_index: int, micro_index: int) -> int:
         ConfigError: nothing in it can be cut: no tensor with a batch dimension in a tensor or
             a tuple/list/dict of them (an object of the user's, a list of samples).
     """
-    from autobatch.accumulate import _leading_dim
-
     try:
-        return _leading_dim(batch)
+        return leading_dim(batch)
     except ConfigError:
         pass
     raise ConfigError(
