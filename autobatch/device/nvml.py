@@ -359,11 +359,13 @@ class Nvml:
         lib = self._library()
         with _nvml_errors(lib, "list GPUs"):
             devices = self._scan(lib)
-            environ = _with_mounted_device_list(self.environ)
+            environ, mounted_note = _with_mounted_device_list(self.environ)
             physical_names = {device.name for device in devices if not device.is_mig}
             needs_speed = fastest_first(environ) and len(physical_names) > 1
             speed = self._speed(lib, devices) if needs_speed else None
         resolved = resolve_visible(devices, environ, speed=speed)
+        if mounted_note:  # no device: say which path gave none, not that the list was ''
+            resolved = dataclasses.replace(resolved, note=mounted_note)
         cuda_indices = {uuid: i for i, uuid in enumerate(resolved.cuda_order)}
         return [
             dataclasses.replace(
@@ -494,8 +496,9 @@ class Nvml:
             return _text(lib.nvmlSystemGetDriverVersion())
 
 
-def _with_mounted_device_list(environ: Mapping[str, str]) -> Mapping[str, str]:
-    """``environ`` with a ``NVIDIA_VISIBLE_DEVICES`` path read as the device list it names.
+def _with_mounted_device_list(environ: Mapping[str, str]) -> tuple[Mapping[str, str], str]:
+    """``environ`` with a ``NVIDIA_VISIBLE_DEVICES`` path read as the device list it names, and
+    a note naming the path when it gives no device ("" otherwise).
 
     The NVIDIA device plugin's ``volume-mounts`` strategy sets the variable to a directory
     (``/var/run/nvidia-container-devices``) holding one entry per given device; a missing
@@ -503,12 +506,19 @@ def _with_mounted_device_list(environ: Mapping[str, str]) -> Mapping[str, str]:
     """
     spec = environ.get(NVIDIA_VISIBLE_VAR, "")
     if not spec.startswith("/"):
-        return environ
+        return environ, ""
+    where = f"{NVIDIA_VISIBLE_VAR}={spec!r} (the device plugin's volume-mounts directory)"
     try:
         names = sorted(os.listdir(spec))
-    except OSError:
+    except OSError as exc:
         names = []
-    return {**environ, NVIDIA_VISIBLE_VAR: ",".join(names)}
+        note = (
+            f"{where} cannot be read ({exc.strerror or exc}): this container was given no GPU; "
+            "check that the device plugin mounts it into the pod"
+        )
+    else:
+        note = "" if names else f"{where} lists no device: this container was given no GPU"
+    return {**environ, NVIDIA_VISIBLE_VAR: ",".join(names)}, note
 
 
 def _is_stub(path: str) -> bool:

@@ -886,3 +886,16 @@ def test_nvidia_visible_devices_as_a_mounted_device_list(tmp_path: Path) -> None
     assert [(g.uuid, g.cuda_index) for g in nvml.list_gpus() if g.given] == [("GPU-cccc-3333", 0)]
     missing = Nvml(FakePynvml(three_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": "/nonexistent"})
     assert not any(g.given for g in missing.list_gpus())
+    # The note names the directory the pod was told to read, not the empty list it became.
+    _, resolved = missing.visible()
+    assert "NVIDIA_VISIBLE_DEVICES='/nonexistent' (the device plugin's volume-mounts" in (
+        resolved.note
+    )
+    assert "cannot be read" in resolved.note and "NVIDIA_VISIBLE_DEVICES=''" not in resolved.note
+    (tmp_path / "empty").mkdir()
+    empty = Nvml(
+        FakePynvml(three_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": str(tmp_path / "empty")}
+    )
+    assert empty.visible()[1].note.endswith(
+        "directory) lists no device: this container was given no GPU"
+    )
