@@ -103,9 +103,10 @@ def worst_case_sample(
         ``sample`` (a callable ``n -> batch``).
 
     Raises:
-        ConfigError: the dataset is empty or not map-style, ``percentile`` or ``num_items`` out
-            of range, ``key`` returned something that is not a finite real number, or the
-            default ``key=len`` met a dict or tuple item (e.g. a ``TensorDataset``'s
+        ConfigError: the dataset is empty or not map-style; ``percentile`` or ``num_items``
+            out of range; ``collate_fn`` cannot batch the kept items (it is tried once on
+            them); ``key`` returned something that is not a finite real number; or the default
+            ``key=len`` met a dict or tuple item (e.g. a ``TensorDataset``'s
             ``(input, target)``: its len counts fields).
     """
     if isinstance(percentile, bool) or not (
@@ -148,7 +149,7 @@ def worst_case_sample(
         from torch.utils.data import default_collate
 
         collate_fn = default_collate
-    return WorstCaseSample(
+    sample = WorstCaseSample(
         items=[dataset[i] for i in order],
         collate_fn=collate_fn,
         load=loads[order[0]],
@@ -156,3 +157,28 @@ def worst_case_sample(
         num_scanned=size,
         key_name=key_name,
     )
+    _check_collate(sample)
+    return sample
+
+
+def _check_collate(sample: WorstCaseSample) -> None:
+    """Batch the kept items once, so a collate_fn that cannot is named here, not in the probe.
+
+    Raises:
+        ConfigError: ``collate_fn`` raised on them (an out-of-memory error propagates).
+    """
+    from autobatch.device.oom import is_oom
+
+    try:
+        sample(len(sample.items))
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        name = getattr(sample.collate_fn, "__name__", type(sample.collate_fn).__name__)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"collate_fn {name} cannot batch the {len(sample.items)} items kept "
+            f"({type(exc).__name__}: {first}); the heaviest items differ in length, so pass a "
+            "collate_fn that pads them to the longest (e.g. transformers' "
+            "DataCollatorWithPadding, or your training DataLoader's collate_fn)"
+        ) from exc

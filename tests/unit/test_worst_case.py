@@ -183,3 +183,16 @@ def test_split_recorder_makes_the_next_autotune_start_from_what_fitted(tmp_path:
     assert lowered.max_micro_batch_size == lowered.recommended_micro_batch_size == 5
     assert "training ran out of memory at micro-batch size" in lowered.notes[-1]
     assert "window 3, micro-batch 1, backward" in lowered.notes[-1]
+
+
+def test_a_collate_fn_that_cannot_batch_the_heaviest_items_is_named_at_once() -> None:
+    # The default collate stacks: the heaviest items have different lengths, so it fails; that
+    # must be said where the sample is made (naming the fix), not deep inside the probe.
+    with pytest.raises(
+        ConfigError,
+        match=r"collate_fn default_collate cannot batch the 3 items kept .*RuntimeError: stack "
+        r"expects .*pass a collate_fn that pads",
+    ):
+        worst_case_sample(items(LENGTHS), key=length, num_items=3)
+    # Equal lengths stack fine with the default.
+    assert worst_case_sample(items([4, 4]), key=length)(3)["input_ids"].shape == (3, 4)
