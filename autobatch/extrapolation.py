@@ -158,6 +158,35 @@ def measured_peaks(trials: Iterable[Trial]) -> dict[int, int]:
     return peaks
 
 
+def peak_floor(trials: Iterable[Trial]) -> dict[int, int]:
+    """Peak bytes by micro-batch size of every step that ran to the end, warm-ups included.
+
+    A step's memory does not shrink as its micro-batch grows, so a peak measured at size ``m``
+    is a floor under the peak at every size ``n >= m``, whatever a line says (a warm-up's peak
+    at 1 already holds the weights, gradients and the optimizer state it creates).
+    """
+    floor: dict[int, int] = {}
+    for trial in trials:
+        peak = trial.peak_reserved_bytes or trial.peak_allocated_bytes
+        if peak > 0:
+            size = trial.micro_batch_size
+            floor[size] = max(peak, floor.get(size, 0))
+    return floor
+
+
+def floor_at(floor: Mapping[int, int], micro_batch_size: int) -> int:
+    """The largest peak measured at ``micro_batch_size`` or below (0 when none was)."""
+    return max((peak for size, peak in floor.items() if size <= micro_batch_size), default=0)
+
+
+def largest_above_floor(floor: Mapping[int, int], budget_bytes: int) -> int | None:
+    """The largest size the measured floor allows within ``budget_bytes``: one below the
+    smallest size whose measured peak exceeds it (0 when that is the smallest size measured);
+    None when no measured peak exceeds the budget."""
+    over = [size for size, peak in floor.items() if peak > budget_bytes]
+    return min(over) - 1 if over else None
+
+
 def interpolated_peak_bytes(peaks: Mapping[int, int], micro_batch_size: int) -> int | None:
     """The measured peak at ``micro_batch_size``, or the straight line between the measured
     sizes around it; None outside the measured sizes."""

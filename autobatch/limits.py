@@ -24,9 +24,12 @@ from typing import Literal
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.extrapolation import (
     Prediction,
+    floor_at,
     interpolated_peak_bytes,
+    largest_above_floor,
     limit_within,
     measured_peaks,
+    peak_floor,
     predict_below,
     predict_past,
 )
@@ -197,7 +200,13 @@ def _profile_limit(
     """A profile planned for another capacity: measured within its sizes, predicted past them."""
     model = profile.memory_model
     budget_bytes = int(capacity_bytes * (1 - margin))
+    # No size may be planned at or past one whose measured peak (a warm-up's included) is over
+    # the budget, whatever the line says: a step's memory does not shrink as its batch grows.
+    floor = peak_floor(profile.trials)
+    floor_limit = largest_above_floor(floor, budget_bytes)
     within = limit_within(peaks, budget_bytes)
+    if floor_limit is not None:
+        within = min(within, floor_limit)
     largest = max(peaks, default=0)
     if peaks and within and within < largest:
         note = (
@@ -244,7 +253,10 @@ def _profile_limit(
             )
             size = min(size, profile.max_micro_batch_size)
     fixed, per_sample = prediction.fixed_bytes, prediction.bytes_per_sample
-    _require_fits(size, fixed + per_sample, budget_bytes, capacity_bytes, margin)
+    if floor_limit is not None:
+        size = min(size, floor_limit)
+    needed_at_one = max(fixed + per_sample, floor_at(floor, 1))
+    _require_fits(size, needed_at_one, budget_bytes, capacity_bytes, margin)
     if size in peaks:  # the budget ends at a measured size: nothing was extrapolated
         note = (
             f"max micro-batch {size} read off the peaks measured up to {largest} for "
@@ -254,7 +266,7 @@ def _profile_limit(
 
     def peak_bytes(n: int) -> int:
         measured = interpolated_peak_bytes(peaks, n)
-        return fixed + per_sample * n if measured is None else measured
+        return max(fixed + per_sample * n, floor_at(floor, n)) if measured is None else measured
 
     return Limit(
         size,

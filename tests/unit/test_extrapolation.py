@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from autobatch.cli import main
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.extrapolation import (
     EXTRAPOLATION_GROWTH,
     Prediction,
@@ -370,3 +370,33 @@ def test_one_measured_size_without_a_stored_line_predicts_nothing() -> None:
     profile = issue_profile(trials=one, memory_model=None)
     with pytest.raises(ConfigError, match="peaks measured at 1 micro-batch size.* probe on that"):
         plan(profile, effective_batch_size=8, capacity_bytes=24 * UNIT)
+
+
+def test_a_smaller_card_never_gets_a_size_below_a_measured_peak_over_its_budget() -> None:
+    # A new user's GPT-2 profile from a 3 GiB card: the warm-up step at 1 peaked at 2.30e9 bytes
+    # (weights, gradients and the AdamW state it creates), above the stored line, which puts the
+    # step at 2 at 1.99e9. Planned for a 2 GiB card, the line alone said micro-batch 2 fits; no
+    # step at 2 can need less than the step at 1 did.
+    warm_up_peak = 2_299_894_272
+    profile = issue_profile(
+        max_micro_batch_size=6,
+        recommended_micro_batch_size=6,
+        trials=(
+            Trial(micro_batch_size=1, fits=True, warm_up=True, peak_reserved_bytes=warm_up_peak),
+            Trial(micro_batch_size=6, fits=True, peak_reserved_bytes=2_985_000_000),
+            Trial(micro_batch_size=7, fits=False, oom=True),
+        ),
+        total_memory_bytes=3 * GIB,
+        capacity_bytes=3 * GIB,
+        memory_model=MemoryModel(fixed_bytes=1_493_355_520, bytes_per_sample=248_271_360),
+    )
+    with pytest.raises(NoFeasiblePlanError, match=f"needs {warm_up_peak} bytes at micro_batch"):
+        plan(profile, effective_batch_size=96, capacity_bytes=2 * GIB)
+
+    # With room for the warm-up's peak but not the line's step at 6, the size stays below 6 and
+    # each predicted peak is at least the floor the warm-up measured.
+    roomy = plan(profile, effective_batch_size=96, capacity_bytes=round(2.5 * GIB))
+    assert roomy.source == "predicted"
+    assert 1 <= roomy.max_micro_batch_size < 6
+    assert roomy.predicted_peak_memory_bytes is not None
+    assert roomy.predicted_peak_memory_bytes >= warm_up_peak
