@@ -55,18 +55,14 @@ from autobatch.errors import AutobatchError
 from autobatch.estimator import DEFAULT_LIMIT
 from autobatch.limits import stored_profile_source
 from autobatch.metadata import step_identity
+from autobatch.placement import check_placement, model_device
 from autobatch.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
-from autobatch.probing import (
-    OnTrial,
-    _model_device,
-    check_placement,
-    confirm_micro_batch_size,
-    probe,
-)
+from autobatch.probing import confirm_micro_batch_size, probe
 from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 from autobatch.splitting import SplitEvent
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
+from autobatch.trials import OnTrial
 
 __all__ = [
     "ReportWarning",
@@ -321,7 +317,7 @@ def autotune_profile(
     check_step_arguments(
         model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
     )
-    target = resolve_device(device, default=_model_device(model))
+    target = resolve_device(device, default=model_device(model))
     consensus = process_group_consensus(target.torch_device)
     source = BatchSource.from_sample(sample)
     check_placement(model, source, target)  # before the device is asked anything
@@ -623,7 +619,7 @@ def split_recorder(
         ConfigError: as :func:`autotune` for the arguments (when called); the callback raises
             StoreError when the store cannot be written.
     """
-    target = resolve_device(device, default=_model_device(model))
+    target = resolve_device(device, default=model_device(model))
     identity = step_identity(
         model,
         BatchSource.from_sample(sample),
