@@ -22,6 +22,7 @@ from autobatch.profile import StepIdentity
 
 __all__ = [
     "backend_flags",
+    "callable_identity",
     "model_fingerprint",
     "module_settings",
     "now_iso",
@@ -73,7 +74,7 @@ def _plain(value: object) -> str | None:
     if isinstance(value, functools.partial):
         arguments = [_plain(value.args), _plain(sorted(value.keywords.items()))]
         if all(item is not None for item in arguments):
-            return f"partial({_callable_id(value.func)},{arguments[0]},{arguments[1]})"
+            return f"partial({callable_identity(value.func)},{arguments[0]},{arguments[1]})"
     return None
 
 
@@ -158,7 +159,7 @@ def _code_digest(code: types.CodeType) -> str:
     return digest.hexdigest()
 
 
-def _callable_id(function: object) -> str:
+def callable_identity(function: object) -> str:
     """Text that names what a callable runs, the same in any process and never its address.
 
     A function (lambdas included): its name and :func:`_code_digest`. A bound method: its
@@ -171,9 +172,9 @@ def _callable_id(function: object) -> str:
         return "-"
     if isinstance(function, types.MethodType):
         owner = function.__self__
-        return f"{_callable_id(function.__func__)}@{_callable_id_of_object(owner)}"
+        return f"{callable_identity(function.__func__)}@{_callable_id_of_object(owner)}"
     if isinstance(function, functools.partial):
-        return _plain(function) or f"partial({_callable_id(function.func)},...)"
+        return _plain(function) or f"partial({callable_identity(function.func)},...)"
     code = getattr(function, "__code__", None)
     name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
     if isinstance(code, types.CodeType):
@@ -190,7 +191,7 @@ def _callable_id_of_object(instance: object) -> str:
     for method in ("__call__", "forward"):
         function = getattr(cls, method, None)
         if isinstance(getattr(function, "__code__", None), types.CodeType):
-            parts.append(f"{method}={_callable_id(function)}")
+            parts.append(f"{method}={callable_identity(function)}")
     if isinstance(instance, torch.nn.Module):  # a loss module: its settings, as for the model
         parts.append(f"settings({module_settings(instance)})")
     else:
@@ -211,12 +212,14 @@ def step_fingerprint(
 ) -> str:
     """16 hex digits of SHA-256 over how a training step is formed: the loss function or train
     step (name and code; a callable object's class code and plain settings, never its address:
-    see :func:`_callable_id`), ``step_includes_update``, the optimizer's class, hyperparameters and
-    parameter groups (count and size), and the bytecode of each module class's ``forward``
-    (so switching on gradient checkpointing in code changes it). Part of the cache key, the
-    same in any process."""
+    see :func:`callable_identity`), ``step_includes_update``, the optimizer's class,
+    hyperparameters and parameter groups (count and size), and the code of each module class's
+    ``forward`` (so switching on gradient checkpointing in code changes it). Part of the cache
+    key, the same in any process."""
     digest = hashlib.sha256()
-    digest.update(f"loss={_callable_id(loss_fn)};step={_callable_id(train_step)};".encode())
+    digest.update(
+        f"loss={callable_identity(loss_fn)};step={callable_identity(train_step)};".encode()
+    )
     digest.update(f"update={step_includes_update};".encode())
     if optimizer is None:
         digest.update(b"optimizer=AdamW(defaults);")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import inspect
 import logging
 import math
@@ -28,6 +27,7 @@ import torch
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.metadata import callable_identity
 from autobatch.planner import Plan
 from autobatch.tuning import autotune
 
@@ -88,23 +88,20 @@ def check_options(
 
 
 def code_identity(function: Callable[..., Any]) -> str:
-    """Qualified name and a SHA-256 of the bytecode and constants of ``function`` (unwrapping
-    bound methods): the same text for the same code in any process."""
-    function = getattr(function, "__func__", function)
-    code = getattr(function, "__code__", None)
-    name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
-    if code is None:
-        return f"{name}:{type(function).__qualname__}"
-    digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]
-    return f"{name}:{digest}"
+    """Qualified name and a SHA-256 of the code of ``function`` (unwrapping bound methods; nested
+    code such as comprehensions by its own digest, see
+    :func:`autobatch.metadata.callable_identity`): the same text for the same code in any
+    process."""
+    return callable_identity(getattr(function, "__func__", function))
 
 
 class FrameworkStep:
     """A ``train_step(model, batch) -> loss`` that runs a framework's own step.
 
-    Its ``repr`` is ``identity`` (the user's step code, see :func:`code_identity`): the profile
-    store keys a step that is not a plain function by its repr, so a profile is reused only while
-    the user's step code is unchanged.
+    The profile store keys a callable object by its class's code and its plain attributes (see
+    :func:`autobatch.metadata.callable_identity`), ``identity`` among them (the user's step code,
+    see :func:`code_identity`), so a profile is reused only while the user's step code is
+    unchanged.
 
     Args:
         run: ``(model, batch) -> loss`` (a scalar tensor).

@@ -121,10 +121,9 @@ def autotune_trainer(
         lambda model, batch: _compute_loss(trainer, model, batch),
         identity=f"{code_identity(type(trainer).compute_loss)}:"
         f"smoothing={getattr(trainer, 'label_smoother', None)!r}:"
-        f"loss_func={code_identity(getattr(trainer, 'compute_loss_func', None) or _compute_loss)}:"
-        # The profile's key sees module code, not HF's checkpointing flag: name it here.
-        f"checkpointing={_checkpointing_wanted(args) or _checkpointing_active(model)}"
-        f"{getattr(args, 'activation_checkpointing_kwargs', None)!r}",
+        f"loss_func={code_identity(getattr(trainer, 'compute_loss_func', None) or _compute_loss)}",
+        # Activation checkpointing needs no mention: the model's fingerprint covers each module's
+        # gradient_checkpointing flag and checkpoint function, on during the probe below.
     )
     amp_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     with _trainer_optimizer(trainer) as optimizer, _checkpointing(model, args):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from autobatch.batch import BatchSource
+from autobatch.integrations._tuning import code_identity
 from autobatch.metadata import model_fingerprint, module_settings, step_identity
 
 SAMPLE = BatchSource.from_sample((torch.randn(2, 8), torch.randint(0, 3, (2,))))
@@ -53,6 +54,11 @@ class SlottedStep:
     def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         inputs, labels = batch
         return F.cross_entropy(model(inputs), labels, label_smoothing=self.label_smoothing)
+
+
+def loss_with_comprehension(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Its comprehension is a nested code object (Python 3.11): its repr names an address."""
+    return torch.stack([F.cross_entropy(o, y) for o in (out,)]).sum()
 
 
 def small_model() -> torch.nn.Module:
@@ -154,6 +160,8 @@ def keys() -> dict[str, str]:
                 else F.cross_entropy(out, y)
             )
         ),
+        "comprehension": key(loss_fn=loss_with_comprehension),
+        "drop-in step code": code_identity(loss_with_comprehension),
         "gpt2": key(gpt2(False), GPT2_SAMPLE),
         "gpt2 checkpointed": key(gpt2(True), GPT2_SAMPLE),
     }
