@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from autobatch.errors import AutobatchError, ConfigError, NoFeasiblePlanError
 from autobatch.extrapolation import Prediction
 from autobatch.planner import plan
-from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
+from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
 from autobatch.store import ProfileStore
 
 __all__ = [
@@ -69,6 +69,7 @@ def find_prediction(
     capacity_bytes: int,
     safety_margin: float,
     max_micro_batch_size: int,
+    mode: Mode = "train",
 ) -> ArrivalPrediction | None:
     """The predicted plan for this card from the first profile of the same step in ``candidates``.
 
@@ -81,6 +82,9 @@ def find_prediction(
         capacity_bytes: bytes the step may use on this card.
         safety_margin: fraction of ``capacity_bytes`` kept free.
         max_micro_batch_size: the caller's limit; the predicted size is capped by it.
+        mode: what the caller measures (:attr:`Profile.mode`); only profiles of that mode
+            count. The planner predicts training steps only, so ``"eval"`` finds none (an
+            evaluation fits more than the training step the profile shares its identity with).
 
     Returns:
         The prediction, or None when no profile of this step on another card predicts past its
@@ -89,7 +93,7 @@ def find_prediction(
     """
     card = (device_name, total_memory_bytes)
     for profile_id, profile in candidates:
-        if profile.method == "estimate" or profile.stop_kind == "failure":
+        if profile.method == "estimate" or profile.stop_kind == "failure" or profile.mode != mode:
             continue
         elsewhere = (profile.device_name, profile.total_memory_bytes) != card
         if profile.identity != identity or not elsewhere:

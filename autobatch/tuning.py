@@ -58,7 +58,7 @@ from autobatch.metadata import step_identity
 from autobatch.placement import check_placement, model_device
 from autobatch.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
 from autobatch.probing import confirm_micro_batch_size, probe
-from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
+from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
 from autobatch.splitting import SplitEvent
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.store import ProfileStore
@@ -412,6 +412,7 @@ def autotune_profile(
                 capacity_bytes=searched_capacity,
                 safety_margin=safety_margin,
                 max_micro_batch_size=max_micro_batch_size,
+                mode="eval" if eval else "train",
             )
             if predicted is not None:
                 confirmed, note = confirm_on_arrival(predicted, run_confirmation)
@@ -440,6 +441,7 @@ def _prediction_here(
     capacity_bytes: int,
     safety_margin: float,
     max_micro_batch_size: int,
+    mode: Mode,
 ) -> ArrivalPrediction | None:
     """A plan predicted for this card from a profile of the same step on another card: from the
     store, else from the service at ``report_to`` (:mod:`autobatch.confirmation`)."""
@@ -449,6 +451,7 @@ def _prediction_here(
         "capacity_bytes": capacity_bytes,
         "safety_margin": safety_margin,
         "max_micro_batch_size": max_micro_batch_size,
+        "mode": mode,
     }
     found = find_prediction(stored_profiles(store, identity), identity, **options)
     if found is not None or report_to is None:

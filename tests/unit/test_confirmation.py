@@ -191,6 +191,30 @@ def test_no_prediction_without_a_profile_of_the_same_step(
         )
 
 
+def test_an_evaluation_micro_batch_is_never_predicted_from_a_training_profile(
+    tmp_path: Path, probed_on_a_small_card: Profile
+) -> None:
+    # The training profile (same step identity) predicts a training size for the larger card;
+    # an evaluation (a forward only) fits far more, so "confirming" that size for eval would
+    # store the training size as the eval micro-batch. Eval finds no prediction and probes.
+    store = tmp_path / "profiles.sqlite3"
+    small = small_card_profile(store, probed_on_a_small_card)
+    assert small.mode == "train"
+    options: dict[str, Any] = {
+        "device_name": "sim",
+        "total_memory_bytes": 24 * 2**20,
+        "capacity_bytes": 24 * 2**20,
+        "safety_margin": 0.05,
+        "max_micro_batch_size": 4096,
+    }
+    with ProfileStore(store) as opened:
+        candidates = stored_profiles(opened, small.identity)
+    assert find_prediction(candidates, small.identity, **options) is not None  # training
+    assert find_prediction(candidates, small.identity, mode="eval", **options) is None
+    evaluation = dataclasses.replace(small, mode="eval")
+    assert find_prediction([("e", evaluation)], small.identity, **options) is None
+
+
 def test_an_unreachable_service_gives_no_profiles_and_says_why() -> None:
     import socket
 
