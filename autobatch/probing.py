@@ -52,7 +52,7 @@ from autobatch.estimator import (
     estimate_points,
 )
 from autobatch.layouts import device_for_layout, trial_context
-from autobatch.metadata import now_iso, step_identity
+from autobatch.metadata import now_iso
 from autobatch.placement import check_placement, model_device
 from autobatch.profile import MemoryModel, Profile, StopKind, Trial
 from autobatch.search import (
@@ -523,15 +523,7 @@ class _Probe(TrialRunner):
             stop_reason=stop_reason,
             notes=tuple(self.notes),
             driver_version=self.device.driver_version,
-            identity=step_identity(
-                self.model,
-                self.source,
-                self.user_optimizer,
-                loss_fn=self.loss_fn,
-                train_step=self.train_step,
-                step_includes_update=self.step_includes_update,
-                amp_dtype=self.amp_dtype,
-            ),
+            identity=self.identity,
             failed_micro_batch_size=self.failed_micro_batch_size,
             mode="eval" if self.evaluating else "train",
             compiled=self.compiled,

@@ -37,6 +37,7 @@ from autobatch.errors import (
     StepFailedError,
 )
 from autobatch.fake_collectives import reset_fsdp2
+from autobatch.metadata import step_identity
 from autobatch.profile import MemoryModel, Trial
 from autobatch.search import Point, bracket
 from autobatch.state import resident_tensors
@@ -148,6 +149,17 @@ class TrialRunner:
             step_on_overflow=True,
         )
         self.compiled: CompiledMode = compiled_mode(model, device.type)
+        # Before any step runs: state a step changes (a call counter) must not change the key
+        # the profile is stored under from the one its request looks up.
+        self.identity = step_identity(
+            model,
+            source,
+            user_optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+        )
         self.points: list[Point] = []
         self.trials: list[Trial] = []
         self.notes: list[str] = []

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from autobatch.batch import BatchSource
 from autobatch.integrations._tuning import code_identity
 from autobatch.metadata import model_fingerprint, module_settings, step_identity
+from autobatch.tuning import autotune_profile
 
 SAMPLE = BatchSource.from_sample((torch.randn(2, 8), torch.randint(0, 3, (2,))))
 DEVICE = {"device_name": "sim", "total_memory_bytes": 2**30}
@@ -119,6 +120,33 @@ def test_a_module_setting_changes_the_model_fingerprint_and_weights_do_not() -> 
     assert model_fingerprint(changed) != model_fingerprint(small_model())
     changed[1].p = 0.1
     assert model_fingerprint(changed) == model_fingerprint(small_model())
+
+
+class CountingStep:
+    """A step with a plain call counter: state its steps change, and part of its key."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        self.calls += 1
+        inputs, labels = batch
+        return F.cross_entropy(model(inputs), labels)
+
+
+def test_a_probe_stores_its_profile_under_the_key_it_was_looked_up_by(tmp_path: Path) -> None:
+    sample = (torch.randn(2, 8), torch.randint(0, 3, (2,)))
+    options: dict[str, Any] = {
+        "device": "sim:1MiB",
+        "use_estimate": False,
+        "max_micro_batch_size": 16,
+        "store": tmp_path / "p.db",
+    }
+    step = CountingStep()
+    first = autotune_profile(small_model(), sample, train_step=step, **options)
+    assert not first.cached and step.calls > 1
+    second = autotune_profile(small_model(), sample, train_step=CountingStep(), **options)
+    assert second.cached and second.profile_id == first.profile_id
 
 
 def gpt2(checkpointing: bool, **checkpoint_kwargs: Any) -> torch.nn.Module:
