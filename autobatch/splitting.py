@@ -522,7 +522,8 @@ def _rows(batch: Any, window_index: int, micro_index: int) -> int:
 
 
 def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
-    """Rows ``[start:stop)`` of every tensor in ``batch`` whose dim 0 is ``rows`` (views)."""
+    """Rows ``[start:stop)`` of every tensor in ``batch`` whose dim 0 is ``rows`` (views); a
+    mapping that is not a dict (``BatchEncoding``) keeps its type."""
 
     def cut(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == rows:
@@ -530,7 +531,14 @@ def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
         return leaf
 
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
-        batch = dict(batch)  # Hugging Face's BatchEncoding, a UserDict
+        # Hugging Face's BatchEncoding, a UserDict: cut its dict, and give the piece its type
+        # back (code reads batch.input_ids), when that type can be built from a dict.
+        pieces = tree_map(cut, dict(batch))
+        kind: Callable[[dict[Any, Any]], Any] = type(batch)
+        try:
+            return kind(pieces)
+        except Exception:  # noqa: BLE001 - a mapping type that cannot: the dict serves
+            return pieces
     return tree_map(cut, batch)
 
 

@@ -338,6 +338,36 @@ def test_a_batch_that_cannot_be_cut_is_refused_before_any_step(batch: Any, name:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_pieces_of_a_hugging_face_batch_are_batch_encodings() -> None:
+    # Hugging Face code reads batch.input_ids: a piece must keep the batch's type, not become a
+    # dict that fails with AttributeError only when the first split comes.
+    from transformers import BatchEncoding
+
+    model = nn.Linear(3, 1).to(F64)
+    optimizer = RecordingSGD(model.parameters())
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=1, on_oom="split")
+    x, y = torch.randn(4, 3, dtype=F64), torch.randn(4, 1, dtype=F64)
+    batch = BatchEncoding({"input_ids": x, "labels": y})
+    seen: list[tuple[str, int]] = []
+
+    def loss_of(piece: BatchEncoding) -> torch.Tensor:
+        seen.append((type(piece).__name__, piece.input_ids.shape[0]))
+        if piece.input_ids.shape[0] > 2:
+            raise fake_oom()
+        return ((model(piece.input_ids) - piece.labels) ** 2).mean()
+
+    (window,) = acc.windows([batch])
+    window.run(loss_of)
+
+    assert seen == [("BatchEncoding", 4), ("BatchEncoding", 2), ("BatchEncoding", 2)]
+    reference = nn.Linear(3, 1).to(F64)
+    params = dict(zip(("weight", "bias"), optimizer.params_before[0], strict=True))
+    reference.load_state_dict(params)
+    ((reference(x) - y) ** 2).mean().backward()
+    for got, want in zip(optimizer.grads[0], reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad, rtol=0, atol=1e-12)
+
+
 # -- the "done when": a real byte count on the simulated device -----------------------
 
 
