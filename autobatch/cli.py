@@ -557,13 +557,17 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
                 data = [{"id": pid, **p.to_dict()} for pid, p in rows]
                 print(json.dumps(data, indent=2), file=out)
                 return 0
-            table = [("ID", "CREATED (UTC)", "DEVICE", "MAX", "OPTIMIZER", "INPUT", "MODEL")]
+            # MODE: an eval profile (a forward only) is no training profile to plan from.
+            table = [
+                ("ID", "CREATED (UTC)", "DEVICE", "MAX", "MODE", "OPTIMIZER", "INPUT", "MODEL")
+            ]
             table += [
                 (
                     pid,
                     p.created_at[:16].replace("T", " ") or "-",
                     p.device_name,
                     str(p.max_micro_batch_size),
+                    p.mode,
                     p.optimizer or "-",
                     _input(p.input_shape),
                     p.model_fingerprint,

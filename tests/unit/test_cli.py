@@ -299,12 +299,31 @@ def test_tune_json_parses_and_second_run_is_cached(
         "(UTC)",
         "DEVICE",
         "MAX",
+        "MODE",
         "OPTIMIZER",
         "INPUT",
         "MODEL",
     ]
     assert row.index("sim") == header.index("DEVICE")  # columns line up under the header
+    assert row.index("train") == header.index("MODE")  # an eval profile reads "eval"
     assert row.index("input_ids 32, labels 32") == header.index("INPUT")
+
+
+def test_profiles_list_tells_an_eval_profile_from_a_training_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `plan --profile ID` refuses an eval profile: the list must say which is which.
+    from autobatch.store import ProfileStore
+    from tests.unit.test_extrapolation import issue_profile
+
+    store = tmp_path / "s.sqlite3"
+    with ProfileStore(store) as opened:
+        ids = {opened.put(issue_profile()): "train", opened.put(issue_profile(mode="eval")): "eval"}
+    code, out, _ = run(capsys, "--store", str(store), "profiles", "list")
+    assert code == 0
+    header, *rows = out.splitlines()
+    column = header.index("MODE")
+    assert {row.split()[0]: row[column:].split()[0] for row in rows} == ids
 
 
 @pytest.mark.parametrize("cuda", [False, True])
