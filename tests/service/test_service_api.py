@@ -901,6 +901,7 @@ def test_queue_key_is_one_per_gpu_and_one_for_the_host(device: str, key: str) ->
     assert queue_key(device) == key
 
 
+@pytest.mark.slow  # spawned probe children
 def test_a_running_probe_always_shows_its_child_pid(
     make_app: Callable[..., FastAPI], registry_file: Path
 ) -> None:
@@ -922,6 +923,7 @@ def test_a_running_probe_always_shows_its_child_pid(
     assert all(pid is None for status, pid in seen if status != "running")
 
 
+@pytest.mark.slow  # spawned probe children
 def test_probe_queue_per_device_timeout_and_409(
     make_app: Callable[..., FastAPI], registry_file: Path
 ) -> None:
