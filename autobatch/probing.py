@@ -62,7 +62,7 @@ from autobatch.search import (
     next_micro_batch_size,
     recommended_size,
 )
-from autobatch.state import Snapshot
+from autobatch.state import Snapshot, objects_frozen
 from autobatch.step import LossFn, TrainStep, check_step_arguments
 from autobatch.trials import MAX_WARM_UP_CALLS, UNRELIABLE_ESTIMATE, OnTrial, TrialRunner
 from autobatch.units import format_bytes
@@ -257,43 +257,46 @@ def _probing(
         target = device_for_layout(
             target, layout, world_size=None if consensus is None else consensus.world_size
         )
-    snapshot = Snapshot.take(model, optimizer)
-    run_optimizer = optimizer if optimizer is not None else _default_optimizer(model)
-    try:
-        model.train()
-        for param in model.parameters():
-            param.grad = None
-        search = _Probe(
-            model=model,
-            optimizer=run_optimizer,
-            user_optimizer=optimizer,
-            source=source,
-            device=target,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-            amp_dtype=amp_dtype,
-            safety_margin=safety_margin,
-            limit=limit,
-            use_estimate=use_estimate,
-            on_trial=on_trial,
-            consensus=consensus if consensus is not None else LocalConsensus(),
-            layout=layout,
-            evaluating=evaluating,
-        )
-        with trial_context(
-            model,
-            layout,
-            device=target.torch_device,
-            world_size=search.consensus.world_size,
-            notes=search.notes,
-        ):
-            return run(search)
-    finally:
-        del run_optimizer
-        snapshot.restore()
-        del snapshot
-        target.release()
+    # A collection after every trial walks only what the probe created, not the whole process
+    # (torch, a framework): objects that exist now are frozen until the probe ends.
+    with objects_frozen():
+        snapshot = Snapshot.take(model, optimizer)
+        run_optimizer = optimizer if optimizer is not None else _default_optimizer(model)
+        try:
+            model.train()
+            for param in model.parameters():
+                param.grad = None
+            search = _Probe(
+                model=model,
+                optimizer=run_optimizer,
+                user_optimizer=optimizer,
+                source=source,
+                device=target,
+                loss_fn=loss_fn,
+                train_step=train_step,
+                step_includes_update=step_includes_update,
+                amp_dtype=amp_dtype,
+                safety_margin=safety_margin,
+                limit=limit,
+                use_estimate=use_estimate,
+                on_trial=on_trial,
+                consensus=consensus if consensus is not None else LocalConsensus(),
+                layout=layout,
+                evaluating=evaluating,
+            )
+            with trial_context(
+                model,
+                layout,
+                device=target.torch_device,
+                world_size=search.consensus.world_size,
+                notes=search.notes,
+            ):
+                return run(search)
+        finally:
+            del run_optimizer
+            snapshot.restore()
+            del snapshot
+            target.release()
 
 
 class _Probe(TrialRunner):

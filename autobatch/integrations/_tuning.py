@@ -15,12 +15,10 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -119,26 +117,6 @@ class FrameworkStep:
         return f"FrameworkStep({self._identity})"
 
 
-@contextlib.contextmanager
-def _objects_frozen() -> Iterator[None]:
-    """Objects that existed before the probe are left out of garbage collection while it runs.
-
-    The probe collects garbage after every trial (a failed step's frames hold its tensors); with
-    a framework imported, each full collection walks the framework's objects too (0.45 s a
-    collection with Lightning on a 2-core CPU, most of a small model's probe). What the probe
-    must free is all created after this point. Skipped when the process already froze objects
-    (``gc.freeze()`` is process-wide and unfreezing would undo the caller's).
-    """
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def tune(
     model: torch.nn.Module,
     sample: Any,
@@ -171,18 +149,17 @@ def tune(
     if train_step is not None:
         arguments.update(train_step=train_step, step_includes_update=step_includes_update)
     try:
-        with _objects_frozen():
-            result = autotune(
-                model,
-                sample,
-                effective_batch_size=effective_batch_size,
-                world_size=world_size,
-                optimizer=optimizer,
-                device=device,
-                uneven="never",  # a framework takes one micro-batch size
-                allow_inexact=False,
-                **arguments,
-            )
+        result = autotune(
+            model,
+            sample,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            optimizer=optimizer,
+            device=device,
+            uneven="never",  # a framework takes one micro-batch size
+            allow_inexact=False,
+            **arguments,
+        )
     except (ConfigError, NoFeasiblePlanError) as exc:
         if type(exc) not in (ConfigError, NoFeasiblePlanError) or not (
             isinstance(exc, NoFeasiblePlanError)

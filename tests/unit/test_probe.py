@@ -245,6 +245,40 @@ def test_no_tensor_of_a_failed_step_survives_to_the_next_trial() -> None:
     assert alive_at_next_trial == []
 
 
+def test_objects_are_frozen_while_the_probe_runs_and_the_collector_left_as_it_was() -> None:
+    # The collection after every trial walks only what the probe created (gc.freeze), and the
+    # process's own freeze (here conftest's) is neither undone nor added to.
+    freeze_counts: list[int] = []
+
+    def run() -> int:
+        profile = probe(
+            Toy(),
+            torch.randn(1, UNIT),
+            train_step=lambda m, batch: m(batch),
+            device="sim:1GiB",
+            max_micro_batch_size=4,
+            on_trial=lambda trial: freeze_counts.append(gc.get_freeze_count()),
+        )
+        return len(profile.trials)
+
+    callers_freeze = gc.get_freeze_count()
+    assert callers_freeze > 0  # conftest froze the session's objects
+    assert run() == len(freeze_counts) > 0
+    # Not frozen again (the objects made since, the model among them, would join); frozen
+    # objects the probe frees leave the count.
+    assert max(freeze_counts) <= callers_freeze
+    assert 0 < gc.get_freeze_count() <= callers_freeze  # the caller's freeze is not undone
+    freeze_counts.clear()
+    gc.unfreeze()  # a process that froze nothing
+    try:
+        num_trials = run()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.freeze()
+    assert num_trials == len(freeze_counts)
+    assert min(freeze_counts) > 0
+
+
 def test_a_non_oom_failure_at_the_first_trial_is_raised_with_context() -> None:
     def broken(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)")
