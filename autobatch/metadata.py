@@ -52,9 +52,12 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 _MODULE_STATE_SKIPPED = frozenset({"training"})
 """Public module attributes left out of the key: ``training`` (the probe sets and restores it)."""
 
-_MODULE_PRIVATE_KEPT = frozenset({"_attn_implementation", "_gradient_checkpointing_func"})
-"""Private module attributes that change a step's memory (Hugging Face's attention kernel and
-the checkpoint function with its settings), kept in the key though private."""
+_MODULE_PRIVATE_KEPT = frozenset(
+    {"_attn_implementation", "_attn_implementation_internal", "_gradient_checkpointing_func"}
+)
+"""Private module (and module config) attributes that change a step's memory (Hugging Face's
+attention kernel and the checkpoint function with its settings), kept in the key though
+private. Other private state is left out: it may differ in every process (a cached hash)."""
 
 _MAX_TUPLE = 16
 """Longest tuple (or list) of plain values that counts as configuration."""
@@ -111,13 +114,32 @@ def module_settings(module: torch.nn.Module) -> str:
     """A module's own plain configuration, as text the same in any process: its public
     attributes of simple types (bool, int, float, str, None, dtype and short tuples of them, e.g.
     ``in_features``, ``p``, ``gradient_checkpointing``) plus Hugging Face's private attention and
-    checkpointing settings; not ``training``, tensors, submodules, hooks or other private state.
+    checkpointing settings; and, one level down, the same of a public configuration object it
+    holds (Hugging Face's ``config``: ``set_attn_implementation`` changes only the config). Not
+    ``training``, tensors, submodules, hooks, containers, callables or other private state.
 
     Example::
 
         module_settings(torch.nn.Dropout(0.1))   # 'inplace=False,p=0.1'
     """
-    return _plain_state(module, private=False, skipped=_MODULE_STATE_SKIPPED)
+    own = _plain_state(module, private=False, skipped=_MODULE_STATE_SKIPPED)
+    held = [
+        f"{name}({_plain_state(value, private=False)})"
+        for name, value in sorted(module.__dict__.items())
+        if not name.startswith("_") and _is_settings_object(value)
+    ]
+    return ";".join([own, *held]) if held else own
+
+
+def _is_settings_object(value: object) -> bool:
+    """An object with attributes that is not plain, a tensor, a module, a container, a class or
+    a callable: a configuration object such as Hugging Face's ``PretrainedConfig``."""
+    return (
+        hasattr(value, "__dict__")
+        and _plain(value) is None
+        and not isinstance(value, torch.Tensor | torch.nn.Module | type | types.ModuleType)
+        and not callable(value)
+    )
 
 
 def param_dtype(model: torch.nn.Module) -> str:

@@ -175,6 +175,15 @@ def test_gradient_checkpointing_changes_the_key_and_each_key_is_stable() -> None
     assert key(reentrant, GPT2_SAMPLE) != key(checkpointed, GPT2_SAMPLE)
 
 
+def test_the_attention_kernel_set_on_the_config_changes_the_key() -> None:
+    model = gpt2(False)
+    sdpa = key(model, GPT2_SAMPLE)
+    model.set_attn_implementation("eager")  # changes only model.config, not module attributes
+    assert key(model, GPT2_SAMPLE) != sdpa
+    model.set_attn_implementation("sdpa")
+    assert key(model, GPT2_SAMPLE) == sdpa
+
+
 def keys() -> dict[str, str]:
     """The keys compared across processes."""
     return {
