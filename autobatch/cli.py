@@ -98,6 +98,28 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _OneSpelling(argparse.Action):
+    """An option with several spellings (``--world-size`` / ``--data-parallel-size``) given
+    once: two spellings, or one twice, with different values are an error, not last-wins."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        seen = f"_{self.dest}_given_as"
+        earlier = getattr(namespace, seen, None)
+        if earlier is not None and getattr(namespace, self.dest) != values:
+            parser.error(
+                f"{option_string} {values} disagrees with {earlier} {getattr(namespace, self.dest)}"
+                f": {' and '.join(self.option_strings)} are one setting; give it once"
+            )
+        setattr(namespace, seen, option_string)
+        setattr(namespace, self.dest, values)
+
+
 def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> None:
     parser.add_argument(
         "--effective-batch-size",
@@ -110,6 +132,7 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             "--world-size",
             "--data-parallel-size",
             dest="world_size",
+            action=_OneSpelling,
             type=_int_list,
             default=[1],
             help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
@@ -120,6 +143,7 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             "--world-size",
             "--data-parallel-size",
             dest="world_size",
+            action=_OneSpelling,
             type=_positive_int,
             default=1,
             help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "

@@ -445,6 +445,27 @@ def test_plan_takes_the_data_parallel_size_and_prints_the_formula(
     )
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--world-size", "2", "--data-parallel-size", "4"],
+        ["--data-parallel-size", "2", "--data-parallel-size", "4"],
+    ],
+)
+def test_the_data_parallel_size_under_two_names_must_agree(
+    capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    argv = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64", *flags]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--world-size and --data-parallel-size are one setting; give it once" in err
+    # The same value under both names is one setting given twice: accepted.
+    same = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64"]
+    assert main([*same, "--world-size", "2", "--data-parallel-size", "2"]) == 0
+
+
 def test_model_spec_to_moves_the_model_in_place_and_every_sample_tensor() -> None:
     from autobatch.errors import ConfigError
     from autobatch.models import ModelSpec
