@@ -261,7 +261,9 @@ def _probing(
     # (torch, a framework): objects that exist now are frozen until the probe ends.
     with objects_frozen():
         snapshot = Snapshot.take(model, optimizer)
-        run_optimizer = optimizer if optimizer is not None else _default_optimizer(model)
+        run_optimizer = (
+            optimizer if optimizer is not None else _default_optimizer(model, evaluating=evaluating)
+        )
         try:
             model.train()
             for param in model.parameters():
@@ -534,11 +536,24 @@ class _Probe(TrialRunner):
         )
 
 
-def _default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+def _default_optimizer(model: torch.nn.Module, *, evaluating: bool) -> torch.optim.Optimizer:
+    """An AdamW over the trainable parameters, for a probe given no optimizer.
+
+    An evaluation without an optimizer never steps it and needs no optimizer state (only the
+    weights are resident), so a frozen model gets one over all its parameters, left without state.
+
+    Raises:
+        ConfigError: a training probe of a model with no trainable parameter, or a model with no
+            parameter at all.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params and evaluating:
+        params = list(model.parameters())
     if not params:
         raise ConfigError(
             f"model {type(model).__name__} has no trainable parameter (requires_grad=True); "
             "there is no training step to probe"
+            if not evaluating
+            else f"model {type(model).__name__} has no parameter; there are no weights to probe"
         )
     return torch.optim.AdamW(params)

@@ -154,3 +154,17 @@ def test_cli_tune_eval_prints_and_configures_the_eval_micro_batch(
     assert json.loads(capsys.readouterr().out)["per_device_eval_batch_size"] == size
     assert main(argv) == 0
     assert f"eval_micro_batch_size        {size}\n" in capsys.readouterr().out
+
+
+def test_a_frozen_model_is_probed_for_eval_by_its_forward_alone() -> None:
+    # No trainable parameter and no optimizer: eval needs no optimizer state, so nothing refuses.
+    model = torch.nn.Linear(8, 4)
+    model.requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    profile = probe(model, torch.randn(2, 8), device="sim:200KiB", eval=True)
+    assert profile.mode == "eval"
+    assert profile.max_micro_batch_size > 0
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name])
+        assert not param.requires_grad
+        assert param.grad is None
