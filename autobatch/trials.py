@@ -263,7 +263,9 @@ class TrialRunner:
 
         A warm-up runs a ``train_step`` that updates by itself again (up to
         :data:`MAX_WARM_UP_CALLS` calls) until it steps the optimizer. A ``repeat`` is the second
-        step at a size that fitted: the size's point keeps the larger peak, or no longer fits.
+        step at a size that fitted: the size's point keeps the larger peak, or no longer fits; it
+        too runs until the optimizer steps when the size's trial did not step it, so the chosen
+        size's peak includes the update.
 
         Raises:
             StepFailedError: a non-OOM failure before any size passed.
@@ -276,8 +278,21 @@ class TrialRunner:
         error = ""
         fatal: Exception | None = None  # raised once every rank knows
         updates = OptimizerSteps(self.optimizer)
-        calls = MAX_WARM_UP_CALLS if warm_up and self.step_includes_update else 1
         train = warm_up or not self.evaluating
+        # The chosen size must have run a measured step with an update: when its trial skipped
+        # it, its second step runs the step again (bounded, as the warm-up is) until one does.
+        must_update = warm_up or (
+            repeat
+            and train
+            and not any(
+                t.micro_batch_size == size
+                and t.fits
+                and not t.warm_up
+                and not t.skipped_optimizer_step
+                for t in self.trials
+            )
+        )
+        calls = MAX_WARM_UP_CALLS if must_update and self.step_includes_update else 1
         calls_run = 0
         started = time.perf_counter()
         try:
@@ -304,7 +319,7 @@ class TrialRunner:
         seconds = time.perf_counter() - started
         self.num_steps += calls_run
         skipped_update = train and outcome.ran and not updates.count
-        if skipped_update and warm_up:
+        if skipped_update and must_update:
             outcome = Outcome.FAILED
             error = f"no optimizer step in {calls_run} calls"
             fatal = self._never_updated(size, calls_run)

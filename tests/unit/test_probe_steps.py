@@ -53,7 +53,11 @@ def test_a_step_that_updates_every_few_calls_is_probed_with_the_optimizer_state(
     assert profile.max_micro_batch_size == 60
     warm_up = profile.trials[0]
     assert warm_up.warm_up and warm_up.micro_batch_size == 1 and not warm_up.skipped_optimizer_step
-    assert profile.num_steps == 8 + len(profile.trials) - 1  # the warm-up called it 8 times
+    # The warm-up called it 8 times; the chosen size's trial skipped the update, so its second
+    # step ran it until the optimizer stepped (at a multiple of 8 calls again).
+    assert profile.num_steps > 8 + len(profile.trials) - 1
+    assert step.calls % 8 == 0
+    assert not profile.trials[-1].skipped_optimizer_step and profile.trials[-1].repeat
     skipped = [t.micro_batch_size for t in profile.trials if t.skipped_optimizer_step]
     assert skipped and all(not t.oom for t in profile.trials if t.skipped_optimizer_step)
     (note,) = [n for n in profile.notes if "did not step the optimizer" in n]
@@ -163,3 +167,31 @@ def test_an_optimizer_with_state_and_no_estimate_still_searches() -> None:
     )
     assert profile.max_micro_batch_size == 60
     assert profile.trials[0].micro_batch_size == 1 and not profile.trials[0].warm_up
+
+
+@pytest.mark.parametrize("every", [2, 3, 5])
+def test_the_chosen_size_ran_a_measured_step_with_an_update(every: int) -> None:
+    # A step that updates every few calls may skip the update at the chosen size's trial and at
+    # its second step: its peak then lacks the update's temporaries. The chosen size is run
+    # again (bounded, as the warm-up is) until one of its measured steps updates.
+    model = Toy()
+    optimizer = Moments(model.parameters())
+    step = Accumulating(optimizer, every=every)
+    sample = torch.randn(1, UNIT)
+    before = state_of(model, optimizer)
+    profile = probe(
+        model,
+        sample,
+        optimizer=optimizer,
+        train_step=step,
+        step_includes_update=True,
+        device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES),
+        use_estimate=False,
+    )
+    chosen = profile.max_micro_batch_size
+    assert chosen == 60
+    measured = [t for t in profile.trials if t.micro_batch_size == chosen and not t.warm_up]
+    assert all(t.fits for t in measured)
+    assert any(not t.skipped_optimizer_step for t in measured)
+    assert measured[-1].repeat
+    assert_same_state(before, state_of(model, optimizer))
