@@ -239,7 +239,8 @@ _AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def _flag_wording(remedy: Remedy) -> str:
-    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``.
+    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``,
+    ``a run without --eval``.
 
     The one place the CLI words remedies (the library names them by Python argument).
     """
@@ -248,6 +249,8 @@ def _flag_wording(remedy: Remedy) -> str:
     flag = "--" + {"amp_dtype": "amp"}.get(remedy.parameter, remedy.parameter).replace("_", "-")
     if remedy.values == (True,):
         phrase = flag  # a switch
+    elif remedy.values == (False,):
+        phrase = f"a run without {flag}"  # a switch left off
     else:
         values = (_AMP_FLAG_VALUES.get(str(v), str(v)) for v in remedy.values)
         phrase = f"{flag} {' or '.join(values)}"

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
 from autobatch.extrapolation import (
     Prediction,
     floor_at,
@@ -104,8 +104,9 @@ def resolve_limit(
     if profile.mode == "eval":
         raise ConfigError(
             "the profile measured evaluation (mode 'eval': a forward under inference_mode), not "
-            "a training step; plan from a training profile (probe without eval=True), and use "
-            "this one's recommended_micro_batch_size as the evaluation micro-batch"
+            "a training step; plan from a training profile, and use this one's "
+            "recommended_micro_batch_size as the evaluation micro-batch",
+            remedies=[Remedy(parameter="eval", values=(False,), purpose="a training profile")],
         )
     if profile.method == "estimate" and source in ("measured", "cached"):
         raise ConfigError(

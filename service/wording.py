@@ -18,7 +18,7 @@ from autobatch.errors import AutobatchError, Remedy
 
 __all__ = ["describe", "field_wording"]
 
-_NO_FIELD = frozenset({"amp_dtype"})
+_NO_FIELD = frozenset({"amp_dtype", "eval"})
 """Library arguments no request or registry entry sets: only their purpose is shown."""
 
 

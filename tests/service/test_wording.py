@@ -24,6 +24,11 @@ from service.wording import describe, field_wording
             Remedy(parameter="amp_dtype", values=("bfloat16",), purpose="reduced precision"),
             "reduced precision",
         ),
+        # A profile's mode is no request field either (plan from a training profile).
+        (
+            Remedy(parameter="eval", values=(False,), purpose="a training profile"),
+            "a training profile",
+        ),
         (Remedy(purpose="a larger device"), "a larger device"),
     ],
 )

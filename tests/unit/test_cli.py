@@ -16,7 +16,7 @@ import autobatch.device
 from autobatch.cli import main
 from autobatch.device import Capacity, nvml
 from autobatch.device.nvml import Nvml
-from autobatch.errors import DeviceUnavailableError
+from autobatch.errors import ConfigError, DeviceUnavailableError
 from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
 
@@ -542,3 +542,31 @@ def test_a_malformed_input_shape_is_explained_with_an_example(
     assert code == 2
     assert f"'{shape}' is not a shape ({cause}): write one sample's sizes" in err
     assert "e.g. 3,224,224" in err
+
+
+def test_plan_refuses_an_eval_profile_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from autobatch.planner import plan
+    from autobatch.store import ProfileStore
+    from tests.unit.test_extrapolation import issue_profile
+
+    store = tmp_path / "s.sqlite3"
+    with ProfileStore(store) as opened:
+        profile_id = opened.put(issue_profile(mode="eval"))
+    code, _, err = run(
+        capsys,
+        "--store",
+        str(store),
+        "plan",
+        "--profile",
+        profile_id,
+        "--effective-batch-size",
+        "8",
+    )
+    assert code == 1
+    assert "mode 'eval'" in err and "a run without --eval (a training profile)" in err
+    assert "eval=" not in err
+    # The library words the same remedy by its Python argument.
+    with pytest.raises(ConfigError, match=r"eval=False \(a training profile\)"):
+        plan(issue_profile(mode="eval"), effective_batch_size=8)
