@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gloo_exit import leave_gloo_worker  # noqa: E402
 from test_hf_integration import make_trainer  # noqa: E402
 
 from autobatch.device.simulated import SimulatedDevice  # noqa: E402
@@ -48,3 +49,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    leave_gloo_worker()

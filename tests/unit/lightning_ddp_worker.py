@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
+from gloo_exit import leave_gloo_worker  # noqa: E402
 from test_lightning_integration import Classifier  # noqa: E402
 
 from autobatch.device.simulated import SimulatedDevice  # noqa: E402
@@ -56,3 +57,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    leave_gloo_worker()

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autobatch.accumulate import Accumulator
 from tests.conftest import spawn_and_wait
+from tests.unit.gloo_exit import leave_gloo_worker
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120.0
@@ -73,11 +74,10 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
                 }
             )
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        # Both ranks past their last collective before either closes its connections: a rank
-        # that tears down first can reset a peer still reading (gloo then aborts the peer).
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_gloo_worker()
 
 
 @pytest.mark.slow  # gloo ranks in spawned processes

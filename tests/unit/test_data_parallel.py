@@ -17,6 +17,7 @@ from autobatch import autotune, plan
 from autobatch.distributed import collective_layout, data_parallel_size
 from autobatch.errors import ConfigError
 from tests.conftest import spawn_and_wait
+from tests.unit.gloo_exit import leave_gloo_worker
 
 TIMEOUT_S = 120.0
 
@@ -85,7 +86,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
         results.append([collective_layout(hsdp), data_parallel_size(hsdp)])
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+    leave_gloo_worker()
 
 
 @pytest.fixture(scope="module")

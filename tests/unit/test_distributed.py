@@ -21,6 +21,7 @@ from autobatch.estimator import FakeStep
 from autobatch.profile import Trial
 from autobatch.store import ProfileStore
 from tests.conftest import MODEL_CASES, spawn_and_wait
+from tests.unit.gloo_exit import leave_gloo_worker
 
 TIMEOUT_S = 120.0
 CASE = MODEL_CASES[0]  # mlp-adam: a probe takes about a second
@@ -88,7 +89,7 @@ def _worker(rank: int, world_size: int, calls: list[dict[str, Any]], tmp: str) -
             )
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+    leave_gloo_worker()
 
 
 def run_ranks(

@@ -21,6 +21,7 @@ from autobatch.distributed import collective_layout
 from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
+from tests.unit.gloo_exit import leave_gloo_worker
 
 GROUP_TIMEOUT_S = 30
 """The process group's timeout: a rank left in a collective would wait this long, then fail."""
@@ -99,10 +100,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
         result["ddp"] = _ddp(rank, sample)
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-        # Both ranks reach teardown before either destroys the group: a rank tearing gloo down
-        # while the other's threads still talk to it ends in SIGABRT (seen 1 run in 5).
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_gloo_worker()
 
 
 def _fsdp1(rank: int, sample: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autobatch.accumulate import Accumulator
 from tests.conftest import spawn_and_wait
+from tests.unit.gloo_exit import leave_gloo_worker
 from tests.unit.test_splitting import HEAVY, GatedModel, fake_oom, mse
 
 WORLD_SIZE = 2
@@ -86,9 +87,10 @@ def _split_worker(rank: int, store_path: str, out_dir: str, phase: str) -> None:
             )
         results.append({"seen": [len(rows) for rows in model.gate.seen]})
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_gloo_worker()
 
 
 @pytest.mark.slow
@@ -159,12 +161,10 @@ def _failing_worker(rank: int, store_path: str, out_dir: str, phase: str) -> Non
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     if phase == "forward":  # the group is sound: both past the agreement before teardown
-        dist.barrier()
-        dist.destroy_process_group()
-    else:
-        # Rank 1 aborted the group and rank 0's is broken; tearing gloo down from here can
-        # race its background threads into SIGABRT, after the errors this test checks.
-        os._exit(0)
+        leave_gloo_worker()
+    # Rank 1 aborted the group and rank 0's is broken; tearing gloo down from here can race its
+    # background threads into SIGABRT, after the errors this test checks.
+    os._exit(0)
 
 
 @pytest.mark.slow
