@@ -358,6 +358,35 @@ def plan(
             reachable effective batch sizes below and above), or the model does not fit at
             micro-batch 1 in ``capacity_bytes``.
     """
+    resolved, options = _resolve(
+        limit,
+        effective_batch_size=effective_batch_size,
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+        uneven=uneven,
+        allow_inexact=allow_inexact,
+        safety_margin=safety_margin,
+        capacity_bytes=capacity_bytes,
+        step_seconds=step_seconds,
+        source=source,
+    )
+    return _plan(resolved, options, effective_batch_size, world_size)
+
+
+def _resolve(
+    limit: int | Profile | MemoryModel,
+    *,
+    effective_batch_size: int,
+    multiple_of: int,
+    max_gradient_accumulation_steps: int | None,
+    uneven: Uneven,
+    allow_inexact: bool,
+    safety_margin: float | None,
+    capacity_bytes: int | None,
+    step_seconds: Mapping[int, float] | None,
+    source: PlanSource | None,
+) -> tuple[Limit, _Options]:
+    """The checks and the limit :func:`plan` and :func:`plan_world_sizes` share, in that order."""
     options = _options(
         multiple_of=multiple_of,
         max_gradient_accumulation_steps=max_gradient_accumulation_steps,
@@ -375,7 +404,7 @@ def plan(
         limit,
     )
     require_int("effective_batch_size", effective_batch_size, 1)
-    return _plan(resolved, options, effective_batch_size, world_size)
+    return resolved, options
 
 
 def plan_world_sizes(
@@ -411,23 +440,18 @@ def plan_world_sizes(
         NoFeasiblePlanError: the model does not fit at micro-batch 1 in ``capacity_bytes`` (no
             world size helps).
     """
-    options = _options(
+    resolved, options = _resolve(
+        limit,
+        effective_batch_size=effective_batch_size,
         multiple_of=multiple_of,
         max_gradient_accumulation_steps=max_gradient_accumulation_steps,
         uneven=uneven,
         allow_inexact=allow_inexact,
+        safety_margin=safety_margin,
+        capacity_bytes=capacity_bytes,
+        step_seconds=step_seconds,
+        source=source,
     )
-    resolved = _with_failure_note(
-        resolve_limit(
-            limit,
-            capacity_bytes=capacity_bytes,
-            safety_margin=safety_margin,
-            step_seconds=step_seconds,
-            source=source,
-        ),
-        limit,
-    )
-    require_int("effective_batch_size", effective_batch_size, 1)
     if isinstance(world_sizes, int | str) or not isinstance(world_sizes, Sequence):
         raise ConfigError(
             f"world_sizes {world_sizes!r} must be a list of ints, e.g. [1, 2, 4, 8]; for one "
