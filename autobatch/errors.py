@@ -156,7 +156,8 @@ def _rebuild_device_unavailable(message: str, reason: str) -> DeviceUnavailableE
 
 
 class DoesNotFitError(AutobatchError):
-    """The whole training step does not fit on the device even at micro-batch 1.
+    """The whole training step does not fit on the device even at micro-batch 1 (or, when
+    splitting a micro-batch of a model with BatchNorm in training mode, at 2: its least).
 
     Attributes:
         device_name: the device probed.

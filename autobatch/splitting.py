@@ -24,9 +24,17 @@ The rules:
   micro_batch_size_limit``). After ``oom_retry_windows`` windows (default
   :data:`DEFAULT_OOM_RETRY_WINDOWS`) in a row without an out-of-memory error, the limit is lifted
   and the planned size is tried again; a window that splits starts the count anew.
-- **Size 1 that does not fit** raises :class:`~autobatch.errors.DoesNotFitError` naming the
-  window, the micro-batch and the row. The window's gradients are dropped (as on any error in
-  :func:`run_window`) and nothing is stepped, so a loop that catches it skips the window.
+- **BatchNorm** (any ``_BatchNorm`` in training mode, or without running statistics)
+  normalises each piece by the piece's own statistics, so for such a model the split gradient is
+  the pieces' (each weighted by its count), not the unsplit one's; and a piece of 1 sample would
+  give it 1 value per channel, which torch refuses. Pieces of such a model are never cut below 2
+  rows: a last piece of 1 row takes a row from the one before (7 rows by 3: 3, 2, 2) or joins it
+  (5 by 2: 2, 3).
+- **Rows that cannot be cut smaller** raise :class:`~autobatch.errors.DoesNotFitError` naming the
+  window, the micro-batch and the rows: a row that does not fit alone, or, with BatchNorm, a piece
+  of 2 rows (or a last piece of 3) that does not fit; that error names the layer and carries the
+  remedies. The window's gradients are dropped (as on any error in :func:`run_window`) and
+  nothing is stepped, so a loop that catches it skips the window.
 - **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
   new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
   store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
@@ -61,11 +69,12 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 
 from autobatch.counting import as_count, leading_dim
 from autobatch.device.oom import is_oom
-from autobatch.errors import ConfigError, DistributedError, DoesNotFitError
+from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, Remedy
 
 __all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
 
@@ -161,6 +170,8 @@ class Splitter:
 
 class _SplitAccumulator(Protocol):
     @property
+    def model(self) -> torch.nn.Module: ...
+    @property
     def optimizer(self) -> torch.optim.Optimizer: ...
     @property
     def _ddp(self) -> object | None: ...
@@ -236,6 +247,7 @@ class _WindowRun:
         self.num_agreed = 0  # micro-steps whose agreement is done
         self.had_split = False
         self.done_count = 0  # counted items of the current micro-batch's pieces done
+        self.norm: tuple[str, torch.nn.Module] | None | bool = False  # False: not looked for yet
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -251,9 +263,9 @@ class _WindowRun:
                 continue
             # Outside the except block: the failed pass's frames are gone, so its memory can go.
             _release(self._device())
-            if failure.rows == 1:
-                self._does_not_fit(micros[index], failure)
             new_size = (failure.rows + 1) // 2
+            if not self._can_cut(micros[index], failure, new_size):
+                self._does_not_fit(micros[index], failure)
             recompute = failure.phase == "backward" and (index > 0 or failure.start > 0)
             self._record(index, failure, new_size, recompute)
             if failure.phase == "backward":
@@ -285,28 +297,38 @@ class _WindowRun:
         count_fn = self.window._count_fn
         if start == 0:
             self.done_count = 0
-        for piece_start in range(start, rows, size):
-            stop = min(piece_start + size, rows)
+        pieces = []
+        for piece_start, stop in _cuts(start, rows, size, self._min_rows()):
             piece = _slice(micro.batch, piece_start, stop, rows)
             if count_fn is None:
                 count = stop - piece_start
             else:
                 count = as_count(count_fn(piece), self.window.index, micro.index)
-            synced = is_last and stop == rows
-            if count == 0 and not (synced and self.ddp is not None):
+            pieces.append((piece_start, stop, piece, count))
+        if self.done_count + sum(piece[3] for piece in pieces) != micro.count:
+            raise ConfigError(
+                f"count_fn is not additive over rows: micro-batch {micro.index} of window "
+                f"{self.window.index} counts {micro.count}, its pieces "
+                f"{self.done_count + sum(piece[3] for piece in pieces)}; the pieces of a split "
+                "micro-batch must count what it counts (e.g. count tokens or samples, not a "
+                "per-batch constant)"
+            )
+        synced_at = -1  # the piece that synchronises: the last micro-batch's last counted one
+        if is_last:
+            counted = [i for i, piece in enumerate(pieces) if piece[3]]
+            if counted:
+                synced_at = counted[-1]
+            elif self.ddp is not None:
+                synced_at = len(pieces) - 1  # DDP's all-reduce must still run
+        for i, (piece_start, stop, piece, count) in enumerate(pieces):
+            synced = i == synced_at
+            if count == 0 and not synced:
                 continue  # nothing counted: no share of the gradient
             step = micro._piece(piece, count, synced)
             failure = self._run_piece(step, piece, piece_start, stop - piece_start, synced=synced)
             if failure is not None:
                 return failure
             self.done_count += count
-        if self.done_count != micro.count:
-            raise ConfigError(
-                f"count_fn is not additive over rows: micro-batch {micro.index} of window "
-                f"{self.window.index} counts {micro.count}, its pieces {self.done_count}; the "
-                "pieces of a split micro-batch must count what it counts (e.g. count tokens or "
-                "samples, not a per-batch constant)"
-            )
         return None
 
     def _run_piece(
@@ -343,6 +365,23 @@ class _WindowRun:
         if rows < 0:
             rows = _rows(batch, self.window.index, step.index)
         return _Failure(phase=phase, reason=reason, start=start, rows=rows)
+
+    def _min_rows(self) -> int:
+        """Fewest rows a piece may have: 2 when the model normalises with batch statistics."""
+        if self.norm is False:
+            self.norm = _batch_norm(self.acc.model, wrapped=self.ddp is not None)
+        return 1 if self.norm is None else 2
+
+    def _can_cut(self, micro: _SplitMicroStep, failure: _Failure, new_size: int) -> bool:
+        """Whether the rows that ran out of memory can run again in pieces smaller than the one
+        that failed (none below :meth:`_min_rows`)."""
+        if new_size < self._min_rows():
+            return False
+        # The rows run again: the failed piece's on (forward), or the micro-batch's (backward).
+        first = failure.start if failure.phase == "forward" else 0
+        rows = _rows(micro.batch, self.window.index, micro.index)
+        pieces = _cuts(first, rows, new_size, self._min_rows())
+        return max(stop - start for start, stop in pieces) < failure.rows
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -387,16 +426,41 @@ class _WindowRun:
         if self.agree_ranks:
             self._agree(micro.index, failed=True)  # the other ranks raise too, and do not wait
         device = self._device()
+        where = f"micro-batch {micro.index} of window {self.window.index}"
+        dropped = "The window's gradients were dropped: catch the error to skip the window"
+        remedies: tuple[Remedy, ...] = ()
+        if failure.rows == 1:
+            message = (
+                f"{where} does not fit even at micro-batch size 1: its row {failure.start} ran "
+                f"out of memory in {failure.phase} ({failure.reason}). That sample is larger "
+                "than the ones the plan was probed with: probe with the worst case "
+                f"(autobatch.worst_case_sample), or truncate it. {dropped}"
+            )
+        else:
+            assert isinstance(self.norm, tuple)  # only a batch norm stops a cut above 1 row
+            name, layer = self.norm
+            last = failure.start + failure.rows - 1
+            message = (
+                f"{where} does not fit at micro-batch size {failure.rows}: its rows "
+                f"{failure.start}..{last} ran out of memory in {failure.phase} "
+                f"({failure.reason}), and on_oom='split' cannot cut them into smaller pieces: "
+                f"the model's {type(layer).__name__} layer {name!r} normalises each piece by "
+                "its own statistics (training mode, or no running statistics), which needs at "
+                "least 2 samples per piece (torch refuses 1: 'Expected more than 1 value per "
+                f"channel when training'). {dropped}"
+            )
+            remedies = (
+                Remedy(purpose="the worst-case batch when probing (autobatch.worst_case_sample)"),
+                Remedy(purpose="GroupNorm or LayerNorm instead of BatchNorm"),
+                Remedy(purpose="BatchNorm in eval mode (normalising with running statistics)"),
+            )
         raise DoesNotFitError(
-            f"micro-batch {micro.index} of window {self.window.index} does not fit even at "
-            f"micro-batch size 1: its row {failure.start} ran out of memory in {failure.phase} "
-            f"({failure.reason}). That sample is larger than the ones the plan was probed with: "
-            "probe with the worst case (autobatch.worst_case_sample), or truncate it. The "
-            "window's gradients were dropped: catch the error to skip the window",
+            message,
             device_name=str(device),
             capacity_bytes=_total_memory_bytes(device),
             required_bytes=0,
             static_bytes=_static_bytes(self.acc.optimizer),
+            remedies=remedies,
         )
 
     def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> None:
@@ -472,7 +536,9 @@ def run_window(
             step); ``count_fn`` is not additive over rows (the
             pieces' counts do not sum to the micro-batch's); a "mean" loss of a piece with 0
             counted items that must run (DDP's last); see also ``MicroStep.backward``.
-        DoesNotFitError: a micro-batch runs out of memory even at size 1 (names the batch).
+        DoesNotFitError: a micro-batch runs out of memory even at size 1, or, for a model with
+            BatchNorm in training mode, at the smallest pieces it allows (2 rows; names the
+            batch, the rows and the layer).
             On this and any other error the window's gradients are dropped (set to None) and
             nothing is stepped, so a loop that catches it skips the window.
         DistributedError: under DDP, another rank failed, or this rank ran out of memory in the
@@ -519,6 +585,31 @@ def _rows(batch: Any, window_index: int, micro_index: int) -> int:
         "with the batch dimension first (collate the samples into one, e.g. with "
         "torch.utils.data.default_collate), or use on_oom='raise'"
     )
+
+
+def _cuts(start: int, stop: int, size: int, min_rows: int) -> list[tuple[int, int]]:
+    """Rows ``[start:stop)`` cut into pieces ``(first, end)`` of ``size`` rows (the last fewer),
+    none below ``min_rows`` where the rows allow: a last piece that is too short takes rows from
+    the one before (8 rows by 3, at least 2: 3, 3, 2; 7 by 3: 3, 2, 2), or, when that one cannot
+    spare them, joins it (5 by 2: 2, 3).
+    """
+    bounds = [*range(start, stop, size), stop]
+    pieces = list(zip(bounds, bounds[1:], strict=False))
+    if len(pieces) > 1 and stop - pieces[-1][0] < min_rows:
+        first = pieces[-2][0]
+        cut = stop - min_rows  # where the last piece would start with min_rows rows
+        pieces[-2:] = [(first, cut), (cut, stop)] if cut - first >= min_rows else [(first, stop)]
+    return pieces
+
+
+def _batch_norm(model: torch.nn.Module, *, wrapped: bool) -> tuple[str, torch.nn.Module] | None:
+    """The first layer that normalises with its batch's statistics (any BatchNorm in training
+    mode, or without running statistics), with its name; None when there is none. A piece of 1
+    sample gives such a layer 1 value per channel (an ``(N, C)`` input), which torch refuses."""
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and (module.training or module.running_mean is None):
+            return (name.removeprefix("module.") if wrapped else name), module
+    return None
 
 
 def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:

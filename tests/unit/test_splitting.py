@@ -481,3 +481,115 @@ def test_full_batch_grad_helper_agrees_with_the_split_run() -> None:
     want = full_batch_grad(reference_model_at(opt.params_before[0]), opt.params_before[0], data)
     for g, w in zip(opt.grads[0], want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+# -- BatchNorm: a piece of 1 sample has 1 value per channel, which torch refuses in training -----
+
+# The tests' micro-batches are small on purpose; the Accumulator warns of that once per loop.
+quiet_norm = pytest.mark.filterwarnings("ignore::autobatch.accumulate.SmallMicroBatchNormWarning")
+
+
+class NormModel(nn.Module):
+    """Linear -> BatchNorm1d -> tanh -> gate -> linear, float64 (``(N, C)`` into the norm)."""
+
+    def __init__(self, oom_when: OomWhen, **norm_kw: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(3, 4).to(F64)
+        self.norm = nn.BatchNorm1d(4, **norm_kw).to(F64)
+        self.gate = Gate(oom_when)
+        self.last = nn.Linear(4, 1).to(F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.gate(torch.tanh(self.norm(self.first(x))), x))
+
+
+@quiet_norm
+def test_batch_norm_pieces_never_have_one_row_and_weigh_by_count() -> None:
+    # Micro-batch 0 (6 rows) fits only in pieces of 3; micro-batch 1 (7 rows) then runs at that
+    # limit. Cut 3, 3, 1 its last piece would hand BatchNorm 1 value per channel (torch's
+    # "Expected more than 1 value per channel when training"); it runs as 3, 2, 2.
+    data = with_ids(make_data([6, 7]))
+    model = NormModel(lambda phase, x: phase == "forward" and x.shape[0] > 3)
+    optimizer = RecordingSGD(model.parameters())
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=2, on_oom="split")
+    (window,) = acc.windows(data)
+    stats = window.run(lambda batch: mse(model, batch))
+
+    assert [len(rows) for rows in model.gate.seen] == [6, 3, 3, 3, 2, 2]
+    assert [(e.old_micro_batch_size, e.new_micro_batch_size) for e in stats.splits] == [(6, 3)]
+    # BatchNorm normalises each piece by its own statistics, so the gradient is that of the
+    # pieces run, each weighted by its count of the window's 13 rows.
+    reference = NormModel(lambda phase, x: False)
+    reference.load_state_dict(model.state_dict())  # buffers too (unused in training mode)
+    with torch.no_grad():
+        for p, v in zip(reference.parameters(), optimizer.params_before[0], strict=True):
+            p.copy_(v)
+    pieces = [(0, 0, 3), (0, 3, 6), (1, 0, 3), (1, 3, 5), (1, 5, 7)]
+    loss = (
+        sum(mse(reference, (data[i][0][a:b], data[i][1][a:b])) * (b - a) for i, a, b in pieces) / 13
+    )
+    want = torch.autograd.grad(loss, list(reference.parameters()))
+    for got, w in zip(optimizer.grads[0], want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+
+
+@quiet_norm
+@pytest.mark.parametrize(
+    ("rows", "phase", "norm_kw", "train", "size", "where"),
+    [
+        # 4 rows: 4 fails, then rows 2..3 fail at 2; 1 row is too few for BatchNorm.
+        (4, "forward", {}, True, 2, "rows 2..3 ran out of memory in forward"),
+        # The same with a norm that has no running statistics: batch statistics in eval mode.
+        (4, "forward", {"track_running_stats": False}, False, 2, "rows 2..3 ran out of memory"),
+        # 3 rows fail in backward: halves of 2 leave a row alone, so no smaller cut exists.
+        (3, "backward", {}, True, 3, "rows 0..2 ran out of memory in backward"),
+    ],
+)
+def test_batch_norm_that_cannot_be_cut_smaller_raises_does_not_fit_naming_it(
+    rows: int, phase: str, norm_kw: dict[str, Any], train: bool, size: int, where: str
+) -> None:
+    data = with_ids(make_data([rows]), heavy={(0, rows - 1)})
+    model = NormModel(heavy_above(1, phase), **norm_kw).train(train)
+    optimizer = RecordingSGD(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=1, on_oom="split")
+    (window,) = acc.windows(data)
+    with pytest.raises(DoesNotFitError) as caught:
+        window.run(lambda batch: mse(model, batch))
+
+    message = str(caught.value)
+    assert f"micro-batch 0 of window 0 does not fit at micro-batch size {size}: its {where}" in (
+        message
+    )
+    assert "BatchNorm1d layer 'norm'" in message and "at least 2 samples per piece" in message
+    assert [r.purpose for r in caught.value.remedies] == [
+        "the worst-case batch when probing (autobatch.worst_case_sample)",
+        "GroupNorm or LayerNorm instead of BatchNorm",
+        "BatchNorm in eval mode (normalising with running statistics)",
+    ]
+    assert "GroupNorm or LayerNorm instead of BatchNorm" in message  # str() words the remedies
+    assert min(len(seen) for seen in model.gate.seen) >= 2  # no piece of 1 row was ever run
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.grads == []  # not stepped
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
+def test_batch_norm_with_running_statistics_in_eval_mode_splits_down_to_one_row() -> None:
+    # Eval mode normalises each row by the running statistics: 1 row is fine, and exact.
+    data = with_ids(make_data([4]), heavy={(0, 3)})
+    model = NormModel(heavy_above(1, "forward")).eval()
+    optimizer = RecordingSGD(model.parameters())
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=1, on_oom="split")
+    (window,) = acc.windows(data)
+    window.run(lambda batch: mse(model, batch))
+
+    assert [len(rows) for rows in model.gate.seen] == [4, 2, 2, 1, 1]
+    reference = NormModel(lambda phase, x: False).eval()
+    with torch.no_grad():
+        for p, v in zip(reference.parameters(), optimizer.params_before[0], strict=True):
+            p.copy_(v)
+    want = torch.autograd.grad(mse(reference, data[0]), list(reference.parameters()))
+    for got, w in zip(optimizer.grads[0], want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
