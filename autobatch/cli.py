@@ -572,8 +572,6 @@ def _print_plan(
         )
     for note in result.notes:
         print(f"note: {note}", file=out)
-    if result.world_size > 1 and result.formula() not in result.notes:
-        print(f"note: {result.formula()}", file=out)
 
 
 def _profiles(args: argparse.Namespace, out: TextIO) -> int:

@@ -118,7 +118,8 @@ class Plan:
     """How a limit outside the measured sizes was predicted (the largest measured size, the
     line, its points and residual, the margin); None when the limit was measured or given."""
     notes: tuple[str, ...] = ()
-    """Things the user should know (unequal sizes and how to weight losses, inexact targets)."""
+    """Things the user should know: unequal sizes and how to weight losses, inexact targets, a
+    bound from a failure other than memory, and for more than one rank :meth:`formula`."""
     eval_micro_batch_size: int | None = None
     """Samples per device per evaluation forward pass (under ``torch.inference_mode``, model in
     eval mode), from a probe of evaluation (``autotune(..., eval=True)``); None when not probed."""
@@ -173,15 +174,9 @@ class Plan:
 
     def formula(self) -> str:
         """``E = m x k x dp`` in words: ``"effective_batch_size 64 = 16 (micro_batch_size) x 2
-        (gradient_accumulation_steps) x 2 (data-parallel ranks)"``."""
-        sizes = self.micro_batch_sizes
-        m = "m" if self.uneven else str(sizes[0])
-        sums = f", sum of micro_batch_sizes {sum(sizes)}" if self.uneven else ""
-        return (
-            f"effective_batch_size {self.effective_batch_size} = {m} (micro_batch_size) x "
-            f"{len(sizes)} (gradient_accumulation_steps) x {self.world_size} (data-parallel "
-            f"ranks){sums}"
-        )
+        (gradient_accumulation_steps) x 2 (data-parallel ranks)"``. Every plan for more than
+        one rank has it among its ``notes``."""
+        return _formula(self.micro_batch_sizes, self.effective_batch_size, self.world_size)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists)."""
@@ -212,6 +207,17 @@ class Plan:
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not a valid plan: {exc}") from exc
+
+
+def _formula(sizes: tuple[int, ...], effective: int, world_size: int) -> str:
+    """:meth:`Plan.formula` from the numbers alone (the planner notes it before the Plan exists)."""
+    uneven = sizes[0] != sizes[-1]
+    m = "m" if uneven else str(sizes[0])
+    sums = f", sum of micro_batch_sizes {sum(sizes)}" if uneven else ""
+    return (
+        f"effective_batch_size {effective} = {m} (micro_batch_size) x {len(sizes)} "
+        f"(gradient_accumulation_steps) x {world_size} (data-parallel ranks){sums}"
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,23 +251,17 @@ class WorldSizeOption:
         }
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Options:
-    """Validated options that do not depend on the limit or the world size."""
-
-    multiple_of: int
-    max_steps: int | None
-    uneven: Uneven
-    allow_inexact: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Rules:
-    """Every constraint on a split: the max micro-batch size and the options."""
+    """Every constraint on a split: the max micro-batch size and the checked options.
+
+    Not frozen: private, built once per call and never changed (a frozen dataclass's ``__init__``
+    costs about 0.1 µs per field, and the service plans per request)."""
 
     max_micro_batch_size: int
     multiple_of: int
-    max_steps: int | None
+    max_steps: int
+    """The caller's bound, capped at MAX_GRADIENT_ACCUMULATION_STEPS."""
     uneven: Uneven
     allow_inexact: bool
 
@@ -275,9 +275,7 @@ class _Rules:
             text += f" that are multiples of {self.multiple_of}"
         steps = self.max_steps
         # The user's limit is always named; the internal cap only where it binds.
-        if steps is not None and (
-            steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > self.max_micro_batch_size * steps
-        ):
+        if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > self.max_micro_batch_size * steps:
             text += f", at most {steps} accumulation steps"
         if not self.unequal_allowed:
             text += ", equal sizes"
@@ -358,7 +356,7 @@ def plan(
             reachable effective batch sizes below and above), or the model does not fit at
             micro-batch 1 in ``capacity_bytes``.
     """
-    resolved, options = _resolve(
+    resolved, rules = _resolve(
         limit,
         effective_batch_size=effective_batch_size,
         multiple_of=multiple_of,
@@ -370,7 +368,7 @@ def plan(
         step_seconds=step_seconds,
         source=source,
     )
-    return _plan(resolved, options, effective_batch_size, world_size)
+    return _plan(resolved, rules, effective_batch_size, world_size)
 
 
 def _resolve(
@@ -385,14 +383,10 @@ def _resolve(
     capacity_bytes: int | None,
     step_seconds: Mapping[int, float] | None,
     source: PlanSource | None,
-) -> tuple[Limit, _Options]:
-    """The checks and the limit :func:`plan` and :func:`plan_world_sizes` share, in that order."""
-    options = _options(
-        multiple_of=multiple_of,
-        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-        uneven=uneven,
-        allow_inexact=allow_inexact,
-    )
+) -> tuple[Limit, _Rules]:
+    """The checks and the limit :func:`plan` and :func:`plan_world_sizes` share, in that order,
+    and the rules every split must meet."""
+    _check_options(multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact)
     resolved = _with_failure_note(
         resolve_limit(
             limit,
@@ -404,7 +398,15 @@ def _resolve(
         limit,
     )
     require_int("effective_batch_size", effective_batch_size, 1)
-    return resolved, options
+    steps = max_gradient_accumulation_steps or MAX_GRADIENT_ACCUMULATION_STEPS
+    rules = _Rules(
+        resolved.max_micro_batch_size,
+        multiple_of,
+        min(steps, MAX_GRADIENT_ACCUMULATION_STEPS),
+        uneven,
+        allow_inexact,
+    )
+    return resolved, rules
 
 
 def plan_world_sizes(
@@ -440,7 +442,7 @@ def plan_world_sizes(
         NoFeasiblePlanError: the model does not fit at micro-batch 1 in ``capacity_bytes`` (no
             world size helps).
     """
-    resolved, options = _resolve(
+    resolved, rules = _resolve(
         limit,
         effective_batch_size=effective_batch_size,
         multiple_of=multiple_of,
@@ -461,7 +463,7 @@ def plan_world_sizes(
     for world_size in world_sizes:
         require_int("world_size", world_size, 1)
         try:
-            result = _plan(resolved, options, effective_batch_size, world_size)
+            result = _plan(resolved, rules, effective_batch_size, world_size)
         except (ConfigError, NoFeasiblePlanError) as exc:
             rows.append(
                 WorldSizeOption(
@@ -473,13 +475,12 @@ def plan_world_sizes(
     return rows
 
 
-def _options(
-    *,
+def _check_options(
     multiple_of: int,
     max_gradient_accumulation_steps: int | None,
     uneven: Uneven,
     allow_inexact: bool,
-) -> _Options:
+) -> None:
     require_int("multiple_of", multiple_of, 1)
     if max_gradient_accumulation_steps is not None:
         require_int("max_gradient_accumulation_steps", max_gradient_accumulation_steps, 1)
@@ -492,7 +493,6 @@ def _options(
             f"uneven='always' cannot hold with multiple_of {multiple_of}: sizes that differ by 1 "
             "cannot all be multiples of it; use uneven='auto' or multiple_of=1"
         )
-    return _Options(multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact)
 
 
 def _sizes(per_rank: int, steps: int) -> tuple[int, ...]:
@@ -516,7 +516,7 @@ def _equal_steps(per_rank: int, rules: _Rules) -> list[int]:
     limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
     root = math.isqrt(per_rank)
     lowest = -(-per_rank // limit)
-    highest = per_rank if max_steps is None else min(per_rank, max_steps)
+    highest = min(per_rank, max_steps)
     if highest - lowest < root:  # fewer step counts than divisor candidates: try each
         return [
             k
@@ -524,13 +524,19 @@ def _equal_steps(per_rank: int, rules: _Rules) -> list[int]:
             if per_rank % k == 0 and (per_rank // k) % step == 0
         ]
     if limit <= root:
-        sizes = [d for d in range(step, limit + 1, step) if per_rank % d == 0]
+        steps = [per_rank // d for d in range(limit // step * step, 0, -step) if per_rank % d == 0]
     else:
-        small = [d for d in range(1, root + 1) if per_rank % d == 0]
-        divisors = set(small) | {per_rank // d for d in small}
-        sizes = [d for d in divisors if d <= limit and d % step == 0]
-    steps = sorted(per_rank // size for size in sizes)
-    return [k for k in steps if max_steps is None or k <= max_steps]
+        steps = []
+        for d in range(1, root + 1):  # each divisor pair (d, q): d steps of q, q steps of d
+            if per_rank % d:
+                continue
+            q = per_rank // d
+            if q <= limit and q % step == 0:
+                steps.append(d)
+            if q != d and d % step == 0:
+                steps.append(q)
+        steps.sort()
+    return [k for k in steps if k <= max_steps]
 
 
 def _choose_steps(
@@ -539,7 +545,7 @@ def _choose_steps(
     """Accumulation steps for ``per_rank`` samples and a note (may be empty); None if none fit."""
     minimal = -(-per_rank // rules.max_micro_batch_size)
     equal = _equal_steps(per_rank, rules)
-    minimal_ok = rules.unequal_allowed and (rules.max_steps is None or minimal <= rules.max_steps)
+    minimal_ok = rules.unequal_allowed and minimal <= rules.max_steps
     if rules.uneven == "always":
         candidates = [minimal] if minimal_ok else []
     elif not minimal_ok or (equal and equal[0] <= 2 * minimal):
@@ -596,9 +602,9 @@ def _nearest(effective: int, world_size: int, rules: _Rules) -> tuple[int | None
     above: int | None
     if rules.unequal_allowed:
         # Any per-rank count from 1 to M * K splits into <= K micro-batches of <= M.
-        top = below_rank if max_steps is None else min(below_rank, limit * max_steps)
+        top = min(below_rank, limit * max_steps)
         below = top if top >= 1 else None
-        above = above_rank if max_steps is None or above_rank <= limit * max_steps else None
+        above = above_rank if above_rank <= limit * max_steps else None
     else:
         units = limit // step
         low = _largest_product_at_most(below_rank // step, units, max_steps)
@@ -611,15 +617,8 @@ def _nearest(effective: int, world_size: int, rules: _Rules) -> tuple[int | None
     )
 
 
-def _plan(limit: Limit, options: _Options, effective: int, world_size: int) -> Plan:
+def _plan(limit: Limit, rules: _Rules, effective: int, world_size: int) -> Plan:
     require_int("world_size", world_size, 1)
-    rules = _Rules(
-        limit.max_micro_batch_size,
-        options.multiple_of,
-        min(options.max_steps or MAX_GRADIENT_ACCUMULATION_STEPS, MAX_GRADIENT_ACCUMULATION_STEPS),
-        options.uneven,
-        options.allow_inexact,
-    )
     if effective < world_size:
         raise ConfigError(
             f"effective_batch_size {effective} is less than world_size {world_size}: every rank "
@@ -672,6 +671,8 @@ def _plan(limit: Limit, options: _Options, effective: int, world_size: int) -> P
             f"{sizes[-1]}): weight each micro-batch's loss by its size / {per_rank}, not "
             f"1 / {steps}, so the gradient equals the full batch's"
         )
+    if world_size > 1:
+        notes.append(_formula(sizes, target, world_size))
     peak = limit.peak_bytes(sizes[0])
     return Plan(
         micro_batch_size=sizes[0],

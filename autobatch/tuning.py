@@ -270,7 +270,9 @@ def tune(
     found = autotune_profile(model, sample, **probing)
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan(found.profile, source=source, **constraints)
-    if world_size > 1 or (dist.is_available() and dist.is_initialized()):
+    if world_size == 1 and dist.is_available() and dist.is_initialized():
+        # One data-parallel rank among several processes (tensor or pipeline parallel): the
+        # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.
         result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
     if not eval:
         return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autobatch import autotune, plan
+from autobatch import autotune, plan, plan_world_sizes
 from autobatch.distributed import collective_layout, data_parallel_size
 from autobatch.errors import ConfigError
 from tests.conftest import spawn_and_wait
@@ -130,6 +130,22 @@ def test_without_torch_distributed_the_data_parallel_size_is_what_is_said() -> N
         data_parallel_size(model, world_size=4, data_parallel_size=8)
     with pytest.raises(ConfigError, match="data_parallel_size 0 must be an int >= 1"):
         data_parallel_size(model, data_parallel_size=0)
+
+
+def test_every_plan_for_more_than_one_rank_notes_the_formula_once() -> None:
+    """The planner notes E = m x k x dp itself, so the CLI, the service and autotune (each of
+    which used to add it) cannot drop or repeat it."""
+    one = plan(24, effective_batch_size=64)
+    assert not any("data-parallel ranks" in note for note in one.notes)
+    four = plan(24, effective_batch_size=64, world_size=4)
+    assert four.notes == (four.formula(),)
+    assert four.formula() == (
+        "effective_batch_size 64 = 16 (micro_batch_size) x 1 (gradient_accumulation_steps) x 4 "
+        "(data-parallel ranks)"
+    )
+    rows = plan_world_sizes(24, effective_batch_size=64, world_sizes=[1, 2, 3])
+    assert [row.plan.notes.count(row.plan.formula()) for row in rows if row.plan] == [0, 1]
+    assert rows[2].plan is None  # 64 is not a multiple of 3
 
 
 def test_the_formula_names_uneven_micro_batches() -> None:
