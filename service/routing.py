@@ -33,6 +33,7 @@ from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from service.problems import Problem
 
@@ -80,8 +81,9 @@ def _require_json(request: Request) -> None:
 async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
     """The request's JSON body validated as ``model``, failing as a declared FastAPI body does.
 
-    Parsed with ``json.loads`` and validated from the Python objects, as FastAPI does, so the
-    same input is accepted (models in strict mode accept less from Python than from JSON).
+    Parsed to Python objects as ``json.loads`` parses them and validated from those, as FastAPI
+    does, so the same input is accepted (models in strict mode accept less from Python than
+    from JSON).
 
     Raises:
         Problem: 415, the ``Content-Type`` is not JSON.
@@ -95,7 +97,33 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
         missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
         raise RequestValidationError([missing])
     try:
-        data = json.loads(raw)
+        # pydantic-core's parser first (about 2 µs less than json's for a plan body). It gives
+        # the same objects wherever both accept the text; where it refuses (an error, or a text
+        # only json takes: a byte-order mark, UTF-16, a lone surrogate escape, nesting past
+        # 200), json.loads decides, so what is accepted and every error stay json's.
+        data = from_json(raw)
+    except ValueError:
+        data = _json_loads(raw)
+    try:
+        # from_attributes as FastAPI validates a body (JSON has no attributes; it words the
+        # error for a non-object body the same).
+        return model.model_validate(data, from_attributes=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in errors]
+        ) from None
+
+
+def _json_loads(raw: bytes) -> Any:
+    """``json.loads(raw)``, its errors raised as a declared FastAPI body's are.
+
+    Raises:
+        RequestValidationError: malformed JSON (answered 400 ``malformed-json``).
+        HTTPException: 400, a body that is not text (invalid UTF-8, say) or nested too deep.
+    """
+    try:
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise RequestValidationError(
             [
@@ -110,15 +138,6 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
         ) from exc
     except (ValueError, RecursionError) as exc:  # not text (invalid UTF-8), or nested too deep
         raise HTTPException(400, "There was an error parsing the body") from exc
-    try:
-        # from_attributes as FastAPI validates a body (JSON has no attributes; it words the
-        # error for a non-object body the same).
-        return model.model_validate(data, from_attributes=True)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        raise RequestValidationError(
-            [{**error, "loc": ("body", *error["loc"])} for error in errors]
-        ) from None
 
 
 def json_body_openapi(model: type[BaseModel]) -> dict[str, Any]:

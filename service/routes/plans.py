@@ -100,20 +100,18 @@ async def create_plan(request: Request) -> Response:
         options_table = [
             {
                 "world_size": row.world_size,
-                "plan": None if row.plan is None else row.plan.to_dict(),
+                "plan": row.plan,
                 "reason": row.describe(field_wording),
             }
             for row in rows
         ]
-    # PlanPublic's shape, built from plain dicts and serialized by pydantic-core in one call:
-    # building and validating pydantic models of our own output, then dumping them, cost about
-    # 40 µs more per request (of ~250 µs in-process on 2 cores). Tests validate these responses
-    # against PlanPublic, and the schema fuzz test checks every response against the OpenAPI.
-    public_plan = result.to_dict()
-    if result.world_size > 1:  # as autotune says it: E = m x k x data-parallel ranks
-        public_plan["notes"].append(result.formula())  # (not dataclasses.replace: ~15 µs)
+    # PlanPublic's shape, serialized by pydantic-core in one call, Plans included: it writes a
+    # dataclass as its fields, which is Plan.to_dict() (a test keeps the two equal). Building and
+    # validating pydantic models of our own output, then dumping them, cost about 40 µs more per
+    # request (of ~250 µs in-process on 2 cores). Tests validate these responses against
+    # PlanPublic, and the schema fuzz test checks every response against the OpenAPI.
     public = {
-        "plan": public_plan,
+        "plan": result,
         "configs": _configs(result),
         "world_size_options": options_table,
         "profile_id": profile_id,

@@ -370,6 +370,32 @@ def test_plan_from_a_stored_profile_is_cached(client: TestClient) -> None:
     assert body["plan"]["prediction"]["num_fit_points"] == 0
 
 
+def test_the_answer_carries_the_library_plans_as_their_to_dict(client: TestClient) -> None:
+    """The route serializes Plans with pydantic-core, which writes a dataclass as its fields:
+    that must stay Plan.to_dict(), prediction and notes included, in the plan and in every row."""
+    profile = make_profile()
+    profile_id = client.post("/v1/profiles", json=profile.to_dict()).json()["id"]
+    request = {"effective_batch_size": 288, "capacity_bytes": 80 * GiB}
+    body = client.post(
+        "/v1/plan",
+        json={
+            "profile_id": profile_id,
+            "effective_batch_size": 288,
+            "world_size": 2,
+            "world_sizes": [1, 2, 5],
+            "device": {"capacity_bytes": request["capacity_bytes"]},
+        },
+    ).json()
+    expected = autobatch.plan(profile, world_size=2, source="cached", **request)
+    assert expected.prediction is not None and len(expected.notes) >= 2  # the fields that nest
+    assert body["plan"] == expected.to_dict()
+    rows = autobatch.plan_world_sizes(profile, world_sizes=[1, 2, 5], source="cached", **request)
+    assert [row["plan"] for row in body["world_size_options"]] == [
+        None if row.plan is None else row.plan.to_dict() for row in rows
+    ]
+    assert body["world_size_options"][2]["plan"] is None  # 288 is not a multiple of 5
+
+
 def test_the_same_stored_profile_reads_the_same_source_by_cli_and_by_service(
     make_app: Callable[..., FastAPI], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -553,6 +579,37 @@ def test_plan_body_that_is_not_a_json_object_is_a_problem(
         "/v1/plan", content=content, headers={"Content-Type": "application/json"}
     )
     assert problem(response, status, slug)["detail"].startswith(detail)
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "expected"),
+    [
+        # Texts pydantic-core's parser refuses but json.loads takes: json decides.
+        (b'\xef\xbb\xbf{"max_micro_batch_size": 8, "effective_batch_size": 16}', 200, 8),
+        ('{"max_micro_batch_size": 8, "effective_batch_size": 16}'.encode("utf-16"), 200, 8),
+        (b"[" * 300 + b"]" * 300, 422, "body: Input should be a valid dictionary"),
+        (b'{"model_fingerprint": "\\ud800", "effective_batch_size": 16}', 422, "body.model_fi"),
+        # Texts both take, read alike: the last of repeated keys wins.
+        (
+            b'{"max_micro_batch_size": 8, "max_micro_batch_size": 4, "effective_batch_size": 16}',
+            200,
+            4,
+        ),
+    ],
+)
+def test_plan_body_reads_as_json_loads_reads_it(
+    client: TestClient, content: bytes, status: int, expected: int | str
+) -> None:
+    """read_json_body parses with pydantic-core first and falls back to json.loads where that
+    refuses: what is accepted, and how, stays json's (as for FastAPI's declared bodies)."""
+    response = client.post(
+        "/v1/plan", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    if status == 200:
+        assert response.json()["plan"]["micro_batch_size"] == expected
+    else:
+        assert str(expected) in problem(response, status, "validation")["detail"]
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
