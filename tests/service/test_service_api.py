@@ -680,6 +680,20 @@ def call_asgi(
     return sent[0]["status"], body
 
 
+def test_plan_reads_a_body_that_comes_in_several_messages(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    # A server hands on a long body in pieces (more_body); the route reads them all.
+    text = b'{"max_micro_batch_size": 8, "effective_batch_size": 48, "world_size": 2}'
+    length = str(len(text)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", length)]
+    status, body = call_asgi(
+        make_app(), "POST", "/v1/plan", headers, [text[:10], text[10:40], text[40:]]
+    )
+    assert status == 200, body
+    assert json.loads(body)["plan"]["micro_batch_sizes"] == [8, 8, 8]
+
+
 def test_a_length_beside_chunked_framing_does_not_skip_the_size_limit(
     make_app: Callable[..., FastAPI],
 ) -> None:
