@@ -103,6 +103,8 @@ def test_inexact_note_names_the_real_cause_not_the_step_cap() -> None:
     assert result.effective_batch_size == 96
     assert result.notes == (
         "effective_batch_size 97 is not a multiple of world_size 4; planned the nearest, 96",
+        "effective_batch_size 96 = 24 (micro_batch_size) x 1 (gradient_accumulation_steps) x 4 "
+        "(data-parallel ranks)",
     )
 
 
