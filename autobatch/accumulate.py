@@ -218,6 +218,21 @@ class MicroStep(Generic[B]):
                 non-last micro-step run outside :meth:`sync_context`. An error from autograd
                 itself (an OOM) propagates, and the micro-step's backward can then be retried.
         """
+        loss, weight = self._weight(loss, reduction)
+        weighted = loss * weight  # this micro-step's share of the global mean
+        window = self._window
+        scaler = window._acc.scaler
+        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
+        # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
+        window._weighted_losses.append(weighted.detach())
+        self._backward_done = True
+        window._num_backward += 1
+
+    def _weight(
+        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> tuple[torch.Tensor, float]:
+        """:meth:`backward`'s checks: the loss as a 0-dim tensor and its weight, or the
+        ConfigError backward would raise (``Window.run`` asks before the ranks' agreement)."""
         window = self._window
         acc = window._acc
         if self._backward_done or window._stepped:
@@ -251,13 +266,7 @@ class MicroStep(Generic[B]):
                     "the sum) over this micro-batch's counted items"
                 )
             loss = loss.reshape(())
-        weighted = loss * weight  # this micro-step's share of the global mean
-        scaler = acc.scaler
-        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
-        # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
-        window._weighted_losses.append(weighted.detach())
-        self._backward_done = True
-        window._num_backward += 1
+        return loss, weight
 
 
 class Window(Generic[B]):

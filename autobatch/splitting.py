@@ -40,14 +40,19 @@ The rules:
   store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
 - **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only
   with ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the
-  smallest limit, so they split together, and if one rank cannot fit a batch every rank raises
-  instead of waiting. On the last micro-step the agreement comes after the forward of the final
-  piece and before its synchronised backward. An out-of-memory error *inside* that backward
-  cannot be agreed on (the other ranks are already in the all-reduce): that rank aborts the
-  process group, so every other rank fails within seconds instead of hanging, and raises
-  :class:`~autobatch.errors.DistributedError`. Pieces are local (ranks may run different numbers
-  of forward passes), so a model with buffers needs ``DistributedDataParallel(...,
-  broadcast_buffers=False)``.
+  smallest limit, so they split together. An error on one rank before an agreement (a batch that
+  does not fit, a ``ConfigError``, the user's ``loss_of``, an ``on_split`` callback) is taken to
+  the agreement the other ranks wait at, so they raise :class:`~autobatch.errors.DistributedError`
+  at once instead of waiting. On the last micro-step the agreement comes after the forward of the
+  final piece and before its synchronised backward: that piece is the last one that counts
+  items (later pieces count none and are not run), backward's own checks (a mean over 0 counted
+  items) run before the agreement, and a smaller size another rank made known there is reported
+  (``on_split`` included) after the backward. An error *inside* that backward cannot be agreed
+  on (the others are already in the all-reduce): that rank raises ``DistributedError`` and
+  aborts the process group, and the others fail when its process ends (gloo notices at once;
+  gloo's abort alone does not reach them) or at the process group's timeout, so let that error
+  end the process. Pieces are local (ranks may run different numbers of forward passes), so a
+  model with buffers needs ``DistributedDataParallel(..., broadcast_buffers=False)``.
 
 Example::
 
@@ -65,7 +70,7 @@ import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -86,6 +91,9 @@ DEFAULT_OOM_RETRY_WINDOWS = 16
 logger = logging.getLogger("autobatch")
 
 _NO_LIMIT = 2**62  # "run whole" in the ranks' agreement (a MIN all-reduce)
+# A rank's failure in the agreement (MIN-reduced: the lower one is named to the other ranks).
+_FAILED = -1  # an error before the agreement: the user's forward, a check, a callback
+_DOES_NOT_FIT = -2  # DoesNotFitError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -197,6 +205,9 @@ class _SplitMicroStep(Protocol):
     def backward(
         self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean"
     ) -> None: ...
+    def _weight(
+        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> tuple[torch.Tensor, float]: ...
     def _piece(self, batch: Any, count: int, is_last: bool, /) -> _SplitMicroStep: ...
 
 
@@ -245,6 +256,10 @@ class _WindowRun:
         self.ddp = self.acc._ddp
         self.agree_ranks = self.ddp is not None and self.splitter.on_oom == "split"
         self.num_agreed = 0  # micro-steps whose agreement is done
+        # Whether the other ranks will wait for this one at an agreement: from the window's start
+        # to its last micro-step's, which comes before the synchronised backward.
+        self.owes_agreement = self.agree_ranks
+        self.deferred: SplitEvent | None = None  # a peer's split agreed at the last micro-step
         self.had_split = False
         self.done_count = 0  # counted items of the current micro-batch's pieces done
         self.norm: tuple[str, torch.nn.Module] | None | bool = False  # False: not looked for yet
@@ -258,7 +273,7 @@ class _WindowRun:
             failure = self._run_rows(micros[index], start)
             if failure is None:
                 if self.agree_ranks and index == self.num_agreed and index < len(micros) - 1:
-                    self._agree(index, failed=False)
+                    self._agree(index)
                 index, start = index + 1, 0
                 continue
             # Outside the except block: the failed pass's frames are gone, so its memory can go.
@@ -344,14 +359,19 @@ class _WindowRun:
             with context:
                 loss = self.loss_of(batch)
                 if synced and self.agree_ranks:
-                    self._agree(step.index, failed=False)
+                    # Backward's own checks (a mean over 0 counted items, a loss of many
+                    # elements) before the agreement: past it, an error on one rank leaves the
+                    # others waiting in the gradient all-reduce.
+                    step._weight(loss, self.reduction)  # type: ignore[arg-type]
+                    self._agree(step.index)
                     phase = "backward"
                     try:
                         step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
-                    except ConfigError:
-                        raise
                     except Exception as exc:
                         self._synchronised_backward_failed(step, exc)
+                    if self.deferred is not None:  # the all-reduce is done: a callback may raise
+                        event, self.deferred = self.deferred, None
+                        self._add_event(event)
                 else:
                     phase = "backward"
                     step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
@@ -422,9 +442,7 @@ class _WindowRun:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _does_not_fit(self, micro: _SplitMicroStep, failure: _Failure) -> None:
-        if self.agree_ranks:
-            self._agree(micro.index, failed=True)  # the other ranks raise too, and do not wait
+    def _does_not_fit(self, micro: _SplitMicroStep, failure: _Failure) -> NoReturn:
         device = self._device()
         where = f"micro-batch {micro.index} of window {self.window.index}"
         dropped = "The window's gradients were dropped: catch the error to skip the window"
@@ -463,51 +481,82 @@ class _WindowRun:
             remedies=remedies,
         )
 
-    def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> None:
+    def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> NoReturn:
+        """Any error in the synchronised backward: the other ranks may be in its all-reduce
+        (past the agreement, nothing can be agreed), so the group is aborted and they fail."""
         where = f"micro-batch {step.index} of window {self.window.index}"
         group = self.acc._group
+        rank = dist.get_rank(group)
+        _abort(group)
         if is_oom(exc):
-            _abort(group)
             raise DistributedError(
-                f"rank {dist.get_rank(group)} ran out of memory inside the synchronised backward "
-                f"of {where} ({_first_line(exc)}), where the ranks cannot agree to split (the "
-                "others are in the gradient all-reduce). The process group was aborted so that "
-                "no rank waits. Probe with the worst-case batch (autobatch.worst_case_sample) "
-                "or use a smaller micro-batch"
+                f"rank {rank} ran out of memory inside the synchronised backward of {where} "
+                f"({_first_line(exc)}), where the ranks cannot agree to split (the others are "
+                "in the gradient all-reduce). The process group was aborted so that no rank "
+                "waits. Probe with the worst-case batch (autobatch.worst_case_sample) or use a "
+                "smaller micro-batch"
             ) from exc
         raise DistributedError(
-            f"the synchronised backward of {where} failed on rank {dist.get_rank(group)} "
-            f"({type(exc).__name__}: {_first_line(exc)}); another rank probably ran out of memory "
-            "in it: see that rank's error"
+            f"the synchronised backward of {where} failed on rank {rank} "
+            f"({type(exc).__name__}: {_first_line(exc)}); if another rank ran out of memory in "
+            "it, see that rank's error. The process group was aborted so that no rank waits"
         ) from exc
 
     # -- ranks ---------------------------------------------------------------------------------
 
-    def _agree(self, index: int, *, failed: bool) -> None:
-        """The once-per-micro-step agreement: every rank's limit and failure, MIN-reduced."""
+    def _agree(self, index: int, *, failure: int = 0) -> None:
+        """The once-per-micro-step agreement: every rank's limit and failure, MIN-reduced.
+
+        Raises:
+            DistributedError: another rank failed (and this one did not).
+        """
         self.num_agreed = index + 1
+        self.owes_agreement = False  # also when the collective fails: no rank is left to meet
         limit = self.splitter.limit
-        mine = [limit if limit is not None else _NO_LIMIT, -1 if failed else 0]
+        mine = [limit if limit is not None else _NO_LIMIT, failure]
         flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.acc._group)
-        agreed, any_failed = int(flags[0]), int(flags[1]) < 0
-        if any_failed and not failed:
+        agreed, worst = int(flags[0]), int(flags[1])
+        if failure:
+            return  # this rank raises its own error
+        where = f"micro-batch {index} of window {self.window.index}"
+        if worst == _DOES_NOT_FIT:
             raise DistributedError(
-                f"another rank could not fit micro-batch {index} of window {self.window.index} "
-                "even at micro-batch size 1 and raised DoesNotFitError; this rank stops too"
+                f"another rank could not fit {where} even at the smallest micro-batch size and "
+                "raised DoesNotFitError; this rank stops too"
             )
+        if worst:
+            raise DistributedError(
+                f"another rank raised an error in {where} before the ranks agreed to run it "
+                "(see that rank's error); this rank stops too, so that no rank waits for it"
+            )
+        last = index == len(self.micros) - 1
+        self.owes_agreement = not last
         if agreed < (limit if limit is not None else _NO_LIMIT):
-            self._add_event(
-                SplitEvent(
-                    window_index=self.window.index,
-                    micro_step_index=index,
-                    old_micro_batch_size=limit
-                    or _rows(self.micros[index].batch, self.window.index, index),
-                    new_micro_batch_size=agreed,
-                    phase="peer",
-                    reason="another rank ran out of memory",
-                )
+            event = SplitEvent(
+                window_index=self.window.index,
+                micro_step_index=index,
+                old_micro_batch_size=limit
+                or _rows(self.micros[index].batch, self.window.index, index),
+                new_micro_batch_size=agreed,
+                phase="peer",
+                reason="another rank ran out of memory",
             )
+            if last:  # reported after the synchronised backward, whose all-reduce comes next
+                self.deferred = event
+            else:
+                self._add_event(event)
+
+    def tell_peers(self, exc: Exception) -> None:
+        """After an error on this rank, meet the other ranks at the agreement they wait at, with
+        the failure, so that they raise too instead of waiting for the process group's timeout."""
+        if not self.owes_agreement:
+            return
+        failure = _DOES_NOT_FIT if isinstance(exc, DoesNotFitError) else _FAILED
+        try:
+            self._agree(self.num_agreed, failure=failure)
+        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
+            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
 
     def _device(self) -> torch.device:
         for param in self.acc._params():
@@ -533,16 +582,17 @@ def run_window(
     Raises:
         ConfigError: the window already ran backward or stepped; with ``on_oom="split"``, a
             batch has no tensor with a batch dimension (needed to cut it; checked before any
-            step); ``count_fn`` is not additive over rows (the
-            pieces' counts do not sum to the micro-batch's); a "mean" loss of a piece with 0
-            counted items that must run (DDP's last); see also ``MicroStep.backward``.
+            step); ``count_fn`` is not additive over rows (the pieces' counts do not sum to the
+            micro-batch's; checked before they run); a "mean" loss of a micro-batch with 0
+            counted items; see also ``MicroStep.backward``.
         DoesNotFitError: a micro-batch runs out of memory even at size 1, or, for a model with
             BatchNorm in training mode, at the smallest pieces it allows (2 rows; names the
             batch, the rows and the layer).
             On this and any other error the window's gradients are dropped (set to None) and
             nothing is stepped, so a loop that catches it skips the window.
-        DistributedError: under DDP, another rank failed, or this rank ran out of memory in the
-            synchronised backward (the process group is then aborted).
+        DistributedError: under DDP with ``on_oom="split"``, another rank raised an error before
+            the ranks agreed to run a micro-step, or this rank's synchronised backward failed
+            (the process group is then aborted).
     """
     if window._num_backward or window._stepped:
         raise ConfigError(
@@ -550,17 +600,19 @@ def run_window(
             "of the micro-step loop, not after it"
         )
     splitter: Splitter = window._acc._splitter
-    if splitter.on_oom == "split":
-        for micro in window:  # before any step, not at the first OOM hours into training
-            _rows(micro.batch, window.index, micro.index)
-    splitter.start_window(window.index)
     state = _WindowRun(window, loss_of, reduction)
     try:
+        if splitter.on_oom == "split":
+            for micro in window:  # before any step, not at the first OOM hours into training
+                _rows(micro.batch, window.index, micro.index)
+        splitter.start_window(window.index)
         state.run()
-    except BaseException:
+    except BaseException as exc:
         # The window is abandoned: its partial gradient must reach neither a step (it would be
         # weighted as the whole window's) nor the next window, so catching the error skips it.
         state.drop_gradients()
+        if isinstance(exc, Exception):
+            state.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
         raise
     splitter.end_window(state.had_split)
     for micro in state.micros:

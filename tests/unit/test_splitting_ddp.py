@@ -205,3 +205,187 @@ def test_ddp_a_row_that_fits_nowhere_makes_every_rank_raise(tmp_path: Path) -> N
     )
     assert ranks[0]["error"] == "DistributedError"
     assert "another rank could not fit micro-batch 0 of window 0" in ranks[0]["message"]
+
+
+# -- an error on one rank only never leaves the other waiting ---------------------------------
+
+# Short, so that a rank left waiting (the failure these tests guard against) fails the test
+# with gloo's timeout instead of hanging it; every rank here must finish far sooner.
+SHORT_PG_TIMEOUT = datetime.timedelta(seconds=20)
+IGNORED = -100.0  # a target that counts nothing, like a label of -100
+
+
+def masked_mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean squared error over the counted rows (a mean over none is NaN)."""
+    x, y = batch
+    keep = y[:, 0] != IGNORED
+    return ((model(x) - y)[keep] ** 2).mean()
+
+
+def num_counted(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    return int((batch[1][:, 0] != IGNORED).sum())
+
+
+def _one_rank_worker(rank: int, store_path: str, out_dir: str, case: str) -> None:
+    """One window of 2 micro-batches of 8 rows per rank; ``case`` says what rank 1 (or, for a
+    callback, rank 0) meets."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE,
+        timeout=SHORT_PG_TIMEOUT,
+    )  # fmt: skip
+    outcome: dict[str, Any] = {}
+    try:
+        data = _data(rank)[:2]
+        heavy_at = {
+            "final_piece_counts_nothing": 1, "callback": 0, "callback_last": 1, "backward_error": 1
+        }  # fmt: skip
+        if rank == 1 and case in heavy_at:
+            data[heavy_at[case]][0][2, 0] = HEAVY  # runs out of memory in forward above 4 rows
+        if rank == 1 and case == "final_piece_counts_nothing":
+            data[1][1][4:, 0] = IGNORED  # its second half counts nothing
+        if rank == 1 and case == "last_counts_nothing":
+            data[1][1][:, 0] = IGNORED  # the whole last micro-batch counts nothing
+
+        def oom_when(where: str, rows: torch.Tensor) -> bool:
+            heavy = bool((rows[:, 0] == HEAVY).any())
+            if case == "backward_error":
+                if where == "backward" and heavy:
+                    raise RuntimeError("a custom backward failed")
+                return False
+            return where == "forward" and heavy and rows.shape[0] > 4
+
+        def on_split(event: Any) -> None:
+            if rank == 0 and case.startswith("callback"):  # split_recorder writes on rank 0 only
+                raise RuntimeError("attempt to write a readonly database")
+
+        model = GatedModel(oom_when)
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1.0)
+        acc = Accumulator(
+            ddp, optimizer, gradient_accumulation_steps=2, on_oom="split", on_split=on_split
+        )
+        before = [p.detach().clone() for p in model.parameters()]
+        start = time.monotonic()
+        try:
+            for window in acc.windows(data, count_fn=num_counted):
+                stats = window.run(lambda batch: masked_mse(ddp, batch))
+                outcome["splits"] = [
+                    [s.phase, s.old_micro_batch_size, s.new_micro_batch_size] for s in stats.splits
+                ]
+        except Exception as exc:
+            outcome["error"] = type(exc).__name__
+            outcome["message"] = str(exc)
+        outcome["seconds"] = time.monotonic() - start
+        outcome["before"] = [b.tolist() for b in before]
+        outcome["grad"] = [
+            (b - p.detach()).tolist() for b, p in zip(before, model.parameters(), strict=True)
+        ]
+        outcome["seen"] = [len(rows) for rows in model.gate.seen]
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    if case == "backward_error":
+        # Rank 1 aborted the group; gloo's abort does not reach rank 0, which fails when rank 1's
+        # process ends (as an uncaught error ends it). Leave without teardown, as
+        # _failing_worker does.
+        os._exit(0)
+    leave_gloo_worker()
+
+
+def _run_one_rank_case(tmp_path: Path, case: str) -> list[dict[str, Any]]:
+    spawn_and_wait(
+        _one_rank_worker, (str(tmp_path / "store"), str(tmp_path), case), WORLD_SIZE,
+        SPAWN_TIMEOUT_S,
+    )  # fmt: skip
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    for outcome in ranks:  # nobody waited for gloo's timeout
+        assert outcome["seconds"] < SHORT_PG_TIMEOUT.total_seconds() / 2
+    return ranks
+
+
+@pytest.mark.slow
+def test_ddp_a_last_piece_that_counts_nothing_is_not_run_and_the_gradient_is_global(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's last micro-batch runs out of memory whole; its halves count 4 and 0 items. The
+    # half that counts nothing used to run as the synchronised piece, with a mean over 0 items:
+    # a ConfigError on rank 1 after the ranks agreed, rank 0 left in the all-reduce. The last
+    # counted piece synchronises instead, and the half that counts nothing adds nothing.
+    ranks = _run_one_rank_case(tmp_path, "final_piece_counts_nothing")
+    assert "error" not in ranks[0] and "error" not in ranks[1]
+    assert ranks[1]["splits"] == [["forward", 8, 4]]
+    assert ranks[0]["splits"] == [["peer", 8, 4]]
+    assert ranks[1]["seen"] == [8, 8, 4]  # the half counting nothing did not run
+    assert ranks[0]["grad"] == ranks[1]["grad"]
+    model = GatedModel(lambda phase, rows: False)
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), ranks[0]["before"], strict=True):
+            p.copy_(torch.tensor(v, dtype=torch.float64))
+    batches = _data(0)[:2] + _data(1)[:2]
+    batches[3][0][2, 0] = HEAVY
+    batches[3][1][4:, 0] = IGNORED
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    want = torch.autograd.grad(masked_mse(model, (x, y)), list(model.parameters()))
+    for got, w in zip(ranks[0]["grad"], want, strict=True):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), w, rtol=1e-12,
+                                   atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ddp_a_mean_over_nothing_on_one_rank_makes_every_rank_raise(tmp_path: Path) -> None:
+    # No out-of-memory at all: rank 1's last micro-batch counts 0 items and the loss is a mean.
+    # Checked before the agreement, so rank 0 learns of it there instead of waiting.
+    ranks = _run_one_rank_case(tmp_path, "last_counts_nothing")
+    assert ranks[1]["error"] == "ConfigError"
+    assert (
+        "micro-step 1 of window 0 has 0 counted items, so a mean loss is NaN"
+        in (ranks[1]["message"])
+    )
+    assert "reduction='sum'" in ranks[1]["message"]
+    assert ranks[0]["error"] == "DistributedError"
+    assert (
+        "another rank raised an error in micro-batch 1 of window 0 before the ranks agreed"
+        in (ranks[0]["message"])
+    )
+    assert ranks[0]["grad"] == ranks[1]["grad"] == [[[0.0] * 3] * 4, [0.0] * 4, [[0.0] * 4], [0.0]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["callback", "callback_last"])
+def test_ddp_a_split_callback_that_raises_on_rank_0_leaves_no_rank_waiting(
+    tmp_path: Path, case: str
+) -> None:
+    # Rank 1 runs out of memory, rank 0 adopts the smaller size and its on_split callback (a
+    # store written on rank 0 only, as split_recorder does) raises. At the first micro-step the
+    # error is agreed on at the next agreement; at the last one the callback runs after the
+    # synchronised backward, so rank 1 is not left in its all-reduce.
+    ranks = _run_one_rank_case(tmp_path, case)
+    assert ranks[0]["error"] == "RuntimeError"
+    assert ranks[0]["message"] == "attempt to write a readonly database"
+    if case == "callback":
+        assert ranks[1]["error"] == "DistributedError"
+        assert "another rank raised an error in micro-batch 1 of window 0" in ranks[1]["message"]
+    else:
+        assert "error" not in ranks[1]
+        assert ranks[1]["splits"] == [["forward", 8, 4]]
+
+
+@pytest.mark.slow
+def test_ddp_any_error_in_the_synchronised_backward_is_a_distributed_error_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # Not an OOM: a custom autograd function fails in rank 1's synchronised backward, where
+    # rank 0 is already in the all-reduce. Rank 1 aborts the group as for an OOM (it used to
+    # blame "another rank" for its own error and leave the group as it was).
+    ranks = _run_one_rank_case(tmp_path, "backward_error")
+    assert ranks[1]["error"] == "DistributedError"
+    assert (
+        "the synchronised backward of micro-batch 1 of window 0 failed on rank 1 (RuntimeError: "
+        "a custom backward failed)" in ranks[1]["message"]
+    )
+    assert "process group was aborted" in ranks[1]["message"]
+    assert ranks[0]["error"] == "DistributedError"
+    assert (
+        "synchronised backward of micro-batch 1 of window 0 failed on rank 0"
+        in (ranks[0]["message"])
+    )
