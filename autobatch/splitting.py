@@ -52,7 +52,10 @@ The rules:
   aborts the process group, and the others fail when its process ends (gloo notices at once;
   gloo's abort alone does not reach them) or at the process group's timeout, so let that error
   end the process. Pieces are local (ranks may run different numbers of forward passes), so a
-  model with buffers needs ``DistributedDataParallel(..., broadcast_buffers=False)``.
+  forward pass must not communicate: a model with buffers needs
+  ``DistributedDataParallel(..., broadcast_buffers=False)`` and none may have a
+  ``SyncBatchNorm`` in training mode (:func:`run_window` refuses both on every rank before any
+  step).
 
 Example::
 
@@ -75,6 +78,7 @@ from typing import Any, Literal, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from autobatch.counting import as_count, leading_dim
@@ -580,7 +584,10 @@ def run_window(
         reduction: how ``loss_of`` reduces over counted items.
 
     Raises:
-        ConfigError: the window already ran backward or stepped; with ``on_oom="split"``, a
+        ConfigError: the window already ran backward or stepped; under DDP, a forward pass that
+            communicates (``broadcast_buffers=True`` with buffers, ``SyncBatchNorm`` in
+            training mode), which pieces on one rank would leave unmatched; with
+            ``on_oom="split"``, a
             batch has no tensor with a batch dimension (needed to cut it; checked before any
             step); ``count_fn`` is not additive over rows (the pieces' counts do not sum to the
             micro-batch's; checked before they run); a "mean" loss of a micro-batch with 0
@@ -601,6 +608,8 @@ def run_window(
         )
     splitter: Splitter = window._acc._splitter
     state = _WindowRun(window, loss_of, reduction)
+    if state.agree_ranks:  # the same on every rank: they all raise, before any collective
+        _refuse_collective_forward(window._acc.model)
     try:
         if splitter.on_oom == "split":
             for micro in window:  # before any step, not at the first OOM hours into training
@@ -637,6 +646,36 @@ def _rows(batch: Any, window_index: int, micro_index: int) -> int:
         "with the batch dimension first (collate the samples into one, e.g. with "
         "torch.utils.data.default_collate), or use on_oom='raise'"
     )
+
+
+def _refuse_collective_forward(model: torch.nn.Module) -> None:
+    """Pieces run on one rank only, so under DDP a forward pass must not communicate.
+
+    Raises:
+        ConfigError: ``model`` (a ``DistributedDataParallel``) broadcasts its module's buffers at
+            every forward (``broadcast_buffers=True``, torch's default, and the module has
+            buffers), or the module has a ``SyncBatchNorm`` in training mode (it gathers
+            statistics from every rank at every forward).
+    """
+    remedy = "or use on_oom='raise'"
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    if isinstance(model, DistributedDataParallel) and model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
+        name = next(iter(model.named_module_buffers), "")  # the buffers DDP broadcasts
+        raise ConfigError(
+            "on_oom='split' runs the pieces of a split micro-batch on one rank only, but this "
+            f"DistributedDataParallel broadcasts the model's buffers (such as {name!r}) from "
+            "rank 0 at every forward pass, which the other ranks would not join; construct it "
+            "with DistributedDataParallel(model, broadcast_buffers=False) (from torch 2.13: "
+            "forward_sync_buffers=False); buffers such as BatchNorm statistics then stay per "
+            f"rank; {remedy}"
+        )
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.SyncBatchNorm) and layer.training:
+            raise ConfigError(
+                "on_oom='split' runs the pieces of a split micro-batch on one rank only, but "
+                f"the model's SyncBatchNorm layer {name!r} gathers statistics from every rank at "
+                f"every forward pass in training mode; use BatchNorm instead, {remedy}"
+            )
 
 
 def _cuts(start: int, stop: int, size: int, min_rows: int) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ from torch import nn
 from autobatch.accumulate import Accumulator, StepStats
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError, DoesNotFitError
-from autobatch.splitting import DEFAULT_OOM_RETRY_WINDOWS, SplitEvent
+from autobatch.splitting import DEFAULT_OOM_RETRY_WINDOWS, SplitEvent, _refuse_collective_forward
 from tests.unit.test_accumulate import RecordingSGD, full_batch_grad, make_data, mse
 
 F64 = torch.float64
@@ -593,3 +593,13 @@ def test_batch_norm_with_running_statistics_in_eval_mode_splits_down_to_one_row(
     want = torch.autograd.grad(mse(reference, data[0]), list(reference.parameters()))
     for got, w in zip(optimizer.grads[0], want, strict=True):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+
+
+def test_sync_batch_norm_in_training_mode_is_refused_for_splitting_under_ddp() -> None:
+    # It gathers statistics from every rank at every forward, and pieces run on one rank only.
+    # DDP refuses SyncBatchNorm on CPU, so the check is run on the module DDP would wrap.
+    model = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4), nn.Linear(4, 1))
+    with pytest.raises(ConfigError, match=r"SyncBatchNorm layer '1' gathers statistics from "
+                       r"every rank .*use BatchNorm instead, or use on_oom='raise'"):  # fmt: skip
+        _refuse_collective_forward(model)
+    _refuse_collective_forward(model.eval())  # in eval mode it uses its running statistics

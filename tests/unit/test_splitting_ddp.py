@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch.accumulate import Accumulator
+from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning
 from tests.conftest import spawn_and_wait
 from tests.unit.gloo_exit import leave_gloo_worker
 from tests.unit.test_splitting import HEAVY, GatedModel, fake_oom, mse
@@ -389,3 +390,62 @@ def test_ddp_any_error_in_the_synchronised_backward_is_a_distributed_error_on_ev
         "synchronised backward of micro-batch 1 of window 0 failed on rank 0"
         in (ranks[0]["message"])
     )
+
+
+def _forward_collective_worker(rank: int, store_path: str, out_dir: str, case: str) -> None:
+    """A model with BatchNorm under DDP: buffers broadcast at every forward, or
+    (``"per_rank"``) kept per rank with ``broadcast_buffers=False``."""
+    _init(rank, store_path)
+    outcome: dict[str, Any] = {}
+    try:
+        warnings.simplefilter("ignore", SmallMicroBatchNormWarning)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+        ).double()
+        ddp = DistributedDataParallel(model, broadcast_buffers=case == "broadcast_buffers")
+        acc = Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0),
+                          gradient_accumulation_steps=2, on_oom="split")  # fmt: skip
+        forwards: list[int] = []
+
+        def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            forwards.append(batch[0].shape[0])
+            return mse(ddp, batch)
+
+        try:
+            for window in acc.windows(_data(rank)):
+                window.run(loss_of)
+        except Exception as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc)}
+        outcome["forwards"] = forwards
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    leave_gloo_worker()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("broadcast_buffers", "DistributedDataParallel(model, broadcast_buffers=False)"),
+        ("per_rank", None),
+    ],
+)
+def test_ddp_a_forward_that_communicates_is_refused_on_every_rank_before_any_step(
+    tmp_path: Path, case: str, match: str | None
+) -> None:
+    # A piece runs on one rank only: a forward pass that broadcasts buffers would meet no
+    # partner on the other ranks. (SyncBatchNorm: test_splitting.py; DDP refuses it on CPU.)
+    spawn_and_wait(
+        _forward_collective_worker, (str(tmp_path / "store"), str(tmp_path), case), WORLD_SIZE,
+        SPAWN_TIMEOUT_S,
+    )  # fmt: skip
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    for outcome in ranks:
+        if match is None:
+            assert "error" not in outcome
+            assert outcome["forwards"] == [8, 8, 8, 8]
+        else:
+            assert outcome["error"] == "ConfigError"
+            assert match in outcome["message"] and "or use on_oom='raise'" in outcome["message"]
+            assert outcome["forwards"] == []
