@@ -1,27 +1,42 @@
-"""FSDP2's collectives without communication, for the length of a probe's trials.
+"""Collectives without communication, for the length of a probe's steps.
 
-A step of a ``fully_shard`` model all-gathers parameters and reduce-scatters gradients. A rank
-that runs out of memory between two of those collectives would leave the other ranks waiting in
-the next one until the process group's timeout. Inside :func:`fsdp2_collectives_faked` every
-FSDP2 parameter group sends its all-gathers and reduce-scatters to a ``FakeProcessGroup`` of the
-same rank and size (torch's "fake" backend: it allocates nothing of its own and returns at once),
-so each rank's step runs alone, allocating exactly what it would (FSDP allocates the collectives'
-outputs itself); the ranks then agree once per trial through the real group. The gathered values
-are garbage, which does not matter to memory, and the probe restores parameters, gradients and
-optimizer state afterwards. On exit the real groups are put back.
+A rank that runs out of memory before a collective in the step (FSDP2's all-gathers and
+reduce-scatters, or the user's own ``train_step``'s: an all-reduce of the loss for logging,
+``clip_grad_norm_``'s norm over DTensor gradients) would leave the other ranks in that collective
+until the process group's timeout, or pair their collective with its next one (the probe's
+agreement), which gloo aborts the process on and NCCL may hang on. Two context managers keep each
+rank's step alone; the ranks then agree once per trial through the real groups:
 
-This reaches into FSDP2's private state (``FSDPParamGroup.mesh_info``); the 2-rank tests in
-``tests/unit/test_fsdp.py`` pin it. Collectives outside FSDP's own (a gradient-norm all-reduce
-inside a user's ``train_step``) still use the real group.
+- :func:`process_groups_faked`, around each step the probe runs: every process group of the
+  process (the default group, ``new_group``'s, a DeviceMesh's, which ``dist.all_reduce(group=)``,
+  a DTensor redistribute and the functional collectives reach by object or by name) sends its
+  collectives to a ``FakeProcessGroup`` backend of the same rank and size (torch's "fake"
+  backend: it allocates nothing of its own and returns at once). The groups are the same
+  objects, so nothing that holds one is missed; only their backends are swapped, and on exit,
+  exceptions included, each device type gets its own backend back.
+- :func:`fsdp2_collectives_faked`, for all the trials: every FSDP2 parameter group sends its
+  all-gathers and reduce-scatters to a ``FakeProcessGroup`` (a group of its own). FSDP allocates
+  the collectives' outputs itself, so each rank allocates exactly what it would.
+
+Either way the values a collective returns are garbage (an all-reduce leaves each rank's own
+values), which does not matter to memory; a step whose allocations depend on values another rank
+sent (``all_gather_object``, a broadcast size) is outside this. The probe restores parameters,
+gradients and optimizer state afterwards.
+
+This reaches into private state: FSDP2's ``FSDPParamGroup.mesh_info``, and c10d's group registry
+(``_world.pg_map``) and ``ProcessGroup._register_backend``; the 2-rank tests in
+``tests/unit/test_fsdp.py`` and ``tests/unit/test_step_collectives.py`` pin them.
 
 Example::
 
-    with fsdp2_collectives_faked(model) as num_groups:
+    with process_groups_faked():
         step.run(batch)          # no rank waits for another
+    consensus.min_ints([...])    # the real groups again
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +44,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["fsdp2_collectives_faked", "reset_fsdp2"]
+from autobatch.errors import DistributedError
+
+__all__ = ["fsdp2_collectives_faked", "process_groups_faked", "reset_fsdp2"]
+
+_FAKE_BACKEND_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL")
+"""The backend types a group's fake backend may be registered under: the first one the group has
+no backend of (a gloo or NCCL group has none of CUSTOM)."""
+
+_FAKES: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+"""Each group's fake backend and its type, registered once: the group keeps it under that type
+(c10d cannot unregister a backend), and a type registered again reuses the backend already there,
+so the same one comes back each time."""
 
 _GROUP_FIELDS = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
 """The process groups an FSDP2 mesh info holds (FSDP, a separate reduce-scatter group, HSDP)."""
@@ -60,6 +86,42 @@ def fsdp2_collectives_faked(model: torch.nn.Module) -> Iterator[int]:
     finally:
         for info, field, real in reversed(swapped):
             setattr(info, field, real)
+
+
+@contextmanager
+def process_groups_faked() -> Iterator[int]:
+    """Inside the block, every process group of this process sends its collectives to a fake
+    backend of its rank and size; yields how many groups (0 without torch.distributed).
+
+    Raises:
+        DistributedError: a group's own backend could not be put back (the message names the
+            group and device type; the process cannot communicate on it any more), or a group
+            has a backend of every type a fake one could be registered under.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        yield 0
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    groups = list(_world.pg_map)
+    swapped: list[tuple[Any, torch.device, Any]] = []
+    try:
+        for group in groups:
+            fake_type, fake = _fake_backend(group)
+            for device in group._device_types:
+                real = group._get_backend(device)
+                group._register_backend(device, fake_type, fake)
+                swapped.append((group, device, real))
+        yield len(groups)
+    finally:
+        failures: list[DistributedError] = []
+        for group, device, real in reversed(swapped):
+            try:
+                _put_back(group, device, real)
+            except DistributedError as exc:  # put every other one back first
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
 
 def reset_fsdp2(model: torch.nn.Module) -> None:
@@ -98,3 +160,58 @@ def _fake_like(real: dist.ProcessGroup) -> dist.ProcessGroup:
     for device_type in ("cpu", "cuda"):
         fake._register_backend(torch.device(device_type), ProcessGroup.BackendType.CUSTOM, backend)
     return fake
+
+
+def _fake_backend(group: Any) -> tuple[Any, Any]:
+    """``group``'s fake backend and the type to register it under (made on first use)."""
+    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+
+    known = _FAKES.get(group)
+    if known is not None:
+        return known
+    for name in _FAKE_BACKEND_TYPES:
+        backend_type = getattr(ProcessGroup.BackendType, name)
+        if not _has_backend_type(group, backend_type):
+            fake = FakeProcessGroup._create_internal(group.rank(), group.size())
+            _FAKES[group] = (backend_type, fake)
+            return backend_type, fake
+    raise DistributedError(
+        f"cannot probe without communication: process group {group.group_name!r} has a backend "
+        f"of every type ({', '.join(_FAKE_BACKEND_TYPES)}) a fake one could take while the "
+        "step runs; probe with a group of standard backends (gloo, nccl)"
+    )
+
+
+def _put_back(group: Any, device: torch.device, real: Any) -> None:
+    """Make ``real`` ``group``'s backend for ``device`` again: registered under its own type
+    (by its name, else whichever type holds it), which c10d reuses rather than replaces."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    by_name = dist.Backend.backend_type_map.get(str(real.name()).lower())
+    fake_type = _FAKES[group][0]
+    candidates = [by_name] if by_name is not None and _has_backend_type(group, by_name) else []
+    candidates += [
+        t
+        for t in ProcessGroup.BackendType.__members__.values()
+        if t not in candidates and t != fake_type and _has_backend_type(group, t)
+    ]
+    for backend_type in candidates:
+        try:
+            group._register_backend(device, backend_type, real)
+        except RuntimeError:  # that type's backend is bound to another device
+            continue
+        if group._get_backend(device) is real:
+            return
+    raise DistributedError(
+        f"could not give process group {group.group_name!r} its own {device.type} backend "
+        f"({real.name()}) back after a probe's step; its collectives on {device.type} tensors "
+        "would not communicate. Please report this with your torch version"
+    )
+
+
+def _has_backend_type(group: Any, backend_type: Any) -> bool:
+    try:
+        group._backend_id(backend_type)
+    except RuntimeError:
+        return False
+    return True

@@ -8,6 +8,9 @@ waiting in a collective while another has stopped (DESIGN.md, "Collectives in th
   middle of a step (CUDA, CPU) several ranks are refused at once, naming the alternatives.
 - **DDP**: the trials run under ``no_sync()`` (no gradient all-reduce inside a trial).
 - **CUDA**: the probed GPU is the current device while the trials run (restored after).
+- **Any layout**: each step a trial runs sends every process group's collectives (the
+  ``train_step``'s own too) to a fake backend, and the agreement after it the real ones
+  (:func:`autobatch.fake_collectives.process_groups_faked`, entered by the trials).
 
 Example::
 

@@ -36,7 +36,7 @@ from autobatch.errors import (
     Remedy,
     StepFailedError,
 )
-from autobatch.fake_collectives import reset_fsdp2
+from autobatch.fake_collectives import process_groups_faked, reset_fsdp2
 from autobatch.metadata import step_identity
 from autobatch.profile import MemoryModel, Trial
 from autobatch.search import Point, bracket
@@ -52,6 +52,13 @@ until it steps the optimizer (one that accumulates gradients over several calls)
 never does within this many calls is refused, as its optimizer state would never appear."""
 
 OnTrial = Callable[[Trial], None]
+
+_FAKED_NOTE = (
+    "the steps ran with every process group's collectives (the train_step's own too, e.g. a "
+    "logged loss's all-reduce or clip_grad_norm_'s) on a fake backend: no communication, each "
+    "rank's own values, so no rank waited for another; the ranks agreed after each step on the "
+    "real groups"
+)
 
 UNRELIABLE_ESTIMATE = 0.25
 """Relative error of the estimated peak (against the measured one) above which the estimate is
@@ -173,12 +180,20 @@ class TrialRunner:
         """An estimate started the search (even if later found unreliable)."""
 
     def _run_step(self, batch: Any, *, train: bool) -> None:
-        """A training step (model in train mode) or an evaluation step (model in eval mode)."""
+        """A training step (model in train mode) or an evaluation step (model in eval mode).
+
+        Every process group's collectives inside it (the ``train_step``'s own too) go to a fake
+        backend (:func:`autobatch.fake_collectives.process_groups_faked`): a rank that runs out
+        of memory before one leaves no other rank waiting in it. The agreement after the step
+        runs on the real groups again."""
         self.model.train(train)
-        if train:
-            self.step.run(batch)
-        else:
-            self.step.evaluate(batch)
+        with process_groups_faked() as groups:
+            if train:
+                self.step.run(batch)
+            else:
+                self.step.evaluate(batch)
+        if groups and _FAKED_NOTE not in self.notes and self.consensus.world_size > 1:
+            self.notes.append(_FAKED_NOTE)
 
     def _agree_capacity(self, own: Capacity) -> Capacity:
         """This device's capacity, lowered to the smallest rank's (the capacity searched)."""
