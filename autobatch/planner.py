@@ -33,9 +33,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from autobatch.errors import (
     ConfigError,
@@ -54,6 +53,15 @@ from autobatch.limits import (
     resolve_limit,
 )
 from autobatch.profile import MemoryModel, Profile
+from autobatch.splits import (
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    SplitRules,
+    Uneven,
+    choose_steps,
+    nearest_reachable,
+    split_seconds,
+    split_sizes,
+)
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
@@ -67,13 +75,7 @@ __all__ = [
     "plan_world_sizes",
 ]
 
-Uneven = Literal["auto", "never", "always"]
 _UNEVEN: tuple[Uneven, ...] = ("auto", "never", "always")
-
-MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 20
-"""No plan has more accumulation steps than this (1,048,576), whatever the caller allows: a Plan
-lists one size per step, and a larger count is a mistake (a micro-batch limit of 1 for a
-billion-sample batch) rather than a training run. Also bounds the planner's own work."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -251,37 +253,6 @@ class WorldSizeOption:
         }
 
 
-@dataclasses.dataclass(slots=True)
-class _Rules:
-    """Every constraint on a split: the max micro-batch size and the checked options.
-
-    Not frozen: private, built once per call and never changed (a frozen dataclass's ``__init__``
-    costs about 0.1 µs per field, and the service plans per request)."""
-
-    max_micro_batch_size: int
-    multiple_of: int
-    max_steps: int
-    """The caller's bound, capped at MAX_GRADIENT_ACCUMULATION_STEPS."""
-    uneven: Uneven
-    allow_inexact: bool
-
-    @property
-    def unequal_allowed(self) -> bool:
-        return self.multiple_of == 1 and self.uneven != "never"
-
-    def describe(self, per_rank: int) -> str:
-        text = f"micro-batches of at most {self.max_micro_batch_size}"
-        if self.multiple_of > 1:
-            text += f" that are multiples of {self.multiple_of}"
-        steps = self.max_steps
-        # The user's limit is always named; the internal cap only where it binds.
-        if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > self.max_micro_batch_size * steps:
-            text += f", at most {steps} accumulation steps"
-        if not self.unequal_allowed:
-            text += ", equal sizes"
-        return text
-
-
 def _with_failure_note(resolved: Limit, limit: int | Profile | MemoryModel) -> Limit:
     """A profile whose search a failure other than memory bounded says so in every plan."""
     if not isinstance(limit, Profile) or not limit.failure_note:
@@ -383,7 +354,7 @@ def _resolve(
     capacity_bytes: int | None,
     step_seconds: Mapping[int, float] | None,
     source: PlanSource | None,
-) -> tuple[Limit, _Rules]:
+) -> tuple[Limit, SplitRules]:
     """The checks and the limit :func:`plan` and :func:`plan_world_sizes` share, in that order,
     and the rules every split must meet."""
     _check_options(multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact)
@@ -399,7 +370,7 @@ def _resolve(
     )
     require_int("effective_batch_size", effective_batch_size, 1)
     steps = max_gradient_accumulation_steps or MAX_GRADIENT_ACCUMULATION_STEPS
-    rules = _Rules(
+    rules = SplitRules(
         resolved.max_micro_batch_size,
         multiple_of,
         min(steps, MAX_GRADIENT_ACCUMULATION_STEPS),
@@ -495,129 +466,7 @@ def _check_options(
         )
 
 
-def _sizes(per_rank: int, steps: int) -> tuple[int, ...]:
-    """``per_rank`` samples in ``steps`` micro-batches differing by at most 1, larger first."""
-    smaller, num_larger = divmod(per_rank, steps)
-    return (smaller + 1,) * num_larger + (smaller,) * (steps - num_larger)
-
-
-def _step_seconds(per_rank: int, steps: int, step_time: Callable[[int], float]) -> float:
-    smaller, num_larger = divmod(per_rank, steps)
-    larger_seconds = step_time(smaller + 1) * num_larger if num_larger else 0.0
-    return larger_seconds + step_time(smaller) * (steps - num_larger)
-
-
-def _equal_steps(per_rank: int, rules: _Rules) -> list[int]:
-    """Accumulation steps of every equal split meeting the rules, ascending.
-
-    Costs O(min(k range, M, sqrt(per_rank))) divisions, where the k range is at most
-    MAX_GRADIENT_ACCUMULATION_STEPS wide.
-    """
-    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
-    root = math.isqrt(per_rank)
-    lowest = -(-per_rank // limit)
-    highest = min(per_rank, max_steps)
-    if highest - lowest < root:  # fewer step counts than divisor candidates: try each
-        return [
-            k
-            for k in range(lowest, highest + 1)
-            if per_rank % k == 0 and (per_rank // k) % step == 0
-        ]
-    if limit <= root:
-        steps = [per_rank // d for d in range(limit // step * step, 0, -step) if per_rank % d == 0]
-    else:
-        steps = []
-        for d in range(1, root + 1):  # each divisor pair (d, q): d steps of q, q steps of d
-            if per_rank % d:
-                continue
-            q = per_rank // d
-            if q <= limit and q % step == 0:
-                steps.append(d)
-            if q != d and d % step == 0:
-                steps.append(q)
-        steps.sort()
-    return [k for k in steps if k <= max_steps]
-
-
-def _choose_steps(
-    per_rank: int, rules: _Rules, step_time: Callable[[int], float] | None
-) -> tuple[int, str] | None:
-    """Accumulation steps for ``per_rank`` samples and a note (may be empty); None if none fit."""
-    minimal = -(-per_rank // rules.max_micro_batch_size)
-    equal = _equal_steps(per_rank, rules)
-    minimal_ok = rules.unequal_allowed and minimal <= rules.max_steps
-    if rules.uneven == "always":
-        candidates = [minimal] if minimal_ok else []
-    elif not minimal_ok or (equal and equal[0] <= 2 * minimal):
-        candidates = equal
-    else:
-        candidates = [minimal]
-    if not candidates:
-        return None
-    if step_time is None or len(candidates) == 1:
-        return candidates[0], ""
-    best = candidates[0]
-    best_seconds = first_seconds = _step_seconds(per_rank, best, step_time)
-    for steps in candidates[1:]:
-        seconds = _step_seconds(per_rank, steps, step_time)
-        if seconds < best_seconds * (1 - 1e-9):
-            best, best_seconds = steps, seconds
-    if best == candidates[0]:
-        return best, ""
-    fewest = candidates[0]
-    return best, (
-        f"chose {best} steps of {per_rank // best} over {fewest} of {per_rank // fewest} by step "
-        f"time: {best_seconds:.4g} s vs {first_seconds:.4g} s per effective batch"
-    )
-
-
-def _largest_product_at_most(n: int, a: int, b: int | None) -> int | None:
-    """Largest ``x <= n`` with ``x = i * j``, ``1 <= i <= a``, ``1 <= j <= b`` (b None: any)."""
-    if n < 1:
-        return None
-    if b is None:
-        return n
-    short, long = min(a, b), max(a, b)
-    return max(i * min(long, n // i) for i in range(1, min(short, n) + 1))
-
-
-def _smallest_product_at_least(n: int, a: int, b: int | None) -> int | None:
-    """Smallest ``x >= n`` with ``x = i * j``, ``1 <= i <= a``, ``1 <= j <= b`` (b None: any)."""
-    n = max(n, 1)
-    if b is None:
-        return n
-    if n > a * b:
-        return None
-    short, long = min(a, b), max(a, b)
-    return min(i * -(-n // i) for i in range(1, short + 1) if -(-n // i) <= long)
-
-
-def _nearest(effective: int, world_size: int, rules: _Rules) -> tuple[int | None, int | None]:
-    """Nearest reachable effective batch sizes strictly below/above an unreachable one."""
-    below_rank, above_rank = effective // world_size, -(-effective // world_size)
-    if effective % world_size == 0:
-        below_rank, above_rank = below_rank - 1, above_rank + 1
-    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
-    below: int | None
-    above: int | None
-    if rules.unequal_allowed:
-        # Any per-rank count from 1 to M * K splits into <= K micro-batches of <= M.
-        top = min(below_rank, limit * max_steps)
-        below = top if top >= 1 else None
-        above = above_rank if above_rank <= limit * max_steps else None
-    else:
-        units = limit // step
-        low = _largest_product_at_most(below_rank // step, units, max_steps)
-        high = _smallest_product_at_least(-(-above_rank // step), units, max_steps)
-        below = None if low is None else low * step
-        above = None if high is None else high * step
-    return (
-        None if below is None else below * world_size,
-        None if above is None else above * world_size,
-    )
-
-
-def _plan(limit: Limit, rules: _Rules, effective: int, world_size: int) -> Plan:
+def _plan(limit: Limit, rules: SplitRules, effective: int, world_size: int) -> Plan:
     require_int("world_size", world_size, 1)
     if effective < world_size:
         raise ConfigError(
@@ -633,9 +482,9 @@ def _plan(limit: Limit, rules: _Rules, effective: int, world_size: int) -> Plan:
     target = effective
     chosen = None
     if effective % world_size == 0:
-        chosen = _choose_steps(effective // world_size, rules, limit.step_time)
+        chosen = choose_steps(effective // world_size, rules, limit.step_time)
     if chosen is None:
-        below, above = _nearest(effective, world_size, rules)
+        below, above = nearest_reachable(effective, world_size, rules)
         nearest = tuple(v for v in (below, above) if v is not None)
         inexact = Remedy(parameter="allow_inexact", values=(True,), purpose="plan the nearest")
         if effective % world_size:
@@ -656,14 +505,14 @@ def _plan(limit: Limit, rules: _Rules, effective: int, world_size: int) -> Plan:
                 remedies=(inexact, Remedy(purpose="looser constraints")),
             )
         target = min(nearest, key=lambda v: abs(v - effective))
-        chosen = _choose_steps(target // world_size, rules, limit.step_time)
+        chosen = choose_steps(target // world_size, rules, limit.step_time)
         assert chosen is not None, "a reachable effective batch size must have a plan"
         notes.append(f"{cause}; planned the nearest, {target}")
     steps, note = chosen
     if note:
         notes.append(note)
     per_rank = target // world_size
-    sizes = _sizes(per_rank, steps)
+    sizes = split_sizes(per_rank, steps)
     if sizes[0] != sizes[-1]:
         num_larger = per_rank % steps
         notes.append(
@@ -689,7 +538,7 @@ def _plan(limit: Limit, rules: _Rules, effective: int, world_size: int) -> Plan:
             None if peak is None or limit.capacity_bytes is None else limit.capacity_bytes - peak
         ),
         predicted_seconds_per_effective_batch=(
-            None if limit.step_time is None else _step_seconds(per_rank, steps, limit.step_time)
+            None if limit.step_time is None else split_seconds(per_rank, steps, limit.step_time)
         ),
         source=limit.source,
         prediction=limit.prediction,
