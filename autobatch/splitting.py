@@ -5,7 +5,7 @@ and the out-of-memory error then comes hours into training. With
 ``Accumulator(..., on_oom="split")``, :meth:`Window.run <autobatch.accumulate.Window.run>` catches
 it and runs that micro-batch again in pieces, each weighted by its own count of the window's
 total, so the window's gradient is the one the unsplit micro-batch would have given (up to
-floating-point summation order; dropout draws other masks).
+floating-point summation order; dropout draws other masks; BatchNorm in training mode: below).
 
 The rules:
 
@@ -29,7 +29,7 @@ The rules:
   the pieces' (each weighted by its count), not the unsplit one's; and a piece of 1 sample would
   give it 1 value per channel, which torch refuses. Pieces of such a model are never cut below 2
   rows: a last piece of 1 row takes a row from the one before (7 rows by 3: 3, 2, 2) or joins it
-  (5 by 2: 2, 3).
+  (5 by 2: 2, 3, one row over the limit).
 - **Rows that cannot be cut smaller** raise :class:`~autobatch.errors.DoesNotFitError` naming the
   window, the micro-batch and the rows: a row that does not fit alone, or, with BatchNorm, a piece
   of 2 rows (or a last piece of 3) that does not fit; that error names the layer and carries the
