@@ -27,7 +27,7 @@ from autobatch.integrations.configs import deepspeed_config, hf_training_argumen
 from autobatch.limits import PlanSource, stored_profile_source
 from autobatch.planner import Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
-from autobatch.store import ProfileNotFoundError, ProfileStore
+from autobatch.store import ProfileNotFoundError
 from autobatch.units import format_bytes
 from service.deps import service_state
 from service.gpus import GpuMonitor
@@ -66,12 +66,14 @@ async def create_plan(request: Request) -> Response:
     says how far and from which line).
     """
     # Schedulers call this route in a loop: it reads its own body (a PlanCreate) and state
-    # rather than through FastAPI's body parameter and a dependency (service.routing).
+    # rather than through FastAPI's body parameter and a dependency (service.routing), and the
+    # state only when it needs a GPU or the store.
     body = await read_json_body(request, PlanCreate)
-    state = service_state(request)
-    device = None if body.device is None else await _resolve_device(body.device, state.gpus)
+    device = None
+    if body.device is not None:
+        device = await _resolve_device(body.device, service_state(request).gpus)
     capacity = None if device is None else device.capacity_bytes
-    limit, profile_id, source = _resolve_limit(body, state.store, device)
+    limit, profile_id, source = _resolve_limit(body, request, device)
     options: dict[str, Any] = {
         "multiple_of": body.multiple_of,
         "max_gradient_accumulation_steps": body.max_gradient_accumulation_steps,
@@ -221,10 +223,10 @@ async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
 
 
 def _resolve_limit(
-    body: PlanCreate, store: ProfileStore, device: ResolvedDevice | None
+    body: PlanCreate, request: Request, device: ResolvedDevice | None
 ) -> tuple[int | Profile | MemoryModel, str | None, PlanSource | None]:
     """(limit for the planner, profile id used, plan source to report or None for the
-    planner's default)."""
+    planner's default); the profile store is ``request``'s service state's."""
     if body.max_micro_batch_size is not None:
         if device is not None or body.safety_margin is not None:
             raise Problem(
@@ -243,11 +245,12 @@ def _resolve_limit(
         return MemoryModel(**body.memory_model.model_dump()), None, None
     if body.profile_id is not None:
         try:
-            profile = store.get(body.profile_id)
+            profile = service_state(request).store.get(body.profile_id)
         except ProfileNotFoundError:
             raise unknown_profile(body.profile_id, field="body.profile_id") from None
         return profile, body.profile_id, stored_profile_source(profile)
     assert body.model_fingerprint is not None
+    store = service_state(request).store
     found = []
     if device is not None and device.name:
         found = store.list_profiles(
