@@ -20,8 +20,9 @@ rank's step alone; the ranks then agree once per trial through the real groups:
 
 Either way the values a collective returns are garbage (an all-reduce leaves each rank's own
 values), which does not matter to memory; a step whose allocations depend on values another rank
-sent (``all_gather_object``, a broadcast size) is outside this. The probe restores parameters,
-gradients and optimizer state afterwards.
+sends is outside this (the object collectives that would allocate by a garbage size are refused,
+see :func:`process_groups_faked`). The probe restores parameters, gradients and optimizer state
+afterwards.
 
 This reaches into private state: FSDP2's ``FSDPParamGroup.mesh_info``, and c10d's group registry
 (``_world.pg_map``) and ``ProcessGroup._register_backend``; the 2-rank tests in
@@ -44,9 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autobatch.errors import DistributedError
+from autobatch.errors import ConfigError, DistributedError
 
-__all__ = ["fsdp2_collectives_faked", "process_groups_faked", "reset_fsdp2"]
+__all__ = ["PeerObjectError", "fsdp2_collectives_faked", "process_groups_faked", "reset_fsdp2"]
 
 _FAKE_BACKEND_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL")
 """The backend types a group's fake backend may be registered under: the first one the group has
@@ -56,6 +57,15 @@ _FAKES: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDiction
 """Each group's fake backend and its type, registered once: the group keeps it under that type
 (c10d cannot unregister a backend), and a type registered again reuses the backend already there,
 so the same one comes back each time."""
+
+_OBJECT_RECEIVERS = ("broadcast_object_list", "scatter_object_list", "recv_object_list")
+"""torch.distributed's object collectives whose receivers allocate by a size another rank sends."""
+
+
+class PeerObjectError(ConfigError):
+    """The step called an object collective whose receivers need another rank's object while
+    the probe faked the collectives (see :func:`process_groups_faked`)."""
+
 
 _GROUP_FIELDS = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
 """The process groups an FSDP2 mesh info holds (FSDP, a separate reduce-scatter group, HSDP)."""
@@ -93,6 +103,12 @@ def process_groups_faked() -> Iterator[int]:
     """Inside the block, every process group of this process sends its collectives to a fake
     backend of its rank and size; yields how many groups (0 without torch.distributed).
 
+    Object collectives whose receiving ranks allocate by a size another rank sends
+    (``broadcast_object_list``, ``scatter_object_list``, ``recv_object_list``) raise
+    :class:`PeerObjectError` inside the block: on a fake backend that size is whatever the buffer
+    held (a garbage allocation, or an unpickling error). ``all_gather_object`` and
+    ``gather_object`` run, each rank getting its own object back.
+
     Raises:
         DistributedError: a group's own backend could not be put back (the message names the
             group and device type; the process cannot communicate on it any more), or a group
@@ -101,11 +117,17 @@ def process_groups_faked() -> Iterator[int]:
     if not (dist.is_available() and dist.is_initialized()):
         yield 0
         return
+    from torch.distributed import distributed_c10d
     from torch.distributed.distributed_c10d import _world
 
     groups = list(_world.pg_map)
     swapped: list[tuple[Any, torch.device, Any]] = []
+    patched: list[tuple[Any, str, Any]] = []
     try:
+        for module in (dist, distributed_c10d):
+            for name in _OBJECT_RECEIVERS:
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, _refusing(name))
         for group in groups:
             fake_type, fake = _fake_backend(group)
             for device in group._device_types:
@@ -120,6 +142,8 @@ def process_groups_faked() -> Iterator[int]:
                 _put_back(group, device, real)
             except DistributedError as exc:  # put every other one back first
                 failures.append(exc)
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)
         if failures:
             raise failures[0]
 
@@ -215,3 +239,18 @@ def _has_backend_type(group: Any, backend_type: Any) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _refusing(name: str) -> Any:
+    """A stand-in for ``torch.distributed.<name>`` that raises :class:`PeerObjectError`."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PeerObjectError(
+            f"the step calls torch.distributed.{name}, which a probe cannot run: while it runs "
+            "a step, every process group's collectives go to a fake backend (no communication, "
+            "so that a rank out of memory leaves no other waiting in one), and a receiving rank "
+            "would get no object, only an allocation of whatever size its buffer held. Move "
+            f"{name} out of the train_step you probe (before or after the step)"
+        )
+
+    return refuse

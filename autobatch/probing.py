@@ -51,6 +51,7 @@ from autobatch.estimator import (
     check_search_arguments,
     estimate_points,
 )
+from autobatch.fake_collectives import PeerObjectError, process_groups_faked
 from autobatch.layouts import device_for_layout, trial_context
 from autobatch.metadata import now_iso
 from autobatch.placement import check_placement, model_device
@@ -452,19 +453,22 @@ class _Probe(TrialRunner):
             )
             return None, None
         try:
-            fake = FakeStep(
-                self.model,
-                self.optimizer,
-                self.source,
-                loss_fn=self.loss_fn,
-                train_step=self.train_step,
-                step_includes_update=self.step_includes_update,
-                amp_dtype=self.amp_dtype,
-            )
-            points = estimate_points(
-                fake, capacity_bytes=capacity.capacity_bytes, max_micro_batch_size=self.limit
-            )
-        except EstimateUnavailableError as exc:
+            # The fake steps' collectives on real tensors (an object collective pickles into
+            # one) would reach the other ranks, which may estimate differently: none leaves.
+            with process_groups_faked():
+                fake = FakeStep(
+                    self.model,
+                    self.optimizer,
+                    self.source,
+                    loss_fn=self.loss_fn,
+                    train_step=self.train_step,
+                    step_includes_update=self.step_includes_update,
+                    amp_dtype=self.amp_dtype,
+                )
+                points = estimate_points(
+                    fake, capacity_bytes=capacity.capacity_bytes, max_micro_batch_size=self.limit
+                )
+        except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it
             self.notes.append(f"estimate unavailable ({exc}); used doubling-then-bisect")
             return None, None
         self.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import pickle
 import time
 from collections.abc import Callable
 from typing import Any
@@ -327,7 +328,7 @@ class TrialRunner:
             elif outcome is Outcome.FAILED and bracket(self.points)[0] == 0:
                 fatal = StepFailedError(
                     f"the training step failed at micro-batch {size} for a reason other than "
-                    f"memory: {error}{_hint(exc)}",
+                    f"memory: {error}{_hint(exc, ranks=self.consensus.world_size)}",
                     micro_batch_size=size,
                 )
                 fatal.__cause__ = exc
@@ -494,12 +495,24 @@ def _needs_two_samples(exc: BaseException | None) -> bool:
     return exc is not None and "Expected more than 1 value per channel" in str(exc)
 
 
-def _hint(exc: BaseException) -> str:
-    """A fix for failures with a known cause, appended to the error message."""
+def _hint(exc: BaseException, *, ranks: int = 1) -> str:
+    """A fix for failures with a known cause, appended to the error message; ``ranks``: the
+    ranks probing together."""
     if "backward through the graph a second time" in str(exc):
         return (
             "; does your train_step call backward() itself? Then pass step_includes_update=True "
             "(and let it step and zero the optimizer too)"
+        )
+    if ranks > 1 and (
+        isinstance(exc, (EOFError, pickle.UnpicklingError)) or "Backend fake" in str(exc)
+    ):
+        return (
+            "; while the probe runs a step, every process group's collectives go to a fake "
+            "backend (no communication: a rank gets its own values back, and nothing from a "
+            "broadcast_object_list or recv of another rank's; monitored_barrier is not "
+            "supported), so that a rank out of memory leaves no other waiting in one. A "
+            "train_step that needs what other ranks send cannot be probed as it is: move that "
+            "collective out of the train_step you probe (log after the step, for example)"
         )
     return ""
 

@@ -119,6 +119,38 @@ def _tuned(rank: int, *, fsdp2: bool) -> dict[str, Any]:
     return result
 
 
+def _probe_steps_the_fake_backend_cannot_run(rank: int) -> dict[str, list[str]]:
+    """tune() with a train_step that needs an object rank 0 sends (broadcast_object_list), and
+    with one that calls monitored_barrier (which the fake backend lacks): each error's type and
+    message on this rank."""
+
+    def broadcast_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        box: list[Any] = [{"scale": 1.0}] if rank == 0 else [None]
+        dist.broadcast_object_list(box, src=0)
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs), targets) * box[0]["scale"]
+
+    def barrier_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        dist.monitored_barrier()
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs), targets)
+
+    errors: dict[str, list[str]] = {}
+    for name, train_step in (("broadcast", broadcast_step), ("barrier", barrier_step)):
+        try:
+            tune(
+                _mlp(),
+                (torch.randn(8, 64), torch.randint(0, 10, (8,))),
+                effective_batch_size=64,
+                train_step=train_step,
+                device="sim:2MiB",
+                use_store=False,
+            )
+        except Exception as exc:
+            errors[name] = [type(exc).__name__, str(exc)]
+    return errors
+
+
 def _one_rank_communicates_alone(rank: int) -> dict[str, Any]:
     """Inside ``process_groups_faked`` rank 0 alone runs collectives on every kind of group (the
     default one, a ``new_group``, a DeviceMesh's by object and by name, a DTensor redistribute),
@@ -149,6 +181,7 @@ def _one_rank_communicates_alone(rank: int) -> dict[str, Any]:
                 raise KeyError("the step failed")
         except KeyError:
             pass
+    result["cannot_run"] = _probe_steps_the_fake_backend_cannot_run(rank)
     backends.append(type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__)  # type: ignore[union-attr]
     result["backends"] = backends
     mine = float(rank + 1)
@@ -162,6 +195,9 @@ def _one_rank_communicates_alone(rank: int) -> dict[str, Any]:
     partial = DTensor.from_local(torch.tensor([mine]), mesh, [Partial()])
     sums.append(float(partial.full_tensor()))
     result["sums"] = sums
+    box: list[Any] = [{"from": rank}]
+    dist.broadcast_object_list(box, src=0)  # torch's own again
+    result["broadcast"] = box[0]
     return result
 
 
@@ -204,8 +240,19 @@ def test_collectives_of_one_rank_alone_go_nowhere_and_every_group_is_back_after(
     # The default group, the new_group and the mesh's group (one of them: the mesh spans the
     # world, so it reuses the default group).
     assert first["groups"] == second["groups"] == 2
-    # Afterwards (the block raised both times) each group communicates again: 1 + 2.
+    # A step that needs an object another rank sends is refused on both ranks, with the fix; a
+    # step the fake backend cannot run fails at micro-batch 1, saying why.
+    for rank in (first, second):
+        kind, message = rank["cannot_run"]["broadcast"]
+        assert kind == "PeerObjectError", rank["cannot_run"]
+        assert "torch.distributed.broadcast_object_list" in message and "fake backend" in message
+        assert "Move broadcast_object_list out of the train_step" in message
+        kind, message = rank["cannot_run"]["barrier"]
+        assert kind == "StepFailedError" and "micro-batch 1" in message, rank["cannot_run"]
+        assert "monitored_barrier is not supported" in message
+    # Afterwards (the block raised both times, the probe failed) each group communicates again.
     assert first["sums"] == second["sums"] == [3.0] * 5
+    assert first["broadcast"] == second["broadcast"] == {"from": 0}
     assert first["backends"] == ["ProcessGroupGloo", "ProcessGroupGloo"]
 
 
