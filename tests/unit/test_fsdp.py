@@ -22,24 +22,10 @@ from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
 from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.sharded import sharded_mlp
 
 GROUP_TIMEOUT_S = 30
 """The process group's timeout: a rank left in a collective would wait this long, then fail."""
-
-
-def _sharded_mlp() -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-        for _ in range(3)
-    ]
-    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 10))
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 def _local(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -56,7 +42,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
     )
     result: dict[str, Any] = {}
     try:
-        model = _sharded_mlp()
+        model = sharded_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sample = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
         before = _local(model)

@@ -21,6 +21,7 @@ from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
 from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.sharded import sharded_mlp
 
 GROUP_TIMEOUT_S = 20
 """The process group's timeout: a rank left in a collective would wait this long, then fail."""
@@ -29,21 +30,6 @@ GROUP_TIMEOUT_S = 20
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-
-
-def _sharded_mlp() -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-        for _ in range(3)
-    ]
-    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 10))
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 def _worker(rank: int, world_size: int, tmp: str, scenario: str) -> None:
@@ -69,7 +55,7 @@ def _tuned(rank: int, *, fsdp2: bool) -> dict[str, Any]:
     """tune() on both ranks with a train_step that all-reduces after backward, and after it a
     real all-reduce over the default group (and, for FSDP2, the DeviceMesh's)."""
     result: dict[str, Any] = {}
-    model = _sharded_mlp() if fsdp2 else _mlp()
+    model = sharded_mlp() if fsdp2 else _mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reduced_at: list[int] = []  # sizes at which the step's own collective returned
 
