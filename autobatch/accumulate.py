@@ -9,6 +9,9 @@ bookkeeping that is easy to get subtly wrong:
   the mean over the effective batch even when micro-batches differ in size or padding;
 - under ``DistributedDataParallel`` gradients are all-reduced once per window (``no_sync`` on the
   other micro-steps);
+- under DDP an error on one rank only (``count_fn``, a refused backward, ``step``) reaches the
+  other ranks at their next agreement (:mod:`autobatch.rank_agreement`), so every rank raises
+  instead of waiting in a collective;
 - the optimizer steps once per window, including a short last window, and gradients are zeroed
   after it, so nothing leaks into the next window or epoch;
 - with a ``GradScaler``: scaled backward per micro-step, then once per window ``unscale_``,
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,7 +57,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
 from autobatch.counting import as_count, leading_dim
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, DistributedError
+from autobatch.rank_agreement import Agreement, Status
 from autobatch.splitting import DEFAULT_OOM_RETRY_WINDOWS, OnOom, SplitEvent, Splitter, run_window
 
 __all__ = [
@@ -76,6 +81,8 @@ _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `o
 
 # Re-entrant and reusable: the sync context of every micro-step that needs none.
 _NO_CONTEXT = contextlib.nullcontext()
+
+logger = logging.getLogger("autobatch")
 
 
 class SmallMicroBatchNormWarning(UserWarning):
@@ -215,18 +222,75 @@ class MicroStep(Generic[B]):
                 stepped; ``reduction`` is neither ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of
                 a micro-batch with 0 counted items (that mean is NaN: return the sum and pass
                 ``reduction="sum"``); a loss with more than one element; or, under DDP, a
-                non-last micro-step run outside :meth:`sync_context`. An error from autograd
-                itself (an OOM) propagates, and the micro-step's backward can then be retried.
+                non-last micro-step run outside :meth:`sync_context`; its window failed on a
+                rank (its gradients were dropped: go on with the next window). Under DDP such an
+                error on a micro-step before the last is raised at the last one's ``backward``,
+                where the ranks agree before the synchronised backward (until then this rank's
+                forward passes keep in step with the others', and its backward does nothing).
+                An error from autograd itself (an OOM) propagates, and the micro-step's backward
+                can then be retried.
+            DistributedError: under DDP, another rank failed in this window (see its error);
+                this window's gradients were dropped, as on that rank.
         """
-        loss, weight = self._weight(loss, reduction)
-        weighted = loss * weight  # this micro-step's share of the global mean
         window = self._window
+        if window._sync_due:  # under DDP, until the ranks agree before the synchronised backward
+            checked = self._agreed_weight(loss, reduction)
+            if checked is None:
+                return  # an error kept for that agreement: this window runs no more backward
+            loss, weight = checked
+        else:
+            try:
+                loss, weight = self._weight(loss, reduction)
+            except ConfigError:
+                if window._agrees:  # after the agreement: the others learn of it at the next
+                    window._acc._failed(window, Status.BACKWARD)
+                raise
+        weighted = loss * weight  # this micro-step's share of the global mean
         scaler = window._acc.scaler
         torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
         # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
         window._weighted_losses.append(weighted.detach())
         self._backward_done = True
         window._num_backward += 1
+
+    def _agreed_weight(
+        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> tuple[torch.Tensor, float] | None:
+        """:meth:`_weight` under DDP before the agreement: an error on a micro-step before the
+        last is kept (None: no backward); on the last, the ranks agree and every rank raises if
+        one failed, before any of them enters the synchronised backward's all-reduce."""
+        window = self._window
+        error: ConfigError | None = None
+        try:
+            checked: tuple[torch.Tensor, float] | None = self._weight(loss, reduction)
+        except ConfigError as exc:
+            checked, error = None, exc
+        if not self.is_last:
+            if error is not None and window._deferred is None:
+                window._deferred = error
+            if window._deferred is None:
+                return checked
+            self._backward_done = True  # counted as run: the window fails at the last one
+            window._num_backward += 1
+            return None
+        error = window._deferred or error
+        window._sync_due = False
+        agreement = window._acc._agreement
+        assert agreement is not None  # _sync_due only under DDP
+        try:
+            agreement.meet(
+                0,
+                where=f"the agreement before the synchronised backward of window {window.index}",
+                status=Status.OK if error is None else Status.BACKWARD,
+                window=window.index,
+            )
+        except DistributedError:
+            window._abandon()
+            raise
+        if error is not None:
+            window._abandon()
+            raise error
+        return checked
 
     def _weight(
         self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
@@ -235,7 +299,7 @@ class MicroStep(Generic[B]):
         ConfigError backward would raise (``Window.run`` asks before the ranks' agreement)."""
         window = self._window
         acc = window._acc
-        if self._backward_done or window._stepped:
+        if self._backward_done or window._stepped or window._abandoned:
             raise ConfigError(window._repeated_backward_message(self.index, self._backward_done))
         if reduction == "mean":
             if self.count == 0:
@@ -302,6 +366,15 @@ class Window(Generic[B]):
         self._weighted_losses: list[torch.Tensor] = []
         self._stepped = False
         self._splits: list[SplitEvent] = []
+        # Under DDP: whether this window's micro-steps agree before the synchronised backward
+        # (not when Window.run splits: autobatch.splitting's agreements do instead), whether
+        # that agreement is still to come, the error kept for it, and whether the ranks agreed
+        # that the window failed (its gradients were dropped on every rank).
+        self._agrees = acc._agreement is not None
+        self._sync_due = self._agrees
+        self._deferred: ConfigError | None = None
+        self._abandoned = False
+        self._failed_after_agreements = False  # set by run_window: tell at the next window's
 
     def __iter__(self) -> Iterator[MicroStep[B]]:
         return iter(self._micro_steps)
@@ -311,10 +384,22 @@ class Window(Generic[B]):
 
     @property
     def pending_backward(self) -> bool:
-        """Whether some backward ran in this window but :meth:`step` has not."""
-        return self._num_backward > 0 and not self._stepped
+        """Whether some backward ran in this window but :meth:`step` has not (and the window did
+        not fail on a rank, which dropped its gradients)."""
+        return self._num_backward > 0 and not self._stepped and not self._abandoned
+
+    def _abandon(self) -> None:
+        """The ranks agreed that this window failed: drop its gradients, so that a loop that
+        catches the error on every rank skips the window."""
+        self._abandoned = True
+        self._acc.optimizer.zero_grad(set_to_none=True)
 
     def _repeated_backward_message(self, micro_index: int, backward_done: bool) -> str:
+        if self._abandoned:
+            return (
+                f"window {self.index} failed on a rank and its gradients were dropped on every "
+                "rank; catch the error and go on with the next window"
+            )
         if backward_done:
             return (
                 f"backward was already called for micro-step {micro_index} of window "
@@ -334,9 +419,27 @@ class Window(Generic[B]):
         Returns:
             The window's :class:`StepStats`, ``splits`` and ``micro_batch_size_limit`` included.
 
-        Arguments and errors: :func:`autobatch.splitting.run_window`; and :meth:`step`'s.
+        Arguments and errors: :func:`autobatch.splitting.run_window`; and :meth:`step`'s. Under
+        DDP an error on one rank reaches the others at the next agreement, where they raise
+        ``DistributedError`` (an error in ``loss_of`` before the last micro-step only when the
+        forward pass does not communicate: see the README).
         """
-        run_window(self, loss_of, reduction=reduction)
+        acc = self._acc
+        num_forward = [0]
+        if self._agrees and acc._splitter.on_oom == "split":
+            self._agrees = self._sync_due = False  # splitting agrees once per micro-step
+        elif self._agrees:  # whole micro-batches, in order: count them to know which failed
+            user_loss_of = loss_of
+
+            def loss_of(batch: B) -> torch.Tensor:
+                num_forward[0] += 1
+                return user_loss_of(batch)
+
+        try:
+            run_window(self, loss_of, reduction=reduction)
+        except Exception:
+            acc._run_failed(self, num_forward[0] - 1)
+            raise
         return self.step()
 
     def step(self) -> StepStats:
@@ -352,7 +455,19 @@ class Window(Generic[B]):
 
         Raises:
             ConfigError: called twice, or before every micro-step of the window ran backward.
+                Under DDP this and any other error here (the optimizer's, the scaler's, the
+                scheduler's) reaches the other ranks at the next agreement (the next window's
+                count, or the end of the micro-batches), where they raise ``DistributedError``.
         """
+        try:
+            return self._step()
+        except Exception:
+            self._acc._failed(self, Status.STEP)
+            raise
+
+    def _step(self) -> StepStats:
+        if self._abandoned:
+            raise ConfigError(self._repeated_backward_message(0, False))
         if self._stepped:
             raise ConfigError(f"window {self.index} already stepped; call window.step() once")
         if self._num_backward != len(self._micro_steps):
@@ -477,9 +592,14 @@ class Accumulator:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._group: dist.ProcessGroup | None = None
         self.world_size = 1
+        self._agreement: Agreement | None = None  # the ranks' agreements, under DDP
         if self._ddp is not None:
             self._group = self._ddp.process_group
             self.world_size = dist.get_world_size(self._group)
+            self._agreement = Agreement(self._group, model)
+        # The window whose error this rank told the others at the agreement that starts the
+        # next window (or ends the loop): this loop cannot go on.
+        self._told_at_next: int | None = None
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 
@@ -496,9 +616,12 @@ class Accumulator:
 
         Each window is fetched whole before it is yielded; the last one of the iterable may be
         shorter and is weighted by its real size. Under DDP every rank must yield the same
-        number of windows (``DistributedSampler`` ensures this), since each window all-reduces
-        its count once. The optimizer's gradients are zeroed (to ``None``) when the loop starts,
-        so nothing left by an earlier loop that broke off after a backward is added in.
+        number of windows (``DistributedSampler`` ensures this): the ranks agree once at each
+        window's start (its count all-reduce) and once when the micro-batches run out, and an
+        error on one rank (fetching, counting, a check) is taken to that agreement, so every
+        rank raises instead of waiting in it. The optimizer's gradients are zeroed (to
+        ``None``) when the loop starts, so nothing left by an earlier loop that broke off after a
+        backward is added in.
 
         Args:
             micro_batches: one epoch of micro-batches, e.g. a ``DataLoader``.
@@ -516,30 +639,45 @@ class Accumulator:
             ConfigError: a window's total count over all ranks is 0; ``count_fn`` returned a
                 negative or non-integer value; the default count found no tensor in a batch;
                 the previous window was not stepped before the next was requested.
+            DistributedError: under DDP, another rank raised an error (see its error); the
+                ranks' micro-batches ran out at different windows (raised on every rank); or
+                this loop goes on after this rank's error was reported to the others.
         """
         iterator = iter(micro_batches)
         # Start from no gradient: none left by an earlier loop that broke off after a backward
         # (an OOM retry, a `break`), or by a backward outside the helper.
         self.optimizer.zero_grad(set_to_none=True)
+        self._told_at_next = None
+        agreement = self._agreement
         previous: Window[B] | None = None
         for index in itertools.count():
-            if previous is not None and previous.pending_backward:
-                raise ConfigError(
-                    f"window {previous.index} ran backward but window.step() was not called; "
-                    "call window.step() after the micro-steps of every window, or its gradients "
-                    "would be added to the next window's"
+            if self._told_at_next is not None:
+                raise DistributedError(
+                    f"window {self._told_at_next}'s error on this rank was reported to the other "
+                    "ranks at the agreement that starts the next window, where they stopped; "
+                    "start a new windows() loop on every rank to go on"
                 )
-            batches = list(itertools.islice(iterator, self.gradient_accumulation_steps))
+            try:
+                batches, counts = self._fetch(iterator, previous, index, count_fn)
+            except Exception:
+                if agreement is not None:  # the others wait at this window's count agreement
+                    self._tell(Status.FETCH, index)
+                raise
             if not batches:
+                if agreement is not None:
+                    agreement.meet(
+                        0,
+                        where=f"the end of the micro-batches after {index} windows",
+                        status=Status.EXHAUSTED,
+                        window=index,
+                    )
                 return
-            if count_fn is None:
-                counts = [leading_dim(b) for b in batches]
-            else:
-                counts = [as_count(count_fn(b), index, i) for i, b in enumerate(batches)]
-            if not self._norm_checked:
-                self._check_batch_norm(batches)
             local_count = sum(counts)
-            global_count = local_count if self._group is None else self._global_count(local_count)
+            global_count = (
+                local_count
+                if agreement is None
+                else agreement.meet(local_count, where=f"the count agreement of window {index}")
+            )
             if global_count == 0:
                 raise ConfigError(
                     f"window {index} has a total count of 0 counted items over "
@@ -550,11 +688,73 @@ class Accumulator:
             previous = Window(self, batches, counts, index, global_count, count_fn)
             yield previous
 
-    def _global_count(self, local_count: int) -> int:
-        device = next(self.model.parameters()).device
-        total = torch.tensor([local_count], dtype=torch.int64, device=device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._group)
-        return int(total.item())
+    def _fetch(
+        self,
+        iterator: Iterator[B],
+        previous: Window[B] | None,
+        index: int,
+        count_fn: Callable[[B], int | torch.Tensor] | None,
+    ) -> tuple[list[B], list[int]]:
+        """The next window's micro-batches and their counts (none when the iterable is done)."""
+        if previous is not None and previous.pending_backward:
+            raise ConfigError(
+                f"window {previous.index} ran backward but window.step() was not called; "
+                "call window.step() after the micro-steps of every window, or its gradients "
+                "would be added to the next window's"
+            )
+        if previous is not None:
+            previous._sync_due = False  # the agreement this rank meets next is the count's
+        batches = list(itertools.islice(iterator, self.gradient_accumulation_steps))
+        if not batches:
+            return [], []
+        if count_fn is None:
+            counts = [leading_dim(b) for b in batches]
+        else:
+            counts = [as_count(count_fn(b), index, i) for i, b in enumerate(batches)]
+        if not self._norm_checked:
+            self._check_batch_norm(batches)
+        return batches, counts
+
+    # -- an error on one rank, under DDP: the others learn of it at the next agreement --------
+
+    def _failed(self, window: Window[Any], status: Status) -> None:
+        """This rank raises an error in ``window`` next: meet the others at the agreement they
+        wait at (before the window's synchronised backward, or the next window's count)."""
+        if self._agreement is None or window._abandoned:
+            return  # no other rank, or they know already
+        if window._sync_due:
+            window._sync_due = False
+            self._tell(status, window.index)
+            window._abandon()
+        elif self._told_at_next is None:
+            self._tell(status, window.index)
+            self._told_at_next = window.index
+
+    def _run_failed(self, window: Window[Any], failing: int) -> None:
+        """``Window.run`` raised (in micro-step ``failing`` when it does not split): tell the
+        others where they can still be met."""
+        if self._agreement is None or window._abandoned:
+            return
+        if self._splitter.on_oom == "split":
+            if window._failed_after_agreements:  # splitting told them of anything earlier
+                self._failed(window, Status.RUN)
+        elif window._sync_due:
+            # An error in micro-step `failing` (loss_of, or autograd): the others go on to the
+            # agreement before the synchronised backward, after their forward passes, which
+            # this rank can no longer keep in step with when they communicate.
+            ddp = self._ddp
+            assert ddp is not None
+            communicates = bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
+            if failing == len(window) - 1 or not communicates:
+                self._failed(window, Status.RUN)
+        # Else it failed inside the synchronised backward: the others are in its all-reduce.
+
+    def _tell(self, status: Status, window_index: int) -> None:
+        assert self._agreement is not None
+        try:
+            self._agreement.meet(0, where="", status=status, window=window_index)
+        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
+            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
 
     def _check_batch_norm(self, batches: Sequence[Any]) -> None:
         self._norm_checked = True

@@ -38,24 +38,24 @@ The rules:
 - **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
   new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
   store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
-- **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only
-  with ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the
-  smallest limit, so they split together. An error on one rank before an agreement (a batch that
-  does not fit, a ``ConfigError``, the user's ``loss_of``, an ``on_split`` callback) is taken to
-  the agreement the other ranks wait at, so they raise :class:`~autobatch.errors.DistributedError`
-  at once instead of waiting. On the last micro-step the agreement comes after the forward of the
-  final piece and before its synchronised backward: that piece is the last one that counts
-  items (later pieces count none and are not run), backward's own checks (a mean over 0 counted
-  items) run before the agreement, and a smaller size another rank made known there is reported
-  (``on_split`` included) after the backward. An error *inside* that backward cannot be agreed
-  on (the others are already in the all-reduce): that rank raises ``DistributedError`` and
-  aborts the process group, and the others fail when its process ends (gloo notices at once;
-  gloo's abort alone does not reach them) or at the process group's timeout, so let that error
-  end the process. Pieces are local (ranks may run different numbers of forward passes), so a
-  forward pass must not communicate: a model with buffers needs
-  ``DistributedDataParallel(..., broadcast_buffers=False)`` and none may have a
-  ``SyncBatchNorm`` in training mode (:func:`run_window` refuses both on every rank before any
-  step).
+- **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only with
+  ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the smallest
+  limit, so they split together. An error on one rank before an agreement (a batch that does not
+  fit, a ``ConfigError``, the user's ``loss_of``, an ``on_split`` callback) is taken to the
+  agreement the other ranks wait at, so they raise :class:`~autobatch.errors.DistributedError` at
+  once instead of waiting. On the last micro-step the agreement comes after the forward of the final
+  piece and before its synchronised backward: that piece is the last one that counts items (later
+  pieces count none and are not run), backward's own checks (a mean over 0 counted items) run before
+  the agreement, and a smaller size another rank made known there is reported (``on_split``
+  included) after the backward (if the callback raises, the other ranks learn of it at the
+  Accumulator's next agreement: the next window's count, or the end of the data). An error *inside*
+  that backward cannot be agreed on (the others are already in the all-reduce): that rank raises
+  ``DistributedError`` and aborts the process group, and the others fail when its process ends (gloo
+  notices at once; gloo's abort alone does not reach them) or at the process group's timeout, so let
+  that error end the process. Pieces are local (ranks may run different numbers of forward passes),
+  so a forward pass must not communicate: a model with buffers needs ``DistributedDataParallel(...,
+  broadcast_buffers=False)`` and none may have a ``SyncBatchNorm`` in training mode
+  (:func:`run_window` refuses both on every rank before any step).
 
 Example::
 
@@ -217,6 +217,7 @@ class _SplitMicroStep(Protocol):
 
 class _SplitWindow(Protocol):
     _num_backward: int
+    _failed_after_agreements: bool
 
     @property
     def index(self) -> int: ...
@@ -264,6 +265,9 @@ class _WindowRun:
         # to its last micro-step's, which comes before the synchronised backward.
         self.owes_agreement = self.agree_ranks
         self.deferred: SplitEvent | None = None  # a peer's split agreed at the last micro-step
+        # Whether every rank knows of this window's failure: it came from an agreement (another
+        # rank's), or the group was aborted or failed; tell_peers sets it too.
+        self.peers_know = False
         self.had_split = False
         self.done_count = 0  # counted items of the current micro-batch's pieces done
         self.norm: tuple[str, torch.nn.Module] | None | bool = False  # False: not looked for yet
@@ -491,6 +495,7 @@ class _WindowRun:
         where = f"micro-batch {step.index} of window {self.window.index}"
         group = self.acc._group
         rank = dist.get_rank(group)
+        self.peers_know = True  # nothing can be told: the group is aborted
         _abort(group)
         if is_oom(exc):
             raise DistributedError(
@@ -519,6 +524,7 @@ class _WindowRun:
         limit = self.splitter.limit
         mine = [limit if limit is not None else _NO_LIMIT, failure]
         flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
+        self.peers_know = True  # told, or the collective failed: none to tell again
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.acc._group)
         agreed, worst = int(flags[0]), int(flags[1])
         if failure:
@@ -534,6 +540,7 @@ class _WindowRun:
                 f"another rank raised an error in {where} before the ranks agreed to run it "
                 "(see that rank's error); this rank stops too, so that no rank waits for it"
             )
+        self.peers_know = False  # the agreement went well: a later error is this rank's alone
         last = index == len(self.micros) - 1
         self.owes_agreement = not last
         if agreed < (limit if limit is not None else _NO_LIMIT):
@@ -622,6 +629,9 @@ def run_window(
         state.drop_gradients()
         if isinstance(exc, Exception):
             state.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
+            # After the ranks' last agreement of the window (an on_split callback after the
+            # synchronised backward): the caller tells them at the next window's.
+            window._failed_after_agreements = state.agree_ranks and not state.peers_know
         raise
     splitter.end_window(state.had_split)
     for micro in state.micros:

@@ -359,16 +359,21 @@ def test_ddp_a_split_callback_that_raises_on_rank_0_leaves_no_rank_waiting(
     # Rank 1 runs out of memory, rank 0 adopts the smaller size and its on_split callback (a
     # store written on rank 0 only, as split_recorder does) raises. At the first micro-step the
     # error is agreed on at the next agreement; at the last one the callback runs after the
-    # synchronised backward, so rank 1 is not left in its all-reduce.
+    # synchronised backward, so rank 1 is not left in its all-reduce, and learns of the error
+    # at the Accumulator's next agreement (here the end of the micro-batches; rank 1 used to go
+    # on alone, and wait in the next window's count all-reduce).
     ranks = _run_one_rank_case(tmp_path, case)
     assert ranks[0]["error"] == "RuntimeError"
     assert ranks[0]["message"] == "attempt to write a readonly database"
+    assert ranks[1]["error"] == "DistributedError"
     if case == "callback":
-        assert ranks[1]["error"] == "DistributedError"
         assert "another rank raised an error in micro-batch 1 of window 0" in ranks[1]["message"]
     else:
-        assert "error" not in ranks[1]
         assert ranks[1]["splits"] == [["forward", 8, 4]]
+        assert (
+            "rank 0 raised an error in Window.run of window 0 (see that rank's error); this rank "
+            "stops too, at the end of the micro-batches after 1 windows" in ranks[1]["message"]
+        )
 
 
 @pytest.mark.slow

@@ -1,0 +1,122 @@
+"""The Accumulator's agreements under DistributedDataParallel: how an error on one rank reaches
+the others instead of leaving them waiting in a collective.
+
+Every agreement is the same small collective: a SUM all-reduce of ``world_size + 1`` int64
+values, this rank's counted items and one status per rank (0 on every rank that is fine). The
+ranks meet at one agreement for each window's count (in ``Accumulator.windows``), one before
+each window's synchronised backward (the last micro-step's ``backward``; with
+``on_oom="split"``, :mod:`autobatch.splitting`'s own agreements instead), and one when the
+micro-batches run out. A rank that fails meets the others at the next agreement with its status
+and then raises its own error; each of the others raises :class:`DistributedError` there, naming
+the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
+
+Example::
+
+    agreement = Agreement(process_group, ddp_model)
+    global_count = agreement.meet(local_count, where="the count agreement of window 3")
+    agreement.meet(0, where="...", status=Status.STEP, window=3)  # failed: tell, then raise
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from autobatch.errors import DistributedError
+
+__all__ = ["Agreement", "Status"]
+
+
+class Status(enum.IntEnum):
+    """What a rank brings to an agreement."""
+
+    OK = 0
+    FETCH = 1
+    """An error fetching or counting the window's micro-batches (the loader, ``count_fn``)."""
+    BACKWARD = 2
+    """A micro-step's backward refused (a ConfigError, e.g. a mean loss over 0 counted items)."""
+    STEP = 3
+    """An error in ``window.step()`` (the optimizer, scaler, scheduler, or its own checks)."""
+    RUN = 4
+    """An error in ``Window.run`` (the user's ``loss_of``, a backward)."""
+    EXHAUSTED = 5
+    """The rank's micro-batches ran out."""
+
+
+_WHAT = {
+    Status.FETCH: "raised an error while fetching or counting its micro-batches for window {w}",
+    Status.BACKWARD: "refused the backward of a micro-step of window {w}",
+    Status.STEP: "raised an error in window.step() of window {w}",
+    Status.RUN: "raised an error in Window.run of window {w}",
+}
+
+
+class Agreement:
+    """The ranks' agreements of one Accumulator (see the module docstring).
+
+    Args:
+        group: the process group of the ``DistributedDataParallel`` model.
+        model: the model; the all-reduced tensor lives on its parameters' device (NCCL needs
+            CUDA).
+    """
+
+    __slots__ = ("group", "model", "rank", "world_size")
+
+    def __init__(self, group: dist.ProcessGroup | None, model: torch.nn.Module) -> None:
+        self.group = group
+        self.model = model
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def meet(self, count: int, *, where: str, status: Status = Status.OK, window: int = 0) -> int:
+        """Meet the other ranks at the next agreement.
+
+        Args:
+            count: this rank's counted items (0 unless ``where`` is a window's count).
+            where: the agreement, for this rank's message ("the count agreement of window 3").
+            status: this rank's; not ``OK`` when it failed and raises its own error next.
+            window: the window this rank failed at, or, with ``EXHAUSTED``, the number of
+                windows it yielded (named in the other ranks' messages).
+
+        Returns:
+            The counted items summed over the ranks.
+
+        Raises:
+            DistributedError: another rank failed (not raised on a rank that failed itself: it
+                raises its own error), or the micro-batches ran out on some ranks and not on
+                others (raised on every rank).
+        """
+        device = next(self.model.parameters()).device
+        values = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
+        values[0] = count
+        if status != Status.OK:
+            values[1 + self.rank] = (int(status) << 32) + window
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        total, *slots = values.tolist()
+        if not any(slots):
+            return int(total)
+        if status not in (Status.OK, Status.EXHAUSTED):
+            return int(total)  # this rank raises its own error
+        reported = [
+            (rank, Status(slot >> 32), slot & 0xFFFFFFFF) for rank, slot in enumerate(slots)
+        ]
+        for rank, code, at in reported:
+            if code not in (Status.OK, Status.EXHAUSTED):
+                what = _WHAT[code].format(w=at)
+                raise DistributedError(
+                    f"rank {rank} {what} (see that rank's error); this rank stops too, at "
+                    f"{where}, so that no rank waits for it in a collective"
+                )
+        exhausted = [(rank, at) for rank, code, at in reported if code == Status.EXHAUSTED]
+        if len(exhausted) < self.world_size:
+            rank, at = exhausted[0]
+            raise DistributedError(
+                f"rank {rank} ran out of micro-batches after {at} window(s) while "
+                f"{self.world_size - len(exhausted)} rank(s) had another (this rank is at "
+                f"{where}); every rank must yield the same number of windows: give each the "
+                "same number of micro-batches (torch.utils.data.DistributedSampler, with "
+                "drop_last=True if they are uneven)"
+            )
+        return int(total)
