@@ -32,7 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from autobatch.errors import DistributedError
 
 __all__ = [
+    "FSDP1_LAYOUT",
     "FSDP2_LAYOUT",
+    "FSDP2_TP_LAYOUT",
+    "TENSOR_PARALLEL_LAYOUT",
     "ProcessGroupConsensus",
     "collective_layout",
     "consensus_device",
@@ -44,6 +47,16 @@ T = TypeVar("T")
 
 FSDP2_LAYOUT = "FSDP2 (fully_shard)"
 """:func:`collective_layout`'s name for a model sharded with ``fully_shard``."""
+
+FSDP2_TP_LAYOUT = "FSDP2 (fully_shard) with tensor parallel"
+""":func:`collective_layout`'s name for 2-D parallelism: ``fully_shard`` over DTensor parameters
+of a mesh with a tensor-parallel dimension."""
+
+TENSOR_PARALLEL_LAYOUT = "tensor parallel (DTensor parameters)"
+""":func:`collective_layout`'s name for DTensor parameters without FSDP (``parallelize_module``)."""
+
+FSDP1_LAYOUT = "FSDP (FullyShardedDataParallel)"
+""":func:`collective_layout`'s name for a model wrapped in ``FullyShardedDataParallel``."""
 
 
 class ProcessGroupConsensus:
@@ -206,8 +219,9 @@ def collective_layout(model: torch.nn.Module) -> str:
     """The name of the layout whose training step runs collectives inside it (FSDP's
     all-gathers and reduce-scatters), or "" when the step has none.
 
-    Such a step cannot stop on one rank between two collectives (an out-of-memory error in the
-    middle of it) without leaving the other ranks waiting; see :func:`autobatch.probe`.
+    The probe runs such a step with the collectives faked (an out-of-memory error in the middle
+    of it leaves no other rank waiting), and refuses the one layout whose per-step state a step
+    stopped in the middle leaves broken (FSDP1); see :mod:`autobatch.layouts`.
     """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
@@ -215,12 +229,12 @@ def collective_layout(model: torch.nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             if _beyond_fsdp2_meshes(model):
-                return "FSDP2 (fully_shard) with tensor parallel"
+                return FSDP2_TP_LAYOUT
             return FSDP2_LAYOUT
         if isinstance(module, FullyShardedDataParallel):
-            return "FSDP (FullyShardedDataParallel)"
+            return FSDP1_LAYOUT
     if any(isinstance(param, DTensor) for param in model.parameters()):
-        return "tensor parallel (DTensor parameters)"
+        return TENSOR_PARALLEL_LAYOUT
     return ""
 
 

@@ -1,16 +1,28 @@
 """How the probe runs a step under the model's parallel layout, so that no rank is ever left
-waiting in a collective while another has stopped (DESIGN.md, "Collectives in the step").
+waiting in a collective while another has stopped (DESIGN.md, "Collectives in the step"), and
+every rank's module can run the next trial after a step that stopped in the middle.
 
-- **FSDP2** (``fully_shard``): during the trials of several ranks its all-gathers and
-  reduce-scatters go to fake process groups (:mod:`autobatch.fake_collectives`), on any device.
-- **FSDP1, tensor parallel, 2-D FSDP2 + tensor parallel**: on a simulated card the step runs to
-  its end and the out-of-memory error comes after it; on a device whose allocator raises in the
-  middle of a step (CUDA, CPU) several ranks are refused at once, naming the alternatives.
+- **Any layout**: each step a trial runs sends every process group's collectives (the
+  ``train_step``'s own too, FSDP's, a DTensor's redistributes) to a fake backend, and the
+  agreement after it the real ones (:func:`autobatch.fake_collectives.process_groups_faked`,
+  entered by the trials), so a rank out of memory in the middle of a step leaves no other
+  waiting in one.
+- **FSDP2** (``fully_shard``): its all-gathers and reduce-scatters also go to fake process groups
+  for all the trials of several ranks (:mod:`autobatch.fake_collectives`), on any device; after a
+  step that stopped in the middle, ``reset_iter_state()`` reshards it and clears its per-step
+  state.
+- **Tensor parallel** (DTensor parameters) **and 2-D FSDP2 + tensor parallel**: probed as FSDP2
+  is, on every device (:data:`RECOVERABLE_LAYOUTS`). Tensor parallelism keeps no state between
+  steps (``parallelize_module``'s hooks only redistribute inputs and outputs), and the FSDP2
+  part is reset as above.
+- **FSDP1** (``FullyShardedDataParallel``): on a device whose allocator raises in the middle of a
+  step (CUDA, CPU) several ranks are refused, naming the alternatives: a backward stopped in the
+  middle leaves its per-step state behind (the root's queued post-backward callback, flat
+  parameters unsharded and marked ``BACKWARD_PRE``), torch has no call that resets it, and on 2
+  gloo ranks with torch 2.13 a later step's gradients came out wrong. On a simulated card the
+  step runs to its end and the out-of-memory error comes after it.
 - **DDP**: the trials run under ``no_sync()`` (no gradient all-reduce inside a trial).
 - **CUDA**: the probed GPU is the current device while the trials run (restored after).
-- **Any layout**: each step a trial runs sends every process group's collectives (the
-  ``train_step``'s own too) to a fake backend, and the agreement after it the real ones
-  (:func:`autobatch.fake_collectives.process_groups_faked`, entered by the trials).
 
 Example::
 
@@ -26,16 +38,25 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 import torch
 
 from autobatch.device import Device
-from autobatch.distributed import FSDP2_LAYOUT
+from autobatch.distributed import (
+    FSDP2_LAYOUT,
+    FSDP2_TP_LAYOUT,
+    TENSOR_PARALLEL_LAYOUT,
+)
 from autobatch.errors import ConfigError
 from autobatch.fake_collectives import fsdp2_collectives_faked
 
-__all__ = ["device_for_layout", "on_cuda_device", "trial_context"]
+__all__ = ["RECOVERABLE_LAYOUTS", "device_for_layout", "on_cuda_device", "trial_context"]
+
+RECOVERABLE_LAYOUTS = (FSDP2_LAYOUT, FSDP2_TP_LAYOUT, TENSOR_PARALLEL_LAYOUT)
+"""Layouts whose module runs the next step after one that raised in the middle (mid-forward or
+mid-backward), once the probe has cleaned up (FSDP2: ``reset_iter_state()``); on several ranks of
+a device that raises mid-step they are probed with every process group faked in the step."""
 
 
 def device_for_layout(device: Device, layout: str, *, world_size: int | None) -> Device:
-    """The device to probe a model whose step runs collectives on; refuses a layout that
-    cannot be probed without leaving a rank waiting in a collective.
+    """The device to probe a model whose step runs collectives on; refuses a layout whose
+    module a step stopped in the middle on one rank would leave unable to run the next trial.
 
     Args:
         device: the device asked for.
@@ -43,9 +64,9 @@ def device_for_layout(device: Device, layout: str, *, world_size: int | None) ->
         world_size: the ranks probing together; None when the probe has no consensus.
 
     Raises:
-        ConfigError: several ranks without a consensus, or several ranks on a device whose
-            allocator raises out-of-memory errors in the middle of a step (CUDA, CPU) with a
-            layout whose collectives cannot be faked.
+        ConfigError: several ranks without a consensus, or several ranks of FSDP1 on a device
+            whose allocator raises out-of-memory errors in the middle of a step (CUDA, CPU):
+            FSDP1's per-step state cannot be reset after such a step (names the alternatives).
     """
     import torch.distributed as dist
 
@@ -60,19 +81,21 @@ def device_for_layout(device: Device, layout: str, *, world_size: int | None) ->
                 "pass consensus=autobatch.distributed.ProcessGroupConsensus() on every rank"
             )
         return device
-    if world_size == 1 or layout == FSDP2_LAYOUT:  # FSDP2: faked collectives
+    if world_size == 1 or layout in RECOVERABLE_LAYOUTS:
         return device
-    if isinstance(device, SimulatedDevice):
+    if isinstance(device, SimulatedDevice):  # FSDP1: the step runs to its end
         return device.deferring_oom()
     raise ConfigError(
         f"cannot probe a model sharded with {layout} on {world_size} ranks of "
-        f"{device.type} ({device.name}): its step runs collectives (all-gathers, "
-        "reduce-scatters), and a rank that runs out of memory in the middle of it would leave "
-        "the others waiting in one until the process group's timeout. Probe the same layout "
-        "on simulated devices of each card's capacity instead (device='sim:80GiB': the step "
-        "runs on the CPU, an out-of-memory error is raised once the step ends), or shard with "
-        "FSDP2 (fully_shard), whose collectives the probe runs locally, or probe on a single "
-        "rank (world size 1), or plan from a micro-batch size you know with autobatch.plan(...)"
+        f"{device.type} ({device.name}): its allocator raises out-of-memory errors in the middle "
+        "of a step, and an FSDP1 backward stopped in the middle leaves FSDP's per-step state "
+        "behind (the root's queued post-backward callback, flat parameters left unsharded), "
+        "which torch has no call to reset, so the next trial's gradients and memory would be "
+        "wrong. Shard with FSDP2 (fully_shard) instead, whose state the probe resets after such "
+        "a step (reset_iter_state), or probe the same layout on simulated devices of each "
+        "card's capacity (device='sim:80GiB': the step runs on the CPU, an out-of-memory error "
+        "is raised once the step ends), or probe on a single rank (world size 1), or plan from "
+        "a micro-batch size you know with autobatch.plan(...)"
     )
 
 

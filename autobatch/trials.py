@@ -29,7 +29,7 @@ from autobatch.compiled import CompiledMode, compiled_mode, mark_batch_dynamic
 from autobatch.consensus import Consensus
 from autobatch.device import Capacity, Device, PeakMemory
 from autobatch.device.oom import is_oom
-from autobatch.distributed import FSDP2_LAYOUT
+from autobatch.distributed import FSDP2_LAYOUT, FSDP2_TP_LAYOUT
 from autobatch.errors import (
     ConfigError,
     DistributedError,
@@ -440,9 +440,10 @@ class TrialRunner:
 
     def _clean_up_after_failure(self) -> None:
         """Drop what the failed step left (gradients, a half-built optimizer state), collect
-        garbage, then empty the allocator cache. An FSDP2 model gets its parameters resharded
-        and its per-step state reset (the step stopped mid-forward or mid-backward)."""
-        if self.layout == FSDP2_LAYOUT:
+        garbage, then empty the allocator cache. An FSDP2 model (2-D with tensor parallel too)
+        gets its parameters resharded and its per-step state reset (the step stopped
+        mid-forward or mid-backward); tensor parallelism keeps no per-step state."""
+        if self.layout in (FSDP2_LAYOUT, FSDP2_TP_LAYOUT):
             reset_fsdp2(self.model)
         for param in self.model.parameters():
             param.grad = None

@@ -36,10 +36,10 @@ class SimulatedDevice:
             ``capacity_bytes - foreign_memory_bytes``.
         name: shown in profiles; default ``"sim"``.
         defer_oom: let a step that goes over the capacity run to its end, and raise the
-            ``OutOfMemoryError`` when :meth:`measure`'s block exits. The probe uses it for steps
-            with collectives inside (FSDP1's all-gathers, tensor parallel all-reduces) on
-            several ranks: a rank that stopped mid-step would leave the others waiting in a
-            collective. The peak counted is the same either way.
+            ``OutOfMemoryError`` when :meth:`measure`'s block exits. The probe uses it for FSDP1
+            on several ranks: a backward stopped in the middle would leave FSDP1's per-step
+            state broken for the next trial (see :mod:`autobatch.layouts`). The peak counted is
+            the same either way.
 
     Raises:
         ConfigError: a size is not positive, or the foreign bytes leave nothing.
