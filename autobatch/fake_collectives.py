@@ -47,7 +47,13 @@ import torch.distributed as dist
 
 from autobatch.errors import ConfigError, DistributedError
 
-__all__ = ["PeerObjectError", "fsdp2_collectives_faked", "process_groups_faked", "reset_fsdp2"]
+__all__ = [
+    "PeerObjectError",
+    "fsdp2_collectives_faked",
+    "process_groups_faked",
+    "reset_fsdp2",
+    "reshard_fsdp2",
+]
 
 _FAKE_BACKEND_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL")
 """The backend types a group's fake backend may be registered under: the first one the group has
@@ -151,6 +157,23 @@ def process_groups_faked() -> Iterator[int]:
             setattr(module, name, original)
         if failures:
             raise failures[0]
+
+
+def reshard_fsdp2(model: torch.nn.Module) -> None:
+    """Every ``fully_shard`` module of ``model`` back to its sharded parameters
+    (``FSDPModule.reshard()``; none: nothing).
+
+    A forward without a backward (evaluation, a user's check) leaves the root module unsharded:
+    FSDP2 keeps the root's gathered parameters for the backward it expects. Those are views into
+    a buffer the next step frees, so the probe reshards before it snapshots the parameters (a
+    snapshot of the views was written back into freed memory: a segfault) and after its last
+    step (an evaluation probe's forward leaves the root unsharded too). Resharding drops no
+    value: the sharded parameters are the ones the optimizer holds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def reset_fsdp2(model: torch.nn.Module) -> None:

@@ -51,7 +51,7 @@ from autobatch.estimator import (
     check_search_arguments,
     estimate_points,
 )
-from autobatch.fake_collectives import PeerObjectError, process_groups_faked
+from autobatch.fake_collectives import PeerObjectError, process_groups_faked, reshard_fsdp2
 from autobatch.layouts import device_for_layout, trial_context
 from autobatch.metadata import now_iso
 from autobatch.placement import check_placement, model_device
@@ -261,6 +261,7 @@ def _probing(
     # A collection after every trial walks only what the probe created, not the whole process
     # (torch, a framework): objects that exist now are frozen until the probe ends.
     with objects_frozen():
+        reshard_fsdp2(model)  # a snapshot of unsharded FSDP2 parameters would outlive them
         snapshot = Snapshot.take(model, optimizer)
         run_optimizer = (
             optimizer if optimizer is not None else _default_optimizer(model, evaluating=evaluating)
@@ -297,6 +298,7 @@ def _probing(
                 return run(search)
         finally:
             del run_optimizer
+            reshard_fsdp2(model)
             snapshot.restore()
             del snapshot
             target.release()

@@ -270,3 +270,44 @@ def test_a_simulated_device_deferring_oom_lets_the_step_end_then_raises_the_same
         torch.zeros(1 << 19)
         ran_to_the_end.append(False)
     assert ran_to_the_end == [True]
+
+
+def _forward_only_worker(rank: int, tmp: str) -> None:
+    """One rank: a forward without a backward (the root stays unsharded), then a probe."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=1)
+    result: dict[str, Any] = {}
+    try:
+        model = sharded_mlp()
+        sample = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+        before = _local(model)
+        with torch.no_grad():
+            expected = model(sample[0])  # no backward follows: FSDP2 keeps the root gathered
+        tuned = tune(
+            model,
+            sample,
+            effective_batch_size=64,
+            loss_fn=F.cross_entropy,
+            device="sim:64MiB",
+            use_store=False,
+        )
+        result["micro_batch_size"] = tuned.plan.micro_batch_size
+        after = _local(model)
+        result["restored"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        with torch.no_grad():
+            result["same_output"] = torch.equal(model(sample[0]), expected)
+    except Exception as exc:
+        result["error"] = repr(exc)
+    finally:
+        (Path(tmp) / "forward_only.json").write_text(json.dumps(result))
+        leave_gloo_worker()
+
+
+@pytest.mark.slow
+def test_a_probe_after_a_forward_without_backward_restores_the_sharded_model(
+    tmp_path: Path,
+) -> None:
+    # The root's gathered parameters were snapshotted and written back after they were freed:
+    # the process died with a segfault (hence a process of its own here).
+    spawn_and_wait(_forward_only_worker, (str(tmp_path),), 1, timeout_s=4 * GROUP_TIMEOUT_S)
+    result = json.loads((tmp_path / "forward_only.json").read_text())
+    assert result == {"micro_batch_size": 64, "restored": True, "same_output": True}
