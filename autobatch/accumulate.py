@@ -226,7 +226,10 @@ class MicroStep(Generic[B]):
                 rank (its gradients were dropped: go on with the next window). Under DDP such an
                 error on a micro-step before the last is raised at the last one's ``backward``,
                 where the ranks agree before the synchronised backward (until then this rank's
-                forward passes keep in step with the others', and its backward does nothing).
+                forward passes keep in step with the others', and its backward does nothing):
+                that agreement happens in a window where some rank has a micro-batch counting 0
+                items, so a mean over 0 counted items on one rank makes every rank raise. Other
+                refusals (program errors) are expected on every rank alike.
                 An error from autograd itself (an OOM) propagates, and the micro-step's backward
                 can then be retried.
             DistributedError: under DDP, another rank failed in this window (see its error);
@@ -252,6 +255,8 @@ class MicroStep(Generic[B]):
         window._weighted_losses.append(weighted.detach())
         self._backward_done = True
         window._num_backward += 1
+        if self.is_last:
+            window._synced = True
 
     def _agreed_weight(
         self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
@@ -368,11 +373,14 @@ class Window(Generic[B]):
         self._splits: list[SplitEvent] = []
         # Under DDP: whether this window's micro-steps agree before the synchronised backward
         # (not when Window.run splits: autobatch.splitting's agreements do instead), whether
-        # that agreement is still to come, the error kept for it, and whether the ranks agreed
-        # that the window failed (its gradients were dropped on every rank).
+        # that agreement is still to come (windows() sets it where some rank has a micro-batch
+        # counting 0 items), the error kept for it, whether the synchronised backward ran on
+        # this rank, and whether the ranks agreed that the window failed (its gradients were
+        # dropped on every rank).
         self._agrees = acc._agreement is not None
-        self._sync_due = self._agrees
+        self._sync_due = False
         self._deferred: ConfigError | None = None
+        self._synced = False
         self._abandoned = False
         self._failed_after_agreements = False  # set by run_window: tell at the next window's
 
@@ -421,8 +429,9 @@ class Window(Generic[B]):
 
         Arguments and errors: :func:`autobatch.splitting.run_window`; and :meth:`step`'s. Under
         DDP an error on one rank reaches the others at the next agreement, where they raise
-        ``DistributedError`` (an error in ``loss_of`` before the last micro-step only when the
-        forward pass does not communicate: see the README).
+        ``DistributedError``; without splitting, an error in ``loss_of`` does only where the
+        ranks agree before the synchronised backward and this rank can still meet them there
+        (its last micro-step, or a forward pass that does not communicate).
         """
         acc = self._acc
         num_forward = [0]
@@ -618,10 +627,10 @@ class Accumulator:
         shorter and is weighted by its real size. Under DDP every rank must yield the same
         number of windows (``DistributedSampler`` ensures this): the ranks agree once at each
         window's start (its count all-reduce) and once when the micro-batches run out, and an
-        error on one rank (fetching, counting, a check) is taken to that agreement, so every
-        rank raises instead of waiting in it. The optimizer's gradients are zeroed (to
-        ``None``) when the loop starts, so nothing left by an earlier loop that broke off after a
-        backward is added in.
+        error on one rank (fetching, counting, a check, the previous window's ``step``) is
+        taken to that agreement, so every rank raises instead of waiting in it. The optimizer's
+        gradients are zeroed (to ``None``) when the loop starts, so nothing left by an earlier
+        loop that broke off after a backward is added in.
 
         Args:
             micro_batches: one epoch of micro-batches, e.g. a ``DataLoader``.
@@ -673,11 +682,13 @@ class Accumulator:
                     )
                 return
             local_count = sum(counts)
-            global_count = (
-                local_count
-                if agreement is None
-                else agreement.meet(local_count, where=f"the count agreement of window {index}")
-            )
+            empty = False  # whether some rank has a micro-batch counting 0 items
+            if agreement is None:
+                global_count = local_count
+            else:
+                global_count, empty = agreement.meet(
+                    local_count, where=f"the count agreement of window {index}", empty=0 in counts
+                )
             if global_count == 0:
                 raise ConfigError(
                     f"window {index} has a total count of 0 counted items over "
@@ -686,6 +697,9 @@ class Accumulator:
                     "count_fn"
                 )
             previous = Window(self, batches, counts, index, global_count, count_fn)
+            # Where a "mean" loss can be refused on one rank, the ranks agree before the window's
+            # synchronised backward; elsewhere refusals are program errors, alike on every rank.
+            previous._sync_due = previous._agrees and empty
             yield previous
 
     def _fetch(
@@ -726,7 +740,8 @@ class Accumulator:
             window._sync_due = False
             self._tell(status, window.index)
             window._abandon()
-        elif self._told_at_next is None:
+        elif window._synced and self._told_at_next is None:
+            # Past the synchronised backward (before it, the others may be in its all-reduce).
             self._tell(status, window.index)
             self._told_at_next = window.index
 

@@ -1,19 +1,22 @@
 """The Accumulator's agreements under DistributedDataParallel: how an error on one rank reaches
 the others instead of leaving them waiting in a collective.
 
-Every agreement is the same small collective: a SUM all-reduce of ``world_size + 1`` int64
-values, this rank's counted items and one status per rank (0 on every rank that is fine). The
-ranks meet at one agreement for each window's count (in ``Accumulator.windows``), one before
-each window's synchronised backward (the last micro-step's ``backward``; with
-``on_oom="split"``, :mod:`autobatch.splitting`'s own agreements instead), and one when the
-micro-batches run out. A rank that fails meets the others at the next agreement with its status
-and then raises its own error; each of the others raises :class:`DistributedError` there, naming
-the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
+Every agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64
+values: this rank's counted items, whether it has a micro-batch counting 0 items, and one status
+per rank (0 on every rank that is fine). The ranks meet at one agreement for each window's count
+(in ``Accumulator.windows``, as before there were agreements) and one when the micro-batches run
+out (once per loop); and, only in a window where some rank has a micro-batch counting 0 items
+(where a "mean" loss is refused, on that rank only), one before the window's synchronised
+backward (the last micro-step's ``backward``; with ``on_oom="split"``,
+:mod:`autobatch.splitting`'s own agreements instead). A rank that fails meets the others at the
+next agreement with its status and then raises its own error; each of the others raises
+:class:`DistributedError` there, naming the rank and what failed. No rank leaves an agreement
+alone, so the ranks stay in step.
 
 Example::
 
     agreement = Agreement(process_group, ddp_model)
-    global_count = agreement.meet(local_count, where="the count agreement of window 3")
+    global_count, empty = agreement.meet(local_count, where="the count agreement of window 3")
     agreement.meet(0, where="...", status=Status.STEP, window=3)  # failed: tell, then raise
 """
 
@@ -70,7 +73,15 @@ class Agreement:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
-    def meet(self, count: int, *, where: str, status: Status = Status.OK, window: int = 0) -> int:
+    def meet(
+        self,
+        count: int,
+        *,
+        where: str,
+        status: Status = Status.OK,
+        window: int = 0,
+        empty: bool = False,
+    ) -> tuple[int, bool]:
         """Meet the other ranks at the next agreement.
 
         Args:
@@ -79,9 +90,11 @@ class Agreement:
             status: this rank's; not ``OK`` when it failed and raises its own error next.
             window: the window this rank failed at, or, with ``EXHAUSTED``, the number of
                 windows it yielded (named in the other ranks' messages).
+            empty: whether a micro-batch of this rank's window counts 0 items.
 
         Returns:
-            The counted items summed over the ranks.
+            The counted items summed over the ranks, and whether a micro-batch of some rank
+            counts 0 items.
 
         Raises:
             DistributedError: another rank failed (not raised on a rank that failed itself: it
@@ -89,16 +102,16 @@ class Agreement:
                 others (raised on every rank).
         """
         device = next(self.model.parameters()).device
-        values = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
+        values = torch.zeros(self.world_size + 2, dtype=torch.int64, device=device)
         values[0] = count
+        values[1] = int(empty)
         if status != Status.OK:
-            values[1 + self.rank] = (int(status) << 32) + window
+            values[2 + self.rank] = (int(status) << 32) + window
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
-        total, *slots = values.tolist()
-        if not any(slots):
-            return int(total)
-        if status not in (Status.OK, Status.EXHAUSTED):
-            return int(total)  # this rank raises its own error
+        total, num_empty, *slots = values.tolist()
+        agreed = int(total), num_empty > 0
+        if not any(slots) or status not in (Status.OK, Status.EXHAUSTED):
+            return agreed  # all is well, or this rank raises its own error
         reported = [
             (rank, Status(slot >> 32), slot & 0xFFFFFFFF) for rank, slot in enumerate(slots)
         ]
@@ -119,4 +132,4 @@ class Agreement:
                 "same number of micro-batches (torch.utils.data.DistributedSampler, with "
                 "drop_last=True if they are uneven)"
             )
-        return int(total)
+        return agreed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from autobatch.accumulate import Accumulator
+from autobatch.rank_agreement import Agreement
 from tests.conftest import spawn_and_wait
 from tests.unit.gloo_exit import leave_gloo_worker
 
@@ -28,6 +30,20 @@ SAMPLES = {
     1: [[2.0], [5.0], [10.0], [1.0, 2.0, 3.0]],
 }
 WANT_GRADS = [11 / 4, 34 / 7]
+
+
+class RecordedAgreement(Agreement):
+    """The ranks' agreements besides DDP's gradient all-reduce, each recorded by its place."""
+
+    __slots__ = ("places",)
+
+    def __init__(self, group: dist.ProcessGroup, model: nn.Module) -> None:
+        super().__init__(group, model)
+        self.places: list[str] = []
+
+    def meet(self, count: int, **kwargs: Any) -> tuple[int, bool]:
+        self.places.append(kwargs["where"])
+        return super().meet(count, **kwargs)
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -53,6 +69,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         model.register_comm_hook(None, counting_hook)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         acc = Accumulator(model, opt, gradient_accumulation_steps=2, max_grad_norm=100.0)
+        acc._agreement = agreement = RecordedAgreement(model.process_group, model)
         batches = [torch.tensor(s, dtype=torch.float64).unsqueeze(1) for s in SAMPLES[rank]]
         results = []
         for window in acc.windows(batches):
@@ -73,6 +90,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
                     "local_count": stats.local_count,
                 }
             )
+        results.append({"agreements": agreement.places})
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     except BaseException:
         dist.destroy_process_group()
@@ -87,6 +105,13 @@ def test_ddp_window_gradient_is_the_global_mean_with_one_allreduce(tmp_path: Pat
 
     for rank in range(WORLD_SIZE):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # One per window and one at the end: none before the synchronised backward, since no
+        # micro-batch counts 0 items.
+        assert results.pop()["agreements"] == [
+            "the count agreement of window 0",
+            "the count agreement of window 1",
+            "the end of the micro-batches after 2 windows",
+        ]
         assert [r["num_allreduce"] for r in results] == [1, 1]
         assert [r["global_count"] for r in results] == [4, 7]
         assert [r["local_count"] for r in results] == [[2, 3], [2, 4]][rank]

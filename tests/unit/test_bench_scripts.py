@@ -1,9 +1,9 @@
 """The benchmark scripts run end to end on the CPU: ``bench/gpu_check.py --dry-run`` (tiny model,
 simulated device instead of CUDA), ``bench/probe_vs_peers.py --quick`` (one model, one capacity),
-``bench/service_load.py`` (a few requests) and ``bench/accumulate_overhead.py --quick`` (a few
-repetitions). Each runs in a subprocess, as it would be run by hand, so Lightning's and
-Accelerate's warnings (CPU training, dataloader workers) stay out of this pytest session's
-``filterwarnings = error``."""
+``bench/service_load.py`` (a few requests), ``bench/accumulate_overhead.py --quick`` (a few
+repetitions) and ``bench/ddp_agreement_overhead.py`` (2 gloo ranks, a few repetitions). Each runs in
+a subprocess, as it would be run by hand, so Lightning's and Accelerate's warnings (CPU training,
+dataloader workers) stay out of this pytest session's ``filterwarnings = error``."""
 
 from __future__ import annotations
 
@@ -103,3 +103,15 @@ def test_accumulate_overhead_quick_prints_each_workload_with_its_interval() -> N
         assert 0.2 < ratio < 5.0, row  # a measured ratio of two timed loops, not a constant
     assert out.count("target < 2%:") == 6
     assert out.count("run split / run raise paired ratio") == 3
+
+
+@pytest.mark.slow
+def test_ddp_agreement_overhead_prints_the_paired_ratio_of_two_gloo_ranks() -> None:
+    out = _run(
+        ["bench/ddp_agreement_overhead.py", "--repetitions", "4", "--windows", "2"], timeout_s=120
+    )
+    assert "2 gloo ranks, MLP width 256" in out and "4 interleaved repetitions" in out
+    (row,) = [line.split() for line in out.splitlines() if "paired ratio" in line]
+    ratio = float(row[row.index("ratio") + 1])
+    assert 0.2 < ratio < 5.0, row  # a measured ratio of two timed loops, not a constant
+    assert "target < 2%:" in out
