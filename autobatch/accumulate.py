@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -81,8 +80,6 @@ _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `o
 
 # Re-entrant and reusable: the sync context of every micro-step that needs none.
 _NO_CONTEXT = contextlib.nullcontext()
-
-logger = logging.getLogger("autobatch")
 
 
 class SmallMicroBatchNormWarning(UserWarning):
@@ -246,7 +243,7 @@ class MicroStep(Generic[B]):
                 loss, weight = self._weight(loss, reduction)
             except ConfigError:
                 if window._agrees:  # after the agreement: the others learn of it at the next
-                    window._acc._failed(window, Status.BACKWARD)
+                    window._acc._tell_failure(window, Status.BACKWARD)
                 raise
         weighted = loss * weight  # this micro-step's share of the global mean
         scaler = window._acc.scaler
@@ -278,23 +275,9 @@ class MicroStep(Generic[B]):
             self._backward_done = True  # counted as run: the window fails at the last one
             window._num_backward += 1
             return None
-        error = window._deferred or error
-        window._sync_due = False
         agreement = window._acc._agreement
         assert agreement is not None  # _sync_due only under DDP
-        try:
-            agreement.meet(
-                0,
-                where=f"the agreement before the synchronised backward of window {window.index}",
-                status=Status.OK if error is None else Status.BACKWARD,
-                window=window.index,
-            )
-        except DistributedError:
-            window._abandon()
-            raise
-        if error is not None:
-            window._abandon()
-            raise error
+        agreement.before_synchronised_backward(window, window._deferred or error)
         return checked
 
     def _weight(
@@ -447,7 +430,13 @@ class Window(Generic[B]):
         try:
             run_window(self, loss_of, reduction=reduction)
         except Exception:
-            acc._run_failed(self, num_forward[0] - 1)
+            if acc._agreement is not None:
+                acc._agreement.run_failed(
+                    self,
+                    num_forward[0] - 1,
+                    splitting=acc._splitter.on_oom == "split",
+                    forward_communicates=acc._forward_communicates(),
+                )
             raise
         return self.step()
 
@@ -471,7 +460,7 @@ class Window(Generic[B]):
         try:
             return self._step()
         except Exception:
-            self._acc._failed(self, Status.STEP)
+            self._acc._tell_failure(self, Status.STEP)
             raise
 
     def _step(self) -> StepStats:
@@ -606,9 +595,6 @@ class Accumulator:
             self._group = self._ddp.process_group
             self.world_size = dist.get_world_size(self._group)
             self._agreement = Agreement(self._group, model)
-        # The window whose error this rank told the others at the agreement that starts the
-        # next window (or ends the loop): this loop cannot go on.
-        self._told_at_next: int | None = None
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 
@@ -656,21 +642,22 @@ class Accumulator:
         # Start from no gradient: none left by an earlier loop that broke off after a backward
         # (an OOM retry, a `break`), or by a backward outside the helper.
         self.optimizer.zero_grad(set_to_none=True)
-        self._told_at_next = None
         agreement = self._agreement
+        if agreement is not None:
+            agreement.told_at_next = None
         previous: Window[B] | None = None
         for index in itertools.count():
-            if self._told_at_next is not None:
+            if agreement is not None and agreement.told_at_next is not None:
                 raise DistributedError(
-                    f"window {self._told_at_next}'s error on this rank was reported to the other "
-                    "ranks at the agreement that starts the next window, where they stopped; "
-                    "start a new windows() loop on every rank to go on"
+                    f"window {agreement.told_at_next}'s error on this rank was reported to the "
+                    "other ranks at the agreement that starts the next window, where they "
+                    "stopped; start a new windows() loop on every rank to go on"
                 )
             try:
                 batches, counts = self._fetch(iterator, previous, index, count_fn)
             except Exception:
                 if agreement is not None:  # the others wait at this window's count agreement
-                    self._tell(Status.FETCH, index)
+                    agreement.tell(Status.FETCH, index)
                 raise
             if not batches:
                 if agreement is not None:
@@ -729,47 +716,14 @@ class Accumulator:
             self._check_batch_norm(batches)
         return batches, counts
 
-    # -- an error on one rank, under DDP: the others learn of it at the next agreement --------
+    def _tell_failure(self, window: Window[Any], status: Status) -> None:
+        if self._agreement is not None:
+            self._agreement.failed(window, status)
 
-    def _failed(self, window: Window[Any], status: Status) -> None:
-        """This rank raises an error in ``window`` next: meet the others at the agreement they
-        wait at (before the window's synchronised backward, or the next window's count)."""
-        if self._agreement is None or window._abandoned:
-            return  # no other rank, or they know already
-        if window._sync_due:
-            window._sync_due = False
-            self._tell(status, window.index)
-            window._abandon()
-        elif window._synced and self._told_at_next is None:
-            # Past the synchronised backward (before it, the others may be in its all-reduce).
-            self._tell(status, window.index)
-            self._told_at_next = window.index
-
-    def _run_failed(self, window: Window[Any], failing: int) -> None:
-        """``Window.run`` raised (in micro-step ``failing`` when it does not split): tell the
-        others where they can still be met."""
-        if self._agreement is None or window._abandoned:
-            return
-        if self._splitter.on_oom == "split":
-            if window._failed_after_agreements:  # splitting told them of anything earlier
-                self._failed(window, Status.RUN)
-        elif window._sync_due:
-            # An error in micro-step `failing` (loss_of, or autograd): the others go on to the
-            # agreement before the synchronised backward, after their forward passes, which
-            # this rank can no longer keep in step with when they communicate.
-            ddp = self._ddp
-            assert ddp is not None
-            communicates = bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
-            if failing == len(window) - 1 or not communicates:
-                self._failed(window, Status.RUN)
-        # Else it failed inside the synchronised backward: the others are in its all-reduce.
-
-    def _tell(self, status: Status, window_index: int) -> None:
-        assert self._agreement is not None
-        try:
-            self._agreement.meet(0, where="", status=status, window=window_index)
-        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
-            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
+    def _forward_communicates(self) -> bool:
+        """Whether DDP broadcasts buffers at every forward pass (a collective per forward)."""
+        ddp = self._ddp
+        return ddp is not None and bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
 
     def _check_batch_norm(self, batches: Sequence[Any]) -> None:
         self._norm_checked = True

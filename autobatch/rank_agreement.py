@@ -23,13 +23,17 @@ Example::
 from __future__ import annotations
 
 import enum
+import logging
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from autobatch.errors import DistributedError
+from autobatch.errors import ConfigError, DistributedError
 
 __all__ = ["Agreement", "Status"]
+
+logger = logging.getLogger("autobatch")
 
 
 class Status(enum.IntEnum):
@@ -56,6 +60,25 @@ _WHAT = {
 }
 
 
+class _Window(Protocol):
+    """What the agreements use of :class:`autobatch.accumulate.Window` (that module imports
+    this one, never the other way round)."""
+
+    _sync_due: bool
+    """Whether this rank meets the others before the synchronised backward (still to come)."""
+    _synced: bool
+    """Whether the synchronised backward ran on this rank."""
+    _abandoned: bool
+    """Whether the ranks agreed that the window failed (its gradients are dropped)."""
+    _failed_after_agreements: bool
+    """Set by ``run_window`` (splitting) for an error after the ranks' last agreement."""
+
+    @property
+    def index(self) -> int: ...
+    def __len__(self) -> int: ...
+    def _abandon(self) -> None: ...
+
+
 class Agreement:
     """The ranks' agreements of one Accumulator (see the module docstring).
 
@@ -65,11 +88,14 @@ class Agreement:
             CUDA).
     """
 
-    __slots__ = ("group", "model", "rank", "world_size")
+    __slots__ = ("group", "model", "rank", "told_at_next", "world_size")
 
     def __init__(self, group: dist.ProcessGroup | None, model: torch.nn.Module) -> None:
         self.group = group
         self.model = model
+        self.told_at_next: int | None = None
+        """The window whose error this rank told the others at the agreement that starts the
+        next window (or ends the loop): the loop cannot go on (``windows()`` resets it)."""
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
@@ -133,3 +159,67 @@ class Agreement:
                 "drop_last=True if they are uneven)"
             )
         return agreed
+
+    # -- an error on this rank: the others learn of it at the next agreement ------------------
+
+    def tell(self, status: Status, window_index: int) -> None:
+        """Meet the others at the next agreement with this rank's failure (it raises next)."""
+        try:
+            self.meet(0, where="", status=status, window=window_index)
+        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
+            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
+
+    def failed(self, window: _Window, status: Status) -> None:
+        """This rank raises an error in ``window`` next: meet the others at the agreement they
+        wait at, before the window's synchronised backward or at the next window's count."""
+        if window._abandoned:
+            return  # they know already
+        if window._sync_due:
+            window._sync_due = False
+            self.tell(status, window.index)
+            window._abandon()
+        elif window._synced and self.told_at_next is None:
+            # Past the synchronised backward (before it, the others may be in its all-reduce).
+            self.tell(status, window.index)
+            self.told_at_next = window.index
+
+    def before_synchronised_backward(self, window: _Window, error: ConfigError | None) -> None:
+        """The agreement before ``window``'s synchronised backward, with this rank's refused
+        backward (``error``) if any.
+
+        Raises:
+            ConfigError: ``error``, on this rank (the window's gradients are dropped).
+            DistributedError: another rank refused (the window's gradients are dropped).
+        """
+        window._sync_due = False
+        try:
+            self.meet(
+                0,
+                where=f"the agreement before the synchronised backward of window {window.index}",
+                status=Status.OK if error is None else Status.BACKWARD,
+                window=window.index,
+            )
+        except DistributedError:
+            window._abandon()
+            raise
+        if error is not None:
+            window._abandon()
+            raise error
+
+    def run_failed(
+        self, window: _Window, failing: int, *, splitting: bool, forward_communicates: bool
+    ) -> None:
+        """``Window.run`` raised (in micro-step ``failing`` when not ``splitting``): tell the
+        others where they can still be met."""
+        if window._abandoned:
+            return
+        if splitting:
+            if window._failed_after_agreements:  # splitting told them of anything earlier
+                self.failed(window, Status.RUN)
+        elif window._sync_due and (failing == len(window) - 1 or not forward_communicates):
+            # An error in micro-step `failing` (loss_of, or autograd): the others go on to the
+            # agreement before the synchronised backward after their forward passes, which this
+            # rank can no longer keep in step with when they communicate.
+            self.failed(window, Status.RUN)
+        # Else it failed inside the synchronised backward (the others are in its all-reduce),
+        # or where they cannot be met: they fail when this process ends.
