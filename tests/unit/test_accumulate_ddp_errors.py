@@ -73,6 +73,10 @@ CASES = {
     "step_raises_last": "1/-",  # the same in the last window
     "uneven": "-/-",  # rank 1 has 1 window, rank 0 has 2
     "skip_window": "0/0",  # as mean_over_nothing, and every rank catches the error and goes on
+    # Window.run's loss_of raises on rank 1's last micro-step, in a window where rank 0's first
+    # micro-batch counts 0 items (a "sum" loss), so the ranks agree before the synchronised
+    # backward.
+    "run_raises": "0/1",
 }
 
 
@@ -93,6 +97,8 @@ def _worker(rank: int, store_path: str, out_dir: str, case: str) -> None:
         fails = rank == 1
         if fails and case.startswith(("mean_over_nothing", "skip_window")):
             data[2 * fail_window + fail_micro][1][:, 0] = IGNORED
+        if rank == 0 and case == "run_raises":
+            data[0][1][:, 0] = IGNORED
         if fails and case.startswith("step_raises"):
             step = optimizer.step
 
@@ -122,6 +128,16 @@ def _worker(rank: int, store_path: str, out_dir: str, case: str) -> None:
                 try:
                     if case == "mean_over_nothing_last":
                         window.run(lambda batch: masked_mse(ddp, batch))
+                    elif case == "run_raises":
+
+                        def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                            if fails and batch is data[2 * fail_window + fail_micro]:
+                                raise RuntimeError("the forward pass failed on this rank")
+                            x, y = batch
+                            keep = y[:, 0] != IGNORED
+                            return ((ddp(x) - y)[keep] ** 2).sum()
+
+                        window.run(loss_of, reduction="sum")
                     else:
                         for micro in window:
                             with micro.sync_context():
@@ -250,3 +266,22 @@ def test_ddp_a_window_failed_on_one_rank_can_be_skipped_on_every_rank(tmp_path: 
     for got, w in zip(ranks[0]["grad"], want, strict=True):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), w, rtol=1e-12,
                                    atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ddp_a_forward_error_in_window_run_on_one_rank_makes_every_rank_raise(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's loss_of raises on the last micro-step; rank 0, past its last forward pass, used to
+    # wait in DDP's gradient all-reduce. (Rank 0's empty micro-batch makes the ranks agree
+    # before the synchronised backward in this window.)
+    ranks = _run(tmp_path, "run_raises")
+    assert ranks[1]["error"] == "RuntimeError"
+    assert ranks[1]["message"] == "the forward pass failed on this rank"
+    assert ranks[0]["error"] == "DistributedError"
+    assert (
+        "rank 1 raised an error in Window.run of window 0 (see that rank's error); this rank "
+        "stops too, at the agreement before the synchronised backward of window 0"
+        in ranks[0]["message"]
+    )
+    assert ranks[0]["windows"] == ranks[1]["windows"] == 0
