@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.errors import DistributedError
+from autobatch.fake_collectives import groups_faked
 
 __all__ = [
     "FSDP1_LAYOUT",
@@ -71,8 +72,10 @@ class ProcessGroupConsensus:
             ``torch.cuda.set_device`` is cuda:0, another rank's GPU. None: the current device.
 
     Raises:
-        DistributedError: torch.distributed is not available or not initialised, or the group
-            is bound to another CUDA device than ``device`` (``init_process_group(device_id=)``).
+        DistributedError: torch.distributed is not available or not initialised, the group
+            is bound to another CUDA device than ``device`` (``init_process_group(device_id=)``),
+            or the process groups are faked (inside a step a probe runs: no agreement could
+            communicate).
     """
 
     def __init__(
@@ -82,6 +85,13 @@ class ProcessGroupConsensus:
             raise DistributedError(
                 "torch.distributed is not initialised; call torch.distributed.init_process_group "
                 "first (torchrun sets the environment it reads)"
+            )
+        if groups_faked():
+            raise DistributedError(
+                "cannot probe under torch.distributed while every process group's collectives "
+                "go to a fake backend (inside a train_step that a probe is running, or a "
+                "process_groups_faked block): the ranks' agreement would communicate nothing, "
+                "and each rank would get its own answer. Call autotune outside them"
             )
         self._group = group
         self._rank = dist.get_rank(group)

@@ -12,8 +12,10 @@ rank's step alone; the ranks then agree once per trial through the real groups:
   a DTensor redistribute and the functional collectives reach by object or by name) sends its
   collectives to a ``FakeProcessGroup`` backend of the same rank and size (torch's "fake"
   backend: it allocates nothing of its own and returns at once). The groups are the same
-  objects, so nothing that holds one is missed; only their backends are swapped, and on exit,
-  exceptions included, each device type gets its own backend back.
+  objects, with the same names, so nothing that holds one or looks it up by name is missed;
+  only their backends are swapped, and on exit, exceptions included, each device type gets its
+  own backend back. What needs the other ranks (an object another rank sends, creating a group)
+  is refused instead.
 - :func:`fsdp2_collectives_faked`, for all the trials: every FSDP2 parameter group sends its
   all-gathers and reduce-scatters to a ``FakeProcessGroup`` (a group of its own). FSDP allocates
   the collectives' outputs itself, so each rank allocates exactly what it would.
@@ -25,8 +27,10 @@ see :func:`process_groups_faked`). The probe restores parameters, gradients and 
 afterwards.
 
 This reaches into private state: FSDP2's ``FSDPParamGroup.mesh_info``, and c10d's group registry
-(``_world.pg_map``) and ``ProcessGroup._register_backend``; the 2-rank tests in
-``tests/unit/test_fsdp.py`` and ``tests/unit/test_step_collectives.py`` pin them.
+(``_world.pg_map``, ``_new_group_with_tag``, the function inside a c10d logging wrapper) and
+``ProcessGroup._register_backend``; the 2-rank tests in ``tests/unit/test_fsdp.py``,
+``tests/unit/test_step_collectives.py`` and ``tests/unit/test_step_collectives_edges.py`` pin
+them.
 
 Example::
 
@@ -50,6 +54,7 @@ from autobatch.errors import ConfigError, DistributedError
 __all__ = [
     "PeerObjectError",
     "fsdp2_collectives_faked",
+    "groups_faked",
     "process_groups_faked",
     "reset_fsdp2",
     "reshard_fsdp2",
@@ -67,10 +72,23 @@ so the same one comes back each time."""
 _OBJECT_RECEIVERS = ("broadcast_object_list", "scatter_object_list", "recv_object_list")
 """torch.distributed's object collectives whose receivers allocate by a size another rank sends."""
 
+_OBJECT_REFUSAL = (
+    "a receiving rank would get no object, only an allocation of whatever size its buffer held"
+)
+_GROUP_REFUSAL = (
+    "creating a process group (new_group, new_subgroups, init_device_mesh) meets every other "
+    "rank, which a rank out of memory earlier in the step never reaches: the others would wait "
+    "until the group's timeout. Create the group once, before the probe, and use it in the step"
+)
+
+_DEPTH = 0
+"""How many :func:`process_groups_faked` blocks are open (nested ones included)."""
+
 
 class PeerObjectError(ConfigError):
-    """The step called an object collective whose receivers need another rank's object while
-    the probe faked the collectives (see :func:`process_groups_faked`)."""
+    """While the probe faked the collectives, the step called something that needs the other
+    ranks: an object collective whose receivers need another rank's object, or the creation of
+    a process group (see :func:`process_groups_faked`)."""
 
 
 _GROUP_FIELDS = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
@@ -108,53 +126,65 @@ def fsdp2_collectives_faked(model: torch.nn.Module) -> Iterator[int]:
 def process_groups_faked() -> Iterator[int]:
     """Inside the block, every process group of this process sends its collectives to a fake
     backend of its rank and size; yields how many groups (0 without torch.distributed). It is
-    the whole process's: a collective another thread issues meanwhile is faked too. Entering
-    and leaving costs about 60 µs for 4 groups on CPU.
+    the whole process's: a collective another thread issues meanwhile is faked too (it returns
+    that rank's own values, communicating nothing). Entering and leaving costs about 60 µs for 4
+    groups on CPU. A block inside another changes nothing: the outer one's exit puts the
+    backends back.
 
-    Object collectives whose receiving ranks allocate by a size another rank sends
-    (``broadcast_object_list``, ``scatter_object_list``, ``recv_object_list``) raise
-    :class:`PeerObjectError` inside the block: on a fake backend that size is whatever the buffer
-    held (a garbage allocation, or an unpickling error). ``all_gather_object`` and
-    ``gather_object`` run, each rank getting its own object back.
+    Two things that need the other ranks raise :class:`PeerObjectError` inside the block,
+    however the step reaches them (``dist.<name>``, or imported ``from torch.distributed``):
+    object collectives whose receiving ranks allocate by a size another rank sends
+    (``broadcast_object_list``, ``scatter_object_list``, ``recv_object_list``; on a fake backend
+    that size is whatever the buffer held: a garbage allocation, or an unpickling error), and
+    creating a process group (``new_group``, ``new_subgroups``, ``init_device_mesh``: every
+    member meets the others over the store, and a rank out of memory earlier in the step never
+    comes, so the others would wait out the timeout). ``all_gather_object`` and ``gather_object``
+    run, each rank getting its own object back.
 
     Raises:
         DistributedError: a group's own backend could not be put back (the message names the
             group and device type; the process cannot communicate on it any more), or a group
             has a backend of every type a fake one could be registered under.
     """
+    global _DEPTH
     if not (dist.is_available() and dist.is_initialized()):
         yield 0
         return
-    from torch.distributed import distributed_c10d
     from torch.distributed.distributed_c10d import _world
 
     groups = list(_world.pg_map)
     swapped: list[tuple[Any, torch.device, Any]] = []
     patched: list[tuple[Any, str, Any]] = []
+    _DEPTH += 1
     try:
-        for module in (dist, distributed_c10d):
-            for name in _OBJECT_RECEIVERS:
-                patched.append((module, name, getattr(module, name)))
-                setattr(module, name, _refusing(name))
+        _refuse_peer_calls(patched)
         for group in groups:
             fake_type, fake = _fake_backend(group)
+            name, desc = group.group_name, group.group_desc
             for device in group._device_types:
                 try:
                     real = group._get_backend(device)
                 except RuntimeError:  # a device type without a backend: nothing runs there
                     continue
+                if real is fake:  # an enclosing block faked it, and puts it back
+                    continue
                 group._register_backend(device, fake_type, fake)
                 swapped.append((group, device, real))
+            # A group's name is its backend's: the fake one takes it, so that what resolves
+            # the group by name (DeviceMesh, functional collectives) still finds it.
+            group._set_group_name(name)
+            group._set_group_desc(desc)
         yield len(groups)
     finally:
+        _DEPTH -= 1
         failures: list[DistributedError] = []
         for group, device, real in reversed(swapped):
             try:
                 _put_back(group, device, real)
             except DistributedError as exc:  # put every other one back first
                 failures.append(exc)
-        for module, name, original in reversed(patched):
-            setattr(module, name, original)
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
         if failures:
             raise failures[0]
 
@@ -174,6 +204,38 @@ def reshard_fsdp2(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def groups_faked() -> bool:
+    """Whether a :func:`process_groups_faked` block is open (in any thread): collectives then
+    communicate nothing, so nothing that must agree with the other ranks can run."""
+    return _DEPTH > 0
+
+
+def _refuse_peer_calls(patched: list[tuple[Any, str, Any]]) -> None:
+    """Make the object receivers and group creation raise :class:`PeerObjectError`; appends
+    ``(owner, attribute, original)`` for each change, to set back in reverse order.
+
+    torch.distributed's public functions are c10d's logging wrappers, and ``from torch.distributed
+    import broadcast_object_list`` binds the wrapper itself: the function it calls (its closure's
+    ``func``) is swapped, so every reference refuses. Group creation goes through c10d's
+    module-level ``_new_group_with_tag``, looked up at each call."""
+    from torch.distributed import distributed_c10d
+
+    for name in _OBJECT_RECEIVERS:
+        function = getattr(distributed_c10d, name)
+        names = getattr(getattr(function, "__code__", None), "co_freevars", ())
+        cells = getattr(function, "__closure__", None) or ()
+        cell = dict(zip(names, cells, strict=False)).get("func")
+        if cell is not None and getattr(cell.cell_contents, "__name__", None) == name:
+            patched.append((cell, "cell_contents", cell.cell_contents))
+            cell.cell_contents = _refusing(name, _OBJECT_REFUSAL)
+            continue
+        for module in (dist, distributed_c10d):  # not a wrapper: the names, at least
+            patched.append((module, name, getattr(module, name)))
+            setattr(module, name, _refusing(name, _OBJECT_REFUSAL))
+    patched.append((distributed_c10d, "_new_group_with_tag", distributed_c10d._new_group_with_tag))
+    distributed_c10d._new_group_with_tag = _refusing("new_group", _GROUP_REFUSAL)
 
 
 def reset_fsdp2(model: torch.nn.Module) -> None:
@@ -275,16 +337,16 @@ def _has_backend_type(group: Any, backend_type: Any) -> bool:
     return True
 
 
-def _refusing(name: str) -> Any:
+def _refusing(name: str, why: str) -> Any:
     """A stand-in for ``torch.distributed.<name>`` that raises :class:`PeerObjectError`."""
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise PeerObjectError(
             f"the step calls torch.distributed.{name}, which a probe cannot run: while it runs "
             "a step, every process group's collectives go to a fake backend (no communication, "
-            "so that a rank out of memory leaves no other waiting in one), and a receiving rank "
-            "would get no object, only an allocation of whatever size its buffer held. Move "
+            f"so that a rank out of memory leaves no other waiting in one), and {why}. Move "
             f"{name} out of the train_step you probe (before or after the step)"
         )
 
+    refuse.__name__ = name
     return refuse
