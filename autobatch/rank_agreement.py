@@ -1,17 +1,16 @@
 """The Accumulator's agreements under DistributedDataParallel: how an error on one rank reaches
 the others instead of leaving them waiting in a collective.
 
-Every agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64
-values: this rank's counted items, whether it has a micro-batch counting 0 items, and one status
-per rank (0 on every rank that is fine). The ranks meet at one agreement for each window's count
-(in ``Accumulator.windows``, as before there were agreements) and one when the micro-batches run
-out (once per loop); and, only in a window where some rank has a micro-batch counting 0 items
-(where a "mean" loss is refused, on that rank only), one before the window's synchronised
-backward (the last micro-step's ``backward``; with ``on_oom="split"``,
-:mod:`autobatch.splitting`'s own agreements instead). A rank that fails meets the others at the
-next agreement with its status and then raises its own error; each of the others raises
-:class:`DistributedError` there, naming the rank and what failed. No rank leaves an agreement
-alone, so the ranks stay in step.
+Every agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64 values:
+this rank's counted items, whether it has a micro-batch counting 0 items, and one status per rank (0
+on every rank that is fine). The ranks meet at one agreement for each window's count (in
+``Accumulator.windows``: the count all-reduce each window always had) and one when the micro-batches
+run out (once per loop); and, only in a window where some rank has a micro-batch counting 0 items
+(where a "mean" loss is refused, on that rank only), one before the window's synchronised backward
+(the last micro-step's ``backward``; with ``on_oom="split"``, :mod:`autobatch.splitting`'s own
+agreements instead). A rank that fails meets the others at the next agreement with its status and
+then raises its own error; each of the others raises :class:`DistributedError` there, naming the
+rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
 
 Example::
 
