@@ -64,10 +64,10 @@ def _tune(rank: int, extra: Any) -> dict[str, Any]:
     return {"plan": tuned.plan.to_dict()}
 
 
-def _refused(rank: int) -> dict[str, Any]:
+def _refused(rank: int, groups: dict[str, Any]) -> dict[str, Any]:
     """Steps that need the other ranks (broadcast_object_list imported from torch.distributed,
-    a new group in every step, a 2-D DeviceMesh made in the step), and one that reaches groups
-    by name."""
+    a new group in every step, a 2-D DeviceMesh made in the step, a group made by rank 0 alone),
+    and one that runs most other collectives."""
     from torch.distributed.device_mesh import init_device_mesh
 
     def direct_broadcast() -> None:
@@ -80,20 +80,49 @@ def _refused(rank: int) -> dict[str, Any]:
     def mesh_in_step() -> None:  # the dp dimension needs groups of its own
         init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
 
-    def by_name() -> None:  # runs: what finds a group by its name finds it while faked
+    sizes: list[int] = []
+
+    def one_rank_creates() -> None:  # rank 0 alone, from its fifth step on
+        sizes.append(1)
+        if rank == 0 and len(sizes) > 4:
+            dist.new_group([0, 1])
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+
+    def runs() -> None:
         import torch.distributed._functional_collectives as funcol
-        from torch.distributed.tensor import DTensor, Partial
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-        funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", pair))
-        mesh = init_device_mesh("cpu", (2,))  # the default group's, made by name
-        DTensor.from_local(torch.ones(2), mesh, [Partial()]).full_tensor()
+        # By name: the fake backend keeps the group's name, which these resolve.
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", groups["pair"]))
+        world = init_device_mesh("cpu", (2,))  # the default group's, found by name
+        DTensor.from_local(torch.ones(2), world, [Partial()]).full_tensor()
+        tp = mesh["tp"]  # a 2-D mesh made before the probe
+        sharded = DTensor.from_local(torch.ones(4), tp, [Shard(0)])
+        sharded.redistribute(tp, [Replicate()]).to_local()
+        (sharded * 2).sum().full_tensor()
+        if rank == 0:  # a group rank 1 is not a member of
+            dist.all_reduce(torch.ones(2), group=groups["alone"])
+        dist.all_reduce(torch.ones(2), group=groups["local"])  # use_local_synchronization
+        peer = 1 - rank
+        dist.send(torch.ones(2), peer) if rank == 0 else dist.recv(torch.empty(2), peer)
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(2), peer),
+            dist.P2POp(dist.irecv, torch.empty(2), peer),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        dist.barrier()
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4))
+        dist.all_to_all_single(torch.empty(4), torch.ones(4))
+        dist.all_gather_object([None, None], {"rank": rank})
 
-    pair = dist.new_group([0, 1])
     cases = {
         "direct": direct_broadcast,
         "new_group": group_per_step,
         "mesh": mesh_in_step,
-        "by_name": by_name,
+        "one_rank": one_rank_creates,
+        "runs": runs,
     }
     return {name: _tune(rank, extra) for name, extra in cases.items()}
 
@@ -128,7 +157,8 @@ def _worker(rank: int, world_size: int, tmp: str, scenario: str) -> None:
     alone = dist.new_group([0])  # rank 1 is not a member
     result: dict[str, Any] = {}
     try:
-        result.update(_refused(rank) if scenario == "refused" else _nested(rank))
+        groups = {"pair": pair, "local": local, "alone": alone}
+        result.update(_refused(rank, groups) if scenario == "refused" else _nested(rank))
         sums = []
         for group in (None, pair, local):
             value = torch.tensor([float(rank + 1)])
@@ -180,12 +210,17 @@ def test_a_step_needing_the_other_ranks_is_refused_however_it_reaches_torch(
             kind, message = rank[case]["error"]
             assert kind == "PeerObjectError", rank[case]
             assert "new_group" in message and "Create the group once, before the probe" in message
-    # A group reached by name (functional collectives, a DeviceMesh over the default group) is
-    # found while faked (its name was its backend's: '' on the fake one, "Could not resolve
-    # the process group registered under the name ''").
+    # Refused on rank 0 alone: rank 1 stops too, at once, naming rank 0.
     first, second = ranks
-    assert "plan" in first["by_name"], first["by_name"]
-    assert first["by_name"] == second["by_name"]
+    assert first["one_rank"]["error"][0] == "PeerObjectError", first["one_rank"]
+    kind, message = second["one_rank"]["error"]
+    assert kind == "DistributedError" and message.startswith("rank 0 failed"), message
+    # The rest runs, on both ranks, to one plan. A group reached by name (functional
+    # collectives, a DeviceMesh over the default group) is found while faked: its name was its
+    # backend's, '' on the fake one ("Could not resolve the process group registered under the
+    # name ''").
+    assert "plan" in first["runs"], first["runs"]
+    assert first["runs"] == second["runs"]
     _check_groups_back(ranks)
 
 
