@@ -496,6 +496,18 @@ def _needs_two_samples(exc: BaseException | None) -> bool:
     return exc is not None and "Expected more than 1 value per channel" in str(exc)
 
 
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch.distributed (on a fake backend, in a probe's
+    step: ``recv`` from any source, for one, fails there as nowhere else)."""
+    traceback = exc.__traceback__
+    while traceback is not None:
+        path = traceback.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/distributed/" in path:
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
 def _hint(exc: BaseException, *, ranks: int = 1) -> str:
     """A fix for failures with a known cause, appended to the error message; ``ranks``: the
     ranks probing together."""
@@ -505,7 +517,9 @@ def _hint(exc: BaseException, *, ranks: int = 1) -> str:
             "(and let it step and zero the optimizer too)"
         )
     if ranks > 1 and (
-        isinstance(exc, (EOFError, pickle.UnpicklingError)) or "Backend fake" in str(exc)
+        isinstance(exc, (EOFError, pickle.UnpicklingError))
+        or "Backend fake" in str(exc)
+        or _raised_in_torch_distributed(exc)
     ):
         return (
             "; while the probe runs a step, every process group's collectives go to a fake "

@@ -117,7 +117,14 @@ def _refused(rank: int, groups: dict[str, Any]) -> dict[str, Any]:
         dist.all_to_all_single(torch.empty(4), torch.ones(4))
         dist.all_gather_object([None, None], {"rank": rank})
 
+    def recv_from_any() -> None:  # fails on the fake backend alone
+        if rank == 0:
+            dist.recv(torch.empty(2))
+        else:
+            dist.send(torch.ones(2), 0)
+
     cases = {
+        "recv_any": recv_from_any,
         "direct": direct_broadcast,
         "new_group": group_per_step,
         "mesh": mesh_in_step,
@@ -210,6 +217,11 @@ def test_a_step_needing_the_other_ranks_is_refused_however_it_reaches_torch(
             kind, message = rank[case]["error"]
             assert kind == "PeerObjectError", rank[case]
             assert "new_group" in message and "Create the group once, before the probe" in message
+    # A step failing inside torch.distributed on the fake backend says why (before: only
+    # "sourceRank() may only be called on work objects that correspond to a recv ...").
+    kind, message = ranks[0]["recv_any"]["error"]
+    assert kind == "StepFailedError" and "sourceRank()" in message, message
+    assert "collectives go to a fake backend" in message and "move that collective" in message
     # Refused on rank 0 alone: rank 1 stops too, at once, naming rank 0.
     first, second = ranks
     assert first["one_rank"]["error"][0] == "PeerObjectError", first["one_rank"]
