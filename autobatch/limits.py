@@ -58,7 +58,7 @@ def stored_profile_source(profile: Profile) -> PlanSource:
     return "estimated" if profile.method == "estimate" else "cached"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Limit:
     """What a limit (number or profile) resolves to."""
 
