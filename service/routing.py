@@ -68,7 +68,7 @@ class JsonBodyRoute(APIRoute):
 
 def _require_json(request: Request) -> None:
     """Raises: Problem: 415, the ``Content-Type`` is not JSON."""
-    content_type = request.headers.get("content-type")
+    content_type = _content_type(request)
     if not is_json_media_type(content_type):
         given = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
         raise Problem(
@@ -77,6 +77,17 @@ def _require_json(request: Request) -> None:
             f"send the body as JSON with Content-Type: application/json ({given} given)",
             field="header.content-type",
         )
+
+
+def _content_type(request: Request) -> str | None:
+    """The first ``Content-Type`` header's value, as ``request.headers.get`` gives it, read from
+    the ASGI scope's header list (servers send the names in lower case) instead of building the
+    ``Headers`` mapping: about 1 µs less per request."""
+    for name, value in request.scope["headers"]:
+        if name == b"content-type":
+            text: str = value.decode("latin-1")
+            return text
+    return None
 
 
 async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
