@@ -1,4 +1,5 @@
-"""How a gloo worker process of the tests ends: without C++ static destructors.
+"""How a gloo worker process of the tests starts (:func:`join_gloo_group`) and ends: without
+C++ static destructors (:func:`leave_gloo_worker`).
 
 torch 2.13's gloo can leave joinable threads behind; when the process then exits normally the C++
 runtime aborts it ("terminate called without an active exception", SIGABRT), after the worker
@@ -9,10 +10,24 @@ test on 2 cores, so a suite with a dozen such tests failed more often than not.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 
 import torch.distributed as dist
+
+
+def join_gloo_group(rank: int, world_size: int, rendezvous: str, *, timeout_s: float) -> None:
+    """Initialise the default gloo group through the file ``rendezvous``, with a collective
+    timeout of ``timeout_s`` seconds: short, so a rank left waiting fails its test instead of
+    blocking the suite."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def leave_gloo_worker() -> None:

@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from autobatch import autotune, plan, plan_world_sizes
 from autobatch.distributed import collective_layout, data_parallel_size
 from autobatch.errors import ConfigError
 from tests.conftest import spawn_and_wait
-from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.gloo_exit import join_gloo_group, leave_gloo_worker
 
 TIMEOUT_S = 120.0
 
@@ -45,13 +43,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo_group(rank, world_size, f"{tmp}/rendezvous", timeout_s=60)
     results: list[Any] = []
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -3,7 +3,6 @@ its own capacity; every test is bounded by a timeout, so a hang fails instead of
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from autobatch.estimator import FakeStep
 from autobatch.profile import Trial
 from autobatch.store import ProfileStore
 from tests.conftest import MODEL_CASES, spawn_and_wait
-from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.gloo_exit import join_gloo_group, leave_gloo_worker
 
 TIMEOUT_S = 120.0
 CASE = MODEL_CASES[0]  # mlp-adam: a probe takes about a second
@@ -49,13 +48,7 @@ def _fails_on(rank: int, above: int) -> Any:
 def _worker(rank: int, world_size: int, calls: list[dict[str, Any]], tmp: str) -> None:
     """Each call: every rank's ``(total, foreign)`` bytes, the effective batch, an optional
     ``fail`` spec and a store folder; one result (plan and trials, or error) per call."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo_group(rank, world_size, f"{tmp}/rendezvous", timeout_s=60)
     results: list[dict[str, Any]] = []
     try:
         for call in calls:

@@ -4,7 +4,6 @@ and the model trains afterwards. A layout that cannot be probed safely is refuse
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from autobatch.distributed import collective_layout
 from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
-from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.gloo_exit import join_gloo_group, leave_gloo_worker
 from tests.unit.sharded import sharded_mlp
 
 GROUP_TIMEOUT_S = 30
@@ -33,13 +32,7 @@ def _local(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int, tmp: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )
+    join_gloo_group(rank, world_size, f"{tmp}/rendezvous", timeout_s=GROUP_TIMEOUT_S)
     result: dict[str, Any] = {}
     try:
         model = sharded_mlp()

@@ -6,7 +6,6 @@ timeout is short, so a rank left waiting fails the test instead of blocking it."
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
-from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.gloo_exit import join_gloo_group, leave_gloo_worker
 from tests.unit.sharded import sharded_mlp
 
 GROUP_TIMEOUT_S = 20
@@ -33,13 +32,7 @@ def _mlp() -> torch.nn.Module:
 
 
 def _worker(rank: int, world_size: int, tmp: str, scenario: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )
+    join_gloo_group(rank, world_size, f"{tmp}/rendezvous", timeout_s=GROUP_TIMEOUT_S)
     result: dict[str, Any] = {}
     try:
         if scenario == "groups":

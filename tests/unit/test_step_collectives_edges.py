@@ -8,7 +8,6 @@ cleanly. The group timeout is short, so a rank left waiting fails the test inste
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.distributed import broadcast_object_list  # bound before any probe pa
 
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
-from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.gloo_exit import join_gloo_group, leave_gloo_worker
 
 GROUP_TIMEOUT_S = 20
 """The process group's timeout: a rank left in a collective would wait this long, then fail."""
@@ -151,13 +150,7 @@ def _nested(rank: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, world_size: int, tmp: str, scenario: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )
+    join_gloo_group(rank, world_size, f"{tmp}/rendezvous", timeout_s=GROUP_TIMEOUT_S)
     started = time.monotonic()
     pair = dist.new_group([0, 1])
     local = dist.new_group([0, 1], use_local_synchronization=True)

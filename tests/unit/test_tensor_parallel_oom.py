@@ -10,7 +10,6 @@ caching allocator raises it): the CPU device's own would need the host's memory 
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from autobatch.distributed import collective_layout
 from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait
-from tests.unit.gloo_exit import leave_gloo_worker
+from tests.unit.gloo_exit import join_gloo_group, leave_gloo_worker
 
 GROUP_TIMEOUT_S = 20
 """The process group's timeout: a rank left in a collective would wait this long, then fail."""
@@ -64,13 +63,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )
+    join_gloo_group(rank, world_size, f"{tmp}/rendezvous", timeout_s=GROUP_TIMEOUT_S)
     result: dict[str, Any] = {}
     try:
         tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
