@@ -62,9 +62,10 @@ def _flag_wording(remedy: Remedy) -> str:
     if not remedy.parameter:
         return remedy.purpose
     flag = "--" + {"amp_dtype": "amp"}.get(remedy.parameter, remedy.parameter).replace("_", "-")
-    if remedy.values == (True,):
+    # ``is``: 1 == True, and --multiple-of 1 is no switch.
+    if len(remedy.values) == 1 and remedy.values[0] is True:
         phrase = flag  # a switch
-    elif remedy.values == (False,):
+    elif len(remedy.values) == 1 and remedy.values[0] is False:
         phrase = f"a run without {flag}"  # a switch left off
     else:
         values = (_AMP_FLAG_VALUES.get(str(v), str(v)) for v in remedy.values)

@@ -212,13 +212,21 @@ class Plan:
 
 
 def _formula(sizes: tuple[int, ...], effective: int, world_size: int) -> str:
-    """:meth:`Plan.formula` from the numbers alone (the planner notes it before the Plan exists)."""
-    uneven = sizes[0] != sizes[-1]
-    m = "m" if uneven else str(sizes[0])
-    sums = f", sum of micro_batch_sizes {sum(sizes)}" if uneven else ""
+    """:meth:`Plan.formula` from the numbers alone (the planner notes it before the Plan exists).
+
+    Unequal micro-batches have no single m: the rank's sum stands for m x k, with its parts
+    (``"194 = 97 (micro_batch_sizes summed over 5 gradient_accumulation_steps: 2 of 20, 3 of
+    19) x 2 (data-parallel ranks)"``), so the numbers written multiply to E."""
+    if sizes[0] == sizes[-1]:
+        return (
+            f"effective_batch_size {effective} = {sizes[0]} (micro_batch_size) x {len(sizes)} "
+            f"(gradient_accumulation_steps) x {world_size} (data-parallel ranks)"
+        )
+    num_larger = sizes.count(sizes[0])
     return (
-        f"effective_batch_size {effective} = {m} (micro_batch_size) x {len(sizes)} "
-        f"(gradient_accumulation_steps) x {world_size} (data-parallel ranks){sums}"
+        f"effective_batch_size {effective} = {sum(sizes)} (micro_batch_sizes summed over "
+        f"{len(sizes)} gradient_accumulation_steps: {num_larger} of {sizes[0]}, "
+        f"{len(sizes) - num_larger} of {sizes[-1]}) x {world_size} (data-parallel ranks)"
     )
 
 
@@ -456,14 +464,31 @@ def _check_options(
     require_int("multiple_of", multiple_of, 1)
     if max_gradient_accumulation_steps is not None:
         require_int("max_gradient_accumulation_steps", max_gradient_accumulation_steps, 1)
+        if max_gradient_accumulation_steps > MAX_GRADIENT_ACCUMULATION_STEPS:
+            # Once clamped silently: the error then named a bound the caller had not set.
+            raise ConfigError(
+                f"max_gradient_accumulation_steps {max_gradient_accumulation_steps} is more "
+                f"than the planner plans (at most {MAX_GRADIENT_ACCUMULATION_STEPS} "
+                "accumulation steps)",
+                remedies=(
+                    Remedy(
+                        parameter="max_gradient_accumulation_steps",
+                        values=(MAX_GRADIENT_ACCUMULATION_STEPS,),
+                    ),
+                ),
+            )
     if uneven not in _UNEVEN:
         raise ConfigError(f"uneven {uneven!r} must be one of {list(_UNEVEN)}")
     if not isinstance(allow_inexact, bool):
         raise ConfigError(f"allow_inexact {allow_inexact!r} must be a bool")
     if uneven == "always" and multiple_of > 1:
         raise ConfigError(
-            f"uneven='always' cannot hold with multiple_of {multiple_of}: sizes that differ by 1 "
-            "cannot all be multiples of it; use uneven='auto' or multiple_of=1"
+            f"uneven 'always' cannot hold with multiple_of {multiple_of}: sizes that differ by 1 "
+            "cannot all be multiples of it",
+            remedies=(
+                Remedy(parameter="uneven", values=("auto",)),
+                Remedy(parameter="multiple_of", values=(1,)),
+            ),
         )
 
 

@@ -191,8 +191,35 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _unreadable_body(exc: StarletteHTTPException) -> str | None:
+    """Why a body json.loads could not read was refused, with the fix; None for other errors.
+
+    FastAPI (a declared body) and ``service.routing`` (a route reading its own) answer such a
+    body with a bare 400 "There was an error parsing the body", its cause chained."""
+    cause = exc.__cause__
+    if exc.status_code != 400:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at position {cause.start}); "
+            "send the JSON encoded as UTF-8"
+        )
+    if isinstance(cause, RecursionError):
+        return "nested too deep for the JSON reader; send a JSON object nested a few levels"
+    return None
+
+
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    reason = _unreadable_body(exc)
+    if reason is not None:
+        return problem_response(
+            400,
+            "malformed-json",
+            f"the request body is not valid JSON: {reason}",
+            errors=[("body", reason)],
+            instance=request.url.path,
+        )
     slug = {401: "unauthorized", 404: "not-found", 405: "method-not-allowed"}.get(
         exc.status_code, "http-error"
     )

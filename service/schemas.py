@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from autobatch.planner import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
 from service.registry import DeviceName
 
@@ -47,7 +48,8 @@ MAX_SIZE = 2**31
 """Largest micro-batch or effective batch size accepted."""
 MAX_WORLD_SIZE = 65536
 MAX_BYTES = 2**60
-MAX_ACCUMULATION_STEPS = 65536
+MAX_ACCUMULATION_STEPS = MAX_GRADIENT_ACCUMULATION_STEPS
+"""The planner's own bound (2**20), so the service and ``autobatch plan`` take the same."""
 
 
 def _utf8(value: str) -> str:

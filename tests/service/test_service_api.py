@@ -566,8 +566,8 @@ def test_plan_malformed_json_is_400(client: TestClient) -> None:
     [
         (b"", 422, "validation", "body: Field required"),
         (b"[8]", 422, "validation", "body: Input should be a valid dictionary"),
-        (b'{"a": "\xff"}', 400, "http-error", "There was an error parsing the body"),
-        (b"[" * 5000 + b"]" * 5000, 400, "http-error", "There was an error parsing the body"),
+        (b'{"a": "\xff"}', 400, "malformed-json", "the request body is not valid JSON: not UTF"),
+        (b"[" * 5000 + b"]" * 5000, 400, "malformed-json", "the request body is not valid JSON"),
     ],
 )
 def test_plan_body_that_is_not_a_json_object_is_a_problem(

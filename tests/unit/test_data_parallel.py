@@ -143,6 +143,6 @@ def test_every_plan_for_more_than_one_rank_notes_the_formula_once() -> None:
 def test_the_formula_names_uneven_micro_batches() -> None:
     text = plan(8, effective_batch_size=30, world_size=2, uneven="always").formula()
     assert text == (
-        "effective_batch_size 30 = m (micro_batch_size) x 2 (gradient_accumulation_steps) x 2 "
-        "(data-parallel ranks), sum of micro_batch_sizes 15"
+        "effective_batch_size 30 = 15 (micro_batch_sizes summed over 2 "
+        "gradient_accumulation_steps: 1 of 8, 1 of 7) x 2 (data-parallel ranks)"
     )

@@ -145,7 +145,7 @@ def test_huge_effective_batch_is_fast() -> None:
         (
             {"effective_batch_size": 64, "uneven": "always", "multiple_of": 8},
             ConfigError,
-            "uneven='always' cannot hold with multiple_of 8",
+            "uneven 'always' cannot hold with multiple_of 8",
         ),
         (
             {"effective_batch_size": 64, "capacity_bytes": 80 * GIB},

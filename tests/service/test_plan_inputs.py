@@ -1,0 +1,142 @@
+"""``POST /v1/plan`` against odd inputs, beside ``autobatch plan`` on the same numbers: every
+answer is a plan that keeps ``E = m x k x dp`` or a problem naming the field and the fix, and
+the service and the command line accept and refuse alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from autobatch.cli import main as cli_main
+from autobatch.planner import MAX_GRADIENT_ACCUMULATION_STEPS
+
+JSON = {"Content-Type": "application/json"}
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli_main(["plan", *argv])
+    except SystemExit as exc:  # argparse errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b'{"max_micro_batch_size": 8, "uneven": "\xff"}', "not UTF-8 text"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deep"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/plan", "/v1/profiles"])
+def test_a_body_json_cannot_read_is_400_naming_the_body_and_the_fix(
+    client: TestClient, route: str, content: bytes, reason: str
+) -> None:
+    """Not text, or nested past what json.loads reads: the plan route (which reads its own body)
+    and a route with a declared body (FastAPI reads it) answer alike, with the body named."""
+    response = client.post(route, content=content, headers=JSON)
+    assert response.status_code == 400
+    assert response.headers["content-type"] == "application/problem+json"
+    body = response.json()
+    assert body["type"] == "urn:autobatch:problem:malformed-json"
+    assert [error["field"] for error in body["errors"]] == ["body"]
+    assert reason in body["errors"][0]["reason"]
+    assert "send" in body["errors"][0]["reason"]  # the fix
+
+
+def test_uneven_always_with_multiple_of_names_the_request_fields(
+    client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    response = client.post(
+        "/v1/plan",
+        json={
+            "max_micro_batch_size": 24,
+            "effective_batch_size": 97,
+            "multiple_of": 8,
+            "uneven": "always",
+        },
+    )
+    assert response.status_code == 422
+    assert response.json()["detail"].endswith('use "uneven": "auto", or "multiple_of": 1')
+    code, _, err = cli(
+        capsys, "--max-micro-batch-size", "24", "--effective-batch-size", "97",
+        "--multiple-of", "8", "--uneven", "always",
+    )  # fmt: skip
+    assert code == 1
+    assert err.strip().endswith("use --uneven auto, or --multiple-of 1")
+
+
+@pytest.mark.parametrize("steps", [100_000, MAX_GRADIENT_ACCUMULATION_STEPS])
+def test_an_accumulation_bound_the_planner_takes_is_taken_by_both(
+    client: TestClient, capsys: pytest.CaptureFixture[str], steps: int
+) -> None:
+    """The service took at most 65536 where the planner (and the CLI) take 2**20."""
+    response = client.post(
+        "/v1/plan",
+        json={
+            "max_micro_batch_size": 1,
+            "effective_batch_size": 100_000,
+            "max_gradient_accumulation_steps": steps,
+        },
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["plan"]["gradient_accumulation_steps"] == 100_000
+    code, out, _ = cli(
+        capsys, "--max-micro-batch-size", "1", "--effective-batch-size", "100000",
+        "--max-gradient-accumulation-steps", str(steps),
+    )  # fmt: skip
+    assert code == 0
+    assert "gradient_accumulation_steps  100000" in out
+
+
+def test_an_accumulation_bound_past_the_planner_s_is_refused_by_both(
+    client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once clamped silently to 2**20 by the planner (the error then spoke of a bound the user
+    had not set): now refused, naming the largest."""
+    steps = MAX_GRADIENT_ACCUMULATION_STEPS + 1
+    response = client.post(
+        "/v1/plan",
+        json={
+            "max_micro_batch_size": 1,
+            "effective_batch_size": 8,
+            "max_gradient_accumulation_steps": steps,
+        },
+    )
+    assert response.status_code == 422
+    body = response.json()
+    assert [error["field"] for error in body["errors"]] == ["body.max_gradient_accumulation_steps"]
+    assert str(MAX_GRADIENT_ACCUMULATION_STEPS) in body["detail"]
+    code, _, err = cli(
+        capsys, "--max-micro-batch-size", "1", "--effective-batch-size", "8",
+        "--max-gradient-accumulation-steps", str(steps),
+    )  # fmt: skip
+    assert code != 0
+    assert f"max_gradient_accumulation_steps {steps}" in err
+    assert f"at most {MAX_GRADIENT_ACCUMULATION_STEPS}" in err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"world_size": 2},
+        {"data_parallel_size": 2},
+        {"world_size": 2, "uneven": "always"},
+    ],
+)
+def test_uneven_plans_state_a_formula_whose_numbers_multiply(
+    client: TestClient, extra: dict[str, Any]
+) -> None:
+    """``E = (sum of one rank's micro-batches) x dp``: the note's numbers give E."""
+    response = client.post(
+        "/v1/plan", json={"max_micro_batch_size": 24, "effective_batch_size": 194, **extra}
+    )
+    plan = response.json()["plan"]
+    (note,) = [note for note in plan["notes"] if "(data-parallel ranks)" in note]
+    per_rank = sum(plan["micro_batch_sizes"])
+    assert per_rank * plan["world_size"] == plan["effective_batch_size"]
+    assert note.startswith(f"effective_batch_size {plan['effective_batch_size']} = {per_rank} ")
+    assert note.endswith(f"x {plan['world_size']} (data-parallel ranks)")
