@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -206,6 +207,11 @@ def _unreadable_body(exc: StarletteHTTPException) -> str | None:
         )
     if isinstance(cause, RecursionError):
         return "nested too deep for the JSON reader; send a JSON object nested a few levels"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return (
+            f"a number of more than {sys.get_int_max_str_digits()} digits, more than Python "
+            "reads; send each number within its field's range"
+        )
     return None
 
 

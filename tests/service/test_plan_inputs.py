@@ -29,14 +29,15 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     [
         (b'{"max_micro_batch_size": 8, "uneven": "\xff"}', "not UTF-8 text"),
         (b"[" * 5000 + b"]" * 5000, "nested too deep"),
+        (b'{"effective_batch_size": 1' + b"0" * 4400 + b"}", "4300 digits"),
     ],
 )
 @pytest.mark.parametrize("route", ["/v1/plan", "/v1/profiles"])
 def test_a_body_json_cannot_read_is_400_naming_the_body_and_the_fix(
     client: TestClient, route: str, content: bytes, reason: str
 ) -> None:
-    """Not text, or nested past what json.loads reads: the plan route (which reads its own body)
-    and a route with a declared body (FastAPI reads it) answer alike, with the body named."""
+    """Not text, nested or a number past what json.loads reads: the plan route (which reads its
+    own body) and a route with a declared body (FastAPI reads it) answer alike, the body named."""
     response = client.post(route, content=content, headers=JSON)
     assert response.status_code == 400
     assert response.headers["content-type"] == "application/problem+json"
