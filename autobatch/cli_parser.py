@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from autobatch import __version__
@@ -27,6 +28,11 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
+        if text.isdigit():  # past Python's int_max_str_digits
+            raise argparse.ArgumentTypeError(
+                f"the number given has {len(text)} digits, more than Python reads "
+                f"({sys.get_int_max_str_digits()}); give a smaller one"
+            ) from None
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")

@@ -166,6 +166,14 @@ def validation_reason(error: Any) -> str:
     return str(error["msg"]).removeprefix("Value error, ")
 
 
+def _reason(error: Any) -> str:
+    """:func:`validation_reason`, with the fix for an empty body (FastAPI and
+    ``service.routing`` both call it a missing field named ``body``)."""
+    if error.get("type") == "missing" and tuple(error["loc"]) == ("body",):
+        return "the request body is empty; send a JSON object (the schema is in /openapi.json)"
+    return validation_reason(error)
+
+
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
@@ -185,7 +193,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
             errors=reasons,
             instance=request.url.path,
         )
-    reasons = [(_field(e["loc"]), validation_reason(e)) for e in errors]
+    reasons = [(_field(e["loc"]), _reason(e)) for e in errors]
     detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
     return problem_response(
         422, "validation", detail or "invalid request", errors=reasons, instance=request.url.path

@@ -141,3 +141,46 @@ def test_uneven_plans_state_a_formula_whose_numbers_multiply(
     assert per_rank * plan["world_size"] == plan["effective_batch_size"]
     assert note.startswith(f"effective_batch_size {plan['effective_batch_size']} = {per_rank} ")
     assert note.endswith(f"x {plan['world_size']} (data-parallel ranks)")
+
+
+@pytest.mark.parametrize(
+    "content_types",
+    [
+        ["application/json", "text/plain"],
+        ["text/plain", "application/json"],
+        ["application/json", "application/json"],
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/plan", "/v1/profiles"])
+def test_two_content_type_headers_are_refused(
+    client: TestClient, route: str, content_types: list[str]
+) -> None:
+    """Which one a proxy reads is anyone's guess (the first was taken here), so neither is."""
+    response = client.post(
+        route,
+        content=b'{"max_micro_batch_size": 8, "effective_batch_size": 16}',
+        headers=[("Content-Type", value) for value in content_types],
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert body["type"] == "urn:autobatch:problem:duplicate-header"
+    assert [error["field"] for error in body["errors"]] == ["header.content-type"]
+    assert "send one Content-Type header" in body["detail"]
+
+
+@pytest.mark.parametrize("route", ["/v1/plan", "/v1/profiles"])
+def test_an_empty_body_names_the_fix(client: TestClient, route: str) -> None:
+    response = client.post(route, content=b"", headers=JSON)
+    assert response.status_code == 422
+    body = response.json()
+    assert [error["field"] for error in body["errors"]] == ["body"]
+    assert "the request body is empty; send a JSON object" in body["detail"]
+
+
+def test_a_number_past_python_s_digit_limit_is_refused_by_the_cli_as_too_long(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = cli(capsys, "--max-micro-batch-size", "24", "--effective-batch-size", "1" * 5000)
+    assert code == 2
+    assert "has 5000 digits" in err
+    assert "1" * 100 not in err  # not echoed whole

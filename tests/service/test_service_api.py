@@ -564,7 +564,7 @@ def test_plan_malformed_json_is_400(client: TestClient) -> None:
 @pytest.mark.parametrize(
     ("content", "status", "slug", "detail"),
     [
-        (b"", 422, "validation", "body: Field required"),
+        (b"", 422, "validation", "body: the request body is empty; send a JSON object"),
         (b"[8]", 422, "validation", "body: Input should be a valid dictionary"),
         (b'{"a": "\xff"}', 400, "malformed-json", "the request body is not valid JSON: not UTF"),
         (b"[" * 5000 + b"]" * 5000, 400, "malformed-json", "the request body is not valid JSON"),
