@@ -238,10 +238,18 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
         exc.status_code, "http-error"
     )
     headers = dict(exc.headers) if exc.headers else {}
+    detail = str(exc.detail)
     if exc.status_code == 405:
         headers["Allow"] = ", ".join(_allowed_methods(request))
+        if detail == "Method Not Allowed":  # the router's, which names no fix
+            allowed = headers["Allow"]
+            detail = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+    elif exc.status_code == 404 and detail == "Not Found":  # the router's
+        detail = (
+            f"no route {request.method} {request.url.path}; the routes are listed in /openapi.json"
+        )
     return problem_response(
-        exc.status_code, slug, str(exc.detail), instance=request.url.path, headers=headers or None
+        exc.status_code, slug, detail, instance=request.url.path, headers=headers or None
     )
 
 

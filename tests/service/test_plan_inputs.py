@@ -184,3 +184,14 @@ def test_a_number_past_python_s_digit_limit_is_refused_by_the_cli_as_too_long(
     assert code == 2
     assert "has 5000 digits" in err
     assert "1" * 100 not in err  # not echoed whole
+
+
+def test_an_unknown_route_or_method_names_the_fix(client: TestClient) -> None:
+    response = client.post("/v1/PLAN", json={})
+    assert response.status_code == 404
+    assert response.json()["detail"] == (
+        "no route POST /v1/PLAN; the routes are listed in /openapi.json"
+    )
+    response = client.get("/v1/plan")
+    assert response.status_code == 405
+    assert response.json()["detail"] == "GET is not allowed on /v1/plan; use POST"
