@@ -168,9 +168,14 @@ def validation_reason(error: Any) -> str:
 
 def _reason(error: Any) -> str:
     """:func:`validation_reason`, with the fix for an empty body (FastAPI and
-    ``service.routing`` both call it a missing field named ``body``)."""
+    ``service.routing`` both call it a missing field named ``body``) and for a whole float where
+    an int belongs."""
     if error.get("type") == "missing" and tuple(error["loc"]) == ("body",):
         return "the request body is empty; send a JSON object (the schema is in /openapi.json)"
+    given = error.get("input")
+    if error.get("type") == "int_type" and isinstance(given, float) and given.is_integer():
+        # Strict fields take JSON integers only; a client's float serialisation writes 64.0.
+        return f"{validation_reason(error)}; send {int(given)}, not {given!r}"
     return validation_reason(error)
 
 

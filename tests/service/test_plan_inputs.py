@@ -195,3 +195,23 @@ def test_an_unknown_route_or_method_names_the_fix(client: TestClient) -> None:
     response = client.get("/v1/plan")
     assert response.status_code == 405
     assert response.json()["detail"] == "GET is not allowed on /v1/plan; use POST"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "fix"),
+    [
+        ('"effective_batch_size": 64.0', "body.effective_batch_size", "send 64, not 64.0"),
+        ('"effective_batch_size": 6.4e1', "body.effective_batch_size", "send 64, not 64.0"),
+        ('"effective_batch_size": 8, "world_sizes": [1, 2.0]', "body.world_sizes.1", "send 2,"),
+    ],
+)
+def test_a_whole_float_where_an_int_belongs_names_the_int_to_send(
+    client: TestClient, raw: str, field: str, fix: str
+) -> None:
+    response = client.post(
+        "/v1/plan", content='{"max_micro_batch_size": 24, ' + raw + "}", headers=JSON
+    )
+    assert response.status_code == 422
+    body = response.json()
+    assert [error["field"] for error in body["errors"]] == [field]
+    assert fix in body["errors"][0]["reason"]
