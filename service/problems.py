@@ -173,10 +173,20 @@ def _reason(error: Any) -> str:
     if error.get("type") == "missing" and tuple(error["loc"]) == ("body",):
         return "the request body is empty; send a JSON object (the schema is in /openapi.json)"
     given = error.get("input")
+    if error.get("type") == "model_attributes_type":  # "valid dictionary or object to extract..."
+        return f"Input should be a JSON object, not {_json_kind(given)}"
     if error.get("type") == "int_type" and isinstance(given, float) and given.is_integer():
         # Strict fields take JSON integers only; a client's float serialisation writes 64.0.
         return f"{validation_reason(error)}; send {int(given)}, not {given!r}"
     return validation_reason(error)
+
+
+def _json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words: ``an array``, ``a string``, ``null``."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    kinds = ((str, "a string"), (list, "an array"), (int, "a number"), (float, "a number"))
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), "another value")
 
 
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:

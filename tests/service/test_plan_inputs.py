@@ -215,3 +215,25 @@ def test_a_whole_float_where_an_int_belongs_names_the_int_to_send(
     body = response.json()
     assert [error["field"] for error in body["errors"]] == [field]
     assert fix in body["errors"][0]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "reason"),
+    [
+        (b"[8]", "body", "Input should be a JSON object, not an array"),
+        (b'"plan"', "body", "Input should be a JSON object, not a string"),
+        (b"null", "body", "Input should be a JSON object, not null"),
+        (
+            b'{"max_micro_batch_size": 8, "effective_batch_size": 8, "device": "cuda:0"}',
+            "body.device",
+            "Input should be a JSON object, not a string",
+        ),
+    ],
+)
+def test_a_value_that_should_be_an_object_says_so_in_json_terms(
+    client: TestClient, raw: bytes, field: str, reason: str
+) -> None:
+    """Not pydantic's "valid dictionary or object to extract fields from" (a Python wording)."""
+    response = client.post("/v1/plan", content=raw, headers=JSON)
+    assert response.status_code == 422
+    assert [(e["field"], e["reason"]) for e in response.json()["errors"]] == [(field, reason)]

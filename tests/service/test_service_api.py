@@ -565,7 +565,7 @@ def test_plan_malformed_json_is_400(client: TestClient) -> None:
     ("content", "status", "slug", "detail"),
     [
         (b"", 422, "validation", "body: the request body is empty; send a JSON object"),
-        (b"[8]", 422, "validation", "body: Input should be a valid dictionary"),
+        (b"[8]", 422, "validation", "body: Input should be a JSON object, not an array"),
         (b'{"a": "\xff"}', 400, "malformed-json", "the request body is not valid JSON: not UTF"),
         (b"[" * 5000 + b"]" * 5000, 400, "malformed-json", "the request body is not valid JSON"),
     ],
@@ -587,7 +587,7 @@ def test_plan_body_that_is_not_a_json_object_is_a_problem(
         # Texts pydantic-core's parser refuses but json.loads takes: json decides.
         (b'\xef\xbb\xbf{"max_micro_batch_size": 8, "effective_batch_size": 16}', 200, 8),
         ('{"max_micro_batch_size": 8, "effective_batch_size": 16}'.encode("utf-16"), 200, 8),
-        (b"[" * 300 + b"]" * 300, 422, "body: Input should be a valid dictionary"),
+        (b"[" * 300 + b"]" * 300, 422, "body: Input should be a JSON object, not an array"),
         (b'{"model_fingerprint": "\\ud800", "effective_batch_size": 16}', 422, "body.model_fi"),
         # Texts both take, read alike: the last of repeated keys wins.
         (
