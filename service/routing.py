@@ -25,9 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -105,7 +106,7 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
 
     Parsed to Python objects as ``json.loads`` parses them and validated from those, as FastAPI
     does, so the same input is accepted (models in strict mode accept less from Python than
-    from JSON).
+    from JSON). An unknown field's error also names the field most like it (or the fields).
 
     Raises:
         Problem: 415, the ``Content-Type`` is not JSON.
@@ -133,8 +134,35 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         raise RequestValidationError(
-            [{**error, "loc": ("body", *error["loc"])} for error in errors]
+            [
+                {**error, "loc": ("body", *error["loc"]), "msg": _with_hint(error, model)}
+                for error in errors
+            ]
         ) from None
+
+
+def _with_hint(error: Any, model: type[BaseModel]) -> str:
+    """An error's message; for an unknown field, with the field meant (or the fields there)."""
+    message: str = error["msg"]
+    if error["type"] != "extra_forbidden":
+        return message
+    *path, name = error["loc"]
+    for part in path:  # down to the model that holds the unknown field
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        annotation = None if field is None else field.annotation
+        nested = [arg for arg in (annotation, *get_args(annotation)) if _is_model(arg)]
+        if not nested:
+            return message
+        model = nested[0]
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    if close:
+        return f'{message}; did you mean "{close[0]}"?'
+    return f"{message}; the fields are " + ", ".join(f'"{field}"' for field in names)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 async def _read_body(request: Request) -> bytes:

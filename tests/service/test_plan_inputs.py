@@ -237,3 +237,42 @@ def test_a_value_that_should_be_an_object_says_so_in_json_terms(
     response = client.post("/v1/plan", content=raw, headers=JSON)
     assert response.status_code == 422
     assert [(e["field"], e["reason"]) for e in response.json()["errors"]] == [(field, reason)]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "hint"),
+    [
+        (
+            {"micro_batch_size": 24, "effective_batch_size": 64},
+            "body.micro_batch_size",
+            'did you mean "max_micro_batch_size"?',
+        ),
+        (
+            {"max_micro_batch_size": 24, "effective_batch_size": 64, "worldsize": 2},
+            "body.worldsize",
+            'did you mean "world_size"?',
+        ),
+        (
+            {
+                "memory_model": {"fixed_bytes": 0, "bytes_per_sample": 1},
+                "effective_batch_size": 64,
+                "device": {"capacity": 2**30},
+            },
+            "body.device.capacity",
+            'did you mean "capacity_bytes"?',
+        ),
+        (
+            {"max_micro_batch_size": 24, "effective_batch_size": 64, "zzz": 1},
+            "body.zzz",
+            'the fields are "profile_id", "model_fingerprint", "max_micro_batch_size"',
+        ),
+    ],
+)
+def test_an_unknown_field_names_the_likely_one(
+    client: TestClient, body: dict[str, Any], field: str, hint: str
+) -> None:
+    response = client.post("/v1/plan", json=body)
+    assert response.status_code == 422
+    reasons = {e["field"]: e["reason"] for e in response.json()["errors"]}
+    assert reasons[field].startswith("Extra inputs are not permitted; ")
+    assert hint in reasons[field]
