@@ -19,11 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -54,6 +55,7 @@ __all__ = [
     "install_problem_handlers",
     "problem_response",
     "problem_responses",
+    "unknown_field_hint",
     "unknown_profile",
     "validation_reason",
 ]
@@ -189,6 +191,38 @@ def _json_kind(value: object) -> str:
     return next((kind for cls, kind in kinds if isinstance(value, cls)), "another value")
 
 
+def unknown_field_hint(error: Any, model: type[BaseModel]) -> str:
+    """A pydantic error's message; for an unknown field of ``model`` (``loc`` relative to it),
+    with the field most like it, or the fields there."""
+    message: str = error["msg"]
+    if error["type"] != "extra_forbidden":
+        return message
+    *path, name = error["loc"]
+    for part in path:  # down to the model that holds the unknown field
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        annotation = None if field is None else field.annotation
+        nested = [arg for arg in (annotation, *get_args(annotation)) if _is_model(arg)]
+        if not nested:
+            return message
+        model = nested[0]
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    if close:
+        return f'{message}; did you mean "{close[0]}"?'
+    return f"{message}; the fields are " + ", ".join(f'"{field}"' for field in names)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _declared_body_model(request: Request) -> type[BaseModel] | None:
+    """The model of the body FastAPI read for this route, if it declares one."""
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    annotation = None if body_field is None else body_field.field_info.annotation
+    return annotation if _is_model(annotation) else None
+
+
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
@@ -208,6 +242,14 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
             errors=reasons,
             instance=request.url.path,
         )
+    model = _declared_body_model(request)  # None where the route read its body (hinted there)
+    if model is not None:
+        errors = [
+            {**e, "msg": unknown_field_hint({**e, "loc": e["loc"][1:]}, model)}
+            if e.get("type") == "extra_forbidden" and e["loc"][:1] == ("body",)
+            else e
+            for e in errors
+        ]
     reasons = [(_field(e["loc"]), _reason(e)) for e in errors]
     detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
     return problem_response(

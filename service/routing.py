@@ -25,10 +25,9 @@ Example::
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar
 
 from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 
-from service.problems import Problem
+from service.problems import Problem, unknown_field_hint
 
 __all__ = ["JsonBodyRoute", "is_json_media_type", "json_body_openapi", "read_json_body"]
 
@@ -135,34 +134,10 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
         errors = exc.errors(include_url=False)
         raise RequestValidationError(
             [
-                {**error, "loc": ("body", *error["loc"]), "msg": _with_hint(error, model)}
+                {**error, "loc": ("body", *error["loc"]), "msg": unknown_field_hint(error, model)}
                 for error in errors
             ]
         ) from None
-
-
-def _with_hint(error: Any, model: type[BaseModel]) -> str:
-    """An error's message; for an unknown field, with the field meant (or the fields there)."""
-    message: str = error["msg"]
-    if error["type"] != "extra_forbidden":
-        return message
-    *path, name = error["loc"]
-    for part in path:  # down to the model that holds the unknown field
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        annotation = None if field is None else field.annotation
-        nested = [arg for arg in (annotation, *get_args(annotation)) if _is_model(arg)]
-        if not nested:
-            return message
-        model = nested[0]
-    names = list(model.model_fields)
-    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
-    if close:
-        return f'{message}; did you mean "{close[0]}"?'
-    return f"{message}; the fields are " + ", ".join(f'"{field}"' for field in names)
-
-
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 async def _read_body(request: Request) -> bytes:

@@ -276,3 +276,11 @@ def test_an_unknown_field_names_the_likely_one(
     reasons = {e["field"]: e["reason"] for e in response.json()["errors"]}
     assert reasons[field].startswith("Extra inputs are not permitted; ")
     assert hint in reasons[field]
+
+
+def test_an_unknown_field_names_the_likely_one_in_a_declared_body_too(client: TestClient) -> None:
+    """Routes whose body FastAPI reads (a probe job's) word it as the plan route does."""
+    response = client.post("/v1/probes", json={"modle": "tiny-mlp"})
+    assert response.status_code == 422
+    reasons = {e["field"]: e["reason"] for e in response.json()["errors"]}
+    assert reasons["body.modle"] == 'Extra inputs are not permitted; did you mean "model"?'
