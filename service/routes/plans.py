@@ -25,7 +25,7 @@ from pydantic_core import to_json
 from autobatch.errors import ConfigError, DeviceUnavailableError
 from autobatch.integrations.configs import deepspeed_config, hf_training_arguments, lightning_config
 from autobatch.limits import PlanSource, stored_profile_source
-from autobatch.planner import Plan, plan, plan_world_sizes
+from autobatch.planner import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileNotFoundError
 from autobatch.units import format_bytes
@@ -41,6 +41,10 @@ from service.schemas import (
     ResolvedDevice,
 )
 from service.wording import field_wording
+
+MAX_ANSWER_MICRO_BATCHES = 4 * MAX_GRADIENT_ACCUMULATION_STEPS
+"""Micro-batch sizes one answer may list over its plan and ``world_sizes`` table (4,194,304:
+about 8 MB of JSON); a single plan may list up to MAX_GRADIENT_ACCUMULATION_STEPS."""
 
 router = APIRouter(
     prefix="/v1/plan",
@@ -92,6 +96,7 @@ async def create_plan(request: Request) -> Response:
     )
     options_table = None
     if body.world_sizes is not None:
+        _check_table_size(body, result)
         rows = plan_world_sizes(
             limit,
             effective_batch_size=body.effective_batch_size,
@@ -120,6 +125,34 @@ async def create_plan(request: Request) -> Response:
         "device": None if device is None else device.model_dump(),
     }
     return Response(to_json(public), media_type="application/json")
+
+
+def _check_table_size(body: PlanCreate, result: Plan) -> None:
+    """Refuse a ``world_sizes`` table whose plans would list more than
+    :data:`MAX_ANSWER_MICRO_BATCHES` micro-batch sizes in all, before planning it.
+
+    Each plan lists one size per accumulation step (up to 2**20 of them), so 32 world sizes with
+    a micro-batch limit of 1 answered a 200-byte request with 69 MB in 1.9 s. The count is a
+    lower bound: each row has at least ``ceil(E / (W * M))`` steps, ``M`` the plan's limit.
+
+    Raises:
+        Problem: 422, naming ``world_sizes`` and the fixes.
+    """
+    effective, limit = body.effective_batch_size, result.max_micro_batch_size
+    least = result.gradient_accumulation_steps + sum(
+        -(-effective // (world_size * limit))
+        for world_size in body.world_sizes or ()
+        if body.allow_inexact or effective % world_size == 0
+    )
+    if least > MAX_ANSWER_MICRO_BATCHES:
+        raise Problem(
+            422,
+            "validation",
+            f"the plan and world_sizes table would list at least {least} micro-batch sizes (one "
+            f"per accumulation step of each plan; at most {MAX_ANSWER_MICRO_BATCHES} per "
+            "answer): ask fewer world_sizes, or plan from a larger max_micro_batch_size",
+            field="body.world_sizes",
+        )
 
 
 def _configs(result: Plan) -> dict[str, Any]:
