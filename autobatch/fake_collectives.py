@@ -1,36 +1,32 @@
 """Collectives without communication, for the length of a probe's steps.
 
-A rank that runs out of memory before a collective in the step (FSDP2's all-gathers and
-reduce-scatters, or the user's own ``train_step``'s: an all-reduce of the loss for logging,
+A rank that runs out of memory before a collective in the step (FSDP2's all-gathers and reduce-
+scatters, or the user's own ``train_step``'s: an all-reduce of the loss for logging,
 ``clip_grad_norm_``'s norm over DTensor gradients) would leave the other ranks in that collective
 until the process group's timeout, or pair their collective with its next one (the probe's
-agreement), which gloo aborts the process on and NCCL may hang on. Two context managers keep each
-rank's step alone; the ranks then agree once per trial through the real groups:
+agreement), which gloo aborts the process on and NCCL may hang on. :func:`process_groups_faked`
+keeps each rank's step alone; the ranks then agree once per trial through the real groups. Around
+each step the probe runs, every process group of the process (the default group, ``new_group``'s, a
+DeviceMesh's, which ``dist.all_reduce(group=)``, a DTensor redistribute and the functional
+collectives reach by object or by name) sends its collectives to a ``FakeProcessGroup`` backend of
+the same rank and size (torch's "fake" backend: it allocates nothing of its own and returns at
+once). The groups are the same objects, with the same names, so nothing that holds one or looks it
+up by name is missed; only their backends are swapped, and on exit, exceptions included, each device
+type gets its own backend back. What needs the other ranks (an object another rank sends, creating a
+group) is refused instead. FSDP2's all-gathers and reduce-scatters go to the fake backend with the
+rest (its parameter groups hold these same group objects); FSDP allocates the collectives' outputs
+itself, so each rank allocates exactly what it would.
 
-- :func:`process_groups_faked`, around each step the probe runs: every process group of the
-  process (the default group, ``new_group``'s, a DeviceMesh's, which ``dist.all_reduce(group=)``,
-  a DTensor redistribute and the functional collectives reach by object or by name) sends its
-  collectives to a ``FakeProcessGroup`` backend of the same rank and size (torch's "fake"
-  backend: it allocates nothing of its own and returns at once). The groups are the same
-  objects, with the same names, so nothing that holds one or looks it up by name is missed;
-  only their backends are swapped, and on exit, exceptions included, each device type gets its
-  own backend back. What needs the other ranks (an object another rank sends, creating a group)
-  is refused instead.
-- :func:`fsdp2_collectives_faked`, for all the trials: every FSDP2 parameter group sends its
-  all-gathers and reduce-scatters to a ``FakeProcessGroup`` (a group of its own). FSDP allocates
-  the collectives' outputs itself, so each rank allocates exactly what it would.
-
-Either way the values a collective returns are garbage (an all-reduce leaves each rank's own
-values), which does not matter to memory; a step whose allocations depend on values another rank
-sends is outside this (the object collectives that would allocate by a garbage size are refused,
-see :func:`process_groups_faked`). The probe restores parameters, gradients and optimizer state
+The values a collective returns are garbage (an all-reduce leaves each rank's own values), which
+does not matter to memory; a step whose allocations depend on values another rank sends is outside
+this (the object collectives that would allocate by a garbage size are refused, see
+:func:`process_groups_faked`). The probe restores parameters, gradients and optimizer state
 afterwards.
 
-This reaches into private state: FSDP2's ``FSDPParamGroup.mesh_info``, and c10d's group registry
-(``_world.pg_map``, ``_new_group_with_tag``, the function inside a c10d logging wrapper) and
-``ProcessGroup._register_backend``; the 2-rank tests in ``tests/unit/test_fsdp.py``,
-``tests/unit/test_step_collectives.py`` and ``tests/unit/test_step_collectives_edges.py`` pin
-them.
+This reaches into private state: c10d's group registry (``_world.pg_map``, ``_new_group_with_tag``,
+the function inside a c10d logging wrapper) and ``ProcessGroup._register_backend``; the 2-rank tests
+in ``tests/unit/test_fsdp.py``, ``tests/unit/test_step_collectives.py`` and
+``tests/unit/test_step_collectives_edges.py`` pin them.
 
 Example::
 
@@ -53,7 +49,6 @@ from autobatch.errors import ConfigError, DistributedError
 
 __all__ = [
     "PeerObjectError",
-    "fsdp2_collectives_faked",
     "groups_faked",
     "process_groups_faked",
     "reset_fsdp2",
@@ -89,37 +84,6 @@ class PeerObjectError(ConfigError):
     """While the probe faked the collectives, the step called something that needs the other
     ranks: an object collective whose receivers need another rank's object, or the creation of
     a process group (see :func:`process_groups_faked`)."""
-
-
-_GROUP_FIELDS = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
-"""The process groups an FSDP2 mesh info holds (FSDP, a separate reduce-scatter group, HSDP)."""
-
-
-@contextmanager
-def fsdp2_collectives_faked(model: torch.nn.Module) -> Iterator[int]:
-    """Inside the block, FSDP2's collectives in ``model`` go to fake groups; yields how many
-    process groups were swapped (0 when the model has no FSDP2 module)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    swapped: list[tuple[Any, str, dist.ProcessGroup]] = []
-    fakes: dict[int, dist.ProcessGroup] = {}
-    try:
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            for info in _mesh_infos(module):
-                for field in _GROUP_FIELDS:
-                    real = getattr(info, field, None)
-                    if real is None:
-                        continue
-                    if id(real) not in fakes:
-                        fakes[id(real)] = _fake_like(real)
-                    swapped.append((info, field, real))
-                    setattr(info, field, fakes[id(real)])
-        yield len(fakes)
-    finally:
-        for info, field, real in reversed(swapped):
-            setattr(info, field, real)
 
 
 @contextmanager
@@ -248,32 +212,6 @@ def reset_fsdp2(model: torch.nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.reset_iter_state()
             return
-
-
-def _mesh_infos(module: Any) -> list[Any]:
-    """The mesh infos (each once) of a ``fully_shard`` module's parameter groups."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-    infos: dict[int, Any] = {}
-    for group in groups:
-        if group is None:
-            continue
-        for info in (group.mesh_info, getattr(group, "post_forward_mesh_info", None)):
-            if info is not None:
-                infos.setdefault(id(info), info)
-    return list(infos.values())
-
-
-def _fake_like(real: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A process group of ``real``'s rank and size whose collectives do nothing."""
-    from torch._C._distributed_c10d import FakeProcessGroup, HashStore, ProcessGroup
-
-    rank, size = real.rank(), real.size()
-    fake = ProcessGroup(HashStore(), rank, size)
-    backend = FakeProcessGroup._create_internal(rank, size)
-    for device_type in ("cpu", "cuda"):
-        fake._register_backend(torch.device(device_type), ProcessGroup.BackendType.CUSTOM, backend)
-    return fake
 
 
 def _fake_backend(group: Any) -> tuple[Any, Any]:

@@ -7,10 +7,9 @@ every rank's module can run the next trial after a step that stopped in the midd
   agreement after it the real ones (:func:`autobatch.fake_collectives.process_groups_faked`,
   entered by the trials), so a rank out of memory in the middle of a step leaves no other
   waiting in one.
-- **FSDP2** (``fully_shard``): its all-gathers and reduce-scatters also go to fake process groups
-  for all the trials of several ranks (:mod:`autobatch.fake_collectives`), on any device; after a
-  step that stopped in the middle, ``reset_iter_state()`` reshards it and clears its per-step
-  state.
+- **FSDP2** (``fully_shard``): its all-gathers and reduce-scatters are among those collectives,
+  on any device; after a step that stopped in the middle, ``reset_iter_state()`` reshards it and
+  clears its per-step state.
 - **Tensor parallel** (DTensor parameters) **and 2-D FSDP2 + tensor parallel**: probed as FSDP2
   is, on every device (:data:`RECOVERABLE_LAYOUTS`). Tensor parallelism keeps no state between
   steps (``parallelize_module``'s hooks only redistribute inputs and outputs), and the FSDP2
@@ -44,7 +43,6 @@ from autobatch.distributed import (
     TENSOR_PARALLEL_LAYOUT,
 )
 from autobatch.errors import ConfigError
-from autobatch.fake_collectives import fsdp2_collectives_faked
 
 __all__ = ["RECOVERABLE_LAYOUTS", "device_for_layout", "on_cuda_device", "trial_context"]
 
@@ -117,8 +115,7 @@ def trial_context(
             "FSDP2: trials ran FSDP's all-gathers and reduce-scatters on a fake process group "
             "(no communication, the same allocations), so no rank waited for another; the ranks "
             "agreed after each step"
-        )
-        stack.enter_context(fsdp2_collectives_faked(model))
+        )  # process_groups_faked's per-step fake backends (trials.py) carry FSDP's collectives
     return stack
 
 
