@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from autobatch.device import UNKNOWN_MEMORY, GpuInfo, MemoryInfo
+from autobatch.device import UNKNOWN_MEMORY, GpuInfo, MemoryInfo, MemorySource
 from autobatch.device.visible import (
     CUDA_VISIBLE_VAR,
     NVIDIA_VISIBLE_VAR,
@@ -409,27 +409,12 @@ class Nvml:
             detail = f"NVML reported a total of 0 bytes for GPU {device.uuid}"
         fallback = self._torch_mem_get_info(device.uuid) if device.cuda_index is not None else None
         if fallback is not None:
-            free_bytes, total_bytes = fallback
-            memory = MemoryInfo(
-                total_memory_bytes=total_bytes,
-                free_memory_bytes=free_bytes,
-                used_memory_bytes=total_bytes - free_bytes,
-                used_includes_reserved=True,
-                memory_source="cuda_runtime",
-            )
+            memory = _free_of_total(*fallback, memory_source="cuda_runtime")
             return memory, reason, detail + "; memory from torch.cuda.mem_get_info"
         if not device.is_mig and _unified(lib, device.handle):
             host = self._host_memory()
             if host is not None:
-                available_bytes, total_bytes = host
-                memory = MemoryInfo(
-                    total_memory_bytes=total_bytes,
-                    free_memory_bytes=available_bytes,
-                    used_memory_bytes=total_bytes - available_bytes,
-                    used_includes_reserved=True,
-                    memory_source="host",
-                    unified_memory=True,
-                )
+                memory = _free_of_total(*host, memory_source="host", unified_memory=True)
                 return memory, reason, detail + "; unified memory: the host's available memory"
         return UNKNOWN_MEMORY, reason, detail + "; memory unknown"
 
@@ -559,6 +544,21 @@ def _unified(lib: Any, handle: Any) -> bool:
         return bool(function(handle) == ats)
     except _error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError")):
         return False
+
+
+def _free_of_total(
+    free_bytes: int, total_bytes: int, *, memory_source: MemorySource, unified_memory: bool = False
+) -> MemoryInfo:
+    """A reading from a fallback that gives (free, total) bytes and counts everything not free
+    as used, the driver's reserve included."""
+    return MemoryInfo(
+        total_memory_bytes=total_bytes,
+        free_memory_bytes=free_bytes,
+        used_memory_bytes=total_bytes - free_bytes,
+        used_includes_reserved=True,
+        memory_source=memory_source,
+        unified_memory=unified_memory,
+    )
 
 
 def _nvml_memory(lib: Any, handle: Any) -> MemoryInfo:
