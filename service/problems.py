@@ -48,6 +48,7 @@ from service.wording import describe
 
 __all__ = [
     "PROBLEM_MEDIA_TYPE",
+    "BodyValidationError",
     "FieldReason",
     "Problem",
     "ProblemDetails",
@@ -55,7 +56,6 @@ __all__ = [
     "install_problem_handlers",
     "problem_response",
     "problem_responses",
-    "unknown_field_hint",
     "unknown_profile",
     "validation_reason",
 ]
@@ -191,7 +191,17 @@ def _json_kind(value: object) -> str:
     return next((kind for cls, kind in kinds if isinstance(value, cls)), "another value")
 
 
-def unknown_field_hint(error: Any, model: type[BaseModel]) -> str:
+class BodyValidationError(RequestValidationError):
+    """A body a route read itself (``service.routing.read_json_body``) failed validation as
+    ``body_model``; the validation handler names an unknown field by that model, as it does by
+    a declared body's."""
+
+    def __init__(self, errors: Sequence[Any], *, body_model: type[BaseModel]) -> None:
+        super().__init__(errors)
+        self.body_model = body_model
+
+
+def _unknown_field_hint(error: Any, model: type[BaseModel]) -> str:
     """A pydantic error's message; for an unknown field of ``model`` (``loc`` relative to it),
     with the field most like it, or the fields there."""
     message: str = error["msg"]
@@ -242,10 +252,14 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
             errors=reasons,
             instance=request.url.path,
         )
-    model = _declared_body_model(request)  # None where the route read its body (hinted there)
+    # The body's model: the one a route that reads its own body names, or the declared one.
+    if isinstance(exc, BodyValidationError):
+        model: type[BaseModel] | None = exc.body_model
+    else:
+        model = _declared_body_model(request)
     if model is not None:
         errors = [
-            {**e, "msg": unknown_field_hint({**e, "loc": e["loc"][1:]}, model)}
+            {**e, "msg": _unknown_field_hint({**e, "loc": e["loc"][1:]}, model)}
             if e.get("type") == "extra_forbidden" and e["loc"][:1] == ("body",)
             else e
             for e in errors

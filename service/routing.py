@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 
-from service.problems import Problem, unknown_field_hint
+from service.problems import BodyValidationError, Problem
 
 __all__ = ["JsonBodyRoute", "is_json_media_type", "json_body_openapi", "read_json_body"]
 
@@ -105,12 +105,14 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
 
     Parsed to Python objects as ``json.loads`` parses them and validated from those, as FastAPI
     does, so the same input is accepted (models in strict mode accept less from Python than
-    from JSON). An unknown field's error also names the field most like it (or the fields).
+    from JSON). The validation handler names an unknown field's likely meaning by ``model``, as
+    for a declared body.
 
     Raises:
         Problem: 415, the ``Content-Type`` is not JSON.
-        RequestValidationError: malformed JSON (answered 400 ``malformed-json``), an empty body
-            or one that ``model`` rejects (422 ``validation``, fields as ``body.<field>``).
+        RequestValidationError: malformed JSON (answered 400 ``malformed-json``) or an empty body;
+            :class:`service.problems.BodyValidationError`, one that ``model`` rejects (422
+            ``validation``, fields as ``body.<field>``).
         HTTPException: 400, a body that is not text (invalid UTF-8, say).
     """
     _require_json(request)
@@ -132,11 +134,8 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
         return model.model_validate(data, from_attributes=True)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        raise RequestValidationError(
-            [
-                {**error, "loc": ("body", *error["loc"]), "msg": unknown_field_hint(error, model)}
-                for error in errors
-            ]
+        raise BodyValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in errors], body_model=model
         ) from None
 
 
