@@ -16,10 +16,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autobatch.accumulate import Accumulator, SmallMicroBatchNormWarning, StepStats
     from autobatch.device import Capacity, Device, GpuInfo, MemoryInfo, PeakMemory, resolve_device
     from autobatch.device.simulated import SimulatedDevice
-    from autobatch.distributed import ProcessGroupConsensus
+    from autobatch.distributed.consensus import ProcessGroupConsensus
     from autobatch.errors import (
         AutobatchError,
         ConfigError,
@@ -31,8 +30,6 @@ if TYPE_CHECKING:
         StepFailedError,
         StoreError,
     )
-    from autobatch.estimator import EstimateUnavailableError, estimate
-    from autobatch.extrapolation import Prediction
     from autobatch.integrations.configs import (
         ConfigFormat,
         deepspeed_config,
@@ -40,14 +37,24 @@ if TYPE_CHECKING:
         hf_training_arguments,
         lightning_config,
     )
-    from autobatch.planner import Plan, PlanSource, Uneven, WorldSizeOption, plan, plan_world_sizes
-    from autobatch.probing import Consensus, LocalConsensus, probe
+    from autobatch.planning.planner import (
+        Plan,
+        PlanSource,
+        Uneven,
+        WorldSizeOption,
+        plan,
+        plan_world_sizes,
+    )
+    from autobatch.planning.prediction import Prediction
+    from autobatch.probing.estimate import EstimateUnavailableError, estimate
+    from autobatch.probing.probe import Consensus, LocalConsensus, probe
+    from autobatch.probing.worst_case import WorstCaseSample, worst_case_sample
     from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
-    from autobatch.splitting import SplitEvent
-    from autobatch.store import ProfileNotFoundError, ProfileStore, default_store_path
+    from autobatch.profiles.store import ProfileNotFoundError, ProfileStore, default_store_path
+    from autobatch.training.accumulator import Accumulator, SmallMicroBatchNormWarning, StepStats
+    from autobatch.training.oom_split import SplitEvent
     from autobatch.tuning import ReportWarning, Tuning, autotune, tune
     from autobatch.units import format_bytes, parse_bytes
-    from autobatch.worst_case import WorstCaseSample, worst_case_sample
 
 __version__ = "0.1.0"
 
@@ -112,9 +119,9 @@ __all__ = [
 # integrations, client) import without torch: the HTTP service never loads it, and a scheduler
 # can plan without it installed.
 _EXPORTS: dict[str, str] = {
-    "Accumulator": "autobatch.accumulate",
-    "SmallMicroBatchNormWarning": "autobatch.accumulate",
-    "StepStats": "autobatch.accumulate",
+    "Accumulator": "autobatch.training.accumulator",
+    "SmallMicroBatchNormWarning": "autobatch.training.accumulator",
+    "StepStats": "autobatch.training.accumulator",
     "ReportWarning": "autobatch.tuning",
     "Tuning": "autobatch.tuning",
     "autotune": "autobatch.tuning",
@@ -126,7 +133,7 @@ _EXPORTS: dict[str, str] = {
     "PeakMemory": "autobatch.device",
     "resolve_device": "autobatch.device",
     "SimulatedDevice": "autobatch.device.simulated",
-    "ProcessGroupConsensus": "autobatch.distributed",
+    "ProcessGroupConsensus": "autobatch.distributed.consensus",
     "AutobatchError": "autobatch.errors",
     "ConfigError": "autobatch.errors",
     "DeviceUnavailableError": "autobatch.errors",
@@ -136,36 +143,36 @@ _EXPORTS: dict[str, str] = {
     "ServiceError": "autobatch.errors",
     "StepFailedError": "autobatch.errors",
     "StoreError": "autobatch.errors",
-    "EstimateUnavailableError": "autobatch.estimator",
-    "estimate": "autobatch.estimator",
+    "EstimateUnavailableError": "autobatch.probing.estimate",
+    "estimate": "autobatch.probing.estimate",
     "ConfigFormat": "autobatch.integrations.configs",
     "deepspeed_config": "autobatch.integrations.configs",
     "format_config": "autobatch.integrations.configs",
     "hf_training_arguments": "autobatch.integrations.configs",
     "lightning_config": "autobatch.integrations.configs",
-    "Prediction": "autobatch.extrapolation",
-    "Plan": "autobatch.planner",
-    "PlanSource": "autobatch.planner",
-    "Uneven": "autobatch.planner",
-    "WorldSizeOption": "autobatch.planner",
-    "plan": "autobatch.planner",
-    "plan_world_sizes": "autobatch.planner",
-    "Consensus": "autobatch.probing",
-    "LocalConsensus": "autobatch.probing",
-    "probe": "autobatch.probing",
+    "Prediction": "autobatch.planning.prediction",
+    "Plan": "autobatch.planning.planner",
+    "PlanSource": "autobatch.planning.planner",
+    "Uneven": "autobatch.planning.planner",
+    "WorldSizeOption": "autobatch.planning.planner",
+    "plan": "autobatch.planning.planner",
+    "plan_world_sizes": "autobatch.planning.planner",
+    "Consensus": "autobatch.probing.probe",
+    "LocalConsensus": "autobatch.probing.probe",
+    "probe": "autobatch.probing.probe",
     "MemoryModel": "autobatch.profile",
     "PROFILE_SCHEMA_VERSION": "autobatch.profile",
     "Profile": "autobatch.profile",
     "StepIdentity": "autobatch.profile",
     "Trial": "autobatch.profile",
-    "ProfileNotFoundError": "autobatch.store",
-    "ProfileStore": "autobatch.store",
-    "default_store_path": "autobatch.store",
-    "SplitEvent": "autobatch.splitting",
+    "ProfileNotFoundError": "autobatch.profiles.store",
+    "ProfileStore": "autobatch.profiles.store",
+    "default_store_path": "autobatch.profiles.store",
+    "SplitEvent": "autobatch.training.oom_split",
     "format_bytes": "autobatch.units",
     "parse_bytes": "autobatch.units",
-    "WorstCaseSample": "autobatch.worst_case",
-    "worst_case_sample": "autobatch.worst_case",
+    "WorstCaseSample": "autobatch.probing.worst_case",
+    "worst_case_sample": "autobatch.probing.worst_case",
 }
 
 
@@ -173,7 +180,9 @@ if not TYPE_CHECKING:  # to type checkers, the package has exactly the names imp
 
     def __getattr__(name: str) -> Any:
         module = _EXPORTS.get(name)
-        if module is None:  # a submodule, as ``autobatch.planner`` was before exports were lazy
+        if (
+            module is None
+        ):  # a submodule, as ``autobatch.planning.planner`` was before exports were lazy
             try:
                 return importlib.import_module(f"{__name__}.{name}")
             except ModuleNotFoundError as exc:

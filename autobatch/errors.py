@@ -16,8 +16,8 @@ NVML's exceptions (``pynvml.NVMLError_*``) are translated at the device boundary
 (``autobatch.device.nvml``), with ``raise ... from exc``. Out-of-memory is classified, not
 translated: :func:`autobatch.device.oom.is_oom` is the one place that decides which exceptions
 (``torch.OutOfMemoryError``, cuBLAS/cuDNN allocation failures, the CPU allocator's) mean OOM, for
-the probe's trials (``autobatch.probing``) and the training loop's splits
-(``autobatch.splitting``); any other exception propagates.
+the probe's trials (``autobatch.probing.probe``) and the training loop's splits
+(``autobatch.training.oom_split``); any other exception propagates.
 
 An error that a changed argument would get past carries that change as structured
 :class:`Remedy` values (``exc.remedies``) rather than in its text, so that each surface names it

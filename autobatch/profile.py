@@ -114,7 +114,8 @@ class StepIdentity:
     """Everything about a training step, apart from the device, that changes its peak memory;
     with the device's name and total memory it makes a profile's cache key (:meth:`cache_key`).
 
-    Built once per request by :func:`autobatch.metadata.step_identity` (the probe, the estimate
+    Built once per request by :func:`autobatch.probing.identity.step_identity` (the probe, the
+    estimate
     and ``autotune`` all call it) and kept on the :class:`Profile`. Empty strings mean unknown
     (a profile built from numbers alone).
     """
@@ -147,7 +148,7 @@ class StepIdentity:
         mode: Mode = "train",
     ) -> str:
         """Canonical JSON of this identity and the device, as a string key (see
-        ``autobatch.store``): equal keys, equal steps on equal cards. ``compiled`` (see
+        ``autobatch.profiles.store``): equal keys, equal steps on equal cards. ``compiled`` (see
         :attr:`Profile.compiled`) joins the key only when set: a compiled step's peak differs
         from the eager one's, and uncompiled steps keep the keys they had. ``mode`` (see
         :attr:`Profile.mode`) likewise joins it only for ``"eval"``: an evaluation profile never
@@ -365,7 +366,8 @@ class Profile:
         )
 
     def cache_key(self) -> str:
-        """Key under which an equal request may reuse this profile (see ``autobatch.store``)."""
+        """Key under which an equal request may reuse this profile (see
+        :mod:`autobatch.profiles.store`)."""
         return self.identity.cache_key(
             device_name=self.device_name,
             total_memory_bytes=self.total_memory_bytes,

@@ -5,10 +5,11 @@ torch version is answered from the store without running a step (``refresh=True`
 When the store has no profile for this card but it (or the service at ``report_to``) has one of
 the same step on another card, whose plan for this card would be ``predicted``, one real trial at
 the predicted size confirms it instead of a probe; a failed confirmation probes and says so
-(:mod:`autobatch.confirmation`; single process only: under torch.distributed the ranks probe).
+(:mod:`autobatch.profiles.confirmation`; single process only: under torch.distributed the ranks
+probe).
 
 Under an initialised torch.distributed process group every rank probes its own device and the
-ranks agree (:mod:`autobatch.distributed`): a size fits only if it fits on every rank,
+ranks agree (:mod:`autobatch.distributed.layout`): a size fits only if it fits on every rank,
 ``world_size`` defaults to the group's, rank 0 alone reads and writes the store (its cached
 profile is used only when every rank has the same device, i.e. the same cache key), and every
 rank returns the same Plan.
@@ -36,26 +37,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autobatch.batch import BatchSource
-from autobatch.compiled import compiled_mode
-from autobatch.confirmation import (
-    ArrivalPrediction,
-    confirm_on_arrival,
-    find_prediction,
-    service_profiles,
-    stored_profiles,
-)
 from autobatch.device import Device, resolve_device
-from autobatch.distributed import data_parallel_size as _data_parallel_size
-from autobatch.distributed import process_group_consensus
-from autobatch.estimator import DEFAULT_LIMIT
-from autobatch.limits import stored_profile_source
-from autobatch.metadata import step_identity
-from autobatch.placement import check_placement, model_device
-from autobatch.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
-from autobatch.probing import confirm_micro_batch_size, probe
+from autobatch.distributed.consensus import process_group_consensus
+from autobatch.distributed.layout import data_parallel_size as _data_parallel_size
+from autobatch.planning.limits import stored_profile_source
+from autobatch.planning.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
+from autobatch.probing.batch import BatchSource
+from autobatch.probing.compiled import compiled_mode
+from autobatch.probing.estimate import DEFAULT_LIMIT
+from autobatch.probing.identity import step_identity
+from autobatch.probing.placement import check_placement, model_device
+from autobatch.probing.probe import confirm_micro_batch_size, probe
+from autobatch.probing.step import LossFn, TrainStep, check_step_arguments
+from autobatch.probing.trials import OnTrial
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
-from autobatch.profile_cache import (
+from autobatch.profiles.cache import (
     ReportWarning,
     TunedProfile,
     agreed_profile,
@@ -63,10 +59,15 @@ from autobatch.profile_cache import (
     opened_store,
     report_profile_to,
 )
-from autobatch.splitting import SplitEvent
-from autobatch.step import LossFn, TrainStep, check_step_arguments
-from autobatch.store import ProfileStore
-from autobatch.trials import OnTrial
+from autobatch.profiles.confirmation import (
+    ArrivalPrediction,
+    confirm_on_arrival,
+    find_prediction,
+    service_profiles,
+    stored_profiles,
+)
+from autobatch.profiles.store import ProfileStore
+from autobatch.training.oom_split import SplitEvent
 
 __all__ = [
     "ReportWarning",
@@ -438,7 +439,7 @@ def _prediction_here(
     mode: Mode,
 ) -> ArrivalPrediction | None:
     """A plan predicted for this card from a profile of the same step on another card: from the
-    store, else from the service at ``report_to`` (:mod:`autobatch.confirmation`)."""
+    store, else from the service at ``report_to`` (:mod:`autobatch.profiles.confirmation`)."""
     options: dict[str, Any] = {
         "device_name": device_name,
         "total_memory_bytes": total_memory_bytes,

@@ -24,9 +24,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autobatch import SimulatedDevice
-from autobatch.batch import BatchSource
 from autobatch.device import Device
-from autobatch.step import TrainingStep
+from autobatch.probing.batch import BatchSource
+from autobatch.probing.step import TrainingStep
 from bench._peers import MIB, Case
 
 __all__ = ["LAUNCH_LIMIT", "PATTERNS", "FailsAbove", "Pattern", "true_max"]

@@ -51,11 +51,11 @@ import torch
 import torch.nn.functional as F
 
 import autobatch
-from autobatch.batch import BatchSource, batch_tensors
 from autobatch.device import Device
 from autobatch.device.oom import is_oom
+from autobatch.probing.batch import BatchSource, batch_tensors
+from autobatch.probing.step import LossFn, TrainingStep
 from autobatch.profile import Profile
-from autobatch.step import LossFn, TrainingStep
 
 __all__ = [
     "Case",

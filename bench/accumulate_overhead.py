@@ -1,4 +1,4 @@
-"""Overhead of autobatch.accumulate.Accumulator against a hand-written accumulation loop.
+"""Overhead of autobatch.training.accumulator.Accumulator against a hand-written accumulation loop.
 
 Every variant trains the same model and optimizer on the same micro-batches, in one process. Each
 repetition times a few optimizer steps of each variant back to back, rotating the order, and
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autobatch.accumulate import Accumulator
-from autobatch.splitting import OnOom
+from autobatch.training.accumulator import Accumulator
+from autobatch.training.oom_split import OnOom
 
 GRADIENT_ACCUMULATION_STEPS = 4
 MAX_GRAD_NORM = 1.0

@@ -1,6 +1,7 @@
 """Cost of the Accumulator's error agreements under DDP: 2 gloo ranks on CPU, side by side.
 
-Since an error on one rank must reach the others (:mod:`autobatch.rank_agreement`), the ranks'
+Since an error on one rank must reach the others (:mod:`autobatch.training.window_agreement`), the
+ranks'
 count all-reduce of each window carries a status per rank, and the ranks meet once more when the
 micro-batches run out (once per loop), and before the synchronised backward of a window where
 some rank has a micro-batch counting 0 items (none here). This times, interleaved in one run,
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch.accumulate import Accumulator
+from autobatch.training.accumulator import Accumulator
 
 WORLD_SIZE = 2
 GRADIENT_ACCUMULATION_STEPS = 4
@@ -110,7 +111,7 @@ def _worker(rank: int, store: str, repetitions: int, windows: int) -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # see tests/unit/gloo_exit.py: gloo's threads can abort a normal exit
+    os._exit(0)  # see tests/helpers/gloo_exit.py: gloo's threads can abort a normal exit
 
 
 def main(argv: list[str] | None = None) -> int:

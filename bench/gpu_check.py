@@ -9,7 +9,7 @@ estimator's error against measured peaks, in under 8 minutes.
    ``find_executable_batch_size`` (starting at twice the exhaustive max) and the exhaustive scan,
    all on ``cuda:0`` (a :class:`~autobatch.device.cuda.CudaDevice`); see ``bench/_peers.py``.
 3. Estimator error: for each size autobatch measured as fitting, the fake-tensor peak
-   (:class:`autobatch.estimator.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
+   (:class:`autobatch.probing.estimate.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
    ``max_memory_reserved`` of the real step at the same size.
 4. Modern stacks (``bench/_stacks.py``): a torch.compile'd model (inductor; Dynamo frames
    counted, compilation still working after the probe) and an FSDP2 model on a one-rank group,
@@ -49,9 +49,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from autobatch import SimulatedDevice
-from autobatch.batch import BatchSource
 from autobatch.device import Device
-from autobatch.estimator import FakeStep
+from autobatch.probing.batch import BatchSource
+from autobatch.probing.estimate import FakeStep
 from autobatch.profile import Profile
 from bench._peers import (
     GIB,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import autobatch
-from autobatch.accumulate import Accumulator
+from autobatch.training.accumulator import Accumulator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

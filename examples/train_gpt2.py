@@ -17,7 +17,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autobatch
-from autobatch.accumulate import Accumulator
+from autobatch.training.accumulator import Accumulator
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100  # labels Hugging Face's loss skips

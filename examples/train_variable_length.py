@@ -23,7 +23,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autobatch
-from autobatch.accumulate import Accumulator
+from autobatch.training.accumulator import Accumulator
 from autobatch.tuning import split_recorder
 
 Batch = dict[str, torch.Tensor]

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile
-from autobatch.store import ProfileStore
+from autobatch.profiles.store import ProfileStore
 from service.registry import ModelEntry, Registry, cuda_index
 from service.wording import describe
 
@@ -471,7 +471,7 @@ def _registered_model(entry: ModelEntry) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from autobatch.models import ModelSpec
+    from autobatch.models.zoo import ModelSpec
 
     module_name, _, function_name = entry.factory.partition(":")
     try:

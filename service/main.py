@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from autobatch.device.nvml import Nvml, default_nvml
-from autobatch.store import ProfileStore
+from autobatch.profiles.store import ProfileStore
 from service.deps import ServiceState
 from service.gpus import GpuMonitor
 from service.jobs import JobManager

@@ -42,7 +42,7 @@ from autobatch.errors import (
     NoFeasiblePlanError,
     StoreError,
 )
-from autobatch.store import ProfileNotFoundError
+from autobatch.profiles.store import ProfileNotFoundError
 from service.jobs import QueueFullError, UnknownJobError, UnknownModelError
 from service.wording import describe
 

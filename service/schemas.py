@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from autobatch.planner import MAX_GRADIENT_ACCUMULATION_STEPS
+from autobatch.planning.planner import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
 from service.registry import DeviceName
 
@@ -341,7 +341,8 @@ class PlanCreate(_Strict):
 
 
 class PredictionFields(BaseModel):
-    """``autobatch.extrapolation.Prediction``: how a limit past the largest measured micro-batch
+    """``autobatch.planning.prediction.Prediction``: how a limit past the largest measured
+    micro-batch
     was predicted."""
 
     largest_measured_micro_batch_size: int

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobatch.batch import BatchSource
 from autobatch.device.oom import is_oom
 from autobatch.device.simulated import SimulatedDevice
-from autobatch.state import resident_tensors
-from autobatch.step import TrainingStep
+from autobatch.probing.batch import BatchSource
+from autobatch.probing.snapshot import resident_tensors
+from autobatch.probing.step import TrainingStep
 
 
 @dataclasses.dataclass
@@ -161,7 +161,7 @@ def exhaustive_max(case: ModelCase, capacity_bytes: int, *, limit: int = 4096) -
 @pytest.fixture
 def sim_capacity_for() -> Callable[[ModelCase, int], int]:
     """Capacity (bytes) at which ``case`` fits about ``target`` samples, from the estimator."""
-    from autobatch.estimator import FakeStep
+    from autobatch.probing.estimate import FakeStep
 
     def capacity(case: ModelCase, target: int) -> int:
         model, sample, optimizer = case.build()

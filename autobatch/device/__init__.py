@@ -133,7 +133,8 @@ class Device(Protocol):
 
     ``measure`` brackets one step: it resets peak statistics, and on exit (normal or not) fills the
     :class:`PeakMemory` it yielded. ``resident`` names the tensors that exist before the step
-    (:func:`autobatch.state.resident_tensors`: parameters, buffers, gradients, optimizer state;
+    (:func:`autobatch.probing.snapshot.resident_tensors`: parameters, buffers, gradients, optimizer
+    state;
     not the batch, which the step builds inside the block, so the block counts it); devices that
     count tensors themselves (simulated) add them to the count, devices with allocator
     statistics ignore it.

@@ -1,7 +1,7 @@
 """The host CPU as a device: real allocations, real allocation failures.
 
 Capacity is the kernel's ``MemAvailable`` (``/proc/meminfo``) when queried. Peak bytes are
-counted with :class:`~autobatch.live_bytes.LiveBytes`, since the CPU allocator keeps no
+counted with :class:`~autobatch.device.live_bytes.LiveBytes`, since the CPU allocator keeps no
 statistics; they include the resident tensors (weights, optimizer state), which ``MemAvailable``
 already excludes, so the probe is conservative by their size. Linux overcommits memory, so a real
 allocation failure would come late (swap, or the OOM killer): during a step the tracker raises
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from autobatch.device import Capacity, PeakMemory
-from autobatch.live_bytes import LiveBytes
+from autobatch.device.live_bytes import LiveBytes
 
 __all__ = ["CpuDevice", "read_meminfo"]
 

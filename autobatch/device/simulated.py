@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import torch
 
 from autobatch.device import Capacity, PeakMemory
+from autobatch.device.live_bytes import LiveBytes
 from autobatch.errors import ConfigError
-from autobatch.live_bytes import LiveBytes
 from autobatch.units import format_bytes
 
 __all__ = ["SimulatedDevice"]
@@ -38,7 +38,8 @@ class SimulatedDevice:
         defer_oom: let a step that goes over the capacity run to its end, and raise the
             ``OutOfMemoryError`` when :meth:`measure`'s block exits. The probe uses it for FSDP1
             on several ranks: a backward stopped in the middle would leave FSDP1's per-step
-            state broken for the next trial (see :mod:`autobatch.layouts`). The peak counted is
+            state broken for the next trial (see :mod:`autobatch.probing.parallel`). The peak
+            counted is
             the same either way.
 
     Raises:

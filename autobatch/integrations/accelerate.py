@@ -30,9 +30,9 @@ from torch.utils._pytree import tree_map
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
-from autobatch.integrations._tuning import SET_BY_FRAMEWORK, check_options, tune
-from autobatch.planner import Plan
-from autobatch.state import preserved_rng
+from autobatch.integrations.dropins import SET_BY_FRAMEWORK, check_options, tune
+from autobatch.planning.planner import Plan
+from autobatch.probing.snapshot import preserved_rng
 
 __all__ = ["autotune_accelerator"]
 

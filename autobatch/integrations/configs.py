@@ -6,7 +6,7 @@ itself is set by the launcher (``deepspeed --num_gpus``, ``torchrun --nproc-per-
 
 Example::
 
-    >>> from autobatch.planner import plan
+    >>> from autobatch.planning.planner import plan
     >>> p = plan(24, effective_batch_size=64, world_size=2)
     >>> hf_training_arguments(p)
     {'per_device_train_batch_size': 16, 'gradient_accumulation_steps': 2}
@@ -22,7 +22,7 @@ import json
 from typing import Any, Literal
 
 from autobatch.errors import ConfigError
-from autobatch.planner import Plan
+from autobatch.planning.planner import Plan
 
 __all__ = [
     "ConfigFormat",

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
-from autobatch.integrations._tuning import (
+from autobatch.integrations.dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
@@ -42,9 +42,9 @@ from autobatch.integrations._tuning import (
     dataset_rows,
     tune,
 )
-from autobatch.planner import Plan
-from autobatch.state import preserved_rng
-from autobatch.worst_case import worst_case_sample
+from autobatch.planning.planner import Plan
+from autobatch.probing.snapshot import preserved_rng
+from autobatch.probing.worst_case import worst_case_sample
 
 __all__ = ["autotune_trainer", "row_length"]
 

@@ -32,7 +32,7 @@ from torchmetrics import Metric
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
-from autobatch.integrations._tuning import (
+from autobatch.integrations.dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
@@ -42,8 +42,8 @@ from autobatch.integrations._tuning import (
     dataset_rows,
     tune,
 )
-from autobatch.planner import Plan
-from autobatch.state import preserved_rng
+from autobatch.planning.planner import Plan
+from autobatch.probing.snapshot import preserved_rng
 
 __all__ = ["AutobatchFinder"]
 

@@ -24,10 +24,10 @@ from pydantic_core import to_json
 
 from autobatch.errors import ConfigError, DeviceUnavailableError
 from autobatch.integrations.configs import deepspeed_config, hf_training_arguments, lightning_config
-from autobatch.limits import PlanSource, stored_profile_source
-from autobatch.planner import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, plan, plan_world_sizes
+from autobatch.planning.limits import PlanSource, stored_profile_source
+from autobatch.planning.planner import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile
-from autobatch.store import ProfileNotFoundError
+from autobatch.profiles.store import ProfileNotFoundError
 from autobatch.units import format_bytes
 from service.deps import service_state
 from service.gpus import GpuMonitor

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from autobatch.device.nvml import Nvml
 from service.main import create_app
 from service.settings import Settings
+from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 from tests.service.models import REGISTRY_TOML
-from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
 A100_UUID = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
 H100_UUID = "GPU-9f8e7d6c-0000-1111-2222-333344445555"

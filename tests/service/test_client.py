@@ -1,4 +1,4 @@
-"""autobatch.client against the real app in-process (httpx transport over TestClient)."""
+"""autobatch.client.http against the real app in-process (httpx transport over TestClient)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.client import AutobatchClient, ServiceError, report_profile
+from autobatch.client.http import AutobatchClient, ServiceError, report_profile
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.profile import MemoryModel
-from autobatch.store import ProfileNotFoundError
+from autobatch.profiles.store import ProfileNotFoundError
+from tests.helpers.fake_pynvml import GiB
 from tests.service.conftest import A100_UUID
 from tests.service.test_service_api import make_profile
-from tests.unit.fake_pynvml import GiB
 
 
 def transport_for(app: FastAPI) -> httpx.MockTransport:
@@ -136,7 +136,7 @@ def test_a_missing_profile_names_the_id_asked_for(api: AutobatchClient) -> None:
 
 
 def test_plan_request_body_leaves_out_what_is_unset_and_groups_the_device() -> None:
-    from autobatch.client import PlanRequest
+    from autobatch.client.http import PlanRequest
 
     body = PlanRequest(
         effective_batch_size=64,

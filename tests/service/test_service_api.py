@@ -16,14 +16,14 @@ from pydantic import ValidationError
 
 import autobatch
 from autobatch.cli import main as cli_main
-from autobatch.planner import Plan
+from autobatch.planning.planner import Plan
 from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
 from service.routing import is_json_media_type
 from service.schemas import PlanPublic
+from tests.helpers.fake_pynvml import GiB, MiB
 from tests.service.conftest import A100_UUID, H100_UUID, no_nvml
-from tests.unit.fake_pynvml import GiB, MiB
 
 PROBLEM = "application/problem+json"
 
@@ -1110,7 +1110,7 @@ def test_the_plan_schema_has_every_plan_field(client: TestClient) -> None:
     """A field of Plan missing from the response schema would be dropped from every answer."""
     import dataclasses
 
-    from autobatch.extrapolation import Prediction
+    from autobatch.planning.prediction import Prediction
     from service.schemas import PlanFields, PredictionFields
 
     assert set(PlanFields.model_fields) == {f.name for f in dataclasses.fields(Plan)}

@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.device.nvml import Nvml
+from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB, MiB
 from tests.service.conftest import A100_UUID, H100_UUID, two_gpus
-from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB, MiB
 
 PROBLEM = "application/problem+json"
 NVML_FREE_PLAN = {"max_micro_batch_size": 8, "effective_batch_size": 16}

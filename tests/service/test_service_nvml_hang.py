@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.fake_pynvml import GiB
 from tests.service.conftest import A100_UUID, H100_UUID
 from tests.service.test_service_e2e import ROOT, free_port
-from tests.unit.fake_pynvml import GiB
 
 pytestmark = pytest.mark.slow
 

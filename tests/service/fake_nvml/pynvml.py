@@ -1,4 +1,4 @@
-"""``pynvml`` for a real ``autobatch serve`` under test: ``tests.unit.fake_pynvml``, steered by a
+"""``pynvml`` for a real ``autobatch serve`` under test: ``tests.helpers.fake_pynvml``, steered by a
 JSON file while the server runs.
 
 Put this directory first on ``PYTHONPATH`` (the repository root after it) and name the control
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.unit.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml
+from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml
 
 _CONTROL = Path(os.environ["AUTOBATCH_FAKE_NVML"])
 

@@ -1,0 +1,10 @@
+"""The ``autobatch`` command line: ``parser`` (subcommands and flags), ``commands`` (what each
+does and prints), ``models`` (the built-in model zoo). ``main(argv=None) -> int`` is the entry
+point."""
+
+from __future__ import annotations
+
+from autobatch.cli.commands import main
+from autobatch.cli.parser import build_parser
+
+__all__ = ["build_parser", "main"]

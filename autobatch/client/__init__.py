@@ -1,0 +1,21 @@
+"""A small typed client for autobatch's HTTP service (httpx), for training scripts and schedulers.
+
+Example::
+
+    from autobatch.client import AutobatchClient
+
+    with AutobatchClient("http://gpu-node:8000") as client:
+        p = client.plan(profile_id=profile_id, effective_batch_size=1024, world_size=8)
+"""
+
+from __future__ import annotations
+
+from autobatch.client.http import (
+    AutobatchClient,
+    PlanRequest,
+    ProbeStatus,
+    ServiceError,
+    report_profile,
+)
+
+__all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError", "report_profile"]

@@ -1,0 +1,225 @@
+"""What the framework drop-ins share: checking the probe options a user passes through, the
+framework's own step as a ``train_step`` with a stable identity, and one call to
+:func:`autobatch.autotune` that plans equal micro-batches and an exact effective batch.
+
+Example::
+
+    check_options(options, caller="AutobatchFinder", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
+    step = FrameworkStep(lambda model, batch: model.training_step(batch, 0),
+                         identity=code_identity(type(module).training_step))
+    plan = tune(module, sample, effective_batch_size=64, world_size=1, optimizer=optimizer,
+                train_step=step, device="sim:1GiB", amp_dtype=None, options=options,
+                caller="AutobatchFinder")
+    check_epoch_end(len(dataset), plan, drop_last=False, caller="AutobatchFinder")
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from autobatch.device import Device
+from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.planning.planner import Plan
+from autobatch.probing.identity import callable_identity
+from autobatch.tuning import autotune
+
+__all__ = [
+    "FrameworkStep",
+    "check_epoch_end",
+    "check_options",
+    "code_identity",
+    "dataset_rows",
+    "last_step_samples",
+    "tune",
+]
+
+logger = logging.getLogger("autobatch.integrations")
+
+SET_BY_FRAMEWORK = frozenset(
+    {
+        "model",
+        "sample",
+        "effective_batch_size",
+        "world_size",
+        "optimizer",
+        "uneven",
+        "allow_inexact",
+    }
+)
+"""autotune arguments every drop-in derives from the framework; a user may not pass them."""
+
+STEP_ARGUMENTS = frozenset({"loss_fn", "train_step", "step_includes_update"})
+"""How a sample becomes a step: the drop-ins that run the framework's own step set these too."""
+
+_NEVER_OFFERED = frozenset({"allow_inexact", "uneven"})
+"""Planner remedies no drop-in takes: it keeps the effective batch exact, one micro-batch size."""
+
+
+def check_options(
+    options: Mapping[str, Any], *, caller: str, owned: frozenset[str] = SET_BY_FRAMEWORK
+) -> None:
+    """Refuse probe options that :func:`autobatch.autotune` does not take, or that the drop-in
+    sets itself from the framework (``owned``: the model, the world size...).
+
+    Raises:
+        ConfigError: names the option and what to do instead.
+    """
+    accepted = set(inspect.signature(autotune).parameters) - owned
+    for name in options:
+        if name in owned:
+            raise ConfigError(
+                f"{caller} sets {name!r} itself from the framework (the model, its own training "
+                "step and optimizer, the world size, equal micro-batches and an exact effective "
+                f"batch); remove {name}=... or call autobatch.autotune directly"
+            )
+        if name not in accepted:
+            raise ConfigError(
+                f"{caller} got an unknown probe option {name!r}; the options are "
+                f"{sorted(accepted)} (see autobatch.autotune)"
+            )
+
+
+def code_identity(function: Callable[..., Any]) -> str:
+    """Qualified name and a SHA-256 of the code of ``function`` (unwrapping bound methods; nested
+    code such as comprehensions by its own digest, see
+    :func:`autobatch.probing.identity.callable_identity`): the same text for the same code in any
+    process."""
+    return callable_identity(getattr(function, "__func__", function))
+
+
+class FrameworkStep:
+    """A ``train_step(model, batch) -> loss`` that runs a framework's own step.
+
+    The profile store keys a callable object by its class's code and its plain attributes (see
+    :func:`autobatch.probing.identity.callable_identity`), ``identity`` among them (the user's step
+    code,
+    see :func:`code_identity`), so a profile is reused only while the user's step code is
+    unchanged.
+
+    Args:
+        run: ``(model, batch) -> loss`` (a scalar tensor).
+        identity: text that changes whenever the step's code does.
+    """
+
+    def __init__(self, run: Callable[[torch.nn.Module, Any], Any], *, identity: str) -> None:
+        self._run = run
+        self._identity = identity
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
+        return self._run(model, batch)
+
+    def __repr__(self) -> str:
+        return f"FrameworkStep({self._identity})"
+
+
+def tune(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    effective_batch_size: int,
+    world_size: int,
+    optimizer: torch.optim.Optimizer | None,
+    train_step: FrameworkStep | None = None,
+    step_includes_update: bool = False,
+    device: str | Device | None,
+    amp_dtype: torch.dtype | None,
+    options: Mapping[str, Any],
+    caller: str,
+    constraint_note: str = "",
+) -> Plan:
+    """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch.
+
+    ``options`` (already checked by :func:`check_options`) override ``amp_dtype``; they hold
+    the user's ``loss_fn``/``train_step`` where the drop-in has no step of its own (``train_step``
+    None). When no plan
+    is exact, the error says so in the ``caller``'s terms, with ``constraint_note`` (why the
+    framework adds a constraint) appended, and offers only remedies the caller accepts (not
+    ``allow_inexact``).
+
+    Raises:
+        ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError,
+            NoFeasiblePlanError, StoreError, DistributedError: see :func:`autobatch.autotune`.
+    """
+    arguments: dict[str, Any] = {"amp_dtype": amp_dtype, **options}
+    if train_step is not None:
+        arguments.update(train_step=train_step, step_includes_update=step_includes_update)
+    try:
+        result = autotune(
+            model,
+            sample,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            optimizer=optimizer,
+            device=device,
+            uneven="never",  # a framework takes one micro-batch size
+            allow_inexact=False,
+            **arguments,
+        )
+    except (ConfigError, NoFeasiblePlanError) as exc:
+        if type(exc) not in (ConfigError, NoFeasiblePlanError) or not (
+            isinstance(exc, NoFeasiblePlanError)
+            or any(remedy.parameter in _NEVER_OFFERED for remedy in exc.remedies)
+        ):
+            raise
+        # The planner offers ways (allow_inexact, unequal sizes) this caller never takes.
+        raise type(exc)(
+            f"{exc.message}; {caller} keeps the effective batch exact and gives the framework "
+            f"one micro-batch size{constraint_note}",
+            remedies=[r for r in exc.remedies if r.parameter not in _NEVER_OFFERED],
+        ) from exc
+    assert result.exact and not result.uneven, result
+    return result
+
+
+def last_step_samples(num_rows: int, plan: Plan, *, drop_last: bool) -> int:
+    """Samples per rank in an epoch's last optimizer step, when each rank reads
+    ``ceil(num_rows / world_size)`` rows (as a distributed sampler pads them) in micro-batches of
+    ``plan.micro_batch_size`` and the framework steps at the epoch's end with what it has."""
+    rows = math.ceil(num_rows / plan.world_size)
+    size, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
+    partial = 0 if drop_last else rows % size
+    micro_batches = rows // size + (1 if partial else 0)
+    if micro_batches == 0:
+        return 0
+    last_window = micro_batches % steps or steps
+    return (last_window - (1 if partial else 0)) * size + partial
+
+
+def check_epoch_end(num_rows: int | None, plan: Plan, *, drop_last: bool, caller: str) -> None:
+    """Log a WARNING on ``autobatch.integrations`` when each epoch's last optimizer step would see
+    fewer samples than the effective batch (the frameworks step at an epoch's end with the
+    micro-batches left); silent for a dataset without a length.
+    """
+    if num_rows is None:
+        return
+    per_rank = plan.effective_batch_size // plan.world_size
+    last = last_step_samples(num_rows, plan, drop_last=drop_last)
+    if last != per_rank:
+        logger.warning(
+            "%s: the train dataset's %d rows do not fill whole optimizer steps: the last step of "
+            "each epoch sees %d samples per rank instead of %d (%d x %d); for an exact effective "
+            "batch at every step, give it a multiple of %d rows",
+            caller,
+            num_rows,
+            last,
+            per_rank,
+            plan.micro_batch_size,
+            plan.gradient_accumulation_steps,
+            plan.effective_batch_size,
+        )
+
+
+def dataset_rows(dataset: object) -> int | None:
+    """``len(dataset)`` for a map-style dataset; None for an iterable one or one without len."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None

@@ -1,0 +1,330 @@
+"""PURE: what a plan's limit resolves to: a number, a profile (for its own or another card), or a
+memory line and a capacity.
+
+The planner's first step (:func:`resolve_limit`), apart from the search for a split: the largest
+micro-batch that may run, where that number came from (:data:`PlanSource`), the peak-bytes and
+step-time models the plan reports with, and the prediction when the limit lies outside what was
+measured (:mod:`autobatch.planning.prediction`). Imports neither torch nor pynvml.
+
+Example::
+
+    limit = resolve_limit(profile, capacity_bytes=80 * 2**30, safety_margin=None,
+                          step_seconds=None, source="cached")
+    limit.max_micro_batch_size, limit.source      # e.g. (171, "predicted")
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
+from autobatch.planning.prediction import (
+    Prediction,
+    floor_at,
+    interpolated_peak_bytes,
+    largest_above_floor,
+    limit_within,
+    measured_peaks,
+    peak_floor,
+    predict_below,
+    predict_past,
+)
+from autobatch.profile import MemoryModel, Profile
+
+__all__ = [
+    "DEFAULT_SAFETY_MARGIN",
+    "Limit",
+    "PlanSource",
+    "require_int",
+    "resolve_limit",
+    "stored_profile_source",
+]
+
+PlanSource = Literal["measured", "cached", "estimated", "given", "predicted"]
+SOURCES: tuple[PlanSource, ...] = ("measured", "cached", "estimated", "given", "predicted")
+DEFAULT_SAFETY_MARGIN = 0.05
+"""Fraction of the capacity a plan from a bare memory model keeps free (the probe's default)."""
+
+
+def stored_profile_source(profile: Profile) -> PlanSource:
+    """The source of a plan from a profile read from a store, whoever reads it (``autotune``'s
+    cache, ``autobatch plan --profile``, ``POST /v1/plan``): ``"cached"`` (real trials, run
+    before this call), or ``"estimated"`` for an estimate's profile. One answer for every way in,
+    so the same stored profile never reads ``measured`` by one road and ``cached`` by another."""
+    return "estimated" if profile.method == "estimate" else "cached"
+
+
+@dataclasses.dataclass(slots=True)
+class Limit:
+    """What a limit (number or profile) resolves to."""
+
+    max_micro_batch_size: int
+    source: PlanSource
+    capacity_bytes: int | None
+    peak_bytes: Callable[[int], int | None]
+    step_time: Callable[[int], float] | None
+    notes: tuple[str, ...]
+    prediction: Prediction | None = None
+
+
+def require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} {value!r} must be an int >= {minimum}")
+
+
+def resolve_limit(
+    limit: int | Profile | MemoryModel,
+    *,
+    capacity_bytes: int | None,
+    safety_margin: float | None,
+    step_seconds: Mapping[int, float] | None,
+    source: PlanSource | None,
+) -> Limit:
+    step_time = None if step_seconds is None else _step_time_model(step_seconds, "step_seconds")
+    if source is not None and (source not in SOURCES or source == "predicted"):
+        raise ConfigError(
+            f"source {source!r} must be one of {list(SOURCES[:-1])}: where the limit came from "
+            "('predicted' is the planner's own verdict on a limit outside the measured sizes)"
+        )
+    if isinstance(limit, MemoryModel):
+        return _model_limit(limit, capacity_bytes, safety_margin, step_time, source or "given")
+    if not isinstance(limit, Profile):
+        require_int("max micro-batch size (limit)", limit, 1)
+        if capacity_bytes is not None or safety_margin is not None:
+            raise ConfigError(
+                "capacity_bytes and safety_margin need a Profile or a MemoryModel; "
+                f"limit is a plain max micro-batch size {limit}"
+            )
+        return Limit(limit, source or "given", None, lambda _: None, step_time, ())
+    profile = limit
+    if profile.mode == "eval":
+        raise ConfigError(
+            "the profile measured evaluation (mode 'eval': a forward under inference_mode), not "
+            "a training step; plan from a training profile, and use this one's "
+            "recommended_micro_batch_size as the evaluation micro-batch",
+            remedies=[Remedy(parameter="eval", values=(False,), purpose="a training profile")],
+        )
+    if profile.method == "estimate" and source in ("measured", "cached"):
+        raise ConfigError(
+            f"source {source!r} claims real trials, but the profile is an estimate (method "
+            "'estimate': no step ran); pass source='estimated' or leave it unset"
+        )
+    base: PlanSource = source or ("estimated" if profile.method == "estimate" else "measured")
+    model = profile.memory_model
+    margin = profile.safety_margin if safety_margin is None else safety_margin
+    _require_margin(margin)
+    peaks = measured_peaks(profile.trials)
+
+    def peak_bytes(size: int) -> int | None:
+        measured = interpolated_peak_bytes(peaks, size)
+        if measured is not None:
+            return measured
+        return None if model is None else model.peak_bytes(size)
+
+    if capacity_bytes is not None:
+        require_int("capacity_bytes", capacity_bytes, 1)
+        # Step times measured on the profiled device say nothing reliable about another one.
+        return _profile_limit(profile, peaks, capacity_bytes, margin, base, step_time)
+    notes: tuple[str, ...] = ()
+    if margin == profile.safety_margin:
+        limit_size = profile.recommended_micro_batch_size
+    elif model is None and len(peaks) < 2:
+        raise ConfigError(
+            f"safety_margin {margin} differs from the profile's {profile.safety_margin}, but the "
+            "profile has no memory model to re-derive the micro-batch; leave safety_margin unset"
+        )
+    else:
+        budget_bytes = int(profile.capacity_bytes * (1 - margin))
+        limit_size = limit_within(peaks, budget_bytes)
+        if not limit_size:
+            limit_size, _ = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
+        limit_size = min(profile.max_micro_batch_size, limit_size)
+        needed = peak_bytes(1)
+        if needed is None:  # no stored line: the peaks (two sizes at least) start above 1
+            needed = peaks[min(peaks)]
+        _require_fits(limit_size, needed, budget_bytes, profile.capacity_bytes, margin)
+        notes = (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
+    if step_time is None:
+        timed: dict[int, list[float]] = {}
+        for trial in profile.trials:
+            if trial.fits and trial.step_seconds > 0:
+                timed.setdefault(trial.micro_batch_size, []).append(trial.step_seconds)
+        if len(timed) >= 2:
+            means = {size: sum(times) / len(times) for size, times in timed.items()}
+            step_time = _step_time_model(means, "profile trials")
+    return Limit(limit_size, base, profile.capacity_bytes, peak_bytes, step_time, notes)
+
+
+def _require_margin(margin: object) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"safety_margin {margin!r} must be a number in [0, 1)")
+
+
+def _model_limit(
+    model: MemoryModel,
+    capacity_bytes: int | None,
+    safety_margin: float | None,
+    step_time: Callable[[int], float] | None,
+    source: PlanSource,
+) -> Limit:
+    """A caller's memory line and a capacity: the line is the caller's claim, taken as given."""
+    if capacity_bytes is None:
+        raise ConfigError(
+            f"a memory model ({model.fixed_bytes} + {model.bytes_per_sample} bytes per sample) "
+            "needs capacity_bytes: the device memory to plan for"
+        )
+    require_int("capacity_bytes", capacity_bytes, 1)
+    margin = DEFAULT_SAFETY_MARGIN if safety_margin is None else safety_margin
+    _require_margin(margin)
+    budget_bytes = int(capacity_bytes * (1 - margin))
+    limit_size = model.max_micro_batch_size(budget_bytes)
+    _require_fits(limit_size, model.peak_bytes(1), budget_bytes, capacity_bytes, margin)
+    note = (
+        f"max micro-batch {limit_size} from the given memory model for capacity_bytes "
+        f"{capacity_bytes} with safety_margin {margin}"
+    )
+    return Limit(limit_size, source, capacity_bytes, model.peak_bytes, step_time, (note,))
+
+
+def _profile_limit(
+    profile: Profile,
+    peaks: Mapping[int, int],
+    capacity_bytes: int,
+    margin: float,
+    source: PlanSource,
+    step_time: Callable[[int], float] | None,
+) -> Limit:
+    """A profile planned for another capacity: measured within its sizes, predicted past them."""
+    model = profile.memory_model
+    budget_bytes = int(capacity_bytes * (1 - margin))
+    # No size may be planned at or past one whose measured peak (a warm-up's included) is over
+    # the budget, whatever the line says: a step's memory does not shrink as its batch grows.
+    floor = peak_floor(profile.trials)
+    floor_limit = largest_above_floor(floor, budget_bytes)
+    within = limit_within(peaks, budget_bytes)
+    if floor_limit is not None:
+        within = min(within, floor_limit)
+    largest = max(peaks, default=0)
+    if peaks and within and within < largest:
+        note = (
+            f"max micro-batch {within} read off the peaks measured up to {largest} for "
+            f"capacity_bytes {capacity_bytes} with safety_margin {margin}"
+        )
+        return Limit(
+            within,
+            source,
+            capacity_bytes,
+            lambda size: interpolated_peak_bytes(peaks, size),
+            step_time,
+            (note,),
+        )
+    if not peaks and model is None:
+        raise ConfigError(
+            f"the profile has no measured peaks and no memory model, so it cannot predict the "
+            f"micro-batch for capacity_bytes {capacity_bytes}; probe on that device instead"
+        )
+    if within:
+        size, prediction = predict_past(
+            peaks,
+            budget_bytes=budget_bytes,
+            stored=model,
+            largest_measured_micro_batch_size=profile.max_micro_batch_size,
+        )
+    elif peaks:
+        size, prediction = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
+    else:  # only the stored line: the profile's largest fitting size is the measured edge
+        assert model is not None
+        if model.peak_bytes(profile.max_micro_batch_size) <= budget_bytes:
+            size, prediction = predict_past(
+                peaks,
+                budget_bytes=budget_bytes,
+                stored=model,
+                largest_measured_micro_batch_size=profile.max_micro_batch_size,
+            )
+        else:
+            size, prediction = predict_below(
+                peaks,
+                budget_bytes=budget_bytes,
+                stored=model,
+                largest_measured_micro_batch_size=profile.max_micro_batch_size,
+            )
+            size = min(size, profile.max_micro_batch_size)
+    fixed, per_sample = prediction.fixed_bytes, prediction.bytes_per_sample
+    if floor_limit is not None:
+        size = min(size, floor_limit)
+    needed_at_one = max(fixed + per_sample, floor_at(floor, 1))
+    _require_fits(size, needed_at_one, budget_bytes, capacity_bytes, margin)
+    if size in peaks:  # the budget ends at a measured size: nothing was extrapolated
+        note = (
+            f"max micro-batch {size} read off the peaks measured up to {largest} for "
+            f"capacity_bytes {capacity_bytes} with safety_margin {margin}"
+        )
+        return Limit(size, source, capacity_bytes, lambda n: peaks.get(n), step_time, (note,))
+
+    def peak_bytes(n: int) -> int:
+        measured = interpolated_peak_bytes(peaks, n)
+        return max(fixed + per_sample * n, floor_at(floor, n)) if measured is None else measured
+
+    return Limit(
+        size,
+        "estimated" if source == "estimated" else "predicted",
+        capacity_bytes,
+        peak_bytes,
+        step_time,
+        (prediction.describe(size),),
+        prediction,
+    )
+
+
+def _require_fits(
+    limit_size: int, needed_bytes: int, budget_bytes: int, capacity_bytes: int, margin: float
+) -> None:
+    if limit_size < 1:
+        raise NoFeasiblePlanError(
+            f"the model needs {needed_bytes} bytes at micro_batch_size 1, more than the "
+            f"{budget_bytes} bytes usable of capacity_bytes {capacity_bytes} with safety_margin "
+            f"{margin}; use a larger device, shard the model, or reduce its memory"
+        )
+
+
+def _step_time_model(points: Mapping[int, float], what: str) -> Callable[[int], float]:
+    """Seconds per step at any micro-batch size, interpolated through measured points.
+
+    Piecewise linear through the points (with two points, the line ``a + b * m`` through them);
+    beyond them the end segments extend, kept at least the smaller end's per-sample time below
+    the smallest size, and non-decreasing above the largest. Not a least-squares line over all
+    points: a line cannot show a step slowing down near the memory limit, and fitted to such
+    points it predicts negative times at small sizes.
+    """
+    if not isinstance(points, Mapping):
+        raise ConfigError(
+            f"{what} {points!r} must map micro-batch sizes to seconds, e.g. {{8: 0.1, 16: 0.18}}"
+        )
+    for size, value in points.items():
+        require_int(f"{what} micro-batch size", size, 1)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ConfigError(f"{what}[{size}] {value!r} must be finite seconds > 0")
+    if len(points) < 2:
+        raise ConfigError(f"{what} needs step times at two sizes or more, got {dict(points)}")
+    xs = sorted(points)
+    ys = [float(points[x]) for x in xs]
+
+    def seconds(size: int) -> float:
+        i = min(max(bisect.bisect_right(xs, size) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        value = y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        if size < xs[0]:
+            return min(max(value, ys[0] * size / xs[0]), ys[0])
+        if size > xs[-1]:
+            return max(value, ys[-1])
+        return value
+
+    return seconds

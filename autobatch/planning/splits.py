@@ -1,0 +1,198 @@
+"""PURE: the search for a split of one rank's samples into micro-batches and accumulation steps.
+
+:mod:`autobatch.planning.planner` checks the arguments and resolves the limit, then asks this
+module for
+the steps (:func:`choose_steps`) and, when no split reaches the request, for the nearest
+effective batch sizes that can be reached (:func:`nearest_reachable`). The rules are the
+planner's (DESIGN.md, "Planner rules"; :mod:`autobatch.planning.planner`'s docstring). Imports
+neither
+torch nor pynvml.
+
+Example::
+
+    rules = SplitRules(24, 1, MAX_GRADIENT_ACCUMULATION_STEPS, "auto", False)
+    choose_steps(64, rules, None)          # (4, ""): 4 micro-batches of 16
+    split_sizes(97, 5)                     # (20, 20, 19, 19, 19)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Literal
+
+__all__ = [
+    "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "SplitRules",
+    "Uneven",
+    "choose_steps",
+    "equal_steps",
+    "nearest_reachable",
+    "split_seconds",
+    "split_sizes",
+]
+
+Uneven = Literal["auto", "never", "always"]
+
+MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 20
+"""No plan has more accumulation steps than this (1,048,576), whatever the caller allows: a Plan
+lists one size per step, and a larger count is a mistake (a micro-batch limit of 1 for a
+billion-sample batch) rather than a training run. Also bounds the planner's own work."""
+
+
+@dataclasses.dataclass(slots=True)
+class SplitRules:
+    """Every constraint on a split: the max micro-batch size and the planner's checked options.
+
+    Not frozen: built once per plan and never changed (a frozen dataclass's ``__init__`` costs
+    about 0.1 µs per field, and the service plans per request)."""
+
+    max_micro_batch_size: int
+    multiple_of: int
+    """Every micro-batch size is a multiple of this (> 1 rules out unequal sizes)."""
+    max_steps: int
+    """The caller's bound on accumulation steps, capped at MAX_GRADIENT_ACCUMULATION_STEPS."""
+    uneven: Uneven
+    """``"auto"``, ``"never"`` or ``"always"``, as :func:`autobatch.plan` takes it."""
+    allow_inexact: bool
+
+    @property
+    def unequal_allowed(self) -> bool:
+        """Whether micro-batches may differ in size (by 1)."""
+        return self.multiple_of == 1 and self.uneven != "never"
+
+    def describe(self, per_rank: int) -> str:
+        """The rules in words, for a message about ``per_rank`` samples per rank."""
+        text = f"micro-batches of at most {self.max_micro_batch_size}"
+        if self.multiple_of > 1:
+            text += f" that are multiples of {self.multiple_of}"
+        steps = self.max_steps
+        # The user's limit is always named; the internal cap only where it binds.
+        if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > self.max_micro_batch_size * steps:
+            text += f", at most {steps} accumulation steps"
+        if not self.unequal_allowed:
+            text += ", equal sizes"
+        return text
+
+
+def split_sizes(per_rank: int, steps: int) -> tuple[int, ...]:
+    """``per_rank`` samples in ``steps`` micro-batches differing by at most 1, larger first."""
+    smaller, num_larger = divmod(per_rank, steps)
+    return (smaller + 1,) * num_larger + (smaller,) * (steps - num_larger)
+
+
+def split_seconds(per_rank: int, steps: int, step_time: Callable[[int], float]) -> float:
+    """Seconds per effective batch on one rank for :func:`split_sizes`'s micro-batches, from
+    ``step_time`` (seconds of one training step by micro-batch size)."""
+    smaller, num_larger = divmod(per_rank, steps)
+    larger_seconds = step_time(smaller + 1) * num_larger if num_larger else 0.0
+    return larger_seconds + step_time(smaller) * (steps - num_larger)
+
+
+def equal_steps(per_rank: int, rules: SplitRules) -> list[int]:
+    """Accumulation steps of every equal split meeting the rules, ascending.
+
+    Costs O(min(k range, M, sqrt(per_rank))) divisions, where the k range is at most
+    MAX_GRADIENT_ACCUMULATION_STEPS wide.
+    """
+    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
+    root = math.isqrt(per_rank)
+    lowest = -(-per_rank // limit)
+    highest = min(per_rank, max_steps)
+    if highest - lowest < root:  # fewer step counts than divisor candidates: try each
+        return [
+            k
+            for k in range(lowest, highest + 1)
+            if per_rank % k == 0 and (per_rank // k) % step == 0
+        ]
+    if limit <= root:
+        steps = [per_rank // d for d in range(limit // step * step, 0, -step) if per_rank % d == 0]
+    else:
+        steps = []
+        for d in range(1, root + 1):  # each divisor pair (d, q): d steps of q, q steps of d
+            if per_rank % d:
+                continue
+            q = per_rank // d
+            if q <= limit and q % step == 0:
+                steps.append(d)
+            if q != d and d % step == 0:
+                steps.append(q)
+        steps.sort()
+    return [k for k in steps if k <= max_steps]
+
+
+def choose_steps(
+    per_rank: int, rules: SplitRules, step_time: Callable[[int], float] | None
+) -> tuple[int, str] | None:
+    """Accumulation steps for ``per_rank`` samples and a note (may be empty); None if none fit."""
+    minimal = -(-per_rank // rules.max_micro_batch_size)
+    equal = equal_steps(per_rank, rules)
+    minimal_ok = rules.unequal_allowed and minimal <= rules.max_steps
+    if rules.uneven == "always":
+        candidates = [minimal] if minimal_ok else []
+    elif not minimal_ok or (equal and equal[0] <= 2 * minimal):
+        candidates = equal
+    else:
+        candidates = [minimal]
+    if not candidates:
+        return None
+    if step_time is None or len(candidates) == 1:
+        return candidates[0], ""
+    best = candidates[0]
+    best_seconds = first_seconds = split_seconds(per_rank, best, step_time)
+    for steps in candidates[1:]:
+        seconds = split_seconds(per_rank, steps, step_time)
+        if seconds < best_seconds * (1 - 1e-9):
+            best, best_seconds = steps, seconds
+    if best == candidates[0]:
+        return best, ""
+    fewest = candidates[0]
+    return best, (
+        f"chose {best} steps of {per_rank // best} over {fewest} of {per_rank // fewest} by step "
+        f"time: {best_seconds:.4g} s vs {first_seconds:.4g} s per effective batch"
+    )
+
+
+def _largest_product_at_most(n: int, a: int, b: int) -> int | None:
+    """Largest ``x <= n`` with ``x = i * j``, ``1 <= i <= a``, ``1 <= j <= b``."""
+    if n < 1:
+        return None
+    short, long = min(a, b), max(a, b)
+    return max(i * min(long, n // i) for i in range(1, min(short, n) + 1))
+
+
+def _smallest_product_at_least(n: int, a: int, b: int) -> int | None:
+    """Smallest ``x >= n`` with ``x = i * j``, ``1 <= i <= a``, ``1 <= j <= b``."""
+    n = max(n, 1)
+    if n > a * b:
+        return None
+    short, long = min(a, b), max(a, b)
+    return min(i * -(-n // i) for i in range(1, short + 1) if -(-n // i) <= long)
+
+
+def nearest_reachable(
+    effective: int, world_size: int, rules: SplitRules
+) -> tuple[int | None, int | None]:
+    """Nearest reachable effective batch sizes strictly below/above an unreachable one."""
+    below_rank, above_rank = effective // world_size, -(-effective // world_size)
+    if effective % world_size == 0:
+        below_rank, above_rank = below_rank - 1, above_rank + 1
+    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
+    below: int | None
+    above: int | None
+    if rules.unequal_allowed:
+        # Any per-rank count from 1 to M * K splits into <= K micro-batches of <= M.
+        top = min(below_rank, limit * max_steps)
+        below = top if top >= 1 else None
+        above = above_rank if above_rank <= limit * max_steps else None
+    else:
+        units = limit // step
+        low = _largest_product_at_most(below_rank // step, units, max_steps)
+        high = _smallest_product_at_least(-(-above_rank // step), units, max_steps)
+        below = None if low is None else low * step
+        above = None if high is None else high * step
+    return (
+        None if below is None else below * world_size,
+        None if above is None else above * world_size,
+    )

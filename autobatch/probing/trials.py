@@ -1,0 +1,551 @@
+"""The probe's trials: one real step at a micro-batch size, measured, classified and agreed.
+
+:class:`TrialRunner` holds one probe's state (the step, the points and trials so far, the notes)
+and runs its trials; :class:`autobatch.probing.probe._Probe` builds the search on it. A trial's
+:class:`Outcome` is classified right where the step raised (:func:`autobatch.device.oom.is_oom`),
+the ranks agree on the worst through a :class:`~autobatch.distributed.consensus.Consensus`, and
+after a
+failure no reference to the failed step survives (gradients dropped, the allocator cache emptied).
+Not public: use :func:`autobatch.probe`.
+
+Example::
+
+    runner._trial(8)             # one step at micro-batch 8, recorded
+    runner.trials[-1].fits, runner.points[-1].peak_bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autobatch.device import Capacity, Device, PeakMemory
+from autobatch.device.oom import is_oom
+from autobatch.distributed.consensus import Consensus
+from autobatch.distributed.fake_backend import process_groups_faked, reset_fsdp2
+from autobatch.distributed.layout import FSDP2_LAYOUT, FSDP2_TP_LAYOUT
+from autobatch.errors import (
+    ConfigError,
+    DistributedError,
+    DoesNotFitError,
+    Remedy,
+    StepFailedError,
+)
+from autobatch.probing.batch import BatchSource
+from autobatch.probing.compiled import CompiledMode, compiled_mode, mark_batch_dynamic
+from autobatch.probing.identity import step_identity
+from autobatch.probing.search import Point, bracket
+from autobatch.probing.snapshot import resident_tensors
+from autobatch.probing.step import LossFn, OptimizerSteps, TrainingStep, TrainStep
+from autobatch.profile import MemoryModel, Trial
+from autobatch.units import format_bytes
+
+__all__ = ["MAX_WARM_UP_CALLS", "UNRELIABLE_ESTIMATE", "OnTrial", "Outcome", "TrialRunner"]
+
+MAX_WARM_UP_CALLS = 64
+"""Calls the warm-up makes to a ``train_step`` that updates by itself (``step_includes_update``)
+until it steps the optimizer (one that accumulates gradients over several calls); a step that
+never does within this many calls is refused, as its optimizer state would never appear."""
+
+OnTrial = Callable[[Trial], None]
+
+_FAKED_NOTE = (
+    "the steps ran with every process group's collectives (the train_step's own too, e.g. a "
+    "logged loss's all-reduce or clip_grad_norm_'s) on a fake backend: no communication, each "
+    "rank's own values, so no rank waited for another; the ranks agreed after each step on the "
+    "real groups"
+)
+
+UNRELIABLE_ESTIMATE = 0.25
+"""Relative error of the estimated peak (against the measured one) above which the estimate is
+called unreliable for this step, and the search goes on from measurements alone."""
+
+
+class Outcome(enum.Enum):
+    """How one trial ended; the ranks agree on the worst (the lowest value)."""
+
+    FAILED = 0
+    """Raised something other than running out of memory: an upper bound on the sizes that run
+    (at the first size, the end of the probe)."""
+    OOM = 1
+    """Ran out of memory."""
+    OVER_CAPACITY = 2
+    """Finished, with a peak over this device's capacity."""
+    FITS = 3
+    """Finished within the capacity."""
+
+    @property
+    def ran(self) -> bool:
+        """The step finished, so its peak was measured."""
+        return self in (Outcome.OVER_CAPACITY, Outcome.FITS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Agreed:
+    """One trial's outcome as every rank sees it (see ``TrialRunner._agree_outcome``)."""
+
+    outcome: Outcome
+    rank: int
+    """Lowest rank with that outcome."""
+    peak_bytes: int
+    """Largest rank's peak when every rank measured one, else 0."""
+    fatal_rank: int | None
+    """Lowest rank whose error ends the probe, None when none."""
+
+
+class TrialRunner:
+    """One probe's state and its trials; the search (:class:`autobatch.probing.probe._Probe`) is
+    built
+    on it. Not public: use :func:`autobatch.probe`."""
+
+    own_capacity: Capacity
+    """This device's capacity, read when the search starts."""
+    agreed_capacity: Capacity
+    """The capacity searched: this device's, lowered to the smallest rank's."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        user_optimizer: torch.optim.Optimizer | None,
+        source: BatchSource,
+        device: Device,
+        loss_fn: LossFn | None,
+        train_step: TrainStep | None,
+        step_includes_update: bool,
+        amp_dtype: torch.dtype | None,
+        safety_margin: float,
+        limit: int,
+        use_estimate: bool,
+        on_trial: OnTrial | None,
+        consensus: Consensus,
+        layout: str = "",
+        evaluating: bool = False,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.user_optimizer = user_optimizer
+        self.source = source
+        self.device = device
+        self.loss_fn = loss_fn
+        self.train_step = train_step
+        self.step_includes_update = step_includes_update
+        self.amp_dtype = amp_dtype
+        self.safety_margin = safety_margin
+        self.limit = limit
+        self.use_estimate = use_estimate
+        self.on_trial = on_trial
+        self.consensus = consensus
+        self.layout = layout
+        self.evaluating = evaluating
+        scaler = None
+        if amp_dtype == torch.float16:
+            scaler = torch.amp.GradScaler(device.torch_device.type)
+        self.step = TrainingStep(
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+            grad_scaler=scaler,
+            step_on_overflow=True,
+        )
+        self.compiled: CompiledMode = compiled_mode(model, device.type)
+        # Before any step runs: state a step changes (a call counter) must not change the key
+        # the profile is stored under from the one its request looks up.
+        self.identity = step_identity(
+            model,
+            source,
+            user_optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+        )
+        self.points: list[Point] = []
+        self.trials: list[Trial] = []
+        self.notes: list[str] = []
+        self.num_steps = 0
+        self.estimated_static_bytes = 0
+        self.failed_micro_batch_size = 0
+        """Smallest size that failed for a reason other than memory (0: none did)."""
+        self.prior: MemoryModel | None = None
+        """The estimate's memory line; dropped when a measured peak shows it unreliable."""
+        self.estimated = False
+        """An estimate started the search (even if later found unreliable)."""
+
+    def _run_step(self, batch: Any, *, train: bool) -> None:
+        """A training step (model in train mode) or an evaluation step (model in eval mode).
+
+        Every process group's collectives inside it (the ``train_step``'s own too) go to a fake
+        backend (:func:`autobatch.distributed.fake_backend.process_groups_faked`): a rank that runs
+        out
+        of memory before one leaves no other rank waiting in it. The agreement after the step
+        runs on the real groups again."""
+        self.model.train(train)
+        with process_groups_faked() as groups:
+            if train:
+                self.step.run(batch)
+            else:
+                self.step.evaluate(batch)
+        if groups and _FAKED_NOTE not in self.notes and self.consensus.world_size > 1:
+            self.notes.append(_FAKED_NOTE)
+
+    def _agree_capacity(self, own: Capacity) -> Capacity:
+        """This device's capacity, lowered to the smallest rank's (the capacity searched)."""
+        (packed,) = self.consensus.min_ints([self._with_rank(own.capacity_bytes)])
+        smallest, rank = divmod(packed, self.consensus.world_size)
+        if self.consensus.world_size > 1:
+            self.notes.append(
+                f"agreed over {self.consensus.world_size} ranks (a size fits only if it fits on "
+                f"every rank): the smallest capacity is {format_bytes(smallest)}, on rank {rank}"
+            )
+        return dataclasses.replace(own, capacity_bytes=smallest)
+
+    def _with_rank(self, value: int) -> int:
+        """``value`` packed with this rank: the minimum over the ranks also names the (lowest)
+        rank that holds it, by ``divmod(minimum, world_size)``."""
+        return value * self.consensus.world_size + self.consensus.rank
+
+    def _agree_size(self, size: int | None) -> int | None:
+        """Rank 0's choice of the next size (None: the search is over), on every rank."""
+        (agreed,) = self.consensus.broadcast_ints([0 if size is None else size])
+        return agreed or None
+
+    def _warm_up(self) -> None:
+        """One step at micro-batch 1 to create the optimizer state (Adam's moments); at 2 when 1
+        cannot train (BatchNorm needs more than one value per channel). A compiled step measured
+        as compiled also warms up at 2, where Dynamo compiles the graph for every size above 1,
+        so that no measured step's time includes compilation."""
+        try:
+            self._trial(1, warm_up=True)
+        except StepFailedError as exc:
+            if not _needs_two_samples(exc.__cause__) or self.limit < 2:
+                raise
+            self.notes.append(
+                "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
+                "warmed up at 2: keep every micro-batch at 2 or more"
+            )
+            self._trial(2, warm_up=True)
+            return
+        if self.compiled == "measured" and self.limit >= 2:
+            self._trial(2, warm_up=True)
+
+    def _confirm_compiled(self, size: int) -> None:
+        """Run the compiled step once at ``size``, outside any dispatch mode (no memory counted).
+
+        Raises:
+            StepFailedError: the compiled step failed here (or DistributedError on the other
+                ranks).
+        """
+        self.device.release()
+        failure: StepFailedError | None = None
+        try:
+            self._run_step(self.source.make(size), train=not self.evaluating)
+        except Exception as exc:  # any failure: the eager measurements do not describe this step
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            failure = StepFailedError(
+                f"the trials ran the step eagerly (memory is counted with a dispatch mode on "
+                f"{self.device.name}), but the torch.compile'd step failed at the chosen "
+                f"micro-batch {size}: {type(exc).__name__}: {first_line}. Fix the compiled "
+                "step, or probe the uncompiled model",
+                micro_batch_size=size,
+            )
+            failure.__cause__ = exc
+        self.num_steps += 1
+        if failure is not None:
+            self._clean_up_after_failure()
+        ranks = self.consensus.world_size
+        (failed_rank,) = self.consensus.min_ints([self.consensus.rank if failure else ranks])
+        if failure is not None:
+            raise failure
+        if failed_rank < ranks:
+            raise DistributedError(
+                f"rank {failed_rank}'s torch.compile'd step failed at micro-batch {size} (its "
+                "own error says why); every rank stopped"
+            )
+        self.notes.append(
+            f"torch.compile: trials ran the step eagerly (memory counted with a dispatch mode); "
+            f"the compiled step ran at micro-batch {size}, its peak not measured"
+        )
+
+    def _trial(self, size: int, *, warm_up: bool = False, repeat: bool = False) -> None:
+        """Run one real step at ``size``, agree on its outcome with the other ranks, record it.
+
+        A warm-up runs a ``train_step`` that updates by itself again (up to
+        :data:`MAX_WARM_UP_CALLS` calls) until it steps the optimizer. A ``repeat`` is the second
+        step at a size that fitted: the size's point keeps the larger peak, or no longer fits; it
+        too runs until the optimizer steps when the size's trial did not step it, so the chosen
+        size's peak includes the update.
+
+        Raises:
+            StepFailedError: a non-OOM failure before any size passed.
+            ConfigError: the step is misconfigured, or a warm-up never stepped the optimizer.
+            DistributedError: another rank raised one of those.
+            DoesNotFitError: the warm-up did not fit.
+        """
+        self.device.release()
+        peak: PeakMemory | None = None
+        error = ""
+        fatal: Exception | None = None  # raised once every rank knows
+        updates = OptimizerSteps(self.optimizer)
+        train = warm_up or not self.evaluating
+        # The chosen size must have run a measured step with an update: when its trial skipped
+        # it, its second step runs the step again (bounded, as the warm-up is) until one does.
+        must_update = warm_up or (
+            repeat
+            and train
+            and not any(
+                t.micro_batch_size == size
+                and t.fits
+                and not t.warm_up
+                and not t.skipped_optimizer_step
+                for t in self.trials
+            )
+        )
+        calls = MAX_WARM_UP_CALLS if must_update and self.step_includes_update else 1
+        calls_run = 0
+        started = time.perf_counter()
+        try:
+            with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
+                while calls_run == 0 or (calls_run < calls and not updates.count):
+                    calls_run += 1
+                    self._run_step(self._batch(size), train=train)
+                self.device.synchronize()
+            within = peak.reserved_bytes <= self.own_capacity.capacity_bytes
+            outcome = Outcome.FITS if within else Outcome.OVER_CAPACITY
+        except Exception as exc:  # classified right here; only a fatal one is kept
+            oom = not isinstance(exc, ConfigError) and is_oom(exc)
+            outcome = Outcome.OOM if oom else Outcome.FAILED
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if isinstance(exc, ConfigError):
+                fatal = exc
+            elif outcome is Outcome.FAILED and bracket(self.points)[0] == 0:
+                fatal = StepFailedError(
+                    f"the training step failed at micro-batch {size} for a reason other than "
+                    f"memory: {error}{_hint(exc, ranks=self.consensus.world_size)}",
+                    micro_batch_size=size,
+                )
+                fatal.__cause__ = exc
+        seconds = time.perf_counter() - started
+        self.num_steps += calls_run
+        skipped_update = train and outcome.ran and not updates.count
+        if skipped_update and must_update:
+            outcome = Outcome.FAILED
+            error = f"no optimizer step in {calls_run} calls"
+            fatal = self._never_updated(size, calls_run)
+        if not outcome.ran:
+            self._clean_up_after_failure()
+        measured = peak.reserved_bytes if peak is not None and outcome.ran else 0
+        if outcome is Outcome.OVER_CAPACITY:
+            error = (
+                f"peak {format_bytes(measured)} is over the capacity "
+                f"{format_bytes(self.own_capacity.capacity_bytes)}"
+            )
+        agreed = self._agree_outcome(outcome, 0 if warm_up else measured, fatal is not None)
+        if fatal is not None:
+            raise fatal
+        if agreed.fatal_rank is not None:
+            raise DistributedError(
+                f"rank {agreed.fatal_rank} failed at micro-batch {size} for a reason other than "
+                "memory (its own error says why); every rank stopped probing"
+            )
+        if agreed.outcome is not outcome:  # another rank did worse
+            error = (
+                f"rank {agreed.rank} failed for a reason other than memory"
+                if agreed.outcome is Outcome.FAILED
+                else f"micro-batch {size} does not fit on every rank"
+            )
+        trial = Trial(
+            micro_batch_size=size,
+            fits=agreed.outcome is Outcome.FITS,
+            oom=outcome is Outcome.OOM,
+            peak_allocated_bytes=peak.allocated_bytes if peak is not None and outcome.ran else 0,
+            peak_reserved_bytes=measured,
+            step_seconds=seconds if outcome.ran else 0.0,
+            error=error,
+            warm_up=warm_up,
+            skipped_optimizer_step=skipped_update,
+            repeat=repeat,
+            estimated_peak_bytes=(
+                self.prior.peak_bytes(size)
+                if self.prior is not None and outcome.ran and not warm_up
+                else 0
+            ),
+        )
+        self.trials.append(trial)
+        peak_bytes = agreed.peak_bytes
+        if repeat:  # the size's outcome is both steps'
+            first_peaks = [p.peak_bytes for p in self.points if p.micro_batch_size == size]
+            self.points = [p for p in self.points if p.micro_batch_size != size]
+            if trial.fits:
+                peak_bytes = max(peak_bytes, *first_peaks)
+        self.points.append(
+            Point(micro_batch_size=size, fits=trial.fits, peak_bytes=peak_bytes, warm_up=warm_up)
+        )
+        if self.on_trial is not None:
+            self.on_trial(trial)
+        if warm_up and not trial.fits:
+            self._does_not_fit()
+        if agreed.outcome is Outcome.FAILED and not 0 < self.failed_micro_batch_size < size:
+            self.failed_micro_batch_size = size  # the smallest size that failed so
+        self._check_estimate(trial)
+
+    def _agree_outcome(self, outcome: Outcome, peak_bytes: int, fatal: bool) -> _Agreed:
+        """Every rank's outcome of one trial, as one (a single collective): the worst outcome and
+        the lowest rank that had it, the largest peak when every rank measured one, and the
+        lowest rank that raises."""
+        ranks = self.consensus.world_size
+        worst, min_peak, minus_max_peak, fatal_rank = self.consensus.min_ints(
+            [
+                self._with_rank(outcome.value),
+                peak_bytes,
+                -peak_bytes,
+                self.consensus.rank if fatal else ranks,
+            ]
+        )
+        value, rank = divmod(worst, ranks)
+        return _Agreed(
+            outcome=Outcome(value),
+            rank=rank,
+            peak_bytes=-minus_max_peak if min_peak > 0 else 0,
+            fatal_rank=fatal_rank if fatal_rank < ranks else None,
+        )
+
+    def _check_estimate(self, trial: Trial) -> None:
+        """Drop the prior when a measured peak shows it off by more than UNRELIABLE_ESTIMATE."""
+        error = trial.estimate_error
+        if error is None or abs(error) <= UNRELIABLE_ESTIMATE or self.prior is None:
+            return
+        self.prior = None
+        self.notes.append(
+            f"the estimate was unreliable for this step: at micro-batch {trial.micro_batch_size} "
+            f"it predicted {format_bytes(trial.estimated_peak_bytes)}, the step measured "
+            f"{format_bytes(trial.peak_allocated_bytes)} ({error:+.0%}); the search went on from "
+            "measurements alone"
+        )
+
+    def _batch(self, size: int) -> Any:
+        """The micro-batch of ``size``; its batch dimension dynamic for a step measured compiled,
+        so that the sizes tried share one compiled graph."""
+        batch = self.source.make(size)
+        if self.compiled == "measured":
+            mark_batch_dynamic(batch)
+        return batch
+
+    def _clean_up_after_failure(self) -> None:
+        """Drop what the failed step left (gradients, a half-built optimizer state), collect
+        garbage, then empty the allocator cache. An FSDP2 model (2-D with tensor parallel too)
+        gets its parameters resharded and its per-step state reset (the step stopped
+        mid-forward or mid-backward); tensor parallelism keeps no per-step state."""
+        if self.layout in (FSDP2_LAYOUT, FSDP2_TP_LAYOUT):
+            reset_fsdp2(self.model)
+        for param in self.model.parameters():
+            param.grad = None
+        if self.optimizer.state and len(self.optimizer.state) != _num_trainable(self.optimizer):
+            self.optimizer.state.clear()
+        self.device.release()
+
+    def _does_not_fit(self) -> None:
+        capacity = self.agreed_capacity
+        grads = sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
+        )
+        static = max(self.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer))
+        ranks = self.consensus.world_size
+        raise DoesNotFitError(
+            f"the {'evaluation' if self.evaluating else 'training'} step does not fit on "
+            f"{self.device.name}"
+            f"{f' (or another of the {ranks} ranks)' if ranks > 1 else ''} even at micro-batch 1: "
+            f"capacity {format_bytes(capacity.capacity_bytes)} "
+            f"(total {format_bytes(capacity.total_memory_bytes)}, "
+            f"{format_bytes(capacity.foreign_memory_bytes)} used by others); the model's static "
+            f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}",
+            remedies=(
+                Remedy(purpose="a larger device"),
+                Remedy(parameter="amp_dtype", values=("bfloat16",), purpose="reduced precision"),
+                Remedy(purpose="a lighter optimizer"),
+                Remedy(purpose="a smaller model"),
+            ),
+            device_name=self.device.name,
+            capacity_bytes=capacity.capacity_bytes,
+            required_bytes=static,
+            static_bytes=static,
+        )
+
+    def _never_updated(self, size: int, calls: int) -> ConfigError:
+        """The error for a warm-up whose ``train_step`` never stepped the optimizer."""
+        name = type(self.optimizer).__name__
+        return ConfigError(
+            f"train_step ran {calls} times at micro-batch {size} and never called step() on the "
+            f"optimizer passed as optimizer= ({name}), so its state (e.g. Adam's moments) never "
+            "appeared and no measured step would include it. With step_includes_update=True "
+            f"train_step must step that optimizer at least once every {MAX_WARM_UP_CALLS} calls: "
+            "pass the optimizer it steps, accumulate over fewer calls while probing, or pass "
+            "step_includes_update=False (the probe then adds backward, optimizer.step() and "
+            "zero_grad() around a train_step that returns the loss)"
+        )
+
+
+def _needs_two_samples(exc: BaseException | None) -> bool:
+    return exc is not None and "Expected more than 1 value per channel" in str(exc)
+
+
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch.distributed (on a fake backend, in a probe's
+    step: ``recv`` from any source, for one, fails there as nowhere else)."""
+    traceback = exc.__traceback__
+    while traceback is not None:
+        path = traceback.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/distributed/" in path:
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def _hint(exc: BaseException, *, ranks: int = 1) -> str:
+    """A fix for failures with a known cause, appended to the error message; ``ranks``: the
+    ranks probing together."""
+    if "backward through the graph a second time" in str(exc):
+        return (
+            "; does your train_step call backward() itself? Then pass step_includes_update=True "
+            "(and let it step and zero the optimizer too)"
+        )
+    if ranks > 1 and (
+        isinstance(exc, (EOFError, pickle.UnpicklingError))
+        or "Backend fake" in str(exc)
+        or _raised_in_torch_distributed(exc)
+    ):
+        return (
+            "; while the probe runs a step, every process group's collectives go to a fake "
+            "backend (no communication: a rank gets its own values back, and nothing from a "
+            "broadcast_object_list or recv of another rank's; monitored_barrier is not "
+            "supported), so that a rank out of memory leaves no other waiting in one. A "
+            "train_step that needs what other ranks send cannot be probed as it is: move that "
+            "collective out of the train_step you probe (log after the step, for example)"
+        )
+    return ""
+
+
+def _num_trainable(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(
+        v.untyped_storage().nbytes()
+        for per_param in optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return weights + grads + state

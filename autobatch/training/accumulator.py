@@ -1,0 +1,755 @@
+"""Gradient accumulation that yields exactly the gradient of the effective batch.
+
+Once a plan says "micro-batch m, k accumulation steps", the training loop runs k forward/backward
+passes and one optimizer step per *window* of k micro-batches. :class:`Accumulator` does the
+bookkeeping that is easy to get subtly wrong:
+
+- each micro-batch's loss is weighted by its share of the counted items (samples, or non-padding
+  tokens) in the whole window, all ranks included, so the accumulated gradient is the gradient of
+  the mean over the effective batch even when micro-batches differ in size or padding;
+- under ``DistributedDataParallel`` gradients are all-reduced once per window (``no_sync`` on the
+  other micro-steps);
+- under DDP an error on one rank only (``count_fn``, a refused backward, ``step``) reaches the
+  other ranks at their next agreement (:mod:`autobatch.training.window_agreement`), so every rank
+  raises
+  instead of waiting in a collective;
+- the optimizer steps once per window, including a short last window, and gradients are zeroed
+  after it, so nothing leaks into the next window or epoch;
+- with a ``GradScaler``: scaled backward per micro-step, then once per window ``unscale_``,
+  optional ``clip_grad_norm_`` over the whole window's gradient, ``step``, ``update``;
+- an LR scheduler steps once per window.
+
+Example::
+
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=4,
+                      scaler=scaler, scheduler=scheduler, max_grad_norm=1.0)
+    for window in acc.windows(loader, count_fn=lambda b: int((b["labels"] != -100).sum())):
+        for micro in window:
+            with micro.sync_context():            # DDP: no all-reduce until the last micro-step
+                loss = model(**micro.batch).loss  # mean over this micro-batch's counted tokens
+                micro.backward(loss)              # weighted by count / window's total count
+        stats = window.step()                     # unscale, clip, step, update, schedule, zero
+        print(float(stats.loss), stats.global_count)
+
+Or let the window run the passes itself, splitting a micro-batch that runs out of memory
+(``Accumulator(..., on_oom="split")``, see :mod:`autobatch.training.oom_split`)::
+
+    for window in acc.windows(loader):
+        stats = window.run(lambda batch: model(**batch).loss)
+
+The window's micro-batches are fetched from the loader before its first forward pass (k batches are
+held at once), because the weights need the window's total count up front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import clip_grad_norm_
+
+from autobatch.errors import ConfigError, DistributedError
+from autobatch.training.counting import as_count, leading_dim
+from autobatch.training.oom_split import (
+    DEFAULT_OOM_RETRY_WINDOWS,
+    OnOom,
+    SplitEvent,
+    Splitter,
+    run_window,
+)
+from autobatch.training.window_agreement import Agreement, Status
+
+__all__ = [
+    "SMALL_MICRO_BATCH_FOR_BATCH_NORM",
+    "Accumulator",
+    "MicroStep",
+    "SmallMicroBatchNormWarning",
+    "StepStats",
+    "Window",
+]
+
+B = TypeVar("B")
+
+SMALL_MICRO_BATCH_FOR_BATCH_NORM = 16
+"""Below this many samples per micro-batch, BatchNorm statistics are noticeably unlike the
+effective batch's, so :class:`SmallMicroBatchNormWarning` is emitted."""
+
+# Emitted by torch when scheduler.step() follows a GradScaler-skipped first optimizer step.
+_SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+# Re-entrant and reusable: the sync context of every micro-step that needs none.
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class SmallMicroBatchNormWarning(UserWarning):
+    """The model has BatchNorm layers in training mode and the micro-batches are small.
+
+    BatchNorm normalises with the statistics of one forward pass, i.e. one micro-batch, so
+    accumulation does not reproduce the large batch's behaviour for those layers.
+    """
+
+
+class StepStats:
+    """What one window's optimizer step did. Tensors are detached and hold no graph.
+
+    Attributes:
+        grad_norm: 0-dim, detached: total 2-norm of the window's (unscaled) gradient before
+            clipping, or ``None`` when ``max_grad_norm`` is not set.
+        skipped: True when the GradScaler found inf/NaN and skipped the optimizer step.
+        num_micro_steps: micro-batches in this window (``gradient_accumulation_steps``, or
+            fewer for the last).
+        local_count: counted items (samples or tokens) in this rank's micro-batches of the
+            window.
+        global_count: counted items in the window over all ranks; the divisor of the mean.
+        splits: micro-batches :meth:`Window.run` split after running out of memory, in order.
+        micro_batch_size_limit: the largest piece :meth:`Window.run` runs after this window
+            (rows), or ``None`` when micro-batches run whole, as planned.
+    """
+
+    __slots__ = (
+        "_loss",
+        "_loss_factor",
+        "_weighted_losses",
+        "global_count",
+        "grad_norm",
+        "local_count",
+        "micro_batch_size_limit",
+        "num_micro_steps",
+        "skipped",
+        "splits",
+    )
+
+    def __init__(
+        self,
+        *,
+        weighted_losses: list[torch.Tensor],
+        loss_factor: float,
+        grad_norm: torch.Tensor | None,
+        skipped: bool,
+        local_count: int,
+        global_count: int,
+        num_micro_steps: int,
+        splits: tuple[SplitEvent, ...] = (),
+        micro_batch_size_limit: int | None = None,
+    ) -> None:
+        self._weighted_losses = weighted_losses
+        self._loss_factor = loss_factor
+        self._loss: torch.Tensor | None = None
+        self.grad_norm = grad_norm
+        self.skipped = skipped
+        self.num_micro_steps = num_micro_steps
+        self.local_count = local_count
+        self.global_count = global_count
+        self.splits = splits
+        self.micro_batch_size_limit = micro_batch_size_limit
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """0-dim, detached, on the loss's device: mean loss over this rank's counted items in
+        the window (under DDP each rank reports its own share; average with weights
+        ``local_count`` for the global value).
+
+        Summed on first access, so a loop that does not log pays nothing for it.
+        ``float(stats.loss)`` forces a host sync; do it only when logging.
+        """
+        if self._loss is None:
+            parts = self._weighted_losses
+            total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+            self._loss = total if self._loss_factor == 1.0 else total * self._loss_factor
+        return self._loss
+
+    def __repr__(self) -> str:
+        return (
+            f"StepStats(loss={self.loss!r}, grad_norm={self.grad_norm!r}, "
+            f"skipped={self.skipped}, num_micro_steps={self.num_micro_steps}, "
+            f"local_count={self.local_count}, global_count={self.global_count}, "
+            f"splits={self.splits!r}, micro_batch_size_limit={self.micro_batch_size_limit})"
+        )
+
+
+class MicroStep(Generic[B]):
+    """One micro-batch of a :class:`Window`: run its forward and backward inside
+    :meth:`sync_context`, and hand the loss to :meth:`backward`.
+
+    Attributes:
+        batch: the micro-batch exactly as the loader produced it.
+        count: counted items in it (from ``count_fn``), >= 0.
+        index: position in the window, 0-based.
+        is_last: whether this is the window's last micro-step (the one that synchronises).
+    """
+
+    __slots__ = ("_backward_done", "_window", "batch", "count", "index", "is_last")
+
+    def __init__(self, window: Window[B], batch: B, count: int, index: int, is_last: bool, /):
+        self._window = window
+        self._backward_done = False
+        self.batch = batch
+        self.count = count
+        self.index = index
+        self.is_last = is_last
+
+    def _piece(self, batch: B, count: int, is_last: bool, /) -> MicroStep[B]:
+        """A micro-step over some of this one's rows (``Window.run`` splitting it), counting
+        ``count`` items; the window's last when ``is_last``."""
+        return MicroStep(self._window, batch, count, self.index, is_last)
+
+    def sync_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for this micro-step's forward AND backward.
+
+        Under DDP it is ``model.no_sync()`` except on the last micro-step, so gradients are
+        all-reduced once per window; otherwise it does nothing.
+        """
+        ddp = self._window._acc._ddp
+        if ddp is None or self.is_last:
+            return _NO_CONTEXT
+        return ddp.no_sync()
+
+    def backward(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
+        """Weight the loss by this micro-batch's share of the window and backpropagate it.
+
+        Args:
+            loss: 0-dim tensor with a graph. With ``reduction="mean"`` it is the mean over this
+                micro-batch's ``count`` counted items (what ``F.cross_entropy`` and Hugging Face
+                ``.loss`` return); with ``"sum"`` it is their sum.
+            reduction: how ``loss`` was reduced over the counted items.
+
+        Raises:
+            ConfigError: backward already called for this micro-step, or its window already
+                stepped; ``reduction`` is neither ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of
+                a micro-batch with 0 counted items (that mean is NaN: return the sum and pass
+                ``reduction="sum"``); a loss with more than one element; or, under DDP, a
+                non-last micro-step run outside :meth:`sync_context`; its window failed on a
+                rank (its gradients were dropped: go on with the next window). Under DDP such an
+                error on a micro-step before the last is raised at the last one's ``backward``,
+                where the ranks agree before the synchronised backward (until then this rank's
+                forward passes keep in step with the others', and its backward does nothing):
+                that agreement happens in a window where some rank has a micro-batch counting 0
+                items, so a mean over 0 counted items on one rank makes every rank raise. Other
+                refusals (program errors) are expected on every rank alike.
+                An error from autograd itself (an OOM) propagates, and the micro-step's backward
+                can then be retried.
+            DistributedError: under DDP, another rank failed in this window (see its error);
+                this window's gradients were dropped, as on that rank.
+        """
+        window = self._window
+        if window._sync_due:  # under DDP, until the ranks agree before the synchronised backward
+            checked = self._agreed_weight(loss, reduction)
+            if checked is None:
+                return  # an error kept for that agreement: this window runs no more backward
+            loss, weight = checked
+        else:
+            try:
+                loss, weight = self._weight(loss, reduction)
+            except ConfigError:
+                if window._agrees:  # after the agreement: the others learn of it at the next
+                    window._acc._tell_failure(window, Status.BACKWARD)
+                raise
+        weighted = loss * weight  # this micro-step's share of the global mean
+        scaler = window._acc.scaler
+        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
+        # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
+        window._weighted_losses.append(weighted.detach())
+        self._backward_done = True
+        window._num_backward += 1
+        if self.is_last:
+            window._synced = True
+
+    def _agreed_weight(
+        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> tuple[torch.Tensor, float] | None:
+        """:meth:`_weight` under DDP before the agreement: an error on a micro-step before the
+        last is kept (None: no backward); on the last, the ranks agree and every rank raises if
+        one failed, before any of them enters the synchronised backward's all-reduce."""
+        window = self._window
+        error: ConfigError | None = None
+        try:
+            checked: tuple[torch.Tensor, float] | None = self._weight(loss, reduction)
+        except ConfigError as exc:
+            checked, error = None, exc
+        if not self.is_last:
+            if error is not None and window._deferred is None:
+                window._deferred = error
+            if window._deferred is None:
+                return checked
+            self._backward_done = True  # counted as run: the window fails at the last one
+            window._num_backward += 1
+            return None
+        agreement = window._acc._agreement
+        assert agreement is not None  # _sync_due only under DDP
+        agreement.before_synchronised_backward(window, window._deferred or error)
+        return checked
+
+    def _weight(
+        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> tuple[torch.Tensor, float]:
+        """:meth:`backward`'s checks: the loss as a 0-dim tensor and its weight, or the
+        ConfigError backward would raise (``Window.run`` asks before the ranks' agreement)."""
+        window = self._window
+        acc = window._acc
+        if self._backward_done or window._stepped or window._abandoned:
+            raise ConfigError(window._repeated_backward_message(self.index, self._backward_done))
+        if reduction == "mean":
+            if self.count == 0:
+                raise ConfigError(
+                    f"micro-step {self.index} of window {window.index} has 0 counted items, so a "
+                    "mean loss is NaN; return the loss summed over counted items and call "
+                    "micro.backward(loss, reduction='sum')"
+                )
+            # A loss summed over counted items times world_size / global_count is this rank's
+            # share of the global mean (DDP then averages over ranks); one division, so a lone
+            # micro-step's weight is exactly 1.0.
+            weight = self.count * acc.world_size / window.global_count
+        elif reduction == "sum":
+            weight = acc.world_size / window.global_count
+        else:
+            raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        ddp = acc._ddp
+        if ddp is not None and not self.is_last and ddp.require_backward_grad_sync:
+            raise ConfigError(
+                f"micro-step {self.index} of window {window.index} would all-reduce gradients "
+                "under DDP; run its forward and backward inside `with micro.sync_context():`"
+            )
+        if loss.dim():  # one element of shape (1,) is accepted, and logged 0-dim
+            if loss.numel() != 1:
+                raise ConfigError(
+                    f"micro-step {self.index} of window {window.index} got a loss of shape "
+                    f"{tuple(loss.shape)}; pass one number: the mean (or, with reduction='sum', "
+                    "the sum) over this micro-batch's counted items"
+                )
+            loss = loss.reshape(())
+        return loss, weight
+
+
+class Window(Generic[B]):
+    """The micro-batches of one optimizer step. Iterate it for :class:`MicroStep` s, then call
+    :meth:`step` once.
+
+    Attributes:
+        index: 0-based window number within one :meth:`Accumulator.windows` call.
+        local_count: counted items in this rank's micro-batches.
+        global_count: counted items over all ranks (all-reduced once per window under DDP).
+    """
+
+    def __init__(
+        self,
+        acc: Accumulator,
+        batches: Sequence[B],
+        counts: Sequence[int],
+        index: int,
+        global_count: int,
+        count_fn: Callable[[B], int | torch.Tensor] | None = None,
+        /,
+    ) -> None:
+        self._acc = acc
+        self._count_fn = count_fn
+        last = len(batches) - 1
+        self._micro_steps = [
+            MicroStep(self, batch, counts[i], i, i == last) for i, batch in enumerate(batches)
+        ]
+        self.index = index
+        self.local_count = sum(counts)
+        self.global_count = global_count
+        self._num_backward = 0
+        self._weighted_losses: list[torch.Tensor] = []
+        self._stepped = False
+        self._splits: list[SplitEvent] = []
+        # Under DDP: whether this window's micro-steps agree before the synchronised backward
+        # (not when Window.run splits: autobatch.training.oom_split's agreements do instead),
+        # whether
+        # that agreement is still to come (windows() sets it where some rank has a micro-batch
+        # counting 0 items), the error kept for it, whether the synchronised backward ran on
+        # this rank, and whether the ranks agreed that the window failed (its gradients were
+        # dropped on every rank).
+        self._agrees = acc._agreement is not None
+        self._sync_due = False
+        self._deferred: ConfigError | None = None
+        self._synced = False
+        self._abandoned = False
+        self._failed_after_agreements = False  # set by run_window: tell at the next window's
+
+    def __iter__(self) -> Iterator[MicroStep[B]]:
+        return iter(self._micro_steps)
+
+    def __len__(self) -> int:
+        return len(self._micro_steps)
+
+    @property
+    def pending_backward(self) -> bool:
+        """Whether some backward ran in this window but :meth:`step` has not (and the window did
+        not fail on a rank, which dropped its gradients)."""
+        return self._num_backward > 0 and not self._stepped and not self._abandoned
+
+    def _abandon(self) -> None:
+        """The ranks agreed that this window failed: drop its gradients, so that a loop that
+        catches the error on every rank skips the window."""
+        self._abandoned = True
+        self._acc.optimizer.zero_grad(set_to_none=True)
+
+    def _repeated_backward_message(self, micro_index: int, backward_done: bool) -> str:
+        if self._abandoned:
+            return (
+                f"window {self.index} failed on a rank and its gradients were dropped on every "
+                "rank; catch the error and go on with the next window"
+            )
+        if backward_done:
+            return (
+                f"backward was already called for micro-step {micro_index} of window "
+                f"{self.index}; call micro.backward(loss) exactly once per micro-step"
+            )
+        return f"window {self.index} has already stepped; run backward before window.step()"
+
+    def run(
+        self,
+        loss_of: Callable[[B], torch.Tensor],
+        *,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> StepStats:
+        """Run every micro-step's forward (``loss_of(batch) -> loss``) and weighted backward,
+        then :meth:`step`; with ``on_oom="split"`` split a micro-batch that runs out of memory.
+
+        Returns:
+            The window's :class:`StepStats`, ``splits`` and ``micro_batch_size_limit`` included.
+
+        Arguments and errors: :func:`autobatch.training.oom_split.run_window`; and :meth:`step`'s.
+        Under
+        DDP an error on one rank reaches the others at the next agreement, where they raise
+        ``DistributedError``; without splitting, an error in ``loss_of`` does only where the
+        ranks agree before the synchronised backward and this rank can still meet them there
+        (its last micro-step, or a forward pass that does not communicate).
+        """
+        acc = self._acc
+        num_forward = [0]
+        if self._agrees and acc._splitter.on_oom == "split":
+            self._agrees = self._sync_due = False  # splitting agrees once per micro-step
+        elif self._agrees:  # whole micro-batches, in order: count them to know which failed
+            user_loss_of = loss_of
+
+            def loss_of(batch: B) -> torch.Tensor:
+                num_forward[0] += 1
+                return user_loss_of(batch)
+
+        try:
+            run_window(self, loss_of, reduction=reduction)
+        except Exception:
+            if acc._agreement is not None:
+                acc._agreement.run_failed(
+                    self,
+                    num_forward[0] - 1,
+                    splitting=acc._splitter.on_oom == "split",
+                    forward_communicates=acc._forward_communicates(),
+                )
+            raise
+        return self.step()
+
+    def step(self) -> StepStats:
+        """Apply the window's gradient: unscale, clip, optimizer step, scaler update, scheduler
+        step, zero grads (to ``None``).
+
+        The scheduler steps every window, also when the GradScaler skipped the optimizer step
+        (inf/NaN), so the schedule counts windows of data seen; torch's "scheduler.step() before
+        optimizer.step()" warning for a skipped first step is suppressed for that reason.
+
+        Returns:
+            The window's :class:`StepStats`.
+
+        Raises:
+            ConfigError: called twice, or before every micro-step of the window ran backward.
+                Under DDP this and any other error here (the optimizer's, the scaler's, the
+                scheduler's) reaches the other ranks at the next agreement (the next window's
+                count, or the end of the micro-batches), where they raise ``DistributedError``.
+        """
+        try:
+            return self._step()
+        except Exception:
+            self._acc._tell_failure(self, Status.STEP)
+            raise
+
+    def _step(self) -> StepStats:
+        if self._abandoned:
+            raise ConfigError(self._repeated_backward_message(0, False))
+        if self._stepped:
+            raise ConfigError(f"window {self.index} already stepped; call window.step() once")
+        if self._num_backward != len(self._micro_steps):
+            raise ConfigError(
+                f"window {self.index} has {len(self._micro_steps)} micro-steps but backward ran "
+                f"for {self._num_backward}; call micro.backward(loss) for every micro-step first"
+            )
+        self._stepped = True
+        acc = self._acc
+        optimizer, scaler = acc.optimizer, acc.scaler
+        grad_norm: torch.Tensor | None = None
+        skipped = False
+        try:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if acc.max_grad_norm is not None:
+                grad_norm = clip_grad_norm_(acc._params(), acc.max_grad_norm)
+            if scaler is not None:
+                scale_before = scaler.get_scale()
+                scaler.step(optimizer)
+                scaler.update()
+                skipped = scaler.get_scale() < scale_before
+            else:
+                optimizer.step()
+            if acc.scheduler is not None and skipped:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", _SCHEDULER_ORDER_WARNING, UserWarning)
+                    acc.scheduler.step()
+            elif acc.scheduler is not None:
+                acc.scheduler.step()
+        finally:
+            # Also when a step above raised: the window's gradient must not reach the next one.
+            optimizer.zero_grad(set_to_none=True)
+        # The weighted losses sum to this rank's loss sum * world_size / global_count; under
+        # DDP the factor rescales that to this rank's own mean.
+        world_size = acc.world_size
+        factor = (
+            1.0 if world_size == 1 else self.global_count / (world_size * max(self.local_count, 1))
+        )
+        return StepStats(
+            weighted_losses=self._weighted_losses,
+            loss_factor=factor,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            local_count=self.local_count,
+            global_count=self.global_count,
+            num_micro_steps=len(self._micro_steps),
+            splits=tuple(self._splits),
+            micro_batch_size_limit=acc._splitter.limit,
+        )
+
+
+class Accumulator:
+    """Runs gradient accumulation so each optimizer step sees the effective batch's mean gradient.
+
+    Args:
+        model: the module being trained, possibly wrapped in ``DistributedDataParallel``
+            (detected; then counts are all-reduced over ``model.process_group`` and
+            ``world_size`` is that group's size). Other wrappers (FSDP) are not handled.
+        optimizer: steps once per window.
+        gradient_accumulation_steps: micro-batches per optimizer step, >= 1.
+        scaler: optional ``torch.amp.GradScaler``; losses are scaled before backward and
+            unscaled once per window.
+        scheduler: optional LR scheduler stepped (without arguments) once per window.
+        max_grad_norm: optional clip of the window's total gradient 2-norm, > 0.
+        on_oom: what :meth:`Window.run` does when a micro-batch runs out of memory: ``"raise"``
+            (propagate it) or ``"split"`` (run it again in halves, gradient unchanged; see
+            :mod:`autobatch.training.oom_split`). The manual ``for micro in window`` loop never
+            splits.
+        oom_retry_windows: with ``"split"``: windows run at the smaller size, without another
+            out-of-memory error, before the planned size is tried again, >= 1.
+        on_split: called with each :class:`~autobatch.training.oom_split.SplitEvent`, e.g.
+            ``autobatch.tuning.split_recorder(...)`` so the profile store learns the size.
+
+    Raises:
+        ConfigError: ``gradient_accumulation_steps`` not an int >= 1, ``max_grad_norm`` not a
+            finite number > 0, ``on_oom`` or ``oom_retry_windows`` invalid, or a
+            ``ReduceLROnPlateau`` scheduler (it needs a metric: step it yourself after
+            ``window.step()``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        gradient_accumulation_steps: int,
+        scaler: torch.amp.GradScaler | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        max_grad_norm: float | None = None,
+        on_oom: OnOom = "raise",
+        oom_retry_windows: int = DEFAULT_OOM_RETRY_WINDOWS,
+        on_split: Callable[[SplitEvent], None] | None = None,
+    ) -> None:
+        self._splitter = Splitter(on_oom=on_oom, retry_windows=oom_retry_windows, on_split=on_split)
+        k = gradient_accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(
+                f"gradient_accumulation_steps must be an int >= 1, got {k!r}; pass the plan's "
+                "gradient_accumulation_steps (1 means no accumulation)"
+            )
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, int | float)
+            or not math.isfinite(max_grad_norm)
+            or max_grad_norm <= 0
+        ):
+            raise ConfigError(
+                f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}; "
+                "pass e.g. 1.0, or None to disable clipping"
+            )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "ReduceLROnPlateau steps on a metric, which the Accumulator does not have; pass "
+                "scheduler=None and call scheduler.step(metric) yourself after window.step()"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.gradient_accumulation_steps = k
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._group: dist.ProcessGroup | None = None
+        self.world_size = 1
+        self._agreement: Agreement | None = None  # the ranks' agreements, under DDP
+        if self._ddp is not None:
+            self._group = self._ddp.process_group
+            self.world_size = dist.get_world_size(self._group)
+            self._agreement = Agreement(self._group, model)
+        # Checked once, on the first window: done already when there is no BatchNorm at all.
+        self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def windows(
+        self,
+        micro_batches: Iterable[B],
+        *,
+        count_fn: Callable[[B], int | torch.Tensor] | None = None,
+    ) -> Iterator[Window[B]]:
+        """Group micro-batches into windows of ``gradient_accumulation_steps``.
+
+        Each window is fetched whole before it is yielded; the last one of the iterable may be
+        shorter and is weighted by its real size. Under DDP every rank must yield the same
+        number of windows (``DistributedSampler`` ensures this): the ranks agree once at each
+        window's start (its count all-reduce) and once when the micro-batches run out, and an
+        error on one rank (fetching, counting, a check, the previous window's ``step``) is
+        taken to that agreement, so every rank raises instead of waiting in it. The optimizer's
+        gradients are zeroed (to ``None``) when the loop starts, so nothing left by an earlier
+        loop that broke off after a backward is added in.
+
+        Args:
+            micro_batches: one epoch of micro-batches, e.g. a ``DataLoader``.
+            count_fn: counted items in a micro-batch (e.g. non-padding tokens), an int (or
+                NumPy integer) or a one-element integer tensor (prefer counting on the host
+                copy: a device tensor costs a sync). Default: the dim-0 size of the first tensor
+                in the batch (a tensor, or a tuple/list/mapping of tensors, searched depth
+                first). A list of samples (``collate_fn=list``) is refused, not miscounted:
+                pass ``count_fn`` for it.
+
+        Yields:
+            :class:`Window` s, each to be iterated and then ``step()``-ed.
+
+        Raises:
+            ConfigError: a window's total count over all ranks is 0; ``count_fn`` returned a
+                negative or non-integer value; the default count found no tensor in a batch;
+                the previous window was not stepped before the next was requested.
+            DistributedError: under DDP, another rank raised an error (see its error); the
+                ranks' micro-batches ran out at different windows (raised on every rank); or
+                this loop goes on after this rank's error was reported to the others.
+        """
+        iterator = iter(micro_batches)
+        # Start from no gradient: none left by an earlier loop that broke off after a backward
+        # (an OOM retry, a `break`), or by a backward outside the helper.
+        self.optimizer.zero_grad(set_to_none=True)
+        agreement = self._agreement
+        if agreement is not None:
+            agreement.told_at_next = None
+        previous: Window[B] | None = None
+        for index in itertools.count():
+            if agreement is not None and agreement.told_at_next is not None:
+                raise DistributedError(
+                    f"window {agreement.told_at_next}'s error on this rank was reported to the "
+                    "other ranks at the agreement that starts the next window, where they "
+                    "stopped; start a new windows() loop on every rank to go on"
+                )
+            try:
+                batches, counts = self._fetch(iterator, previous, index, count_fn)
+            except Exception:
+                if agreement is not None:  # the others wait at this window's count agreement
+                    agreement.tell(Status.FETCH, index)
+                raise
+            if not batches:
+                if agreement is not None:
+                    agreement.meet(
+                        0,
+                        where=f"the end of the micro-batches after {index} windows",
+                        status=Status.EXHAUSTED,
+                        window=index,
+                    )
+                return
+            local_count = sum(counts)
+            empty = False  # whether some rank has a micro-batch counting 0 items
+            if agreement is None:
+                global_count = local_count
+            else:
+                global_count, empty = agreement.meet(
+                    local_count, where=f"the count agreement of window {index}", empty=0 in counts
+                )
+            if global_count == 0:
+                raise ConfigError(
+                    f"window {index} has a total count of 0 counted items over "
+                    f"{self.world_size} rank(s) (this rank's counts per micro-batch: {counts}); "
+                    "the mean loss is undefined. Drop micro-batches with nothing to count, or fix "
+                    "count_fn"
+                )
+            previous = Window(self, batches, counts, index, global_count, count_fn)
+            # Where a "mean" loss can be refused on one rank, the ranks agree before the window's
+            # synchronised backward; elsewhere refusals are program errors, alike on every rank.
+            previous._sync_due = previous._agrees and empty
+            yield previous
+
+    def _fetch(
+        self,
+        iterator: Iterator[B],
+        previous: Window[B] | None,
+        index: int,
+        count_fn: Callable[[B], int | torch.Tensor] | None,
+    ) -> tuple[list[B], list[int]]:
+        """The next window's micro-batches and their counts (none when the iterable is done)."""
+        if previous is not None and previous.pending_backward:
+            raise ConfigError(
+                f"window {previous.index} ran backward but window.step() was not called; "
+                "call window.step() after the micro-steps of every window, or its gradients "
+                "would be added to the next window's"
+            )
+        if previous is not None:
+            previous._sync_due = False  # the agreement this rank meets next is the count's
+        batches = list(itertools.islice(iterator, self.gradient_accumulation_steps))
+        if not batches:
+            return [], []
+        if count_fn is None:
+            counts = [leading_dim(b) for b in batches]
+        else:
+            counts = [as_count(count_fn(b), index, i) for i, b in enumerate(batches)]
+        if not self._norm_checked:
+            self._check_batch_norm(batches)
+        return batches, counts
+
+    def _tell_failure(self, window: Window[Any], status: Status) -> None:
+        if self._agreement is not None:
+            self._agreement.failed(window, status)
+
+    def _forward_communicates(self) -> bool:
+        """Whether DDP broadcasts buffers at every forward pass (a collective per forward)."""
+        ddp = self._ddp
+        return ddp is not None and bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
+
+    def _check_batch_norm(self, batches: Sequence[Any]) -> None:
+        self._norm_checked = True
+        if not any(isinstance(m, _BatchNorm) and m.training for m in self.model.modules()):
+            return
+        try:
+            sizes = [leading_dim(b) for b in batches]
+        except ConfigError:
+            return  # no tensor to measure; nothing reliable to say
+        largest = max(sizes)
+        if largest < SMALL_MICRO_BATCH_FOR_BATCH_NORM:
+            warnings.warn(
+                f"the model has BatchNorm layers in training mode and micro-batches of "
+                f"{largest} samples (< {SMALL_MICRO_BATCH_FOR_BATCH_NORM}): their statistics "
+                "come from one micro-batch, not the effective batch. Use a larger micro-batch, "
+                "GroupNorm/LayerNorm, or BatchNorm in eval mode",
+                SmallMicroBatchNormWarning,
+                stacklevel=3,
+            )

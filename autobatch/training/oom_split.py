@@ -1,0 +1,778 @@
+"""Run a window's micro-batches, splitting one that runs out of memory, gradient unchanged.
+
+A probe measures the batches it is shown; real data has rare long sequences and dense images,
+and the out-of-memory error then comes hours into training. With
+``Accumulator(..., on_oom="split")``, :meth:`Window.run
+<autobatch.training.accumulator.Window.run>` catches
+it and runs that micro-batch again in pieces, each weighted by its own count of the window's
+total, so the window's gradient is the one the unsplit micro-batch would have given (up to
+floating-point summation order; dropout draws other masks; BatchNorm in training mode: below).
+
+The rules:
+
+- **Pieces come from the original micro-batch.** A micro-batch of ``n`` rows that fails at piece
+  size ``s`` is run as rows ``[0:s')``, ``[s':2s')``... of the original, with ``s' = ceil(s / 2)``
+  (never a piece of a piece: sizes go 8, 4, 2, 1). Every tensor whose dim 0 is ``n`` is sliced;
+  other leaves pass unchanged.
+- **Forward or backward.** An error in ``loss_of`` (the forward) leaves the gradients as they
+  were, so the rows already done stay done. An error in backward may have added part of a
+  gradient, so the window's gradients are zeroed and its micro-batches so far are run again at the
+  smaller size.
+- **Memory first.** The failed pass's references (the exception and its traceback hold frames
+  full of tensors) are dropped, then ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``
+  run outside the ``except`` block.
+- **Later micro-batches** run in pieces of at most the smaller size (``StepStats.
+  micro_batch_size_limit``). After ``oom_retry_windows`` windows (default
+  :data:`DEFAULT_OOM_RETRY_WINDOWS`) in a row without an out-of-memory error, the limit is lifted
+  and the planned size is tried again; a window that splits starts the count anew.
+- **BatchNorm** (any ``_BatchNorm`` in training mode, or without running statistics)
+  normalises each piece by the piece's own statistics, so for such a model the split gradient is
+  the pieces' (each weighted by its count), not the unsplit one's; and a piece of 1 sample would
+  give it 1 value per channel, which torch refuses. Pieces of such a model are never cut below 2
+  rows: a last piece of 1 row takes a row from the one before (7 rows by 3: 3, 2, 2) or joins it
+  (5 by 2: 2, 3, one row over the limit).
+- **Rows that cannot be cut smaller** raise :class:`~autobatch.errors.DoesNotFitError` naming the
+  window, the micro-batch and the rows: a row that does not fit alone, or, with BatchNorm, a piece
+  of 2 rows (or a last piece of 3) that does not fit; that error names the layer and carries the
+  remedies. The window's gradients are dropped (as on any error in :func:`run_window`) and
+  nothing is stepped, so a loop that catches it skips the window.
+- **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
+  new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
+  store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
+- **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only with
+  ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the smallest
+  limit, so they split together. An error on one rank before an agreement (a batch that does not
+  fit, a ``ConfigError``, the user's ``loss_of``, an ``on_split`` callback) is taken to the
+  agreement the other ranks wait at, so they raise :class:`~autobatch.errors.DistributedError` at
+  once instead of waiting. On the last micro-step the agreement comes after the forward of the final
+  piece and before its synchronised backward: that piece is the last one that counts items (later
+  pieces count none and are not run), backward's own checks (a mean over 0 counted items) run before
+  the agreement, and a smaller size another rank made known there is reported (``on_split``
+  included) after the backward (if the callback raises, the other ranks learn of it at the
+  Accumulator's next agreement: the next window's count, or the end of the data). An error *inside*
+  that backward cannot be agreed on (the others are already in the all-reduce): that rank raises
+  ``DistributedError`` and aborts the process group, and the others fail when its process ends (gloo
+  notices at once; gloo's abort alone does not reach them) or at the process group's timeout, so let
+  that error end the process. Pieces are local (ranks may run different numbers of forward passes),
+  so a forward pass must not communicate: a model with buffers needs ``DistributedDataParallel(...,
+  broadcast_buffers=False)`` and none may have a ``SyncBatchNorm`` in training mode
+  (:func:`run_window` refuses both on every rank before any step).
+
+Example::
+
+    acc = Accumulator(model, optimizer, gradient_accumulation_steps=4, on_oom="split")
+    for window in acc.windows(loader):
+        stats = window.run(lambda batch: model(**batch).loss)
+        for split in stats.splits:
+            print(split.old_micro_batch_size, "->", split.new_micro_batch_size)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Literal, NoReturn, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
+
+from autobatch.device.oom import is_oom
+from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, Remedy
+from autobatch.training.counting import as_count, leading_dim
+
+__all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
+
+OnOom = Literal["raise", "split"]
+
+DEFAULT_OOM_RETRY_WINDOWS = 16
+"""Windows in a row without an out-of-memory error after which the planned size is tried again."""
+
+logger = logging.getLogger("autobatch")
+
+_NO_LIMIT = 2**62  # "run whole" in the ranks' agreement (a MIN all-reduce)
+# A rank's failure in the agreement (MIN-reduced: the lower one is named to the other ranks).
+_FAILED = -1  # an error before the agreement: the user's forward, a check, a callback
+_DOES_NOT_FIT = -2  # DoesNotFitError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SplitEvent:
+    """One micro-batch run in smaller pieces after an out-of-memory error."""
+
+    window_index: int
+    """The window (0-based, within one ``windows()`` loop)."""
+    micro_step_index: int
+    """The micro-batch within the window (0-based)."""
+    old_micro_batch_size: int
+    """Rows of the piece that ran out of memory (the whole micro-batch the first time)."""
+    new_micro_batch_size: int
+    """Rows per piece from now on, >= 1."""
+    phase: Literal["forward", "backward", "peer"]
+    """Where it ran out: the user's ``loss_of``, the backward, or on another rank (``"peer"``:
+    this rank adopts the smaller size the ranks agreed on)."""
+    reason: str
+    """The error's first line (e.g. ``CUDA out of memory. Tried to allocate 2.00 GiB...``)."""
+    recomputed: bool = False
+    """True when the window's micro-batches so far were run again (an error in backward)."""
+
+
+class Splitter:
+    """An Accumulator's split policy and the piece-size limit it carries between windows.
+
+    Args:
+        on_oom: ``"raise"`` or ``"split"``.
+        retry_windows: see ``Accumulator(oom_retry_windows=...)``, >= 1.
+        on_split: called with every :class:`SplitEvent`, after it is logged.
+
+    Raises:
+        ConfigError: ``on_oom`` is not one of the two, or ``retry_windows`` is not an int >= 1.
+    """
+
+    __slots__ = ("_clean_windows", "limit", "on_oom", "on_split", "retry_windows")
+
+    def __init__(
+        self,
+        *,
+        on_oom: OnOom,
+        retry_windows: int,
+        on_split: Callable[[SplitEvent], None] | None = None,
+    ) -> None:
+        if on_oom not in ("raise", "split"):
+            raise ConfigError(f"on_oom must be 'raise' or 'split', got {on_oom!r}")
+        if (
+            isinstance(retry_windows, bool)
+            or not isinstance(retry_windows, int)
+            or retry_windows < 1
+        ):
+            raise ConfigError(
+                f"oom_retry_windows must be an int >= 1, got {retry_windows!r}; it is how many "
+                f"windows run at the smaller size before the planned one is tried again "
+                f"(default {DEFAULT_OOM_RETRY_WINDOWS})"
+            )
+        self.on_oom: OnOom = on_oom
+        self.retry_windows = retry_windows
+        self.on_split = on_split
+        self.limit: int | None = None
+        """Largest piece (rows) run now; None: micro-batches run whole."""
+        self._clean_windows = 0
+
+    def start_window(self, window_index: int) -> None:
+        if self.limit is not None and self._clean_windows >= self.retry_windows:
+            logger.info(
+                "window %d: %d windows ran without running out of memory at micro-batch size "
+                "%d or less; trying the planned size again",
+                window_index,
+                self._clean_windows,
+                self.limit,
+            )
+            self.limit = None
+
+    def end_window(self, had_split: bool) -> None:
+        self._clean_windows = 0 if had_split else self._clean_windows + 1
+
+
+# What a split run uses of autobatch.training.accumulator's Accumulator, Window and MicroStep, as
+# protocols:
+# that module imports this one, never the other way round.
+
+
+class _SplitAccumulator(Protocol):
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def _ddp(self) -> object | None: ...
+    @property
+    def _group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def _splitter(self) -> Splitter: ...
+    def _params(self) -> list[torch.Tensor]: ...
+
+
+class _SplitMicroStep(Protocol):
+    _backward_done: bool
+
+    @property
+    def batch(self) -> Any: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def is_last(self) -> bool: ...
+    def sync_context(self) -> AbstractContextManager[Any]: ...
+    def backward(
+        self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean"
+    ) -> None: ...
+    def _weight(
+        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
+    ) -> tuple[torch.Tensor, float]: ...
+    def _piece(self, batch: Any, count: int, is_last: bool, /) -> _SplitMicroStep: ...
+
+
+class _SplitWindow(Protocol):
+    _num_backward: int
+    _failed_after_agreements: bool
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def _acc(self) -> _SplitAccumulator: ...
+    @property
+    def _count_fn(self) -> Callable[[Any], int | torch.Tensor] | None: ...
+    @property
+    def _stepped(self) -> bool: ...
+    @property
+    def _splits(self) -> list[SplitEvent]: ...
+    @property
+    def _weighted_losses(self) -> list[torch.Tensor]: ...
+    def __iter__(self) -> Iterator[_SplitMicroStep]: ...
+
+
+@dataclasses.dataclass(slots=True)
+class _Failure:
+    """What is kept of an out-of-memory error once its ``except`` block is left."""
+
+    phase: Literal["forward", "backward"]
+    reason: str
+    start: int
+    """First row of the piece that failed."""
+    rows: int
+    """Rows of the piece that failed."""
+
+
+class _WindowRun:
+    """One call of :func:`run_window`: the cursor over (micro-batch, row) and the bookkeeping."""
+
+    def __init__(
+        self, window: _SplitWindow, loss_of: Callable[[Any], torch.Tensor], reduction: str
+    ) -> None:
+        self.window = window
+        self.acc = window._acc
+        self.splitter: Splitter = window._acc._splitter
+        self.loss_of = loss_of
+        self.reduction = reduction
+        self.micros = list(window)
+        self.ddp = self.acc._ddp
+        self.agree_ranks = self.ddp is not None and self.splitter.on_oom == "split"
+        self.num_agreed = 0  # micro-steps whose agreement is done
+        # Whether the other ranks will wait for this one at an agreement: from the window's start
+        # to its last micro-step's, which comes before the synchronised backward.
+        self.owes_agreement = self.agree_ranks
+        self.deferred: SplitEvent | None = None  # a peer's split agreed at the last micro-step
+        # Whether every rank knows of this window's failure: it came from an agreement (another
+        # rank's), or the group was aborted or failed; tell_peers sets it too.
+        self.peers_know = False
+        self.had_split = False
+        self.done_count = 0  # counted items of the current micro-batch's pieces done
+        self.norm: tuple[str, torch.nn.Module] | None | bool = False  # False: not looked for yet
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        micros = self.micros
+        index, start = 0, 0
+        while index < len(micros):
+            failure = self._run_rows(micros[index], start)
+            if failure is None:
+                if self.agree_ranks and index == self.num_agreed and index < len(micros) - 1:
+                    self._agree(index)
+                index, start = index + 1, 0
+                continue
+            # Outside the except block: the failed pass's frames are gone, so its memory can go.
+            _release(self._device())
+            new_size = (failure.rows + 1) // 2
+            if not self._can_cut(micros[index], failure, new_size):
+                self._does_not_fit(micros[index], failure)
+            recompute = failure.phase == "backward" and (index > 0 or failure.start > 0)
+            self._record(index, failure, new_size, recompute)
+            if failure.phase == "backward":
+                # A backward that failed may have added part of its gradient: start the window
+                # again from no gradient (the micro-batches done so far are run again).
+                self.drop_gradients()
+                index, start = 0, 0
+            else:
+                start = failure.start  # the forward added nothing; earlier rows stay done
+
+    def drop_gradients(self) -> None:
+        """Forget every backward of this window: its gradients, losses and counts."""
+        self.acc.optimizer.zero_grad(set_to_none=True)
+        self.window._weighted_losses.clear()
+        self.window._num_backward = 0
+        for micro in self.micros:
+            micro._backward_done = False
+
+    def _run_rows(self, micro: _SplitMicroStep, start: int) -> _Failure | None:
+        """Run rows ``[start:)`` of one micro-batch in pieces of the limit; the first OOM."""
+        limit = self.splitter.limit
+        is_last = micro.is_last
+        if start == 0 and limit is None:
+            return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
+        rows = _rows(micro.batch, self.window.index, micro.index)
+        if start == 0 and rows <= (limit or rows):
+            return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
+        size = limit if limit is not None else rows
+        count_fn = self.window._count_fn
+        if start == 0:
+            self.done_count = 0
+        pieces = []
+        for piece_start, stop in _cuts(start, rows, size, self._min_rows()):
+            piece = _slice(micro.batch, piece_start, stop, rows)
+            if count_fn is None:
+                count = stop - piece_start
+            else:
+                count = as_count(count_fn(piece), self.window.index, micro.index)
+            pieces.append((piece_start, stop, piece, count))
+        if self.done_count + sum(piece[3] for piece in pieces) != micro.count:
+            raise ConfigError(
+                f"count_fn is not additive over rows: micro-batch {micro.index} of window "
+                f"{self.window.index} counts {micro.count}, its pieces "
+                f"{self.done_count + sum(piece[3] for piece in pieces)}; the pieces of a split "
+                "micro-batch must count what it counts (e.g. count tokens or samples, not a "
+                "per-batch constant)"
+            )
+        synced_at = -1  # the piece that synchronises: the last micro-batch's last counted one
+        if is_last:
+            counted = [i for i, piece in enumerate(pieces) if piece[3]]
+            if counted:
+                synced_at = counted[-1]
+            elif self.ddp is not None:
+                synced_at = len(pieces) - 1  # DDP's all-reduce must still run
+        for i, (piece_start, stop, piece, count) in enumerate(pieces):
+            synced = i == synced_at
+            if count == 0 and not synced:
+                continue  # nothing counted: no share of the gradient
+            step = micro._piece(piece, count, synced)
+            failure = self._run_piece(step, piece, piece_start, stop - piece_start, synced=synced)
+            if failure is not None:
+                return failure
+            self.done_count += count
+        return None
+
+    def _run_piece(
+        self, step: _SplitMicroStep, batch: Any, start: int, rows: int, *, synced: bool
+    ) -> _Failure | None:
+        """Forward and backward of one piece (``rows`` -1: the whole micro-batch, not yet
+        counted); the OOM as a :class:`_Failure`, or None."""
+        split = self.splitter.on_oom == "split"
+        phase: Literal["forward", "backward"] = "forward"
+        reason = ""
+        context = step.sync_context()
+        try:
+            with context:
+                loss = self.loss_of(batch)
+                if synced and self.agree_ranks:
+                    # Backward's own checks (a mean over 0 counted items, a loss of many
+                    # elements) before the agreement: past it, an error on one rank leaves the
+                    # others waiting in the gradient all-reduce.
+                    step._weight(loss, self.reduction)  # type: ignore[arg-type]
+                    self._agree(step.index)
+                    phase = "backward"
+                    try:
+                        step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+                    except Exception as exc:
+                        self._synchronised_backward_failed(step, exc)
+                    if self.deferred is not None:  # the all-reduce is done: a callback may raise
+                        event, self.deferred = self.deferred, None
+                        self._add_event(event)
+                else:
+                    phase = "backward"
+                    step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+            return None
+        except Exception as exc:
+            if not split or not is_oom(exc):
+                raise
+            reason = _first_line(exc)
+        # Out of the except block, the exception and its frames are gone; the caller releases
+        # memory once this frame (and `loss`, the failed graph) is gone too.
+        if rows < 0:
+            rows = _rows(batch, self.window.index, step.index)
+        return _Failure(phase=phase, reason=reason, start=start, rows=rows)
+
+    def _min_rows(self) -> int:
+        """Fewest rows a piece may have: 2 when the model normalises with batch statistics."""
+        if self.norm is False:
+            self.norm = _batch_norm(self.acc.model, wrapped=self.ddp is not None)
+        return 1 if self.norm is None else 2
+
+    def _can_cut(self, micro: _SplitMicroStep, failure: _Failure, new_size: int) -> bool:
+        """Whether the rows that ran out of memory can run again in pieces smaller than the one
+        that failed (none below :meth:`_min_rows`)."""
+        if new_size < self._min_rows():
+            return False
+        # The rows run again: the failed piece's on (forward), or the micro-batch's (backward).
+        first = failure.start if failure.phase == "forward" else 0
+        rows = _rows(micro.batch, self.window.index, micro.index)
+        pieces = _cuts(first, rows, new_size, self._min_rows())
+        return max(stop - start for start, stop in pieces) < failure.rows
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def _record(self, index: int, failure: _Failure, new_size: int, recompute: bool) -> None:
+        self._add_event(
+            SplitEvent(
+                window_index=self.window.index,
+                micro_step_index=index,
+                old_micro_batch_size=failure.rows,
+                new_micro_batch_size=new_size,
+                phase=failure.phase,
+                reason=failure.reason,
+                recomputed=recompute,
+            )
+        )
+
+    def _add_event(self, event: SplitEvent) -> None:
+        self.splitter.limit = event.new_micro_batch_size
+        self.had_split = True
+        self.window._splits.append(event)
+        where = "on another rank" if event.phase == "peer" else f"in {event.phase}"
+        logger.warning(
+            "window %d, micro-batch %d: out of memory %s at micro-batch size %d (%s); running "
+            "pieces of %d%s. Later micro-batches use at most %d rows until %d windows in a row "
+            "run without running out of memory",
+            event.window_index,
+            event.micro_step_index,
+            where,
+            event.old_micro_batch_size,
+            event.reason,
+            event.new_micro_batch_size,
+            ", after running the window's earlier micro-batches again" if event.recomputed else "",
+            event.new_micro_batch_size,
+            self.splitter.retry_windows,
+        )
+        if self.splitter.on_split is not None:
+            self.splitter.on_split(event)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _does_not_fit(self, micro: _SplitMicroStep, failure: _Failure) -> NoReturn:
+        device = self._device()
+        where = f"micro-batch {micro.index} of window {self.window.index}"
+        dropped = "The window's gradients were dropped: catch the error to skip the window"
+        remedies: tuple[Remedy, ...] = ()
+        if failure.rows == 1:
+            message = (
+                f"{where} does not fit even at micro-batch size 1: its row {failure.start} ran "
+                f"out of memory in {failure.phase} ({failure.reason}). That sample is larger "
+                "than the ones the plan was probed with: probe with the worst case "
+                f"(autobatch.worst_case_sample), or truncate it. {dropped}"
+            )
+        else:
+            assert isinstance(self.norm, tuple)  # only a batch norm stops a cut above 1 row
+            name, layer = self.norm
+            last = failure.start + failure.rows - 1
+            message = (
+                f"{where} does not fit at micro-batch size {failure.rows}: its rows "
+                f"{failure.start}..{last} ran out of memory in {failure.phase} "
+                f"({failure.reason}), and on_oom='split' cannot cut them into smaller pieces: "
+                f"the model's {type(layer).__name__} layer {name!r} normalises each piece by "
+                "its own statistics (training mode, or no running statistics), which needs at "
+                "least 2 samples per piece (torch refuses 1: 'Expected more than 1 value per "
+                f"channel when training'). {dropped}"
+            )
+            remedies = (
+                Remedy(purpose="the worst-case batch when probing (autobatch.worst_case_sample)"),
+                Remedy(purpose="GroupNorm or LayerNorm instead of BatchNorm"),
+                Remedy(purpose="BatchNorm in eval mode (normalising with running statistics)"),
+            )
+        raise DoesNotFitError(
+            message,
+            device_name=str(device),
+            capacity_bytes=_total_memory_bytes(device),
+            required_bytes=0,
+            static_bytes=_static_bytes(self.acc.optimizer),
+            remedies=remedies,
+        )
+
+    def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> NoReturn:
+        """Any error in the synchronised backward: the other ranks may be in its all-reduce
+        (past the agreement, nothing can be agreed), so the group is aborted and they fail."""
+        where = f"micro-batch {step.index} of window {self.window.index}"
+        group = self.acc._group
+        rank = dist.get_rank(group)
+        self.peers_know = True  # nothing can be told: the group is aborted
+        _abort(group)
+        if is_oom(exc):
+            raise DistributedError(
+                f"rank {rank} ran out of memory inside the synchronised backward of {where} "
+                f"({_first_line(exc)}), where the ranks cannot agree to split (the others are "
+                "in the gradient all-reduce). The process group was aborted so that no rank "
+                "waits. Probe with the worst-case batch (autobatch.worst_case_sample) or use a "
+                "smaller micro-batch"
+            ) from exc
+        raise DistributedError(
+            f"the synchronised backward of {where} failed on rank {rank} "
+            f"({type(exc).__name__}: {_first_line(exc)}); if another rank ran out of memory in "
+            "it, see that rank's error. The process group was aborted so that no rank waits"
+        ) from exc
+
+    # -- ranks ---------------------------------------------------------------------------------
+
+    def _agree(self, index: int, *, failure: int = 0) -> None:
+        """The once-per-micro-step agreement: every rank's limit and failure, MIN-reduced.
+
+        Raises:
+            DistributedError: another rank failed (and this one did not).
+        """
+        self.num_agreed = index + 1
+        self.owes_agreement = False  # also when the collective fails: no rank is left to meet
+        limit = self.splitter.limit
+        mine = [limit if limit is not None else _NO_LIMIT, failure]
+        flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
+        self.peers_know = True  # told, or the collective failed: none to tell again
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.acc._group)
+        agreed, worst = int(flags[0]), int(flags[1])
+        if failure:
+            return  # this rank raises its own error
+        where = f"micro-batch {index} of window {self.window.index}"
+        if worst == _DOES_NOT_FIT:
+            raise DistributedError(
+                f"another rank could not fit {where} even at the smallest micro-batch size and "
+                "raised DoesNotFitError; this rank stops too"
+            )
+        if worst:
+            raise DistributedError(
+                f"another rank raised an error in {where} before the ranks agreed to run it "
+                "(see that rank's error); this rank stops too, so that no rank waits for it"
+            )
+        self.peers_know = False  # the agreement went well: a later error is this rank's alone
+        last = index == len(self.micros) - 1
+        self.owes_agreement = not last
+        if agreed < (limit if limit is not None else _NO_LIMIT):
+            event = SplitEvent(
+                window_index=self.window.index,
+                micro_step_index=index,
+                old_micro_batch_size=limit
+                or _rows(self.micros[index].batch, self.window.index, index),
+                new_micro_batch_size=agreed,
+                phase="peer",
+                reason="another rank ran out of memory",
+            )
+            if last:  # reported after the synchronised backward, whose all-reduce comes next
+                self.deferred = event
+            else:
+                self._add_event(event)
+
+    def tell_peers(self, exc: Exception) -> None:
+        """After an error on this rank, meet the other ranks at the agreement they wait at, with
+        the failure, so that they raise too instead of waiting for the process group's timeout."""
+        if not self.owes_agreement:
+            return
+        failure = _DOES_NOT_FIT if isinstance(exc, DoesNotFitError) else _FAILED
+        try:
+            self._agree(self.num_agreed, failure=failure)
+        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
+            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
+
+    def _device(self) -> torch.device:
+        for param in self.acc._params():
+            return param.device
+        return torch.device("cpu")
+
+
+def run_window(
+    window: _SplitWindow,
+    loss_of: Callable[[Any], torch.Tensor],
+    *,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> None:
+    """Run a window's forward and backward passes, splitting on OOM as the module says; the
+    caller (:meth:`Window.run <autobatch.training.accumulator.Window.run>`) then steps it.
+
+    Args:
+        window: a window of an Accumulator, none of whose micro-steps ran backward yet.
+        loss_of: ``batch -> loss`` for one micro-batch (or piece): a 0-dim tensor, the mean (or,
+            with ``reduction="sum"``, the sum) over its counted items. It must not call backward.
+        reduction: how ``loss_of`` reduces over counted items.
+
+    Raises:
+        ConfigError: the window already ran backward or stepped; under DDP, a forward pass that
+            communicates (``broadcast_buffers=True`` with buffers, ``SyncBatchNorm`` in
+            training mode), which pieces on one rank would leave unmatched; with
+            ``on_oom="split"``, a
+            batch has no tensor with a batch dimension (needed to cut it; checked before any
+            step); ``count_fn`` is not additive over rows (the pieces' counts do not sum to the
+            micro-batch's; checked before they run); a "mean" loss of a micro-batch with 0
+            counted items; see also ``MicroStep.backward``.
+        DoesNotFitError: a micro-batch runs out of memory even at size 1, or, for a model with
+            BatchNorm in training mode, at the smallest pieces it allows (2 rows; names the
+            batch, the rows and the layer).
+            On this and any other error the window's gradients are dropped (set to None) and
+            nothing is stepped, so a loop that catches it skips the window.
+        DistributedError: under DDP with ``on_oom="split"``, another rank raised an error before
+            the ranks agreed to run a micro-step, or this rank's synchronised backward failed
+            (the process group is then aborted).
+    """
+    if window._num_backward or window._stepped:
+        raise ConfigError(
+            f"window {window.index} already ran backward or stepped; call window.run() instead "
+            "of the micro-step loop, not after it"
+        )
+    splitter: Splitter = window._acc._splitter
+    state = _WindowRun(window, loss_of, reduction)
+    if state.agree_ranks:  # the same on every rank: they all raise, before any collective
+        _refuse_collective_forward(window._acc.model)
+    try:
+        if splitter.on_oom == "split":
+            for micro in window:  # before any step, not at the first OOM hours into training
+                _rows(micro.batch, window.index, micro.index)
+        splitter.start_window(window.index)
+        state.run()
+    except BaseException as exc:
+        # The window is abandoned: its partial gradient must reach neither a step (it would be
+        # weighted as the whole window's) nor the next window, so catching the error skips it.
+        state.drop_gradients()
+        if isinstance(exc, Exception):
+            state.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
+            # After the ranks' last agreement of the window (an on_split callback after the
+            # synchronised backward): the caller tells them at the next window's.
+            window._failed_after_agreements = state.agree_ranks and not state.peers_know
+        raise
+    splitter.end_window(state.had_split)
+    for micro in state.micros:
+        micro._backward_done = True
+    window._num_backward = len(state.micros)
+
+
+def _rows(batch: Any, window_index: int, micro_index: int) -> int:
+    """Rows of a micro-batch to be cut into pieces (the dim 0 of its first tensor).
+
+    Raises:
+        ConfigError: nothing in it can be cut: no tensor with a batch dimension in a tensor or
+            a tuple/list/dict of them (an object of the user's, a list of samples).
+    """
+    try:
+        return leading_dim(batch)
+    except ConfigError:
+        pass
+    raise ConfigError(
+        f"on_oom='split' cannot cut micro-batch {micro_index} of window {window_index} (a "
+        f"{type(batch).__name__}) into pieces: it needs a tensor, or a tuple/list/dict of tensors "
+        "with the batch dimension first (collate the samples into one, e.g. with "
+        "torch.utils.data.default_collate), or use on_oom='raise'"
+    )
+
+
+def _refuse_collective_forward(model: torch.nn.Module) -> None:
+    """Pieces run on one rank only, so under DDP a forward pass must not communicate.
+
+    Raises:
+        ConfigError: ``model`` (a ``DistributedDataParallel``) broadcasts its module's buffers at
+            every forward (``broadcast_buffers=True``, torch's default, and the module has
+            buffers), or the module has a ``SyncBatchNorm`` in training mode (it gathers
+            statistics from every rank at every forward).
+    """
+    remedy = "or use on_oom='raise'"
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    if isinstance(model, DistributedDataParallel) and model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
+        name = next(iter(model.named_module_buffers), "")  # the buffers DDP broadcasts
+        raise ConfigError(
+            "on_oom='split' runs the pieces of a split micro-batch on one rank only, but this "
+            f"DistributedDataParallel broadcasts the model's buffers (such as {name!r}) from "
+            "rank 0 at every forward pass, which the other ranks would not join; construct it "
+            "with DistributedDataParallel(model, broadcast_buffers=False) (from torch 2.13: "
+            "forward_sync_buffers=False); buffers such as BatchNorm statistics then stay per "
+            f"rank; {remedy}"
+        )
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.SyncBatchNorm) and layer.training:
+            raise ConfigError(
+                "on_oom='split' runs the pieces of a split micro-batch on one rank only, but "
+                f"the model's SyncBatchNorm layer {name!r} gathers statistics from every rank at "
+                f"every forward pass in training mode; use BatchNorm instead, {remedy}"
+            )
+
+
+def _cuts(start: int, stop: int, size: int, min_rows: int) -> list[tuple[int, int]]:
+    """Rows ``[start:stop)`` cut into pieces ``(first, end)`` of ``size`` rows (the last fewer),
+    none below ``min_rows`` where the rows allow: a last piece that is too short takes rows from
+    the one before (8 rows by 3, at least 2: 3, 3, 2; 7 by 3: 3, 2, 2), or, when that one cannot
+    spare them, joins it (5 by 2: 2, 3).
+    """
+    bounds = [*range(start, stop, size), stop]
+    pieces = list(zip(bounds, bounds[1:], strict=False))
+    if len(pieces) > 1 and stop - pieces[-1][0] < min_rows:
+        first = pieces[-2][0]
+        cut = stop - min_rows  # where the last piece would start with min_rows rows
+        pieces[-2:] = [(first, cut), (cut, stop)] if cut - first >= min_rows else [(first, stop)]
+    return pieces
+
+
+def _batch_norm(model: torch.nn.Module, *, wrapped: bool) -> tuple[str, torch.nn.Module] | None:
+    """The first layer that normalises with its batch's statistics (any BatchNorm in training
+    mode, or without running statistics), with its name; None when there is none. A piece of 1
+    sample gives such a layer 1 value per channel (an ``(N, C)`` input), which torch refuses."""
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and (module.training or module.running_mean is None):
+            return (name.removeprefix("module.") if wrapped else name), module
+    return None
+
+
+def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
+    """Rows ``[start:stop)`` of every tensor in ``batch`` whose dim 0 is ``rows`` (views); a
+    mapping that is not a dict (``BatchEncoding``) keeps its type."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == rows:
+            return leaf[start:stop]
+        return leaf
+
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        # Hugging Face's BatchEncoding, a UserDict: cut its dict, and give the piece its type
+        # back (code reads batch.input_ids), when that type can be built from a dict.
+        pieces = tree_map(cut, dict(batch))
+        kind: Callable[[dict[Any, Any]], Any] = type(batch)
+        try:
+            return kind(pieces)
+        except Exception:  # noqa: BLE001 - a mapping type that cannot: the dict serves
+            return pieces
+    return tree_map(cut, batch)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _abort(group: dist.ProcessGroup | None) -> None:
+    """Close this rank's connections so that peers waiting in a collective fail at once."""
+    target = group if group is not None else dist.group.WORLD
+    abort = getattr(target, "abort", None)
+    try:
+        if callable(abort):
+            abort()
+        else:
+            dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
+        logger.exception("could not abort the process group after an OOM in backward")
+
+
+def _total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return 0
+
+
+def _static_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, their gradients and the optimizer's state tensors."""
+    total = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            total += param.numel() * param.element_size() * (1 if param.grad is None else 2)
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+    return total

@@ -1,0 +1,323 @@
+"""The pure search: which size to try next. Synthetic memory curves, exact answers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autobatch.probing.search import (
+    Point,
+    bracket,
+    fit_memory_model,
+    fit_wide_line,
+    next_micro_batch_size,
+    recommended_size,
+    trial_budget,
+)
+from autobatch.profile import MemoryModel
+
+
+def run_search(
+    fixed: int,
+    per_sample: int,
+    capacity: int,
+    prior: MemoryModel | None,
+    *,
+    limit: int = 1 << 20,
+    optimizer_peak: int = 0,
+) -> list[Point]:
+    """Drive the search against peak(n) = max(optimizer_peak, fixed + per_sample * n) after a
+    warm-up at 1 (no peak, as in the probe); an OOM gives no peak, as on a real device."""
+    first_fits = max(optimizer_peak, fixed + per_sample) <= capacity
+    points = [Point(micro_batch_size=1, fits=first_fits, warm_up=True)]
+    size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
+    while size is not None:
+        assert size not in {p.micro_batch_size for p in points}, "a size was tried twice"
+        peak = max(optimizer_peak, fixed + per_sample * size)
+        fits = peak <= capacity
+        points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=peak if fits else 0))
+        size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
+        assert len(points) < 80
+    return points
+
+
+def true_max(fixed: int, per_sample: int, capacity: int, limit: int = 1 << 20) -> int:
+    return max(0, min(limit, (capacity - fixed) // per_sample))
+
+
+@pytest.mark.parametrize(
+    ("prior_error", "max_trials", "max_ooms"),
+    [
+        (0.0, 3, 1),  # exact prior: warm-up, the answer, one above
+        (0.05, 4, 1),  # prior 5% pessimistic: one extra trial
+        (-0.05, 5, 2),  # prior 5% optimistic: one miss, then a measured line
+        (0.5, 4, 1),
+        (-0.5, 6, 3),
+        (3.0, 4, 1),
+    ],
+)
+def test_prior_guided_search_finds_the_exact_max(
+    prior_error: float, max_trials: int, max_ooms: int
+) -> None:
+    prior = MemoryModel(fixed_bytes=1_000, bytes_per_sample=int(100 * (1 + prior_error)))
+    points = run_search(1_000, 100, 1_000_000, prior, optimizer_peak=1_500)
+    assert bracket(points)[0] == true_max(1_000, 100, 1_000_000) == 9_990
+    assert len(points) <= max_trials
+    assert sum(not p.fits for p in points) <= max_ooms
+
+
+def test_without_prior_grows_four_fold_then_aims_one_above_the_secant() -> None:
+    # two peaks, a line; a fit at its max would spend the last spare trial, so one above first
+    small = run_search(1_000, 100, 6_000, None, limit=65536)  # max 50
+    assert [p.micro_batch_size for p in small] == [1, 4, 16, 51, 50]
+    large = run_search(1_000, 100, 1_000_000, None, limit=65536)  # max 9990
+    assert [p.micro_batch_size for p in large] == [1, 4, 16, 9991, 9990]
+
+
+def test_flat_peaks_spend_the_spare_trials_on_growth_then_bisect() -> None:
+    # the optimizer step dominates up to 99: no line through 4, 16 and 64
+    points = run_search(1_000, 100, 30_000, None, limit=65536, optimizer_peak=10_000)
+    sizes = [p.micro_batch_size for p in points]
+    assert sizes[:4] == [1, 4, 16, 64]  # then growth to 256 is moved up to 65537 - 2**15
+    assert sizes[4] == 65537 - 2**15
+    assert bracket(points)[0] == 290
+    assert len(points) - 1 <= trial_budget(65536) == 19
+
+
+def test_stops_at_the_limit_and_never_below_one() -> None:
+    assert bracket(run_search(0, 1, 10**9, None, limit=50))[0] == 50
+    points = run_search(1_000, 100, 1_050, None)
+    assert [p.micro_batch_size for p in points] == [1]  # size 1 does not fit: no size 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fixed=st.integers(0, 10**6),
+    per_sample=st.integers(1, 10**5),
+    capacity=st.integers(1, 10**8),
+    prior_scale=st.one_of(st.none(), st.floats(0.2, 5.0)),
+    limit=st.integers(1, 1 << 16),
+)
+def test_property_always_finds_the_exact_max(
+    fixed: int, per_sample: int, capacity: int, prior_scale: float | None, limit: int
+) -> None:
+    prior = None
+    if prior_scale is not None:
+        prior = MemoryModel(
+            fixed_bytes=fixed, bytes_per_sample=max(1, int(per_sample * prior_scale))
+        )
+    points = run_search(fixed, per_sample, capacity, prior, limit=limit)
+    expected = true_max(fixed, per_sample, capacity, limit)
+    assert bracket(points)[0] == expected
+    assert len(points) - 1 <= trial_budget(limit)  # the warm-up aside
+
+
+def test_secant_through_the_two_latest_measured_points() -> None:
+    points = [
+        Point(micro_batch_size=10, fits=True, peak_bytes=2_000),
+        Point(micro_batch_size=20, fits=True, peak_bytes=3_000),
+    ]
+    model = fit_memory_model(points, prior=None)
+    assert model == MemoryModel(fixed_bytes=1_000, bytes_per_sample=100)
+
+
+def test_the_prior_s_fixed_bytes_are_kept_and_its_slope_replaced_by_a_measured_point() -> None:
+    prior = MemoryModel(fixed_bytes=200, bytes_per_sample=50)
+    measured = [Point(micro_batch_size=8, fits=True, peak_bytes=1_000)]
+    assert fit_memory_model(measured, prior) == MemoryModel(fixed_bytes=200, bytes_per_sample=100)
+    # a peak not above the prior's fixed bytes: the prior's slope through the point
+    below = [Point(micro_batch_size=8, fits=True, peak_bytes=150)]
+    assert fit_memory_model(below, prior) == MemoryModel(fixed_bytes=-250, bytes_per_sample=50)
+    assert fit_memory_model([Point(micro_batch_size=1, fits=True)], prior) == prior
+    assert fit_memory_model([Point(micro_batch_size=1, fits=True)], None) is None
+
+
+def test_the_wide_line_is_not_tilted_by_rounding_between_adjacent_sizes() -> None:
+    def peak(n: int) -> int:  # 1_000 + 300 n, rounded up to 512-byte blocks
+        return -(-(1_000 + 300 * n) // 512) * 512
+
+    points = [
+        Point(micro_batch_size=n, fits=peak(n) <= 1_000_000, peak_bytes=peak(n))
+        for n in (1, 64, 2000, 2001)  # 2000 and 2001 are one 512-byte block apart
+    ]
+    secant = fit_memory_model(points, prior=None)
+    wide = fit_wide_line(points)
+    assert secant is not None and wide is not None
+    assert abs(wide.bytes_per_sample - 300) <= 1  # through 64 and the largest that fits
+    assert abs(wide.peak_bytes(1_000) - peak(1_000)) <= peak(1_000) // 100
+    assert abs(secant.peak_bytes(1_000) - peak(1_000)) > 100_000  # slope 512 from one block
+    assert fit_wide_line(points[:1]) is None
+
+
+def test_recommended_size_keeps_the_margin() -> None:
+    points = [
+        Point(micro_batch_size=1, fits=True, peak_bytes=1_100),
+        Point(micro_batch_size=90, fits=True, peak_bytes=10_000),
+        Point(micro_batch_size=91, fits=False),
+    ]
+    line = MemoryModel(fixed_bytes=1_000, bytes_per_sample=100)
+    # 10% of 10_000 kept free: peak <= 9_000 -> n <= 80
+    assert recommended_size(points, capacity_bytes=10_000, safety_margin=0.1, model=line) == 80
+    assert recommended_size(points, capacity_bytes=10_000, safety_margin=0.0, model=line) == 90
+    assert recommended_size(points, capacity_bytes=10_000, safety_margin=0.99, model=line) == 1
+
+
+# -- safeguards: any monotone failure pattern, whatever the peaks say ------------------------
+
+
+def run_pattern(
+    threshold: int,
+    *,
+    limit: int,
+    peak: Callable[[int], int],
+    capacity: int = 10**9,
+    prior: MemoryModel | None = None,
+    first: int | None = None,
+    warm_up: bool = True,
+) -> list[Point]:
+    """Drive the search as the probe does (warm-up at 1, then the estimate's ``first`` size, then
+    the search) against a step that fails above ``threshold`` (an OOM or a launch limit: no
+    peak) and otherwise reports ``peak(n)``, fitting when that is within ``capacity``."""
+    points: list[Point] = []
+
+    def trial(size: int, *, is_warm_up: bool = False) -> None:
+        assert size not in {p.micro_batch_size for p in points}, "a size was tried twice"
+        assert 1 <= size <= limit
+        ran = size <= threshold
+        measured = peak(size) if ran and not is_warm_up else 0
+        points.append(
+            Point(
+                micro_batch_size=size,
+                fits=ran and measured <= capacity,
+                peak_bytes=measured,
+                warm_up=is_warm_up,
+            )
+        )
+
+    if warm_up:
+        trial(1, is_warm_up=True)
+    tried = {p.micro_batch_size for p in points}
+    size = first if first is not None and first not in tried else None
+    size = size or next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
+    while size is not None:
+        trial(size)
+        size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
+        assert len(points) < 100
+    return points
+
+
+def search_trials(points: list[Point]) -> int:
+    return sum(1 for p in points if not p.warm_up)
+
+
+TINY_PRIOR = MemoryModel(fixed_bytes=1_000, bytes_per_sample=1)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "limit", "max_trials", "max_failures"),
+    [
+        (37, 20_000, 16, 11),  # the issue's stub: once 31 trials, 28 OOMs
+        (1, 20_000, 16, 16),
+        (19_999, 20_000, 16, 2),
+        (20_000, 20_000, 1, 0),
+        (4_095, 4_096, 13, 2),
+        (65_535, 65_536, 17, 2),  # a launch limit at 65536
+    ],
+)
+def test_a_threshold_the_peaks_do_not_predict_is_found_by_bisection(
+    threshold: int, limit: int, max_trials: int, max_failures: int
+) -> None:
+    # peaks stay tiny, so the estimate says every size fits and proposes the limit
+    points = run_pattern(
+        threshold, limit=limit, peak=lambda n: 1_000 + n, prior=TINY_PRIOR, first=limit
+    )
+    assert bracket(points)[0] == threshold
+    assert search_trials(points) <= max_trials <= trial_budget(limit)
+    assert sum(not p.fits for p in points) <= max_failures
+    sizes = [p.micro_batch_size for p in points]
+    creep = [
+        (a, b, c)
+        for a, b, c in zip(sizes, sizes[1:], sizes[2:], strict=False)
+        if a - 1 == b == c + 1
+    ]
+    assert not creep
+
+
+def test_thresholds_1_to_4096_under_a_limit_of_20000() -> None:
+    trials, failures = [], []
+    for threshold in range(1, 4097, 7):
+        points = run_pattern(
+            threshold, limit=20_000, peak=lambda n: 1_000 + n, prior=TINY_PRIOR, first=20_000
+        )
+        assert bracket(points)[0] == threshold
+        trials.append(search_trials(points))
+        failures.append(sum(not p.fits for p in points))
+    assert max(trials) <= trial_budget(20_000) == 18  # once: worst 46 trials
+    assert sum(failures) / len(failures) <= 10  # once: 24 OOMs on average
+
+
+PEAKS = st.sampled_from(["tiny", "linear", "flat", "noisy", "flat_then_steep"])
+
+
+def peak_curve(kind: str, seed: int) -> Callable[[int], int]:
+    if kind == "tiny":
+        return lambda n: 1_000 + n
+    if kind == "linear":
+        return lambda n: 10_000 + 300 * n
+    if kind == "flat":  # no secant through any two points
+        return lambda n: 5 * 10**5
+    if kind == "noisy":  # jitter below the slope: still increasing
+        return lambda n: 1_000 + 300 * n + (n * 2_654_435_761 + seed) % 299
+    return lambda n: max(500_000, 10 * n * n)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 1 << 13),
+    threshold_fraction=st.floats(0, 1),
+    kind=PEAKS,
+    seed=st.integers(0, 10**6),
+    capacity=st.integers(10**4, 10**8),
+    prior_slope=st.one_of(st.none(), st.integers(1, 10**5)),
+    first_fraction=st.one_of(st.none(), st.floats(0, 1)),
+    warm_up=st.booleans(),
+)
+def test_property_any_monotone_pattern_exact_within_the_budget(
+    limit: int,
+    threshold_fraction: float,
+    kind: str,
+    seed: int,
+    capacity: int,
+    prior_slope: int | None,
+    first_fraction: float | None,
+    warm_up: bool,
+) -> None:
+    threshold = max(1 if warm_up else 0, round(threshold_fraction * limit))
+    peak = peak_curve(kind, seed)
+    prior = (
+        None
+        if prior_slope is None
+        else MemoryModel(fixed_bytes=1_000, bytes_per_sample=prior_slope)
+    )
+    first = None if first_fraction is None else max(1, round(first_fraction * limit))
+    points = run_pattern(
+        threshold,
+        limit=limit,
+        peak=peak,
+        capacity=capacity,
+        prior=prior,
+        first=first,
+        warm_up=warm_up,
+    )
+    # the answer: the largest n such that every size up to n runs and fits (the warm-up has no
+    # peak to compare)
+    expected = 0
+    for n in range(1, threshold + 1):
+        if (n > 1 or not warm_up) and peak(n) > capacity:
+            break
+        expected = n
+    assert bracket(points)[0] == expected
+    assert search_trials(points) <= trial_budget(limit)
