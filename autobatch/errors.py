@@ -4,19 +4,25 @@ Every error autobatch raises on purpose derives from :class:`AutobatchError`::
 
     AutobatchError
     ├── ConfigError (also ValueError)  bad argument or input; names the value and the fix
+    │   └── PeerObjectError            a probed step needs another rank's data (faked collectives)
     ├── DeviceUnavailableError         no such device, no NVML/driver, device query failed
     ├── DoesNotFitError                the training step does not fit even at micro-batch 1
     ├── StepFailedError                the user's step failed for a reason other than OOM
+    ├── EstimateUnavailableError       the step cannot run on fake tensors (the probe falls back)
     ├── NoFeasiblePlanError            no (micro-batch, accumulation) split meets the constraints
     ├── StoreError                     the profile store is corrupt, newer, or unwritable
+    │   └── ProfileNotFoundError       no profile has that id (also a KeyError)
     ├── DistributedError               a rank failed or ranks disagreed during a collective probe
     └── ServiceError                   the HTTP service refused or failed a call (client side)
+
+Warnings (``UserWarning``): :class:`ReportWarning` (``autotune(report_to=...)`` could not register
+the profile), :class:`SmallMicroBatchNormWarning` (BatchNorm over small micro-batches).
 
 NVML's exceptions (``pynvml.NVMLError_*``) are translated at the device boundary only
 (``autobatch.device.nvml``), with ``raise ... from exc``. Out-of-memory is classified, not
 translated: :func:`autobatch.device.oom.is_oom` is the one place that decides which exceptions
 (``torch.OutOfMemoryError``, cuBLAS/cuDNN allocation failures, the CPU allocator's) mean OOM, for
-the probe's trials (``autobatch.probing.probe``) and the training loop's splits
+the probe's trials (``autobatch.probing.prober``) and the training loop's splits
 (``autobatch.training.oom_split``); any other exception propagates.
 
 An error that a changed argument would get past carries that change as structured
@@ -47,9 +53,14 @@ __all__ = [
     "DeviceUnavailableError",
     "DistributedError",
     "DoesNotFitError",
+    "EstimateUnavailableError",
     "NoFeasiblePlanError",
+    "PeerObjectError",
+    "ProfileNotFoundError",
     "Remedy",
+    "ReportWarning",
     "ServiceError",
+    "SmallMicroBatchNormWarning",
     "StepFailedError",
     "StoreError",
     "python_wording",
@@ -220,3 +231,45 @@ class ServiceError(AutobatchError):
         super().__init__(message)
         self.status = status
         self.problem = dict(problem or {})
+
+
+class EstimateUnavailableError(AutobatchError):
+    """The step cannot run on fake tensors (an op without a fake kernel, data-dependent control
+    flow, a custom optimizer that cannot be rebuilt). The probe then falls back to doubling."""
+
+
+class ProfileNotFoundError(StoreError, KeyError):
+    """No profile has the given id. Also a ``KeyError``, as for a missing mapping key.
+
+    Attributes:
+        profile_id: the id asked for.
+    """
+
+    def __init__(self, message: str, *, profile_id: str) -> None:
+        super().__init__(message)
+        self.profile_id = profile_id
+
+    def __str__(self) -> str:
+        # KeyError.__str__ would quote the message; show it as every other StoreError does.
+        return str(self.args[0])
+
+
+class PeerObjectError(ConfigError):
+    """While the probe faked the collectives, the step called something that needs the other
+    ranks: an object collective whose receivers need another rank's object, or the creation of
+    a process group (see :func:`autobatch.distributed.fake_backend.process_groups_faked`)."""
+
+
+# Warnings: categories to filter or catch with ``warnings``.
+
+
+class ReportWarning(UserWarning):
+    """``autotune(report_to=...)`` could not register the profile; the plan is still returned."""
+
+
+class SmallMicroBatchNormWarning(UserWarning):
+    """The model has BatchNorm layers in training mode and the micro-batches are small.
+
+    BatchNorm normalises with the statistics of one forward pass, i.e. one micro-batch, so
+    accumulation does not reproduce the large batch's behaviour for those layers.
+    """

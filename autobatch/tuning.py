@@ -44,15 +44,14 @@ from autobatch.planning.limits import stored_profile_source
 from autobatch.planning.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import compiled_mode
-from autobatch.probing.estimate import DEFAULT_LIMIT
+from autobatch.probing.estimator import DEFAULT_LIMIT
 from autobatch.probing.identity import step_identity
 from autobatch.probing.placement import check_placement, model_device
-from autobatch.probing.probe import confirm_micro_batch_size, probe
+from autobatch.probing.prober import confirm_micro_batch_size, probe
 from autobatch.probing.step import LossFn, TrainStep, check_step_arguments
 from autobatch.probing.trials import OnTrial
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
 from autobatch.profiles.cache import (
-    ReportWarning,
     TunedProfile,
     agreed_profile,
     answers_request,
@@ -70,7 +69,6 @@ from autobatch.profiles.store import ProfileStore
 from autobatch.training.oom_split import SplitEvent
 
 __all__ = [
-    "ReportWarning",
     "TunedProfile",
     "Tuning",
     "autotune",

@@ -25,8 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from autobatch import SimulatedDevice
 from autobatch.device import Device
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.step import TrainingStep
+from autobatch.probing import BatchSource, TrainingStep
 from bench._peers import MIB, Case
 
 __all__ = ["LAUNCH_LIMIT", "PATTERNS", "FailsAbove", "Pattern", "true_max"]

@@ -51,10 +51,8 @@ import torch
 import torch.nn.functional as F
 
 import autobatch
-from autobatch.device import Device
-from autobatch.device.oom import is_oom
-from autobatch.probing.batch import BatchSource, batch_tensors
-from autobatch.probing.step import LossFn, TrainingStep
+from autobatch.device import Device, is_oom
+from autobatch.probing import BatchSource, LossFn, TrainingStep, batch_tensors
 from autobatch.profile import Profile
 
 __all__ = [

@@ -46,8 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autobatch.training.accumulator import Accumulator
-from autobatch.training.oom_split import OnOom
+from autobatch.training import Accumulator, OnOom
 
 GRADIENT_ACCUMULATION_STEPS = 4
 MAX_GRAD_NORM = 1.0

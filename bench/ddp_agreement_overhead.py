@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch.training.accumulator import Accumulator
+from autobatch.training import Accumulator
 
 WORLD_SIZE = 2
 GRADIENT_ACCUMULATION_STEPS = 4

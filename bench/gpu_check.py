@@ -9,7 +9,7 @@ estimator's error against measured peaks, in under 8 minutes.
    ``find_executable_batch_size`` (starting at twice the exhaustive max) and the exhaustive scan,
    all on ``cuda:0`` (a :class:`~autobatch.device.cuda.CudaDevice`); see ``bench/_peers.py``.
 3. Estimator error: for each size autobatch measured as fitting, the fake-tensor peak
-   (:class:`autobatch.probing.estimate.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
+   (:class:`autobatch.probing.estimator.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
    ``max_memory_reserved`` of the real step at the same size.
 4. Modern stacks (``bench/_stacks.py``): a torch.compile'd model (inductor; Dynamo frames
    counted, compilation still working after the probe) and an FSDP2 model on a one-rank group,
@@ -50,8 +50,7 @@ import torch
 
 from autobatch import SimulatedDevice
 from autobatch.device import Device
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.estimate import FakeStep
+from autobatch.probing import BatchSource, FakeStep
 from autobatch.profile import Profile
 from bench._peers import (
     GIB,
@@ -330,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
             return 2
-        from autobatch.device.cuda import CudaDevice
+        from autobatch.device import CudaDevice
 
         cases = list(real_cases(args.seq_len))
         total_bytes = torch.cuda.get_device_properties(0).total_memory

@@ -47,9 +47,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch
 
 from autobatch import SimulatedDevice
-from autobatch.device.oom import is_oom
-from autobatch.probing.batch import BatchSource, batch_tensors
-from autobatch.probing.snapshot import resident_tensors
+from autobatch.device import is_oom
+from autobatch.probing import BatchSource, batch_tensors, resident_tensors
 
 MIB = 2**20
 TRAIN_STEPS = 1

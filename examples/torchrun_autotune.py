@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import autobatch
-from autobatch.training.accumulator import Accumulator
+from autobatch import Accumulator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,7 +17,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autobatch
-from autobatch.training.accumulator import Accumulator
+from autobatch import Accumulator
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100  # labels Hugging Face's loss skips

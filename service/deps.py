@@ -19,7 +19,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from autobatch.profiles.store import ProfileStore
+from autobatch.profiles import ProfileStore
 from service.gpus import GpuMonitor
 from service.jobs import JobManager
 from service.metrics import Metrics

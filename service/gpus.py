@@ -26,9 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from autobatch.device import UNKNOWN_MEMORY, GpuInfo
-from autobatch.device.nvml import REASONS, Nvml
-from autobatch.device.visible import NvmlDevice, VisibleDevices
+from autobatch.device import REASONS, UNKNOWN_MEMORY, GpuInfo, Nvml, NvmlDevice, VisibleDevices
 from autobatch.errors import DeviceUnavailableError
 
 __all__ = ["HEALTH_FAILURES", "GpuMonitor", "Inventory", "Reading"]

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile
-from autobatch.profiles.store import ProfileStore
+from autobatch.profiles import ProfileStore
 from service.registry import ModelEntry, Registry, cuda_index
 from service.wording import describe
 
@@ -423,8 +423,7 @@ def _pin_visible_devices() -> None:
     """Make this child's ``cuda:N`` the service's ``cuda_index`` N: CUDA_VISIBLE_DEVICES set to
     the UUIDs of the device set the container was given, in CUDA's order (a privileged pod's
     CUDA would otherwise number every card on the node). Left alone without NVML."""
-    from autobatch.device.nvml import default_nvml
-    from autobatch.device.visible import cuda_visible_devices
+    from autobatch.device import cuda_visible_devices, default_nvml
     from autobatch.errors import DeviceUnavailableError
 
     try:
@@ -471,7 +470,7 @@ def _registered_model(entry: ModelEntry) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from autobatch.models.zoo import ModelSpec
+    from autobatch.models import ModelSpec
 
     module_name, _, function_name = entry.factory.partition(":")
     try:

@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from autobatch.device.nvml import Nvml, default_nvml
-from autobatch.profiles.store import ProfileStore
+from autobatch.device import Nvml, default_nvml
+from autobatch.profiles import ProfileStore
 from service.deps import ServiceState
 from service.gpus import GpuMonitor
 from service.jobs import JobManager

@@ -40,9 +40,9 @@ from autobatch.errors import (
     ConfigError,
     DeviceUnavailableError,
     NoFeasiblePlanError,
+    ProfileNotFoundError,
     StoreError,
 )
-from autobatch.profiles.store import ProfileNotFoundError
 from service.jobs import QueueFullError, UnknownJobError, UnknownModelError
 from service.wording import describe
 

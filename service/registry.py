@@ -49,7 +49,7 @@ from pydantic import (
 
 from autobatch.device import parse_device
 from autobatch.errors import ConfigError
-from autobatch.planning.planner import largest_useful_micro_batch_size
+from autobatch.planning import largest_useful_micro_batch_size
 
 __all__ = ["DeviceName", "InputSpec", "ModelEntry", "Registry", "load_registry"]
 

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from autobatch.planning.planner import MAX_GRADIENT_ACCUMULATION_STEPS
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
 from service.registry import DeviceName
 

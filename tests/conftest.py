@@ -161,7 +161,7 @@ def exhaustive_max(case: ModelCase, capacity_bytes: int, *, limit: int = 4096) -
 @pytest.fixture
 def sim_capacity_for() -> Callable[[ModelCase, int], int]:
     """Capacity (bytes) at which ``case`` fits about ``target`` samples, from the estimator."""
-    from autobatch.probing.estimate import FakeStep
+    from autobatch.probing.estimator import FakeStep
 
     def capacity(case: ModelCase, target: int) -> int:
         model, sample, optimizer = case.build()

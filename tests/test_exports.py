@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -33,10 +35,10 @@ def test_all_is_sorted_and_names_every_export() -> None:
 
 
 def test_modules_are_named_apart_from_their_functions() -> None:
-    # ``import autobatch.probing.probe as m`` is the module (patching ``m.x`` patches the
+    # ``import autobatch.probing.prober as m`` is the module (patching ``m.x`` patches the
     # module), and importing the submodules does not hide the functions of the package.
     out = run_python(
-        "import autobatch.probing.probe as p, autobatch.probing.estimate as e,"
+        "import autobatch.probing.prober as p, autobatch.probing.estimator as e,"
         " autobatch.tuning as t;"
         "import autobatch;"
         "print(*(type(m).__name__ for m in (p, e, t)),"
@@ -45,19 +47,106 @@ def test_modules_are_named_apart_from_their_functions() -> None:
     assert out.split() == ["module"] * 3 + ["function"] * 3
 
 
-def test_submodules_are_attributes_after_a_plain_import() -> None:
-    out = run_python(
-        "import autobatch, sys;"
-        "print(autobatch.planning.__name__, autobatch.profiles.__name__,"
-        " 'torch' in sys.modules,"
-        "autobatch.probing.__name__)"
+PUBLIC = [
+    "Accumulator",
+    "AutobatchError",
+    "ConfigError",
+    "DeviceUnavailableError",
+    "DistributedError",
+    "DoesNotFitError",
+    "EstimateUnavailableError",
+    "NoFeasiblePlanError",
+    "Plan",
+    "ProcessGroupConsensus",
+    "Profile",
+    "ProfileStore",
+    "ServiceError",
+    "SimulatedDevice",
+    "SplitEvent",
+    "StepFailedError",
+    "StoreError",
+    "autotune",
+    "estimate",
+    "format_bytes",
+    "parse_bytes",
+    "plan",
+    "plan_world_sizes",
+    "probe",
+    "resolve_device",
+    "split_recorder",
+    "tune",
+    "worst_case_sample",
+]
+
+# What the service, the benchmarks, the examples and the docs may import: the package, its
+# documented namespaces, and each layer's face. Modules inside a layer are private.
+FACES = {
+    "autobatch",
+    "autobatch.cli",
+    "autobatch.client",
+    "autobatch.device",
+    "autobatch.distributed",
+    "autobatch.errors",
+    "autobatch.integrations",
+    "autobatch.integrations.accelerate",
+    "autobatch.integrations.hf",
+    "autobatch.integrations.lightning",
+    "autobatch.models",
+    "autobatch.planning",
+    "autobatch.probing",
+    "autobatch.profile",
+    "autobatch.profiles",
+    "autobatch.training",
+    "autobatch.tuning",
+    "autobatch.units",
+}
+
+
+def test_the_public_surface_is_pinned_and_small() -> None:
+    assert autobatch.__all__ == PUBLIC
+    assert len(PUBLIC) <= 30
+
+
+def test_no_submodule_is_a_package_attribute_by_fallback() -> None:
+    # A name outside __all__ is an AttributeError, not a silently imported submodule.
+    done = subprocess.run(
+        [sys.executable, "-c", "import autobatch; autobatch.planning"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    assert out.split() == [
-        "autobatch.planning",
-        "autobatch.profiles",
-        "False",
-        "autobatch.probing",
-    ]
+    assert done.returncode == 1
+    assert "module 'autobatch' has no attribute 'planning'" in done.stderr
+
+
+@pytest.mark.parametrize("face", sorted(FACES - {"autobatch"}))
+def test_every_face_exports_sorted_names_that_resolve(face: str) -> None:
+    module = importlib.import_module(face)
+    names = list(module.__all__)
+    assert names == sorted(names, key=lambda n: (not n.isupper(), n)) or names == sorted(names)
+    for name in names:
+        assert getattr(module, name) is not None, (face, name)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.split(".")[0] == "autobatch"}
+
+
+def test_service_bench_and_examples_import_only_public_faces() -> None:
+    offenders = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for folder in ("service", "bench", "examples")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for module in _imported_modules(path)
+        if module not in FACES
+    }
+    assert not offenders, sorted(offenders)
 
 
 def test_type_checkers_see_the_exports_and_flag_misspellings(tmp_path: Path) -> None:
@@ -104,8 +193,9 @@ def test_planning_the_service_and_the_client_do_not_import_torch() -> None:
     # each full garbage collection walk torch's ~200,000 objects (p99 latency).
     out = run_python(
         "import sys, autobatch;"
-        "from autobatch import plan, Profile, ProfileStore, deepspeed_config, parse_bytes;"
-        "import autobatch.client.http, service.main;"
+        "from autobatch import plan, Profile, ProfileStore, parse_bytes;"
+        "from autobatch.integrations import deepspeed_config;"
+        "import autobatch.client, service.main;"
         "service.main.create_app;"
         "print('torch' in sys.modules)"
     )

@@ -156,7 +156,9 @@ def test_a_service_that_cannot_take_the_report_warns_and_the_plan_is_returned(
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with pytest.warns(autobatch.ReportWarning, match="could not register the profile") as caught:
+    with pytest.warns(
+        autobatch.errors.ReportWarning, match="could not register the profile"
+    ) as caught:
         plan = autotune(
             mlp(),
             (torch.randn(2, 64), torch.randint(0, 10, (2,))),

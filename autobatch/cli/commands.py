@@ -163,7 +163,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.probing.estimate import estimate
+    from autobatch.probing.estimator import estimate
 
     spec = _load(args)
     profile = estimate(

@@ -3,7 +3,7 @@
 Problem details from the server become autobatch errors in one place, :func:`_raise_for_problem`:
 validation and planning errors :class:`~autobatch.errors.ConfigError` /
 :class:`~autobatch.errors.NoFeasiblePlanError`, an unknown profile
-:class:`~autobatch.profiles.store.ProfileNotFoundError`, an unavailable store or GPU
+:class:`~autobatch.errors.ProfileNotFoundError`, an unavailable store or GPU
 :class:`~autobatch.errors.StoreError` / :class:`~autobatch.errors.DeviceUnavailableError`;
 everything else (401, 409, 5xx, connection failures) :class:`ServiceError`.
 
@@ -31,12 +31,12 @@ from autobatch.errors import (
     ConfigError,
     DeviceUnavailableError,
     NoFeasiblePlanError,
+    ProfileNotFoundError,
     ServiceError,
     StoreError,
 )
 from autobatch.planning.planner import Plan, Uneven, WorldSizeOption
 from autobatch.profile import MemoryModel, Profile
-from autobatch.profiles.store import ProfileNotFoundError
 
 __all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError", "report_profile"]
 

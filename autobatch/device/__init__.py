@@ -1,10 +1,15 @@
 """The device boundary: everything the probe knows about memory goes through :class:`Device`.
 
-Implementations: :class:`~autobatch.device.cuda.CudaDevice` (torch allocator statistics and
-NVML), :class:`~autobatch.device.cpu.CpuDevice` (real allocation failures) and
-:class:`~autobatch.device.simulated.SimulatedDevice` (real step on the CPU, live tensor bytes
+Implementations: :class:`CudaDevice` (torch allocator statistics and NVML), :class:`CpuDevice`
+(real allocation failures) and :class:`SimulatedDevice` (real step on the CPU, live tensor bytes
 counted against a capacity, torch's ``OutOfMemoryError`` raised like the CUDA allocator does).
-Foreign exceptions are classified in one place, :mod:`autobatch.device.oom`.
+Foreign exceptions are classified in one place (``oom.is_oom``); NVML is read in one module
+(``nvml``, the only one importing ``pynvml``), over the device set the process was given
+(``visible``).
+
+This face is what other layers, the service and the benchmarks import. The types and parsing
+import eagerly; NVML, the devices and ``is_oom`` on first use (importing ``autobatch`` neither
+loads NVML nor torch, and the service lists GPUs without torch).
 
 Example::
 
@@ -14,235 +19,70 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from autobatch.errors import ConfigError
+from autobatch.device.resolve import ParsedDevice, parse_device, resolve_device
+from autobatch.device.types import (
+    UNKNOWN_MEMORY,
+    Capacity,
+    Device,
+    GpuInfo,
+    MemoryInfo,
+    MemorySource,
+    PeakMemory,
+)
 
 if TYPE_CHECKING:
-    import torch
+    from autobatch.device.cpu import CpuDevice
+    from autobatch.device.cuda import CudaDevice
+    from autobatch.device.nvml import REASONS, Nvml, default_nvml, list_gpus
+    from autobatch.device.oom import is_oom
+    from autobatch.device.simulated import SimulatedDevice
+    from autobatch.device.visible import NvmlDevice, VisibleDevices, cuda_visible_devices
 
 __all__ = [
+    "REASONS",
     "UNKNOWN_MEMORY",
     "Capacity",
+    "CpuDevice",
+    "CudaDevice",
     "Device",
     "GpuInfo",
     "MemoryInfo",
     "MemorySource",
+    "Nvml",
+    "NvmlDevice",
     "ParsedDevice",
     "PeakMemory",
+    "SimulatedDevice",
+    "VisibleDevices",
+    "cuda_visible_devices",
+    "default_nvml",
+    "is_oom",
+    "list_gpus",
     "parse_device",
     "resolve_device",
 ]
 
+_LAZY_EXPORTS = {
+    "CpuDevice": "autobatch.device.cpu",
+    "CudaDevice": "autobatch.device.cuda",
+    "REASONS": "autobatch.device.nvml",
+    "Nvml": "autobatch.device.nvml",
+    "NvmlDevice": "autobatch.device.visible",
+    "SimulatedDevice": "autobatch.device.simulated",
+    "VisibleDevices": "autobatch.device.visible",
+    "cuda_visible_devices": "autobatch.device.visible",
+    "default_nvml": "autobatch.device.nvml",
+    "is_oom": "autobatch.device.oom",
+    "list_gpus": "autobatch.device.nvml",
+}
 
-MemorySource = Literal["nvml", "cuda_runtime", "host", "unknown"]
-"""Where a :class:`MemoryInfo` came from: NVML, ``torch.cuda.mem_get_info`` (the CUDA runtime),
-the host's memory (a unified-memory board), or nowhere (the numbers are None)."""
+if not TYPE_CHECKING:
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryInfo:
-    """A device's memory as the driver reports it, in bytes; None where it is not known.
-
-    A total of 0 from NVML is "unknown", never a capacity of 0: such a reading has
-    ``total_memory_bytes`` None.
-    """
-
-    total_memory_bytes: int | None
-    free_memory_bytes: int | None
-    """Bytes free for new allocations (never computed as total minus used)."""
-    used_memory_bytes: int | None
-    """Bytes used by processes (NVML v2: excluding the driver's reserve)."""
-    reserved_memory_bytes: int | None = None
-    """Bytes the driver reserves for itself (NVML v2 only; None when not reported)."""
-    used_includes_reserved: bool = False
-    """True when ``used`` counts the driver's reserve too (NVML's v1 memory API, the CUDA
-    runtime), so ``reserved_memory_bytes`` is None rather than a measured 0."""
-    memory_source: MemorySource = "nvml"
-    unified_memory: bool = False
-    """The GPU shares the host's memory (e.g. GB10): the numbers are the host's available
-    memory, which the CPU side uses too."""
-
-
-UNKNOWN_MEMORY = MemoryInfo(
-    total_memory_bytes=None,
-    free_memory_bytes=None,
-    used_memory_bytes=None,
-    memory_source="unknown",
-)
-"""The reading of a GPU whose memory neither NVML, the CUDA runtime nor the host reports."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class GpuInfo:
-    """One GPU (or MIG instance) as NVML lists it."""
-
-    nvml_index: int
-    """NVML's index (physical order, ignores ``CUDA_VISIBLE_DEVICES``)."""
-    cuda_index: int | None
-    """The index CUDA gives it in the device set this process was given (``NVIDIA_VISIBLE_DEVICES``,
-    then ``CUDA_VISIBLE_DEVICES``, ordered by ``CUDA_DEVICE_ORDER``); None when not in it."""
-    uuid: str
-    name: str
-    memory: MemoryInfo
-    is_mig: bool = False
-    """True for a MIG instance (its memory is the slice's own)."""
-    parent_uuid: str = ""
-    """For a MIG instance, the UUID of the physical GPU."""
-    mig_profile: str = ""
-    """For a MIG instance, its profile name, e.g. ``"3g.40gb"``."""
-    given: bool = True
-    """In the device set the container was given (``NVIDIA_VISIBLE_DEVICES``). False for the
-    other cards NVML sees in a privileged pod: listed, never planned on."""
-    memory_reason: str = ""
-    """Why ``memory`` is unknown or not NVML's, as a stable reason code (``not_supported``,
-    ``no_permission``, ``gpu_lost``, ``zero_total``...); empty when NVML read it."""
-    memory_detail: str = ""
-    """The message behind ``memory_reason``."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Capacity:
-    """What a probe may use on a device, in bytes."""
-
-    total_memory_bytes: int
-    """The device's total memory."""
-    capacity_bytes: int
-    """Bytes this process may still take: free memory plus what torch already reserved, capped by
-    ``torch.cuda.set_per_process_memory_fraction``."""
-    foreign_memory_bytes: int = 0
-    """Bytes held by other processes (and the driver) at the time of the query."""
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class PeakMemory:
-    """Filled in by :meth:`Device.measure` when its block exits."""
-
-    allocated_bytes: int = 0
-    """Peak bytes of live tensors during the block (including resident ones)."""
-    reserved_bytes: int = 0
-    """Peak bytes the allocator held from the device; equals ``allocated_bytes`` without a cache."""
-
-
-@runtime_checkable
-class Device(Protocol):
-    """A device the probe can measure a training step on.
-
-    ``measure`` brackets one step: it resets peak statistics, and on exit (normal or not) fills the
-    :class:`PeakMemory` it yielded. ``resident`` names the tensors that exist before the step
-    (:func:`autobatch.probing.snapshot.resident_tensors`: parameters, buffers, gradients, optimizer
-    state;
-    not the batch, which the step builds inside the block, so the block counts it); devices that
-    count tensors themselves (simulated) add them to the count, devices with allocator
-    statistics ignore it.
-    """
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def type(self) -> str:
-        """``"cuda"``, ``"cpu"`` or ``"sim"``."""
-        ...
-
-    @property
-    def torch_device(self) -> torch.device: ...
-
-    @property
-    def driver_version(self) -> str: ...
-
-    def capacity(self) -> Capacity: ...
-
-    def measure(self, resident: Sequence[torch.Tensor]) -> AbstractContextManager[PeakMemory]: ...
-
-    def release(self) -> None:
-        """Free what a finished (or failed) step left cached: ``gc.collect()`` first, then the
-        allocator cache; resets peak statistics."""
-        ...
-
-    def synchronize(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ParsedDevice:
-    """A device string understood: ``cuda:N``, ``cpu`` or ``sim:SIZE`` (no torch needed)."""
-
-    type: Literal["cuda", "cpu", "sim"]
-    cuda_index: int | None = None
-    """torch's CUDA index for ``cuda:N`` (``"cuda"`` alone is 0); None otherwise."""
-    capacity_bytes: int | None = None
-    """The simulated card's memory for ``sim:SIZE``, bytes; None otherwise."""
-
-    def __str__(self) -> str:
-        if self.type == "cuda":
-            return f"cuda:{self.cuda_index}"
-        if self.type == "sim":
-            return f"sim:{self.capacity_bytes}"
-        return "cpu"
-
-
-def parse_device(text: str) -> ParsedDevice:
-    """The one parser of device strings, shared by the library, the CLI and the service.
-
-    Args:
-        text: ``"cuda:N"`` (``"cuda"`` is ``"cuda:0"``), ``"cpu"``, or ``"sim:SIZE"`` with a memory
-            size such as ``"sim:2GiB"`` (see :func:`autobatch.units.parse_bytes`); surrounding
-            blanks are ignored.
-
-    Raises:
-        ConfigError: anything else (names the value and the accepted forms).
-    """
-    if not isinstance(text, str):
-        raise ConfigError(
-            f"device {text!r} is not a device; pass 'cuda:N', 'cpu', 'sim:SIZE' or a Device"
-        )
-    kind, sep, rest = text.strip().partition(":")
-    if kind == "sim":
-        from autobatch.units import parse_bytes
-
-        if not rest.strip():
-            raise ConfigError(f"device {text!r}: give the simulated capacity, e.g. 'sim:2GiB'")
-        return ParsedDevice(type="sim", capacity_bytes=parse_bytes(rest.strip()))
-    if kind == "cpu" and not sep:
-        return ParsedDevice(type="cpu")
-    if kind == "cuda":
-        index = rest if sep else "0"
-        if not (index.isascii() and index.isdigit()):
-            raise ConfigError(f"device {text!r}: the CUDA index must be a number, e.g. 'cuda:0'")
-        return ParsedDevice(type="cuda", cuda_index=int(index))
-    raise ConfigError(f"device {text!r} is not understood; use 'cuda:N', 'cpu' or 'sim:SIZE'")
-
-
-def resolve_device(spec: str | Device | None, *, default: torch.device | None = None) -> Device:
-    """Turn ``"cuda:0"``, ``"cpu"``, ``"sim:2GiB"`` (see :func:`parse_device`), a Device, or None
-    into a Device.
-
-    Args:
-        spec: the device. None means ``default`` (typically the model's device).
-        default: used when ``spec`` is None.
-
-    Raises:
-        ConfigError: the spec is not understood (names the value and the accepted forms).
-        DeviceUnavailableError: CUDA was asked for but is not available.
-    """
-    if isinstance(spec, Device):
-        return spec
-    if spec is None:
-        spec = str(default) if default is not None else "cpu"
-    parsed = parse_device(spec)
-    if parsed.type == "sim":
-        from autobatch.device.simulated import SimulatedDevice
-
-        assert parsed.capacity_bytes is not None
-        return SimulatedDevice(capacity_bytes=parsed.capacity_bytes)
-    if parsed.type == "cpu":
-        from autobatch.device.cpu import CpuDevice
-
-        return CpuDevice()
-    from autobatch.device.cuda import CudaDevice
-
-    assert parsed.cuda_index is not None
-    return CudaDevice(cuda_index=parsed.cuda_index)
+    def __getattr__(name: str) -> Any:
+        module = _LAZY_EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'autobatch.device' has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from autobatch.device import Capacity, PeakMemory
 from autobatch.device.live_bytes import LiveBytes
+from autobatch.device.types import Capacity, PeakMemory
 
 __all__ = ["CpuDevice", "read_meminfo"]
 

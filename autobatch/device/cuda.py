@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from autobatch.device import Capacity, GpuInfo, PeakMemory
 from autobatch.device.nvml import Nvml, default_nvml
+from autobatch.device.types import Capacity, GpuInfo, PeakMemory
 from autobatch.errors import DeviceUnavailableError
 
 __all__ = ["CudaDevice", "usable_capacity"]

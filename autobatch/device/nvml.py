@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from autobatch.device import UNKNOWN_MEMORY, GpuInfo, MemoryInfo, MemorySource
+from autobatch.device.types import UNKNOWN_MEMORY, GpuInfo, MemoryInfo, MemorySource
 from autobatch.device.visible import (
     CUDA_VISIBLE_VAR,
     NVIDIA_VISIBLE_VAR,

@@ -19,8 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
-from autobatch.device import Capacity, PeakMemory
 from autobatch.device.live_bytes import LiveBytes
+from autobatch.device.types import Capacity, PeakMemory
 from autobatch.errors import ConfigError
 from autobatch.units import format_bytes
 

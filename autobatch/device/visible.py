@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autobatch.device import GpuInfo, MemoryInfo
+from autobatch.device.types import GpuInfo, MemoryInfo
 
 __all__ = ["NvmlDevice", "VisibleDevices", "cuda_visible_devices", "resolve_visible"]
 

@@ -1,3 +1,25 @@
 """Distributed: the model's parallel layout (``layout``), the probe's consensus across ranks
-(``consensus``), and the fake backend a probe's steps run their collectives on (``fake_backend``).
+(``consensus``), and the fake backend a probe's steps run their collectives on
+(``fake_backend``).
+
+Example::
+
+    from autobatch.distributed import ProcessGroupConsensus
+
+    profile = autobatch.probe(model, sample, consensus=ProcessGroupConsensus())
 """
+
+from __future__ import annotations
+
+from autobatch.distributed.consensus import Consensus, LocalConsensus, ProcessGroupConsensus
+from autobatch.distributed.fake_backend import process_groups_faked
+from autobatch.distributed.layout import collective_layout, data_parallel_size
+
+__all__ = [
+    "Consensus",
+    "LocalConsensus",
+    "ProcessGroupConsensus",
+    "collective_layout",
+    "data_parallel_size",
+    "process_groups_faked",
+]

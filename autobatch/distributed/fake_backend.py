@@ -45,10 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autobatch.errors import ConfigError, DistributedError
+from autobatch.errors import DistributedError, PeerObjectError
 
 __all__ = [
-    "PeerObjectError",
     "groups_faked",
     "process_groups_faked",
     "reset_fsdp2",
@@ -78,12 +77,6 @@ _GROUP_REFUSAL = (
 
 _DEPTH = 0
 """How many :func:`process_groups_faked` blocks are open (nested ones included)."""
-
-
-class PeerObjectError(ConfigError):
-    """While the probe faked the collectives, the step called something that needs the other
-    ranks: an object collective whose receivers need another rank's object, or the creation of
-    a process group (see :func:`process_groups_faked`)."""
 
 
 @contextmanager

@@ -241,8 +241,8 @@ def _checkpointing(model: torch.nn.Module, args: Any) -> Iterator[None]:
 def _worst_case_sample(trainer: Any, device: torch.device) -> Any:
     """The Trainer's data collator over the longest rows of its train dataset (with the columns
     its dataloader drops already dropped), on ``device``: a
-    :class:`~autobatch.WorstCaseSample` (the profile notes the length probed), or the collated
-    first rows of an iterable dataset."""
+    :class:`~autobatch.probing.worst_case.WorstCaseSample` (the profile notes the length probed),
+    or the collated first rows of an iterable dataset."""
     if trainer.train_dataset is None:
         raise ConfigError("the Trainer has no train_dataset; pass train_dataset=... or sample=...")
     with preserved_rng():

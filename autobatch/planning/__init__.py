@@ -3,4 +3,39 @@
 ``planner`` splits an effective batch into micro-batches and accumulation steps; ``limits``
 resolves what a plan's limit is (a number, a profile, a memory line and a capacity); ``splits`` is
 the search over splits; ``prediction`` predicts the largest micro-batch past what was measured.
+This face is what other layers and the service import.
+
+Example::
+
+    from autobatch.planning import plan
+
+    plan(24, effective_batch_size=64).micro_batch_size    # 16
 """
+
+from __future__ import annotations
+
+from autobatch.planning.limits import DEFAULT_SAFETY_MARGIN, PlanSource, stored_profile_source
+from autobatch.planning.planner import (
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    Plan,
+    Uneven,
+    WorldSizeOption,
+    largest_useful_micro_batch_size,
+    plan,
+    plan_world_sizes,
+)
+from autobatch.planning.prediction import Prediction
+
+__all__ = [
+    "DEFAULT_SAFETY_MARGIN",
+    "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "Plan",
+    "PlanSource",
+    "Prediction",
+    "Uneven",
+    "WorldSizeOption",
+    "largest_useful_micro_batch_size",
+    "plan",
+    "plan_world_sizes",
+    "stored_profile_source",
+]

@@ -2,5 +2,36 @@
 
 ``probe`` runs the search over real trials (``trials``, steered by the pure ``search``), after an
 estimate on fake tensors (``estimate``); ``step`` and ``batch`` say how a sample becomes a step;
-``snapshot`` leaves no trace; ``identity`` is what a profile is stored under.
+``snapshot`` leaves no trace; ``identity`` is what a profile is stored under. This face is what
+other layers and the benchmarks import (the benchmarks run peers over the same step).
+
+Example::
+
+    from autobatch.probing import BatchSource, TrainingStep
+
+    step = TrainingStep(model, optimizer, loss_fn=loss_fn)
+    step.run(BatchSource.from_sample(sample).make(8))
 """
+
+from __future__ import annotations
+
+from autobatch.probing.batch import BatchSource, batch_tensors
+from autobatch.probing.estimator import FakeStep, estimate
+from autobatch.probing.prober import probe
+from autobatch.probing.snapshot import resident_tensors
+from autobatch.probing.step import LossFn, TrainingStep, TrainStep
+from autobatch.probing.worst_case import WorstCaseSample, worst_case_sample
+
+__all__ = [
+    "BatchSource",
+    "FakeStep",
+    "LossFn",
+    "TrainStep",
+    "TrainingStep",
+    "WorstCaseSample",
+    "batch_tensors",
+    "estimate",
+    "probe",
+    "resident_tensors",
+    "worst_case_sample",
+]

@@ -1,7 +1,7 @@
 """The probe's trials: one real step at a micro-batch size, measured, classified and agreed.
 
 :class:`TrialRunner` holds one probe's state (the step, the points and trials so far, the notes)
-and runs its trials; :class:`autobatch.probing.probe._Probe` builds the search on it. A trial's
+and runs its trials; :class:`autobatch.probing.prober._Probe` builds the search on it. A trial's
 :class:`Outcome` is classified right where the step raised (:func:`autobatch.device.oom.is_oom`),
 the ranks agree on the worst through a :class:`~autobatch.distributed.consensus.Consensus`, and
 after a
@@ -100,7 +100,7 @@ class _Agreed:
 
 
 class TrialRunner:
-    """One probe's state and its trials; the search (:class:`autobatch.probing.probe._Probe`) is
+    """One probe's state and its trials; the search (:class:`autobatch.probing.prober._Probe`) is
     built
     on it. Not public: use :func:`autobatch.probe`."""
 

@@ -22,13 +22,12 @@ import warnings
 from collections.abc import Callable
 
 from autobatch.distributed.consensus import ProcessGroupConsensus
-from autobatch.errors import AutobatchError
+from autobatch.errors import AutobatchError, ReportWarning
 from autobatch.profile import Profile
 from autobatch.profiles.store import ProfileStore
 
 __all__ = [
     "CAPACITY_TOLERANCE",
-    "ReportWarning",
     "TunedProfile",
     "agreed_profile",
     "answers_request",
@@ -117,10 +116,6 @@ def agreed_profile(
             opened[0].close()
 
 
-class ReportWarning(UserWarning):
-    """``autotune(report_to=...)`` could not register the profile; the plan is still returned."""
-
-
 def report_profile_to(report_to: str | None, profile: Profile) -> None:
     """Register a newly probed profile with the service at ``report_to`` (if any).
 
@@ -138,7 +133,7 @@ def report_profile_to(report_to: str | None, profile: Profile) -> None:
         warnings.warn(
             f"could not register the profile with the autobatch service at {report_to}: {exc}. "
             "The plan is returned and the profile is in the local store; send it later with "
-            "autobatch.client.http.report_profile(url, profile), or probe again with refresh=True",
+            "autobatch.client.report_profile(url, profile), or probe again with refresh=True",
             ReportWarning,
             stacklevel=_outside_autobatch(),
         )

@@ -12,7 +12,7 @@ calls read it from the store; with ``report_to`` the service gets it too) and th
 a normal probe runs instead, and the profile's notes and the ``autobatch`` logger say so.
 
 Imports no torch: the trial is the caller's
-(:func:`autobatch.probing.probe.confirm_micro_batch_size`).
+(:func:`autobatch.probing.prober.confirm_micro_batch_size`).
 
 Example::
 
@@ -129,7 +129,7 @@ def confirm_on_arrival(
     Args:
         found: from :func:`find_prediction`.
         run_trial: one real trial at a size with the prediction's line (warm-up included), e.g.
-            :func:`autobatch.probing.probe.confirm_micro_batch_size` bound to the model and device.
+            :func:`autobatch.probing.prober.confirm_micro_batch_size` bound to the model and device.
     """
     size = found.micro_batch_size
     origin = (

@@ -39,13 +39,12 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from autobatch.errors import ConfigError, StoreError
+from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 
 __all__ = [
     "STORE_ENV_VAR",
     "STORE_SCHEMA_VERSION",
-    "ProfileNotFoundError",
     "ProfileStore",
     "default_store_path",
 ]
@@ -108,22 +107,6 @@ def default_store_path() -> pathlib.Path:
     if not cache_home or not os.path.isabs(cache_home):
         cache_home = str(pathlib.Path.home() / ".cache")
     return pathlib.Path(cache_home) / "autobatch" / "profiles.sqlite3"
-
-
-class ProfileNotFoundError(StoreError, KeyError):
-    """No profile has the given id. Also a ``KeyError``, as for a missing mapping key.
-
-    Attributes:
-        profile_id: the id asked for.
-    """
-
-    def __init__(self, message: str, *, profile_id: str) -> None:
-        super().__init__(message)
-        self.profile_id = profile_id
-
-    def __str__(self) -> str:
-        # KeyError.__str__ would quote the message; show it as every other StoreError does.
-        return str(self.args[0])
 
 
 class ProfileStore:

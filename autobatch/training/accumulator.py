@@ -56,7 +56,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
-from autobatch.errors import ConfigError, DistributedError
+from autobatch.errors import ConfigError, DistributedError, SmallMicroBatchNormWarning
 from autobatch.training.counting import as_count, leading_dim
 from autobatch.training.oom_split import (
     DEFAULT_OOM_RETRY_WINDOWS,
@@ -71,7 +71,6 @@ __all__ = [
     "SMALL_MICRO_BATCH_FOR_BATCH_NORM",
     "Accumulator",
     "MicroStep",
-    "SmallMicroBatchNormWarning",
     "StepStats",
     "Window",
 ]
@@ -87,14 +86,6 @@ _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `o
 
 # Re-entrant and reusable: the sync context of every micro-step that needs none.
 _NO_CONTEXT = contextlib.nullcontext()
-
-
-class SmallMicroBatchNormWarning(UserWarning):
-    """The model has BatchNorm layers in training mode and the micro-batches are small.
-
-    BatchNorm normalises with the statistics of one forward pass, i.e. one micro-batch, so
-    accumulation does not reproduce the large batch's behaviour for those layers.
-    """
 
 
 class StepStats:

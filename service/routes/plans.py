@@ -22,12 +22,17 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
-from autobatch.errors import ConfigError, DeviceUnavailableError
-from autobatch.integrations.configs import deepspeed_config, hf_training_arguments, lightning_config
-from autobatch.planning.limits import PlanSource, stored_profile_source
-from autobatch.planning.planner import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, plan, plan_world_sizes
+from autobatch.errors import ConfigError, DeviceUnavailableError, ProfileNotFoundError
+from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
+from autobatch.planning import (
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    Plan,
+    PlanSource,
+    plan,
+    plan_world_sizes,
+    stored_profile_source,
+)
 from autobatch.profile import MemoryModel, Profile
-from autobatch.profiles.store import ProfileNotFoundError
 from autobatch.units import format_bytes
 from service.deps import service_state
 from service.gpus import GpuMonitor

@@ -8,8 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
+from autobatch.errors import ProfileNotFoundError
 from autobatch.profile import Profile
-from autobatch.profiles.store import ProfileNotFoundError
 from service.deps import StateDep
 from service.problems import problem_responses, unknown_profile
 from service.routing import JsonBodyRoute

@@ -11,7 +11,7 @@ from autobatch.device.cpu import CpuDevice
 from autobatch.device.live_bytes import LiveBytes
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.probing.probe import probe
+from autobatch.probing.prober import probe
 
 
 def test_live_bytes_counts_each_storage_once_and_forgets_freed_ones() -> None:

@@ -16,7 +16,7 @@ from autobatch.device.simulated import SimulatedDevice
 from autobatch.distributed.consensus import ProcessGroupConsensus, process_group_consensus
 from autobatch.errors import DistributedError
 from autobatch.probing.batch import BatchSource
-from autobatch.probing.estimate import FakeStep
+from autobatch.probing.estimator import FakeStep
 from autobatch.profile import Trial
 from autobatch.profiles.store import ProfileStore
 from tests.conftest import MODEL_CASES, spawn_and_wait

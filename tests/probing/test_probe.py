@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError, DoesNotFitError, StepFailedError
 from autobatch.probing.batch import BatchSource
-from autobatch.probing.probe import probe
+from autobatch.probing.prober import probe
 from autobatch.probing.step import TrainingStep
 from tests.conftest import ModelCase, exhaustive_max
 

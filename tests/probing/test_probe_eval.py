@@ -14,7 +14,7 @@ from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
 from autobatch.integrations.configs import hf_training_arguments
 from autobatch.planning.planner import plan
-from autobatch.probing.probe import probe
+from autobatch.probing.prober import probe
 from autobatch.profile import Profile
 from autobatch.tuning import tune
 from service.schemas import ProfileCreate

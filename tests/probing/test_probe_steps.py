@@ -8,7 +8,7 @@ import torch
 
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.probing.probe import MAX_WARM_UP_CALLS, probe
+from autobatch.probing.prober import MAX_WARM_UP_CALLS, probe
 from tests.probing.test_probe import UNIT, Moments, Toy, assert_same_state, state_of
 
 CAPACITY_BYTES = 100 * UNIT * 4 + UNIT * 2

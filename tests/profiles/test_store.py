@@ -14,14 +14,9 @@ from typing import Any
 
 import pytest
 
-from autobatch.errors import ConfigError, StoreError
+from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
-from autobatch.profiles.store import (
-    STORE_SCHEMA_VERSION,
-    ProfileNotFoundError,
-    ProfileStore,
-    default_store_path,
-)
+from autobatch.profiles.store import STORE_SCHEMA_VERSION, ProfileStore, default_store_path
 
 GIB = 2**30
 

@@ -10,9 +10,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.client.http import AutobatchClient, ServiceError, report_profile
-from autobatch.errors import ConfigError, NoFeasiblePlanError
+from autobatch.errors import ConfigError, NoFeasiblePlanError, ProfileNotFoundError
 from autobatch.profile import MemoryModel
-from autobatch.profiles.store import ProfileNotFoundError
 from tests.helpers.fake_pynvml import GiB
 from tests.service.conftest import A100_UUID
 from tests.service.test_service_api import make_profile

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import autobatch.training.accumulator as accumulate_module
-from autobatch.errors import ConfigError
-from autobatch.training.accumulator import Accumulator, SmallMicroBatchNormWarning, StepStats
+from autobatch.errors import ConfigError, SmallMicroBatchNormWarning
+from autobatch.training.accumulator import Accumulator, StepStats
 
 F64 = torch.float64
 

@@ -490,9 +490,7 @@ def test_full_batch_grad_helper_agrees_with_the_split_run() -> None:
 # -- BatchNorm: a piece of 1 sample has 1 value per channel, which torch refuses in training -----
 
 # The tests' micro-batches are small on purpose; the Accumulator warns of that once per loop.
-quiet_norm = pytest.mark.filterwarnings(
-    "ignore::autobatch.training.accumulator.SmallMicroBatchNormWarning"
-)
+quiet_norm = pytest.mark.filterwarnings("ignore::autobatch.errors.SmallMicroBatchNormWarning")
 
 
 class NormModel(nn.Module):

@@ -32,7 +32,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autobatch.device.live_bytes import LiveBytes
-from autobatch.errors import AutobatchError, ConfigError
+from autobatch.errors import ConfigError, EstimateUnavailableError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import eager, is_compiled
 from autobatch.probing.identity import now_iso, step_identity
@@ -49,7 +49,6 @@ from autobatch.profile import Profile, StepIdentity, Trial
 __all__ = [
     "DEFAULT_LIMIT",
     "check_search_arguments",
-    "EstimateUnavailableError",
     "FakeStep",
     "estimate",
     "estimate_points",
@@ -62,11 +61,6 @@ DEFAULT_LIMIT = 1 << 16
 
 FIRST_LARGE_SIZE = 64
 """Second size the estimator traces, large enough that activations usually dominate the peak."""
-
-
-class EstimateUnavailableError(AutobatchError):
-    """The step cannot run on fake tensors (an op without a fake kernel, data-dependent control
-    flow, a custom optimizer that cannot be rebuilt). The probe then falls back to doubling."""
 
 
 def optimizer_factory(

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from autobatch.errors import DoesNotFitError
 from autobatch.probing.batch import BatchSource
-from autobatch.probing.estimate import FakeStep, estimate
+from autobatch.probing.estimator import FakeStep, estimate
 from autobatch.probing.snapshot import resident_tensors
 from autobatch.probing.step import TrainingStep
 from tests.conftest import ModelCase

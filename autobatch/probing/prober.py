@@ -2,7 +2,7 @@
 
 1. **Capacity** from the device (CUDA: NVML free + torch reserved, capped by the per-process
    fraction; simulated: its capacity less foreign bytes).
-2. **Estimate** on fake tensors (:mod:`autobatch.probing.estimate`): a predicted size and a memory
+2. **Estimate** on fake tensors (:mod:`autobatch.probing.estimator`): a predicted size and a memory
 line,
    with nothing allocated. When the step cannot run on fake tensors the probe says so in the
    profile's notes and falls back to doubling-then-bisect.
@@ -43,14 +43,13 @@ import torch
 
 from autobatch.device import Capacity, Device, resolve_device
 from autobatch.distributed.consensus import Consensus, LocalConsensus
-from autobatch.distributed.fake_backend import PeerObjectError, process_groups_faked, reshard_fsdp2
+from autobatch.distributed.fake_backend import process_groups_faked, reshard_fsdp2
 from autobatch.distributed.layout import collective_layout
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import eager
-from autobatch.probing.estimate import (
+from autobatch.probing.estimator import (
     DEFAULT_LIMIT,
-    EstimateUnavailableError,
     FakeStep,
     check_search_arguments,
     estimate_points,
