@@ -38,26 +38,21 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.device import Device, resolve_device
-from autobatch.distributed.consensus import process_group_consensus
+from autobatch.distributed.consensus import (
+    LocalConsensus,
+    ProcessGroupConsensus,
+    process_group_consensus,
+)
 from autobatch.distributed.layout import data_parallel_size as _data_parallel_size
 from autobatch.planning.limits import stored_profile_source
 from autobatch.planning.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
-from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import compiled_mode
-from autobatch.probing.estimator import DEFAULT_LIMIT
-from autobatch.probing.identity import step_identity
-from autobatch.probing.placement import check_placement, model_device
-from autobatch.probing.prober import confirm_micro_batch_size, probe
-from autobatch.probing.step import LossFn, TrainStep, check_step_arguments
-from autobatch.probing.trials import OnTrial
-from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
-from autobatch.profiles.cache import (
-    TunedProfile,
-    agreed_profile,
-    answers_request,
-    opened_store,
-    report_profile_to,
-)
+from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
+from autobatch.probing.placement import model_device
+from autobatch.probing.prober import run_confirmation, run_probe
+from autobatch.probing.step import LossFn, TrainStep
+from autobatch.profile import Profile
+from autobatch.profiles.cache import StoreOptions, TunedProfile, agreed_profile, answers_request
 from autobatch.profiles.confirmation import (
     ArrivalPrediction,
     confirm_on_arrival,
@@ -221,7 +216,8 @@ def tune(
 ) -> Tuning:
     """:func:`autotune`, returning the profile (and its id in the store) beside the plan.
 
-    Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this.
+    Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this. Every argument
+    is checked here, once, into the option bundles the road passes down.
     """
     world_size = _data_parallel_size(
         model,
@@ -239,26 +235,25 @@ def tune(
     }
     # Fail before probing when no micro-batch the probe could find makes a plan.
     plan(max_micro_batch_size, **constraints)
-    # Sizes no plan for this request can use are not worth a trial (nor the estimate's search).
-    max_micro_batch_size = min(
-        max_micro_batch_size, largest_useful_micro_batch_size(effective_batch_size, world_size)
+    step, options = _bundles(
+        model,
+        sample,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        amp_dtype=amp_dtype,
+        device=device,
+        safety_margin=safety_margin,
+        # Sizes no plan for this request can use are not worth a trial (nor the estimate's).
+        max_micro_batch_size=min(
+            max_micro_batch_size,
+            largest_useful_micro_batch_size(effective_batch_size, world_size),
+        ),
+        on_trial=on_trial,
     )
-    probing: dict[str, Any] = {
-        "optimizer": optimizer,
-        "loss_fn": loss_fn,
-        "train_step": train_step,
-        "step_includes_update": step_includes_update,
-        "device": device,
-        "amp_dtype": amp_dtype,
-        "safety_margin": safety_margin,
-        "max_micro_batch_size": max_micro_batch_size,
-        "store": store,
-        "use_store": use_store,
-        "refresh": refresh,
-        "report_to": report_to,
-        "on_trial": on_trial,
-    }
-    found = autotune_profile(model, sample, **probing)
+    storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
+    found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan(found.profile, source=source, **constraints)
     if world_size == 1 and dist.is_available() and dist.is_initialized():
@@ -267,7 +262,7 @@ def tune(
         result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
     if not eval:
         return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
-    evaluation = autotune_profile(model, sample, eval=True, **probing).profile
+    evaluation = find_profile(step, options.for_eval(step), storing).profile
     result = dataclasses.replace(
         result, eval_micro_batch_size=evaluation.recommended_micro_batch_size
     )
@@ -297,162 +292,142 @@ def autotune_profile(
     eval: bool = False,
 ) -> TunedProfile:
     """The profile :func:`autotune` plans from: a stored one that answers this request, else a
-    new probe (stored unless a non-OOM failure cut it short).
+    new probe (stored unless a non-OOM failure cut it short). The service's probe jobs call this.
 
     Arguments as for :func:`autotune`; ``use_estimate`` as for :func:`autobatch.probe`;
     ``eval=True`` finds (or probes) the evaluation profile (:func:`autobatch.probe`'s
-    ``eval``). Under
-    torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
+    ``eval``). Under torch.distributed, every rank gets rank 0's profile (see :func:`autotune`).
 
     Raises:
         As :func:`autotune`, except NoFeasiblePlanError.
     """
-    check_step_arguments(
-        model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
-    )
-    target = resolve_device(device, default=model_device(model))
-    consensus = process_group_consensus(target.torch_device)
-    source = BatchSource.from_sample(sample)
-    check_placement(model, source, target)  # before the device is asked anything
-    capacity_now = target.capacity()
-    identity = step_identity(
+    step, options = _bundles(
         model,
-        source,
-        optimizer,
+        sample,
+        optimizer=optimizer,
         loss_fn=loss_fn,
         train_step=train_step,
         step_includes_update=step_includes_update,
         amp_dtype=amp_dtype,
+        device=device,
+        safety_margin=safety_margin,
+        max_micro_batch_size=max_micro_batch_size,
+        use_estimate=use_estimate,
+        on_trial=on_trial,
+        eval=eval,
     )
-    key = identity.cache_key(
-        device_name=target.name,
+    storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
+    return find_profile(step, options, storing)
+
+
+def _bundles(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    device: str | Device | None,
+    safety_margin: float,
+    max_micro_batch_size: int,
+    use_estimate: bool = True,
+    on_trial: OnTrial | None,
+    eval: bool = False,
+    **step_arguments: Any,
+) -> tuple[StepSpec, ProbeOptions]:
+    """The step and the probe options, checked once; under torch.distributed the options agree
+    through the default process group (every rank must call this)."""
+    step = StepSpec.build(model, sample, **step_arguments)
+    target = resolve_device(device, default=model_device(model))
+    options = ProbeOptions.build(
+        step,
+        device=target,
+        safety_margin=safety_margin,
+        max_micro_batch_size=max_micro_batch_size,
+        use_estimate=use_estimate,
+        on_trial=on_trial,
+        eval=eval,
+        consensus=process_group_consensus(target.torch_device),
+    )
+    return step, options
+
+
+def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -> TunedProfile:
+    """The road's one store lane (:func:`autobatch.profiles.cache.agreed_profile`) for this step
+    and these options: a stored profile that answers, else a prediction confirmed on this card
+    (one process only), else a probe.
+
+    Raises:
+        As :func:`autotune_profile`.
+    """
+    ranks = options.consensus
+    assert isinstance(ranks, ProcessGroupConsensus | LocalConsensus)  # the road makes them
+    capacity_now = options.device.capacity()
+    key = step.identity.cache_key(
+        device_name=options.device.name,
         total_memory_bytes=capacity_now.total_memory_bytes,
-        compiled=compiled_mode(model, target.type),
-        mode="eval" if eval else "train",
+        compiled=options.compiled,
+        mode=options.mode,
     )
-
-    def run_probe() -> Profile:
-        profile = probe(
-            model,
-            sample,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-            device=target,
-            amp_dtype=amp_dtype,
-            safety_margin=safety_margin,
-            max_micro_batch_size=max_micro_batch_size,
-            use_estimate=use_estimate,
-            on_trial=on_trial,
-            consensus=consensus,
-            eval=eval,
-        )
-        return profile
-
-    def run_confirmation(size: int, line: MemoryModel) -> tuple[Trial, Profile | None]:
-        return confirm_micro_batch_size(
-            model,
-            sample,
-            micro_batch_size=size,
-            prior=line,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-            device=target,
-            amp_dtype=amp_dtype,
-            safety_margin=safety_margin,
-            on_trial=on_trial,
-            eval=eval,
-        )
-
     # The capacity a profile answers for: under torch.distributed, the smallest rank's (the
     # capacity the ranks probe together).
-    (searched_capacity,) = (
-        consensus.min_ints([capacity_now.capacity_bytes])
-        if consensus is not None
-        else (capacity_now.capacity_bytes,)
-    )
+    (searched_capacity,) = ranks.min_ints([capacity_now.capacity_bytes])
 
     def accepts(found: Profile) -> bool:
-        return answers_request(found, safety_margin, max_micro_batch_size, searched_capacity)
-
-    if consensus is not None:
-        return agreed_profile(
-            consensus,
-            key,
-            store=store,
-            use_store=use_store,
-            refresh=refresh,
-            accepts=accepts,
-            run_probe=run_probe,
-            report_to=report_to,
+        return answers_request(
+            found, options.safety_margin, options.max_micro_batch_size, searched_capacity
         )
-    with opened_store(store, use_store=use_store) as active:
-        note = ""
-        if active is not None and not refresh:
-            found = active.find(key)
-            if found is not None and accepts(found[1]):
-                return TunedProfile(profile=found[1], cached=True, profile_id=found[0])
-        if not refresh:
-            predicted = _prediction_here(
-                active,
-                identity,
-                device_name=target.name,
-                total_memory_bytes=capacity_now.total_memory_bytes,
-                report_to=report_to,
-                capacity_bytes=searched_capacity,
-                safety_margin=safety_margin,
-                max_micro_batch_size=max_micro_batch_size,
-                mode="eval" if eval else "train",
-            )
-            if predicted is not None:
-                confirmed, note = confirm_on_arrival(predicted, run_confirmation)
-                if confirmed is not None:
-                    confirmed_id = None if active is None else active.put(confirmed)
-                    report_profile_to(report_to, confirmed)
-                    return TunedProfile(profile=confirmed, cached=False, profile_id=confirmed_id)
-                logger.warning("%s", note)
-        profile = run_probe()
-        if note:
-            profile = dataclasses.replace(profile, notes=(*profile.notes, note))
-        profile_id = None
-        if active is not None and profile.stop_kind != "failure":
-            profile_id = active.put(profile)
-        report_profile_to(report_to, profile)
-        return TunedProfile(profile=profile, cached=False, profile_id=profile_id)
+
+    def confirm(store: ProfileStore | None) -> tuple[Profile | None, str]:
+        predicted = _prediction_here(
+            store,
+            step,
+            options,
+            total_memory_bytes=capacity_now.total_memory_bytes,
+            capacity_bytes=searched_capacity,
+            report_to=storing.report_to,
+        )
+        if predicted is None:
+            return None, ""
+        return confirm_on_arrival(
+            predicted,
+            lambda size, line: run_confirmation(step, options, micro_batch_size=size, prior=line),
+        )
+
+    return agreed_profile(
+        ranks,
+        key,
+        storing,
+        accepts=accepts,
+        run_probe=lambda: run_probe(step, options),
+        confirm=confirm if ranks.world_size == 1 else None,
+    )
 
 
 def _prediction_here(
     store: ProfileStore | None,
-    identity: StepIdentity,
+    step: StepSpec,
+    options: ProbeOptions,
     *,
-    device_name: str,
     total_memory_bytes: int,
-    report_to: str | None,
     capacity_bytes: int,
-    safety_margin: float,
-    max_micro_batch_size: int,
-    mode: Mode,
+    report_to: str | None,
 ) -> ArrivalPrediction | None:
     """A plan predicted for this card from a profile of the same step on another card: from the
     store, else from the service at ``report_to`` (:mod:`autobatch.profiles.confirmation`)."""
-    options: dict[str, Any] = {
-        "device_name": device_name,
+    where: dict[str, Any] = {
+        "device_name": options.device.name,
         "total_memory_bytes": total_memory_bytes,
         "capacity_bytes": capacity_bytes,
-        "safety_margin": safety_margin,
-        "max_micro_batch_size": max_micro_batch_size,
-        "mode": mode,
+        "safety_margin": options.safety_margin,
+        "max_micro_batch_size": options.max_micro_batch_size,
+        "mode": options.mode,
     }
-    found = find_prediction(stored_profiles(store, identity), identity, **options)
+    identity = step.identity
+    found = find_prediction(stored_profiles(store, identity), identity, **where)
     if found is not None or report_to is None:
         return found
     remote, why = service_profiles(report_to, identity, token=os.environ.get("AUTOBATCH_API_TOKEN"))
     if why:
         logger.warning("%s; probing this card without it", why)
-    return find_prediction(remote, identity, **options)
+    return find_prediction(remote, identity, **where)
 
 
 def split_recorder(
@@ -486,17 +461,17 @@ def split_recorder(
         ConfigError: as :func:`autotune` for the arguments (when called); the callback raises
             StoreError when the store cannot be written.
     """
-    target = resolve_device(device, default=model_device(model))
-    identity = step_identity(
+    step = StepSpec.build(
         model,
-        BatchSource.from_sample(sample),
-        optimizer,
+        sample,
+        optimizer=optimizer,
         loss_fn=loss_fn,
         train_step=train_step,
         step_includes_update=step_includes_update,
         amp_dtype=amp_dtype,
     )
-    key = identity.cache_key(
+    target = resolve_device(device, default=model_device(model))
+    key = step.identity.cache_key(
         device_name=target.name,
         total_memory_bytes=target.capacity().total_memory_bytes,
         compiled=compiled_mode(model, target.type),

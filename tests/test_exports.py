@@ -208,3 +208,38 @@ def test_import_does_not_initialise_nvml_or_cuda() -> None:
         "print(torch.cuda.is_initialized(), 'autobatch.device.nvml' in sys.modules)"
     )
     assert out.split() == ["False", "False"]
+
+
+# Public entry points take flat keyword arguments; everything below them takes the option
+# bundles those build (autobatch.probing.options, autobatch.profiles.cache.StoreOptions).
+FLAT_ENTRY_POINTS = {
+    "autobatch/client/http.py:plan",
+    "autobatch/client/http.py:plan_world_sizes",
+    "autobatch/planning/planner.py:plan",
+    "autobatch/planning/planner.py:plan_world_sizes",
+    "autobatch/probing/estimator.py:estimate",
+    "autobatch/probing/prober.py:probe",
+    "autobatch/tuning.py:autotune",
+    "autobatch/tuning.py:autotune_profile",
+    "autobatch/tuning.py:tune",
+}
+MAX_PARAMETERS = 10
+
+
+def _num_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    arguments = function.args
+    names = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+    count = len(names) + bool(arguments.vararg) + bool(arguments.kwarg)
+    return count - (bool(names) and names[0].arg in ("self", "cls"))
+
+
+def test_only_public_entry_points_take_many_parameters() -> None:
+    counts = {
+        f"{path.relative_to(ROOT)}:{node.name}": _num_parameters(node)
+        for folder in ("autobatch", "service")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    too_many = {name: n for name, n in counts.items() if n > MAX_PARAMETERS}
+    assert set(too_many) == FLAT_ENTRY_POINTS, too_many

@@ -72,7 +72,9 @@ class Consensus(Protocol):
 
 
 class LocalConsensus:
-    """The consensus of a single process: every value is already agreed."""
+    """The consensus of a single process: every value is already agreed, and this process is
+    rank 0 (so the store lane of :mod:`autobatch.profiles.cache` is the same for one rank and
+    many)."""
 
     @property
     def rank(self) -> int:
@@ -87,6 +89,14 @@ class LocalConsensus:
 
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         return list(values)
+
+    def all_equal(self, value: str) -> bool:
+        """True: one rank agrees with itself."""
+        return True
+
+    def on_rank_zero(self, work: Callable[[], T], doing: str) -> T:
+        """``work()``: this process is rank 0."""
+        return work()
 
 
 class ProcessGroupConsensus:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
-from autobatch.integrations.dropins import SET_BY_FRAMEWORK, check_options, tune
+from autobatch.integrations.dropins import SET_BY_FRAMEWORK, autotune_arguments, check_options, tune
 from autobatch.planning.planner import Plan
 from autobatch.probing.snapshot import preserved_rng
 
@@ -84,10 +84,12 @@ def autotune_accelerator(
         sample,
         effective_batch_size=effective_batch_size,
         world_size=int(accelerator.num_processes),
-        optimizer=inner_optimizer,
-        device=device,
-        amp_dtype=_AMP_DTYPES.get(str(accelerator.mixed_precision)),
-        options=options,
+        arguments=autotune_arguments(
+            optimizer=inner_optimizer,
+            device=device,
+            amp_dtype=_AMP_DTYPES.get(str(accelerator.mixed_precision)),
+            options=options,
+        ),
         caller="autotune_accelerator",
     )
     accelerator.gradient_accumulation_steps = result.gradient_accumulation_steps

@@ -118,27 +118,44 @@ class FrameworkStep:
         return f"FrameworkStep({self._identity})"
 
 
+def autotune_arguments(
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    device: str | Device | None,
+    amp_dtype: torch.dtype | None,
+    options: Mapping[str, Any],
+    train_step: FrameworkStep | None = None,
+    step_includes_update: bool = False,
+) -> dict[str, Any]:
+    """The keyword arguments a drop-in passes to :func:`autobatch.autotune`: what it read from
+    the framework, then the user's ``options`` (already checked by :func:`check_options`; they
+    override ``amp_dtype`` and hold the user's ``loss_fn``/``train_step`` where the drop-in has
+    no step of its own), then the framework's own ``train_step`` when it has one."""
+    arguments: dict[str, Any] = {
+        "optimizer": optimizer,
+        "device": device,
+        "amp_dtype": amp_dtype,
+        **options,
+    }
+    if train_step is not None:
+        arguments.update(train_step=train_step, step_includes_update=step_includes_update)
+    return arguments
+
+
 def tune(
     model: torch.nn.Module,
     sample: Any,
     *,
     effective_batch_size: int,
     world_size: int,
-    optimizer: torch.optim.Optimizer | None,
-    train_step: FrameworkStep | None = None,
-    step_includes_update: bool = False,
-    device: str | Device | None,
-    amp_dtype: torch.dtype | None,
-    options: Mapping[str, Any],
+    arguments: Mapping[str, Any],
     caller: str,
     constraint_note: str = "",
 ) -> Plan:
     """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch.
 
-    ``options`` (already checked by :func:`check_options`) override ``amp_dtype``; they hold
-    the user's ``loss_fn``/``train_step`` where the drop-in has no step of its own (``train_step``
-    None). When no plan
-    is exact, the error says so in the ``caller``'s terms, with ``constraint_note`` (why the
+    ``arguments`` are the rest of autotune's (:func:`autotune_arguments`). When no plan is
+    exact, the error says so in the ``caller``'s terms, with ``constraint_note`` (why the
     framework adds a constraint) appended, and offers only remedies the caller accepts (not
     ``allow_inexact``).
 
@@ -146,17 +163,12 @@ def tune(
         ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError,
             NoFeasiblePlanError, StoreError, DistributedError: see :func:`autobatch.autotune`.
     """
-    arguments: dict[str, Any] = {"amp_dtype": amp_dtype, **options}
-    if train_step is not None:
-        arguments.update(train_step=train_step, step_includes_update=step_includes_update)
     try:
         result = autotune(
             model,
             sample,
             effective_batch_size=effective_batch_size,
             world_size=world_size,
-            optimizer=optimizer,
-            device=device,
             uneven="never",  # a framework takes one micro-batch size
             allow_inexact=False,
             **arguments,

@@ -36,6 +36,7 @@ from autobatch.integrations.dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
+    autotune_arguments,
     check_epoch_end,
     check_options,
     code_identity,
@@ -132,11 +133,13 @@ def autotune_trainer(
             sample,
             effective_batch_size=effective_batch_size,
             world_size=world_size,
-            optimizer=optimizer,
-            train_step=step,
-            device=device,
-            amp_dtype=amp_dtype,
-            options=options,
+            arguments=autotune_arguments(
+                optimizer=optimizer,
+                device=device,
+                amp_dtype=amp_dtype,
+                options=options,
+                train_step=step,
+            ),
             caller="autotune_trainer",
         )
     args.per_device_train_batch_size = result.micro_batch_size

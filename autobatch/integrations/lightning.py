@@ -36,6 +36,7 @@ from autobatch.integrations.dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
+    autotune_arguments,
     check_epoch_end,
     check_options,
     code_identity,
@@ -184,12 +185,14 @@ def _tune(
             sample,
             effective_batch_size=effective_batch_size,
             world_size=world_size,
-            optimizer=optimizers[0],
-            train_step=step,
-            step_includes_update=manual,
-            device=device,
-            amp_dtype=_AMP_DTYPES.get(str(trainer.precision)),
-            options=tuning_options,
+            arguments=autotune_arguments(
+                optimizer=optimizers[0],
+                device=device,
+                amp_dtype=_AMP_DTYPES.get(str(trainer.precision)),
+                options=tuning_options,
+                train_step=step,
+                step_includes_update=manual,
+            ),
             caller="AutobatchFinder",
             constraint_note=(
                 " (under manual optimization Lightning does not accumulate gradients, so one "

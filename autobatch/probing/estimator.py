@@ -35,7 +35,8 @@ from autobatch.device.live_bytes import LiveBytes
 from autobatch.errors import ConfigError, EstimateUnavailableError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import eager, is_compiled
-from autobatch.probing.identity import now_iso, step_identity
+from autobatch.probing.identity import now_iso
+from autobatch.probing.options import DEFAULT_LIMIT, StepSpec, check_search_arguments
 from autobatch.probing.search import (
     Point,
     fit_memory_model,
@@ -43,21 +44,16 @@ from autobatch.probing.search import (
     recommended_size,
 )
 from autobatch.probing.snapshot import preserved_rng, resident_tensors
-from autobatch.probing.step import LossFn, TrainingStep, TrainStep, check_step_arguments
+from autobatch.probing.step import LossFn, TrainingStep, TrainStep
 from autobatch.profile import Profile, StepIdentity, Trial
 
 __all__ = [
-    "DEFAULT_LIMIT",
-    "check_search_arguments",
     "FakeStep",
     "estimate",
     "estimate_points",
     "optimizer_factory",
     "run_estimate",
 ]
-
-DEFAULT_LIMIT = 1 << 16
-"""Largest micro-batch the searches consider unless told otherwise."""
 
 FIRST_LARGE_SIZE = 64
 """Second size the estimator traces, large enough that activations usually dominate the peak."""
@@ -134,6 +130,19 @@ class FakeStep:
         self.min_micro_batch_size = 1
         """Smallest size the step can train at (2 when BatchNorm refuses one sample)."""
         self._warmed_up = False
+
+    @classmethod
+    def of(cls, step: StepSpec) -> FakeStep:
+        """A fake copy of ``step``'s model and optimizer, running ``step``'s training step."""
+        return cls(
+            step.model,
+            step.optimizer,
+            step.source,
+            loss_fn=step.loss_fn,
+            train_step=step.train_step,
+            step_includes_update=step.step_includes_update,
+            amp_dtype=step.amp_dtype,
+        )
 
     def warm_up(self) -> None:
         """One fake step to create the optimizer state, once; at micro-batch 2 when 1 cannot
@@ -264,8 +273,14 @@ def estimate(
     ):
         raise ConfigError(f"capacity_bytes {capacity_bytes!r} must be a positive int of bytes")
     check_search_arguments(max_micro_batch_size, safety_margin)
-    check_step_arguments(
-        model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
+    step = StepSpec.build(
+        model,
+        sample,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        step_includes_update=step_includes_update,
+        amp_dtype=amp_dtype,
     )
     if step_includes_update:
         raise EstimateUnavailableError(
@@ -278,27 +293,9 @@ def estimate(
     grads = [(param, param.grad) for param in model.parameters()]
     try:
         with preserved_rng():
-            source = BatchSource.from_sample(sample)
-            fake = FakeStep(
-                model,
-                optimizer,
-                source,
-                loss_fn=loss_fn,
-                train_step=train_step,
-                step_includes_update=step_includes_update,
-                amp_dtype=amp_dtype,
-            )
             profile = run_estimate(
-                fake,
-                identity=step_identity(
-                    model,
-                    source,
-                    optimizer,
-                    loss_fn=loss_fn,
-                    train_step=train_step,
-                    step_includes_update=step_includes_update,
-                    amp_dtype=amp_dtype,
-                ),
+                FakeStep.of(step),
+                identity=step.identity,
                 capacity_bytes=capacity_bytes,
                 max_micro_batch_size=max_micro_batch_size,
                 safety_margin=safety_margin,
@@ -311,24 +308,6 @@ def estimate(
     if is_compiled(model):
         notes += ("torch.compile: estimated on the uncompiled step (fake tensors)",)
     return dataclasses.replace(profile, notes=notes)
-
-
-def check_search_arguments(max_micro_batch_size: int, safety_margin: float) -> None:
-    """The search's own arguments, shared by :func:`estimate` and :func:`autobatch.probe`.
-
-    Raises:
-        ConfigError: names the argument and the accepted range.
-    """
-    if isinstance(safety_margin, bool) or not isinstance(safety_margin, int | float):
-        raise ConfigError(f"safety_margin {safety_margin!r} must be a number in [0, 1), e.g. 0.05")
-    if (
-        isinstance(max_micro_batch_size, bool)
-        or not isinstance(max_micro_batch_size, int)
-        or max_micro_batch_size < 1
-    ):
-        raise ConfigError(f"max_micro_batch_size {max_micro_batch_size!r} must be an int >= 1")
-    if not 0 <= safety_margin < 1:
-        raise ConfigError(f"safety_margin {safety_margin!r} must be in [0, 1), e.g. 0.05")
 
 
 def estimate_points(

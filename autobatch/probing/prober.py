@@ -42,21 +42,15 @@ from typing import Any, TypeVar
 import torch
 
 from autobatch.device import Capacity, Device, resolve_device
-from autobatch.distributed.consensus import Consensus, LocalConsensus
+from autobatch.distributed.consensus import Consensus
 from autobatch.distributed.fake_backend import process_groups_faked, reshard_fsdp2
-from autobatch.distributed.layout import collective_layout
 from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
-from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import eager
-from autobatch.probing.estimator import (
-    DEFAULT_LIMIT,
-    FakeStep,
-    check_search_arguments,
-    estimate_points,
-)
+from autobatch.probing.estimator import FakeStep, estimate_points
 from autobatch.probing.identity import now_iso
-from autobatch.probing.parallel import device_for_layout, trial_context
-from autobatch.probing.placement import check_placement, model_device
+from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
+from autobatch.probing.parallel import trial_context
+from autobatch.probing.placement import model_device
 from autobatch.probing.search import (
     bracket,
     fit_memory_model,
@@ -65,20 +59,13 @@ from autobatch.probing.search import (
     recommended_size,
 )
 from autobatch.probing.snapshot import Snapshot, objects_frozen
-from autobatch.probing.step import LossFn, TrainStep, check_step_arguments
-from autobatch.probing.trials import MAX_WARM_UP_CALLS, UNRELIABLE_ESTIMATE, OnTrial, TrialRunner
+from autobatch.probing.step import LossFn, TrainStep
+from autobatch.probing.trials import TrialLog, TrialRunner
 from autobatch.probing.worst_case import WorstCaseSample
 from autobatch.profile import MemoryModel, Profile, StopKind, Trial
 from autobatch.units import format_bytes
 
-__all__ = [
-    "MAX_WARM_UP_CALLS",
-    "UNRELIABLE_ESTIMATE",
-    "Consensus",
-    "LocalConsensus",
-    "confirm_micro_batch_size",
-    "probe",
-]
+__all__ = ["Prober", "probe", "run_confirmation", "run_probe"]
 
 T = TypeVar("T")
 
@@ -145,54 +132,52 @@ def probe(
         DistributedError: another rank's first trial failed for a reason other than memory (that
             rank raises StepFailedError or ConfigError).
     """
-    check_search_arguments(max_micro_batch_size, safety_margin)
-    profile = _probing(
+    step = StepSpec.build(
         model,
         sample,
         optimizer=optimizer,
         loss_fn=loss_fn,
         train_step=train_step,
         step_includes_update=step_includes_update,
-        device=device,
         amp_dtype=amp_dtype,
+    )
+    options = ProbeOptions.build(
+        step,
+        device=resolve_device(device, default=model_device(model)),
         safety_margin=safety_margin,
-        limit=max_micro_batch_size,
+        max_micro_batch_size=max_micro_batch_size,
         use_estimate=use_estimate,
         on_trial=on_trial,
+        eval=eval,
         consensus=consensus,
-        evaluating=eval,
-        run=lambda search: search.run(),
     )
-    if isinstance(sample, WorstCaseSample):  # the profile records the load it measured
-        profile = dataclasses.replace(profile, notes=(*profile.notes, sample.describe()))
+    return run_probe(step, options)
+
+
+def run_probe(step: StepSpec, options: ProbeOptions) -> Profile:
+    """:func:`probe` on bundles already checked (the tuning road's entry, which builds them once).
+
+    Raises:
+        As :func:`probe`.
+    """
+    profile = _probing(step, options, lambda search: search.run())
+    if isinstance(step.sample, WorstCaseSample):  # the profile records the load it measured
+        profile = dataclasses.replace(profile, notes=(*profile.notes, step.sample.describe()))
     return profile
 
 
-def confirm_micro_batch_size(
-    model: torch.nn.Module,
-    sample: Any,
-    *,
-    micro_batch_size: int,
-    prior: MemoryModel,
-    optimizer: torch.optim.Optimizer | None = None,
-    loss_fn: LossFn | None = None,
-    train_step: TrainStep | None = None,
-    step_includes_update: bool = False,
-    device: str | Device | None = None,
-    amp_dtype: torch.dtype | None = None,
-    safety_margin: float = 0.05,
-    on_trial: OnTrial | None = None,
-    eval: bool = False,
+def run_confirmation(
+    step: StepSpec, options: ProbeOptions, *, micro_batch_size: int, prior: MemoryModel
 ) -> tuple[Trial, Profile | None]:
     """One real trial at a predicted ``micro_batch_size`` (after the warm-up step that creates the
     optimizer state), leaving no trace, as :func:`probe` does.
 
     Args:
+        step, options: as the probe's; ``options.max_micro_batch_size`` is ignored (the trial's
+            size is the limit).
         micro_batch_size: the size to confirm (>= 1), e.g. a plan predicted from another card.
         prior: the memory line the prediction came from; the returned profile's line has its
             slope through the confirmed peak.
-        model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
-            safety_margin, on_trial, eval: as for :func:`probe`.
 
     Returns:
         The confirming trial, and the Profile it makes for this device when it confirms the
@@ -203,99 +188,37 @@ def confirm_micro_batch_size(
         ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError: as for
             :func:`probe`.
     """
-    check_search_arguments(micro_batch_size, safety_margin)
     return _probing(
-        model,
-        sample,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        device=device,
-        amp_dtype=amp_dtype,
-        safety_margin=safety_margin,
-        limit=micro_batch_size,
-        use_estimate=False,
-        on_trial=on_trial,
-        consensus=None,
-        evaluating=eval,
-        run=lambda search: search.confirm(micro_batch_size, prior),
+        step,
+        dataclasses.replace(options.with_limit(micro_batch_size), use_estimate=False),
+        lambda search: search.confirm(micro_batch_size, prior),
     )
 
 
-def _probing(
-    model: torch.nn.Module,
-    sample: Any,
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    loss_fn: LossFn | None,
-    train_step: TrainStep | None,
-    step_includes_update: bool,
-    device: str | Device | None,
-    amp_dtype: torch.dtype | None,
-    safety_margin: float,
-    limit: int,
-    use_estimate: bool,
-    on_trial: OnTrial | None,
-    consensus: Consensus | None,
-    evaluating: bool,
-    run: Callable[[_Probe], T],
-) -> T:
-    """Check the arguments, snapshot what a probe must leave as it was, ``run`` a :class:`_Probe`,
-    and restore."""
-    check_step_arguments(
-        model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
-    )
-    if evaluating and step_includes_update:
-        raise ConfigError(
-            "eval=True runs a forward under inference_mode, but a train_step that updates by "
-            "itself (step_includes_update=True) runs backward and steps the optimizer; pass an "
-            "evaluation step that returns the loss (or output), with step_includes_update=False"
-        )
-    target = resolve_device(device, default=model_device(model))
-    source = BatchSource.from_sample(sample)
-    check_placement(model, source, target)
-    layout = collective_layout(model)
-    if layout:
-        target = device_for_layout(
-            target, layout, world_size=None if consensus is None else consensus.world_size
-        )
+def _probing(step: StepSpec, options: ProbeOptions, run: Callable[[Prober], T]) -> T:
+    """Snapshot what a probe must leave as it was, ``run`` a :class:`Prober`, and restore."""
+    model, optimizer = step.model, step.optimizer
     # A collection after every trial walks only what the probe created, not the whole process
     # (torch, a framework): objects that exist now are frozen until the probe ends.
     with objects_frozen():
         reshard_fsdp2(model)  # a snapshot of unsharded FSDP2 parameters would outlive them
         snapshot = Snapshot.take(model, optimizer)
         run_optimizer = (
-            optimizer if optimizer is not None else _default_optimizer(model, evaluating=evaluating)
+            optimizer
+            if optimizer is not None
+            else _default_optimizer(model, evaluating=options.eval)
         )
         try:
             model.train()
             for param in model.parameters():
                 param.grad = None
-            search = _Probe(
-                model=model,
-                optimizer=run_optimizer,
-                user_optimizer=optimizer,
-                source=source,
-                device=target,
-                loss_fn=loss_fn,
-                train_step=train_step,
-                step_includes_update=step_includes_update,
-                amp_dtype=amp_dtype,
-                safety_margin=safety_margin,
-                limit=limit,
-                use_estimate=use_estimate,
-                on_trial=on_trial,
-                consensus=consensus if consensus is not None else LocalConsensus(),
-                layout=layout,
-                evaluating=evaluating,
-            )
+            search = Prober(step, options, optimizer=run_optimizer)
             with trial_context(
                 model,
-                layout,
-                device=target.torch_device,
-                world_size=search.consensus.world_size,
-                notes=search.notes,
+                options.layout,
+                device=options.device.torch_device,
+                world_size=options.consensus.world_size,
+                notes=search.log.notes,
             ):
                 return run(search)
         finally:
@@ -303,114 +226,121 @@ def _probing(
             reshard_fsdp2(model)
             snapshot.restore()
             del snapshot
-            target.release()
+            options.device.release()
 
 
-class _Probe(TrialRunner):
-    """One probe's search over its trials; :meth:`run` does it. Not public: use :func:`probe`."""
+class Prober:
+    """One probe's search over real trials: which size to try next, from what the trials showed
+    (:class:`TrialLog`), and the profile at the end; :meth:`run` does it. The trials themselves
+    are a :class:`TrialRunner`'s. Not public: use :func:`probe`.
+    """
 
-    # -- the search -------------------------------------------------------------------------
+    def __init__(
+        self, step: StepSpec, options: ProbeOptions, *, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.step = step
+        self.options = options
+        self.optimizer = optimizer
+        self.log = TrialLog()
+        self.runner = TrialRunner(step, options, optimizer=optimizer, log=self.log)
+        self.estimated = False
+        """An estimate started the search (even if later found unreliable)."""
 
     def run(self) -> Profile:
-        if self.compiled == "measured":
-            self.notes.append(
+        if self.options.compiled == "measured":
+            self.log.notes.append(
                 "torch.compile: the trials ran the compiled step, its batch dimension dynamic "
                 "(one graph for every size above 1); that graph stays in the model's compile "
                 "cache and training reuses it (torch._dynamo.reset() before training compiles "
                 "one of static shape)"
             )
-        if self.compiled != "confirmed":
+        if self.options.compiled != "confirmed":
             return self._search()
         # Memory is counted with a dispatch mode: trials run the step eagerly (Dynamo untouched),
         # then one compiled step at the chosen size shows that it compiles and runs.
         with eager():
             profile = self._search()
-        self._confirm_compiled(profile.recommended_micro_batch_size)
-        return dataclasses.replace(profile, num_steps=self.num_steps, notes=tuple(self.notes))
+        self.runner.confirm_compiled(profile.recommended_micro_batch_size)
+        return dataclasses.replace(
+            profile, num_steps=self.log.num_steps, notes=tuple(self.log.notes)
+        )
 
     def confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
         """Warm up (when the optimizer has no state yet), then one real trial at ``size``."""
-        if self.compiled != "confirmed":
+        if self.options.compiled != "confirmed":
             return self._confirm(size, prior)
         with eager():
             trial, profile = self._confirm(size, prior)
         if profile is None:
             return trial, None
-        self._confirm_compiled(size)
+        self.runner.confirm_compiled(size)
         return trial, dataclasses.replace(
-            profile, num_steps=self.num_steps, notes=tuple(self.notes)
+            profile, num_steps=self.log.num_steps, notes=tuple(self.log.notes)
         )
 
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
-        self.own_capacity = self.device.capacity()
-        self.agreed_capacity = self._agree_capacity(self.own_capacity)
-        if self._needs_state() and not self.optimizer.state:
-            self._warm_up()
-        self._trial(size)
-        if self.trials[-1].fits:
+        agreed_capacity = self.runner.start()
+        if self.runner.needs_state() and not self.optimizer.state:
+            self.runner.warm_up()
+        self.runner.trial(size)
+        if self.log.trials[-1].fits:
             self._second_step(size)
-        trial = self.trials[-1]
+        trial = self.log.trials[-1]
         if not trial.fits:
             return trial, None
         stop = f"confirmation: micro-batch {size}, predicted from another card, fits here"
         # The boundary is the prediction's (from the other card's line), not this trial's limit.
-        profile = self._profile(self.agreed_capacity, prior, size, stop, "boundary")
+        profile = self._profile(agreed_capacity, prior, size, stop, "boundary")
         return trial, profile if profile.recommended_micro_batch_size == size else None
 
     def _search(self) -> Profile:
-        own_capacity = self.own_capacity = self.device.capacity()
-        agreed_capacity = self.agreed_capacity = self._agree_capacity(own_capacity)
-        self.prior, first = self._estimate(agreed_capacity)
-        self.estimated = self.prior is not None
+        agreed_capacity = self.runner.start()
+        self.log.prior, first = self._estimate(agreed_capacity)
+        self.estimated = self.log.prior is not None
         if (
-            self._needs_state()
-            and not self.consensus.min_ints([int(bool(self.optimizer.state))])[0]
+            self.runner.needs_state()
+            and not self.options.consensus.min_ints([int(bool(self.optimizer.state))])[0]
         ):
-            self._warm_up()
-        size = self._agree_size(first) if first is not None else self._next_size()
+            self.runner.warm_up()
+        size = self.runner.agree_size(first) if first is not None else self._next_size()
         while True:
             while size is not None:
-                self._trial(size)
+                self.runner.trial(size)
                 size = self._next_size()
-            lo, hi = bracket(self.points)
+            lo, hi = bracket(self.log.points)
             if lo == 0:
-                self._does_not_fit()
+                self.runner.does_not_fit()
             if self._second_step(lo):
                 break
             size = self._next_size()
         self._compare_with_estimate()
-        if lo >= self.limit:
-            stop_reason = f"limit max_micro_batch_size={self.limit} reached"
-        elif hi == self.failed_micro_batch_size:
-            failed = next(t for t in self.trials if t.micro_batch_size == hi)
+        if lo >= self.options.max_micro_batch_size:
+            stop_reason = f"limit max_micro_batch_size={self.options.max_micro_batch_size} reached"
+        elif hi == self.log.failed_micro_batch_size:
+            failed = next(t for t in self.log.trials if t.micro_batch_size == hi)
             stop_reason = f"micro-batch {hi} failed for a reason other than memory ({failed.error})"
         else:
             stop_reason = f"micro-batch {hi} does not fit"
         kind: StopKind = (
             "failure"
-            if self.failed_micro_batch_size
+            if self.log.failed_micro_batch_size
             else "limit"
-            if lo >= self.limit
+            if lo >= self.options.max_micro_batch_size
             else "boundary"
         )
-        profile = self._profile(agreed_capacity, self.prior, lo, stop_reason, kind)
+        profile = self._profile(agreed_capacity, self.log.prior, lo, stop_reason, kind)
         if profile.failure_note:
             profile = dataclasses.replace(profile, notes=(*profile.notes, profile.failure_note))
         return profile
 
-    def _needs_state(self) -> bool:
-        """Whether the measured steps need the optimizer state: every training step does; an
-        evaluation does when it runs during training (an optimizer was given)."""
-        return not self.evaluating or self.user_optimizer is not None
-
     def _next_size(self) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""
-        return self._agree_size(
+        return self.runner.agree_size(
             next_micro_batch_size(
-                self.points,
-                capacity_bytes=self.agreed_capacity.capacity_bytes,
-                limit=self.limit,
-                prior=self.prior,
+                self.log.points,
+                capacity_bytes=self.runner.agreed_capacity.capacity_bytes,
+                limit=self.options.max_micro_batch_size,
+                prior=self.log.prior,
             )
         )
 
@@ -421,38 +351,38 @@ class _Probe(TrialRunner):
         Returns:
             Whether it fitted again.
         """
-        self._trial(size, repeat=True)
-        fits = bracket(self.points)[0] >= size
+        self.runner.trial(size, repeat=True)
+        fits = bracket(self.log.points)[0] >= size
         if not fits:
-            self.notes.append(
+            self.log.notes.append(
                 f"micro-batch {size} fitted at its first step but not at its second "
-                f"({self.trials[-1].error}): the first steps of a run differ (cuDNN "
+                f"({self.log.trials[-1].error}): the first steps of a run differ (cuDNN "
                 "benchmarking, allocator warm-up), so it is not chosen"
             )
         return fits
 
     def _estimate(self, capacity: Capacity) -> tuple[MemoryModel | None, int | None]:
         """Prior memory line and first size to try, from fake tensors (None, None without)."""
-        if not self.use_estimate:
-            self.notes.append("estimate not used (use_estimate=False): doubling-then-bisect")
+        if not self.options.use_estimate:
+            self.log.notes.append("estimate not used (use_estimate=False): doubling-then-bisect")
             return None, None
-        if self.evaluating:
-            self.notes.append(
+        if self.options.eval:
+            self.log.notes.append(
                 "estimate not used: the estimate traces a training step; the evaluation "
                 "micro-batch was found by doubling-then-bisect"
             )
             return None, None
-        if self.step_includes_update:
+        if self.step.step_includes_update:
             # The train_step steps the user's own optimizer, over the real parameters: on a fake
             # copy of the model it would create no optimizer state, and the estimate would be low.
-            self.notes.append(
+            self.log.notes.append(
                 "estimate not used: a train_step that updates by itself (step_includes_update) "
                 "cannot run on a fake copy of the model; used doubling-then-bisect"
             )
             return None, None
-        if self.layout:
-            self.notes.append(
-                f"estimate not used: the step of a model sharded with {self.layout} runs "
+        if self.options.layout:
+            self.log.notes.append(
+                f"estimate not used: the step of a model sharded with {self.options.layout} runs "
                 "collectives, which a fake copy cannot; used doubling-then-bisect"
             )
             return None, None
@@ -461,24 +391,26 @@ class _Probe(TrialRunner):
             # one) would reach the other ranks, which may estimate differently: none leaves.
             with process_groups_faked():
                 fake = FakeStep(
-                    self.model,
+                    self.step.model,
                     self.optimizer,
-                    self.source,
-                    loss_fn=self.loss_fn,
-                    train_step=self.train_step,
-                    step_includes_update=self.step_includes_update,
-                    amp_dtype=self.amp_dtype,
+                    self.step.source,
+                    loss_fn=self.step.loss_fn,
+                    train_step=self.step.train_step,
+                    step_includes_update=self.step.step_includes_update,
+                    amp_dtype=self.step.amp_dtype,
                 )
                 points = estimate_points(
-                    fake, capacity_bytes=capacity.capacity_bytes, max_micro_batch_size=self.limit
+                    fake,
+                    capacity_bytes=capacity.capacity_bytes,
+                    max_micro_batch_size=self.options.max_micro_batch_size,
                 )
         except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it
-            self.notes.append(f"estimate unavailable ({exc}); used doubling-then-bisect")
+            self.log.notes.append(f"estimate unavailable ({exc}); used doubling-then-bisect")
             return None, None
-        self.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
+        self.log.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
         lo, _ = bracket(points)
         prior = fit_wide_line(points)
-        self.notes.append(
+        self.log.notes.append(
             f"estimate: micro-batch {lo} fits in {format_bytes(capacity.capacity_bytes)} "
             f"({fake.num_steps} fake steps)"
         )
@@ -487,9 +419,9 @@ class _Probe(TrialRunner):
 
     def _compare_with_estimate(self) -> None:
         """One note setting the estimated peak beside the measured one at each confirmed size."""
-        compared = [t for t in self.trials if t.estimate_error is not None]
+        compared = [t for t in self.log.trials if t.estimate_error is not None]
         if compared:
-            self.notes.append(
+            self.log.notes.append(
                 "estimated vs measured peak: "
                 + "; ".join(
                     f"micro-batch {t.micro_batch_size}: {format_bytes(t.estimated_peak_bytes)} vs "
@@ -506,10 +438,10 @@ class _Probe(TrialRunner):
         stop_reason: str,
         stop_kind: StopKind,
     ) -> Profile:
-        line = fit_memory_model(self.points, prior)
-        skipped = sorted({t.micro_batch_size for t in self.trials if t.skipped_optimizer_step})
+        line = fit_memory_model(self.log.points, prior)
+        skipped = sorted({t.micro_batch_size for t in self.log.trials if t.skipped_optimizer_step})
         if skipped:
-            self.notes.append(
+            self.log.notes.append(
                 f"train_step did not step the optimizer in the trials at micro-batch "
                 f"{', '.join(map(str, skipped))} (it accumulates by itself): their peaks lack "
                 "the update's temporaries; the optimizer state was present"
@@ -517,29 +449,29 @@ class _Probe(TrialRunner):
         return Profile(
             max_micro_batch_size=largest,
             recommended_micro_batch_size=recommended_size(
-                self.points,
+                self.log.points,
                 capacity_bytes=capacity.capacity_bytes,
-                safety_margin=self.safety_margin,
+                safety_margin=self.options.safety_margin,
                 model=line,
             ),
-            safety_margin=self.safety_margin,
+            safety_margin=self.options.safety_margin,
             method="probe" if self.estimated or prior is not None else "doubling",
-            trials=tuple(self.trials),
-            num_steps=self.num_steps,
-            device_name=self.device.name,
-            device_type=self.device.type,
+            trials=tuple(self.log.trials),
+            num_steps=self.log.num_steps,
+            device_name=self.options.device.name,
+            device_type=self.options.device.type,
             total_memory_bytes=capacity.total_memory_bytes,
             capacity_bytes=capacity.capacity_bytes,
             foreign_memory_bytes=capacity.foreign_memory_bytes,
             memory_model=line,
             stop_kind=stop_kind,
             stop_reason=stop_reason,
-            notes=tuple(self.notes),
-            driver_version=self.device.driver_version,
-            identity=self.identity,
-            failed_micro_batch_size=self.failed_micro_batch_size,
-            mode="eval" if self.evaluating else "train",
-            compiled=self.compiled,
+            notes=tuple(self.log.notes),
+            driver_version=self.options.device.driver_version,
+            identity=self.step.identity,
+            failed_micro_batch_size=self.log.failed_micro_batch_size,
+            mode="eval" if self.options.eval else "train",
+            compiled=self.options.compiled,
             created_at=now_iso(),
         )
 

@@ -20,14 +20,12 @@ import dataclasses
 import enum
 import pickle
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from autobatch.device import Capacity, Device, PeakMemory
+from autobatch.device import Capacity, PeakMemory
 from autobatch.device.oom import is_oom
-from autobatch.distributed.consensus import Consensus
 from autobatch.distributed.fake_backend import process_groups_faked, reset_fsdp2
 from autobatch.distributed.layout import FSDP2_LAYOUT, FSDP2_TP_LAYOUT
 from autobatch.errors import (
@@ -37,23 +35,20 @@ from autobatch.errors import (
     Remedy,
     StepFailedError,
 )
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.compiled import CompiledMode, compiled_mode, mark_batch_dynamic
-from autobatch.probing.identity import step_identity
+from autobatch.probing.compiled import mark_batch_dynamic
+from autobatch.probing.options import ProbeOptions, StepSpec
 from autobatch.probing.search import Point, bracket
 from autobatch.probing.snapshot import resident_tensors
-from autobatch.probing.step import LossFn, OptimizerSteps, TrainingStep, TrainStep
+from autobatch.probing.step import OptimizerSteps, TrainingStep
 from autobatch.profile import MemoryModel, Trial
 from autobatch.units import format_bytes
 
-__all__ = ["MAX_WARM_UP_CALLS", "UNRELIABLE_ESTIMATE", "OnTrial", "Outcome", "TrialRunner"]
+__all__ = ["MAX_WARM_UP_CALLS", "UNRELIABLE_ESTIMATE", "Outcome", "TrialLog", "TrialRunner"]
 
 MAX_WARM_UP_CALLS = 64
 """Calls the warm-up makes to a ``train_step`` that updates by itself (``step_includes_update``)
 until it steps the optimizer (one that accumulates gradients over several calls); a step that
 never does within this many calls is refused, as its optimizer state would never appear."""
-
-OnTrial = Callable[[Trial], None]
 
 _FAKED_NOTE = (
     "the steps ran with every process group's collectives (the train_step's own too, e.g. a "
@@ -99,88 +94,82 @@ class _Agreed:
     """Lowest rank whose error ends the probe, None when none."""
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrialLog:
+    """What one probe's trials showed, in order: :class:`TrialRunner` writes it, the search reads
+    it and builds the profile from it."""
+
+    trials: list[Trial] = dataclasses.field(default_factory=list)
+    points: list[Point] = dataclasses.field(default_factory=list)
+    """One per size tried (a size run twice keeps one, with both steps' outcome)."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """The profile's notes, in the order things happened."""
+    num_steps: int = 0
+    """Real steps run (warm-ups, repeats and compiled confirmations included)."""
+    failed_micro_batch_size: int = 0
+    """Smallest size that failed for a reason other than memory (0: none did)."""
+    prior: MemoryModel | None = None
+    """The estimate's memory line; dropped when a measured peak shows it unreliable."""
+    estimated_static_bytes: int = 0
+    """The estimate's resident bytes (weights, optimizer state), for DoesNotFitError's text."""
+
+
 class TrialRunner:
-    """One probe's state and its trials; the search (:class:`autobatch.probing.prober._Probe`) is
-    built
-    on it. Not public: use :func:`autobatch.probe`."""
+    """Runs one probe's trials: each one real step at a size, measured, classified, agreed with
+    the other ranks, and recorded in ``log``. Not public: use :func:`autobatch.probe`.
+
+    Args:
+        step: what the step is.
+        options: how to probe.
+        optimizer: the optimizer the trials step (the user's, or the probe's own AdamW).
+        log: where the trials are recorded.
+    """
 
     own_capacity: Capacity
-    """This device's capacity, read when the search starts."""
+    """This device's capacity, read when the search starts (:meth:`start`)."""
     agreed_capacity: Capacity
     """The capacity searched: this device's, lowered to the smallest rank's."""
 
     def __init__(
         self,
+        step: StepSpec,
+        options: ProbeOptions,
         *,
-        model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        user_optimizer: torch.optim.Optimizer | None,
-        source: BatchSource,
-        device: Device,
-        loss_fn: LossFn | None,
-        train_step: TrainStep | None,
-        step_includes_update: bool,
-        amp_dtype: torch.dtype | None,
-        safety_margin: float,
-        limit: int,
-        use_estimate: bool,
-        on_trial: OnTrial | None,
-        consensus: Consensus,
-        layout: str = "",
-        evaluating: bool = False,
+        log: TrialLog,
     ) -> None:
-        self.model = model
+        self.spec = step
+        self.options = options
         self.optimizer = optimizer
-        self.user_optimizer = user_optimizer
-        self.source = source
-        self.device = device
-        self.loss_fn = loss_fn
-        self.train_step = train_step
-        self.step_includes_update = step_includes_update
-        self.amp_dtype = amp_dtype
-        self.safety_margin = safety_margin
-        self.limit = limit
-        self.use_estimate = use_estimate
-        self.on_trial = on_trial
-        self.consensus = consensus
-        self.layout = layout
-        self.evaluating = evaluating
+        self.log = log
+        self.model = step.model
+        self.device = options.device
+        self.consensus = options.consensus
+        self.limit = options.max_micro_batch_size
         scaler = None
-        if amp_dtype == torch.float16:
-            scaler = torch.amp.GradScaler(device.torch_device.type)
-        self.step = TrainingStep(
-            model,
+        if step.amp_dtype == torch.float16:
+            scaler = torch.amp.GradScaler(self.device.torch_device.type)
+        self.training_step = TrainingStep(
+            step.model,
             optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-            amp_dtype=amp_dtype,
+            loss_fn=step.loss_fn,
+            train_step=step.train_step,
+            step_includes_update=step.step_includes_update,
+            amp_dtype=step.amp_dtype,
             grad_scaler=scaler,
             step_on_overflow=True,
         )
-        self.compiled: CompiledMode = compiled_mode(model, device.type)
-        # Before any step runs: state a step changes (a call counter) must not change the key
-        # the profile is stored under from the one its request looks up.
-        self.identity = step_identity(
-            model,
-            source,
-            user_optimizer,
-            loss_fn=loss_fn,
-            train_step=train_step,
-            step_includes_update=step_includes_update,
-            amp_dtype=amp_dtype,
-        )
-        self.points: list[Point] = []
-        self.trials: list[Trial] = []
-        self.notes: list[str] = []
-        self.num_steps = 0
-        self.estimated_static_bytes = 0
-        self.failed_micro_batch_size = 0
-        """Smallest size that failed for a reason other than memory (0: none did)."""
-        self.prior: MemoryModel | None = None
-        """The estimate's memory line; dropped when a measured peak shows it unreliable."""
-        self.estimated = False
-        """An estimate started the search (even if later found unreliable)."""
+
+    def start(self) -> Capacity:
+        """Read this device's capacity and agree the one searched (the smallest rank's)."""
+        self.own_capacity = self.device.capacity()
+        self.agreed_capacity = self._agree_capacity(self.own_capacity)
+        return self.agreed_capacity
+
+    def needs_state(self) -> bool:
+        """Whether the measured steps need the optimizer state: every training step does; an
+        evaluation does when it runs during training (an optimizer was given)."""
+        return not self.options.eval or self.spec.optimizer is not None
 
     def _run_step(self, batch: Any, *, train: bool) -> None:
         """A training step (model in train mode) or an evaluation step (model in eval mode).
@@ -193,18 +182,18 @@ class TrialRunner:
         self.model.train(train)
         with process_groups_faked() as groups:
             if train:
-                self.step.run(batch)
+                self.training_step.run(batch)
             else:
-                self.step.evaluate(batch)
-        if groups and _FAKED_NOTE not in self.notes and self.consensus.world_size > 1:
-            self.notes.append(_FAKED_NOTE)
+                self.training_step.evaluate(batch)
+        if groups and _FAKED_NOTE not in self.log.notes and self.consensus.world_size > 1:
+            self.log.notes.append(_FAKED_NOTE)
 
     def _agree_capacity(self, own: Capacity) -> Capacity:
         """This device's capacity, lowered to the smallest rank's (the capacity searched)."""
         (packed,) = self.consensus.min_ints([self._with_rank(own.capacity_bytes)])
         smallest, rank = divmod(packed, self.consensus.world_size)
         if self.consensus.world_size > 1:
-            self.notes.append(
+            self.log.notes.append(
                 f"agreed over {self.consensus.world_size} ranks (a size fits only if it fits on "
                 f"every rank): the smallest capacity is {format_bytes(smallest)}, on rank {rank}"
             )
@@ -215,31 +204,31 @@ class TrialRunner:
         rank that holds it, by ``divmod(minimum, world_size)``."""
         return value * self.consensus.world_size + self.consensus.rank
 
-    def _agree_size(self, size: int | None) -> int | None:
+    def agree_size(self, size: int | None) -> int | None:
         """Rank 0's choice of the next size (None: the search is over), on every rank."""
         (agreed,) = self.consensus.broadcast_ints([0 if size is None else size])
         return agreed or None
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """One step at micro-batch 1 to create the optimizer state (Adam's moments); at 2 when 1
         cannot train (BatchNorm needs more than one value per channel). A compiled step measured
         as compiled also warms up at 2, where Dynamo compiles the graph for every size above 1,
         so that no measured step's time includes compilation."""
         try:
-            self._trial(1, warm_up=True)
+            self.trial(1, warm_up=True)
         except StepFailedError as exc:
             if not _needs_two_samples(exc.__cause__) or self.limit < 2:
                 raise
-            self.notes.append(
+            self.log.notes.append(
                 "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
                 "warmed up at 2: keep every micro-batch at 2 or more"
             )
-            self._trial(2, warm_up=True)
+            self.trial(2, warm_up=True)
             return
-        if self.compiled == "measured" and self.limit >= 2:
-            self._trial(2, warm_up=True)
+        if self.options.compiled == "measured" and self.limit >= 2:
+            self.trial(2, warm_up=True)
 
-    def _confirm_compiled(self, size: int) -> None:
+    def confirm_compiled(self, size: int) -> None:
         """Run the compiled step once at ``size``, outside any dispatch mode (no memory counted).
 
         Raises:
@@ -249,7 +238,7 @@ class TrialRunner:
         self.device.release()
         failure: StepFailedError | None = None
         try:
-            self._run_step(self.source.make(size), train=not self.evaluating)
+            self._run_step(self.spec.source.make(size), train=not self.options.eval)
         except Exception as exc:  # any failure: the eager measurements do not describe this step
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             failure = StepFailedError(
@@ -260,7 +249,7 @@ class TrialRunner:
                 micro_batch_size=size,
             )
             failure.__cause__ = exc
-        self.num_steps += 1
+        self.log.num_steps += 1
         if failure is not None:
             self._clean_up_after_failure()
         ranks = self.consensus.world_size
@@ -272,12 +261,12 @@ class TrialRunner:
                 f"rank {failed_rank}'s torch.compile'd step failed at micro-batch {size} (its "
                 "own error says why); every rank stopped"
             )
-        self.notes.append(
+        self.log.notes.append(
             f"torch.compile: trials ran the step eagerly (memory counted with a dispatch mode); "
             f"the compiled step ran at micro-batch {size}, its peak not measured"
         )
 
-    def _trial(self, size: int, *, warm_up: bool = False, repeat: bool = False) -> None:
+    def trial(self, size: int, *, warm_up: bool = False, repeat: bool = False) -> None:
         """Run one real step at ``size``, agree on its outcome with the other ranks, record it.
 
         A warm-up runs a ``train_step`` that updates by itself again (up to
@@ -297,7 +286,7 @@ class TrialRunner:
         error = ""
         fatal: Exception | None = None  # raised once every rank knows
         updates = OptimizerSteps(self.optimizer)
-        train = warm_up or not self.evaluating
+        train = warm_up or not self.options.eval
         # The chosen size must have run a measured step with an update: when its trial skipped
         # it, its second step runs the step again (bounded, as the warm-up is) until one does.
         must_update = warm_up or (
@@ -308,10 +297,10 @@ class TrialRunner:
                 and t.fits
                 and not t.warm_up
                 and not t.skipped_optimizer_step
-                for t in self.trials
+                for t in self.log.trials
             )
         )
-        calls = MAX_WARM_UP_CALLS if must_update and self.step_includes_update else 1
+        calls = MAX_WARM_UP_CALLS if must_update and self.spec.step_includes_update else 1
         calls_run = 0
         started = time.perf_counter()
         try:
@@ -328,7 +317,7 @@ class TrialRunner:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if isinstance(exc, ConfigError):
                 fatal = exc
-            elif outcome is Outcome.FAILED and bracket(self.points)[0] == 0:
+            elif outcome is Outcome.FAILED and bracket(self.log.points)[0] == 0:
                 fatal = StepFailedError(
                     f"the training step failed at micro-batch {size} for a reason other than "
                     f"memory: {error}{_hint(exc, ranks=self.consensus.world_size)}",
@@ -336,7 +325,7 @@ class TrialRunner:
                 )
                 fatal.__cause__ = exc
         seconds = time.perf_counter() - started
-        self.num_steps += calls_run
+        self.log.num_steps += calls_run
         skipped_update = train and outcome.ran and not updates.count
         if skipped_update and must_update:
             outcome = Outcome.FAILED
@@ -376,27 +365,27 @@ class TrialRunner:
             skipped_optimizer_step=skipped_update,
             repeat=repeat,
             estimated_peak_bytes=(
-                self.prior.peak_bytes(size)
-                if self.prior is not None and outcome.ran and not warm_up
+                self.log.prior.peak_bytes(size)
+                if self.log.prior is not None and outcome.ran and not warm_up
                 else 0
             ),
         )
-        self.trials.append(trial)
+        self.log.trials.append(trial)
         peak_bytes = agreed.peak_bytes
         if repeat:  # the size's outcome is both steps'
-            first_peaks = [p.peak_bytes for p in self.points if p.micro_batch_size == size]
-            self.points = [p for p in self.points if p.micro_batch_size != size]
+            first_peaks = [p.peak_bytes for p in self.log.points if p.micro_batch_size == size]
+            self.log.points = [p for p in self.log.points if p.micro_batch_size != size]
             if trial.fits:
                 peak_bytes = max(peak_bytes, *first_peaks)
-        self.points.append(
+        self.log.points.append(
             Point(micro_batch_size=size, fits=trial.fits, peak_bytes=peak_bytes, warm_up=warm_up)
         )
-        if self.on_trial is not None:
-            self.on_trial(trial)
+        if self.options.on_trial is not None:
+            self.options.on_trial(trial)
         if warm_up and not trial.fits:
-            self._does_not_fit()
-        if agreed.outcome is Outcome.FAILED and not 0 < self.failed_micro_batch_size < size:
-            self.failed_micro_batch_size = size  # the smallest size that failed so
+            self.does_not_fit()
+        if agreed.outcome is Outcome.FAILED and not 0 < self.log.failed_micro_batch_size < size:
+            self.log.failed_micro_batch_size = size  # the smallest size that failed so
         self._check_estimate(trial)
 
     def _agree_outcome(self, outcome: Outcome, peak_bytes: int, fatal: bool) -> _Agreed:
@@ -423,10 +412,10 @@ class TrialRunner:
     def _check_estimate(self, trial: Trial) -> None:
         """Drop the prior when a measured peak shows it off by more than UNRELIABLE_ESTIMATE."""
         error = trial.estimate_error
-        if error is None or abs(error) <= UNRELIABLE_ESTIMATE or self.prior is None:
+        if error is None or abs(error) <= UNRELIABLE_ESTIMATE or self.log.prior is None:
             return
-        self.prior = None
-        self.notes.append(
+        self.log.prior = None
+        self.log.notes.append(
             f"the estimate was unreliable for this step: at micro-batch {trial.micro_batch_size} "
             f"it predicted {format_bytes(trial.estimated_peak_bytes)}, the step measured "
             f"{format_bytes(trial.peak_allocated_bytes)} ({error:+.0%}); the search went on from "
@@ -436,8 +425,8 @@ class TrialRunner:
     def _batch(self, size: int) -> Any:
         """The micro-batch of ``size``; its batch dimension dynamic for a step measured compiled,
         so that the sizes tried share one compiled graph."""
-        batch = self.source.make(size)
-        if self.compiled == "measured":
+        batch = self.spec.source.make(size)
+        if self.options.compiled == "measured":
             mark_batch_dynamic(batch)
         return batch
 
@@ -446,7 +435,7 @@ class TrialRunner:
         garbage, then empty the allocator cache. An FSDP2 model (2-D with tensor parallel too)
         gets its parameters resharded and its per-step state reset (the step stopped
         mid-forward or mid-backward); tensor parallelism keeps no per-step state."""
-        if self.layout in (FSDP2_LAYOUT, FSDP2_TP_LAYOUT):
+        if self.options.layout in (FSDP2_LAYOUT, FSDP2_TP_LAYOUT):
             reset_fsdp2(self.model)
         for param in self.model.parameters():
             param.grad = None
@@ -454,15 +443,17 @@ class TrialRunner:
             self.optimizer.state.clear()
         self.device.release()
 
-    def _does_not_fit(self) -> None:
+    def does_not_fit(self) -> NoReturn:
         capacity = self.agreed_capacity
         grads = sum(
             p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
         )
-        static = max(self.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer))
+        static = max(
+            self.log.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer)
+        )
         ranks = self.consensus.world_size
         raise DoesNotFitError(
-            f"the {'evaluation' if self.evaluating else 'training'} step does not fit on "
+            f"the {'evaluation' if self.options.eval else 'training'} step does not fit on "
             f"{self.device.name}"
             f"{f' (or another of the {ranks} ranks)' if ranks > 1 else ''} even at micro-batch 1: "
             f"capacity {format_bytes(capacity.capacity_bytes)} "

@@ -1,44 +1,64 @@
-"""Where autotune's profiles come from and go to: the profile store, the service, the cache rule.
+"""Where the tuning road's profiles come from and go to: the profile store, the service, the cache
+rule.
 
-:func:`autobatch.tuning.autotune_profile` looks a profile up before it probes and keeps the one it
-probed: :func:`opened_store` (which store, if any), :func:`answers_request` (whether a stored
-profile answers this request), :func:`agreed_profile` (the same under torch.distributed: rank 0
-reads and writes, every rank uses rank 0's answer) and :func:`report_profile_to` (registering a
-new profile with the service, warning rather than failing).
+The road (:mod:`autobatch.tuning`) looks a profile up before it probes and keeps the one it
+probed through one lane, :func:`agreed_profile`, for one process and for the ranks of a process
+group alike (rank 0 reads and writes, every rank uses rank 0's answer); :func:`answers_request`
+is the rule for whether a stored profile answers a request, and :func:`report_profile_to`
+registers a new profile with the service, warning rather than failing.
 
 Example::
 
-    with opened_store(None, use_store=True) as store:     # the default store, closed after
-        found = store.find(key) if store is not None else None
+    found = agreed_profile(LocalConsensus(), key, StoreOptions(store=path),
+                           accepts=lambda p: True, run_probe=lambda: run_probe(step, options))
+    found.profile, found.cached
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import warnings
 from collections.abc import Callable
 
-from autobatch.distributed.consensus import ProcessGroupConsensus
+from autobatch.distributed.consensus import LocalConsensus, ProcessGroupConsensus
 from autobatch.errors import AutobatchError, ReportWarning
 from autobatch.profile import Profile
 from autobatch.profiles.store import ProfileStore
 
 __all__ = [
     "CAPACITY_TOLERANCE",
+    "Confirm",
+    "Ranks",
+    "StoreOptions",
     "TunedProfile",
     "agreed_profile",
     "answers_request",
-    "opened_store",
     "report_profile_to",
 ]
+
+logger = logging.getLogger("autobatch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StoreOptions:
+    """Where profiles come from and go to, for one tuning: built once at the public entry point."""
+
+    store: ProfileStore | str | os.PathLike[str] | None = None
+    """A ProfileStore (left open), a path, or None for the default store."""
+    use_store: bool = True
+    """False: no read, no write."""
+    refresh: bool = False
+    """Probe again even when the store has a profile that answers."""
+    report_to: str | None = None
+    """Base URL of an autobatch service that gets every newly measured profile."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TunedProfile:
-    """What :func:`autobatch.tuning.autotune_profile` found."""
+    """What the tuning road found."""
 
     profile: Profile
     cached: bool
@@ -48,47 +68,51 @@ class TunedProfile:
     when the profile was not stored (a non-OOM failure cut the search short)."""
 
 
-def opened_store(
-    store: ProfileStore | str | os.PathLike[str] | None, *, use_store: bool
-) -> contextlib.AbstractContextManager[ProfileStore | None]:
-    """The store to use: none without ``use_store``; a given ProfileStore as it is (left open);
-    a path (None: the default store) opened here and closed on exit."""
-    if not use_store:
-        return contextlib.nullcontext()
-    if isinstance(store, ProfileStore):
-        return contextlib.nullcontext(store)
-    return ProfileStore(store)
+Ranks = ProcessGroupConsensus | LocalConsensus
+"""The ranks tuning together: a process group, or this process alone."""
+
+Confirm = Callable[[ProfileStore | None], tuple[Profile | None, str]]
+"""Confirmation on arrival: given the opened store (None without one), a profile confirmed on
+this card, or None and a note saying why not (``""`` when nothing was predicted)."""
 
 
 def agreed_profile(
-    consensus: ProcessGroupConsensus,
+    ranks: Ranks,
     key: str,
+    storing: StoreOptions,
     *,
-    store: ProfileStore | str | os.PathLike[str] | None,
-    use_store: bool,
-    refresh: bool,
     accepts: Callable[[Profile], bool],
     run_probe: Callable[[], Profile],
-    report_to: str | None,
+    confirm: Confirm | None = None,
 ) -> TunedProfile:
-    """Under torch.distributed: rank 0 reads the store and every rank uses what it found, or all
-    probe together; rank 0 writes the result and every rank returns rank 0's profile.
+    """The one store lane, for one process and for every rank of a process group: rank 0 reads
+    the store and every rank uses what it found, or all probe together; rank 0 writes the result
+    (unless a non-OOM failure cut it short) and reports it, and every rank returns rank 0's
+    profile.
 
-    The store is used only when every rank has rank 0's cache key (the same device model and
-    total memory): a profile of one kind of card does not answer for another.
+    Under a process group the store is used only when every rank has rank 0's cache key (the
+    same device model and total memory): a profile of one kind of card does not answer for
+    another.
+
+    Args:
+        ranks: who tunes together.
+        key: the cache key of this request's step, device and mode.
+        storing: which store, and whether to read it.
+        accepts: whether a stored profile answers this request (:func:`answers_request`).
+        run_probe: probes (every rank calls it together).
+        confirm: one process only: before probing, a plan predicted from another card's profile
+            is confirmed by one real trial (:mod:`autobatch.profiles.confirmation`).
     """
-    use_store = consensus.all_equal(key) and use_store
+    use_store = ranks.all_equal(key) and storing.use_store
     opened: list[ProfileStore] = []  # rank 0 only
     profile_id: list[str] = []  # rank 0 only
 
     def look_up() -> Profile | None:
         if not use_store:
             return None
-        if isinstance(store, ProfileStore):
-            opened.append(store)
-        else:
-            opened.append(ProfileStore(store))
-        found = None if refresh else opened[0].find(key)
+        given = storing.store
+        opened.append(given if isinstance(given, ProfileStore) else ProfileStore(given))
+        found = None if storing.refresh else opened[0].find(key)
         if found is None or not accepts(found[1]):
             return None
         profile_id.append(found[0])
@@ -97,22 +121,36 @@ def agreed_profile(
     def save(profile: Profile) -> Profile:
         if opened and profile.stop_kind != "failure":
             profile_id.append(opened[0].put(profile))
-        report_profile_to(report_to, profile)
+        report_profile_to(storing.report_to, profile)
         return profile
 
     try:
-        cached = consensus.on_rank_zero(look_up, "reading the profile store")
+        cached = ranks.on_rank_zero(look_up, "reading the profile store")
         if cached is not None:
             return TunedProfile(
                 profile=cached, cached=True, profile_id=profile_id[0] if profile_id else None
             )
+        note = ""
+        if confirm is not None and not storing.refresh:
+            confirmed, note = confirm(opened[0] if opened else None)
+            if confirmed is not None:
+                save(confirmed)
+                return TunedProfile(
+                    profile=confirmed,
+                    cached=False,
+                    profile_id=profile_id[0] if profile_id else None,
+                )
+            if note:
+                logger.warning("%s", note)
         profile = run_probe()
-        agreed = consensus.on_rank_zero(lambda: save(profile), "writing the profile store")
+        if note:
+            profile = dataclasses.replace(profile, notes=(*profile.notes, note))
+        agreed = ranks.on_rank_zero(lambda: save(profile), "writing the profile store")
         return TunedProfile(
             profile=agreed, cached=False, profile_id=profile_id[0] if profile_id else None
         )
     finally:
-        if opened and not isinstance(store, ProfileStore):
+        if opened and not isinstance(storing.store, ProfileStore):
             opened[0].close()
 
 

@@ -13,8 +13,8 @@ from autobatch import autotune, probe
 from autobatch.cli import main
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.planning.planner import plan
-from autobatch.probing.prober import UNRELIABLE_ESTIMATE
 from autobatch.probing.search import trial_budget
+from autobatch.probing.trials import UNRELIABLE_ESTIMATE
 from autobatch.profile import Profile
 from tests.helpers.probe_stubs import ALLOCATOR_ASSERT, LAUNCH_LIMIT, FailsAbove
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autobatch import probe
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.probing.prober import MAX_WARM_UP_CALLS, probe
+from autobatch.probing.trials import MAX_WARM_UP_CALLS
 from tests.probing.test_probe import UNIT, Moments, Toy, assert_same_state, state_of
 
 CAPACITY_BYTES = 100 * UNIT * 4 + UNIT * 2

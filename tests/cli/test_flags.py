@@ -1,0 +1,89 @@
+"""The CLI's flag set, pinned: a flag added, renamed or removed is a deliberate change here."""
+
+from __future__ import annotations
+
+import argparse
+
+from autobatch.cli import build_parser
+
+FLAGS = {
+    "": ["--help", "--store", "--version", "-h"],
+    "devices": ["--help", "--json", "-h"],
+    "estimate": [
+        "--amp",
+        "--capacity",
+        "--help",
+        "--image-size",
+        "--input-shape",
+        "--json",
+        "--max-micro-batch-size",
+        "--safety-margin",
+        "--seq-len",
+        "-h",
+        "model",
+    ],
+    "plan": [
+        "--allow-inexact",
+        "--capacity",
+        "--data-parallel-size",
+        "--effective-batch-size",
+        "--format",
+        "--help",
+        "--json",
+        "--max-gradient-accumulation-steps",
+        "--max-micro-batch-size",
+        "--multiple-of",
+        "--profile",
+        "--uneven",
+        "--world-size",
+        "-h",
+    ],
+    "profiles": ["--help", "-h"],
+    "profiles delete": ["--help", "-h", "profile_id"],
+    "profiles list": ["--help", "--json", "-h"],
+    "profiles show": ["--help", "-h", "profile_id"],
+    "serve": [],
+    "tune": [
+        "--allow-inexact",
+        "--amp",
+        "--data-parallel-size",
+        "--device",
+        "--effective-batch-size",
+        "--eval",
+        "--format",
+        "--help",
+        "--image-size",
+        "--input-shape",
+        "--json",
+        "--max-gradient-accumulation-steps",
+        "--max-micro-batch-size",
+        "--multiple-of",
+        "--no-store",
+        "--refresh",
+        "--safety-margin",
+        "--seq-len",
+        "--uneven",
+        "--world-size",
+        "-h",
+        "model",
+    ],
+}
+
+
+def _flags(parser: argparse.ArgumentParser, command: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    own: list[str] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found.update(_flags(sub, (*command, name)))
+        elif action.option_strings:
+            own.extend(action.option_strings)
+        else:
+            own.append(action.dest)
+    found[" ".join(command)] = sorted(own)
+    return found
+
+
+def test_every_command_has_exactly_the_pinned_flags() -> None:
+    assert _flags(build_parser()) == FLAGS
