@@ -1,7 +1,8 @@
 """Cost of one ``autobatch.plan(...)`` call: this tree beside a git revision, in one run.
 
 The call is the one ``POST /v1/plan`` makes for ``bench/service_load.py``'s body (a plain max
-micro-batch of 24, effective batch 1024 on 8 ranks, the route's options), timed with ``timeit``:
+micro-batch of 24, effective batch 1024 on 8 ranks, the route's options), timed with ``timeit``
+in CPU time (on a shared machine, the time a process waits for a core is not counted):
 microseconds per call, the minimum over repeats. Each side runs in a child process of its own,
 importing ``autobatch`` from this tree (``now``) or from the revision extracted to a temporary
 folder (``before``, default the last commit with the positional ``_resolve`` and the non-frozen
@@ -9,8 +10,8 @@ folder (``before``, default the last commit with the positional ``_resolve`` and
 the ratio is the median of the rounds' paired ratios ``now / before``.
 
 What it decides (issue 22): the planner once took its ten options positionally and kept a
-non-frozen ``Limit`` "for microseconds". Under about 1 µs per call, on a route that costs about
-100 µs, the plain (keyword, frozen) version stays.
+non-frozen ``Limit`` and ``SplitRules`` "for microseconds". Under about 1 µs per call, on a
+route that costs about 100 µs, the plain (keyword, frozen) version stays.
 
 Usage::
 
@@ -25,13 +26,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import timeit
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "65d64e5"
 """The last commit with the positional 10-argument ``_resolve`` and the non-frozen ``Limit``."""
-REPEATS = 7
+REPEATS = 40
 
 
 def child(number: int) -> None:
@@ -48,7 +50,8 @@ def child(number: int) -> None:
     def call() -> None:  # as service/routes/plans.py calls it for a plain max micro-batch
         autobatch.plan(24, effective_batch_size=1024, world_size=8, source=None, **options)
 
-    seconds = min(timeit.repeat(call, number=number, repeat=REPEATS)) / number
+    timings = timeit.repeat(call, timer=time.process_time, number=number, repeat=REPEATS)
+    seconds = min(timings) / number
     print(f"{seconds * 1e6:.4f} {autobatch.__file__}")
 
 
@@ -69,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE, help=f"git revision (default {BEFORE})")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--number", type=int, default=20_000, help="calls per repeat")
+    parser.add_argument("--number", type=int, default=2_000, help="calls per repeat")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -85,7 +88,10 @@ def main() -> None:
         for _ in range(args.rounds):
             before.append(measure(old, args.number))
             now.append(measure(ROOT, args.number))
-    print(f"plan() per call, µs (min of {REPEATS} x {args.number} calls, {args.rounds} rounds)")
+    print(
+        f"plan() per call, µs of CPU time (min of {REPEATS} x {args.number} calls, "
+        f"{args.rounds} rounds)"
+    )
     print(f"{'round':>5} {'before':>9} {'now':>9} {'now/before':>11}")
     for i, (b, n) in enumerate(zip(before, now, strict=True), 1):
         print(f"{i:>5} {b:>9.3f} {n:>9.3f} {n / b:>11.3f}")
