@@ -5,13 +5,14 @@ micro-batch of 24, effective batch 1024 on 8 ranks, the route's options), timed 
 in CPU time (on a shared machine, the time a process waits for a core is not counted):
 microseconds per call, the minimum over repeats. Each side runs in a child process of its own,
 importing ``autobatch`` from this tree (``now``) or from the revision extracted to a temporary
-folder (``before``, default the last commit with the positional ``_resolve`` and the non-frozen
-``Limit``). The two alternate, round by round, so a shift in the machine's speed hits both alike;
-the ratio is the median of the rounds' paired ratios ``now / before``.
+folder (``before``, default the planner before ``PlanConstraints``: the positional
+``_resolve``, ``SplitRules``). The two alternate, round by round, so a shift in the machine's
+speed hits both alike; the ratio is the median of the rounds' paired ratios ``now / before``.
 
 What it decides (issue 22): the planner once took its ten options positionally and kept a
-non-frozen ``Limit`` and ``SplitRules`` "for microseconds". Under about 1 µs per call, on a
-route that costs about 100 µs, the plain (keyword, frozen) version stays.
+non-frozen ``Limit`` and ``SplitRules`` "for microseconds". Where a change costs under about
+1 µs per call, on a route that costs about 100 µs, the plain (keyword, frozen) version stays;
+``--before`` a commit that makes one such change alone measures it.
 
 Usage::
 
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "65d64e5"
-"""The last commit with the positional 10-argument ``_resolve`` and the non-frozen ``Limit``."""
+"""The last commit with the positional 10-argument ``_resolve`` and ``SplitRules``."""
 REPEATS = 40
 
 
