@@ -3,7 +3,8 @@
 ``planner`` splits an effective batch into micro-batches and accumulation steps within the
 ``constraints`` (:class:`PlanConstraints`: what a plan must respect, checked once); ``limits``
 resolves what a plan's limit is (a number, a profile, a memory line and a capacity); ``splits`` is
-the search over splits; ``prediction`` predicts the largest micro-batch past what was measured.
+the search over splits; ``prediction`` predicts the largest micro-batch past what was measured;
+``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's).
 This face is what other layers and the service import.
 
 Example::
