@@ -1,8 +1,10 @@
 """Planning, PURE: numbers in, Plan out (no torch, no pynvml).
 
-``planner`` splits an effective batch into micro-batches and accumulation steps; ``limits``
+``planner`` splits an effective batch into micro-batches and accumulation steps within the
+``constraints`` (:class:`PlanConstraints`: what a plan must respect, checked once); ``limits``
 resolves what a plan's limit is (a number, a profile, a memory line and a capacity); ``splits`` is
-the search over splits; ``prediction`` predicts the largest micro-batch past what was measured.
+the search over splits; ``prediction`` predicts the largest micro-batch past what was measured;
+``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's).
 This face is what other layers and the service import.
 
 Example::
@@ -14,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+from autobatch.planning.constraints import PlanConstraints
 from autobatch.planning.limits import DEFAULT_SAFETY_MARGIN, PlanSource, stored_profile_source
 from autobatch.planning.planner import (
     MAX_GRADIENT_ACCUMULATION_STEPS,
@@ -22,6 +25,7 @@ from autobatch.planning.planner import (
     WorldSizeOption,
     largest_useful_micro_batch_size,
     plan,
+    plan_within,
     plan_world_sizes,
 )
 from autobatch.planning.prediction import Prediction
@@ -30,12 +34,14 @@ __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
     "Plan",
+    "PlanConstraints",
     "PlanSource",
     "Prediction",
     "Uneven",
     "WorldSizeOption",
     "largest_useful_micro_batch_size",
     "plan",
+    "plan_within",
     "plan_world_sizes",
     "stored_profile_source",
 ]

@@ -58,17 +58,29 @@ def stored_profile_source(profile: Profile) -> PlanSource:
     return "estimated" if profile.method == "estimate" else "cached"
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True)
 class Limit:
-    """What a limit (number or profile) resolves to."""
+    """What a limit (number, profile or memory line) resolves to.
+
+    Not frozen: a private value built once per plan and never changed, and frozen it costs about
+    1.3 µs per ``plan()`` call of about 14 (``bench/plan_call.py``), which the service pays per
+    request."""
 
     max_micro_batch_size: int
+    """The largest micro-batch a plan may use."""
     source: PlanSource
+    """Where it came from, as the plan reports it."""
     capacity_bytes: int | None
+    """Bytes a step may use on the device planned for; None if unknown."""
     peak_bytes: Callable[[int], int | None]
+    """Peak bytes of a step by micro-batch size (measured, interpolated or modelled); None
+    where unknown."""
     step_time: Callable[[int], float] | None
+    """Seconds of a step by micro-batch size; None without step times."""
     notes: tuple[str, ...]
+    """What the plan notes about its limit."""
     prediction: Prediction | None = None
+    """How a limit past the measured sizes was predicted; None when it was not."""
 
 
 def require_int(name: str, value: object, minimum: int) -> None:
@@ -99,7 +111,14 @@ def resolve_limit(
                 "capacity_bytes and safety_margin need a Profile or a MemoryModel; "
                 f"limit is a plain max micro-batch size {limit}"
             )
-        return Limit(limit, source or "given", None, lambda _: None, step_time, ())
+        return Limit(
+            max_micro_batch_size=limit,
+            source=source or "given",
+            capacity_bytes=None,
+            peak_bytes=lambda _: None,
+            step_time=step_time,
+            notes=(),
+        )
     profile = limit
     if profile.mode == "eval":
         raise ConfigError(
@@ -156,7 +175,14 @@ def resolve_limit(
         if len(timed) >= 2:
             means = {size: sum(times) / len(times) for size, times in timed.items()}
             step_time = _step_time_model(means, "profile trials")
-    return Limit(limit_size, base, profile.capacity_bytes, peak_bytes, step_time, notes)
+    return Limit(
+        max_micro_batch_size=limit_size,
+        source=base,
+        capacity_bytes=profile.capacity_bytes,
+        peak_bytes=peak_bytes,
+        step_time=step_time,
+        notes=notes,
+    )
 
 
 def _require_margin(margin: object) -> None:
@@ -187,7 +213,14 @@ def _model_limit(
         f"max micro-batch {limit_size} from the given memory model for capacity_bytes "
         f"{capacity_bytes} with safety_margin {margin}"
     )
-    return Limit(limit_size, source, capacity_bytes, model.peak_bytes, step_time, (note,))
+    return Limit(
+        max_micro_batch_size=limit_size,
+        source=source,
+        capacity_bytes=capacity_bytes,
+        peak_bytes=model.peak_bytes,
+        step_time=step_time,
+        notes=(note,),
+    )
 
 
 def _profile_limit(
@@ -215,12 +248,12 @@ def _profile_limit(
             f"capacity_bytes {capacity_bytes} with safety_margin {margin}"
         )
         return Limit(
-            within,
-            source,
-            capacity_bytes,
-            lambda size: interpolated_peak_bytes(peaks, size),
-            step_time,
-            (note,),
+            max_micro_batch_size=within,
+            source=source,
+            capacity_bytes=capacity_bytes,
+            peak_bytes=lambda size: interpolated_peak_bytes(peaks, size),
+            step_time=step_time,
+            notes=(note,),
         )
     if not peaks and model is None:
         raise ConfigError(
@@ -263,20 +296,27 @@ def _profile_limit(
             f"max micro-batch {size} read off the peaks measured up to {largest} for "
             f"capacity_bytes {capacity_bytes} with safety_margin {margin}"
         )
-        return Limit(size, source, capacity_bytes, lambda n: peaks.get(n), step_time, (note,))
+        return Limit(
+            max_micro_batch_size=size,
+            source=source,
+            capacity_bytes=capacity_bytes,
+            peak_bytes=lambda n: peaks.get(n),
+            step_time=step_time,
+            notes=(note,),
+        )
 
     def peak_bytes(n: int) -> int:
         measured = interpolated_peak_bytes(peaks, n)
         return max(fixed + per_sample * n, floor_at(floor, n)) if measured is None else measured
 
     return Limit(
-        size,
-        "estimated" if source == "estimated" else "predicted",
-        capacity_bytes,
-        peak_bytes,
-        step_time,
-        (prediction.describe(size),),
-        prediction,
+        max_micro_batch_size=size,
+        source="estimated" if source == "estimated" else "predicted",
+        capacity_bytes=capacity_bytes,
+        peak_bytes=peak_bytes,
+        step_time=step_time,
+        notes=(prediction.describe(size),),
+        prediction=prediction,
     )
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from autobatch.errors import (
     ConfigError,
@@ -42,6 +42,12 @@ from autobatch.errors import (
     Remedy,
     python_wording,
     with_remedies,
+)
+from autobatch.planning.constraints import (
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    PlanConstraints,
+    Uneven,
+    check_options,
 )
 from autobatch.planning.limits import (
     DEFAULT_SAFETY_MARGIN,
@@ -53,10 +59,8 @@ from autobatch.planning.limits import (
 )
 from autobatch.planning.prediction import Prediction
 from autobatch.planning.splits import (
-    MAX_GRADIENT_ACCUMULATION_STEPS,
-    SplitRules,
-    Uneven,
     choose_steps,
+    describe_rules,
     nearest_reachable,
     split_seconds,
     split_sizes,
@@ -72,10 +76,9 @@ __all__ = [
     "WorldSizeOption",
     "largest_useful_micro_batch_size",
     "plan",
+    "plan_within",
     "plan_world_sizes",
 ]
-
-_UNEVEN: tuple[Uneven, ...] = ("auto", "never", "always")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,13 +264,6 @@ class WorldSizeOption:
         }
 
 
-def _with_failure_note(resolved: Limit, limit: int | Profile | MemoryModel) -> Limit:
-    """A profile whose search a failure other than memory bounded says so in every plan."""
-    if not isinstance(limit, Profile) or not limit.failure_note:
-        return resolved
-    return dataclasses.replace(resolved, notes=(limit.failure_note, *resolved.notes))
-
-
 def largest_useful_micro_batch_size(effective_batch_size: int, world_size: int) -> int:
     """``ceil(effective_batch_size / world_size)``: no plan for that request uses a larger
     micro-batch (the nearest reachable effective batch size included), so no probe for it needs
@@ -335,58 +331,119 @@ def plan(
             reachable effective batch sizes below and above), or the model does not fit at
             micro-batch 1 in ``capacity_bytes``.
     """
-    resolved, rules = _resolve(
+    try:
+        constraints = PlanConstraints(
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            multiple_of=multiple_of,
+            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+            uneven=uneven,
+            allow_inexact=allow_inexact,
+        )
+    except ConfigError as exc:
+        refused = exc
+    else:
+        return plan_within(
+            limit,
+            constraints,
+            safety_margin=safety_margin,
+            capacity_bytes=capacity_bytes,
+            step_seconds=step_seconds,
+            source=source,
+        )
+    _raise_in_order(
+        refused,
         limit,
-        effective_batch_size,
-        multiple_of,
-        max_gradient_accumulation_steps,
-        uneven,
-        allow_inexact,
-        safety_margin,
-        capacity_bytes,
-        step_seconds,
-        source,
+        (multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact),
+        safety_margin=safety_margin,
+        capacity_bytes=capacity_bytes,
+        step_seconds=step_seconds,
+        source=source,
     )
-    return _plan(resolved, rules, effective_batch_size, world_size)
 
 
-def _resolve(
+def plan_within(
     limit: int | Profile | MemoryModel,
-    effective_batch_size: int,
-    multiple_of: int,
-    max_gradient_accumulation_steps: int | None,
-    uneven: Uneven,
-    allow_inexact: bool,
+    constraints: PlanConstraints,
+    *,
+    safety_margin: float | None = None,
+    capacity_bytes: int | None = None,
+    step_seconds: Mapping[int, float] | None = None,
+    source: PlanSource | None = None,
+) -> Plan:
+    """:func:`plan` for a caller holding checked :class:`PlanConstraints` (the tuning road plans
+    one request more than once): the constraints are not checked again.
+
+    Args:
+        limit: as for :func:`plan`.
+        constraints: the effective batch, world size and options, checked when built.
+        safety_margin, capacity_bytes, step_seconds, source: as for :func:`plan`.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        ConfigError: the limit or one of the keyword arguments is invalid, or no plan reaches
+            the effective batch size for a reason an argument can fix (as for :func:`plan`).
+        NoFeasiblePlanError: as for :func:`plan`.
+    """
+    resolved = _resolve(
+        limit,
+        safety_margin=safety_margin,
+        capacity_bytes=capacity_bytes,
+        step_seconds=step_seconds,
+        source=source,
+    )
+    return _plan(resolved, constraints)
+
+
+def _raise_in_order(
+    refused: ConfigError,
+    limit: int | Profile | MemoryModel,
+    options: tuple[int, int | None, Uneven, bool],
+    *,
     safety_margin: float | None,
     capacity_bytes: int | None,
     step_seconds: Mapping[int, float] | None,
     source: PlanSource | None,
-    /,
-) -> tuple[Limit, SplitRules]:
-    """The checks and the limit :func:`plan` and :func:`plan_world_sizes` share, in that order,
-    and the rules every split must meet. Positional (their arguments, in their order): the
-    service plans per request, and ten keyword arguments cost about 0.5 µs a call."""
-    _check_options(multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact)
-    resolved = _with_failure_note(
-        resolve_limit(
-            limit,
-            capacity_bytes=capacity_bytes,
-            safety_margin=safety_margin,
-            step_seconds=step_seconds,
-            source=source,
-        ),
+) -> NoReturn:
+    """Raise for arguments :class:`PlanConstraints` ``refused``, in the planner's order: the
+    options (``multiple_of``, ``max_gradient_accumulation_steps``, ``uneven``,
+    ``allow_inexact``) before the limit, the batch sizes after it. So a request wrong in its
+    limit and in ``effective_batch_size`` or ``world_size`` is told of the limit, as it always
+    was; only this error path checks the options twice."""
+    check_options(*options)
+    resolve_limit(
         limit,
+        capacity_bytes=capacity_bytes,
+        safety_margin=safety_margin,
+        step_seconds=step_seconds,
+        source=source,
     )
-    require_int("effective_batch_size", effective_batch_size, 1)
-    steps = max_gradient_accumulation_steps or MAX_GRADIENT_ACCUMULATION_STEPS
-    rules = SplitRules(
-        resolved.max_micro_batch_size,
-        multiple_of,
-        min(steps, MAX_GRADIENT_ACCUMULATION_STEPS),
-        uneven,
-        allow_inexact,
+    raise refused
+
+
+def _resolve(
+    limit: int | Profile | MemoryModel,
+    *,
+    safety_margin: float | None,
+    capacity_bytes: int | None,
+    step_seconds: Mapping[int, float] | None,
+    source: PlanSource | None,
+) -> Limit:
+    """The limit :func:`plan_within` and :func:`plan_world_sizes` plan within
+    (:func:`~autobatch.planning.limits.resolve_limit`). A profile whose search a failure other
+    than memory bounded says so in every plan."""
+    resolved = resolve_limit(
+        limit,
+        capacity_bytes=capacity_bytes,
+        safety_margin=safety_margin,
+        step_seconds=step_seconds,
+        source=source,
     )
-    return resolved, rules
+    if not isinstance(limit, Profile) or not limit.failure_note:
+        return resolved
+    return dataclasses.replace(resolved, notes=(limit.failure_note, *resolved.notes))
 
 
 def plan_world_sizes(
@@ -422,18 +479,43 @@ def plan_world_sizes(
         NoFeasiblePlanError: the model does not fit at micro-batch 1 in ``capacity_bytes`` (no
             world size helps).
     """
-    resolved, rules = _resolve(
+    try:
+        # One world size stands in until each row's: the checks that involve it come per row.
+        constraints = PlanConstraints(
+            effective_batch_size=effective_batch_size,
+            world_size=1,
+            multiple_of=multiple_of,
+            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+            uneven=uneven,
+            allow_inexact=allow_inexact,
+        )
+    except ConfigError as exc:
+        refused = exc
+    else:
+        resolved = _resolve(
+            limit,
+            safety_margin=safety_margin,
+            capacity_bytes=capacity_bytes,
+            step_seconds=step_seconds,
+            source=source,
+        )
+        return _rows(resolved, constraints, world_sizes)
+    _raise_in_order(
+        refused,
         limit,
-        effective_batch_size,
-        multiple_of,
-        max_gradient_accumulation_steps,
-        uneven,
-        allow_inexact,
-        safety_margin,
-        capacity_bytes,
-        step_seconds,
-        source,
+        (multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact),
+        safety_margin=safety_margin,
+        capacity_bytes=capacity_bytes,
+        step_seconds=step_seconds,
+        source=source,
     )
+
+
+def _rows(
+    limit: Limit, constraints: PlanConstraints, world_sizes: Sequence[int]
+) -> list[WorldSizeOption]:
+    """:func:`plan_world_sizes`'s rows: a world size that is not an int >= 1 raises, a request
+    it cannot reach (fewer samples than ranks, not a multiple of it, no split) is its row."""
     if isinstance(world_sizes, int | str) or not isinstance(world_sizes, Sequence):
         raise ConfigError(
             f"world_sizes {world_sizes!r} must be a list of ints, e.g. [1, 2, 4, 8]; for one "
@@ -443,7 +525,7 @@ def plan_world_sizes(
     for world_size in world_sizes:
         require_int("world_size", world_size, 1)
         try:
-            result = _plan(resolved, rules, effective_batch_size, world_size)
+            result = _plan(limit, dataclasses.replace(constraints, world_size=world_size))
         except (ConfigError, NoFeasiblePlanError) as exc:
             rows.append(
                 WorldSizeOption(
@@ -455,62 +537,21 @@ def plan_world_sizes(
     return rows
 
 
-def _check_options(
-    multiple_of: int,
-    max_gradient_accumulation_steps: int | None,
-    uneven: Uneven,
-    allow_inexact: bool,
-) -> None:
-    require_int("multiple_of", multiple_of, 1)
-    if max_gradient_accumulation_steps is not None:
-        require_int("max_gradient_accumulation_steps", max_gradient_accumulation_steps, 1)
-        if max_gradient_accumulation_steps > MAX_GRADIENT_ACCUMULATION_STEPS:
-            # Once clamped silently: the error then named a bound the caller had not set.
-            raise ConfigError(
-                f"max_gradient_accumulation_steps {max_gradient_accumulation_steps} is more "
-                f"than the planner plans (at most {MAX_GRADIENT_ACCUMULATION_STEPS} "
-                "accumulation steps)",
-                remedies=(
-                    Remedy(
-                        parameter="max_gradient_accumulation_steps",
-                        values=(MAX_GRADIENT_ACCUMULATION_STEPS,),
-                    ),
-                ),
-            )
-    if uneven not in _UNEVEN:
-        raise ConfigError(f"uneven {uneven!r} must be one of {list(_UNEVEN)}")
-    if not isinstance(allow_inexact, bool):
-        raise ConfigError(f"allow_inexact {allow_inexact!r} must be a bool")
-    if uneven == "always" and multiple_of > 1:
-        raise ConfigError(
-            f"uneven 'always' cannot hold with multiple_of {multiple_of}: sizes that differ by 1 "
-            "cannot all be multiples of it",
-            remedies=(
-                Remedy(parameter="uneven", values=("auto",)),
-                Remedy(parameter="multiple_of", values=(1,)),
-            ),
-        )
-
-
-def _plan(limit: Limit, rules: SplitRules, effective: int, world_size: int) -> Plan:
-    require_int("world_size", world_size, 1)
-    if effective < world_size:
-        raise ConfigError(
-            f"effective_batch_size {effective} is less than world_size {world_size}: every rank "
-            f"needs a sample; use effective_batch_size >= {world_size} or world_size <= {effective}"
-        )
-    if rules.multiple_of > rules.max_micro_batch_size:
+def _plan(limit: Limit, constraints: PlanConstraints) -> Plan:
+    effective, world_size = constraints.effective_batch_size, constraints.world_size
+    largest = limit.max_micro_batch_size
+    if constraints.multiple_of > largest:
         raise NoFeasiblePlanError(
-            f"multiple_of {rules.multiple_of} exceeds the max micro-batch size "
-            f"{rules.max_micro_batch_size}: no micro-batch size is allowed; lower multiple_of"
+            f"multiple_of {constraints.multiple_of} exceeds the max micro-batch size "
+            f"{largest}: no micro-batch size is allowed; lower multiple_of"
         )
     notes = list(limit.notes)
     target = effective
     chosen = None
     if effective % world_size == 0:
-        chosen = choose_steps(effective // world_size, rules, limit.step_time)
+        chosen = choose_steps(effective // world_size, largest, constraints, limit.step_time)
     if chosen is None:
-        below, above = nearest_reachable(effective, world_size, rules)
+        below, above = nearest_reachable(largest, constraints)
         nearest = tuple(v for v in (below, above) if v is not None)
         inexact = Remedy(parameter="allow_inexact", values=(True,), purpose="plan the nearest")
         if effective % world_size:
@@ -518,12 +559,12 @@ def _plan(limit: Limit, rules: SplitRules, effective: int, world_size: int) -> P
         else:
             cause = (
                 f"no plan reaches effective_batch_size {effective} on world_size {world_size} "
-                f"with {rules.describe(effective // world_size)}"
+                f"with {describe_rules(effective // world_size, largest, constraints)}"
             )
-        if not rules.allow_inexact and effective % world_size:
+        if not constraints.allow_inexact and effective % world_size:
             use = [Remedy(parameter="effective_batch_size", values=nearest)] if nearest else []
             raise ConfigError(cause, remedies=[*use, inexact])
-        if not rules.allow_inexact:
+        if not constraints.allow_inexact:
             raise NoFeasiblePlanError(
                 f"{cause}; nearest reachable effective_batch_size: "
                 f"{below if below is not None else 'none'} below, "
@@ -531,7 +572,7 @@ def _plan(limit: Limit, rules: SplitRules, effective: int, world_size: int) -> P
                 remedies=(inexact, Remedy(purpose="looser constraints")),
             )
         target = min(nearest, key=lambda v: abs(v - effective))
-        chosen = choose_steps(target // world_size, rules, limit.step_time)
+        chosen = choose_steps(target // world_size, largest, constraints, limit.step_time)
         assert chosen is not None, "a reachable effective batch size must have a plan"
         notes.append(f"{cause}; planned the nearest, {target}")
     steps, note = chosen
@@ -557,7 +598,7 @@ def _plan(limit: Limit, rules: SplitRules, effective: int, world_size: int) -> P
         requested_effective_batch_size=effective,
         micro_batch_sizes=sizes,
         exact=target == effective,
-        max_micro_batch_size=rules.max_micro_batch_size,
+        max_micro_batch_size=largest,
         predicted_peak_memory_bytes=peak,
         capacity_bytes=limit.capacity_bytes,
         headroom_bytes=(

@@ -2,8 +2,9 @@
 
 Within the measured sizes a limit is read off the measured peaks (interpolated between them).
 Past the largest size that really ran it is a prediction: a least-squares line through the
-measured peaks where activations dominate, whose predicted peak is raised by a margin that grows
-with the distance extrapolated (:data:`EXTRAPOLATION_GROWTH`). A line that does not grow with the
+measured peaks where activations dominate (:func:`autobatch.planning.lines.fit_least_squares`),
+whose predicted peak is raised by a margin that grows with the distance extrapolated
+(:data:`EXTRAPOLATION_GROWTH`). A line that does not grow with the
 micro-batch, or that does not pass near its own points, predicts nothing: that is an error asking
 for a probe on the card in question.
 
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from autobatch.errors import ConfigError
+from autobatch.planning.lines import Line, fit_least_squares
 from autobatch.profile import MemoryModel, Trial
 
 __all__ = [
@@ -219,37 +221,7 @@ def limit_within(peaks: Mapping[int, int], budget_bytes: int) -> int:
     return best
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Line:
-    fixed: float
-    per_sample: float
-    num_points: int
-    residual_bytes: int
-
-
-def _fit(peaks: Mapping[int, int]) -> _Line:
-    """Least squares through the measured sizes where activations dominate.
-
-    Uses the sizes from half the largest measured size up; when fewer than two lie there, the two
-    largest (a line through tiny sizes, where the optimizer step dominates, has too small a
-    slope: DESIGN.md, "The training step that must fit").
-    """
-    sizes = sorted(peaks)
-    largest = sizes[-1]
-    used = [n for n in sizes if 2 * n >= largest]
-    if len(used) < 2:
-        used = sizes[-2:]
-    mean_x = sum(used) / len(used)
-    mean_y = sum(peaks[n] for n in used) / len(used)
-    sxx = sum((n - mean_x) ** 2 for n in used)
-    sxy = sum((n - mean_x) * (peaks[n] - mean_y) for n in used)
-    per_sample = sxy / sxx
-    fixed = mean_y - per_sample * mean_x
-    residual = max(abs(peaks[n] - (fixed + per_sample * n)) for n in used)
-    return _Line(fixed, per_sample, len(used), math.ceil(residual - 1e-6))
-
-
-def _line(peaks: Mapping[int, int], stored: MemoryModel | None) -> _Line:
+def _line(peaks: Mapping[int, int], stored: MemoryModel | None) -> Line:
     """The measured line, or the stored model when fewer than two sizes were measured.
 
     Raises:
@@ -262,13 +234,18 @@ def _line(peaks: Mapping[int, int], stored: MemoryModel | None) -> _Line:
                 "memory model, so it cannot predict a micro-batch outside them; probe on that card "
                 "(autobatch tune --device cuda:N, or POST /v1/probes on its node)"
             )
-        return _Line(float(stored.fixed_bytes), float(stored.bytes_per_sample), 0, 0)
-    line = _fit(peaks)
+        return Line(
+            fixed_bytes=float(stored.fixed_bytes),
+            bytes_per_sample=float(stored.bytes_per_sample),
+            num_points=0,
+            residual_bytes=0,
+        )
+    line = fit_least_squares(peaks)
     fitted = {n: peaks[n] for n in sorted(peaks)[-line.num_points :]}
-    if line.per_sample <= 0:
+    if line.bytes_per_sample <= 0:
         raise ConfigError(
             f"the measured peaks do not grow with the micro-batch (a line through {fitted} has "
-            f"slope {line.per_sample:.4g} bytes per sample), so no larger micro-batch can be "
+            f"slope {line.bytes_per_sample:.4g} bytes per sample), so no larger micro-batch can be "
             "predicted from them; probe on that card instead (autobatch tune --device cuda:N, "
             "or POST /v1/probes on its node)"
         )
@@ -314,10 +291,10 @@ def predict_past(
 
     def raised(n: int) -> float:
         growth = EXTRAPOLATION_GROWTH * (n - largest) / largest
-        return (line.fixed + line.per_sample * n) * (1 + growth)
+        return (line.fixed_bytes + line.bytes_per_sample * n) * (1 + growth)
 
     low = largest
-    high = max(largest, math.floor((budget_bytes - line.fixed) / line.per_sample)) + 1
+    high = max(largest, math.floor((budget_bytes - line.fixed_bytes) / line.bytes_per_sample)) + 1
     while high - low > 1:  # raised() increases past ``largest``: bisect for the last n in budget
         middle = (low + high) // 2
         low, high = (middle, high) if raised(middle) <= budget_bytes else (low, middle)
@@ -325,8 +302,8 @@ def predict_past(
         largest_measured_micro_batch_size=largest,
         num_fit_points=line.num_points,
         fit_residual_bytes=line.residual_bytes,
-        fixed_bytes=round(line.fixed),
-        bytes_per_sample=math.ceil(line.per_sample),
+        fixed_bytes=round(line.fixed_bytes),
+        bytes_per_sample=math.ceil(line.bytes_per_sample),
         margin=EXTRAPOLATION_GROWTH * (low - largest) / largest,
     )
 
@@ -343,7 +320,7 @@ def predict_below(
     :func:`predict_past`. No margin is added below the measured sizes."""
     line = _line(peaks, stored)
     smallest = min(peaks, default=0)
-    size = max(0, math.floor((budget_bytes - line.fixed) / line.per_sample))
+    size = max(0, math.floor((budget_bytes - line.fixed_bytes) / line.bytes_per_sample))
     if smallest:
         size = min(size, smallest - 1)
     return size, Prediction(
@@ -351,7 +328,7 @@ def predict_below(
         or max(largest_measured_micro_batch_size, 1),
         num_fit_points=line.num_points,
         fit_residual_bytes=line.residual_bytes,
-        fixed_bytes=round(line.fixed),
-        bytes_per_sample=math.ceil(line.per_sample),
+        fixed_bytes=round(line.fixed_bytes),
+        bytes_per_sample=math.ceil(line.bytes_per_sample),
         margin=0.0,
     )

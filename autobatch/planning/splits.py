@@ -1,79 +1,47 @@
 """PURE: the search for a split of one rank's samples into micro-batches and accumulation steps.
 
 :mod:`autobatch.planning.planner` checks the arguments and resolves the limit, then asks this
-module for
-the steps (:func:`choose_steps`) and, when no split reaches the request, for the nearest
-effective batch sizes that can be reached (:func:`nearest_reachable`). The rules are the
+module for the steps (:func:`choose_steps`) and, when no split reaches the request, for the
+nearest effective batch sizes that can be reached (:func:`nearest_reachable`). The rules are the
 planner's (DESIGN.md, "Planner rules"; :mod:`autobatch.planning.planner`'s docstring). Imports
-neither
-torch nor pynvml.
+neither torch nor pynvml.
 
 Example::
 
-    rules = SplitRules(24, 1, MAX_GRADIENT_ACCUMULATION_STEPS, "auto", False)
-    choose_steps(64, rules, None)          # (4, ""): 4 micro-batches of 16
-    split_sizes(97, 5)                     # (20, 20, 19, 19, 19)
+    constraints = PlanConstraints(effective_batch_size=64)
+    choose_steps(64, 24, constraints, None)    # (4, ""): 4 micro-batches of 16
+    split_sizes(97, 5)                         # (20, 20, 19, 19, 19)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from typing import Literal
+
+from autobatch.planning.constraints import MAX_GRADIENT_ACCUMULATION_STEPS, PlanConstraints
 
 __all__ = [
-    "MAX_GRADIENT_ACCUMULATION_STEPS",
-    "SplitRules",
-    "Uneven",
     "choose_steps",
+    "describe_rules",
     "equal_steps",
     "nearest_reachable",
     "split_seconds",
     "split_sizes",
 ]
 
-Uneven = Literal["auto", "never", "always"]
 
-MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 20
-"""No plan has more accumulation steps than this (1,048,576), whatever the caller allows: a Plan
-lists one size per step, and a larger count is a mistake (a micro-batch limit of 1 for a
-billion-sample batch) rather than a training run. Also bounds the planner's own work."""
-
-
-@dataclasses.dataclass(slots=True)
-class SplitRules:
-    """Every constraint on a split: the max micro-batch size and the planner's checked options.
-
-    Not frozen: built once per plan and never changed (a frozen dataclass's ``__init__`` costs
-    about 0.1 µs per field, and the service plans per request)."""
-
-    max_micro_batch_size: int
-    multiple_of: int
-    """Every micro-batch size is a multiple of this (> 1 rules out unequal sizes)."""
-    max_steps: int
-    """The caller's bound on accumulation steps, capped at MAX_GRADIENT_ACCUMULATION_STEPS."""
-    uneven: Uneven
-    """``"auto"``, ``"never"`` or ``"always"``, as :func:`autobatch.plan` takes it."""
-    allow_inexact: bool
-
-    @property
-    def unequal_allowed(self) -> bool:
-        """Whether micro-batches may differ in size (by 1)."""
-        return self.multiple_of == 1 and self.uneven != "never"
-
-    def describe(self, per_rank: int) -> str:
-        """The rules in words, for a message about ``per_rank`` samples per rank."""
-        text = f"micro-batches of at most {self.max_micro_batch_size}"
-        if self.multiple_of > 1:
-            text += f" that are multiples of {self.multiple_of}"
-        steps = self.max_steps
-        # The user's limit is always named; the internal cap only where it binds.
-        if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > self.max_micro_batch_size * steps:
-            text += f", at most {steps} accumulation steps"
-        if not self.unequal_allowed:
-            text += ", equal sizes"
-        return text
+def describe_rules(per_rank: int, max_micro_batch_size: int, constraints: PlanConstraints) -> str:
+    """What a split must meet, in words, for a message about ``per_rank`` samples per rank."""
+    text = f"micro-batches of at most {max_micro_batch_size}"
+    if constraints.multiple_of > 1:
+        text += f" that are multiples of {constraints.multiple_of}"
+    steps = constraints.max_steps
+    # The user's limit is always named; the internal cap only where it binds.
+    if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > max_micro_batch_size * steps:
+        text += f", at most {steps} accumulation steps"
+    if not constraints.unequal_allowed:
+        text += ", equal sizes"
+    return text
 
 
 def split_sizes(per_rank: int, steps: int) -> tuple[int, ...]:
@@ -90,13 +58,16 @@ def split_seconds(per_rank: int, steps: int, step_time: Callable[[int], float]) 
     return larger_seconds + step_time(smaller) * (steps - num_larger)
 
 
-def equal_steps(per_rank: int, rules: SplitRules) -> list[int]:
-    """Accumulation steps of every equal split meeting the rules, ascending.
+def equal_steps(
+    per_rank: int, max_micro_batch_size: int, constraints: PlanConstraints
+) -> list[int]:
+    """Accumulation steps of every equal split of micro-batches of at most
+    ``max_micro_batch_size`` that meets the constraints, ascending.
 
     Costs O(min(k range, M, sqrt(per_rank))) divisions, where the k range is at most
     MAX_GRADIENT_ACCUMULATION_STEPS wide.
     """
-    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
+    limit, step, max_steps = max_micro_batch_size, constraints.multiple_of, constraints.max_steps
     root = math.isqrt(per_rank)
     lowest = -(-per_rank // limit)
     highest = min(per_rank, max_steps)
@@ -123,13 +94,17 @@ def equal_steps(per_rank: int, rules: SplitRules) -> list[int]:
 
 
 def choose_steps(
-    per_rank: int, rules: SplitRules, step_time: Callable[[int], float] | None
+    per_rank: int,
+    max_micro_batch_size: int,
+    constraints: PlanConstraints,
+    step_time: Callable[[int], float] | None,
 ) -> tuple[int, str] | None:
-    """Accumulation steps for ``per_rank`` samples and a note (may be empty); None if none fit."""
-    minimal = -(-per_rank // rules.max_micro_batch_size)
-    equal = equal_steps(per_rank, rules)
-    minimal_ok = rules.unequal_allowed and minimal <= rules.max_steps
-    if rules.uneven == "always":
+    """Accumulation steps for ``per_rank`` samples in micro-batches of at most
+    ``max_micro_batch_size`` and a note (may be empty); None if none fit."""
+    minimal = -(-per_rank // max_micro_batch_size)
+    equal = equal_steps(per_rank, max_micro_batch_size, constraints)
+    minimal_ok = constraints.unequal_allowed and minimal <= constraints.max_steps
+    if constraints.uneven == "always":
         candidates = [minimal] if minimal_ok else []
     elif not minimal_ok or (equal and equal[0] <= 2 * minimal):
         candidates = equal
@@ -172,16 +147,18 @@ def _smallest_product_at_least(n: int, a: int, b: int) -> int | None:
 
 
 def nearest_reachable(
-    effective: int, world_size: int, rules: SplitRules
+    max_micro_batch_size: int, constraints: PlanConstraints
 ) -> tuple[int | None, int | None]:
-    """Nearest reachable effective batch sizes strictly below/above an unreachable one."""
+    """Nearest reachable effective batch sizes strictly below/above the constraints' unreachable
+    one, with micro-batches of at most ``max_micro_batch_size``."""
+    effective, world_size = constraints.effective_batch_size, constraints.world_size
     below_rank, above_rank = effective // world_size, -(-effective // world_size)
     if effective % world_size == 0:
         below_rank, above_rank = below_rank - 1, above_rank + 1
-    limit, step, max_steps = rules.max_micro_batch_size, rules.multiple_of, rules.max_steps
+    limit, step, max_steps = max_micro_batch_size, constraints.multiple_of, constraints.max_steps
     below: int | None
     above: int | None
-    if rules.unequal_allowed:
+    if constraints.unequal_allowed:
         # Any per-rank count from 1 to M * K splits into <= K micro-batches of <= M.
         top = min(below_rank, limit * max_steps)
         below = top if top >= 1 else None

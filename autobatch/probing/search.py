@@ -10,7 +10,8 @@ over the capacity, or failed for another reason) and proposes a *guided* size:
    through the two most recent measured peaks (a secant step: peak memory is linear in the
    micro-batch where activations dominate, DESIGN.md), or the line from the prior's fixed bytes
    through the largest fitting size (the prior's slope when that is not above them), or the
-   prior alone;
+   prior alone (:func:`fit_memory_model`; the lines are fitted in
+   :mod:`autobatch.planning.lines` and re-exported here);
 2. without any model (no prior, fewer than two different peaks), growth: 4x the largest fitting
    size (1 before any trial). A line through tiny sizes, where the optimizer step dominates,
    may overshoot; the failure then caps the bracket and the contradicted line is not trusted
@@ -45,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from autobatch.planning.lines import fit_memory_model, fit_wide_line
 from autobatch.profile import MemoryModel
 
 __all__ = [
@@ -82,87 +84,6 @@ def bracket(points: Sequence[Point]) -> tuple[int, int | None]:
     lo = max((p.micro_batch_size for p in points if p.fits), default=0)
     hi = min((p.micro_batch_size for p in points if not p.fits), default=None)
     return lo, hi
-
-
-def fit_memory_model(points: Sequence[Point], prior: MemoryModel | None) -> MemoryModel | None:
-    """A line ``fixed + per_sample * n`` through the measured fitting points (see module doc).
-
-    Returns:
-        The line through two measured points; else the line from the prior's fixed bytes through
-        the largest measured fitting size above 1 (the prior's slope through it when its peak is
-        not above those bytes); else the prior itself (None without one).
-    """
-    known = [p for p in points if p.peak_bytes > 0]
-    fitted = sorted((p for p in known if p.fits), key=lambda p: p.micro_batch_size)
-    over = sorted((p for p in known if not p.fits), key=lambda p: p.micro_batch_size)
-    recent = [p for p in known if p.micro_batch_size != known[-1].micro_batch_size] if known else []
-    pair = None
-    if recent and recent[-1].peak_bytes != known[-1].peak_bytes:
-        pair = tuple(sorted((recent[-1], known[-1]), key=lambda p: p.micro_batch_size))
-    elif fitted and over:
-        pair = (fitted[-1], over[0])
-    elif len(fitted) >= 2:
-        pair = (fitted[-2], fitted[-1])
-    elif len(over) >= 2:
-        pair = (over[0], over[1])
-    if pair is not None:
-        small, large = pair
-        if large.micro_batch_size > small.micro_batch_size and large.peak_bytes > small.peak_bytes:
-            per_sample = -(
-                -(large.peak_bytes - small.peak_bytes)
-                // (large.micro_batch_size - small.micro_batch_size)
-            )
-            model = MemoryModel(
-                fixed_bytes=large.peak_bytes - per_sample * large.micro_batch_size,
-                bytes_per_sample=per_sample,
-            )
-            return model
-    if prior is None:
-        return None
-    if fitted and fitted[-1].micro_batch_size > 1:
-        anchor = fitted[-1]
-        if anchor.peak_bytes > prior.fixed_bytes:
-            # The prior's fixed bytes (weights, gradients, optimizer state) are what an estimate
-            # gets right; its slope (activations) is what it gets wrong, by any factor.
-            per_sample = -(-(anchor.peak_bytes - prior.fixed_bytes) // anchor.micro_batch_size)
-        else:
-            per_sample = prior.bytes_per_sample
-        model = MemoryModel(
-            fixed_bytes=anchor.peak_bytes - per_sample * anchor.micro_batch_size,
-            bytes_per_sample=per_sample,
-        )
-        return model
-    return prior
-
-
-def fit_wide_line(points: Sequence[Point]) -> MemoryModel | None:
-    """A line through the largest fitting peak and one at no more than half its size (at least
-    2, past where the optimizer step may dominate): far apart, so allocator rounding does not
-    tilt it, and it predicts the peak across the range, where :func:`fit_memory_model`'s secant
-    through the two latest points (often adjacent sizes) is only good near them. Falls back to
-    that secant when there is no such pair.
-    """
-    known = sorted((p for p in points if p.peak_bytes > 0), key=lambda p: p.micro_batch_size)
-    fitted = [p for p in known if p.fits]
-    if fitted:
-        large = fitted[-1]
-        below = [
-            p
-            for p in known
-            if 2 <= p.micro_batch_size <= large.micro_batch_size // 2
-            and p.peak_bytes < large.peak_bytes
-        ]
-        if below:
-            small = below[-1]
-            per_sample = -(
-                -(large.peak_bytes - small.peak_bytes)
-                // (large.micro_batch_size - small.micro_batch_size)
-            )
-            return MemoryModel(
-                fixed_bytes=large.peak_bytes - per_sample * large.micro_batch_size,
-                bytes_per_sample=per_sample,
-            )
-    return fit_memory_model(points, prior=None)
 
 
 def trial_budget(limit: int) -> int:
