@@ -44,8 +44,14 @@ from autobatch.distributed.consensus import (
     process_group_consensus,
 )
 from autobatch.distributed.layout import data_parallel_size as _data_parallel_size
-from autobatch.planning.limits import stored_profile_source
-from autobatch.planning.planner import Plan, Uneven, largest_useful_micro_batch_size, plan
+from autobatch.planning import (
+    Plan,
+    PlanConstraints,
+    Uneven,
+    largest_useful_micro_batch_size,
+    plan_within,
+    stored_profile_source,
+)
 from autobatch.probing.compiled import compiled_mode
 from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
 from autobatch.probing.placement import model_device
@@ -225,16 +231,16 @@ def tune(
         data_parallel_size=data_parallel_size,
         process_group=process_group,
     )
-    constraints: dict[str, Any] = {
-        "effective_batch_size": effective_batch_size,
-        "world_size": world_size,
-        "multiple_of": multiple_of,
-        "max_gradient_accumulation_steps": max_gradient_accumulation_steps,
-        "uneven": uneven,
-        "allow_inexact": allow_inexact,
-    }
+    constraints = PlanConstraints(
+        effective_batch_size=effective_batch_size,
+        world_size=world_size,
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+        uneven=uneven,
+        allow_inexact=allow_inexact,
+    )
     # Fail before probing when no micro-batch the probe could find makes a plan.
-    plan(max_micro_batch_size, **constraints)
+    plan_within(max_micro_batch_size, constraints)
     step, options = _bundles(
         model,
         sample,
@@ -255,7 +261,7 @@ def tune(
     storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
     found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
-    result = plan(found.profile, source=source, **constraints)
+    result = plan_within(found.profile, constraints, source=source)
     if world_size == 1 and dist.is_available() and dist.is_initialized():
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
         # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.

@@ -193,7 +193,9 @@ class DeviceList(BaseModel):
     devices: list[GpuPublic]
     reason: str | None = Field(
         default=None,
-        description="Why the list is empty or incomplete: a stable code (README, 'NVML').",
+        description=(
+            "Why the list is empty or incomplete: a stable code (docs/service.md lists them)."
+        ),
     )
     detail: str | None = None
     note: str | None = Field(

@@ -1,6 +1,6 @@
-"""The ``autobatch`` command line: ``parser`` (subcommands and flags), ``commands`` (what each
-does and prints), ``models`` (the built-in model zoo). ``main(argv=None) -> int`` is the entry
-point."""
+"""The ``autobatch`` command line: ``parser`` (subcommands and flags) and ``commands`` (what each
+does and prints); the built-in model names are :mod:`autobatch.models`'. ``main(argv=None) ->
+int`` is the entry point."""
 
 from __future__ import annotations
 

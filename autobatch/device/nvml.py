@@ -81,7 +81,7 @@ REASONS: dict[str, str] = {
     "on the next request; if it persists, check the driver (dmesg, nvidia-smi)",
     "nvml_error": "NVML failed; the message names the call and the error",
 }
-"""Stable ``reason`` codes of NVML failures, each with what to do; the README lists them."""
+"""Stable ``reason`` codes of NVML failures, each with what to do; docs/service.md lists them."""
 
 _NO_NVML_REASONS = frozenset(
     {
