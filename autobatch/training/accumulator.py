@@ -10,9 +10,8 @@ bookkeeping that is easy to get subtly wrong:
 - under ``DistributedDataParallel`` gradients are all-reduced once per window (``no_sync`` on the
   other micro-steps);
 - under DDP an error on one rank only (``count_fn``, a refused backward, ``step``) reaches the
-  other ranks at their next agreement (:mod:`autobatch.training.window_agreement`), so every rank
-  raises
-  instead of waiting in a collective;
+  other ranks at their next window agreement (:mod:`autobatch.training.window_agreement`), so
+  every rank raises instead of waiting in a collective;
 - the optimizer steps once per window, including a short last window, and gradients are zeroed
   after it, so nothing leaks into the next window or epoch;
 - with a ``GradScaler``: scaled backward per micro-step, then once per window ``unscale_``,
@@ -65,7 +64,7 @@ from autobatch.training.oom_split import (
     Splitter,
     run_window,
 )
-from autobatch.training.window_agreement import Agreement, Status
+from autobatch.training.window_agreement import Status, WindowAgreement
 
 __all__ = [
     "SMALL_MICRO_BATCH_FOR_BATCH_NORM",
@@ -591,11 +590,11 @@ class Accumulator:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._group: dist.ProcessGroup | None = None
         self.world_size = 1
-        self._agreement: Agreement | None = None  # the ranks' agreements, under DDP
+        self._agreement: WindowAgreement | None = None  # the ranks' window agreements, under DDP
         if self._ddp is not None:
             self._group = self._ddp.process_group
             self.world_size = dist.get_world_size(self._group)
-            self._agreement = Agreement(self._group, model)
+            self._agreement = WindowAgreement(self._group, model)
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 

@@ -1,21 +1,24 @@
-"""The Accumulator's agreements under DistributedDataParallel: how an error on one rank reaches
-the others instead of leaving them waiting in a collective.
+"""The window agreement: the Accumulator's agreements under DistributedDataParallel, by which an
+error on one rank reaches the others instead of leaving them waiting in a collective.
 
-Every agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64 values:
-this rank's counted items, whether it has a micro-batch counting 0 items, and one status per rank (0
-on every rank that is fine). The ranks meet at one agreement for each window's count (in
-``Accumulator.windows``: the count all-reduce each window always had) and one when the micro-batches
-run out (once per loop); and, only in a window where some rank has a micro-batch counting 0 items
-(where a "mean" loss is refused, on that rank only), one before the window's synchronised backward
-(the last micro-step's ``backward``; with ``on_oom="split"``, :mod:`autobatch.training.oom_split`'s
-own
-agreements instead). A rank that fails meets the others at the next agreement with its status and
-then raises its own error; each of the others raises :class:`DistributedError` there, naming the
-rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
+(Not the probe's consensus, :mod:`autobatch.distributed.consensus`, which makes the ranks of a
+probe try the same sizes; nor the once-per-micro-step agreement of
+:mod:`autobatch.training.oom_split`, which makes them split a micro-batch together.)
+
+Every window agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64
+values: this rank's counted items, whether it has a micro-batch counting 0 items, and one status
+per rank (0 on every rank that is fine). The ranks meet at one for each window's count (in
+``Accumulator.windows``: the count all-reduce each window always had) and one when the
+micro-batches run out (once per loop); and, only in a window where some rank has a micro-batch
+counting 0 items (where a "mean" loss is refused, on that rank only), one before the window's
+synchronised backward (the last micro-step's ``backward``; with ``on_oom="split"``, oom_split's
+own agreements instead). A rank that fails meets the others at the next window agreement with its
+status and then raises its own error; each of the others raises :class:`DistributedError` there,
+naming the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
 
 Example::
 
-    agreement = Agreement(process_group, ddp_model)
+    agreement = WindowAgreement(process_group, ddp_model)
     global_count, empty = agreement.meet(local_count, where="the count agreement of window 3")
     agreement.meet(0, where="...", status=Status.STEP, window=3)  # failed: tell, then raise
 """
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 from autobatch.errors import ConfigError, DistributedError
 
-__all__ = ["Agreement", "Status"]
+__all__ = ["Status", "WindowAgreement"]
 
 logger = logging.getLogger("autobatch")
 
@@ -80,8 +83,8 @@ class _Window(Protocol):
     def _abandon(self) -> None: ...
 
 
-class Agreement:
-    """The ranks' agreements of one Accumulator (see the module docstring).
+class WindowAgreement:
+    """The window agreements of one Accumulator's ranks (see the module docstring).
 
     Args:
         group: the process group of the ``DistributedDataParallel`` model.
@@ -109,7 +112,7 @@ class Agreement:
         window: int = 0,
         empty: bool = False,
     ) -> tuple[int, bool]:
-        """Meet the other ranks at the next agreement.
+        """Meet the other ranks at the next window agreement.
 
         Args:
             count: this rank's counted items (0 unless ``where`` is a window's count).
