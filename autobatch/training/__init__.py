@@ -11,7 +11,8 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.training.accumulator import Accumulator, MicroStep, StepStats, Window
+from autobatch.training.accumulator import Accumulator, StepStats, Window
+from autobatch.training.micro_step import MicroStep
 from autobatch.training.oom_split import OnOom, SplitEvent
 
 __all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]

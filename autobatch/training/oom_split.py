@@ -72,9 +72,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
-from typing import Any, Literal, NoReturn, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -85,6 +84,7 @@ from torch.utils._pytree import tree_map
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, Remedy
 from autobatch.training.counting import as_count, leading_dim
+from autobatch.training.micro_step import MicroStep, WindowState, check_backward
 
 __all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
 
@@ -177,65 +177,6 @@ class Splitter:
         self._clean_windows = 0 if had_split else self._clean_windows + 1
 
 
-# What a split run uses of autobatch.training.accumulator's Accumulator, Window and MicroStep, as
-# protocols:
-# that module imports this one, never the other way round.
-
-
-class _SplitAccumulator(Protocol):
-    @property
-    def model(self) -> torch.nn.Module: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
-    def _ddp(self) -> object | None: ...
-    @property
-    def _group(self) -> dist.ProcessGroup | None: ...
-    @property
-    def _splitter(self) -> Splitter: ...
-    def _params(self) -> list[torch.Tensor]: ...
-
-
-class _SplitMicroStep(Protocol):
-    _backward_done: bool
-
-    @property
-    def batch(self) -> Any: ...
-    @property
-    def count(self) -> int: ...
-    @property
-    def index(self) -> int: ...
-    @property
-    def is_last(self) -> bool: ...
-    def sync_context(self) -> AbstractContextManager[Any]: ...
-    def backward(
-        self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean"
-    ) -> None: ...
-    def _weight(
-        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
-    ) -> tuple[torch.Tensor, float]: ...
-    def _piece(self, batch: Any, count: int, is_last: bool, /) -> _SplitMicroStep: ...
-
-
-class _SplitWindow(Protocol):
-    _num_backward: int
-    _failed_after_agreements: bool
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def _acc(self) -> _SplitAccumulator: ...
-    @property
-    def _count_fn(self) -> Callable[[Any], int | torch.Tensor] | None: ...
-    @property
-    def _stepped(self) -> bool: ...
-    @property
-    def _splits(self) -> list[SplitEvent]: ...
-    @property
-    def _weighted_losses(self) -> list[torch.Tensor]: ...
-    def __iter__(self) -> Iterator[_SplitMicroStep]: ...
-
-
 @dataclasses.dataclass(slots=True)
 class _Failure:
     """What is kept of an out-of-memory error once its ``except`` block is left."""
@@ -252,15 +193,22 @@ class _WindowRun:
     """One call of :func:`run_window`: the cursor over (micro-batch, row) and the bookkeeping."""
 
     def __init__(
-        self, window: _SplitWindow, loss_of: Callable[[Any], torch.Tensor], reduction: str
+        self,
+        state: WindowState,
+        loss_of: Callable[[Any], torch.Tensor],
+        reduction: Literal["mean", "sum"],
+        *,
+        model: torch.nn.Module,
+        splitter: Splitter,
     ) -> None:
-        self.window = window
-        self.acc = window._acc
-        self.splitter: Splitter = window._acc._splitter
+        self.state = state
+        self.model = model
+        self.splitter = splitter
         self.loss_of = loss_of
         self.reduction = reduction
-        self.micros = list(window)
-        self.ddp = self.acc._ddp
+        self.micros = list(state.micro_steps)
+        self.ddp = state.ddp
+        self.events: list[SplitEvent] = []
         self.agree_ranks = self.ddp is not None and self.splitter.on_oom == "split"
         self.num_agreed = 0  # micro-steps whose agreement is done
         # Whether the other ranks will wait for this one at an agreement: from the window's start
@@ -296,30 +244,22 @@ class _WindowRun:
             if failure.phase == "backward":
                 # A backward that failed may have added part of its gradient: start the window
                 # again from no gradient (the micro-batches done so far are run again).
-                self.drop_gradients()
+                self.state.forget_backward()
                 index, start = 0, 0
             else:
                 start = failure.start  # the forward added nothing; earlier rows stay done
 
-    def drop_gradients(self) -> None:
-        """Forget every backward of this window: its gradients, losses and counts."""
-        self.acc.optimizer.zero_grad(set_to_none=True)
-        self.window._weighted_losses.clear()
-        self.window._num_backward = 0
-        for micro in self.micros:
-            micro._backward_done = False
-
-    def _run_rows(self, micro: _SplitMicroStep, start: int) -> _Failure | None:
+    def _run_rows(self, micro: MicroStep[Any], start: int) -> _Failure | None:
         """Run rows ``[start:)`` of one micro-batch in pieces of the limit; the first OOM."""
         limit = self.splitter.limit
         is_last = micro.is_last
         if start == 0 and limit is None:
             return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
-        rows = _rows(micro.batch, self.window.index, micro.index)
+        rows = _rows(micro.batch, self.state.index, micro.index)
         if start == 0 and rows <= (limit or rows):
             return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
         size = limit if limit is not None else rows
-        count_fn = self.window._count_fn
+        count_fn = self.state.count_fn
         if start == 0:
             self.done_count = 0
         pieces = []
@@ -328,12 +268,12 @@ class _WindowRun:
             if count_fn is None:
                 count = stop - piece_start
             else:
-                count = as_count(count_fn(piece), self.window.index, micro.index)
+                count = as_count(count_fn(piece), self.state.index, micro.index)
             pieces.append((piece_start, stop, piece, count))
         if self.done_count + sum(piece[3] for piece in pieces) != micro.count:
             raise ConfigError(
                 f"count_fn is not additive over rows: micro-batch {micro.index} of window "
-                f"{self.window.index} counts {micro.count}, its pieces "
+                f"{self.state.index} counts {micro.count}, its pieces "
                 f"{self.done_count + sum(piece[3] for piece in pieces)}; the pieces of a split "
                 "micro-batch must count what it counts (e.g. count tokens or samples, not a "
                 "per-batch constant)"
@@ -349,7 +289,7 @@ class _WindowRun:
             synced = i == synced_at
             if count == 0 and not synced:
                 continue  # nothing counted: no share of the gradient
-            step = micro._piece(piece, count, synced)
+            step = MicroStep(self.state, piece, count, micro.index, synced)
             failure = self._run_piece(step, piece, piece_start, stop - piece_start, synced=synced)
             if failure is not None:
                 return failure
@@ -357,7 +297,7 @@ class _WindowRun:
         return None
 
     def _run_piece(
-        self, step: _SplitMicroStep, batch: Any, start: int, rows: int, *, synced: bool
+        self, step: MicroStep[Any], batch: Any, start: int, rows: int, *, synced: bool
     ) -> _Failure | None:
         """Forward and backward of one piece (``rows`` -1: the whole micro-batch, not yet
         counted); the OOM as a :class:`_Failure`, or None."""
@@ -372,11 +312,11 @@ class _WindowRun:
                     # Backward's own checks (a mean over 0 counted items, a loss of many
                     # elements) before the agreement: past it, an error on one rank leaves the
                     # others waiting in the gradient all-reduce.
-                    step._weight(loss, self.reduction)  # type: ignore[arg-type]
+                    check_backward(step, loss, self.reduction)
                     self._agree(step.index)
                     phase = "backward"
                     try:
-                        step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+                        step.backward(loss, reduction=self.reduction)
                     except Exception as exc:
                         self._synchronised_backward_failed(step, exc)
                     if self.deferred is not None:  # the all-reduce is done: a callback may raise
@@ -384,7 +324,7 @@ class _WindowRun:
                         self._add_event(event)
                 else:
                     phase = "backward"
-                    step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+                    step.backward(loss, reduction=self.reduction)
             return None
         except Exception as exc:
             if not split or not is_oom(exc):
@@ -393,23 +333,23 @@ class _WindowRun:
         # Out of the except block, the exception and its frames are gone; the caller releases
         # memory once this frame (and `loss`, the failed graph) is gone too.
         if rows < 0:
-            rows = _rows(batch, self.window.index, step.index)
+            rows = _rows(batch, self.state.index, step.index)
         return _Failure(phase=phase, reason=reason, start=start, rows=rows)
 
     def _min_rows(self) -> int:
         """Fewest rows a piece may have: 2 when the model normalises with batch statistics."""
         if self.norm is False:
-            self.norm = _batch_norm(self.acc.model, wrapped=self.ddp is not None)
+            self.norm = _batch_norm(self.model, wrapped=self.ddp is not None)
         return 1 if self.norm is None else 2
 
-    def _can_cut(self, micro: _SplitMicroStep, failure: _Failure, new_size: int) -> bool:
+    def _can_cut(self, micro: MicroStep[Any], failure: _Failure, new_size: int) -> bool:
         """Whether the rows that ran out of memory can run again in pieces smaller than the one
         that failed (none below :meth:`_min_rows`)."""
         if new_size < self._min_rows():
             return False
         # The rows run again: the failed piece's on (forward), or the micro-batch's (backward).
         first = failure.start if failure.phase == "forward" else 0
-        rows = _rows(micro.batch, self.window.index, micro.index)
+        rows = _rows(micro.batch, self.state.index, micro.index)
         pieces = _cuts(first, rows, new_size, self._min_rows())
         return max(stop - start for start, stop in pieces) < failure.rows
 
@@ -418,7 +358,7 @@ class _WindowRun:
     def _record(self, index: int, failure: _Failure, new_size: int, recompute: bool) -> None:
         self._add_event(
             SplitEvent(
-                window_index=self.window.index,
+                window_index=self.state.index,
                 micro_step_index=index,
                 old_micro_batch_size=failure.rows,
                 new_micro_batch_size=new_size,
@@ -431,7 +371,7 @@ class _WindowRun:
     def _add_event(self, event: SplitEvent) -> None:
         self.splitter.limit = event.new_micro_batch_size
         self.had_split = True
-        self.window._splits.append(event)
+        self.events.append(event)
         where = "on another rank" if event.phase == "peer" else f"in {event.phase}"
         logger.warning(
             "window %d, micro-batch %d: out of memory %s at micro-batch size %d (%s); running "
@@ -452,9 +392,9 @@ class _WindowRun:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _does_not_fit(self, micro: _SplitMicroStep, failure: _Failure) -> NoReturn:
+    def _does_not_fit(self, micro: MicroStep[Any], failure: _Failure) -> NoReturn:
         device = self._device()
-        where = f"micro-batch {micro.index} of window {self.window.index}"
+        where = f"micro-batch {micro.index} of window {self.state.index}"
         dropped = "The window's gradients were dropped: catch the error to skip the window"
         remedies: tuple[Remedy, ...] = ()
         if failure.rows == 1:
@@ -487,15 +427,15 @@ class _WindowRun:
             device_name=str(device),
             capacity_bytes=_total_memory_bytes(device),
             required_bytes=0,
-            static_bytes=_static_bytes(self.acc.optimizer),
+            static_bytes=_static_bytes(self.state.optimizer),
             remedies=remedies,
         )
 
-    def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> NoReturn:
+    def _synchronised_backward_failed(self, step: MicroStep[Any], exc: Exception) -> NoReturn:
         """Any error in the synchronised backward: the other ranks may be in its all-reduce
         (past the agreement, nothing can be agreed), so the group is aborted and they fail."""
-        where = f"micro-batch {step.index} of window {self.window.index}"
-        group = self.acc._group
+        where = f"micro-batch {step.index} of window {self.state.index}"
+        group = self._group()
         rank = dist.get_rank(group)
         self.peers_know = True  # nothing can be told: the group is aborted
         _abort(group)
@@ -527,11 +467,11 @@ class _WindowRun:
         mine = [limit if limit is not None else _NO_LIMIT, failure]
         flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
         self.peers_know = True  # told, or the collective failed: none to tell again
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.acc._group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group())
         agreed, worst = int(flags[0]), int(flags[1])
         if failure:
             return  # this rank raises its own error
-        where = f"micro-batch {index} of window {self.window.index}"
+        where = f"micro-batch {index} of window {self.state.index}"
         if worst == _DOES_NOT_FIT:
             raise DistributedError(
                 f"another rank could not fit {where} even at the smallest micro-batch size and "
@@ -547,10 +487,10 @@ class _WindowRun:
         self.owes_agreement = not last
         if agreed < (limit if limit is not None else _NO_LIMIT):
             event = SplitEvent(
-                window_index=self.window.index,
+                window_index=self.state.index,
                 micro_step_index=index,
                 old_micro_batch_size=limit
-                or _rows(self.micros[index].batch, self.window.index, index),
+                or _rows(self.micros[index].batch, self.state.index, index),
                 new_micro_batch_size=agreed,
                 phase="peer",
                 reason="another rank ran out of memory",
@@ -571,36 +511,48 @@ class _WindowRun:
         except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
             logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
 
+    def _group(self) -> dist.ProcessGroup | None:
+        return None if self.ddp is None else self.ddp.process_group
+
     def _device(self) -> torch.device:
-        for param in self.acc._params():
-            return param.device
+        for group in self.state.optimizer.param_groups:
+            params: list[torch.Tensor] = group["params"]
+            if params:
+                return params[0].device
         return torch.device("cpu")
 
 
 def run_window(
-    window: _SplitWindow,
+    state: WindowState,
     loss_of: Callable[[Any], torch.Tensor],
     *,
     reduction: Literal["mean", "sum"] = "mean",
-) -> None:
+    model: torch.nn.Module,
+    splitter: Splitter,
+) -> list[SplitEvent]:
     """Run a window's forward and backward passes, splitting on OOM as the module says; the
     caller (:meth:`Window.run <autobatch.training.accumulator.Window.run>`) then steps it.
 
     Args:
-        window: a window of an Accumulator, none of whose micro-steps ran backward yet.
+        state: the window's state (its micro-steps, counts and backward passes), none of whose
+            micro-steps ran backward yet.
         loss_of: ``batch -> loss`` for one micro-batch (or piece): a 0-dim tensor, the mean (or,
             with ``reduction="sum"``, the sum) over its counted items. It must not call backward.
         reduction: how ``loss_of`` reduces over counted items.
+        model: the Accumulator's model (a ``DistributedDataParallel`` under DDP).
+        splitter: the Accumulator's split policy and the piece-size limit it carries.
+
+    Returns:
+        The micro-batches split, in order (``StepStats.splits``).
 
     Raises:
         ConfigError: the window already ran backward or stepped; under DDP, a forward pass that
             communicates (``broadcast_buffers=True`` with buffers, ``SyncBatchNorm`` in
             training mode), which pieces on one rank would leave unmatched; with
-            ``on_oom="split"``, a
-            batch has no tensor with a batch dimension (needed to cut it; checked before any
-            step); ``count_fn`` is not additive over rows (the pieces' counts do not sum to the
-            micro-batch's; checked before they run); a "mean" loss of a micro-batch with 0
-            counted items; see also ``MicroStep.backward``.
+            ``on_oom="split"``, a batch has no tensor with a batch dimension (needed to cut it;
+            checked before any step); ``count_fn`` is not additive over rows (the pieces'
+            counts do not sum to the micro-batch's; checked before they run); a "mean" loss of a
+            micro-batch with 0 counted items; see also ``MicroStep.backward``.
         DoesNotFitError: a micro-batch runs out of memory even at size 1, or, for a model with
             BatchNorm in training mode, at the smallest pieces it allows (2 rows; names the
             batch, the rows and the layer).
@@ -610,35 +562,33 @@ def run_window(
             the ranks agreed to run a micro-step, or this rank's synchronised backward failed
             (the process group is then aborted).
     """
-    if window._num_backward or window._stepped:
+    if state.num_backward or state.stepped:
         raise ConfigError(
-            f"window {window.index} already ran backward or stepped; call window.run() instead "
+            f"window {state.index} already ran backward or stepped; call window.run() instead "
             "of the micro-step loop, not after it"
         )
-    splitter: Splitter = window._acc._splitter
-    state = _WindowRun(window, loss_of, reduction)
-    if state.agree_ranks:  # the same on every rank: they all raise, before any collective
-        _refuse_collective_forward(window._acc.model)
+    run = _WindowRun(state, loss_of, reduction, model=model, splitter=splitter)
+    if run.agree_ranks:  # the same on every rank: they all raise, before any collective
+        _refuse_collective_forward(model)
     try:
         if splitter.on_oom == "split":
-            for micro in window:  # before any step, not at the first OOM hours into training
-                _rows(micro.batch, window.index, micro.index)
-        splitter.start_window(window.index)
-        state.run()
+            for micro in run.micros:  # before any step, not at the first OOM hours into training
+                _rows(micro.batch, state.index, micro.index)
+        splitter.start_window(state.index)
+        run.run()
     except BaseException as exc:
         # The window is abandoned: its partial gradient must reach neither a step (it would be
         # weighted as the whole window's) nor the next window, so catching the error skips it.
-        state.drop_gradients()
+        state.forget_backward()
         if isinstance(exc, Exception):
-            state.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
+            run.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
             # After the ranks' last agreement of the window (an on_split callback after the
             # synchronised backward): the caller tells them at the next window's.
-            window._failed_after_agreements = state.agree_ranks and not state.peers_know
+            state.failed_after_agreements = run.agree_ranks and not run.peers_know
         raise
-    splitter.end_window(state.had_split)
-    for micro in state.micros:
-        micro._backward_done = True
-    window._num_backward = len(state.micros)
+    splitter.end_window(run.had_split)
+    state.mark_backward_done()
+    return run.events
 
 
 def _rows(batch: Any, window_index: int, micro_index: int) -> int:
