@@ -2,10 +2,9 @@
 
 A probe measures the batches it is shown; real data has rare long sequences and dense images,
 and the out-of-memory error then comes hours into training. With
-``Accumulator(..., on_oom="split")``, :meth:`Window.run
-<autobatch.training.accumulator.Window.run>` catches
-it and runs that micro-batch again in pieces, each weighted by its own count of the window's
-total, so the window's gradient is the one the unsplit micro-batch would have given (up to
+``Accumulator(..., on_oom="split")``, :meth:`Window.run <autobatch.training.accumulator.Window.run>`
+catches it and runs that micro-batch again in pieces, each weighted by its own count of the
+window's total, so the window's gradient is the one the unsplit micro-batch would have given (up to
 floating-point summation order; dropout draws other masks; BatchNorm in training mode: below).
 
 The rules:
@@ -39,24 +38,10 @@ The rules:
 - **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
   new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
   store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
-- **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only with
-  ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the smallest
-  limit, so they split together. An error on one rank before an agreement (a batch that does not
-  fit, a ``ConfigError``, the user's ``loss_of``, an ``on_split`` callback) is taken to the
-  agreement the other ranks wait at, so they raise :class:`~autobatch.errors.DistributedError` at
-  once instead of waiting. On the last micro-step the agreement comes after the forward of the final
-  piece and before its synchronised backward: that piece is the last one that counts items (later
-  pieces count none and are not run), backward's own checks (a mean over 0 counted items) run before
-  the agreement, and a smaller size another rank made known there is reported (``on_split``
-  included) after the backward (if the callback raises, the other ranks learn of it at the
-  Accumulator's next agreement: the next window's count, or the end of the data). An error *inside*
-  that backward cannot be agreed on (the others are already in the all-reduce): that rank raises
-  ``DistributedError`` and aborts the process group, and the others fail when its process ends (gloo
-  notices at once; gloo's abort alone does not reach them) or at the process group's timeout, so let
-  that error end the process. Pieces are local (ranks may run different numbers of forward passes),
-  so a forward pass must not communicate: a model with buffers needs ``DistributedDataParallel(...,
-  broadcast_buffers=False)`` and none may have a ``SyncBatchNorm`` in training mode
-  (:func:`run_window` refuses both on every rank before any step).
+- **DistributedDataParallel**: once per micro-step the ranks agree on the smallest piece-size
+  limit, so they split together, and an error on one rank reaches the others there instead of
+  leaving them waiting; a forward pass must not communicate (``broadcast_buffers=False``, no
+  ``SyncBatchNorm`` in training mode). The rules are :mod:`autobatch.training.limit_agreement`'s.
 
 Example::
 
@@ -76,14 +61,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NoReturn
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, Remedy
 from autobatch.training.counting import as_count, leading_dim
+from autobatch.training.limit_agreement import LimitAgreement, refuse_collective_forward
 from autobatch.training.micro_step import MicroStep, WindowState, check_backward
 
 __all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
@@ -94,11 +78,6 @@ DEFAULT_OOM_RETRY_WINDOWS = 16
 """Windows in a row without an out-of-memory error after which the planned size is tried again."""
 
 logger = logging.getLogger("autobatch")
-
-_NO_LIMIT = 2**62  # "run whole" in the ranks' agreement (a MIN all-reduce)
-# A rank's failure in the agreement (MIN-reduced: the lower one is named to the other ranks).
-_FAILED = -1  # an error before the agreement: the user's forward, a check, a callback
-_DOES_NOT_FIT = -2  # DoesNotFitError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -209,15 +188,16 @@ class _WindowRun:
         self.micros = list(state.micro_steps)
         self.ddp = state.ddp
         self.events: list[SplitEvent] = []
-        self.agree_ranks = self.ddp is not None and self.splitter.on_oom == "split"
-        self.num_agreed = 0  # micro-steps whose agreement is done
-        # Whether the other ranks will wait for this one at an agreement: from the window's start
-        # to its last micro-step's, which comes before the synchronised backward.
-        self.owes_agreement = self.agree_ranks
+        # Under DDP with splitting: the ranks' once-per-micro-step limit agreement.
+        self.ranks: LimitAgreement | None = None
+        if self.ddp is not None and splitter.on_oom == "split":
+            self.ranks = LimitAgreement(
+                self.ddp.process_group,
+                self._device(),
+                window_index=state.index,
+                num_micro_steps=len(self.micros),
+            )
         self.deferred: SplitEvent | None = None  # a peer's split agreed at the last micro-step
-        # Whether every rank knows of this window's failure: it came from an agreement (another
-        # rank's), or the group was aborted or failed; tell_peers sets it too.
-        self.peers_know = False
         self.had_split = False
         self.done_count = 0  # counted items of the current micro-batch's pieces done
         self.norm: tuple[str, torch.nn.Module] | None | bool = False  # False: not looked for yet
@@ -230,8 +210,9 @@ class _WindowRun:
         while index < len(micros):
             failure = self._run_rows(micros[index], start)
             if failure is None:
-                if self.agree_ranks and index == self.num_agreed and index < len(micros) - 1:
-                    self._agree(index)
+                ranks = self.ranks
+                if ranks is not None and index == ranks.num_agreed and index < len(micros) - 1:
+                    self._agree(ranks, index)
                 index, start = index + 1, 0
                 continue
             # Outside the except block: the failed pass's frames are gone, so its memory can go.
@@ -308,17 +289,17 @@ class _WindowRun:
         try:
             with context:
                 loss = self.loss_of(batch)
-                if synced and self.agree_ranks:
+                if synced and self.ranks is not None:
                     # Backward's own checks (a mean over 0 counted items, a loss of many
                     # elements) before the agreement: past it, an error on one rank leaves the
                     # others waiting in the gradient all-reduce.
                     check_backward(step, loss, self.reduction)
-                    self._agree(step.index)
+                    self._agree(self.ranks, step.index)
                     phase = "backward"
                     try:
                         step.backward(loss, reduction=self.reduction)
                     except Exception as exc:
-                        self._synchronised_backward_failed(step, exc)
+                        self._synchronised_backward_failed(self.ranks, step, exc)
                     if self.deferred is not None:  # the all-reduce is done: a callback may raise
                         event, self.deferred = self.deferred, None
                         self._add_event(event)
@@ -431,14 +412,14 @@ class _WindowRun:
             remedies=remedies,
         )
 
-    def _synchronised_backward_failed(self, step: MicroStep[Any], exc: Exception) -> NoReturn:
+    def _synchronised_backward_failed(
+        self, ranks: LimitAgreement, step: MicroStep[Any], exc: Exception
+    ) -> NoReturn:
         """Any error in the synchronised backward: the other ranks may be in its all-reduce
         (past the agreement, nothing can be agreed), so the group is aborted and they fail."""
         where = f"micro-batch {step.index} of window {self.state.index}"
-        group = self._group()
-        rank = dist.get_rank(group)
-        self.peers_know = True  # nothing can be told: the group is aborted
-        _abort(group)
+        rank = ranks.rank
+        ranks.abort()
         if is_oom(exc):
             raise DistributedError(
                 f"rank {rank} ran out of memory inside the synchronised backward of {where} "
@@ -455,64 +436,29 @@ class _WindowRun:
 
     # -- ranks ---------------------------------------------------------------------------------
 
-    def _agree(self, index: int, *, failure: int = 0) -> None:
-        """The once-per-micro-step agreement: every rank's limit and failure, MIN-reduced.
+    def _agree(self, ranks: LimitAgreement, index: int) -> None:
+        """Micro-step ``index``'s limit agreement; a smaller limit of another rank is adopted
+        (after the synchronised backward on the last micro-step, whose all-reduce comes next).
 
         Raises:
-            DistributedError: another rank failed (and this one did not).
+            DistributedError: another rank failed.
         """
-        self.num_agreed = index + 1
-        self.owes_agreement = False  # also when the collective fails: no rank is left to meet
         limit = self.splitter.limit
-        mine = [limit if limit is not None else _NO_LIMIT, failure]
-        flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
-        self.peers_know = True  # told, or the collective failed: none to tell again
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group())
-        agreed, worst = int(flags[0]), int(flags[1])
-        if failure:
-            return  # this rank raises its own error
-        where = f"micro-batch {index} of window {self.state.index}"
-        if worst == _DOES_NOT_FIT:
-            raise DistributedError(
-                f"another rank could not fit {where} even at the smallest micro-batch size and "
-                "raised DoesNotFitError; this rank stops too"
-            )
-        if worst:
-            raise DistributedError(
-                f"another rank raised an error in {where} before the ranks agreed to run it "
-                "(see that rank's error); this rank stops too, so that no rank waits for it"
-            )
-        self.peers_know = False  # the agreement went well: a later error is this rank's alone
-        last = index == len(self.micros) - 1
-        self.owes_agreement = not last
-        if agreed < (limit if limit is not None else _NO_LIMIT):
-            event = SplitEvent(
-                window_index=self.state.index,
-                micro_step_index=index,
-                old_micro_batch_size=limit
-                or _rows(self.micros[index].batch, self.state.index, index),
-                new_micro_batch_size=agreed,
-                phase="peer",
-                reason="another rank ran out of memory",
-            )
-            if last:  # reported after the synchronised backward, whose all-reduce comes next
-                self.deferred = event
-            else:
-                self._add_event(event)
-
-    def tell_peers(self, exc: Exception) -> None:
-        """After an error on this rank, meet the other ranks at the agreement they wait at, with
-        the failure, so that they raise too instead of waiting for the process group's timeout."""
-        if not self.owes_agreement:
+        agreed = ranks.meet(index, limit)
+        if agreed is None or (limit is not None and agreed >= limit):
             return
-        failure = _DOES_NOT_FIT if isinstance(exc, DoesNotFitError) else _FAILED
-        try:
-            self._agree(self.num_agreed, failure=failure)
-        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
-            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
-
-    def _group(self) -> dist.ProcessGroup | None:
-        return None if self.ddp is None else self.ddp.process_group
+        event = SplitEvent(
+            window_index=self.state.index,
+            micro_step_index=index,
+            old_micro_batch_size=limit or _rows(self.micros[index].batch, self.state.index, index),
+            new_micro_batch_size=agreed,
+            phase="peer",
+            reason="another rank ran out of memory",
+        )
+        if index == len(self.micros) - 1:
+            self.deferred = event
+        else:
+            self._add_event(event)
 
     def _device(self) -> torch.device:
         for group in self.state.optimizer.param_groups:
@@ -568,8 +514,8 @@ def run_window(
             "of the micro-step loop, not after it"
         )
     run = _WindowRun(state, loss_of, reduction, model=model, splitter=splitter)
-    if run.agree_ranks:  # the same on every rank: they all raise, before any collective
-        _refuse_collective_forward(model)
+    if run.ranks is not None:  # the same on every rank: they all raise, before any collective
+        refuse_collective_forward(model)
     try:
         if splitter.on_oom == "split":
             for micro in run.micros:  # before any step, not at the first OOM hours into training
@@ -580,11 +526,11 @@ def run_window(
         # The window is abandoned: its partial gradient must reach neither a step (it would be
         # weighted as the whole window's) nor the next window, so catching the error skips it.
         state.forget_backward()
-        if isinstance(exc, Exception):
-            run.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
+        if isinstance(exc, Exception) and run.ranks is not None:
+            run.ranks.tell(exc, splitter.limit)  # the other ranks raise too, none waits
             # After the ranks' last agreement of the window (an on_split callback after the
             # synchronised backward): the caller tells them at the next window's.
-            state.failed_after_agreements = run.agree_ranks and not run.peers_know
+            state.failed_after_agreements = not run.ranks.peers_know
         raise
     splitter.end_window(run.had_split)
     state.mark_backward_done()
@@ -608,36 +554,6 @@ def _rows(batch: Any, window_index: int, micro_index: int) -> int:
         "with the batch dimension first (collate the samples into one, e.g. with "
         "torch.utils.data.default_collate), or use on_oom='raise'"
     )
-
-
-def _refuse_collective_forward(model: torch.nn.Module) -> None:
-    """Pieces run on one rank only, so under DDP a forward pass must not communicate.
-
-    Raises:
-        ConfigError: ``model`` (a ``DistributedDataParallel``) broadcasts its module's buffers at
-            every forward (``broadcast_buffers=True``, torch's default, and the module has
-            buffers), or the module has a ``SyncBatchNorm`` in training mode (it gathers
-            statistics from every rank at every forward).
-    """
-    remedy = "or use on_oom='raise'"
-    module = model.module if isinstance(model, DistributedDataParallel) else model
-    if isinstance(model, DistributedDataParallel) and model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
-        name = next(iter(model.named_module_buffers), "")  # the buffers DDP broadcasts
-        raise ConfigError(
-            "on_oom='split' runs the pieces of a split micro-batch on one rank only, but this "
-            f"DistributedDataParallel broadcasts the model's buffers (such as {name!r}) from "
-            "rank 0 at every forward pass, which the other ranks would not join; construct it "
-            "with DistributedDataParallel(model, broadcast_buffers=False) (from torch 2.13: "
-            "forward_sync_buffers=False); buffers such as BatchNorm statistics then stay per "
-            f"rank; {remedy}"
-        )
-    for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.SyncBatchNorm) and layer.training:
-            raise ConfigError(
-                "on_oom='split' runs the pieces of a split micro-batch on one rank only, but "
-                f"the model's SyncBatchNorm layer {name!r} gathers statistics from every rank at "
-                f"every forward pass in training mode; use BatchNorm instead, {remedy}"
-            )
 
 
 def _cuts(start: int, stop: int, size: int, min_rows: int) -> list[tuple[int, int]]:
@@ -695,19 +611,6 @@ def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _abort(group: dist.ProcessGroup | None) -> None:
-    """Close this rank's connections so that peers waiting in a collective fail at once."""
-    target = group if group is not None else dist.group.WORLD
-    abort = getattr(target, "abort", None)
-    try:
-        if callable(abort):
-            abort()
-        else:
-            dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
-        logger.exception("could not abort the process group after an OOM in backward")
 
 
 def _total_memory_bytes(device: torch.device) -> int:
