@@ -100,8 +100,8 @@ class WindowState:
         """Each backward's weighted loss, detached."""
         self.stepped = False
         """Whether ``window.step()`` began."""
-        # Under DDP: whether this window's micro-steps agree before the synchronised backward
-        # (not when Window.run splits: autobatch.training.oom_split's agreements do instead),
+        # Under DDP: whether this window's micro-steps meet at a window agreement before the
+        # synchronised backward (not when Window.run splits: the limit agreements do instead),
         # whether that agreement is still to come (windows() sets it where some rank has a
         # micro-batch counting 0 items), the error kept for it, whether the synchronised
         # backward ran on this rank, and whether the ranks agreed that the window failed (its

@@ -57,18 +57,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, NoReturn
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_map
 
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, Remedy
-from autobatch.training.counting import as_count, leading_dim
+from autobatch.training.counting import as_count
 from autobatch.training.limit_agreement import LimitAgreement, refuse_collective_forward
 from autobatch.training.micro_step import MicroStep, WindowState, check_backward
+from autobatch.training.pieces import batch_norm_layer, piece_bounds, rows_to_cut, slice_rows
 
 __all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
 
@@ -236,7 +235,7 @@ class _WindowRun:
         is_last = micro.is_last
         if start == 0 and limit is None:
             return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
-        rows = _rows(micro.batch, self.state.index, micro.index)
+        rows = rows_to_cut(micro.batch, self.state.index, micro.index)
         if start == 0 and rows <= (limit or rows):
             return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
         size = limit if limit is not None else rows
@@ -244,8 +243,8 @@ class _WindowRun:
         if start == 0:
             self.done_count = 0
         pieces = []
-        for piece_start, stop in _cuts(start, rows, size, self._min_rows()):
-            piece = _slice(micro.batch, piece_start, stop, rows)
+        for piece_start, stop in piece_bounds(start, rows, size, self._min_rows()):
+            piece = slice_rows(micro.batch, piece_start, stop, rows)
             if count_fn is None:
                 count = stop - piece_start
             else:
@@ -314,13 +313,13 @@ class _WindowRun:
         # Out of the except block, the exception and its frames are gone; the caller releases
         # memory once this frame (and `loss`, the failed graph) is gone too.
         if rows < 0:
-            rows = _rows(batch, self.state.index, step.index)
+            rows = rows_to_cut(batch, self.state.index, step.index)
         return _Failure(phase=phase, reason=reason, start=start, rows=rows)
 
     def _min_rows(self) -> int:
         """Fewest rows a piece may have: 2 when the model normalises with batch statistics."""
         if self.norm is False:
-            self.norm = _batch_norm(self.model, wrapped=self.ddp is not None)
+            self.norm = batch_norm_layer(self.model, wrapped=self.ddp is not None)
         return 1 if self.norm is None else 2
 
     def _can_cut(self, micro: MicroStep[Any], failure: _Failure, new_size: int) -> bool:
@@ -330,8 +329,8 @@ class _WindowRun:
             return False
         # The rows run again: the failed piece's on (forward), or the micro-batch's (backward).
         first = failure.start if failure.phase == "forward" else 0
-        rows = _rows(micro.batch, self.state.index, micro.index)
-        pieces = _cuts(first, rows, new_size, self._min_rows())
+        rows = rows_to_cut(micro.batch, self.state.index, micro.index)
+        pieces = piece_bounds(first, rows, new_size, self._min_rows())
         return max(stop - start for start, stop in pieces) < failure.rows
 
     # -- reporting -----------------------------------------------------------------------------
@@ -450,7 +449,8 @@ class _WindowRun:
         event = SplitEvent(
             window_index=self.state.index,
             micro_step_index=index,
-            old_micro_batch_size=limit or _rows(self.micros[index].batch, self.state.index, index),
+            old_micro_batch_size=limit
+            or rows_to_cut(self.micros[index].batch, self.state.index, index),
             new_micro_batch_size=agreed,
             phase="peer",
             reason="another rank ran out of memory",
@@ -519,7 +519,7 @@ def run_window(
     try:
         if splitter.on_oom == "split":
             for micro in run.micros:  # before any step, not at the first OOM hours into training
-                _rows(micro.batch, state.index, micro.index)
+                rows_to_cut(micro.batch, state.index, micro.index)
         splitter.start_window(state.index)
         run.run()
     except BaseException as exc:
@@ -535,71 +535,6 @@ def run_window(
     splitter.end_window(run.had_split)
     state.mark_backward_done()
     return run.events
-
-
-def _rows(batch: Any, window_index: int, micro_index: int) -> int:
-    """Rows of a micro-batch to be cut into pieces (the dim 0 of its first tensor).
-
-    Raises:
-        ConfigError: nothing in it can be cut: no tensor with a batch dimension in a tensor or
-            a tuple/list/dict of them (an object of the user's, a list of samples).
-    """
-    try:
-        return leading_dim(batch)
-    except ConfigError:
-        pass
-    raise ConfigError(
-        f"on_oom='split' cannot cut micro-batch {micro_index} of window {window_index} (a "
-        f"{type(batch).__name__}) into pieces: it needs a tensor, or a tuple/list/dict of tensors "
-        "with the batch dimension first (collate the samples into one, e.g. with "
-        "torch.utils.data.default_collate), or use on_oom='raise'"
-    )
-
-
-def _cuts(start: int, stop: int, size: int, min_rows: int) -> list[tuple[int, int]]:
-    """Rows ``[start:stop)`` cut into pieces ``(first, end)`` of ``size`` rows (the last fewer),
-    none below ``min_rows`` where the rows allow: a last piece that is too short takes rows from
-    the one before (8 rows by 3, at least 2: 3, 3, 2; 7 by 3: 3, 2, 2), or, when that one cannot
-    spare them, joins it (5 by 2: 2, 3).
-    """
-    bounds = [*range(start, stop, size), stop]
-    pieces = list(zip(bounds, bounds[1:], strict=False))
-    if len(pieces) > 1 and stop - pieces[-1][0] < min_rows:
-        first = pieces[-2][0]
-        cut = stop - min_rows  # where the last piece would start with min_rows rows
-        pieces[-2:] = [(first, cut), (cut, stop)] if cut - first >= min_rows else [(first, stop)]
-    return pieces
-
-
-def _batch_norm(model: torch.nn.Module, *, wrapped: bool) -> tuple[str, torch.nn.Module] | None:
-    """The first layer that normalises with its batch's statistics (any BatchNorm in training
-    mode, or without running statistics), with its name; None when there is none. A piece of 1
-    sample gives such a layer 1 value per channel (an ``(N, C)`` input), which torch refuses."""
-    for name, module in model.named_modules():
-        if isinstance(module, _BatchNorm) and (module.training or module.running_mean is None):
-            return (name.removeprefix("module.") if wrapped else name), module
-    return None
-
-
-def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
-    """Rows ``[start:stop)`` of every tensor in ``batch`` whose dim 0 is ``rows`` (views); a
-    mapping that is not a dict (``BatchEncoding``) keeps its type."""
-
-    def cut(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == rows:
-            return leaf[start:stop]
-        return leaf
-
-    if isinstance(batch, Mapping) and not isinstance(batch, dict):
-        # Hugging Face's BatchEncoding, a UserDict: cut its dict, and give the piece its type
-        # back (code reads batch.input_ids), when that type can be built from a dict.
-        pieces = tree_map(cut, dict(batch))
-        kind: Callable[[dict[Any, Any]], Any] = type(batch)
-        try:
-            return kind(pieces)
-        except Exception:  # noqa: BLE001 - a mapping type that cannot: the dict serves
-            return pieces
-    return tree_map(cut, batch)
 
 
 def _first_line(exc: BaseException) -> str:

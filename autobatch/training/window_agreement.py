@@ -2,8 +2,8 @@
 error on one rank reaches the others instead of leaving them waiting in a collective.
 
 (Not the probe's consensus, :mod:`autobatch.distributed.consensus`, which makes the ranks of a
-probe try the same sizes; nor the once-per-micro-step agreement of
-:mod:`autobatch.training.oom_split`, which makes them split a micro-batch together.)
+probe try the same sizes; nor the limit agreement, :mod:`autobatch.training.limit_agreement`,
+which makes them split a micro-batch together with ``on_oom="split"``.)
 
 Every window agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64
 values: this rank's counted items, whether it has a micro-batch counting 0 items, and one status
@@ -11,8 +11,8 @@ per rank (0 on every rank that is fine). The ranks meet at one for each window's
 ``Accumulator.windows``: the count all-reduce each window always had) and one when the
 micro-batches run out (once per loop); and, only in a window where some rank has a micro-batch
 counting 0 items (where a "mean" loss is refused, on that rank only), one before the window's
-synchronised backward (the last micro-step's ``backward``; with ``on_oom="split"``, oom_split's
-own agreements instead). A rank that fails meets the others at the next window agreement with its
+synchronised backward (the last micro-step's ``backward``; with ``on_oom="split"``, the limit
+agreements instead). A rank that fails meets the others at the next window agreement with its
 status and then raises its own error; each of the others raises :class:`DistributedError` there,
 naming the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
 
