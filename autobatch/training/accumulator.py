@@ -163,8 +163,7 @@ class StepStats:
 
 class Window(Generic[B]):
     """The micro-batches of one optimizer step. Iterate it for
-    :class:`~autobatch.training.micro_step.MicroStep` s, then call
-    :meth:`step` once.
+    :class:`~autobatch.training.micro_step.MicroStep` s, then call :meth:`step` once.
 
     Attributes:
         index: 0-based window number within one :meth:`Accumulator.windows` call.
