@@ -54,7 +54,7 @@ def _epoch(
     last = len(data) // GRADIENT_ACCUMULATION_STEPS - 1
     for window in acc.windows(data):
         if not agreed:  # as before: no agreement before the synchronised backward
-            window._agrees = window._sync_due = False
+            window._state.agrees = window._state.sync_due = False
         for micro in window:
             with micro.sync_context():
                 x, y = micro.batch

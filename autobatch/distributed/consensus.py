@@ -11,8 +11,8 @@ within the same collective (no rank is left waiting).
 
 :func:`autobatch.autotune` uses it by itself when ``torch.distributed`` is initialised: rank 0
 alone reads and writes the profile store, and every rank returns rank 0's profile, so every rank
-gets the same Plan. (The Accumulator's agreement on errors during training is another mechanism:
-:mod:`autobatch.training.window_agreement`.)
+gets the same Plan. (The Accumulator's window agreement, which carries one rank's error to the
+others during training, is another mechanism: :mod:`autobatch.training.window_agreement`.)
 
 Example::
 
@@ -100,7 +100,7 @@ class LocalConsensus:
 
 
 class ProcessGroupConsensus:
-    """Agreement between the ranks of a torch.distributed process group.
+    """Consensus between the ranks of a torch.distributed process group.
 
     Every rank must make the same calls in the same order (they are collectives).
 

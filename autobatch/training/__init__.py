@@ -1,6 +1,14 @@
 """Training: the Accumulator (gradient accumulation with an exact gradient), run-time OOM
-splitting (``oom_split``), and the window agreement that carries one rank's error to the others
-(``window_agreement``).
+splitting, and the agreements that keep DDP ranks in step.
+
+- ``accumulator``: :class:`Accumulator`, its :class:`Window` s and :class:`StepStats`;
+- ``micro_step``: :class:`MicroStep` and the ``WindowState`` a window shares with the modules
+  below (the seam: they read a window only through it);
+- ``oom_split``: ``Window.run`` splitting a micro-batch that runs out of memory
+  (:class:`SplitEvent`), cutting it with ``pieces``;
+- ``limit_agreement``: under DDP, the ranks agree on the piece-size limit once per micro-step;
+- ``window_agreement``: under DDP, the window agreement carries one rank's error to the others;
+- ``counting``: how many items a micro-batch counts.
 
 Example::
 
@@ -11,7 +19,8 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.training.accumulator import Accumulator, MicroStep, StepStats, Window
+from autobatch.training.accumulator import Accumulator, StepStats, Window
+from autobatch.training.micro_step import MicroStep
 from autobatch.training.oom_split import OnOom, SplitEvent
 
 __all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]

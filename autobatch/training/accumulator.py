@@ -10,9 +10,8 @@ bookkeeping that is easy to get subtly wrong:
 - under ``DistributedDataParallel`` gradients are all-reduced once per window (``no_sync`` on the
   other micro-steps);
 - under DDP an error on one rank only (``count_fn``, a refused backward, ``step``) reaches the
-  other ranks at their next agreement (:mod:`autobatch.training.window_agreement`), so every rank
-  raises
-  instead of waiting in a collective;
+  other ranks at their next window agreement (:mod:`autobatch.training.window_agreement`), so
+  every rank raises instead of waiting in a collective;
 - the optimizer steps once per window, including a short last window, and gradients are zeroed
   after it, so nothing leaks into the next window or epoch;
 - with a ``GradScaler``: scaled backward per micro-step, then once per window ``unscale_``,
@@ -43,7 +42,6 @@ held at once), because the weights need the window's total count up front.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import warnings
@@ -58,6 +56,7 @@ from torch.nn.utils import clip_grad_norm_
 
 from autobatch.errors import ConfigError, DistributedError, SmallMicroBatchNormWarning
 from autobatch.training.counting import as_count, leading_dim
+from autobatch.training.micro_step import MicroStep, WindowState
 from autobatch.training.oom_split import (
     DEFAULT_OOM_RETRY_WINDOWS,
     OnOom,
@@ -65,12 +64,11 @@ from autobatch.training.oom_split import (
     Splitter,
     run_window,
 )
-from autobatch.training.window_agreement import Agreement, Status
+from autobatch.training.window_agreement import Status, WindowAgreement
 
 __all__ = [
     "SMALL_MICRO_BATCH_FOR_BATCH_NORM",
     "Accumulator",
-    "MicroStep",
     "StepStats",
     "Window",
 ]
@@ -83,9 +81,6 @@ effective batch's, so :class:`SmallMicroBatchNormWarning` is emitted."""
 
 # Emitted by torch when scheduler.step() follows a GradScaler-skipped first optimizer step.
 _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
-
-# Re-entrant and reusable: the sync context of every micro-step that needs none.
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 class StepStats:
@@ -166,162 +161,9 @@ class StepStats:
         )
 
 
-class MicroStep(Generic[B]):
-    """One micro-batch of a :class:`Window`: run its forward and backward inside
-    :meth:`sync_context`, and hand the loss to :meth:`backward`.
-
-    Attributes:
-        batch: the micro-batch exactly as the loader produced it.
-        count: counted items in it (from ``count_fn``), >= 0.
-        index: position in the window, 0-based.
-        is_last: whether this is the window's last micro-step (the one that synchronises).
-    """
-
-    __slots__ = ("_backward_done", "_window", "batch", "count", "index", "is_last")
-
-    def __init__(self, window: Window[B], batch: B, count: int, index: int, is_last: bool, /):
-        self._window = window
-        self._backward_done = False
-        self.batch = batch
-        self.count = count
-        self.index = index
-        self.is_last = is_last
-
-    def _piece(self, batch: B, count: int, is_last: bool, /) -> MicroStep[B]:
-        """A micro-step over some of this one's rows (``Window.run`` splitting it), counting
-        ``count`` items; the window's last when ``is_last``."""
-        return MicroStep(self._window, batch, count, self.index, is_last)
-
-    def sync_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Context for this micro-step's forward AND backward.
-
-        Under DDP it is ``model.no_sync()`` except on the last micro-step, so gradients are
-        all-reduced once per window; otherwise it does nothing.
-        """
-        ddp = self._window._acc._ddp
-        if ddp is None or self.is_last:
-            return _NO_CONTEXT
-        return ddp.no_sync()
-
-    def backward(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
-        """Weight the loss by this micro-batch's share of the window and backpropagate it.
-
-        Args:
-            loss: 0-dim tensor with a graph. With ``reduction="mean"`` it is the mean over this
-                micro-batch's ``count`` counted items (what ``F.cross_entropy`` and Hugging Face
-                ``.loss`` return); with ``"sum"`` it is their sum.
-            reduction: how ``loss`` was reduced over the counted items.
-
-        Raises:
-            ConfigError: backward already called for this micro-step, or its window already
-                stepped; ``reduction`` is neither ``"mean"`` nor ``"sum"``; a ``"mean"`` loss of
-                a micro-batch with 0 counted items (that mean is NaN: return the sum and pass
-                ``reduction="sum"``); a loss with more than one element; or, under DDP, a
-                non-last micro-step run outside :meth:`sync_context`; its window failed on a
-                rank (its gradients were dropped: go on with the next window). Under DDP such an
-                error on a micro-step before the last is raised at the last one's ``backward``,
-                where the ranks agree before the synchronised backward (until then this rank's
-                forward passes keep in step with the others', and its backward does nothing):
-                that agreement happens in a window where some rank has a micro-batch counting 0
-                items, so a mean over 0 counted items on one rank makes every rank raise. Other
-                refusals (program errors) are expected on every rank alike.
-                An error from autograd itself (an OOM) propagates, and the micro-step's backward
-                can then be retried.
-            DistributedError: under DDP, another rank failed in this window (see its error);
-                this window's gradients were dropped, as on that rank.
-        """
-        window = self._window
-        if window._sync_due:  # under DDP, until the ranks agree before the synchronised backward
-            checked = self._agreed_weight(loss, reduction)
-            if checked is None:
-                return  # an error kept for that agreement: this window runs no more backward
-            loss, weight = checked
-        else:
-            try:
-                loss, weight = self._weight(loss, reduction)
-            except ConfigError:
-                if window._agrees:  # after the agreement: the others learn of it at the next
-                    window._acc._tell_failure(window, Status.BACKWARD)
-                raise
-        weighted = loss * weight  # this micro-step's share of the global mean
-        scaler = window._acc.scaler
-        torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
-        # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
-        window._weighted_losses.append(weighted.detach())
-        self._backward_done = True
-        window._num_backward += 1
-        if self.is_last:
-            window._synced = True
-
-    def _agreed_weight(
-        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
-    ) -> tuple[torch.Tensor, float] | None:
-        """:meth:`_weight` under DDP before the agreement: an error on a micro-step before the
-        last is kept (None: no backward); on the last, the ranks agree and every rank raises if
-        one failed, before any of them enters the synchronised backward's all-reduce."""
-        window = self._window
-        error: ConfigError | None = None
-        try:
-            checked: tuple[torch.Tensor, float] | None = self._weight(loss, reduction)
-        except ConfigError as exc:
-            checked, error = None, exc
-        if not self.is_last:
-            if error is not None and window._deferred is None:
-                window._deferred = error
-            if window._deferred is None:
-                return checked
-            self._backward_done = True  # counted as run: the window fails at the last one
-            window._num_backward += 1
-            return None
-        agreement = window._acc._agreement
-        assert agreement is not None  # _sync_due only under DDP
-        agreement.before_synchronised_backward(window, window._deferred or error)
-        return checked
-
-    def _weight(
-        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
-    ) -> tuple[torch.Tensor, float]:
-        """:meth:`backward`'s checks: the loss as a 0-dim tensor and its weight, or the
-        ConfigError backward would raise (``Window.run`` asks before the ranks' agreement)."""
-        window = self._window
-        acc = window._acc
-        if self._backward_done or window._stepped or window._abandoned:
-            raise ConfigError(window._repeated_backward_message(self.index, self._backward_done))
-        if reduction == "mean":
-            if self.count == 0:
-                raise ConfigError(
-                    f"micro-step {self.index} of window {window.index} has 0 counted items, so a "
-                    "mean loss is NaN; return the loss summed over counted items and call "
-                    "micro.backward(loss, reduction='sum')"
-                )
-            # A loss summed over counted items times world_size / global_count is this rank's
-            # share of the global mean (DDP then averages over ranks); one division, so a lone
-            # micro-step's weight is exactly 1.0.
-            weight = self.count * acc.world_size / window.global_count
-        elif reduction == "sum":
-            weight = acc.world_size / window.global_count
-        else:
-            raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        ddp = acc._ddp
-        if ddp is not None and not self.is_last and ddp.require_backward_grad_sync:
-            raise ConfigError(
-                f"micro-step {self.index} of window {window.index} would all-reduce gradients "
-                "under DDP; run its forward and backward inside `with micro.sync_context():`"
-            )
-        if loss.dim():  # one element of shape (1,) is accepted, and logged 0-dim
-            if loss.numel() != 1:
-                raise ConfigError(
-                    f"micro-step {self.index} of window {window.index} got a loss of shape "
-                    f"{tuple(loss.shape)}; pass one number: the mean (or, with reduction='sum', "
-                    "the sum) over this micro-batch's counted items"
-                )
-            loss = loss.reshape(())
-        return loss, weight
-
-
 class Window(Generic[B]):
-    """The micro-batches of one optimizer step. Iterate it for :class:`MicroStep` s, then call
-    :meth:`step` once.
+    """The micro-batches of one optimizer step. Iterate it for
+    :class:`~autobatch.training.micro_step.MicroStep` s, then call :meth:`step` once.
 
     Attributes:
         index: 0-based window number within one :meth:`Accumulator.windows` call.
@@ -340,62 +182,37 @@ class Window(Generic[B]):
         /,
     ) -> None:
         self._acc = acc
-        self._count_fn = count_fn
+        self._state = state = WindowState(
+            index=index,
+            global_count=global_count,
+            count_fn=count_fn,
+            optimizer=acc.optimizer,
+            scaler=acc.scaler,
+            world_size=acc.world_size,
+            ddp=acc._ddp,
+            agreement=acc._agreement,
+        )
         last = len(batches) - 1
-        self._micro_steps = [
-            MicroStep(self, batch, counts[i], i, i == last) for i, batch in enumerate(batches)
+        state.micro_steps = [
+            MicroStep(state, batch, counts[i], i, i == last) for i, batch in enumerate(batches)
         ]
         self.index = index
         self.local_count = sum(counts)
         self.global_count = global_count
-        self._num_backward = 0
-        self._weighted_losses: list[torch.Tensor] = []
-        self._stepped = False
         self._splits: list[SplitEvent] = []
-        # Under DDP: whether this window's micro-steps agree before the synchronised backward
-        # (not when Window.run splits: autobatch.training.oom_split's agreements do instead),
-        # whether
-        # that agreement is still to come (windows() sets it where some rank has a micro-batch
-        # counting 0 items), the error kept for it, whether the synchronised backward ran on
-        # this rank, and whether the ranks agreed that the window failed (its gradients were
-        # dropped on every rank).
-        self._agrees = acc._agreement is not None
-        self._sync_due = False
-        self._deferred: ConfigError | None = None
-        self._synced = False
-        self._abandoned = False
-        self._failed_after_agreements = False  # set by run_window: tell at the next window's
 
     def __iter__(self) -> Iterator[MicroStep[B]]:
-        return iter(self._micro_steps)
+        return iter(self._state.micro_steps)
 
     def __len__(self) -> int:
-        return len(self._micro_steps)
+        return len(self._state.micro_steps)
 
     @property
     def pending_backward(self) -> bool:
         """Whether some backward ran in this window but :meth:`step` has not (and the window did
         not fail on a rank, which dropped its gradients)."""
-        return self._num_backward > 0 and not self._stepped and not self._abandoned
-
-    def _abandon(self) -> None:
-        """The ranks agreed that this window failed: drop its gradients, so that a loop that
-        catches the error on every rank skips the window."""
-        self._abandoned = True
-        self._acc.optimizer.zero_grad(set_to_none=True)
-
-    def _repeated_backward_message(self, micro_index: int, backward_done: bool) -> str:
-        if self._abandoned:
-            return (
-                f"window {self.index} failed on a rank and its gradients were dropped on every "
-                "rank; catch the error and go on with the next window"
-            )
-        if backward_done:
-            return (
-                f"backward was already called for micro-step {micro_index} of window "
-                f"{self.index}; call micro.backward(loss) exactly once per micro-step"
-            )
-        return f"window {self.index} has already stepped; run backward before window.step()"
+        state = self._state
+        return state.num_backward > 0 and not state.stepped and not state.abandoned
 
     def run(
         self,
@@ -410,17 +227,16 @@ class Window(Generic[B]):
             The window's :class:`StepStats`, ``splits`` and ``micro_batch_size_limit`` included.
 
         Arguments and errors: :func:`autobatch.training.oom_split.run_window`; and :meth:`step`'s.
-        Under
-        DDP an error on one rank reaches the others at the next agreement, where they raise
+        Under DDP an error on one rank reaches the others at the next agreement, where they raise
         ``DistributedError``; without splitting, an error in ``loss_of`` does only where the
         ranks agree before the synchronised backward and this rank can still meet them there
         (its last micro-step, or a forward pass that does not communicate).
         """
-        acc = self._acc
+        acc, state = self._acc, self._state
         num_forward = [0]
-        if self._agrees and acc._splitter.on_oom == "split":
-            self._agrees = self._sync_due = False  # splitting agrees once per micro-step
-        elif self._agrees:  # whole micro-batches, in order: count them to know which failed
+        if state.agrees and acc._splitter.on_oom == "split":
+            state.agrees = state.sync_due = False  # splitting agrees once per micro-step
+        elif state.agrees:  # whole micro-batches, in order: count them to know which failed
             user_loss_of = loss_of
 
             def loss_of(batch: B) -> torch.Tensor:
@@ -428,11 +244,13 @@ class Window(Generic[B]):
                 return user_loss_of(batch)
 
         try:
-            run_window(self, loss_of, reduction=reduction)
+            self._splits = run_window(
+                state, loss_of, reduction=reduction, model=acc.model, splitter=acc._splitter
+            )
         except Exception:
             if acc._agreement is not None:
                 acc._agreement.run_failed(
-                    self,
+                    state,
                     num_forward[0] - 1,
                     splitting=acc._splitter.on_oom == "split",
                     forward_communicates=acc._forward_communicates(),
@@ -460,20 +278,21 @@ class Window(Generic[B]):
         try:
             return self._step()
         except Exception:
-            self._acc._tell_failure(self, Status.STEP)
+            self._state.tell_failure(Status.STEP)
             raise
 
     def _step(self) -> StepStats:
-        if self._abandoned:
-            raise ConfigError(self._repeated_backward_message(0, False))
-        if self._stepped:
+        state = self._state
+        if state.abandoned:
+            raise ConfigError(state.repeated_backward_message(0, False))
+        if state.stepped:
             raise ConfigError(f"window {self.index} already stepped; call window.step() once")
-        if self._num_backward != len(self._micro_steps):
+        if state.num_backward != state.num_micro_steps:
             raise ConfigError(
-                f"window {self.index} has {len(self._micro_steps)} micro-steps but backward ran "
-                f"for {self._num_backward}; call micro.backward(loss) for every micro-step first"
+                f"window {self.index} has {state.num_micro_steps} micro-steps but backward ran "
+                f"for {state.num_backward}; call micro.backward(loss) for every micro-step first"
             )
-        self._stepped = True
+        state.stepped = True
         acc = self._acc
         optimizer, scaler = acc.optimizer, acc.scaler
         grad_norm: torch.Tensor | None = None
@@ -506,13 +325,13 @@ class Window(Generic[B]):
             1.0 if world_size == 1 else self.global_count / (world_size * max(self.local_count, 1))
         )
         return StepStats(
-            weighted_losses=self._weighted_losses,
+            weighted_losses=state.weighted_losses,
             loss_factor=factor,
             grad_norm=grad_norm,
             skipped=skipped,
             local_count=self.local_count,
             global_count=self.global_count,
-            num_micro_steps=len(self._micro_steps),
+            num_micro_steps=state.num_micro_steps,
             splits=tuple(self._splits),
             micro_batch_size_limit=acc._splitter.limit,
         )
@@ -591,11 +410,11 @@ class Accumulator:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._group: dist.ProcessGroup | None = None
         self.world_size = 1
-        self._agreement: Agreement | None = None  # the ranks' agreements, under DDP
+        self._agreement: WindowAgreement | None = None  # the ranks' window agreements, under DDP
         if self._ddp is not None:
             self._group = self._ddp.process_group
             self.world_size = dist.get_world_size(self._group)
-            self._agreement = Agreement(self._group, model)
+            self._agreement = WindowAgreement(self._group, model)
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 
@@ -687,7 +506,7 @@ class Accumulator:
             previous = Window(self, batches, counts, index, global_count, count_fn)
             # Where a "mean" loss can be refused on one rank, the ranks agree before the window's
             # synchronised backward; elsewhere refusals are program errors, alike on every rank.
-            previous._sync_due = previous._agrees and empty
+            previous._state.sync_due = previous._state.agrees and empty
             yield previous
 
     def _fetch(
@@ -705,7 +524,7 @@ class Accumulator:
                 "would be added to the next window's"
             )
         if previous is not None:
-            previous._sync_due = False  # the agreement this rank meets next is the count's
+            previous._state.sync_due = False  # the agreement this rank meets next is the count's
         batches = list(itertools.islice(iterator, self.gradient_accumulation_steps))
         if not batches:
             return [], []
@@ -716,10 +535,6 @@ class Accumulator:
         if not self._norm_checked:
             self._check_batch_norm(batches)
         return batches, counts
-
-    def _tell_failure(self, window: Window[Any], status: Status) -> None:
-        if self._agreement is not None:
-            self._agreement.failed(window, status)
 
     def _forward_communicates(self) -> bool:
         """Whether DDP broadcasts buffers at every forward pass (a collective per forward)."""

@@ -2,10 +2,9 @@
 
 A probe measures the batches it is shown; real data has rare long sequences and dense images,
 and the out-of-memory error then comes hours into training. With
-``Accumulator(..., on_oom="split")``, :meth:`Window.run
-<autobatch.training.accumulator.Window.run>` catches
-it and runs that micro-batch again in pieces, each weighted by its own count of the window's
-total, so the window's gradient is the one the unsplit micro-batch would have given (up to
+``Accumulator(..., on_oom="split")``, :meth:`Window.run <autobatch.training.accumulator.Window.run>`
+catches it and runs that micro-batch again in pieces, each weighted by its own count of the
+window's total, so the window's gradient is the one the unsplit micro-batch would have given (up to
 floating-point summation order; dropout draws other masks; BatchNorm in training mode: below).
 
 The rules:
@@ -39,24 +38,10 @@ The rules:
 - **Every split is reported**: a WARNING on the ``autobatch`` logger (window, micro-batch, old and
   new sizes, reason) and a :class:`SplitEvent` in ``StepStats.splits``. To have ``autotune``'s
   store learn the smaller size, pass ``on_split=autobatch.tuning.split_recorder(...)``.
-- **DistributedDataParallel**: once per micro-step the ranks all-reduce one small tensor (only with
-  ``on_oom="split"``): each rank's piece-size limit and whether it failed; all adopt the smallest
-  limit, so they split together. An error on one rank before an agreement (a batch that does not
-  fit, a ``ConfigError``, the user's ``loss_of``, an ``on_split`` callback) is taken to the
-  agreement the other ranks wait at, so they raise :class:`~autobatch.errors.DistributedError` at
-  once instead of waiting. On the last micro-step the agreement comes after the forward of the final
-  piece and before its synchronised backward: that piece is the last one that counts items (later
-  pieces count none and are not run), backward's own checks (a mean over 0 counted items) run before
-  the agreement, and a smaller size another rank made known there is reported (``on_split``
-  included) after the backward (if the callback raises, the other ranks learn of it at the
-  Accumulator's next agreement: the next window's count, or the end of the data). An error *inside*
-  that backward cannot be agreed on (the others are already in the all-reduce): that rank raises
-  ``DistributedError`` and aborts the process group, and the others fail when its process ends (gloo
-  notices at once; gloo's abort alone does not reach them) or at the process group's timeout, so let
-  that error end the process. Pieces are local (ranks may run different numbers of forward passes),
-  so a forward pass must not communicate: a model with buffers needs ``DistributedDataParallel(...,
-  broadcast_buffers=False)`` and none may have a ``SyncBatchNorm`` in training mode
-  (:func:`run_window` refuses both on every rank before any step).
+- **DistributedDataParallel**: once per micro-step the ranks agree on the smallest piece-size
+  limit, so they split together, and an error on one rank reaches the others there instead of
+  leaving them waiting; a forward pass must not communicate (``broadcast_buffers=False``, no
+  ``SyncBatchNorm`` in training mode). The rules are :mod:`autobatch.training.limit_agreement`'s.
 
 Example::
 
@@ -72,19 +57,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
-from typing import Any, Literal, NoReturn, Protocol
+from collections.abc import Callable
+from typing import Any, Literal, NoReturn
 
 import torch
-import torch.distributed as dist
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_map
 
 from autobatch.device.oom import is_oom
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError, Remedy
-from autobatch.training.counting import as_count, leading_dim
+from autobatch.training.counting import as_count
+from autobatch.training.limit_agreement import LimitAgreement, refuse_collective_forward
+from autobatch.training.micro_step import MicroStep, WindowState, check_backward
+from autobatch.training.pieces import batch_norm_layer, piece_bounds, rows_to_cut, slice_rows
 
 __all__ = ["DEFAULT_OOM_RETRY_WINDOWS", "OnOom", "SplitEvent", "Splitter", "run_window"]
 
@@ -94,11 +77,6 @@ DEFAULT_OOM_RETRY_WINDOWS = 16
 """Windows in a row without an out-of-memory error after which the planned size is tried again."""
 
 logger = logging.getLogger("autobatch")
-
-_NO_LIMIT = 2**62  # "run whole" in the ranks' agreement (a MIN all-reduce)
-# A rank's failure in the agreement (MIN-reduced: the lower one is named to the other ranks).
-_FAILED = -1  # an error before the agreement: the user's forward, a check, a callback
-_DOES_NOT_FIT = -2  # DoesNotFitError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,65 +155,6 @@ class Splitter:
         self._clean_windows = 0 if had_split else self._clean_windows + 1
 
 
-# What a split run uses of autobatch.training.accumulator's Accumulator, Window and MicroStep, as
-# protocols:
-# that module imports this one, never the other way round.
-
-
-class _SplitAccumulator(Protocol):
-    @property
-    def model(self) -> torch.nn.Module: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
-    def _ddp(self) -> object | None: ...
-    @property
-    def _group(self) -> dist.ProcessGroup | None: ...
-    @property
-    def _splitter(self) -> Splitter: ...
-    def _params(self) -> list[torch.Tensor]: ...
-
-
-class _SplitMicroStep(Protocol):
-    _backward_done: bool
-
-    @property
-    def batch(self) -> Any: ...
-    @property
-    def count(self) -> int: ...
-    @property
-    def index(self) -> int: ...
-    @property
-    def is_last(self) -> bool: ...
-    def sync_context(self) -> AbstractContextManager[Any]: ...
-    def backward(
-        self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean"
-    ) -> None: ...
-    def _weight(
-        self, loss: torch.Tensor, reduction: Literal["mean", "sum"]
-    ) -> tuple[torch.Tensor, float]: ...
-    def _piece(self, batch: Any, count: int, is_last: bool, /) -> _SplitMicroStep: ...
-
-
-class _SplitWindow(Protocol):
-    _num_backward: int
-    _failed_after_agreements: bool
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def _acc(self) -> _SplitAccumulator: ...
-    @property
-    def _count_fn(self) -> Callable[[Any], int | torch.Tensor] | None: ...
-    @property
-    def _stepped(self) -> bool: ...
-    @property
-    def _splits(self) -> list[SplitEvent]: ...
-    @property
-    def _weighted_losses(self) -> list[torch.Tensor]: ...
-    def __iter__(self) -> Iterator[_SplitMicroStep]: ...
-
-
 @dataclasses.dataclass(slots=True)
 class _Failure:
     """What is kept of an out-of-memory error once its ``except`` block is left."""
@@ -252,24 +171,32 @@ class _WindowRun:
     """One call of :func:`run_window`: the cursor over (micro-batch, row) and the bookkeeping."""
 
     def __init__(
-        self, window: _SplitWindow, loss_of: Callable[[Any], torch.Tensor], reduction: str
+        self,
+        state: WindowState,
+        loss_of: Callable[[Any], torch.Tensor],
+        reduction: Literal["mean", "sum"],
+        *,
+        model: torch.nn.Module,
+        splitter: Splitter,
     ) -> None:
-        self.window = window
-        self.acc = window._acc
-        self.splitter: Splitter = window._acc._splitter
+        self.state = state
+        self.model = model
+        self.splitter = splitter
         self.loss_of = loss_of
         self.reduction = reduction
-        self.micros = list(window)
-        self.ddp = self.acc._ddp
-        self.agree_ranks = self.ddp is not None and self.splitter.on_oom == "split"
-        self.num_agreed = 0  # micro-steps whose agreement is done
-        # Whether the other ranks will wait for this one at an agreement: from the window's start
-        # to its last micro-step's, which comes before the synchronised backward.
-        self.owes_agreement = self.agree_ranks
+        self.micros = list(state.micro_steps)
+        self.ddp = state.ddp
+        self.events: list[SplitEvent] = []
+        # Under DDP with splitting: the ranks' once-per-micro-step limit agreement.
+        self.ranks: LimitAgreement | None = None
+        if self.ddp is not None and splitter.on_oom == "split":
+            self.ranks = LimitAgreement(
+                self.ddp.process_group,
+                self._device(),
+                window_index=state.index,
+                num_micro_steps=len(self.micros),
+            )
         self.deferred: SplitEvent | None = None  # a peer's split agreed at the last micro-step
-        # Whether every rank knows of this window's failure: it came from an agreement (another
-        # rank's), or the group was aborted or failed; tell_peers sets it too.
-        self.peers_know = False
         self.had_split = False
         self.done_count = 0  # counted items of the current micro-batch's pieces done
         self.norm: tuple[str, torch.nn.Module] | None | bool = False  # False: not looked for yet
@@ -282,8 +209,9 @@ class _WindowRun:
         while index < len(micros):
             failure = self._run_rows(micros[index], start)
             if failure is None:
-                if self.agree_ranks and index == self.num_agreed and index < len(micros) - 1:
-                    self._agree(index)
+                ranks = self.ranks
+                if ranks is not None and index == ranks.num_agreed and index < len(micros) - 1:
+                    self._agree(ranks, index)
                 index, start = index + 1, 0
                 continue
             # Outside the except block: the failed pass's frames are gone, so its memory can go.
@@ -296,44 +224,36 @@ class _WindowRun:
             if failure.phase == "backward":
                 # A backward that failed may have added part of its gradient: start the window
                 # again from no gradient (the micro-batches done so far are run again).
-                self.drop_gradients()
+                self.state.forget_backward()
                 index, start = 0, 0
             else:
                 start = failure.start  # the forward added nothing; earlier rows stay done
 
-    def drop_gradients(self) -> None:
-        """Forget every backward of this window: its gradients, losses and counts."""
-        self.acc.optimizer.zero_grad(set_to_none=True)
-        self.window._weighted_losses.clear()
-        self.window._num_backward = 0
-        for micro in self.micros:
-            micro._backward_done = False
-
-    def _run_rows(self, micro: _SplitMicroStep, start: int) -> _Failure | None:
+    def _run_rows(self, micro: MicroStep[Any], start: int) -> _Failure | None:
         """Run rows ``[start:)`` of one micro-batch in pieces of the limit; the first OOM."""
         limit = self.splitter.limit
         is_last = micro.is_last
         if start == 0 and limit is None:
             return self._run_piece(micro, micro.batch, 0, -1, synced=is_last)
-        rows = _rows(micro.batch, self.window.index, micro.index)
+        rows = rows_to_cut(micro.batch, self.state.index, micro.index)
         if start == 0 and rows <= (limit or rows):
             return self._run_piece(micro, micro.batch, 0, rows, synced=is_last)
         size = limit if limit is not None else rows
-        count_fn = self.window._count_fn
+        count_fn = self.state.count_fn
         if start == 0:
             self.done_count = 0
         pieces = []
-        for piece_start, stop in _cuts(start, rows, size, self._min_rows()):
-            piece = _slice(micro.batch, piece_start, stop, rows)
+        for piece_start, stop in piece_bounds(start, rows, size, self._min_rows()):
+            piece = slice_rows(micro.batch, piece_start, stop, rows)
             if count_fn is None:
                 count = stop - piece_start
             else:
-                count = as_count(count_fn(piece), self.window.index, micro.index)
+                count = as_count(count_fn(piece), self.state.index, micro.index)
             pieces.append((piece_start, stop, piece, count))
         if self.done_count + sum(piece[3] for piece in pieces) != micro.count:
             raise ConfigError(
                 f"count_fn is not additive over rows: micro-batch {micro.index} of window "
-                f"{self.window.index} counts {micro.count}, its pieces "
+                f"{self.state.index} counts {micro.count}, its pieces "
                 f"{self.done_count + sum(piece[3] for piece in pieces)}; the pieces of a split "
                 "micro-batch must count what it counts (e.g. count tokens or samples, not a "
                 "per-batch constant)"
@@ -349,7 +269,7 @@ class _WindowRun:
             synced = i == synced_at
             if count == 0 and not synced:
                 continue  # nothing counted: no share of the gradient
-            step = micro._piece(piece, count, synced)
+            step = MicroStep(self.state, piece, count, micro.index, synced)
             failure = self._run_piece(step, piece, piece_start, stop - piece_start, synced=synced)
             if failure is not None:
                 return failure
@@ -357,7 +277,7 @@ class _WindowRun:
         return None
 
     def _run_piece(
-        self, step: _SplitMicroStep, batch: Any, start: int, rows: int, *, synced: bool
+        self, step: MicroStep[Any], batch: Any, start: int, rows: int, *, synced: bool
     ) -> _Failure | None:
         """Forward and backward of one piece (``rows`` -1: the whole micro-batch, not yet
         counted); the OOM as a :class:`_Failure`, or None."""
@@ -368,23 +288,23 @@ class _WindowRun:
         try:
             with context:
                 loss = self.loss_of(batch)
-                if synced and self.agree_ranks:
+                if synced and self.ranks is not None:
                     # Backward's own checks (a mean over 0 counted items, a loss of many
                     # elements) before the agreement: past it, an error on one rank leaves the
                     # others waiting in the gradient all-reduce.
-                    step._weight(loss, self.reduction)  # type: ignore[arg-type]
-                    self._agree(step.index)
+                    check_backward(step, loss, self.reduction)
+                    self._agree(self.ranks, step.index)
                     phase = "backward"
                     try:
-                        step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+                        step.backward(loss, reduction=self.reduction)
                     except Exception as exc:
-                        self._synchronised_backward_failed(step, exc)
+                        self._synchronised_backward_failed(self.ranks, step, exc)
                     if self.deferred is not None:  # the all-reduce is done: a callback may raise
                         event, self.deferred = self.deferred, None
                         self._add_event(event)
                 else:
                     phase = "backward"
-                    step.backward(loss, reduction=self.reduction)  # type: ignore[arg-type]
+                    step.backward(loss, reduction=self.reduction)
             return None
         except Exception as exc:
             if not split or not is_oom(exc):
@@ -393,24 +313,24 @@ class _WindowRun:
         # Out of the except block, the exception and its frames are gone; the caller releases
         # memory once this frame (and `loss`, the failed graph) is gone too.
         if rows < 0:
-            rows = _rows(batch, self.window.index, step.index)
+            rows = rows_to_cut(batch, self.state.index, step.index)
         return _Failure(phase=phase, reason=reason, start=start, rows=rows)
 
     def _min_rows(self) -> int:
         """Fewest rows a piece may have: 2 when the model normalises with batch statistics."""
         if self.norm is False:
-            self.norm = _batch_norm(self.acc.model, wrapped=self.ddp is not None)
+            self.norm = batch_norm_layer(self.model, wrapped=self.ddp is not None)
         return 1 if self.norm is None else 2
 
-    def _can_cut(self, micro: _SplitMicroStep, failure: _Failure, new_size: int) -> bool:
+    def _can_cut(self, micro: MicroStep[Any], failure: _Failure, new_size: int) -> bool:
         """Whether the rows that ran out of memory can run again in pieces smaller than the one
         that failed (none below :meth:`_min_rows`)."""
         if new_size < self._min_rows():
             return False
         # The rows run again: the failed piece's on (forward), or the micro-batch's (backward).
         first = failure.start if failure.phase == "forward" else 0
-        rows = _rows(micro.batch, self.window.index, micro.index)
-        pieces = _cuts(first, rows, new_size, self._min_rows())
+        rows = rows_to_cut(micro.batch, self.state.index, micro.index)
+        pieces = piece_bounds(first, rows, new_size, self._min_rows())
         return max(stop - start for start, stop in pieces) < failure.rows
 
     # -- reporting -----------------------------------------------------------------------------
@@ -418,7 +338,7 @@ class _WindowRun:
     def _record(self, index: int, failure: _Failure, new_size: int, recompute: bool) -> None:
         self._add_event(
             SplitEvent(
-                window_index=self.window.index,
+                window_index=self.state.index,
                 micro_step_index=index,
                 old_micro_batch_size=failure.rows,
                 new_micro_batch_size=new_size,
@@ -431,7 +351,7 @@ class _WindowRun:
     def _add_event(self, event: SplitEvent) -> None:
         self.splitter.limit = event.new_micro_batch_size
         self.had_split = True
-        self.window._splits.append(event)
+        self.events.append(event)
         where = "on another rank" if event.phase == "peer" else f"in {event.phase}"
         logger.warning(
             "window %d, micro-batch %d: out of memory %s at micro-batch size %d (%s); running "
@@ -452,9 +372,9 @@ class _WindowRun:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _does_not_fit(self, micro: _SplitMicroStep, failure: _Failure) -> NoReturn:
+    def _does_not_fit(self, micro: MicroStep[Any], failure: _Failure) -> NoReturn:
         device = self._device()
-        where = f"micro-batch {micro.index} of window {self.window.index}"
+        where = f"micro-batch {micro.index} of window {self.state.index}"
         dropped = "The window's gradients were dropped: catch the error to skip the window"
         remedies: tuple[Remedy, ...] = ()
         if failure.rows == 1:
@@ -487,18 +407,18 @@ class _WindowRun:
             device_name=str(device),
             capacity_bytes=_total_memory_bytes(device),
             required_bytes=0,
-            static_bytes=_static_bytes(self.acc.optimizer),
+            static_bytes=_static_bytes(self.state.optimizer),
             remedies=remedies,
         )
 
-    def _synchronised_backward_failed(self, step: _SplitMicroStep, exc: Exception) -> NoReturn:
+    def _synchronised_backward_failed(
+        self, ranks: LimitAgreement, step: MicroStep[Any], exc: Exception
+    ) -> NoReturn:
         """Any error in the synchronised backward: the other ranks may be in its all-reduce
         (past the agreement, nothing can be agreed), so the group is aborted and they fail."""
-        where = f"micro-batch {step.index} of window {self.window.index}"
-        group = self.acc._group
-        rank = dist.get_rank(group)
-        self.peers_know = True  # nothing can be told: the group is aborted
-        _abort(group)
+        where = f"micro-batch {step.index} of window {self.state.index}"
+        rank = ranks.rank
+        ranks.abort()
         if is_oom(exc):
             raise DistributedError(
                 f"rank {rank} ran out of memory inside the synchronised backward of {where} "
@@ -515,92 +435,70 @@ class _WindowRun:
 
     # -- ranks ---------------------------------------------------------------------------------
 
-    def _agree(self, index: int, *, failure: int = 0) -> None:
-        """The once-per-micro-step agreement: every rank's limit and failure, MIN-reduced.
+    def _agree(self, ranks: LimitAgreement, index: int) -> None:
+        """Micro-step ``index``'s limit agreement; a smaller limit of another rank is adopted
+        (after the synchronised backward on the last micro-step, whose all-reduce comes next).
 
         Raises:
-            DistributedError: another rank failed (and this one did not).
+            DistributedError: another rank failed.
         """
-        self.num_agreed = index + 1
-        self.owes_agreement = False  # also when the collective fails: no rank is left to meet
         limit = self.splitter.limit
-        mine = [limit if limit is not None else _NO_LIMIT, failure]
-        flags = torch.tensor(mine, dtype=torch.int64, device=self._device())
-        self.peers_know = True  # told, or the collective failed: none to tell again
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.acc._group)
-        agreed, worst = int(flags[0]), int(flags[1])
-        if failure:
-            return  # this rank raises its own error
-        where = f"micro-batch {index} of window {self.window.index}"
-        if worst == _DOES_NOT_FIT:
-            raise DistributedError(
-                f"another rank could not fit {where} even at the smallest micro-batch size and "
-                "raised DoesNotFitError; this rank stops too"
-            )
-        if worst:
-            raise DistributedError(
-                f"another rank raised an error in {where} before the ranks agreed to run it "
-                "(see that rank's error); this rank stops too, so that no rank waits for it"
-            )
-        self.peers_know = False  # the agreement went well: a later error is this rank's alone
-        last = index == len(self.micros) - 1
-        self.owes_agreement = not last
-        if agreed < (limit if limit is not None else _NO_LIMIT):
-            event = SplitEvent(
-                window_index=self.window.index,
-                micro_step_index=index,
-                old_micro_batch_size=limit
-                or _rows(self.micros[index].batch, self.window.index, index),
-                new_micro_batch_size=agreed,
-                phase="peer",
-                reason="another rank ran out of memory",
-            )
-            if last:  # reported after the synchronised backward, whose all-reduce comes next
-                self.deferred = event
-            else:
-                self._add_event(event)
-
-    def tell_peers(self, exc: Exception) -> None:
-        """After an error on this rank, meet the other ranks at the agreement they wait at, with
-        the failure, so that they raise too instead of waiting for the process group's timeout."""
-        if not self.owes_agreement:
+        agreed = ranks.meet(index, limit)
+        if agreed is None or (limit is not None and agreed >= limit):
             return
-        failure = _DOES_NOT_FIT if isinstance(exc, DoesNotFitError) else _FAILED
-        try:
-            self._agree(self.num_agreed, failure=failure)
-        except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
-            logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
+        event = SplitEvent(
+            window_index=self.state.index,
+            micro_step_index=index,
+            old_micro_batch_size=limit
+            or rows_to_cut(self.micros[index].batch, self.state.index, index),
+            new_micro_batch_size=agreed,
+            phase="peer",
+            reason="another rank ran out of memory",
+        )
+        if index == len(self.micros) - 1:
+            self.deferred = event
+        else:
+            self._add_event(event)
 
     def _device(self) -> torch.device:
-        for param in self.acc._params():
-            return param.device
+        for group in self.state.optimizer.param_groups:
+            params: list[torch.Tensor] = group["params"]
+            if params:
+                return params[0].device
         return torch.device("cpu")
 
 
 def run_window(
-    window: _SplitWindow,
+    state: WindowState,
     loss_of: Callable[[Any], torch.Tensor],
     *,
     reduction: Literal["mean", "sum"] = "mean",
-) -> None:
+    model: torch.nn.Module,
+    splitter: Splitter,
+) -> list[SplitEvent]:
     """Run a window's forward and backward passes, splitting on OOM as the module says; the
     caller (:meth:`Window.run <autobatch.training.accumulator.Window.run>`) then steps it.
 
     Args:
-        window: a window of an Accumulator, none of whose micro-steps ran backward yet.
+        state: the window's state (its micro-steps, counts and backward passes), none of whose
+            micro-steps ran backward yet.
         loss_of: ``batch -> loss`` for one micro-batch (or piece): a 0-dim tensor, the mean (or,
             with ``reduction="sum"``, the sum) over its counted items. It must not call backward.
         reduction: how ``loss_of`` reduces over counted items.
+        model: the Accumulator's model (a ``DistributedDataParallel`` under DDP).
+        splitter: the Accumulator's split policy and the piece-size limit it carries.
+
+    Returns:
+        The micro-batches split, in order (``StepStats.splits``).
 
     Raises:
         ConfigError: the window already ran backward or stepped; under DDP, a forward pass that
             communicates (``broadcast_buffers=True`` with buffers, ``SyncBatchNorm`` in
             training mode), which pieces on one rank would leave unmatched; with
-            ``on_oom="split"``, a
-            batch has no tensor with a batch dimension (needed to cut it; checked before any
-            step); ``count_fn`` is not additive over rows (the pieces' counts do not sum to the
-            micro-batch's; checked before they run); a "mean" loss of a micro-batch with 0
-            counted items; see also ``MicroStep.backward``.
+            ``on_oom="split"``, a batch has no tensor with a batch dimension (needed to cut it;
+            checked before any step); ``count_fn`` is not additive over rows (the pieces'
+            counts do not sum to the micro-batch's; checked before they run); a "mean" loss of a
+            micro-batch with 0 counted items; see also ``MicroStep.backward``.
         DoesNotFitError: a micro-batch runs out of memory even at size 1, or, for a model with
             BatchNorm in training mode, at the smallest pieces it allows (2 rows; names the
             batch, the rows and the layer).
@@ -610,130 +508,33 @@ def run_window(
             the ranks agreed to run a micro-step, or this rank's synchronised backward failed
             (the process group is then aborted).
     """
-    if window._num_backward or window._stepped:
+    if state.num_backward or state.stepped:
         raise ConfigError(
-            f"window {window.index} already ran backward or stepped; call window.run() instead "
+            f"window {state.index} already ran backward or stepped; call window.run() instead "
             "of the micro-step loop, not after it"
         )
-    splitter: Splitter = window._acc._splitter
-    state = _WindowRun(window, loss_of, reduction)
-    if state.agree_ranks:  # the same on every rank: they all raise, before any collective
-        _refuse_collective_forward(window._acc.model)
+    run = _WindowRun(state, loss_of, reduction, model=model, splitter=splitter)
+    if run.ranks is not None:  # the same on every rank: they all raise, before any collective
+        refuse_collective_forward(model)
     try:
         if splitter.on_oom == "split":
-            for micro in window:  # before any step, not at the first OOM hours into training
-                _rows(micro.batch, window.index, micro.index)
-        splitter.start_window(window.index)
-        state.run()
+            for micro in run.micros:  # before any step, not at the first OOM hours into training
+                rows_to_cut(micro.batch, state.index, micro.index)
+        splitter.start_window(state.index)
+        run.run()
     except BaseException as exc:
         # The window is abandoned: its partial gradient must reach neither a step (it would be
         # weighted as the whole window's) nor the next window, so catching the error skips it.
-        state.drop_gradients()
-        if isinstance(exc, Exception):
-            state.tell_peers(exc)  # under DDP: the other ranks raise too, none waits
+        state.forget_backward()
+        if isinstance(exc, Exception) and run.ranks is not None:
+            run.ranks.tell(exc, splitter.limit)  # the other ranks raise too, none waits
             # After the ranks' last agreement of the window (an on_split callback after the
             # synchronised backward): the caller tells them at the next window's.
-            window._failed_after_agreements = state.agree_ranks and not state.peers_know
+            state.failed_after_agreements = not run.ranks.peers_know
         raise
-    splitter.end_window(state.had_split)
-    for micro in state.micros:
-        micro._backward_done = True
-    window._num_backward = len(state.micros)
-
-
-def _rows(batch: Any, window_index: int, micro_index: int) -> int:
-    """Rows of a micro-batch to be cut into pieces (the dim 0 of its first tensor).
-
-    Raises:
-        ConfigError: nothing in it can be cut: no tensor with a batch dimension in a tensor or
-            a tuple/list/dict of them (an object of the user's, a list of samples).
-    """
-    try:
-        return leading_dim(batch)
-    except ConfigError:
-        pass
-    raise ConfigError(
-        f"on_oom='split' cannot cut micro-batch {micro_index} of window {window_index} (a "
-        f"{type(batch).__name__}) into pieces: it needs a tensor, or a tuple/list/dict of tensors "
-        "with the batch dimension first (collate the samples into one, e.g. with "
-        "torch.utils.data.default_collate), or use on_oom='raise'"
-    )
-
-
-def _refuse_collective_forward(model: torch.nn.Module) -> None:
-    """Pieces run on one rank only, so under DDP a forward pass must not communicate.
-
-    Raises:
-        ConfigError: ``model`` (a ``DistributedDataParallel``) broadcasts its module's buffers at
-            every forward (``broadcast_buffers=True``, torch's default, and the module has
-            buffers), or the module has a ``SyncBatchNorm`` in training mode (it gathers
-            statistics from every rank at every forward).
-    """
-    remedy = "or use on_oom='raise'"
-    module = model.module if isinstance(model, DistributedDataParallel) else model
-    if isinstance(model, DistributedDataParallel) and model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
-        name = next(iter(model.named_module_buffers), "")  # the buffers DDP broadcasts
-        raise ConfigError(
-            "on_oom='split' runs the pieces of a split micro-batch on one rank only, but this "
-            f"DistributedDataParallel broadcasts the model's buffers (such as {name!r}) from "
-            "rank 0 at every forward pass, which the other ranks would not join; construct it "
-            "with DistributedDataParallel(model, broadcast_buffers=False) (from torch 2.13: "
-            "forward_sync_buffers=False); buffers such as BatchNorm statistics then stay per "
-            f"rank; {remedy}"
-        )
-    for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.SyncBatchNorm) and layer.training:
-            raise ConfigError(
-                "on_oom='split' runs the pieces of a split micro-batch on one rank only, but "
-                f"the model's SyncBatchNorm layer {name!r} gathers statistics from every rank at "
-                f"every forward pass in training mode; use BatchNorm instead, {remedy}"
-            )
-
-
-def _cuts(start: int, stop: int, size: int, min_rows: int) -> list[tuple[int, int]]:
-    """Rows ``[start:stop)`` cut into pieces ``(first, end)`` of ``size`` rows (the last fewer),
-    none below ``min_rows`` where the rows allow: a last piece that is too short takes rows from
-    the one before (8 rows by 3, at least 2: 3, 3, 2; 7 by 3: 3, 2, 2), or, when that one cannot
-    spare them, joins it (5 by 2: 2, 3).
-    """
-    bounds = [*range(start, stop, size), stop]
-    pieces = list(zip(bounds, bounds[1:], strict=False))
-    if len(pieces) > 1 and stop - pieces[-1][0] < min_rows:
-        first = pieces[-2][0]
-        cut = stop - min_rows  # where the last piece would start with min_rows rows
-        pieces[-2:] = [(first, cut), (cut, stop)] if cut - first >= min_rows else [(first, stop)]
-    return pieces
-
-
-def _batch_norm(model: torch.nn.Module, *, wrapped: bool) -> tuple[str, torch.nn.Module] | None:
-    """The first layer that normalises with its batch's statistics (any BatchNorm in training
-    mode, or without running statistics), with its name; None when there is none. A piece of 1
-    sample gives such a layer 1 value per channel (an ``(N, C)`` input), which torch refuses."""
-    for name, module in model.named_modules():
-        if isinstance(module, _BatchNorm) and (module.training or module.running_mean is None):
-            return (name.removeprefix("module.") if wrapped else name), module
-    return None
-
-
-def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
-    """Rows ``[start:stop)`` of every tensor in ``batch`` whose dim 0 is ``rows`` (views); a
-    mapping that is not a dict (``BatchEncoding``) keeps its type."""
-
-    def cut(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == rows:
-            return leaf[start:stop]
-        return leaf
-
-    if isinstance(batch, Mapping) and not isinstance(batch, dict):
-        # Hugging Face's BatchEncoding, a UserDict: cut its dict, and give the piece its type
-        # back (code reads batch.input_ids), when that type can be built from a dict.
-        pieces = tree_map(cut, dict(batch))
-        kind: Callable[[dict[Any, Any]], Any] = type(batch)
-        try:
-            return kind(pieces)
-        except Exception:  # noqa: BLE001 - a mapping type that cannot: the dict serves
-            return pieces
-    return tree_map(cut, batch)
+    splitter.end_window(run.had_split)
+    state.mark_backward_done()
+    return run.events
 
 
 def _first_line(exc: BaseException) -> str:
@@ -745,19 +546,6 @@ def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _abort(group: dist.ProcessGroup | None) -> None:
-    """Close this rank's connections so that peers waiting in a collective fail at once."""
-    target = group if group is not None else dist.group.WORLD
-    abort = getattr(target, "abort", None)
-    try:
-        if callable(abort):
-            abort()
-        else:
-            dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
-        logger.exception("could not abort the process group after an OOM in backward")
 
 
 def _total_memory_bytes(device: torch.device) -> int:

@@ -1,21 +1,24 @@
-"""The Accumulator's agreements under DistributedDataParallel: how an error on one rank reaches
-the others instead of leaving them waiting in a collective.
+"""The window agreement: the Accumulator's agreements under DistributedDataParallel, by which an
+error on one rank reaches the others instead of leaving them waiting in a collective.
 
-Every agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64 values:
-this rank's counted items, whether it has a micro-batch counting 0 items, and one status per rank (0
-on every rank that is fine). The ranks meet at one agreement for each window's count (in
-``Accumulator.windows``: the count all-reduce each window always had) and one when the micro-batches
-run out (once per loop); and, only in a window where some rank has a micro-batch counting 0 items
-(where a "mean" loss is refused, on that rank only), one before the window's synchronised backward
-(the last micro-step's ``backward``; with ``on_oom="split"``, :mod:`autobatch.training.oom_split`'s
-own
-agreements instead). A rank that fails meets the others at the next agreement with its status and
-then raises its own error; each of the others raises :class:`DistributedError` there, naming the
-rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
+(Not the probe's consensus, :mod:`autobatch.distributed.consensus`, which makes the ranks of a
+probe try the same sizes; nor the limit agreement, :mod:`autobatch.training.limit_agreement`,
+which makes them split a micro-batch together with ``on_oom="split"``.)
+
+Every window agreement is the same small collective: a SUM all-reduce of ``world_size + 2`` int64
+values: this rank's counted items, whether it has a micro-batch counting 0 items, and one status
+per rank (0 on every rank that is fine). The ranks meet at one for each window's count (in
+``Accumulator.windows``: the count all-reduce each window always had) and one when the
+micro-batches run out (once per loop); and, only in a window where some rank has a micro-batch
+counting 0 items (where a "mean" loss is refused, on that rank only), one before the window's
+synchronised backward (the last micro-step's ``backward``; with ``on_oom="split"``, the limit
+agreements instead). A rank that fails meets the others at the next window agreement with its
+status and then raises its own error; each of the others raises :class:`DistributedError` there,
+naming the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
 
 Example::
 
-    agreement = Agreement(process_group, ddp_model)
+    agreement = WindowAgreement(process_group, ddp_model)
     global_count, empty = agreement.meet(local_count, where="the count agreement of window 3")
     agreement.meet(0, where="...", status=Status.STEP, window=3)  # failed: tell, then raise
 """
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 from autobatch.errors import ConfigError, DistributedError
 
-__all__ = ["Agreement", "Status"]
+__all__ = ["AgreeingWindow", "Status", "WindowAgreement"]
 
 logger = logging.getLogger("autobatch")
 
@@ -60,28 +63,29 @@ _WHAT = {
 }
 
 
-class _Window(Protocol):
-    """What the agreements use of :class:`autobatch.training.accumulator.Window` (that module
-    imports
-    this one, never the other way round)."""
+class AgreeingWindow(Protocol):
+    """What the window agreement uses of a window: its
+    :class:`~autobatch.training.micro_step.WindowState` (that module imports this one, never the
+    other way round)."""
 
-    _sync_due: bool
+    sync_due: bool
     """Whether this rank meets the others before the synchronised backward (still to come)."""
-    _synced: bool
+    synced: bool
     """Whether the synchronised backward ran on this rank."""
-    _abandoned: bool
+    abandoned: bool
     """Whether the ranks agreed that the window failed (its gradients are dropped)."""
-    _failed_after_agreements: bool
+    failed_after_agreements: bool
     """Set by ``run_window`` (splitting) for an error after the ranks' last agreement."""
 
     @property
     def index(self) -> int: ...
-    def __len__(self) -> int: ...
-    def _abandon(self) -> None: ...
+    @property
+    def num_micro_steps(self) -> int: ...
+    def abandon(self) -> None: ...
 
 
-class Agreement:
-    """The ranks' agreements of one Accumulator (see the module docstring).
+class WindowAgreement:
+    """The window agreements of one Accumulator's ranks (see the module docstring).
 
     Args:
         group: the process group of the ``DistributedDataParallel`` model.
@@ -109,7 +113,7 @@ class Agreement:
         window: int = 0,
         empty: bool = False,
     ) -> tuple[int, bool]:
-        """Meet the other ranks at the next agreement.
+        """Meet the other ranks at the next window agreement.
 
         Args:
             count: this rank's counted items (0 unless ``where`` is a window's count).
@@ -170,21 +174,23 @@ class Agreement:
         except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
             logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
 
-    def failed(self, window: _Window, status: Status) -> None:
+    def failed(self, window: AgreeingWindow, status: Status) -> None:
         """This rank raises an error in ``window`` next: meet the others at the agreement they
         wait at, before the window's synchronised backward or at the next window's count."""
-        if window._abandoned:
+        if window.abandoned:
             return  # they know already
-        if window._sync_due:
-            window._sync_due = False
+        if window.sync_due:
+            window.sync_due = False
             self.tell(status, window.index)
-            window._abandon()
-        elif window._synced and self.told_at_next is None:
+            window.abandon()
+        elif window.synced and self.told_at_next is None:
             # Past the synchronised backward (before it, the others may be in its all-reduce).
             self.tell(status, window.index)
             self.told_at_next = window.index
 
-    def before_synchronised_backward(self, window: _Window, error: ConfigError | None) -> None:
+    def before_synchronised_backward(
+        self, window: AgreeingWindow, error: ConfigError | None
+    ) -> None:
         """The agreement before ``window``'s synchronised backward, with this rank's refused
         backward (``error``) if any.
 
@@ -192,7 +198,7 @@ class Agreement:
             ConfigError: ``error``, on this rank (the window's gradients are dropped).
             DistributedError: another rank refused (the window's gradients are dropped).
         """
-        window._sync_due = False
+        window.sync_due = False
         try:
             self.meet(
                 0,
@@ -201,23 +207,25 @@ class Agreement:
                 window=window.index,
             )
         except DistributedError:
-            window._abandon()
+            window.abandon()
             raise
         if error is not None:
-            window._abandon()
+            window.abandon()
             raise error
 
     def run_failed(
-        self, window: _Window, failing: int, *, splitting: bool, forward_communicates: bool
+        self, window: AgreeingWindow, failing: int, *, splitting: bool, forward_communicates: bool
     ) -> None:
         """``Window.run`` raised (in micro-step ``failing`` when not ``splitting``): tell the
         others where they can still be met."""
-        if window._abandoned:
+        if window.abandoned:
             return
         if splitting:
-            if window._failed_after_agreements:  # splitting told them of anything earlier
+            if window.failed_after_agreements:  # splitting told them of anything earlier
                 self.failed(window, Status.RUN)
-        elif window._sync_due and (failing == len(window) - 1 or not forward_communicates):
+        elif window.sync_due and (
+            failing == window.num_micro_steps - 1 or not forward_communicates
+        ):
             # An error in micro-step `failing` (loss_of, or autograd): the others go on to the
             # agreement before the synchronised backward after their forward passes, which this
             # rank can no longer keep in step with when they communicate.

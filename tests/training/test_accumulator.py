@@ -485,7 +485,7 @@ def test_a_loss_with_several_elements_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"loss of shape \(2,\); pass one number"):
         micro.backward(w * micro.batch)
     micro.backward((w * micro.batch).sum(dim=0, keepdim=True), reduction="sum")  # shape (1,)
-    assert micro._window._weighted_losses[0].dim() == 0
+    assert micro._state.weighted_losses[0].dim() == 0
 
 
 def test_a_new_loop_does_not_add_gradients_left_by_a_broken_one() -> None:

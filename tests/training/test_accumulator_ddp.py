@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from autobatch.training.accumulator import Accumulator
-from autobatch.training.window_agreement import Agreement
+from autobatch.training.window_agreement import WindowAgreement
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import leave_gloo_worker
 
@@ -32,7 +32,7 @@ SAMPLES = {
 WANT_GRADS = [11 / 4, 34 / 7]
 
 
-class RecordedAgreement(Agreement):
+class RecordedWindowAgreement(WindowAgreement):
     """The ranks' agreements besides DDP's gradient all-reduce, each recorded by its place."""
 
     __slots__ = ("places",)
@@ -69,7 +69,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         model.register_comm_hook(None, counting_hook)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         acc = Accumulator(model, opt, gradient_accumulation_steps=2, max_grad_norm=100.0)
-        acc._agreement = agreement = RecordedAgreement(model.process_group, model)
+        acc._agreement = agreement = RecordedWindowAgreement(model.process_group, model)
         batches = [torch.tensor(s, dtype=torch.float64).unsqueeze(1) for s in SAMPLES[rank]]
         results = []
         for window in acc.windows(batches):

@@ -15,11 +15,8 @@ from torch import nn
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError, DoesNotFitError
 from autobatch.training.accumulator import Accumulator, StepStats
-from autobatch.training.oom_split import (
-    DEFAULT_OOM_RETRY_WINDOWS,
-    SplitEvent,
-    _refuse_collective_forward,
-)
+from autobatch.training.limit_agreement import refuse_collective_forward
+from autobatch.training.oom_split import DEFAULT_OOM_RETRY_WINDOWS, SplitEvent
 from tests.training.test_accumulator import RecordingSGD, full_batch_grad, make_data, mse
 
 F64 = torch.float64
@@ -605,5 +602,5 @@ def test_sync_batch_norm_in_training_mode_is_refused_for_splitting_under_ddp() -
     model = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4), nn.Linear(4, 1))
     with pytest.raises(ConfigError, match=r"SyncBatchNorm layer '1' gathers statistics from "
                        r"every rank .*use BatchNorm instead, or use on_oom='raise'"):  # fmt: skip
-        _refuse_collective_forward(model)
-    _refuse_collective_forward(model.eval())  # in eval mode it uses its running statistics
+        refuse_collective_forward(model)
+    refuse_collective_forward(model.eval())  # in eval mode it uses its running statistics
