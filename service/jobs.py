@@ -12,7 +12,7 @@ imported there, never in the server), reports each trial through a queue, and se
 profile with its id in the store (the child writes the store's file, which SQLite lets processes
 share; the server stores what the child did not). A child that exceeds the timeout is killed; a
 child that crashes or is killed from outside marks its job failed; the server carries on with the
-next job.
+next job. A child dies with the server, even one killed by SIGKILL (``service.children``).
 
 Example::
 
@@ -41,6 +41,7 @@ from typing import Any, Literal
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
+from service.children import die_with_parent, kill_group
 from service.registry import ModelEntry, Registry, cuda_index
 from service.wording import describe
 
@@ -217,7 +218,7 @@ class JobManager:
                 waiting.clear()
             self._lock.notify_all()
         for child in children:
-            child.kill()
+            kill_group(child)
         for worker in list(self._workers.values()):
             worker.join(timeout=10)
 
@@ -272,7 +273,7 @@ class JobManager:
         messages = self._context.Queue()
         child = self._context.Process(
             target=_child_main,
-            args=(entry.model_dump(), device, self._store_path(), refresh, messages),
+            args=(entry.model_dump(), device, self._store_path(), refresh, messages, os.getpid()),
             name=f"autobatch-probe-{job_id}",
             daemon=True,
         )
@@ -297,7 +298,7 @@ class JobManager:
                     if not child.is_alive():
                         outcome = self._drain(messages) or ("died", None)
                     elif time.monotonic() > deadline:
-                        child.kill()
+                        kill_group(child)
                         outcome = (
                             "error",
                             f"timed out after {self._timeout_seconds:g} s; the "
@@ -313,7 +314,7 @@ class JobManager:
                     outcome = (kind, payload)
             child.join(timeout=10)
             if child.is_alive():
-                child.kill()
+                kill_group(child)
                 child.join(timeout=10)
         finally:
             with self._lock:
@@ -406,8 +407,12 @@ def _child_main(
     store_path: str | None,
     refresh: bool,
     messages: Any,
+    parent_pid: int,
 ) -> None:
-    """The child process: build the registered model and sample, tune, report. Imports torch."""
+    """The child process: build the registered model and sample, tune, report. Imports torch.
+    Dies with the server (``parent_pid``), and leads its own process group
+    (:func:`service.children.die_with_parent`)."""
+    die_with_parent(parent_pid)
     try:
         entry = ModelEntry.model_validate(entry_data)
         messages.put(("profile", _tune(entry, device, store_path, refresh, messages)))

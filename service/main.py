@@ -23,6 +23,7 @@ from service.jobs import JobManager
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
+from service.protocol import timed_protocol
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles
 from service.settings import Settings
@@ -106,6 +107,10 @@ def run(settings: Settings) -> None:
             port=settings.port,
             log_level=settings.log_level,
             timeout_graceful_shutdown=10,
+            http=timed_protocol(
+                header_timeout_s=settings.header_timeout_seconds,
+                body_timeout_s=settings.body_timeout_seconds,
+            ),
         )
     finally:
         app.state.service.store.close()

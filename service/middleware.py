@@ -9,7 +9,8 @@ Pure ASGI (no per-request task or stream wrapping), so it costs microseconds. In
   framing, else counted while the body is buffered (chunked, or chunked and a length), before
   it is parsed;
 - each request is counted and timed under its route template (``/v1/profiles/{profile_id}``),
-  or ``"unmatched"`` for unknown paths, and its method or ``"other"``, so labels stay few.
+  or ``"unmatched"`` for unknown paths, and its method or ``"other"``, so labels stay few; a
+  client that left before its body ended counts as 499 (and reaches no route).
 
 These checks live here rather than in FastAPI dependencies: a dependency is resolved per request
 on every route (about 20 µs each on 2 cores), and these need nothing but the headers. The
@@ -30,13 +31,19 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import Metrics
-from service.problems import problem_response
+from service.problems import CLIENT_CLOSED_REQUEST, problem_response
 
 __all__ = ["ServiceMiddleware", "token_matches"]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods counted by name; any other (h11 accepts any token) is "other", so labels stay few."""
+
+
+async def _gone() -> Message:
+    """What :meth:`ServiceMiddleware._gate` returns, never called, when the client left while
+    its body was read."""
+    raise AssertionError("the client is gone")
 
 
 def token_matches(authorization: str | None, expected: bytes) -> bool:
@@ -85,7 +92,9 @@ class ServiceMiddleware:
 
         try:
             replay = await self._gate(scope, receive, send_counted)
-            if replay is not None:
+            if replay is _gone:
+                status = CLIENT_CLOSED_REQUEST
+            elif replay is not None:
                 await self.app(scope, replay, send_counted)
         finally:
             route: Any = scope.get("route")
@@ -94,7 +103,8 @@ class ServiceMiddleware:
             self.metrics.observe_request(method, template, status, time.perf_counter() - started)
 
     async def _gate(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
-        """The receive to hand on (replaying a buffered body), or None after a problem."""
+        """The receive to hand on (replaying a buffered body), None after a problem, ``_gone``
+        when the client left mid-body."""
         headers: dict[str, list[str]] = {}
         for key, value in scope["headers"]:
             headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
@@ -125,7 +135,7 @@ class ServiceMiddleware:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                break  # disconnected
+                return _gone  # a truncated body is no request
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:

@@ -10,7 +10,12 @@ Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigErro
 a missing or wrong ``Content-Type`` 415 (``service.routing``); :class:`StoreError` and
 :class:`DeviceUnavailableError` 503 (slug ``nvml_timeout`` or ``gpu_lost`` when its ``reason``
 is one of those, with ``Retry-After``); anything else 500 (a bug: logged, and a fuzz test checks
-no input reaches it).
+no input reaches it). A client that left before its body ended gets nothing (there is no one to
+answer) and counts as 499, not as an error of the server's.
+
+Answers stay small whatever the input: at most ``MAX_LISTED_ERRORS`` errors are listed (an
+unknown field with the field most like it), the rest counted by kind. And they carry no path of
+the server's: a store's message names its file, which is logged, and answered as ``<path>``.
 
 Example::
 
@@ -22,7 +27,9 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import re
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, get_args
 
@@ -30,9 +37,10 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from autobatch.errors import (
@@ -47,6 +55,8 @@ from service.jobs import QueueFullError, UnknownJobError, UnknownModelError
 from service.wording import describe
 
 __all__ = [
+    "CLIENT_CLOSED_REQUEST",
+    "MAX_LISTED_ERRORS",
     "PROBLEM_MEDIA_TYPE",
     "BodyValidationError",
     "FieldReason",
@@ -54,13 +64,20 @@ __all__ = [
     "ProblemDetails",
     "install_openapi",
     "install_problem_handlers",
+    "listed_errors",
     "problem_response",
+    "public_text",
     "problem_responses",
     "unknown_profile",
     "validation_reason",
 ]
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+MAX_LISTED_ERRORS = 10
+"""Errors an answer lists one by one; the rest are counted by kind."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status counted for a client that left before its request was read (nginx's code); never
+sent, there is no one to send it to."""
 _TYPE_PREFIX = "urn:autobatch:problem:"
 _log = logging.getLogger("service")
 
@@ -194,16 +211,61 @@ def _json_kind(value: object) -> str:
 class BodyValidationError(RequestValidationError):
     """A body a route read itself (``service.routing.read_json_body``) failed validation as
     ``body_model``; the validation handler names an unknown field by that model, as it does by
-    a declared body's."""
+    a declared body's. ``errors`` are those to list; ``unlisted`` counts the others by pydantic
+    error type."""
 
-    def __init__(self, errors: Sequence[Any], *, body_model: type[BaseModel]) -> None:
+    def __init__(
+        self,
+        errors: Sequence[Any],
+        *,
+        body_model: type[BaseModel],
+        unlisted: Counter[str] | None = None,
+    ) -> None:
         super().__init__(errors)
         self.body_model = body_model
+        self.unlisted = unlisted or Counter()
 
 
-def _unknown_field_hint(error: Any, model: type[BaseModel]) -> str:
+def listed_errors(errors: Sequence[Any]) -> tuple[list[Any], Counter[str]]:
+    """The first :data:`MAX_LISTED_ERRORS` of pydantic ``errors``, and the others counted by
+    error type."""
+    return list(errors[:MAX_LISTED_ERRORS]), Counter(e["type"] for e in errors[MAX_LISTED_ERRORS:])
+
+
+_KINDS = {"extra_forbidden": "unknown field", "missing": "missing field"}
+
+
+def _unlisted_reason(unlisted: Counter[str]) -> str:
+    """``"37,990 more errors not listed (37,990 unknown fields); ..."``."""
+    nouns: Counter[str] = Counter()
+    for kind, count in unlisted.items():
+        nouns[_KINDS.get(kind, "invalid value")] += count
+    total = sum(nouns.values())
+    counted = ", ".join(
+        f"{count:,} {noun}{'' if count == 1 else 's'}" for noun, count in nouns.most_common()
+    )
+    return (
+        f"{total:,} more error{'' if total == 1 else 's'} not listed ({counted}); fix those "
+        "listed and send again (the schema is in /openapi.json)"
+    )
+
+
+_PATH = re.compile(r"(?<![\w.:/-])/(?:[^\s/:;,'\"()]+/)*[^\s/:;,'\"()]+")
+"""An absolute path (``/var/lib/autobatch/profiles.sqlite3``), not a URL's path or a ratio."""
+
+
+def public_text(text: str) -> str:
+    """``text`` with each absolute path written ``<path>``: the server's files are no business
+    of a client's (the log keeps the whole message)."""
+    return _PATH.sub("<path>", text)
+
+
+def _unknown_field_hint(
+    error: Any, model: type[BaseModel], named: set[type[BaseModel]] | None = None
+) -> str:
     """A pydantic error's message; for an unknown field of ``model`` (``loc`` relative to it),
-    with the field most like it, or the fields there."""
+    with the field most like it, or the fields there (once per answer: models in ``named`` have
+    had theirs listed, and the model is added)."""
     message: str = error["msg"]
     if error["type"] != "extra_forbidden":
         return message
@@ -219,6 +281,10 @@ def _unknown_field_hint(error: Any, model: type[BaseModel]) -> str:
     close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
     if close:
         return f'{message}; did you mean "{close[0]}"?'
+    if named is not None:
+        if model in named:
+            return f"{message}; no field there is like it"
+        named.add(model)
     return f"{message}; the fields are " + ", ".join(f'"{field}"' for field in names)
 
 
@@ -255,17 +321,25 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     # The body's model: the one a route that reads its own body names, or the declared one.
     if isinstance(exc, BodyValidationError):
         model: type[BaseModel] | None = exc.body_model
+        unlisted = exc.unlisted  # listed already, off the event loop
     else:
         model = _declared_body_model(request)
+        errors, unlisted = listed_errors(errors)
     if model is not None:
+        named: set[type[BaseModel]] = set()
         errors = [
-            {**e, "msg": _unknown_field_hint({**e, "loc": e["loc"][1:]}, model)}
+            {**e, "msg": _unknown_field_hint({**e, "loc": e["loc"][1:]}, model, named)}
             if e.get("type") == "extra_forbidden" and e["loc"][:1] == ("body",)
             else e
             for e in errors
         ]
     reasons = [(_field(e["loc"]), _reason(e)) for e in errors]
     detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
+    if unlisted or len(reasons) > 5:
+        more = len(reasons) - 5 + sum(unlisted.values())
+        detail += f"; and {more:,} more"
+    if unlisted:
+        reasons.append(("body", _unlisted_reason(unlisted)))
     return problem_response(
         422, "validation", detail or "invalid request", errors=reasons, instance=request.url.path
     )
@@ -294,8 +368,15 @@ def _unreadable_body(exc: StarletteHTTPException) -> str | None:
     return None
 
 
-async def _on_http(request: Request, exc: Exception) -> JSONResponse:
+async def _on_disconnect(_request: Request, _exc: Exception) -> Response:
+    """The client left mid-body: nothing to answer (the server drops it), no error logged."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _on_http(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a body it lost
+        return await _on_disconnect(request, exc)
     reason = _unreadable_body(exc)
     if reason is not None:
         return problem_response(
@@ -358,7 +439,10 @@ async def _on_library(request: Request, exc: Exception) -> JSONResponse:
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         detail = "internal error; see the server log"
     else:
-        detail = describe(exc)  # remedies as the request's JSON fields
+        # Remedies as the request's JSON fields; the server's paths only in its log.
+        detail = public_text(describe(exc))
+        if isinstance(exc, StoreError):
+            _log.warning("%s %s: %s", request.method, request.url.path, exc)
     errors = [("body", detail)] if status in (400, 422) else []
     headers = {"Retry-After": "5"} if slug in _DEVICE_REASON_SLUGS else None
     return problem_response(
@@ -369,6 +453,7 @@ async def _on_library(request: Request, exc: Exception) -> JSONResponse:
 def install_problem_handlers(app: FastAPI) -> None:
     """Register every exception handler of the service on ``app``."""
     app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(ClientDisconnect, _on_disconnect)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Problem, _on_problem)
     for cls in (AutobatchError, UnknownModelError, UnknownJobError, QueueFullError, Exception):

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     nvml_timeout_seconds: float = Field(default=2.0, gt=0, le=600)
     """The longest a request waits for NVML; beyond it a device-dependent request answers 503
     ``nvml_timeout`` (a hung driver never blocks the service)."""
+    header_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
+    """A request's headers must arrive within this many seconds of its first byte (of the
+    connection, for the first request); else 408 and the connection is closed."""
+    body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """A request's body must arrive within this many seconds of its headers; else the
+    connection is closed."""
     log_level: str = "info"
     """uvicorn's log level."""
 
@@ -81,6 +87,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-probes", type=int, help="waiting jobs per device")
     parser.add_argument(
         "--nvml-timeout-seconds", type=float, help="longest wait for NVML (default 2)"
+    )
+    parser.add_argument(
+        "--header-timeout-seconds", type=float, help="deadline for a request's headers (10)"
+    )
+    parser.add_argument(
+        "--body-timeout-seconds", type=float, help="deadline for a request's body (30)"
     )
     parser.add_argument("--log-level", help="uvicorn log level (default info)")
 

@@ -14,6 +14,7 @@ from autobatch.errors import DeviceUnavailableError, StoreError
 from service.deps import StateDep
 from service.gpus import HEALTH_FAILURES
 from service.metrics import CONTENT_TYPE
+from service.problems import public_text
 from service.schemas import GpuProblem, HealthPublic, ReadyPublic
 
 router = APIRouter(prefix="", tags=["health"])
@@ -39,7 +40,7 @@ async def readyz(state: StateDep) -> JSONResponse:
     try:
         store.check_writable()
     except StoreError as exc:
-        store_detail = str(exc)
+        store_detail = public_text(str(exc))  # the store's path stays in the server
     nvml_reason = nvml_detail = None
     num_gpus = 0
     problems: list[GpuProblem] = []

@@ -12,7 +12,7 @@ from autobatch.errors import DeviceUnavailableError
 from service.deps import StateDep
 from service.gpus import HEALTH_FAILURES, GpuMonitor
 from service.jobs import Job, UnknownModelError
-from service.problems import Problem, problem_responses
+from service.problems import Problem, problem_responses, public_text
 from service.registry import cuda_index
 from service.routing import JsonBodyRoute
 from service.schemas import (
@@ -56,7 +56,7 @@ def probe_public(job: Job) -> ProbePublic:
         profile=None
         if job.profile is None
         else ProfileBase.model_validate(job.profile, strict=False),
-        error=job.error,
+        error=public_text(job.error),
     )
 
 

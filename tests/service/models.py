@@ -17,6 +17,13 @@ def slow_mlp() -> torch.nn.Module:
     return tiny_mlp()
 
 
+def sleepy_mlp() -> torch.nn.Module:
+    """Takes 4 s to build, then probes in a second or two: a job whose profile lands in the
+    store a few seconds after it started, unless its process is gone by then."""
+    time.sleep(4)
+    return tiny_mlp()
+
+
 REGISTRY_TOML = """
 [models.tiny-mlp]
 factory = "tests.service.models:tiny_mlp"
