@@ -503,7 +503,7 @@ def _with_mounted_device_list(environ: Mapping[str, str]) -> tuple[Mapping[str, 
         )
     else:
         note = "" if names else f"{where} lists no device: this container was given no GPU"
-    return {**environ, NVIDIA_VISIBLE_VAR: ",".join(names)}, note
+    return {**environ, NVIDIA_VISIBLE_VAR: ",".join(names) or "none"}, note
 
 
 def _is_stub(path: str) -> bool:

@@ -2,10 +2,11 @@
 
 NVML numbers every GPU on the machine in PCI order (``nvml_index``). The set this process may
 use is ``NVIDIA_VISIBLE_DEVICES`` (the NVIDIA container runtime's variable: UUIDs, MIG UUIDs,
-indices, ``all``, ``none``, ``void``), then ``CUDA_VISIBLE_DEVICES`` read over it the way the
-CUDA driver reads it, in the order ``CUDA_DEVICE_ORDER`` asks for. :func:`resolve_visible` does
-it for the listing, the service's plans, its probe jobs and the library
-(:class:`~autobatch.device.nvml.Nvml`). Imports neither torch nor pynvml.
+indices, ``all``, ``none``; ``void`` or empty, which CDI sets, leave the set to what NVML sees),
+then ``CUDA_VISIBLE_DEVICES`` read over it the way the CUDA driver reads it, in the order
+``CUDA_DEVICE_ORDER`` asks for. :func:`resolve_visible` does it for the listing, the service's
+plans, its probe jobs and the library (:class:`~autobatch.device.nvml.Nvml`). Imports neither
+torch nor pynvml.
 
 Example::
 
@@ -111,7 +112,16 @@ def _given_uuids(spec: str | None, devices: Sequence[NvmlDevice]) -> tuple[set[s
     text = "" if spec is None else spec.strip().lower()
     if spec is None or text == "all":
         return all_uuids, ""
-    if text in ("", "none", "void"):
+    if text in ("", "void"):
+        # The NVIDIA runtime then acts as runc and gives no device itself; the cards NVML sees
+        # came another way: CDI, which sets "void" (a Dynamic Resource Allocation claim, the
+        # device plugin's CDI mode), or --device. They are the container's, as when unset.
+        note = (
+            f"{NVIDIA_VISIBLE_VAR}={spec!r}: the NVIDIA runtime named no device; the GPUs NVML "
+            "sees were given through CDI (a DRA claim, the device plugin's CDI mode)"
+        )
+        return all_uuids, note if all_uuids else ""
+    if text == "none":
         return set(), f"{NVIDIA_VISIBLE_VAR}={spec!r}: this container was given no GPU"
     physical = [device for device in devices if not device.is_mig]
     tokens = [token.strip() for token in spec.split(",") if token.strip()]

@@ -327,8 +327,18 @@ def test_gpu_for_uuid_accepts_the_uuid_with_or_without_prefix() -> None:
             3,
         ),
         ({"NVIDIA_VISIBLE_DEVICES": "none"}, {}, 0),
-        ({"NVIDIA_VISIBLE_DEVICES": "void"}, {}, 0),
-        ({"NVIDIA_VISIBLE_DEVICES": ""}, {}, 0),
+        # CDI (a DRA claim, the device plugin's CDI mode) sets void and injects the cards
+        # itself: NVML sees only those, and they are the container's.
+        (
+            {"NVIDIA_VISIBLE_DEVICES": "void"},
+            {"GPU-aaaa-1111": 0, "GPU-bbbb-2222": 1, "GPU-cccc-3333": 2},
+            3,
+        ),
+        (
+            {"NVIDIA_VISIBLE_DEVICES": ""},
+            {"GPU-aaaa-1111": 0, "GPU-bbbb-2222": 1, "GPU-cccc-3333": 2},
+            3,
+        ),
         # then CUDA_VISIBLE_DEVICES indexes the given set
         (
             {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa-1111,GPU-cccc-3333", "CUDA_VISIBLE_DEVICES": "1"},

@@ -143,15 +143,33 @@ def test_the_pods_own_card_is_planned_for_in_a_privileged_pod(
     assert "this container was not given it" in other.json()["detail"]
 
 
-@pytest.mark.parametrize("spec", ["none", "void"])
-def test_a_pod_given_no_gpu_plans_on_none(make_app: Callable[..., FastAPI], spec: str) -> None:
-    nvml = Nvml(FakePynvml(two_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": spec})
+def test_a_pod_given_no_gpu_plans_on_none(make_app: Callable[..., FastAPI]) -> None:
+    nvml = Nvml(FakePynvml(two_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": "none"})
     client = TestClient(make_app(nvml=nvml, require_gpu=True))
 
     response = client.post("/v1/plan", json=local_plan({"cuda_index": 0}))
     assert response.status_code == 422 and problem_type(response) == "unknown-device"
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["num_gpus"] == 0
+
+
+def test_a_sidecar_sharing_a_dra_claim_plans_on_the_claims_gpu(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    """deploy/training-pod.yaml: the claim's card is injected through CDI, which sets
+    NVIDIA_VISIBLE_DEVICES=void; NVML in the sidecar sees that card only, and plans on it."""
+    gpu = two_gpus()[1]
+    nvml = Nvml(FakePynvml([gpu]), environ={"NVIDIA_VISIBLE_DEVICES": "void"})
+    client = TestClient(make_app(nvml=nvml, require_gpu=True))
+
+    plan = client.post("/v1/plan", json=local_plan({"cuda_index": 0, "memory": "free"}))
+    assert plan.status_code == 200, plan.text
+    assert (plan.json()["device"]["uuid"], plan.json()["device"]["capacity_bytes"]) == (
+        H100_UUID,
+        90 * GiB,
+    )
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["num_gpus"] == 1
 
 
 def test_cuda_device_order_decides_cuda_index_on_a_mixed_node(

@@ -1,0 +1,191 @@
+"""The manifests under ``deploy/``: valid against the Kubernetes schemas (the ones
+``kubernetes-validate`` bundles, offline), and the two modes as docs/deploy.md describes them:
+the node DaemonSet holds no GPU and sees every card, the training pod's sidecar shares the pod's
+GPUs and picks none itself; the store is writable by the user the server runs as."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate.utils as kubernetes_validate
+import pytest
+import yaml
+
+from service.__main__ import parse_args
+from service.registry import load_registry
+from service.settings import settings_from_args
+from tests.service.test_container import image_env, instruction
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
+OLDEST_KUBERNETES = "1.34"
+"""The oldest release every manifest's API is in (resource.k8s.io/v1, Dynamic Resource
+Allocation, is GA in 1.34; native sidecars, initContainers with restartPolicy Always, in 1.33)."""
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def kinds(path: Path) -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in documents(path)}
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def autobatch_container(pod: dict[str, Any]) -> dict[str, Any]:
+    """The container running ``autobatch serve`` (a container or a native sidecar)."""
+    (found,) = [
+        container
+        for container in [*pod.get("initContainers", []), *pod["containers"]]
+        if container.get("args", [])[:2] == ["autobatch", "serve"]
+    ]
+    return found
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
+
+
+def gpu_resources(container: dict[str, Any]) -> list[str]:
+    resources = container.get("resources", {})
+    return [
+        name
+        for part in ("requests", "limits")
+        for name in resources.get(part, {})
+        if name.startswith("nvidia.com/")
+    ]
+
+
+def run_as(pod: dict[str, Any], container: dict[str, Any]) -> tuple[int, int]:
+    """(uid, gid) the container runs as: its securityContext, the pod's, else the image's USER."""
+    uid, _, gid = instruction("USER").partition(":")
+    merged = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    return int(merged.get("runAsUser", uid)), int(merged.get("runAsGroup", gid))
+
+
+def store_is_writable_by(pod: dict[str, Any], container: dict[str, Any]) -> str:
+    """Why the store's volume is writable by the container's user, or an AssertionError.
+
+    A hostPath directory is created root-owned and ``fsGroup`` does not apply to it: an
+    initContainer must hand it over (``chown uid:gid``, as root with CAP_CHOWN). An emptyDir or
+    a claim gets the pod's ``fsGroup``, which must be the container's group."""
+    store_dir = str(Path(image_env()["AUTOBATCH_STORE"]).parent)
+    uid, gid = run_as(pod, container)
+    assert uid != 0
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == store_dir]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    if "hostPath" in volume:
+        for init in pod.get("initContainers", []):
+            mounted = {m["name"]: m["mountPath"] for m in init.get("volumeMounts", [])}
+            command = init.get("command", [])
+            context = init.get("securityContext", {})
+            if (
+                mounted.get(volume["name"]) in command
+                and command[0] == "chown"
+                and f"{uid}:{gid}" in command
+                and context.get("runAsUser") == 0
+                and "CHOWN" in context.get("capabilities", {}).get("add", [])
+            ):
+                return f"hostPath handed to {uid}:{gid} by initContainer {init['name']}"
+        raise AssertionError(f"hostPath {volume['hostPath']} stays root-owned: uid {uid} fails")
+    assert {"emptyDir", "persistentVolumeClaim", "ephemeral"} & set(volume), volume
+    assert pod["securityContext"]["fsGroup"] == gid, "the volume's group must be the user's"
+    return f"{set(volume) - {'name'}} with fsGroup {gid}"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, "latest"])
+def test_manifests_are_valid_kubernetes(path: Path, version: str) -> None:
+    """Strict: an unknown or misplaced field fails, as ``kubectl apply --validate=strict`` does.
+    The schemas ship inside kubernetes-validate; nothing is fetched."""
+    target = kubernetes_validate.latest_version() if version == "latest" else version
+    for document in documents(path):
+        kubernetes_validate.validate(document, target, strict=True)
+
+
+def test_the_schema_check_catches_a_misplaced_field() -> None:
+    daemonset = kinds(DEPLOY / "daemonset.yaml")["DaemonSet"]
+    pod_spec(daemonset)["runtimeClass"] = "nvidia"  # runtimeClassName, misspelt
+    with pytest.raises(kubernetes_validate.ValidationError, match="runtimeClass"):
+        kubernetes_validate.validate(daemonset, OLDEST_KUBERNETES, strict=True)
+
+
+def test_node_daemonset_holds_no_gpu_and_sees_every_card() -> None:
+    manifest = kinds(DEPLOY / "daemonset.yaml")
+    pod = pod_spec(manifest["DaemonSet"])
+    container = autobatch_container(pod)
+    assert pod["runtimeClassName"] == "nvidia"
+    assert env_of(container)["NVIDIA_VISIBLE_DEVICES"] == "all"
+    for each in [*pod.get("initContainers", []), *pod["containers"]]:
+        assert gpu_resources(each) == [] and "claims" not in each.get("resources", {})
+    assert "resourceClaims" not in pod
+    settings = settings_from_args(parse_args(container["args"][2:]))
+    assert settings.require_gpu and settings.host == "0.0.0.0"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "hostPath" in store_is_writable_by(pod, container)
+    assert env_of(container)["AUTOBATCH_API_TOKEN"]["secretKeyRef"]["name"] == "autobatch-token"
+
+
+def test_node_daemonset_registry_loads(tmp_path: Path) -> None:
+    manifest = kinds(DEPLOY / "daemonset.yaml")
+    container = autobatch_container(pod_spec(manifest["DaemonSet"]))
+    settings = settings_from_args(parse_args(container["args"][2:]))
+    assert settings.config_file is not None
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
+    assert settings.config_file.parent == Path(mount["mountPath"])
+    registry = tmp_path / settings.config_file.name
+    registry.write_text(manifest["ConfigMap"]["data"][settings.config_file.name])
+    assert load_registry(registry).models == {}
+
+
+def test_training_pod_sidecar_shares_the_pods_gpus_and_picks_none() -> None:
+    manifest = kinds(DEPLOY / "training-pod.yaml")
+    pod = pod_spec(manifest["Job"])
+    sidecar = autobatch_container(pod)
+    # A native sidecar: it starts before the trainer and does not keep the Job from completing.
+    assert sidecar in pod["initContainers"] and sidecar["restartPolicy"] == "Always"
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(sidecar)
+    (trainer,) = pod["containers"]
+    claims = {claim["name"] for claim in sidecar["resources"]["claims"]}
+    assert claims and claims == {claim["name"] for claim in trainer["resources"]["claims"]}
+    (pod_claim,) = pod["resourceClaims"]
+    template = manifest["ResourceClaimTemplate"]
+    assert pod_claim["resourceClaimTemplateName"] == template["metadata"]["name"]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == "gpu.nvidia.com"
+    assert gpu_resources(sidecar) == [] and gpu_resources(trainer) == []
+    assert settings_from_args(parse_args(sidecar["args"][2:])).require_gpu
+    assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert "emptyDir" in store_is_writable_by(pod, sidecar)
+
+
+def test_a_root_owned_host_path_is_refused() -> None:
+    """What the old DaemonSet did (uid 10001 on a DirectoryOrCreate hostPath, nothing handing
+    it over): the server cannot open its store and the pod crash-loops."""
+    pod = pod_spec(kinds(DEPLOY / "daemonset.yaml")["DaemonSet"])
+    pod.pop("initContainers")
+    with pytest.raises(AssertionError, match="stays root-owned"):
+        store_is_writable_by(pod, autobatch_container(pod))
+
+
+@pytest.mark.parametrize(
+    "path", [*MANIFESTS, ROOT / "Dockerfile", DEPLOY / "Dockerfile.models"], ids=lambda p: p.name
+)
+def test_files_the_comments_name_exist(path: Path) -> None:
+    comments = "\n".join(
+        line.split("#", 1)[1] for line in path.read_text().splitlines() if "#" in line
+    )
+    named = re.findall(r"\b((?:[\w.-]+/)+[\w.-]+\.(?:py|toml|md|yaml))\b", comments)
+    # Paths into this repository (a user's own, "mymodels/__init__.py", are examples).
+    ours = [name for name in named if (ROOT / name.split("/")[0]).is_dir()]
+    assert ours, "expected the comments to point somewhere"
+    for name in ours:
+        assert (ROOT / name).exists(), f"{path.name} names {name}, which does not exist"
