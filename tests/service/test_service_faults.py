@@ -117,6 +117,20 @@ def closed_by_server(sock: socket.socket, within_s: float) -> bytes:
     return received
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One response off a kept-alive connection (headers, then ``content-length`` bytes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
 def no_server_errors(server: Server) -> None:
     metrics = server.client.get("/metrics").text
     assert 'status="500"' not in metrics
@@ -139,6 +153,29 @@ def test_partial_headers_are_cut_off_and_healthz_answers_meanwhile(tmp_path: Pat
         assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in answers), answers[0]
         assert all(closed_by_server(sock, within_s=20) == b"" for sock in idle)
         no_server_errors(server)
+
+
+def test_the_deadlines_are_per_request_not_per_connection(tmp_path: Path) -> None:
+    """A keep-alive connection that sends request after request (each whole, at once) outlives
+    the header deadline many times over; a slow but steady body within its deadline is read."""
+    with serving(
+        tmp_path, "--header-timeout-seconds", "1", "--body-timeout-seconds", "2"
+    ) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as kept:
+            for _ in range(4):  # one connection, 2.4 s in all
+                kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_response(kept).startswith(b"HTTP/1.1 200 ")
+                time.sleep(0.6)
+        text = b'{"max_micro_batch_size": 8, "effective_batch_size": 16}'
+        sock = partial_request(
+            server.port,
+            b"POST /v1/plan HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(text)}\r\nConnection: close\r\n\r\n".encode(),
+        )
+        for i in range(0, len(text), 20):  # 3 pieces over 1.2 s: within the 2 s body deadline
+            time.sleep(0.4)
+            sock.sendall(text[i : i + 20])
+        assert closed_by_server(sock, within_s=10).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_body_that_stalls_is_cut_off(tmp_path: Path) -> None:

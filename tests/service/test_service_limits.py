@@ -17,7 +17,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from service import problems
+from service.jobs import Job
 from service.problems import MAX_LISTED_ERRORS, public_text
+from service.routes.probes import probe_public
 from tests.service.test_service_api import make_profile, problem
 
 FLOOD_FIELDS = 38_000
@@ -129,6 +131,18 @@ def test_answers_carry_no_server_path(make_app: Callable[..., FastAPI], tmp_path
         assert str(tmp_path) not in response.text and "<path>" in response.text
     ready = client.get("/readyz")
     assert ready.status_code == 503 and str(tmp_path) not in ready.text
+
+
+def test_a_probe_jobs_error_carries_no_server_path() -> None:
+    job = Job(
+        id="ab12",
+        model="tiny-mlp",
+        device="cpu",
+        status="failed",
+        created_at="2026-12-01T00:00:00+00:00",
+        error="StoreError: cannot write /var/lib/autobatch/profiles.sqlite3: disk full",
+    )
+    assert probe_public(job).error == "StoreError: cannot write <path>: disk full"
 
 
 @pytest.mark.parametrize(
