@@ -33,11 +33,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import types
 import typing
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 
@@ -216,12 +218,13 @@ def _refuse_unknown_fields(data: Any, model: type[BaseModel]) -> None:
     nothing (pydantic then reports every error, a few)."""
     first: list[tuple[str | int, ...]] = []
     num_unknown = 0
-    stack: list[tuple[Any, type[BaseModel], tuple[str | int, ...]]] = [(data, model, ())]
-    while stack:
-        value, current, path = stack.pop()
+    # Breadth first, so the fields listed come in the body's order, outer before inner.
+    queue: deque[tuple[Any, type[BaseModel], tuple[str | int, ...]]] = deque([(data, model, ())])
+    while queue:
+        value, current, path = queue.popleft()
         if not isinstance(value, dict):
             continue
-        fields = current.model_fields
+        fields = _fields_by_key(current)
         forbid = current.model_config.get("extra") == "forbid"
         for key, item in value.items():
             field = fields.get(key)
@@ -235,9 +238,9 @@ def _refuse_unknown_fields(data: Any, model: type[BaseModel]) -> None:
             if nested is None:
                 continue
             if not many:
-                stack.append((item, nested, (*path, key)))
+                queue.append((item, nested, (*path, key)))
             elif isinstance(item, list):
-                stack.extend((each, nested, (*path, key, i)) for i, each in enumerate(item))
+                queue.extend((each, nested, (*path, key, i)) for i, each in enumerate(item))
     if num_unknown <= MAX_LISTED_ERRORS:
         return
     errors = [
@@ -246,6 +249,17 @@ def _refuse_unknown_fields(data: Any, model: type[BaseModel]) -> None:
     ]
     unlisted = Counter({"extra_forbidden": num_unknown - len(first)})
     raise BodyValidationError(errors, body_model=model, unlisted=unlisted)
+
+
+@functools.cache
+def _fields_by_key(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """The model's fields by every key a body may name them with: name and aliases."""
+    found = dict(model.model_fields)
+    for field in model.model_fields.values():
+        for alias in (field.alias, field.validation_alias):
+            if isinstance(alias, str):
+                found[alias] = field
+    return found
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:

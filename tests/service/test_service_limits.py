@@ -89,6 +89,27 @@ def test_a_flood_of_unknown_fields_names_the_first_and_counts_the_rest(
     assert len(close_match_calls) <= MAX_LISTED_ERRORS
 
 
+def test_a_nested_flood_names_its_path(
+    make_app: Callable[..., FastAPI], close_match_calls: list[str]
+) -> None:
+    """Unknown fields inside a nested model (``device``) and in a list of models
+    (``profile.trials``) are found where they are."""
+    client = TestClient(make_app(max_body_bytes=8 << 20))
+    device = json.loads(flood({"capacity_bytes": 2**30}, 20_000))
+    response = client.post("/v1/plan", json={**PLAN, "device": device, "surplus": 1})
+    errors = problem(response, 422, "validation")["errors"]
+    assert errors[0]["field"] == "body.surplus"  # outer first
+    assert errors[1]["field"] == "body.device.unknown_field_00000_" + "x" * 96
+    assert errors[-1]["reason"].startswith("19,991 more errors not listed (19,991 unknown")
+    profile = make_profile().to_dict()
+    profile["trials"] = [{**profile["trials"][0], f"extra_{i}": i} for i in range(2_000)]
+    response = client.post("/v1/profiles", json=profile)
+    errors = problem(response, 422, "validation")["errors"]
+    assert [e["field"] for e in errors[:2]] == ["body.trials.0.extra_0", "body.trials.1.extra_1"]
+    assert errors[-1]["reason"].startswith("1,990 more errors not listed (1,990 unknown fields)")
+    assert len(close_match_calls) <= 2 * MAX_LISTED_ERRORS
+
+
 def test_the_fields_are_listed_once_per_answer(make_app: Callable[..., FastAPI]) -> None:
     """A few unknown fields (a small body: pydantic reports them all): the first with no field
     like it lists the model's fields; the others say there is none like them."""
