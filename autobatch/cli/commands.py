@@ -305,8 +305,6 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         ]
         print(json.dumps(rows, indent=2), file=out)
         return 0
-    if budget is not None:
-        _print_budget(budget, out)
     print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
     for option in options:
         if option.plan is None:
@@ -327,6 +325,8 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
             f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
             file=out,
         )
+    if budget is not None and args.gpu_fraction is not None:  # after the table, which is first
+        _print_budget(budget, out)
     return 0
 
 

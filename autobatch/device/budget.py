@@ -161,7 +161,8 @@ class MemoryBudget:
     """On a plan: its predicted peak is within ``free_now_bytes``; None without either."""
     trials_per_gpu: int | None = None
     """On a plan for a GPU: how many processes running this plan fit on one card,
-    ``floor(card_memory_bytes * (1 - safety_margin) / predicted_peak)``; None without a peak."""
+    ``int(card_memory_bytes * (1 - safety_margin)) // predicted_peak`` (the planner's budget
+    arithmetic); None without a peak."""
 
     def __post_init__(self) -> None:
         if not self.readings:
@@ -205,7 +206,7 @@ class MemoryBudget:
             )
         per_gpu = None
         if self.is_gpu:
-            per_gpu = math.floor(self.card_memory_bytes * (1 - safety_margin) / peak_bytes)
+            per_gpu = int(self.card_memory_bytes * (1 - safety_margin)) // peak_bytes
         return dataclasses.replace(
             self, fits_now=fits_now, trials_per_gpu=per_gpu, warnings=warnings
         )
@@ -263,7 +264,11 @@ def combine_budget(
             continue
         modes[reading.source] = mode
         warnings.append(_warning(reading, mode, reference))
-    sharing: SharingMode = modes.get(decider.source) or next(iter(modes.values()), "none")
+    sharing: SharingMode = "none"
+    if decider.source in modes:
+        sharing = modes[decider.source]
+    elif modes:
+        sharing = next(iter(modes.values()))
     unseen = tuple(unseen_sources)
     for source in unseen:
         warnings.append(_UNSEEN.get(source, f"{source} could not be read"))
