@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from autobatch.device import SHARING_TOLERANCE
 from autobatch.device.budget import SHARING_MODES, SOURCES
 from autobatch.device.nvml import Nvml
+from autobatch.profile import MemoryModel
 from service.schemas import BudgetSourceName, PlanPublic, SharingModeName
 from tests.helpers.fake_pynvml import FakeGpu, FakePynvml, GiB, MiB
 
@@ -210,3 +211,33 @@ def test_the_schema_s_names_are_the_library_s() -> None:
     assert set(BudgetSourceName.__args__) == set(SOURCES)  # type: ignore[attr-defined]
     assert set(SharingModeName.__args__) == set(SHARING_MODES)  # type: ignore[attr-defined]
     assert 0 < SHARING_TOLERANCE < 0.1
+
+
+def test_the_python_client_sends_a_fraction_and_reads_the_budget_back(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    from tests.service.test_client import client_for
+
+    api = client_for(make_app(nvml=one_card(24 * GiB, 24 * GiB)))
+    line = MemoryModel(fixed_bytes=2 * GiB, bytes_per_sample=GiB // 2)
+
+    planned = api.plan(memory_model=line, cuda_index=0, gpu_fraction=0.5, effective_batch_size=64)
+    rows = api.plan_world_sizes(
+        memory_model=line,
+        cuda_index=0,
+        gpu_fraction=0.5,
+        effective_batch_size=64,
+        world_sizes=[1, 2],
+    )
+
+    assert planned.capacity_bytes == 12 * GiB
+    assert planned.budget is not None
+    assert (planned.budget.deciding_source, planned.budget.sharing_mode) == (
+        "gpu_fraction",
+        "fractional",
+    )
+    assert planned.budget.trials_per_gpu == 2
+    assert [row.plan.budget.trials_per_gpu for row in rows if row.plan and row.plan.budget] == [
+        2,
+        2,
+    ]
