@@ -288,10 +288,11 @@ def combine_budget(
 
 _UNSEEN = {
     "cuda_runtime": (
-        "the CUDA runtime of the job's container was not read (this service runs no CUDA): a "
-        "sharing layer there (HAMi, a vGPU device plugin, a fractional-GPU scheduler) would limit "
-        "the job below this budget unseen; give gpu_fraction, or device.capacity_bytes with the "
-        "limit the job gets, or tune inside the job (autobatch.autotune reads it)"
+        "the CUDA runtime (torch.cuda.mem_get_info) was not read: a sharing layer in the job's "
+        "container (HAMi, a vGPU device plugin, a fractional-GPU scheduler) would limit the job "
+        "below this budget unseen; give gpu_fraction, or the limit the job gets as its capacity "
+        "(the service's device.capacity_bytes), or tune inside the job (autobatch.autotune "
+        "reads it)"
     ),
 }
 

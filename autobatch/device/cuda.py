@@ -78,7 +78,7 @@ def usable_capacity(
 def cuda_budget(
     *,
     nvml_memory: tuple[int, int] | None,
-    runtime_memory: tuple[int, int],
+    runtime_memory: tuple[int, int] | None,
     torch_reserved_bytes: int,
     memory_fraction: float,
     gpu_fraction: float | None,
@@ -91,7 +91,8 @@ def cuda_budget(
     Args:
         nvml_memory: NVML's ``(total, free)`` bytes; None without NVML (or on a unified-memory
             board, where they are the host's).
-        runtime_memory: ``torch.cuda.mem_get_info``: ``(free, total)`` bytes.
+        runtime_memory: ``torch.cuda.mem_get_info``: ``(free, total)`` bytes; None when it
+            failed (then it is an unseen source, with a warning).
         torch_reserved_bytes: ``torch.cuda.memory_reserved``: this process's own cache.
         memory_fraction: ``torch.cuda.get_per_process_memory_fraction``.
         gpu_fraction: the declared share of the card, or None.
@@ -103,9 +104,15 @@ def cuda_budget(
 
     Raises:
         ConfigError: a vGPU limit variable that is not a memory limit.
+        DeviceUnavailableError: neither NVML nor the CUDA runtime read the memory.
     """
     readings: list[BudgetReading] = []
-    free_bytes, runtime_total = runtime_memory
+    if nvml_memory is None and runtime_memory is None:
+        raise DeviceUnavailableError(
+            f"the memory of CUDA device {cuda_index} can be read neither from NVML nor from the "
+            "CUDA runtime (torch.cuda.mem_get_info failed)"
+        )
+    total_bytes = foreign_bytes = 0
     if nvml_memory is not None:
         own = usable_capacity(
             total_memory_bytes=nvml_memory[0],
@@ -122,22 +129,25 @@ def cuda_budget(
                 detail="free memory plus torch's reserved cache",
             )
         )
-    runtime = usable_capacity(
-        total_memory_bytes=runtime_total,
-        free_memory_bytes=free_bytes,
-        torch_reserved_bytes=torch_reserved_bytes,
-    )
-    if nvml_memory is None:
-        total_bytes, foreign_bytes = runtime_total, runtime.foreign_memory_bytes
-    readings.append(
-        BudgetReading(
-            source="cuda_runtime",
-            total_bytes=runtime_total,
-            available_bytes=runtime.capacity_bytes,
-            free_bytes=runtime.capacity_bytes,
-            detail="torch.cuda.mem_get_info plus torch's reserved cache",
+    runtime_total = total_bytes
+    if runtime_memory is not None:
+        free_bytes, runtime_total = runtime_memory
+        runtime = usable_capacity(
+            total_memory_bytes=runtime_total,
+            free_memory_bytes=free_bytes,
+            torch_reserved_bytes=torch_reserved_bytes,
         )
-    )
+        if nvml_memory is None:
+            total_bytes, foreign_bytes = runtime_total, runtime.foreign_memory_bytes
+        readings.append(
+            BudgetReading(
+                source="cuda_runtime",
+                total_bytes=runtime_total,
+                available_bytes=runtime.capacity_bytes,
+                free_bytes=runtime.capacity_bytes,
+                detail="torch.cuda.mem_get_info plus torch's reserved cache",
+            )
+        )
     limit = vgpu_limit_reading(environ, cuda_index)
     if limit is not None:
         readings.append(limit)
@@ -156,7 +166,8 @@ def cuda_budget(
                 "gpu_fraction", gpu_fraction, total_bytes, f"gpu_fraction={gpu_fraction} declared"
             )
         )
-    return combine_budget(readings), total_bytes, foreign_bytes
+    unseen = ("cuda_runtime",) if runtime_memory is None else ()
+    return combine_budget(readings, unseen_sources=unseen), total_bytes, foreign_bytes
 
 
 class CudaDevice:
@@ -264,9 +275,13 @@ class CudaDevice:
         ):
             nvml_memory = (memory.total_memory_bytes, memory.free_memory_bytes)
         index = self._cuda_index
+        try:
+            runtime_memory: tuple[int, int] | None = torch.cuda.mem_get_info(index)
+        except (RuntimeError, AssertionError):  # no context can be made here: NVML's alone
+            runtime_memory = None
         return cuda_budget(
             nvml_memory=nvml_memory,
-            runtime_memory=torch.cuda.mem_get_info(index),
+            runtime_memory=runtime_memory,
             torch_reserved_bytes=torch.cuda.memory_reserved(index),
             memory_fraction=torch.cuda.get_per_process_memory_fraction(index),
             gpu_fraction=self._gpu_fraction,

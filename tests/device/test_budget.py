@@ -574,3 +574,31 @@ def test_the_devices_page_lists_the_gpu_sources_in_the_order_they_are_read() -> 
     )
     assert table == [reading.source for reading in budget.readings]
     assert table == ["nvml", "cuda_runtime", "vgpu_limit", "memory_fraction", "gpu_fraction"]
+
+
+def test_without_the_cuda_runtime_nvml_alone_decides_and_the_budget_says_so(
+    ten_gib_card: Nvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FakeCuda(free=10 * GiB, total=10 * GiB, fraction=0.5).install(monkeypatch, "GPU-1010")
+
+    def no_context(index: object = None) -> tuple[int, int]:
+        raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
+
+    capacity = CudaDevice(0).capacity()
+
+    assert capacity.capacity_bytes == 5 * GiB  # the per-process fraction of NVML's total
+    assert capacity.budget is not None
+    assert capacity.budget.unseen_sources == ("cuda_runtime",)
+    assert any("HAMi" in w for w in capacity.budget.warnings)
+    with pytest.raises(autobatch.DeviceUnavailableError, match="neither from NVML nor"):
+        cuda_module.cuda_budget(
+            nvml_memory=None,
+            runtime_memory=None,
+            torch_reserved_bytes=0,
+            memory_fraction=1.0,
+            gpu_fraction=None,
+            environ={},
+            cuda_index=0,
+        )
