@@ -130,9 +130,9 @@ def autotune(
     Args:
         model, sample, optimizer, loss_fn, train_step, step_includes_update, device,
             gpu_fraction, amp_dtype, safety_margin, max_micro_batch_size, on_trial: as for
-            :func:`autobatch.probe`; no
-            trial is larger than ``ceil(effective_batch_size / world_size)`` either, the largest
-            micro-batch a plan for this request can use.
+            :func:`autobatch.probe`; no trial is larger than
+            ``ceil(effective_batch_size / world_size)`` either, the largest micro-batch a plan
+            for this request can use.
         effective_batch_size: samples per optimizer step over all ranks (> 0).
         world_size, data_parallel_size: data-parallel ranks (the same thing; give one). Default:
             the size of ``process_group`` when given, else the default process group's size
@@ -274,7 +274,8 @@ def tune(
     budget = _plan_budget(options, found.profile)
     if budget is not None:
         result = with_budget(result, budget, safety_margin=options.safety_margin)
-        for warning in result.budget.warnings if result.budget else ():
+        assert result.budget is not None
+        for warning in result.budget.warnings:
             logger.warning("memory budget %s: %s", budget.describe(), warning)
     if world_size == 1 and dist.is_available() and dist.is_initialized():
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
