@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from autobatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autobatch.device.budget import MemoryBudget
 
 __all__ = ["PROFILE_SCHEMA_VERSION", "MemoryModel", "Profile", "StepIdentity", "StopKind", "Trial"]
 
@@ -269,6 +272,11 @@ class Profile:
     created_at: str = ""
     """ISO-8601 UTC time of the probe."""
     schema_version: int = PROFILE_SCHEMA_VERSION
+    budget: MemoryBudget | None = None
+    """The memory budget the probe ran under: every source it read (NVML, the CUDA runtime,
+    vGPU limits, fractions, the cgroup), the one that decided ``capacity_bytes`` and the sharing
+    mode (:mod:`autobatch.device.budget`); None for a profile that does not say (an estimate,
+    one written before autobatch recorded it)."""
 
     def __post_init__(self) -> None:
         if self.max_micro_batch_size < 1:
@@ -380,6 +388,10 @@ class Profile:
         data = dataclasses.asdict(self)
         del data["identity"]
         data.update(self.identity.to_dict())
+        if self.budget is None:  # left out: profiles without one read as they always did
+            del data["budget"]
+        else:
+            data["budget"] = self.budget.to_dict()
         return data
 
     @classmethod
@@ -407,6 +419,11 @@ class Profile:
             model = data.get("memory_model")
             fields["memory_model"] = MemoryModel(**model) if model else None
             fields["notes"] = tuple(data.get("notes", ()))
+            budget = data.get("budget")
+            if budget is not None:
+                from autobatch.device.budget import MemoryBudget
+
+                fields["budget"] = MemoryBudget.from_dict(budget)
             if fields.get("stop_kind") is None:  # schema 1, or a service body that left it out
                 fields["stop_kind"] = _stop_kind_of_v1(data)
             fields["schema_version"] = PROFILE_SCHEMA_VERSION

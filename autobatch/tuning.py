@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autobatch.device import Device, resolve_device
+from autobatch.device import Device, MemoryBudget, resolve_device
 from autobatch.distributed.consensus import (
     LocalConsensus,
     ProcessGroupConsensus,
@@ -51,6 +51,7 @@ from autobatch.planning import (
     largest_useful_micro_batch_size,
     plan_within,
     stored_profile_source,
+    with_budget,
 )
 from autobatch.probing.compiled import compiled_mode
 from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
@@ -109,6 +110,7 @@ def autotune(
     train_step: TrainStep | None = None,
     step_includes_update: bool = False,
     device: str | Device | None = None,
+    gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = 0.05,
     max_micro_batch_size: int = DEFAULT_LIMIT,
@@ -126,10 +128,11 @@ def autotune(
     """The micro-batch and accumulation steps that reach ``effective_batch_size`` on ``device``.
 
     Args:
-        model, sample, optimizer, loss_fn, train_step, step_includes_update, device, amp_dtype,
-            safety_margin, max_micro_batch_size, on_trial: as for :func:`autobatch.probe`; no
-            trial is larger than ``ceil(effective_batch_size / world_size)`` either, the largest
-            micro-batch a plan for this request can use.
+        model, sample, optimizer, loss_fn, train_step, step_includes_update, device,
+            gpu_fraction, amp_dtype, safety_margin, max_micro_batch_size, on_trial: as for
+            :func:`autobatch.probe`; no trial is larger than
+            ``ceil(effective_batch_size / world_size)`` either, the largest micro-batch a plan
+            for this request can use.
         effective_batch_size: samples per optimizer step over all ranks (> 0).
         world_size, data_parallel_size: data-parallel ranks (the same thing; give one). Default:
             the size of ``process_group`` when given, else the default process group's size
@@ -156,7 +159,10 @@ def autotune(
     Returns:
         The Plan; ``source`` is ``"cached"`` when it came from the store, ``"measured"`` otherwise
         (a probe, or a prediction confirmed by a real trial here).
-        ``micro_batch_size`` is at most the profile's recommended size.
+        ``micro_batch_size`` is at most the profile's recommended size. ``budget`` holds every
+        memory source read, the deciding one, the sharing mode, ``fits_now`` and
+        ``trials_per_gpu``; each disagreement over 5% is also a WARNING on the ``autobatch``
+        logger.
 
     Raises:
         ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError: see
@@ -177,6 +183,7 @@ def autotune(
         train_step=train_step,
         step_includes_update=step_includes_update,
         device=device,
+        gpu_fraction=gpu_fraction,
         amp_dtype=amp_dtype,
         safety_margin=safety_margin,
         max_micro_batch_size=max_micro_batch_size,
@@ -206,6 +213,7 @@ def tune(
     train_step: TrainStep | None = None,
     step_includes_update: bool = False,
     device: str | Device | None = None,
+    gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = 0.05,
     max_micro_batch_size: int = DEFAULT_LIMIT,
@@ -250,6 +258,7 @@ def tune(
         step_includes_update=step_includes_update,
         amp_dtype=amp_dtype,
         device=device,
+        gpu_fraction=gpu_fraction,
         safety_margin=safety_margin,
         # Sizes no plan for this request can use are not worth a trial (nor the estimate's).
         max_micro_batch_size=min(
@@ -262,6 +271,12 @@ def tune(
     found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan_within(found.profile, constraints, source=source)
+    budget = _plan_budget(options, found.profile)
+    if budget is not None:
+        result = with_budget(result, budget, safety_margin=options.safety_margin)
+        assert result.budget is not None
+        for warning in result.budget.warnings:
+            logger.warning("memory budget %s: %s", budget.describe(), warning)
     if world_size == 1 and dist.is_available() and dist.is_initialized():
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
         # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.
@@ -277,6 +292,15 @@ def tune(
     )
 
 
+def _plan_budget(options: ProbeOptions, profile: Profile) -> MemoryBudget | None:
+    """The memory budget a plan states: this device's now for one process; under
+    torch.distributed the profile's (rank 0's, with the smallest rank's capacity), so every rank
+    returns the same plan."""
+    if options.consensus.world_size > 1:
+        return profile.budget
+    return options.device.capacity().budget or profile.budget
+
+
 def autotune_profile(
     model: torch.nn.Module,
     sample: Any,
@@ -286,6 +310,7 @@ def autotune_profile(
     train_step: TrainStep | None = None,
     step_includes_update: bool = False,
     device: str | Device | None = None,
+    gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = 0.05,
     max_micro_batch_size: int = DEFAULT_LIMIT,
@@ -316,6 +341,7 @@ def autotune_profile(
         step_includes_update=step_includes_update,
         amp_dtype=amp_dtype,
         device=device,
+        gpu_fraction=gpu_fraction,
         safety_margin=safety_margin,
         max_micro_batch_size=max_micro_batch_size,
         use_estimate=use_estimate,
@@ -331,6 +357,7 @@ def _bundles(
     sample: Any,
     *,
     device: str | Device | None,
+    gpu_fraction: float | None = None,
     safety_margin: float,
     max_micro_batch_size: int,
     use_estimate: bool = True,
@@ -341,7 +368,7 @@ def _bundles(
     """The step and the probe options, checked once; under torch.distributed the options agree
     through the default process group (every rank must call this)."""
     step = StepSpec.build(model, sample, **step_arguments)
-    target = resolve_device(device, default=model_device(model))
+    target = resolve_device(device, default=model_device(model), gpu_fraction=gpu_fraction)
     options = ProbeOptions.build(
         step,
         device=target,

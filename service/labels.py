@@ -12,6 +12,13 @@ Pure: labels (and, when the sidecar has them, its own NVML readings) in, bytes o
   describe the parent card. A job on a slice gets the slice's memory, so when the node shows MIG
   slices the caller names the profile (``mig_profile="1g.5gb"``) and the plan is for that slice.
   Under the single strategy GFD's ``nvidia.com/gpu.*`` labels already describe the slice.
+- Shared cards (the device plugin's time-slicing or MPS sharing): each physical card (or MIG
+  slice) is handed out as ``nvidia.com/gpu.replicas`` (``nvidia.com/mig-<profile>.replicas``)
+  replicas, with no memory isolation between them, and the product label ends in ``-SHARED``
+  (unless the plugin renames the resource instead). A job on one replica shares the card with
+  up to ``replicas - 1`` others, so it is planned for ``1 / replicas`` of it (``replicas``),
+  never the whole card; a ``-SHARED`` product with no readable replicas label is refused, naming
+  ``gpu_fraction`` as the way to say the share.
 
 Example::
 
@@ -31,6 +38,7 @@ from autobatch.units import format_bytes
 __all__ = [
     "GPU_MEMORY_LABEL",
     "GPU_PRODUCT_LABEL",
+    "GPU_REPLICAS_LABEL",
     "MAX_MIB",
     "MIG_STRATEGY_LABEL",
     "NVML_TOLERANCE",
@@ -41,6 +49,9 @@ __all__ = [
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_REPLICAS_LABEL = "nvidia.com/gpu.replicas"
+SHARING_STRATEGY_LABEL = "nvidia.com/gpu.sharing-strategy"
+SHARED_SUFFIX = "-SHARED"
 MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
 _MIG_MEMORY = re.compile(r"^nvidia\.com/mig-(?P<profile>[^/]+)\.memory$")
 
@@ -70,6 +81,15 @@ class NodeDevice:
     """GFD's product name (``-MIG-<profile>`` appended for a slice); None without the label."""
     warnings: tuple[str, ...] = ()
     """What was corrected, and why (bytes for MiB, NVML over the label)."""
+    replicas: int = 1
+    """Jobs the device plugin shares each card (or slice) among (time-slicing or MPS), from the
+    replicas label; 1 for a card a job gets alone."""
+    shared: bool = False
+    """The labels say the card is shared (``-SHARED`` product, a sharing strategy, or
+    replicas above 1)."""
+    sharing_strategy: str = ""
+    """The device plugin's ``nvidia.com/gpu.sharing-strategy`` (``time-slicing``, ``mps``);
+    empty when not labelled."""
 
 
 def read_node_labels(
@@ -89,9 +109,13 @@ def read_node_labels(
 
     Raises:
         LabelError: the memory label is missing or not a number; the labels show MIG slices but
-            no ``mig_profile`` was given, or the given profile is not among them.
+            no ``mig_profile`` was given, or the given profile is not among them; a replicas
+            label that is not a whole number >= 1.
     """
     product = labels.get(GPU_PRODUCT_LABEL) or None
+    shared_product = product is not None and product.upper().endswith(SHARED_SUFFIX)
+    if product is not None and shared_product:
+        product = product[: -len(SHARED_SUFFIX)] or None
     slices = {
         match["profile"]: value
         for key, value in labels.items()
@@ -114,8 +138,11 @@ def read_node_labels(
             )
         key = f"nvidia.com/mig-{mig_profile}.memory"
         name = None if product is None else f"{product}-MIG-{mig_profile}"
+        replicas_key = f"nvidia.com/mig-{mig_profile}.replicas"
     else:
-        key, name = GPU_MEMORY_LABEL, product
+        key, name, replicas_key = GPU_MEMORY_LABEL, product, GPU_REPLICAS_LABEL
+    replicas = _replicas(replicas_key, labels.get(replicas_key, ""))
+    strategy = labels.get(SHARING_STRATEGY_LABEL, "")
     capacity, warnings = _memory_bytes(key, labels.get(key, ""))
     if name is not None:
         seen = [
@@ -133,7 +160,27 @@ def read_node_labels(
                 f"{NVML_TOLERANCE:.0%} apart: planned for NVML's {nvml_bytes} bytes"
             )
             capacity = nvml_bytes
-    return NodeDevice(capacity_bytes=capacity, name=name, warnings=tuple(warnings))
+    return NodeDevice(
+        capacity_bytes=capacity,
+        name=name,
+        warnings=tuple(warnings),
+        replicas=replicas,
+        shared=shared_product or replicas > 1 or strategy not in ("", "none"),
+        sharing_strategy="" if strategy == "none" else strategy,
+    )
+
+
+def _replicas(key: str, value: str) -> int:
+    """A replicas label's value; 1 when it is missing."""
+    if not value:
+        return 1
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise LabelError(
+            f"label {key} must be the number of replicas each card is shared among (e.g. '4'), "
+            f"got {value!r}",
+            field=_field(key),
+        )
+    return int(value)
 
 
 def _memory_bytes(key: str, value: str) -> tuple[int, list[str]]:

@@ -20,11 +20,13 @@ from autobatch.profile import PROFILE_SCHEMA_VERSION
 from service.registry import DeviceName
 
 __all__ = [
+    "BudgetReadingBase",
     "DeviceList",
     "DeviceSpec",
     "GpuProblem",
     "GpuPublic",
     "HealthPublic",
+    "MemoryBudgetBase",
     "MemoryModelBase",
     "PlanConfigs",
     "PlanCreate",
@@ -68,6 +70,24 @@ Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 PositiveBytes = Annotated[int, Field(ge=1, le=MAX_BYTES)]
 WorldSize = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+GpuFraction = Annotated[float, Field(gt=0, le=1)]
+BudgetSourceName = Literal[
+    "nvml",
+    "cuda_runtime",
+    "vgpu_limit",
+    "memory_fraction",
+    "gpu_fraction",
+    "host",
+    "cgroup",
+    "simulated",
+    "capacity_bytes",
+    "node_labels",
+    "time_slicing",
+    "ranks",
+]
+SharingModeName = Literal[
+    "none", "shared", "virtualised", "fractional", "time_sliced", "container_limited"
+]
 
 
 class _Strict(BaseModel):
@@ -101,6 +121,11 @@ class DeviceSpec(_Strict):
         description="For a local GPU: plan for its total memory (the job will own it) or what "
         "is free now.",
     )
+    gpu_fraction: GpuFraction | None = Field(
+        default=None,
+        description="The share of this card the job gets (0 < x <= 1; Ray's num_gpus=0.5 is "
+        "0.5): the plan is for that share of its memory. The same as the body's gpu_fraction.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> DeviceSpec:
@@ -126,7 +151,16 @@ class ResolvedDevice(BaseModel):
     """The device a plan was made for."""
 
     source: Literal["nvml", "capacity_bytes", "node_labels"]
-    capacity_bytes: int
+    capacity_bytes: int = Field(
+        description="What the plan was made for: the memory budget, the smallest of its sources "
+        "(plan.budget lists them)."
+    )
+    deciding_source: BudgetSourceName | None = Field(
+        default=None, description="The budget source that decided capacity_bytes."
+    )
+    sharing_mode: SharingModeName | None = Field(
+        default=None, description="How the device is shared, as plan.budget says."
+    )
     name: str | None = None
     uuid: str | None = None
     cuda_index: int | None = None
@@ -205,6 +239,59 @@ class DeviceList(BaseModel):
     )
 
 
+# -- memory budgets ----------------------------------------------------------------------------
+
+
+class BudgetReadingBase(_Strict):
+    """One memory source (``autobatch.device.BudgetReading``), bytes."""
+
+    source: BudgetSourceName
+    total_bytes: Bytes = Field(
+        description="The memory the source says the device has, or the limit it sets."
+    )
+    available_bytes: Bytes = Field(description="What the job may use by this source.")
+    free_bytes: Bytes | None = Field(
+        default=None, description="Free now by this source; null when it does not read it."
+    )
+    detail: LongText = ""
+
+
+class MemoryBudgetBase(_Strict):
+    """The memory a job really has (``autobatch.device.MemoryBudget``): every source read, the
+    smallest (``budget_bytes``, decided by ``deciding_source``) and how the device is shared."""
+
+    budget_bytes: Bytes
+    deciding_source: BudgetSourceName
+    sharing_mode: SharingModeName = Field(
+        description="'none' when the sources agree within 5%; else 'shared' (others hold "
+        "memory), 'virtualised' (a CUDA runtime or vGPU limit below the card), 'fractional' "
+        "(a declared or per-process fraction), 'time_sliced' (device-plugin replicas), "
+        "'container_limited' (a cgroup below the host)."
+    )
+    readings: list[BudgetReadingBase] = Field(min_length=1, max_length=64)
+    card_memory_bytes: Bytes = Field(
+        description="The whole card as the container sees it (no fraction): what "
+        "trials_per_gpu divides."
+    )
+    free_now_bytes: Bytes | None = None
+    unseen_sources: list[Name] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Sources that may limit the job but could not be read (the service cannot "
+        "read the CUDA runtime of the job's container): the budget is not vouched for.",
+    )
+    warnings: list[LongText] = Field(default_factory=list, max_length=64)
+    fits_now: bool | None = Field(
+        default=None,
+        description="On a plan: its predicted peak fits what is free on the device now.",
+    )
+    trials_per_gpu: Count | None = Field(
+        default=None,
+        description="On a plan for a GPU: how many processes of this plan fit on one card "
+        "(card_memory_bytes less the safety margin, over the predicted peak).",
+    )
+
+
 # -- profiles ----------------------------------------------------------------------------------
 
 
@@ -268,6 +355,9 @@ class ProfileBase(_Strict):
     backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
     created_at: Name = ""
     schema_version: int = Field(default=PROFILE_SCHEMA_VERSION, ge=1, le=PROFILE_SCHEMA_VERSION)
+    budget: MemoryBudgetBase | None = Field(
+        default=None, description="The memory budget the probe ran under (left out: not said)."
+    )
 
 
 class ProfileCreate(ProfileBase):
@@ -316,6 +406,13 @@ class PlanCreate(_Strict):
     uneven: Literal["auto", "never", "always"] = "auto"
     allow_inexact: bool = False
     safety_margin: float | None = Field(default=None, ge=0, lt=1)
+    gpu_fraction: GpuFraction | None = Field(
+        default=None,
+        description="The share of the device's card the job gets (0 < x <= 1; Ray's "
+        "num_gpus=0.5 is 0.5), e.g. two trials on one card: the plan is for that share of its "
+        "memory, and plan.budget.trials_per_gpu says how many such jobs fit on a card. Needs a "
+        "device.",
+    )
 
     @model_validator(mode="after")
     def _one_limit(self) -> PlanCreate:
@@ -334,7 +431,20 @@ class PlanCreate(_Strict):
             raise ValueError(
                 f"world_size {self.world_size} and data_parallel_size {ranks} disagree; give one"
             )
+        inner = None if self.device is None else self.device.gpu_fraction
+        if self.gpu_fraction is not None and inner is not None and inner != self.gpu_fraction:
+            raise ValueError(
+                f"gpu_fraction {self.gpu_fraction} and device.gpu_fraction {inner} disagree; "
+                "give one"
+            )
         return self
+
+    @property
+    def declared_fraction(self) -> float | None:
+        """``gpu_fraction``, or ``device.gpu_fraction``; None when neither is given."""
+        if self.gpu_fraction is not None or self.device is None:
+            return self.gpu_fraction
+        return self.device.gpu_fraction
 
     @property
     def data_parallel_ranks(self) -> int:
@@ -375,6 +485,11 @@ class PlanFields(BaseModel):
     source: Literal["measured", "cached", "estimated", "given", "predicted"]
     prediction: PredictionFields | None = None
     notes: list[str]
+    budget: MemoryBudgetBase | None = Field(
+        default=None,
+        description="The memory the job really has on the device planned for: every source, "
+        "the deciding one, the sharing mode, fits_now and trials_per_gpu; null without a device.",
+    )
 
 
 class PlanConfigs(BaseModel):

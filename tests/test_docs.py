@@ -134,6 +134,12 @@ def test_planner_snippet_gives_the_rules_table_examples() -> None:
     assert "E=64, max 24: 16 × 4" in text and "E=97, max 24: [20, 20, 19, 19, 19]" in text
 
 
+def test_devices_snippet_shows_a_declared_fraction_deciding() -> None:
+    page = DOCS / "devices.md"
+    namespace = _run(page, _snippet(page, "gpu_fraction=0.5).capacity()"))
+    assert namespace["card"].budget.trials_per_gpu is None  # a device's budget, not a plan's
+
+
 def test_framework_configs_snippet_prints_the_configs() -> None:
     page = DOCS / "training-loop.md"
     namespace = _run(page, _snippet(page, "deepspeed_config(plan)"))

@@ -209,6 +209,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             optimizer=spec.optimizer,
             loss_fn=spec.loss_fn,
             device=target,
+            gpu_fraction=args.gpu_fraction,
             amp_dtype=_amp(args),
             safety_margin=args.safety_margin,
             max_micro_batch_size=args.max_micro_batch_size,
@@ -258,8 +259,7 @@ def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.planning.limits import stored_profile_source
-    from autobatch.planning.planner import plan, plan_world_sizes
+    from autobatch.planning import given_budget, plan, plan_world_sizes, stored_profile_source
 
     limit: Any = args.max_micro_batch_size
     source = None
@@ -269,19 +269,31 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         source = stored_profile_source(limit)
     elif args.capacity is not None:
         raise ConfigError("--capacity needs --profile (a measured memory line to scale)")
+    if args.gpu_fraction is not None and args.capacity is None:
+        raise ConfigError(
+            "--gpu-fraction needs --capacity (the card's memory it is a share of) and --profile"
+        )
+    budget = capacity = None
+    if args.capacity is not None:
+        budget = given_budget(args.capacity, gpu_fraction=args.gpu_fraction)
+        capacity = budget.budget_bytes
     fmt = _output_format(args)
     if len(args.world_size) == 1:
         kwargs = _plan_kwargs(args, args.world_size[0])
-        result = plan(limit, capacity_bytes=args.capacity, source=source, **kwargs)
-        _print_plan(result, fmt, out)
+        result = plan(limit, capacity_bytes=capacity, source=source, **kwargs)
+        _print_plan(_budgeted(result, budget, limit), fmt, out)
         return 0
     if fmt not in ("text", "json"):
         raise ConfigError(f"--format {fmt} needs a single --world-size")
     kwargs = _plan_kwargs(args, 1)
     del kwargs["world_size"]
     options = plan_world_sizes(
-        limit, world_sizes=args.world_size, capacity_bytes=args.capacity, source=source, **kwargs
+        limit, world_sizes=args.world_size, capacity_bytes=capacity, source=source, **kwargs
     )
+    options = [
+        dataclasses.replace(o, plan=_budgeted(o.plan, budget, limit)) if o.plan else o
+        for o in options
+    ]
     if fmt == "json":
         rows = [
             {
@@ -313,7 +325,40 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
             f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
             file=out,
         )
+    if budget is not None and args.gpu_fraction is not None:  # after the table, which is first
+        _print_budget(budget, out)
     return 0
+
+
+def _budgeted(result: Any, budget: Any, limit: Any) -> Any:
+    """``result`` with the budget of ``--capacity`` (and ``--gpu-fraction``) on it."""
+    from autobatch.planning import with_budget
+
+    if budget is None:
+        return result
+    return with_budget(result, budget, safety_margin=limit.safety_margin)
+
+
+def _print_budget(budget: Any, out: TextIO) -> None:
+    """The memory budget: the deciding source and the sharing mode, every source, warnings."""
+    print(f"memory budget                {budget.describe()}", file=out)
+    for reading in budget.readings:
+        of = (
+            f"{format_bytes(reading.available_bytes)} usable of {format_bytes(reading.total_bytes)}"
+        )
+        print(f"  {reading.source:<26} {of}", file=out)
+    if budget.unseen_sources:
+        print(f"  not seen                   {', '.join(budget.unseen_sources)}", file=out)
+    if budget.fits_now is not None:
+        free = format_bytes(budget.free_now_bytes or 0)
+        print(
+            f"fits now                     {'yes' if budget.fits_now else 'no'} ({free} free)",
+            file=out,
+        )
+    if budget.trials_per_gpu is not None:
+        print(f"trials per GPU               {budget.trials_per_gpu}", file=out)
+    for warning in budget.warnings:
+        print(f"warning: {warning}", file=out)
 
 
 def _print_plan(
@@ -368,6 +413,8 @@ def _print_plan(
             file=out,
         )
     print(f"source                       {result.source}", file=out)
+    if result.budget is not None:
+        _print_budget(result.budget, out)
     if result.prediction is not None:
         found = result.prediction
         fit = (

@@ -73,6 +73,27 @@ def _margin(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} must be in (0, 1]: the share of the card the job gets, e.g. 0.5"
+        )
+    return value
+
+
+def _add_fraction_arg(parser: argparse.ArgumentParser, *, extra: str) -> None:
+    parser.add_argument(
+        "--gpu-fraction",
+        type=_fraction,
+        help="the share of the card the job gets, e.g. 0.5 for two jobs on one card (Ray's "
+        f"num_gpus=0.5): plan for that share of its memory{extra}",
+    )
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -184,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         help="cuda:N, cpu or sim:SIZE (e.g. sim:3GiB); default cuda:0 with CUDA, else cpu",
     )
+    _add_fraction_arg(tune, extra="")
     tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
     tune.add_argument("--no-store", action="store_true", help="neither read nor write the store")
     tune.add_argument(
@@ -198,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
     _add_plan_args(plan, world_sizes=True)
     plan.add_argument("--capacity", type=_bytes, help="another device's capacity, with --profile")
+    _add_fraction_arg(plan, extra=" (--capacity)")
 
     profiles = commands.add_parser("profiles", help="stored profiles")
     actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")

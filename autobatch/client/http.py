@@ -88,6 +88,7 @@ class PlanRequest:
     uneven: Uneven = "auto"
     allow_inexact: bool = False
     safety_margin: float | None = None
+    gpu_fraction: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body: unset (None) fields left out, the device fields under ``device``."""
@@ -215,12 +216,16 @@ class AutobatchClient:
         uneven: Uneven = "auto",
         allow_inexact: bool = False,
         safety_margin: float | None = None,
+        gpu_fraction: float | None = None,
     ) -> Plan:
         """``POST /v1/plan``: the plan for ``world_size`` ranks. Give exactly one limit
         (``profile_id``, ``model_fingerprint``, ``max_micro_batch_size`` or ``memory_model``) and
         at most one device (``cuda_index``, ``uuid``, ``capacity_bytes`` or ``node_labels``,
-        with ``mig_profile`` for the MIG slice the job gets on a labelled MIG node). A plan past
-        the profile's largest measured size has ``source == "predicted"`` and its ``prediction``.
+        with ``mig_profile`` for the MIG slice the job gets on a labelled MIG node), with
+        ``gpu_fraction`` the share of that device's card the job gets (0.5: two jobs on one
+        card). A plan past the profile's largest measured size has ``source == "predicted"`` and
+        its ``prediction``; a plan for a device has its memory ``budget`` (the deciding source,
+        the sharing mode, ``fits_now``, ``trials_per_gpu``).
 
         Raises:
             ConfigError: the server rejected the request (the message names the field).
@@ -245,6 +250,7 @@ class AutobatchClient:
             uneven=uneven,
             allow_inexact=allow_inexact,
             safety_margin=safety_margin,
+            gpu_fraction=gpu_fraction,
         )
         return Plan.from_dict(self._post_plan(request)["plan"])
 
@@ -267,6 +273,7 @@ class AutobatchClient:
         uneven: Uneven = "auto",
         allow_inexact: bool = False,
         safety_margin: float | None = None,
+        gpu_fraction: float | None = None,
     ) -> list[WorldSizeOption]:
         """The plan at each of ``world_sizes`` (a scheduler choosing N GPUs); arguments and
         errors as for :meth:`plan`. The primary plan is made at ``min(world_sizes)``."""
@@ -288,6 +295,7 @@ class AutobatchClient:
             uneven=uneven,
             allow_inexact=allow_inexact,
             safety_margin=safety_margin,
+            gpu_fraction=gpu_fraction,
         )
         return [
             WorldSizeOption(

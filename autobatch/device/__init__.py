@@ -5,7 +5,8 @@ Implementations: :class:`CudaDevice` (torch allocator statistics and NVML), :cla
 counted against a capacity, torch's ``OutOfMemoryError`` raised like the CUDA allocator does).
 Foreign exceptions are classified in one place (``oom.is_oom``); NVML is read in one module
 (``nvml``, the only one importing ``pynvml``), over the device set the process was given
-(``visible``).
+(``visible``). What a job may use is a :class:`MemoryBudget`: every memory source the process
+can see, combined by one pure rule (``budget``), on each :class:`Capacity`.
 
 This face is what other layers, the service and the benchmarks import. The types and parsing
 import eagerly; NVML, the devices and ``is_oom`` on first use (importing ``autobatch`` neither
@@ -22,6 +23,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from autobatch.device.budget import (
+    SHARING_TOLERANCE,
+    BudgetReading,
+    BudgetSource,
+    MemoryBudget,
+    SharingMode,
+    check_gpu_fraction,
+    combine_budget,
+    fraction_reading,
+    vgpu_limit_reading,
+)
 from autobatch.device.resolve import ParsedDevice, parse_device, resolve_device
 from autobatch.device.types import (
     UNKNOWN_MEMORY,
@@ -43,26 +55,35 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REASONS",
+    "SHARING_TOLERANCE",
     "UNKNOWN_MEMORY",
+    "BudgetReading",
+    "BudgetSource",
     "Capacity",
     "CpuDevice",
     "CudaDevice",
     "Device",
     "GpuInfo",
+    "MemoryBudget",
     "MemoryInfo",
     "MemorySource",
     "Nvml",
     "NvmlDevice",
     "ParsedDevice",
     "PeakMemory",
+    "SharingMode",
     "SimulatedDevice",
     "VisibleDevices",
+    "check_gpu_fraction",
+    "combine_budget",
     "cuda_visible_devices",
     "default_nvml",
+    "fraction_reading",
     "is_oom",
     "list_gpus",
     "parse_device",
     "resolve_device",
+    "vgpu_limit_reading",
 ]
 
 _LAZY_EXPORTS = {

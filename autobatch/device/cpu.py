@@ -1,17 +1,20 @@
 """The host CPU as a device: real allocations, real allocation failures.
 
-Capacity is the kernel's ``MemAvailable`` (``/proc/meminfo``) when queried. Peak bytes are
+Capacity is the memory budget of two sources, the smaller deciding: the host's ``MemAvailable``
+(``/proc/meminfo``) and, in a container, its cgroup's memory limit less its working set
+(:mod:`autobatch.device.cgroup`, v2 and v1); a host with 24 GB available inside a container
+allowed 8 GiB budgets the 8 GiB. Peak bytes are
 counted with :class:`~autobatch.device.live_bytes.LiveBytes`, since the CPU allocator keeps no
-statistics; they include the resident tensors (weights, optimizer state), which ``MemAvailable``
+statistics; they include the resident tensors (weights, optimizer state), which the budget
 already excludes, so the probe is conservative by their size. Linux overcommits memory, so a real
-allocation failure would come late (swap, or the OOM killer): during a step the tracker raises
-``torch.OutOfMemoryError`` as soon as live tensors would exceed what was available when the step
-began, before the host runs out.
+allocation failure would come late (swap, or the OOM killer, which a cgroup limit calls): during
+a step the tracker raises ``torch.OutOfMemoryError`` as soon as live tensors would exceed the
+budget when the step began, before the host or the container runs out.
 
 Example::
 
     device = CpuDevice()
-    device.capacity().capacity_bytes
+    device.capacity().budget.deciding_source      # "host", or "cgroup" in a limited container
 """
 
 from __future__ import annotations
@@ -25,10 +28,17 @@ from pathlib import Path
 
 import torch
 
+from autobatch.device.budget import BudgetReading, MemoryBudget, combine_budget
+from autobatch.device.cgroup import cgroup_reading
 from autobatch.device.live_bytes import LiveBytes
 from autobatch.device.types import Capacity, PeakMemory
 
 __all__ = ["CpuDevice", "read_meminfo"]
+
+
+FS_ROOT = Path("/")
+"""Where :class:`CpuDevice` reads ``proc/meminfo``, ``proc/self/cgroup`` and ``sys/fs/cgroup``
+by default; one name tests can patch (or pass ``root=``)."""
 
 
 def read_meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int]:
@@ -47,12 +57,20 @@ def read_meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int]:
 def _host_out_of_memory(requested_bytes: int, live_bytes: int) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(
         f"host memory would be exhausted: tried to allocate {requested_bytes} bytes with "
-        f"{live_bytes} bytes of tensors live (CPU device, MemAvailable at step start)"
+        f"{live_bytes} bytes of tensors live (CPU device, its memory budget at step start)"
     )
 
 
 class CpuDevice:
-    """The host CPU; see the module docstring."""
+    """The host CPU; see the module docstring.
+
+    Args:
+        root: the file tree to read the host's and the cgroup's memory from; None is
+            :data:`FS_ROOT` (``/``).
+    """
+
+    def __init__(self, *, root: Path | None = None) -> None:
+        self._root = root
 
     @property
     def name(self) -> str:
@@ -70,17 +88,38 @@ class CpuDevice:
     def driver_version(self) -> str:
         return ""
 
+    def _budget(self) -> MemoryBudget:
+        """The host's available memory and the cgroup's limit, read now (see the module
+        docstring)."""
+        root = FS_ROOT if self._root is None else self._root
+        total, available = read_meminfo(root / "proc/meminfo")
+        readings = [
+            BudgetReading(
+                source="host",
+                total_bytes=total,
+                available_bytes=min(available, total),
+                free_bytes=min(available, total),
+                detail="MemTotal and MemAvailable of /proc/meminfo",
+            )
+        ]
+        limit = cgroup_reading(root)
+        if limit is not None:
+            readings.append(limit)
+        return combine_budget(readings)
+
     def capacity(self) -> Capacity:
-        total, available = read_meminfo()
+        budget = self._budget()
+        host = budget.readings[0]
         return Capacity(
-            total_memory_bytes=total,
-            capacity_bytes=available,
-            foreign_memory_bytes=max(0, total - available),
+            total_memory_bytes=host.total_bytes,
+            capacity_bytes=min(budget.budget_bytes, host.total_bytes),
+            foreign_memory_bytes=max(0, host.total_bytes - host.available_bytes),
+            budget=budget,
         )
 
     @contextmanager
     def measure(self, resident: Sequence[torch.Tensor]) -> Iterator[PeakMemory]:
-        _, available = read_meminfo()
+        available = self._budget().budget_bytes
         tracker = LiveBytes(rounding_bytes=1)
         tracker.add_resident(resident)
         tracker.capacity_bytes = available + tracker.live_bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal
 
+from autobatch.device.budget import check_gpu_fraction
 from autobatch.device.types import Device
 from autobatch.errors import ConfigError
 
@@ -70,20 +71,41 @@ def parse_device(text: str) -> ParsedDevice:
     raise ConfigError(f"device {text!r} is not understood; use 'cuda:N', 'cpu' or 'sim:SIZE'")
 
 
-def resolve_device(spec: str | Device | None, *, default: torch.device | None = None) -> Device:
+def resolve_device(
+    spec: str | Device | None,
+    *,
+    default: torch.device | None = None,
+    gpu_fraction: float | None = None,
+) -> Device:
     """Turn ``"cuda:0"``, ``"cpu"``, ``"sim:2GiB"`` (see :func:`parse_device`), a Device, or None
     into a Device.
 
     Args:
         spec: the device. None means ``default`` (typically the model's device).
         default: used when ``spec`` is None.
+        gpu_fraction: the share of the card the job is declared to get, in (0, 1] (Ray's
+            ``num_gpus=0.5`` is 0.5); it joins the device's memory budget
+            (:mod:`autobatch.device.budget`). A GPU's or a simulated card's only; a Device of
+            your own needs a ``with_gpu_fraction(fraction)`` method for it.
 
     Raises:
-        ConfigError: the spec is not understood (names the value and the accepted forms).
+        ConfigError: the spec is not understood (names the value and the accepted forms), or
+            ``gpu_fraction`` is not in (0, 1] or given for a device that is no GPU.
         DeviceUnavailableError: CUDA was asked for but is not available.
     """
+    fraction = check_gpu_fraction(gpu_fraction)
     if isinstance(spec, Device):
-        return spec
+        if fraction is None:
+            return spec
+        share = getattr(spec, "with_gpu_fraction", None)
+        if share is None:
+            raise ConfigError(
+                f"gpu_fraction {fraction} needs a GPU, but {spec!r} has no with_gpu_fraction() "
+                "method; build the device with its fraction (CudaDevice(0, gpu_fraction=...), "
+                "SimulatedDevice(..., gpu_fraction=...)) or leave gpu_fraction unset"
+            )
+        shared: Device = share(fraction)
+        return shared
     if spec is None:
         spec = str(default) if default is not None else "cpu"
     parsed = parse_device(spec)
@@ -91,12 +113,17 @@ def resolve_device(spec: str | Device | None, *, default: torch.device | None = 
         from autobatch.device.simulated import SimulatedDevice
 
         assert parsed.capacity_bytes is not None
-        return SimulatedDevice(capacity_bytes=parsed.capacity_bytes)
+        return SimulatedDevice(capacity_bytes=parsed.capacity_bytes, gpu_fraction=fraction)
     if parsed.type == "cpu":
         from autobatch.device.cpu import CpuDevice
 
+        if fraction is not None:
+            raise ConfigError(
+                f"gpu_fraction {fraction} is a share of a GPU, but the device is the CPU: leave "
+                "it unset (a container's memory limit is read from its cgroup)"
+            )
         return CpuDevice()
     from autobatch.device.cuda import CudaDevice
 
     assert parsed.cuda_index is not None
-    return CudaDevice(cuda_index=parsed.cuda_index)
+    return CudaDevice(cuda_index=parsed.cuda_index, gpu_fraction=fraction)

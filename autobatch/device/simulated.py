@@ -19,6 +19,13 @@ from contextlib import contextmanager
 
 import torch
 
+from autobatch.device.budget import (
+    BudgetReading,
+    MemoryBudget,
+    check_gpu_fraction,
+    combine_budget,
+    fraction_reading,
+)
 from autobatch.device.live_bytes import LiveBytes
 from autobatch.device.types import Capacity, PeakMemory
 from autobatch.errors import ConfigError
@@ -41,9 +48,14 @@ class SimulatedDevice:
             state broken for the next trial (see :mod:`autobatch.probing.parallel`). The peak
             counted is
             the same either way.
+        gpu_fraction: the share of the card this job is declared to get (0 < x <= 1), e.g.
+            0.5 for two trials on one card: the budget is ``gpu_fraction * capacity_bytes``
+            when that is smaller than what is free. Declared, not enforced: as on a real card,
+            a step may go past it, and the probe counts such a step as over the capacity.
 
     Raises:
-        ConfigError: a size is not positive, or the foreign bytes leave nothing.
+        ConfigError: a size is not positive, the foreign bytes leave nothing, or
+            ``gpu_fraction`` is not in (0, 1].
     """
 
     def __init__(
@@ -53,6 +65,7 @@ class SimulatedDevice:
         foreign_memory_bytes: int = 0,
         name: str = "sim",
         defer_oom: bool = False,
+        gpu_fraction: float | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes {capacity_bytes} must be > 0, e.g. 2 * 2**30")
@@ -64,6 +77,7 @@ class SimulatedDevice:
         self._foreign = foreign_memory_bytes
         self._name = name
         self._defer_oom = defer_oom
+        self._gpu_fraction = check_gpu_fraction(gpu_fraction)
         self.num_ooms = 0
         """OutOfMemoryErrors raised so far."""
 
@@ -83,11 +97,46 @@ class SimulatedDevice:
     def driver_version(self) -> str:
         return ""
 
+    def _budget(self) -> MemoryBudget:
+        """The simulated card's free memory and the declared fraction, if any."""
+        usable = self._total - self._foreign
+        readings = [
+            BudgetReading(
+                source="simulated",
+                total_bytes=self._total,
+                available_bytes=usable,
+                free_bytes=usable,
+                detail=f"{self._foreign} bytes held by another process" if self._foreign else "",
+            )
+        ]
+        if self._gpu_fraction is not None:
+            readings.append(
+                fraction_reading(
+                    "gpu_fraction",
+                    self._gpu_fraction,
+                    self._total,
+                    f"gpu_fraction={self._gpu_fraction} declared",
+                )
+            )
+        return combine_budget(readings)
+
     def capacity(self) -> Capacity:
+        budget = self._budget()
         return Capacity(
             total_memory_bytes=self._total,
-            capacity_bytes=self._total - self._foreign,
+            capacity_bytes=budget.budget_bytes,
             foreign_memory_bytes=self._foreign,
+            budget=budget,
+        )
+
+    def with_gpu_fraction(self, gpu_fraction: float | None) -> SimulatedDevice:
+        """This device (same name, memory and OOM behaviour) with ``gpu_fraction`` declared."""
+        return SimulatedDevice(
+            capacity_bytes=self._total,
+            foreign_memory_bytes=self._foreign,
+            name=self._name,
+            defer_oom=self._defer_oom,
+            gpu_fraction=gpu_fraction,
         )
 
     def _out_of_memory(self, requested_bytes: int, live_bytes: int) -> torch.OutOfMemoryError:
@@ -129,6 +178,7 @@ class SimulatedDevice:
             foreign_memory_bytes=self._foreign,
             name=self._name,
             defer_oom=True,
+            gpu_fraction=self._gpu_fraction,
         )
 
     def release(self) -> None:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from autobatch.device.budget import MemoryBudget
+
 if TYPE_CHECKING:
     import torch
 
@@ -107,10 +109,13 @@ class Capacity:
     total_memory_bytes: int
     """The device's total memory."""
     capacity_bytes: int
-    """Bytes this process may still take: free memory plus what torch already reserved, capped by
-    ``torch.cuda.set_per_process_memory_fraction``."""
+    """Bytes this process may still take: the smallest of its memory budget's sources (on CUDA:
+    free memory plus what torch already reserved, capped by every limit it can see)."""
     foreign_memory_bytes: int = 0
     """Bytes held by other processes (and the driver) at the time of the query."""
+    budget: MemoryBudget | None = None
+    """Every source of ``capacity_bytes`` (NVML, the CUDA runtime, vGPU limits, fractions, the
+    cgroup), the one that decided, and the sharing mode; None for a device that does not say."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

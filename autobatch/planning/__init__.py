@@ -4,7 +4,8 @@
 ``constraints`` (:class:`PlanConstraints`: what a plan must respect, checked once); ``limits``
 resolves what a plan's limit is (a number, a profile, a memory line and a capacity); ``splits`` is
 the search over splits; ``prediction`` predicts the largest micro-batch past what was measured;
-``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's).
+``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's);
+``budget`` puts the memory budget a plan was made for on it (``fits_now``, ``trials_per_gpu``).
 This face is what other layers and the service import.
 
 Example::
@@ -16,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from autobatch.planning.budget import given_budget, with_budget
 from autobatch.planning.constraints import PlanConstraints
 from autobatch.planning.limits import DEFAULT_SAFETY_MARGIN, PlanSource, stored_profile_source
 from autobatch.planning.planner import (
@@ -39,9 +41,11 @@ __all__ = [
     "Prediction",
     "Uneven",
     "WorldSizeOption",
+    "given_budget",
     "largest_useful_micro_batch_size",
     "plan",
     "plan_within",
     "plan_world_sizes",
     "stored_profile_source",
+    "with_budget",
 ]

@@ -167,6 +167,11 @@ def resolve_limit(
             needed = peaks[min(peaks)]
         _require_fits(limit_size, needed, budget_bytes, profile.capacity_bytes, margin)
         notes = (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
+    failed = failure_limit(profile, int(profile.capacity_bytes * (1 - margin)))
+    if failed is not None and failed[0] < limit_size:
+        if failed[0] < 1:
+            raise NoFeasiblePlanError(failed[1])
+        limit_size, notes = failed[0], (*notes, *_failure_note(failed, failed[0]))
     if step_time is None:
         timed: dict[int, list[float]] = {}
         for trial in profile.trials:
@@ -238,6 +243,10 @@ def _profile_limit(
     # the budget, whatever the line says: a step's memory does not shrink as its batch grows.
     floor = peak_floor(profile.trials)
     floor_limit = largest_above_floor(floor, budget_bytes)
+    # Nor at or past a size that failed at this budget (see failure_limit).
+    failed = failure_limit(profile, budget_bytes)
+    if failed is not None:
+        floor_limit = failed[0] if floor_limit is None else min(floor_limit, failed[0])
     within = limit_within(peaks, budget_bytes)
     if floor_limit is not None:
         within = min(within, floor_limit)
@@ -253,7 +262,7 @@ def _profile_limit(
             capacity_bytes=capacity_bytes,
             peak_bytes=lambda size: interpolated_peak_bytes(peaks, size),
             step_time=step_time,
-            notes=(note,),
+            notes=(note, *_failure_note(failed, within)),
         )
     if not peaks and model is None:
         raise ConfigError(
@@ -290,6 +299,8 @@ def _profile_limit(
     if floor_limit is not None:
         size = min(size, floor_limit)
     needed_at_one = max(fixed + per_sample, floor_at(floor, 1))
+    if failed is not None and failed[0] < 1:
+        raise NoFeasiblePlanError(failed[1])
     _require_fits(size, needed_at_one, budget_bytes, capacity_bytes, margin)
     if size in peaks:  # the budget ends at a measured size: nothing was extrapolated
         note = (
@@ -302,7 +313,7 @@ def _profile_limit(
             capacity_bytes=capacity_bytes,
             peak_bytes=lambda n: peaks.get(n),
             step_time=step_time,
-            notes=(note,),
+            notes=(note, *_failure_note(failed, size)),
         )
 
     def peak_bytes(n: int) -> int:
@@ -315,9 +326,49 @@ def _profile_limit(
         capacity_bytes=capacity_bytes,
         peak_bytes=peak_bytes,
         step_time=step_time,
-        notes=(prediction.describe(size),),
+        notes=(prediction.describe(size), *_failure_note(failed, size)),
         prediction=prediction,
     )
+
+
+def failure_limit(profile: Profile, budget_bytes: int) -> tuple[int, str] | None:
+    """The largest micro-batch below every size that failed in ``profile`` and would fail again
+    within ``budget_bytes``, and why; None when no failure bounds a plan for that budget.
+
+    A size that ran out of memory peaked above the capacity it was tried at (the profile's
+    ``capacity_bytes``), so no plan whose budget is no larger than that capacity may use it or
+    anything larger, whatever the measured peaks or a line through them say (issue 23: a line
+    through gentle peaks predicted 32 where 11, 12, 24 and 47 ran out of memory). A failure other
+    than memory (``failed_micro_batch_size``: a kernel's launch limit, say) does not move with
+    the memory, so it bounds a plan for any budget; its note is the profile's ``failure_note``.
+
+    Returns:
+        ``(largest_allowed, note)``; ``largest_allowed`` is 0 when micro-batch 1 failed.
+    """
+    bounds: list[tuple[int, str]] = []
+    ooms = [t.micro_batch_size for t in profile.trials if t.oom]
+    if ooms and budget_bytes <= profile.capacity_bytes:
+        smallest = min(ooms)
+        bounds.append(
+            (
+                smallest - 1,
+                f"micro-batch {smallest} ran out of memory in this profile at capacity_bytes "
+                f"{profile.capacity_bytes}; this plan's budget ({budget_bytes} bytes) is no "
+                f"larger, so no size from {smallest} up is planned, whatever the peaks predict",
+            )
+        )
+    if profile.failed_micro_batch_size:
+        size = profile.failed_micro_batch_size
+        bounds.append((size - 1, f"micro-batch {size} failed for a reason other than memory"))
+    return min(bounds) if bounds else None
+
+
+def _failure_note(failed: tuple[int, str] | None, size: int) -> tuple[str, ...]:
+    """The note of an out-of-memory bound that decided ``size`` (a failure other than memory
+    is already in the plan's notes as the profile's ``failure_note``)."""
+    if failed is None or failed[0] != size or "ran out of memory" not in failed[1]:
+        return ()
+    return (failed[1],)
 
 
 def _require_fits(

@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from autobatch.device.budget import MemoryBudget
 from autobatch.errors import (
     ConfigError,
     NoFeasiblePlanError,
@@ -128,6 +129,12 @@ class Plan:
     eval_micro_batch_size: int | None = None
     """Samples per device per evaluation forward pass (under ``torch.inference_mode``, model in
     eval mode), from a probe of evaluation (``autotune(..., eval=True)``); None when not probed."""
+    budget: MemoryBudget | None = None
+    """The memory the job really has on the device planned for: every source read (NVML, the
+    CUDA runtime, vGPU limits, fractions, the cgroup...), the one that decided
+    ``capacity_bytes``, the sharing mode, whether the plan fits what is free now and
+    ``trials_per_gpu`` (see :mod:`autobatch.device.budget`); None when the plan was made from
+    numbers alone."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -189,6 +196,7 @@ class Plan:
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
         data["notes"] = list(self.notes)
         data["prediction"] = None if self.prediction is None else self.prediction.to_dict()
+        data["budget"] = None if self.budget is None else self.budget.to_dict()
         return data
 
     @classmethod
@@ -209,6 +217,8 @@ class Plan:
             fields["notes"] = tuple(data.get("notes", ()))
             prediction = data.get("prediction")
             fields["prediction"] = None if prediction is None else Prediction.from_dict(prediction)
+            budget = data.get("budget")
+            fields["budget"] = None if budget is None else MemoryBudget.from_dict(budget)
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not a valid plan: {exc}") from exc

@@ -79,6 +79,7 @@ def probe(
     train_step: TrainStep | None = None,
     step_includes_update: bool = False,
     device: str | Device | None = None,
+    gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = 0.05,
     max_micro_batch_size: int = DEFAULT_LIMIT,
@@ -98,7 +99,12 @@ def probe(
         loss_fn, train_step, step_includes_update: how the sample becomes a step; see
             :mod:`autobatch.probing.step`.
         device: ``"cuda:N"``, ``"cpu"``, ``"sim:SIZE"`` or a :class:`~autobatch.device.Device`;
-            None means the model's device.
+            None means the model's device. Its memory budget is the smallest of every source
+            it can see (NVML, the CUDA runtime, vGPU limits, fractions, the cgroup; see
+            :mod:`autobatch.device.budget`), recorded on the profile (``budget``).
+        gpu_fraction: the share of a GPU this job is declared to get, in (0, 1] (Ray's
+            ``num_gpus=0.5``: 0.5): the budget is at most that share of the card's memory. None
+            for the whole card.
         amp_dtype: autocast dtype for forward and loss (float16 also scales the loss with a
             GradScaler), None for full precision.
         safety_margin: fraction of the capacity the recommended size keeps free, in [0, 1); the
@@ -143,7 +149,7 @@ def probe(
     )
     options = ProbeOptions.build(
         step,
-        device=resolve_device(device, default=model_device(model)),
+        device=resolve_device(device, default=model_device(model), gpu_fraction=gpu_fraction),
         safety_margin=safety_margin,
         max_micro_batch_size=max_micro_batch_size,
         use_estimate=use_estimate,
@@ -473,6 +479,7 @@ class Prober:
             mode="eval" if self.options.eval else "train",
             compiled=self.options.compiled,
             created_at=now_iso(),
+            budget=capacity.budget,
         )
 
 

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from autobatch.device import Capacity, PeakMemory
+from autobatch.device import BudgetReading, Capacity, MemoryBudget, PeakMemory, combine_budget
 from autobatch.device.oom import is_oom
 from autobatch.distributed.fake_backend import process_groups_faked, reset_fsdp2
 from autobatch.distributed.layout import FSDP2_LAYOUT, FSDP2_TP_LAYOUT
@@ -197,7 +197,9 @@ class TrialRunner:
                 f"agreed over {self.consensus.world_size} ranks (a size fits only if it fits on "
                 f"every rank): the smallest capacity is {format_bytes(smallest)}, on rank {rank}"
             )
-        return dataclasses.replace(own, capacity_bytes=smallest)
+        return dataclasses.replace(
+            own, capacity_bytes=smallest, budget=_with_ranks(own, smallest, rank)
+        )
 
     def _with_rank(self, value: int) -> int:
         """``value`` packed with this rank: the minimum over the ranks also names the (lowest)
@@ -540,3 +542,18 @@ def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> i
         if isinstance(v, torch.Tensor)
     )
     return weights + grads + state
+
+
+def _with_ranks(own: Capacity, smallest: int, rank: int) -> MemoryBudget | None:
+    """This rank's budget, plus the smallest rank's capacity when another rank's is smaller
+    (the ``ranks`` source: the capacity the ranks search together)."""
+    if own.budget is None or smallest >= own.capacity_bytes:
+        return own.budget
+    agreed = BudgetReading(
+        source="ranks",
+        total_bytes=smallest,
+        available_bytes=smallest,
+        detail=f"the smallest rank's capacity, on rank {rank}: a size fits only if it fits on "
+        "every rank",
+    )
+    return combine_budget([*own.budget.readings, agreed], unseen_sources=own.budget.unseen_sources)

@@ -11,26 +11,46 @@ A local GPU is one of the cards this container was given (``NVIDIA_VISIBLE_DEVIC
 ``CUDA_VISIBLE_DEVICES``; ``cuda_index`` is CUDA's number in that set), read through
 ``service.gpus``: off the event loop, 503 ``nvml_timeout``/``gpu_lost`` rather than a wait.
 
+The device's memory is a budget (``autobatch.device.MemoryBudget``, on the plan as
+``plan.budget``): the device's own memory (NVML's total or free, the labels' card, or the size
+given), then device-plugin replicas (a time-sliced card is never planned whole), a vGPU limit
+variable in this service's environment (``CUDA_DEVICE_MEMORY_LIMIT_<cuda_index>``), and a declared
+``gpu_fraction``; the smallest decides. A job's CUDA runtime, where a sharing layer such as HAMi
+limits its container, is out of the service's sight: the budget says so (``unseen_sources``,
+and a warning). ``fits_now`` says whether the plan fits what is free now, and
+``trials_per_gpu`` how many such jobs fit on one card.
+
 Pure arithmetic after one store lookup and one (cached) NVML reading at most: no torch is
 imported on this path.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
+from autobatch.device import (
+    BudgetReading,
+    MemoryBudget,
+    combine_budget,
+    fraction_reading,
+    vgpu_limit_reading,
+)
 from autobatch.errors import ConfigError, DeviceUnavailableError, ProfileNotFoundError
 from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
 from autobatch.planning import (
+    DEFAULT_SAFETY_MARGIN,
     MAX_GRADIENT_ACCUMULATION_STEPS,
     Plan,
     PlanSource,
+    given_budget,
     plan,
     plan_world_sizes,
     stored_profile_source,
+    with_budget,
 )
 from autobatch.profile import MemoryModel, Profile
 from autobatch.units import format_bytes
@@ -78,9 +98,19 @@ async def create_plan(request: Request) -> Response:
     # rather than through FastAPI's body parameter and a dependency (service.routing), and the
     # state only when it needs a GPU or the store.
     body = await read_json_body(request, PlanCreate)
-    device = None
+    device = budget = None
     if body.device is not None:
-        device = await _resolve_device(body.device, service_state(request).gpus)
+        device, budget = await _resolve_device(
+            body.device, service_state(request).gpus, body.declared_fraction
+        )
+    elif body.gpu_fraction is not None:
+        raise Problem(
+            422,
+            "validation",
+            "gpu_fraction is a share of a device's memory: give the device (cuda_index, uuid, "
+            "capacity_bytes or node_labels) it is a share of",
+            field="body.gpu_fraction",
+        )
     capacity = None if device is None else device.capacity_bytes
     limit, profile_id, source = _resolve_limit(body, request, device)
     options: dict[str, Any] = {
@@ -99,6 +129,11 @@ async def create_plan(request: Request) -> Response:
         source=source,
         **options,
     )
+    margin = body.safety_margin
+    if margin is None:
+        margin = limit.safety_margin if isinstance(limit, Profile) else DEFAULT_SAFETY_MARGIN
+    if budget is not None:
+        result = with_budget(result, budget, safety_margin=margin)
     options_table = None
     if body.world_sizes is not None:
         _check_table_size(body, result)
@@ -112,7 +147,11 @@ async def create_plan(request: Request) -> Response:
         options_table = [
             {
                 "world_size": row.world_size,
-                "plan": row.plan,
+                "plan": (
+                    row.plan
+                    if budget is None or row.plan is None
+                    else with_budget(row.plan, budget, safety_margin=margin)
+                ),
                 "reason": row.describe(field_wording),
             }
             for row in rows
@@ -178,25 +217,16 @@ def _configs(result: Plan) -> dict[str, Any]:
         }
 
 
-async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
+async def _resolve_device(
+    spec: DeviceSpec, gpus: GpuMonitor, gpu_fraction: float | None
+) -> tuple[ResolvedDevice, MemoryBudget]:
+    """The device planned for and its memory budget (module docstring); the device's
+    ``capacity_bytes`` is the budget's."""
     if spec.capacity_bytes is not None:
-        return ResolvedDevice(source="capacity_bytes", capacity_bytes=spec.capacity_bytes)
+        budget = given_budget(spec.capacity_bytes, gpu_fraction=gpu_fraction)
+        return _resolved(budget, source="capacity_bytes"), budget
     if spec.node_labels is not None:
-        try:
-            seen = [reading.gpu for reading in (await gpus.snapshot())[1]]
-        except DeviceUnavailableError:
-            seen = []  # a central instance, or no driver: the labels alone
-        try:
-            labelled = read_node_labels(spec.node_labels, mig_profile=spec.mig_profile, gpus=seen)
-        except LabelError as exc:
-            raise Problem(422, "validation", str(exc), field=exc.field) from None
-        return ResolvedDevice(
-            source="node_labels",
-            capacity_bytes=labelled.capacity_bytes,
-            name=labelled.name,
-            mig_profile=spec.mig_profile,
-            warnings=list(labelled.warnings),
-        )
+        return await _labelled_device(spec, gpus, gpu_fraction)
     reading, inventory = await gpus.reading_for(cuda_index=spec.cuda_index, uuid=spec.uuid)
     if spec.cuda_index is not None:
         field, wanted = "body.device.cuda_index", f"cuda_index {spec.cuda_index}"
@@ -219,7 +249,8 @@ async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
             field=field,
         )
     gpu, memory = reading.gpu, reading.gpu.memory
-    if memory.total_memory_bytes is None or memory.free_memory_bytes is None:
+    total, free = memory.total_memory_bytes, memory.free_memory_bytes
+    if total is None or free is None:
         raise Problem(
             503,
             "memory-unknown",
@@ -227,7 +258,7 @@ async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
             f"{gpu.memory_detail}); plan with device.capacity_bytes instead",
             field=field,
         )
-    capacity = memory.total_memory_bytes if spec.memory == "total" else memory.free_memory_bytes
+    capacity = total if spec.memory == "total" else free
     if capacity < 1:
         raise Problem(
             422, "no-free-memory", f"GPU {gpu.uuid} has no free memory", field="body.device.memory"
@@ -245,9 +276,27 @@ async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
             'this plan for memory "total" assumes they will be gone when the job runs; plan '
             'with memory "free" to leave room for them'
         )
-    return ResolvedDevice(
+    readings = [
+        BudgetReading(
+            source="nvml",
+            total_bytes=total,
+            available_bytes=min(capacity, total),
+            free_bytes=min(free, total),
+            detail=f'{gpu.name} {gpu.uuid}, memory "{spec.memory}"',
+        )
+    ]
+    try:
+        limit = None if gpu.cuda_index is None else vgpu_limit_reading(os.environ, gpu.cuda_index)
+    except ConfigError as exc:
+        raise Problem(503, "memory-unknown", str(exc), field=field) from None
+    if limit is not None:
+        readings.append(limit)
+    if gpu_fraction is not None:
+        readings.append(_fraction(gpu_fraction, total))
+    budget = combine_budget(readings, unseen_sources=("cuda_runtime",))
+    device = _resolved(
+        budget,
         source="nvml",
-        capacity_bytes=capacity,
         name=gpu.name,
         uuid=gpu.uuid,
         cuda_index=gpu.cuda_index,
@@ -257,6 +306,82 @@ async def _resolve_device(spec: DeviceSpec, gpus: GpuMonitor) -> ResolvedDevice:
         age_seconds=round(reading.age_seconds(), 3),
         memory_held_by_others_bytes=held,
         note=note,
+    )
+    return device, budget
+
+
+async def _labelled_device(
+    spec: DeviceSpec, gpus: GpuMonitor, gpu_fraction: float | None
+) -> tuple[ResolvedDevice, MemoryBudget]:
+    """A device named by GPU feature discovery labels: the card (or slice), its share under
+    the device plugin's time-slicing, and the declared fraction."""
+    assert spec.node_labels is not None
+    try:
+        seen = [reading.gpu for reading in (await gpus.snapshot())[1]]
+    except DeviceUnavailableError:
+        seen = []  # a central instance, or no driver: the labels alone
+    try:
+        labelled = read_node_labels(spec.node_labels, mig_profile=spec.mig_profile, gpus=seen)
+    except LabelError as exc:
+        raise Problem(422, "validation", str(exc), field=exc.field) from None
+    card = labelled.capacity_bytes
+    if labelled.shared and labelled.replicas == 1 and gpu_fraction is None:
+        raise Problem(
+            422,
+            "validation",
+            "the node labels say its GPUs are shared (a '-SHARED' product or a sharing strategy) "
+            "but not among how many jobs (no nvidia.com/gpu.replicas label), so a job's share "
+            "of the card is unknown and it is never planned as the whole card: give "
+            "gpu_fraction (1 / the number of replicas), or device.capacity_bytes",
+            field="body.gpu_fraction",
+        )
+    readings = [
+        BudgetReading(
+            source="node_labels",
+            total_bytes=card,
+            available_bytes=card,
+            detail=f"{labelled.name or 'GPU'} from the node's labels",
+        )
+    ]
+    if labelled.replicas > 1:
+        share = card // labelled.replicas
+        strategy = labelled.sharing_strategy or "time-slicing"
+        readings.append(
+            BudgetReading(
+                source="time_slicing",
+                total_bytes=share,
+                available_bytes=share,
+                detail=f"the device plugin shares each card among {labelled.replicas} replicas "
+                f"({strategy}, no memory isolation between them): 1/{labelled.replicas} of it",
+            )
+        )
+    if gpu_fraction is not None:
+        readings.append(_fraction(gpu_fraction, card))
+    budget = combine_budget(readings, unseen_sources=("cuda_runtime",))
+    device = _resolved(
+        budget,
+        source="node_labels",
+        name=labelled.name,
+        mig_profile=spec.mig_profile,
+        warnings=list(labelled.warnings),
+    )
+    return device, budget
+
+
+def _fraction(gpu_fraction: float, total_bytes: int) -> BudgetReading:
+    return fraction_reading(
+        "gpu_fraction", gpu_fraction, total_bytes, f"gpu_fraction={gpu_fraction} declared"
+    )
+
+
+def _resolved(budget: MemoryBudget, **fields: Any) -> ResolvedDevice:
+    """The device as the answer shows it: its capacity is the budget's, with the deciding
+    source and the sharing mode beside it."""
+    return ResolvedDevice(
+        capacity_bytes=budget.budget_bytes,
+        deciding_source=budget.deciding_source,
+        sharing_mode=budget.sharing_mode,
+        **fields,
     )
 
 

@@ -54,7 +54,7 @@ def test_simulated_device_raises_torch_oom_and_hands_back_nothing() -> None:
 
 
 def test_cpu_device_stops_before_the_host_runs_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_module, "read_meminfo", lambda: (1 << 30, 100_000))
+    monkeypatch.setattr(cpu_module, "read_meminfo", lambda path=None: (1 << 30, 100_000))
     device = CpuDevice()
     with (
         pytest.raises(torch.OutOfMemoryError, match="host memory would be exhausted"),

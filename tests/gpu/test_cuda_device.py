@@ -99,3 +99,20 @@ def test_release_returns_the_cache_and_resets_the_peak(device: CudaDevice) -> No
     device.release()
     assert torch.cuda.memory_reserved(0) < 512 * MiB
     assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0)
+
+
+def test_the_budget_names_every_source_and_a_vgpu_limit_decides() -> None:
+    # Issue 23 on a real card: NVML and the CUDA runtime agree on an idle card, and a vGPU limit
+    # variable (HAMi-core's units) decides below them.
+    torch.cuda.empty_cache()
+    alone = CudaDevice(cuda_index=0, environ={}).capacity().budget
+    limited = CudaDevice(cuda_index=0, environ={"CUDA_DEVICE_MEMORY_LIMIT_0": "1024m"})
+    budget = limited.capacity().budget
+
+    assert alone is not None and [r.source for r in alone.readings] == ["nvml", "cuda_runtime"]
+    nvml, runtime = alone.readings
+    assert abs(nvml.total_bytes - runtime.total_bytes) < TOLERANCE_BYTES
+    assert budget is not None and budget.budget_bytes == GiB
+    assert (budget.deciding_source, budget.sharing_mode) == ("vgpu_limit", "virtualised")
+    declared = CudaDevice(cuda_index=0, gpu_fraction=0.5).capacity()
+    assert abs(declared.capacity_bytes - declared.total_memory_bytes // 2) < TOLERANCE_BYTES

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 import autobatch
 from autobatch.cli import main as cli_main
+from autobatch.planning import given_budget, with_budget
 from autobatch.planning.planner import Plan
 from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 from service.jobs import queue_key
@@ -386,12 +387,18 @@ def test_the_answer_carries_the_library_plans_as_their_to_dict(client: TestClien
             "device": {"capacity_bytes": request["capacity_bytes"]},
         },
     ).json()
+    # ...and the memory budget the device gave, completed for each plan's peak.
+    budget = given_budget(80 * GiB)
+    margin = profile.safety_margin
     expected = autobatch.plan(profile, world_size=2, source="cached", **request)
+    expected = with_budget(expected, budget, safety_margin=margin)
     assert expected.prediction is not None and len(expected.notes) >= 2  # the fields that nest
+    assert expected.budget is not None and expected.budget.trials_per_gpu  # it nests too
     assert body["plan"] == expected.to_dict()
     rows = autobatch.plan_world_sizes(profile, world_sizes=[1, 2, 5], source="cached", **request)
     assert [row["plan"] for row in body["world_size_options"]] == [
-        None if row.plan is None else row.plan.to_dict() for row in rows
+        None if row.plan is None else with_budget(row.plan, budget, safety_margin=margin).to_dict()
+        for row in rows
     ]
     assert body["world_size_options"][2]["plan"] is None  # 288 is not a multiple of 5
 
@@ -1099,11 +1106,18 @@ def test_openapi_documents_the_plan_body_in_every_app(make_app: Callable[..., Fa
 
 def test_the_profile_schema_has_every_profile_field() -> None:
     """The service must accept whatever autobatch.Profile.to_dict() produces (no drift)."""
-    from service.schemas import ProfileBase, TrialBase
+    from service.schemas import BudgetReadingBase, MemoryBudgetBase, ProfileBase, TrialBase
 
-    data = make_profile().to_dict()
+    # A profile that says its memory budget (a probe's): every field, nested ones too.
+    data = make_profile(budget=given_budget(80 * GiB, gpu_fraction=0.5)).to_dict()
     assert set(ProfileBase.model_fields) == set(data)
     assert set(TrialBase.model_fields) == set(data["trials"][0])
+    assert set(MemoryBudgetBase.model_fields) == set(data["budget"])
+    assert set(BudgetReadingBase.model_fields) == set(data["budget"]["readings"][0])
+    served = ProfileBase.model_validate_json(json.dumps(data)).model_dump()
+    assert Profile.from_dict(served) == Profile.from_dict(data)
+    # One without (an estimate's, or one written before budgets) leaves the key out.
+    assert "budget" not in make_profile().to_dict()
 
 
 def test_the_plan_schema_has_every_plan_field(client: TestClient) -> None:
