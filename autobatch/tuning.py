@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,13 +38,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autobatch.conditions import condition_changes
 from autobatch.device import Device, resolve_device
 from autobatch.distributed.consensus import (
     LocalConsensus,
     ProcessGroupConsensus,
     process_group_consensus,
 )
-from autobatch.distributed.layout import data_parallel_size as _data_parallel_size
+from autobatch.distributed.layout import resolve_data_parallel
+from autobatch.errors import ConditionsWarning
 from autobatch.planning import (
     Plan,
     PlanConstraints,
@@ -53,12 +56,20 @@ from autobatch.planning import (
     stored_profile_source,
 )
 from autobatch.probing.compiled import compiled_mode
+from autobatch.probing.conditions import read_conditions
 from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
 from autobatch.probing.placement import model_device
 from autobatch.probing.prober import run_confirmation, run_probe
 from autobatch.probing.step import LossFn, TrainStep
 from autobatch.profile import Profile
-from autobatch.profiles.cache import StoreOptions, TunedProfile, agreed_profile, answers_request
+from autobatch.profiles.cache import (
+    StoreOptions,
+    Superseded,
+    TunedProfile,
+    _outside_autobatch,
+    agreed_profile,
+    answers_request,
+)
 from autobatch.profiles.confirmation import (
     ArrivalPrediction,
     confirm_on_arrival,
@@ -68,6 +79,7 @@ from autobatch.profiles.confirmation import (
 )
 from autobatch.profiles.store import ProfileStore
 from autobatch.training.oom_split import SplitEvent
+from autobatch.units import format_bytes
 
 __all__ = [
     "TunedProfile",
@@ -225,7 +237,7 @@ def tune(
     Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this. Every argument
     is checked here, once, into the option bundles the road passes down.
     """
-    world_size = _data_parallel_size(
+    world_size, world_source = resolve_data_parallel(
         model,
         world_size=world_size,
         data_parallel_size=data_parallel_size,
@@ -257,15 +269,40 @@ def tune(
             largest_useful_micro_batch_size(effective_batch_size, world_size),
         ),
         on_trial=on_trial,
+        data_parallel=(world_size, world_source),
     )
     storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
     found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan_within(found.profile, constraints, source=source)
-    if world_size == 1 and dist.is_available() and dist.is_initialized():
+    distributed = dist.is_available() and dist.is_initialized()
+    notes = [*_why_probed_again(found), *result.notes]
+    if world_size == 1 and distributed:
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
         # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.
-        result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
+        notes.append(result.formula())
+    if options.conditions.applies("allocator_settings"):
+        notes.extend(
+            f"{name}={value!r} is set but not in effect: torch read its allocator settings "
+            f"before (they are {options.conditions.allocator_settings or 'torch defaults'}); set "
+            "it before the process starts"
+            for name, value in options.conditions.ignored_allocator_variables.items()
+        )
+    if world_source.startswith("the launcher") and not distributed:
+        notes.append(
+            f"world_size {world_size} from {world_source}: torch.distributed is not initialised "
+            "yet, so the ranks did not agree on the micro-batch (each probed its own device); "
+            "call autotune after init_process_group for one plan on every rank"
+        )
+    result = dataclasses.replace(
+        result,
+        notes=tuple(notes),
+        conditions=dataclasses.replace(
+            found.profile.conditions,
+            data_parallel_size=world_size,
+            data_parallel_source=world_source,
+        ),
+    )
     if not eval:
         return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
     evaluation = find_profile(step, options.for_eval(step), storing).profile
@@ -336,10 +373,12 @@ def _bundles(
     use_estimate: bool = True,
     on_trial: OnTrial | None,
     eval: bool = False,
+    data_parallel: tuple[int, str] | None = None,
     **step_arguments: Any,
 ) -> tuple[StepSpec, ProbeOptions]:
-    """The step and the probe options, checked once; under torch.distributed the options agree
-    through the default process group (every rank must call this)."""
+    """The step and the probe options (with the live conditions), checked once; under
+    torch.distributed the options agree through the default process group (every rank must call
+    this)."""
     step = StepSpec.build(model, sample, **step_arguments)
     target = resolve_device(device, default=model_device(model))
     options = ProbeOptions.build(
@@ -351,6 +390,7 @@ def _bundles(
         on_trial=on_trial,
         eval=eval,
         consensus=process_group_consensus(target.torch_device),
+        data_parallel=data_parallel,
     )
     return step, options
 
@@ -371,6 +411,7 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
         total_memory_bytes=capacity_now.total_memory_bytes,
         compiled=options.compiled,
         mode=options.mode,
+        conditions=options.conditions,
     )
     # The capacity a profile answers for: under torch.distributed, the smallest rank's (the
     # capacity the ranks probe together).
@@ -379,7 +420,25 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
     def accepts(found: Profile) -> bool:
         return answers_request(
             found, options.safety_margin, options.max_micro_batch_size, searched_capacity
-        )
+        ) and not condition_changes(found.conditions, options.conditions)
+
+    def explain(store: ProfileStore) -> Superseded | None:
+        """The newest stored profile of this step on this card, when its conditions differ."""
+        same = (step.identity, capacity_now.total_memory_bytes, options.compiled, options.mode)
+        for profile_id, stored in store.list_profiles(
+            model_fingerprint=step.identity.model_fingerprint,
+            device_name=options.device.name,
+            limit=_EXPLAINED_PROFILES,
+        ):
+            if (stored.identity, stored.total_memory_bytes, stored.compiled, stored.mode) != same:
+                continue
+            changes = condition_changes(stored.conditions, options.conditions)
+            return (
+                Superseded(profile_id=profile_id, profile=stored, changes=changes)
+                if changes
+                else None
+            )
+        return None
 
     def confirm(store: ProfileStore | None) -> tuple[Profile | None, str]:
         predicted = _prediction_here(
@@ -404,7 +463,42 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
         accepts=accepts,
         run_probe=lambda: run_probe(step, options),
         confirm=confirm if ranks.world_size == 1 else None,
+        explain=explain,
     )
+
+
+_EXPLAINED_PROFILES = 20
+"""Stored profiles of the model on the card that a store miss looks through for the reason."""
+
+SAME_SLOPE = 0.05
+"""Bytes per sample with and without activation checkpointing within this fraction of each
+other: checkpointing changed nothing."""
+
+
+def _why_probed_again(found: TunedProfile) -> list[str]:
+    """Plan notes for a profile probed again because the stored one's conditions differ (that
+    reason), and a :class:`ConditionsWarning` when the change was activation checkpointing and
+    the memory per sample came out the same: checkpointing changed nothing here."""
+    superseded = found.superseded
+    if superseded is None:
+        return []
+    notes = [superseded.describe()]
+    before, after = superseded.profile.memory_model, found.profile.memory_model
+    toggled = any(change.name == "activation checkpointing" for change in superseded.changes)
+    if toggled and before is not None and after is not None:
+        slopes = (before.bytes_per_sample, after.bytes_per_sample)
+        if abs(slopes[0] - slopes[1]) <= SAME_SLOPE * max(slopes):
+            text = (
+                f"activation checkpointing changed nothing: {format_bytes(slopes[1])} per sample "
+                f"now ({found.profile.conditions.activation_checkpointing}), "
+                f"{format_bytes(slopes[0])} in profile {superseded.profile_id} "
+                f"({superseded.profile.conditions.activation_checkpointing}); check that it "
+                "wraps the layers whose activations dominate, and that they run it (Hugging "
+                "Face models checkpoint only in training mode)"
+            )
+            warnings.warn(text, ConditionsWarning, stacklevel=_outside_autobatch())
+            notes.append(text)
+    return notes
 
 
 def _prediction_here(
@@ -425,6 +519,7 @@ def _prediction_here(
         "safety_margin": options.safety_margin,
         "max_micro_batch_size": options.max_micro_batch_size,
         "mode": options.mode,
+        "conditions": options.conditions,
     }
     identity = step.identity
     found = find_prediction(stored_profiles(store, identity), identity, **where)
@@ -481,6 +576,7 @@ def split_recorder(
         device_name=target.name,
         total_memory_bytes=target.capacity().total_memory_bytes,
         compiled=compiled_mode(model, target.type),
+        conditions=read_conditions(model, optimizer, device_type=target.type, amp_dtype=amp_dtype),
     )
 
     def record(event: SplitEvent) -> None:

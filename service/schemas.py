@@ -20,6 +20,7 @@ from autobatch.profile import PROFILE_SCHEMA_VERSION
 from service.registry import DeviceName
 
 __all__ = [
+    "ConditionsFields",
     "DeviceList",
     "DeviceSpec",
     "GpuProblem",
@@ -229,6 +230,31 @@ class MemoryModelBase(_Strict):
     bytes_per_sample: PositiveBytes
 
 
+class ConditionsFields(_Strict):
+    """``autobatch.conditions.Conditions``: what moved the step's memory in the process it was
+    measured in (allocator settings in effect, cuDNN flags, AMP, bytes by dtype, checkpointing,
+    optimizer, data-parallel size); all empty when not recorded."""
+
+    device_type: Name = ""
+    allocator_settings: LongText = ""
+    allocator_source: Name = ""
+    allocator_backend: Name = ""
+    allocator_environment: dict[Name, LongText] = Field(default_factory=dict, max_length=16)
+    cuda_initialized: bool = False
+    cudnn: dict[Name, Name] = Field(default_factory=dict, max_length=16)
+    amp_dtype: Name = ""
+    parameter_bytes: dict[Name, Bytes] = Field(default_factory=dict, max_length=64)
+    gradient_bytes: dict[Name, Bytes] = Field(default_factory=dict, max_length=64)
+    optimizer_state_bytes: dict[Name, Bytes] = Field(default_factory=dict, max_length=64)
+    num_parameters: Annotated[int, Field(ge=0, le=MAX_BYTES)] = 0
+    num_trainable_parameters: Annotated[int, Field(ge=0, le=MAX_BYTES)] = 0
+    activation_checkpointing: LongText = ""
+    optimizer: Name = ""
+    optimizer_state_dtype: Name = ""
+    data_parallel_size: Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE)] = 0
+    data_parallel_source: LongText = ""
+
+
 class ProfileBase(_Strict):
     """A probe result (``autobatch.Profile.to_dict()``)."""
 
@@ -268,6 +294,7 @@ class ProfileBase(_Strict):
     backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
     created_at: Name = ""
     schema_version: int = Field(default=PROFILE_SCHEMA_VERSION, ge=1, le=PROFILE_SCHEMA_VERSION)
+    conditions: ConditionsFields | None = None
 
 
 class ProfileCreate(ProfileBase):
@@ -375,6 +402,7 @@ class PlanFields(BaseModel):
     source: Literal["measured", "cached", "estimated", "given", "predicted"]
     prediction: PredictionFields | None = None
     notes: list[str]
+    conditions: ConditionsFields | None = None
 
 
 class PlanConfigs(BaseModel):

@@ -15,8 +15,12 @@ steps and ``m`` the micro-batch size:
   minimal ``k = ceil(P / M)`` with unequal sizes. ``"never"`` only plans equal sizes, ``"always"``
   always uses the minimal ``k``. Unequal sizes need each micro-batch's loss weighted by its share
   of the ``P`` samples (not ``1 / k``) for the gradient to equal the full batch's.
-- With step times (measured, or given), the split with the least predicted time per effective
-  batch wins among the candidates of the kind chosen above; ties go to fewer steps.
+- With step times, a split other than the fewest steps wins only by a measured difference:
+  every micro-batch size of both splits timed more than once, and its time per effective batch
+  from its slowest timings below the fewest steps' from their fastest (the difference exceeds
+  the timings' spread); among such splits the least predicted time wins, ties to fewer steps.
+  Otherwise the fewest steps. Step times the caller gives (``step_seconds``) are taken as exact.
+  The plan's notes show the times and the timings behind a throughput choice.
 
 Example::
 
@@ -36,6 +40,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from autobatch.conditions import Conditions
 from autobatch.errors import (
     ConfigError,
     NoFeasiblePlanError,
@@ -128,6 +133,11 @@ class Plan:
     eval_micro_batch_size: int | None = None
     """Samples per device per evaluation forward pass (under ``torch.inference_mode``, model in
     eval mode), from a probe of evaluation (``autotune(..., eval=True)``); None when not probed."""
+    conditions: Conditions = dataclasses.field(default_factory=Conditions)
+    """The conditions the plan's numbers were measured under: its profile's (with the plan's
+    data-parallel size and its source, from ``autotune``); empty for a plan from a number or a
+    memory line. Where the plan is used (``autobatch.plan``, the Accumulator, the drop-ins) they
+    are compared with the live process (:func:`autobatch.conditions.condition_changes`)."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -189,6 +199,7 @@ class Plan:
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
         data["notes"] = list(self.notes)
         data["prediction"] = None if self.prediction is None else self.prediction.to_dict()
+        data["conditions"] = self.conditions.to_dict()
         return data
 
     @classmethod
@@ -209,6 +220,7 @@ class Plan:
             fields["notes"] = tuple(data.get("notes", ()))
             prediction = data.get("prediction")
             fields["prediction"] = None if prediction is None else Prediction.from_dict(prediction)
+            fields["conditions"] = Conditions.from_dict(data.get("conditions"))
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not a valid plan: {exc}") from exc
@@ -441,7 +453,10 @@ def _resolve(
         step_seconds=step_seconds,
         source=source,
     )
-    if not isinstance(limit, Profile) or not limit.failure_note:
+    if not isinstance(limit, Profile):
+        return resolved
+    resolved.conditions = limit.conditions
+    if not limit.failure_note:
         return resolved
     return dataclasses.replace(resolved, notes=(limit.failure_note, *resolved.notes))
 
@@ -605,9 +620,12 @@ def _plan(limit: Limit, constraints: PlanConstraints) -> Plan:
             None if peak is None or limit.capacity_bytes is None else limit.capacity_bytes - peak
         ),
         predicted_seconds_per_effective_batch=(
-            None if limit.step_time is None else split_seconds(per_rank, steps, limit.step_time)
+            None
+            if limit.step_time is None
+            else split_seconds(per_rank, steps, limit.step_time.seconds)
         ),
         source=limit.source,
         prediction=limit.prediction,
         notes=tuple(notes),
+        conditions=limit.conditions,
     )
