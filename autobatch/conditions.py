@@ -87,8 +87,9 @@ class Conditions:
     amp_dtype: str = ""
     """The autocast dtype: ``"bfloat16"``, ``"float16"``, or ``"off"``; ``""`` unknown."""
     parameter_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """Bytes of the parameters resident on this device by dtype (``{"float32": 497664}``): local
-    shards of sharded (FSDP, DTensor) parameters."""
+    """Bytes of the parameters resident on this device by dtype (``{"float32": 497664}``): of a
+    sharded (FSDP2, DTensor) parameter its shard, padded to the largest rank's as FSDP2
+    allocates it (the same on every rank)."""
     gradient_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Bytes of the gradients a backward makes by dtype: one per trainable parameter, in its
     dtype (as torch makes them)."""
@@ -141,6 +142,16 @@ class Conditions:
             for name, value in self.allocator_environment.items()
             if normalized_allocator_settings(value) != in_effect
         }
+
+    def not_in_effect(self) -> list[str]:
+        """Notes for the allocator variables set but not in effect, where they would apply."""
+        if not self.applies("allocator_settings"):
+            return []
+        return [
+            f"{name}={value!r} is set but not in effect ({_not_in_effect()}; torch runs "
+            f"{self.allocator_settings or 'its defaults'}): set it before the process starts"
+            for name, value in self.ignored_allocator_variables.items()
+        ]
 
     def applies(self, name: str) -> bool:
         """Whether the condition ``name`` (a field) moves memory on :attr:`device_type`."""

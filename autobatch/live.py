@@ -60,7 +60,16 @@ def _checked_here(function: Callable[P, Plan]) -> Callable[P, Plan]:
             )
         return dataclasses.replace(result, notes=(*result.notes, *changes))
 
+    checked.__doc__ = (function.__doc__ or "") + _CHECKED_HERE
     return checked
+
+
+_CHECKED_HERE = """
+    As ``autobatch.plan``, in a process that has loaded torch, the plan is then checked against
+    this process (:mod:`autobatch.live`): a profile's allocator settings and cuDNN flags (for the
+    card it measured, no ``capacity_bytes``) and, without ``world_size``, the launcher's or the
+    process group's ranks; each difference is a ``ConditionsWarning`` and a note.
+"""
 
 
 def _changes_here(result: Plan, *, for_this_card: bool, world_size_given: bool) -> list[str]:

@@ -69,6 +69,7 @@ from autobatch.profiles.cache import (
     _outside_autobatch,
     agreed_profile,
     answers_request,
+    superseded_in,
 )
 from autobatch.profiles.confirmation import (
     ArrivalPrediction,
@@ -79,7 +80,6 @@ from autobatch.profiles.confirmation import (
 )
 from autobatch.profiles.store import ProfileStore
 from autobatch.training.oom_split import SplitEvent
-from autobatch.units import format_bytes
 
 __all__ = [
     "TunedProfile",
@@ -281,13 +281,7 @@ def tune(
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
         # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.
         notes.append(result.formula())
-    if options.conditions.applies("allocator_settings"):
-        notes.extend(
-            f"{name}={value!r} is set but not in effect: torch read its allocator settings "
-            f"before (they are {options.conditions.allocator_settings or 'torch defaults'}); set "
-            "it before the process starts"
-            for name, value in options.conditions.ignored_allocator_variables.items()
-        )
+    notes.extend(options.conditions.not_in_effect())
     if world_source.startswith("the launcher") and not distributed:
         notes.append(
             f"world_size {world_size} from {world_source}: torch.distributed is not initialised "
@@ -423,22 +417,15 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
         ) and not condition_changes(found.conditions, options.conditions)
 
     def explain(store: ProfileStore) -> Superseded | None:
-        """The newest stored profile of this step on this card, when its conditions differ."""
-        same = (step.identity, capacity_now.total_memory_bytes, options.compiled, options.mode)
-        for profile_id, stored in store.list_profiles(
-            model_fingerprint=step.identity.model_fingerprint,
+        return superseded_in(
+            store,
+            step.identity,
+            options.conditions,
             device_name=options.device.name,
-            limit=_EXPLAINED_PROFILES,
-        ):
-            if (stored.identity, stored.total_memory_bytes, stored.compiled, stored.mode) != same:
-                continue
-            changes = condition_changes(stored.conditions, options.conditions)
-            return (
-                Superseded(profile_id=profile_id, profile=stored, changes=changes)
-                if changes
-                else None
-            )
-        return None
+            total_memory_bytes=capacity_now.total_memory_bytes,
+            compiled=options.compiled,
+            mode=options.mode,
+        )
 
     def confirm(store: ProfileStore | None) -> tuple[Profile | None, str]:
         predicted = _prediction_here(
@@ -467,37 +454,16 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
     )
 
 
-_EXPLAINED_PROFILES = 20
-"""Stored profiles of the model on the card that a store miss looks through for the reason."""
-
-SAME_SLOPE = 0.05
-"""Bytes per sample with and without activation checkpointing within this fraction of each
-other: checkpointing changed nothing."""
-
-
 def _why_probed_again(found: TunedProfile) -> list[str]:
-    """Plan notes for a profile probed again because the stored one's conditions differ (that
-    reason), and a :class:`ConditionsWarning` when the change was activation checkpointing and
-    the memory per sample came out the same: checkpointing changed nothing here."""
-    superseded = found.superseded
-    if superseded is None:
+    """Plan notes for a profile probed again because the stored one's conditions differ, and a
+    :class:`ConditionsWarning` when activation checkpointing changed nothing."""
+    if found.superseded is None:
         return []
-    notes = [superseded.describe()]
-    before, after = superseded.profile.memory_model, found.profile.memory_model
-    toggled = any(change.name == "activation checkpointing" for change in superseded.changes)
-    if toggled and before is not None and after is not None:
-        slopes = (before.bytes_per_sample, after.bytes_per_sample)
-        if abs(slopes[0] - slopes[1]) <= SAME_SLOPE * max(slopes):
-            text = (
-                f"activation checkpointing changed nothing: {format_bytes(slopes[1])} per sample "
-                f"now ({found.profile.conditions.activation_checkpointing}), "
-                f"{format_bytes(slopes[0])} in profile {superseded.profile_id} "
-                f"({superseded.profile.conditions.activation_checkpointing}); check that it "
-                "wraps the layers whose activations dominate, and that they run it (Hugging "
-                "Face models checkpoint only in training mode)"
-            )
-            warnings.warn(text, ConditionsWarning, stacklevel=_outside_autobatch())
-            notes.append(text)
+    notes = [found.superseded.describe()]
+    in_vain = found.superseded.checkpointing_in_vain(found.profile)
+    if in_vain:
+        warnings.warn(in_vain, ConditionsWarning, stacklevel=_outside_autobatch())
+        notes.append(in_vain)
     return notes
 
 

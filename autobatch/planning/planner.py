@@ -15,12 +15,9 @@ steps and ``m`` the micro-batch size:
   minimal ``k = ceil(P / M)`` with unequal sizes. ``"never"`` only plans equal sizes, ``"always"``
   always uses the minimal ``k``. Unequal sizes need each micro-batch's loss weighted by its share
   of the ``P`` samples (not ``1 / k``) for the gradient to equal the full batch's.
-- With step times, a split other than the fewest steps wins only by a measured difference:
-  every micro-batch size of both splits timed more than once, and its time per effective batch
-  from its slowest timings below the fewest steps' from their fastest (the difference exceeds
-  the timings' spread); among such splits the least predicted time wins, ties to fewer steps.
-  Otherwise the fewest steps. Step times the caller gives (``step_seconds``) are taken as exact.
-  The plan's notes show the times and the timings behind a throughput choice.
+- With step times, another split than the fewest steps wins only by a difference measured more
+  than once and beyond the timings' spread (:func:`~autobatch.planning.splits.choose_steps`);
+  given ``step_seconds`` are taken as exact. The notes show the timings behind the choice.
 
 Example::
 
@@ -134,10 +131,8 @@ class Plan:
     """Samples per device per evaluation forward pass (under ``torch.inference_mode``, model in
     eval mode), from a probe of evaluation (``autotune(..., eval=True)``); None when not probed."""
     conditions: Conditions = dataclasses.field(default_factory=Conditions)
-    """The conditions the plan's numbers were measured under: its profile's (with the plan's
-    data-parallel size and its source, from ``autotune``); empty for a plan from a number or a
-    memory line. Where the plan is used (``autobatch.plan``, the Accumulator, the drop-ins) they
-    are compared with the live process (:func:`autobatch.conditions.condition_changes`)."""
+    """What its profile was measured under (``autotune``: with the plan's data-parallel size and
+    source); empty from a number. Compared with the live process where the plan is used."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes

@@ -12,8 +12,8 @@ What is read, and from where (never from the flags a caller passed, except where
   ``torch.cuda.memory.get_allocator_backend()`` (CUDA builds). Both variable names as set, and
   whether CUDA was initialised, beside them;
 - ``torch.backends.cudnn``'s ``enabled``, ``benchmark`` and ``deterministic``;
-- the parameters' and gradients' bytes by dtype, resident on this device (a DTensor's local
-  shard), and the trainable elements;
+- the parameters' and gradients' bytes by dtype, resident on this device (a DTensor's shard,
+  padded as FSDP2 allocates it), and the trainable elements;
 - activation checkpointing: Hugging Face's ``gradient_checkpointing`` flags (with the checkpoint
   function's settings), ``checkpoint_wrapper`` modules, the composable ``checkpoint`` API;
 - the optimizer's class, and its state's bytes by dtype once it has state (the probe reads it
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -90,8 +91,8 @@ def read_conditions(
             amp_dtype=_amp(amp_dtype),
             parameter_bytes=_bytes_by_dtype(model.parameters()),
             gradient_bytes=_bytes_by_dtype(trainable),
-            num_parameters=sum(_local(p).numel() for p in model.parameters()),
-            num_trainable_parameters=sum(_local(p).numel() for p in trainable),
+            num_parameters=sum(_resident_numel(p) for p in model.parameters()),
+            num_trainable_parameters=sum(_resident_numel(p) for p in trainable),
             activation_checkpointing=activation_checkpointing(model),
             optimizer=_qualified(optimizer) if optimizer is not None else DEFAULT_OPTIMIZER,
         ),
@@ -302,16 +303,24 @@ def _qualified(instance: object) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what is resident on this device), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
+def _resident_numel(tensor: torch.Tensor) -> int:
+    """Elements of ``tensor`` resident on this device: for a DTensor, its shard padded to the
+    largest rank's (as FSDP2 allocates them), so that every rank reads the same number (a
+    profile's cache key must be the same on every rank); else all of them."""
+    placements = getattr(tensor, "placements", None)
+    mesh = getattr(tensor, "device_mesh", None)
+    if placements is None or mesh is None:
+        return tensor.numel()
+    shape = list(tensor.shape)
+    for ranks, placement in zip(mesh.shape, placements, strict=True):
+        if placement.is_shard():
+            shape[placement.dim] = -(-shape[placement.dim] // ranks)
+    return math.prod(shape)
 
 
 def _bytes_by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     found: dict[str, int] = {}
     for tensor in tensors:
-        local = _local(tensor)
-        dtype = str(local.dtype).removeprefix("torch.")
-        found[dtype] = found.get(dtype, 0) + local.numel() * local.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        found[dtype] = found.get(dtype, 0) + _resident_numel(tensor) * tensor.element_size()
     return dict(sorted(found.items()))

@@ -23,14 +23,17 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from autobatch.conditions import ConditionChange
+from autobatch.conditions import ConditionChange, Conditions, condition_changes
 from autobatch.distributed.consensus import LocalConsensus, ProcessGroupConsensus
 from autobatch.errors import AutobatchError, ReportWarning
-from autobatch.profile import Profile
+from autobatch.profile import Mode, Profile, StepIdentity
 from autobatch.profiles.store import ProfileStore
+from autobatch.units import format_bytes
 
 __all__ = [
     "CAPACITY_TOLERANCE",
+    "EXPLAINED_PROFILES",
+    "SAME_SLOPE",
     "Confirm",
     "Ranks",
     "StoreOptions",
@@ -39,6 +42,7 @@ __all__ = [
     "agreed_profile",
     "answers_request",
     "report_profile_to",
+    "superseded_in",
 ]
 
 logger = logging.getLogger("autobatch")
@@ -75,6 +79,61 @@ class Superseded:
             f"conditions, so it was probed again: "
             + "; ".join(change.describe() for change in self.changes)
         )
+
+    def checkpointing_in_vain(self, probed: Profile) -> str:
+        """When activation checkpointing is what changed and ``probed`` (the new profile) needs
+        as many bytes per sample as this one (within :data:`SAME_SLOPE`): that it changed
+        nothing, with both slopes and what to check; ``""`` otherwise."""
+        before, after = self.profile.memory_model, probed.memory_model
+        toggled = any(change.name == "activation checkpointing" for change in self.changes)
+        if not toggled or before is None or after is None:
+            return ""
+        slopes = (before.bytes_per_sample, after.bytes_per_sample)
+        if abs(slopes[0] - slopes[1]) > SAME_SLOPE * max(slopes):
+            return ""
+        return (
+            f"activation checkpointing changed nothing: {format_bytes(slopes[1])} per sample now "
+            f"({probed.conditions.activation_checkpointing}), {format_bytes(slopes[0])} in "
+            f"profile {self.profile_id} ({self.profile.conditions.activation_checkpointing}); "
+            "check that it wraps the layers whose activations dominate, and that they run it "
+            "(Hugging Face models checkpoint only in training mode)"
+        )
+
+
+SAME_SLOPE = 0.05
+"""Bytes per sample with and without activation checkpointing within this fraction of each
+other: checkpointing changed nothing."""
+
+EXPLAINED_PROFILES = 20
+"""Stored profiles of the model on the card that a store miss looks through for the reason."""
+
+
+def superseded_in(
+    store: ProfileStore,
+    identity: StepIdentity,
+    live: Conditions,
+    *,
+    device_name: str,
+    total_memory_bytes: int,
+    compiled: str,
+    mode: Mode,
+) -> Superseded | None:
+    """The newest stored profile of the step ``identity`` on this card (name, total memory,
+    compiled, mode), when its conditions differ from ``live``; None otherwise (none stored, or
+    the newest agrees on its conditions and something else kept it from answering)."""
+    same = (identity, total_memory_bytes, compiled, mode)
+    for profile_id, stored in store.list_profiles(
+        model_fingerprint=identity.model_fingerprint,
+        device_name=device_name,
+        limit=EXPLAINED_PROFILES,
+    ):
+        if (stored.identity, stored.total_memory_bytes, stored.compiled, stored.mode) != same:
+            continue
+        changes = condition_changes(stored.conditions, live)
+        return (
+            Superseded(profile_id=profile_id, profile=stored, changes=changes) if changes else None
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -349,13 +349,10 @@ class Accumulator:
         optimizer: steps once per window.
         gradient_accumulation_steps: micro-batches per optimizer step, >= 1; default the
             ``plan``'s.
-        plan: the Plan this loop runs (from :func:`autobatch.autotune`), checked here against
-            this process (:func:`autobatch.probing.conditions.check_plan_here`): its world size
-            against the loop's data-parallel ranks (DDP's process group, or the launcher's
-            ``WORLD_SIZE``, or one process; not checked under another wrapper, FSDP say, whose
-            data-parallel size the Accumulator cannot tell), and the conditions it was measured
-            under (allocator, cuDNN, parameter bytes and dtypes, checkpointing, optimizer)
-            against the live ones.
+        plan: the Plan this loop runs, checked against this process
+            (:func:`autobatch.probing.conditions.check_plan_here`): its world size against DDP's
+            group, the launcher's ``WORLD_SIZE`` or one process (not under FSDP or tensor
+            parallelism), its conditions against the live ones.
         scaler: optional ``torch.amp.GradScaler``; losses are scaled before backward and
             unscaled once per window.
         scheduler: optional LR scheduler stepped (without arguments) once per window.
@@ -370,15 +367,13 @@ class Accumulator:
             ``autobatch.tuning.split_recorder(...)`` so the profile store learns the size.
 
     Raises:
-        ConfigError: ``gradient_accumulation_steps`` not an int >= 1 (or neither it nor
-            ``plan`` given, or both and they disagree), ``max_grad_norm`` not a finite number
-            > 0, ``on_oom`` or ``oom_retry_windows`` invalid, a ``ReduceLROnPlateau`` scheduler
-            (it needs a metric: step it yourself after ``window.step()``), or a ``plan`` for
-            another number of data-parallel ranks than this loop's.
+        ConfigError: ``gradient_accumulation_steps`` not an int >= 1 (nor given by ``plan``, or
+            not the plan's), ``max_grad_norm`` not a finite number > 0, ``on_oom`` or
+            ``oom_retry_windows`` invalid, a ``ReduceLROnPlateau`` scheduler (it needs a metric:
+            step it yourself after ``window.step()``), or a ``plan`` for another world size.
 
     Warns:
-        ConditionsWarning: the ``plan`` was measured under other conditions than this process
-            has (each named, with both values and the fix): its micro-batch may not fit.
+        ConditionsWarning: the ``plan`` was measured under other conditions (each named).
     """
 
     def __init__(
@@ -596,16 +591,10 @@ class Accumulator:
 
 
 def _steps(gradient_accumulation_steps: int | None, plan: Plan | None) -> object:
-    """The accumulation steps: the given ones, else the plan's.
-
-    Raises:
-        ConfigError: both are given and they disagree.
-    """
-    if plan is None:
-        return gradient_accumulation_steps  # checked by the caller
-    if gradient_accumulation_steps not in (None, plan.gradient_accumulation_steps):
-        raise ConfigError(
-            f"gradient_accumulation_steps {gradient_accumulation_steps!r} disagrees with the "
-            f"plan's {plan.gradient_accumulation_steps}; pass one of them"
-        )
-    return plan.gradient_accumulation_steps
+    """The accumulation steps: the given ones, else the plan's (ConfigError if they differ)."""
+    if plan is None or gradient_accumulation_steps in (None, plan.gradient_accumulation_steps):
+        return gradient_accumulation_steps if plan is None else plan.gradient_accumulation_steps
+    raise ConfigError(
+        f"gradient_accumulation_steps {gradient_accumulation_steps!r} disagrees with the plan's "
+        f"{plan.gradient_accumulation_steps}; pass one of them"
+    )

@@ -195,3 +195,28 @@ def _said(remedy: Remedy) -> str:
     if remedy.parameter:
         return f"{remedy.parameter}={remedy.values[0]}"
     return remedy.purpose.split(":")[0]
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_sharded_parameter_counts_its_padded_shard_the_same_on_every_rank(rank: int) -> None:
+    # FSDP2 shards a 10-row parameter over 4 ranks as 3, 3, 3, 1 rows and allocates each rank
+    # 3 rows: the bytes are the padded shard's, so every rank has the same cache key.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        rows = 3 if rank < 3 else 1
+        shard = DTensor.from_local(
+            torch.zeros(rows, 3), mesh, [Shard(0)], shape=torch.Size([10, 3]), stride=(3, 1)
+        )
+        model = torch.nn.Module()
+        model.weight = torch.nn.Parameter(shard)
+        conditions = read_conditions(model, None, device_type="cpu", amp_dtype=None)
+    finally:
+        dist.destroy_process_group()
+    assert conditions.parameter_bytes == {"float32": 3 * 3 * 4}
+    assert conditions.num_parameters == 9
