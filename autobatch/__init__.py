@@ -10,8 +10,9 @@ Example::
 ``effective_batch_size = micro_batch_size * gradient_accumulation_steps * world_size``.
 
 The public surface is ``__all__`` below: what users call or catch. Beside it, documented
-namespaces: :mod:`autobatch.errors` (every error and warning), :mod:`autobatch.integrations`
-(framework configs and drop-ins), :mod:`autobatch.client` (the HTTP client), and each layer's
+namespaces: :mod:`autobatch.errors` (every error and warning), :mod:`autobatch.conditions` (what a
+plan holds under), :mod:`autobatch.integrations` (framework configs and drop-ins),
+:mod:`autobatch.client` (the HTTP client), and each layer's
 face (:mod:`autobatch.device`, :mod:`autobatch.planning`, :mod:`autobatch.profiles`, ...) for
 code that builds on a layer, as the service and the benchmarks do. Modules inside a layer are
 private.
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
         StepFailedError,
         StoreError,
     )
-    from autobatch.planning.planner import Plan, plan, plan_world_sizes
+    from autobatch.live import plan
+    from autobatch.planning.planner import Plan, plan_world_sizes
     from autobatch.probing.estimator import estimate
     from autobatch.probing.prober import probe
     from autobatch.probing.worst_case import worst_case_sample
@@ -105,7 +107,7 @@ _EXPORTS: dict[str, str] = {
     "StepFailedError": "autobatch.errors",
     "StoreError": "autobatch.errors",
     "Plan": "autobatch.planning.planner",
-    "plan": "autobatch.planning.planner",
+    "plan": "autobatch.live",
     "plan_world_sizes": "autobatch.planning.planner",
     "estimate": "autobatch.probing.estimator",
     "probe": "autobatch.probing.prober",

@@ -16,7 +16,8 @@ Every error autobatch raises on purpose derives from :class:`AutobatchError`::
     └── ServiceError                   the HTTP service refused or failed a call (client side)
 
 Warnings (``UserWarning``): :class:`ReportWarning` (``autotune(report_to=...)`` could not register
-the profile), :class:`SmallMicroBatchNormWarning` (BatchNorm over small micro-batches).
+the profile), :class:`SmallMicroBatchNormWarning` (BatchNorm over small micro-batches),
+:class:`ConditionsWarning` (a plan used under other conditions than it was measured in).
 
 NVML's exceptions (``pynvml.NVMLError_*``) are translated at the device boundary only
 (``autobatch.device.nvml``), with ``raise ... from exc``. Out-of-memory is classified, not
@@ -49,6 +50,7 @@ from typing import Any
 
 __all__ = [
     "AutobatchError",
+    "ConditionsWarning",
     "ConfigError",
     "DeviceUnavailableError",
     "DistributedError",
@@ -272,4 +274,12 @@ class SmallMicroBatchNormWarning(UserWarning):
 
     BatchNorm normalises with the statistics of one forward pass, i.e. one micro-batch, so
     accumulation does not reproduce the large batch's behaviour for those layers.
+    """
+
+
+class ConditionsWarning(UserWarning):
+    """A plan is used in a process whose conditions that move memory (allocator settings,
+    cuDNN flags, dtypes, optimizer, activation checkpointing...) differ from the ones it was
+    measured in, so its micro-batch may not fit; or activation checkpointing changed nothing.
+    The message names each condition, both values and the fix (see :mod:`autobatch.conditions`).
     """

@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -140,7 +141,9 @@ class StepIdentity:
     """Optimizer class name, e.g. ``"AdamW"``."""
     torch_version: str = ""
     backend_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Backend state that changes peak memory (cuDNN flags, PYTORCH_CUDA_ALLOC_CONF)."""
+    """Profiles written before :attr:`Profile.conditions` existed: the cuDNN flags and the raw
+    ``PYTORCH_CUDA_ALLOC_CONF`` string. Empty in newer profiles, which record what is in effect
+    in their conditions instead."""
 
     def cache_key(
         self,
@@ -149,17 +152,22 @@ class StepIdentity:
         total_memory_bytes: int,
         compiled: str = "",
         mode: Mode = "train",
+        conditions: Conditions | None = None,
     ) -> str:
         """Canonical JSON of this identity and the device, as a string key (see
         ``autobatch.profiles.store``): equal keys, equal steps on equal cards. ``compiled`` (see
         :attr:`Profile.compiled`) joins the key only when set: a compiled step's peak differs
         from the eager one's, and uncompiled steps keep the keys they had. ``mode`` (see
         :attr:`Profile.mode`) likewise joins it only for ``"eval"``: an evaluation profile never
-        answers for training."""
+        answers for training. ``conditions`` (see :attr:`Profile.conditions`) join it when
+        recorded (:meth:`Conditions.key`): a stored profile never answers across a change of a
+        condition that moves memory."""
+        known = conditions.key() if conditions is not None else {}
         return json.dumps(
             {
                 **({"compiled": compiled} if compiled else {}),
                 **({"mode": mode} if mode != "train" else {}),
+                **({"conditions": known} if known else {}),
                 "model": self.model_fingerprint,
                 "step": self.step_fingerprint,
                 "input": {k: list(v) for k, v in sorted(self.input_shape.items())},
@@ -277,6 +285,11 @@ class Profile:
     vGPU limits, fractions, the cgroup), the one that decided ``capacity_bytes`` and the sharing
     mode (:mod:`autobatch.device.budget`); None for a profile that does not say (an estimate,
     one written before autobatch recorded it)."""
+    conditions: Conditions = dataclasses.field(default_factory=Conditions)
+    """What moved the step's memory in the process it was measured in (allocator, dtypes and
+    bytes, checkpointing, optimizer, cuDNN, AMP, data-parallel size), read from that process;
+    compared with the live process wherever the profile is used (:mod:`autobatch.conditions`).
+    Empty for a profile written before autobatch recorded them."""
 
     def __post_init__(self) -> None:
         if self.max_micro_batch_size < 1:
@@ -381,6 +394,7 @@ class Profile:
             total_memory_bytes=self.total_memory_bytes,
             compiled=self.compiled,
             mode=self.mode,
+            conditions=self.conditions,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -392,6 +406,7 @@ class Profile:
             del data["budget"]
         else:
             data["budget"] = self.budget.to_dict()
+        data["conditions"] = self.conditions.to_dict()
         return data
 
     @classmethod
@@ -424,6 +439,7 @@ class Profile:
                 from autobatch.device.budget import MemoryBudget
 
                 fields["budget"] = MemoryBudget.from_dict(budget)
+            fields["conditions"] = Conditions.from_dict(data.get("conditions"))
             if fields.get("stop_kind") is None:  # schema 1, or a service body that left it out
                 fields["stop_kind"] = _stop_kind_of_v1(data)
             fields["schema_version"] = PROFILE_SCHEMA_VERSION

@@ -30,20 +30,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autobatch.conditions import condition_changes
 from autobatch.device import Device, MemoryBudget, resolve_device
 from autobatch.distributed.consensus import (
     LocalConsensus,
     ProcessGroupConsensus,
     process_group_consensus,
 )
-from autobatch.distributed.layout import data_parallel_size as _data_parallel_size
+from autobatch.distributed.layout import resolve_data_parallel
+from autobatch.errors import ConditionsWarning
 from autobatch.planning import (
     Plan,
     PlanConstraints,
@@ -54,12 +57,21 @@ from autobatch.planning import (
     with_budget,
 )
 from autobatch.probing.compiled import compiled_mode
+from autobatch.probing.conditions import read_conditions
 from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
 from autobatch.probing.placement import model_device
 from autobatch.probing.prober import run_confirmation, run_probe
 from autobatch.probing.step import LossFn, TrainStep
 from autobatch.profile import Profile
-from autobatch.profiles.cache import StoreOptions, TunedProfile, agreed_profile, answers_request
+from autobatch.profiles.cache import (
+    StoreOptions,
+    Superseded,
+    TunedProfile,
+    _outside_autobatch,
+    agreed_profile,
+    answers_request,
+    superseded_in,
+)
 from autobatch.profiles.confirmation import (
     ArrivalPrediction,
     confirm_on_arrival,
@@ -233,7 +245,7 @@ def tune(
     Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this. Every argument
     is checked here, once, into the option bundles the road passes down.
     """
-    world_size = _data_parallel_size(
+    world_size, world_source = resolve_data_parallel(
         model,
         world_size=world_size,
         data_parallel_size=data_parallel_size,
@@ -252,11 +264,13 @@ def tune(
     step, options = _bundles(
         model,
         sample,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        amp_dtype=amp_dtype,
+        step_arguments={
+            "optimizer": optimizer,
+            "loss_fn": loss_fn,
+            "train_step": train_step,
+            "step_includes_update": step_includes_update,
+            "amp_dtype": amp_dtype,
+        },
         device=device,
         gpu_fraction=gpu_fraction,
         safety_margin=safety_margin,
@@ -266,6 +280,7 @@ def tune(
             largest_useful_micro_batch_size(effective_batch_size, world_size),
         ),
         on_trial=on_trial,
+        data_parallel=(world_size, world_source),
     )
     storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
     found = find_profile(step, options, storing)
@@ -277,10 +292,28 @@ def tune(
         assert result.budget is not None
         for warning in result.budget.warnings:
             logger.warning("memory budget %s: %s", budget.describe(), warning)
-    if world_size == 1 and dist.is_available() and dist.is_initialized():
+    distributed = dist.is_available() and dist.is_initialized()
+    notes = [*_why_probed_again(found), *result.notes]
+    if world_size == 1 and distributed:
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
         # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.
-        result = dataclasses.replace(result, notes=(*result.notes, result.formula()))
+        notes.append(result.formula())
+    notes.extend(options.conditions.not_in_effect())
+    if world_source.startswith("the launcher") and not distributed:
+        notes.append(
+            f"world_size {world_size} from {world_source}: torch.distributed is not initialised "
+            "yet, so the ranks did not agree on the micro-batch (each probed its own device); "
+            "call autotune after init_process_group for one plan on every rank"
+        )
+    result = dataclasses.replace(
+        result,
+        notes=tuple(notes),
+        conditions=dataclasses.replace(
+            found.profile.conditions,
+            data_parallel_size=world_size,
+            data_parallel_source=world_source,
+        ),
+    )
     if not eval:
         return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
     evaluation = find_profile(step, options.for_eval(step), storing).profile
@@ -335,11 +368,13 @@ def autotune_profile(
     step, options = _bundles(
         model,
         sample,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        amp_dtype=amp_dtype,
+        step_arguments={
+            "optimizer": optimizer,
+            "loss_fn": loss_fn,
+            "train_step": train_step,
+            "step_includes_update": step_includes_update,
+            "amp_dtype": amp_dtype,
+        },
         device=device,
         gpu_fraction=gpu_fraction,
         safety_margin=safety_margin,
@@ -356,28 +391,22 @@ def _bundles(
     model: torch.nn.Module,
     sample: Any,
     *,
+    step_arguments: Mapping[str, Any],
     device: str | Device | None,
     gpu_fraction: float | None = None,
-    safety_margin: float,
-    max_micro_batch_size: int,
-    use_estimate: bool = True,
-    on_trial: OnTrial | None,
-    eval: bool = False,
-    **step_arguments: Any,
+    **probe_arguments: Any,
 ) -> tuple[StepSpec, ProbeOptions]:
-    """The step and the probe options, checked once; under torch.distributed the options agree
-    through the default process group (every rank must call this)."""
+    """The step (``step_arguments``: :meth:`StepSpec.build`'s) and the probe options
+    (``probe_arguments``: :meth:`ProbeOptions.build`'s, with the live conditions), checked once;
+    under torch.distributed the options agree through the default process group (every rank
+    must call this)."""
     step = StepSpec.build(model, sample, **step_arguments)
     target = resolve_device(device, default=model_device(model), gpu_fraction=gpu_fraction)
     options = ProbeOptions.build(
         step,
         device=target,
-        safety_margin=safety_margin,
-        max_micro_batch_size=max_micro_batch_size,
-        use_estimate=use_estimate,
-        on_trial=on_trial,
-        eval=eval,
         consensus=process_group_consensus(target.torch_device),
+        **probe_arguments,
     )
     return step, options
 
@@ -398,6 +427,7 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
         total_memory_bytes=capacity_now.total_memory_bytes,
         compiled=options.compiled,
         mode=options.mode,
+        conditions=options.conditions,
     )
     # The capacity a profile answers for: under torch.distributed, the smallest rank's (the
     # capacity the ranks probe together).
@@ -406,6 +436,17 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
     def accepts(found: Profile) -> bool:
         return answers_request(
             found, options.safety_margin, options.max_micro_batch_size, searched_capacity
+        ) and not condition_changes(found.conditions, options.conditions)
+
+    def explain(store: ProfileStore) -> Superseded | None:
+        return superseded_in(
+            store,
+            step.identity,
+            options.conditions,
+            device_name=options.device.name,
+            total_memory_bytes=capacity_now.total_memory_bytes,
+            compiled=options.compiled,
+            mode=options.mode,
         )
 
     def confirm(store: ProfileStore | None) -> tuple[Profile | None, str]:
@@ -431,7 +472,21 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
         accepts=accepts,
         run_probe=lambda: run_probe(step, options),
         confirm=confirm if ranks.world_size == 1 else None,
+        explain=explain,
     )
+
+
+def _why_probed_again(found: TunedProfile) -> list[str]:
+    """Plan notes for a profile probed again because the stored one's conditions differ, and a
+    :class:`ConditionsWarning` when activation checkpointing changed nothing."""
+    if found.superseded is None:
+        return []
+    notes = [found.superseded.describe()]
+    in_vain = found.superseded.checkpointing_in_vain(found.profile)
+    if in_vain:
+        warnings.warn(in_vain, ConditionsWarning, stacklevel=_outside_autobatch())
+        notes.append(in_vain)
+    return notes
 
 
 def _prediction_here(
@@ -452,6 +507,7 @@ def _prediction_here(
         "safety_margin": options.safety_margin,
         "max_micro_batch_size": options.max_micro_batch_size,
         "mode": options.mode,
+        "conditions": options.conditions,
     }
     identity = step.identity
     found = find_prediction(stored_profiles(store, identity), identity, **where)
@@ -508,6 +564,7 @@ def split_recorder(
         device_name=target.name,
         total_memory_bytes=target.capacity().total_memory_bytes,
         compiled=compiled_mode(model, target.type),
+        conditions=read_conditions(model, optimizer, device_type=target.type, amp_dtype=amp_dtype),
     )
 
     def record(event: SplitEvent) -> None:

@@ -21,6 +21,7 @@ from service.registry import DeviceName
 
 __all__ = [
     "BudgetReadingBase",
+    "ConditionsFields",
     "DeviceList",
     "DeviceSpec",
     "GpuProblem",
@@ -316,6 +317,31 @@ class MemoryModelBase(_Strict):
     bytes_per_sample: PositiveBytes
 
 
+class ConditionsFields(_Strict):
+    """``autobatch.conditions.Conditions``: what moved the step's memory in the process it was
+    measured in (allocator settings in effect, cuDNN flags, AMP, bytes by dtype, checkpointing,
+    optimizer, data-parallel size); all empty when not recorded."""
+
+    device_type: Name = ""
+    allocator_settings: LongText = ""
+    allocator_source: Name = ""
+    allocator_backend: Name = ""
+    allocator_environment: dict[Name, LongText] = Field(default_factory=dict, max_length=16)
+    cuda_initialized: bool = False
+    cudnn: dict[Name, Name] = Field(default_factory=dict, max_length=16)
+    amp_dtype: Name = ""
+    parameter_bytes: dict[Name, Bytes] = Field(default_factory=dict, max_length=64)
+    gradient_bytes: dict[Name, Bytes] = Field(default_factory=dict, max_length=64)
+    optimizer_state_bytes: dict[Name, Bytes] = Field(default_factory=dict, max_length=64)
+    num_parameters: Annotated[int, Field(ge=0, le=MAX_BYTES)] = 0
+    num_trainable_parameters: Annotated[int, Field(ge=0, le=MAX_BYTES)] = 0
+    activation_checkpointing: LongText = ""
+    optimizer: Name = ""
+    optimizer_state_dtype: Name = ""
+    data_parallel_size: Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE)] = 0
+    data_parallel_source: LongText = ""
+
+
 class ProfileBase(_Strict):
     """A probe result (``autobatch.Profile.to_dict()``)."""
 
@@ -358,6 +384,7 @@ class ProfileBase(_Strict):
     budget: MemoryBudgetBase | None = Field(
         default=None, description="The memory budget the probe ran under (left out: not said)."
     )
+    conditions: ConditionsFields | None = None
 
 
 class ProfileCreate(ProfileBase):
@@ -490,6 +517,7 @@ class PlanFields(BaseModel):
         description="The memory the job really has on the device planned for: every source, "
         "the deciding one, the sharing mode, fits_now and trials_per_gpu; null without a device.",
     )
+    conditions: ConditionsFields | None = None
 
 
 class PlanConfigs(BaseModel):

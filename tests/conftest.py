@@ -171,6 +171,18 @@ def sim_capacity_for() -> Callable[[ModelCase, int], int]:
     return capacity
 
 
+@pytest.fixture
+def set_allocator(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Changes the allocator settings in effect as torch's own API does
+    (``torch.cuda.memory._set_allocator_settings``), with the allocator variables unset, and
+    restores the settings afterwards."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    before = torch._C._accelerator_getAllocatorSettings()
+    yield torch._C._accelerator_setAllocatorSettings
+    torch._C._accelerator_setAllocatorSettings(before)
+
+
 def spawn_and_wait(
     worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float
 ) -> None:

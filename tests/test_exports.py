@@ -84,6 +84,7 @@ FACES = {
     "autobatch",
     "autobatch.cli",
     "autobatch.client",
+    "autobatch.conditions",
     "autobatch.device",
     "autobatch.distributed",
     "autobatch.errors",

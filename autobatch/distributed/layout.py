@@ -5,9 +5,12 @@ Example::
 
     collective_layout(model)          # "FSDP2 (fully_shard)", or "" for a plain module
     data_parallel_size(model, world_size=None, data_parallel_size=None, process_group=None)
+    resolve_data_parallel(model)      # (2, "the launcher's environment (WORLD_SIZE=2, ...)")
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,7 @@ __all__ = [
     "TENSOR_PARALLEL_LAYOUT",
     "collective_layout",
     "data_parallel_size",
+    "resolve_data_parallel",
 ]
 
 FSDP2_LAYOUT = "FSDP2 (fully_shard)"
@@ -85,20 +89,40 @@ def data_parallel_size(
     data_parallel_size: int | None = None,
     process_group: dist.ProcessGroup | DeviceMesh | None = None,
 ) -> int:
-    """The number of data-parallel ranks (W in ``E = m x k x W``), from what the caller said.
+    """The number of data-parallel ranks (W in ``E = m x k x W``): :func:`resolve_data_parallel`'s
+    size."""
+    return resolve_data_parallel(
+        model,
+        world_size=world_size,
+        data_parallel_size=data_parallel_size,
+        process_group=process_group,
+    )[0]
+
+
+def resolve_data_parallel(
+    model: torch.nn.Module,
+    *,
+    world_size: int | None = None,
+    data_parallel_size: int | None = None,
+    process_group: dist.ProcessGroup | DeviceMesh | None = None,
+) -> tuple[int, str]:
+    """The number of data-parallel ranks (W in ``E = m x k x W``) and where it came from.
 
     At most one of ``world_size``, ``data_parallel_size`` and ``process_group`` (the data-parallel
     ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
-    When none is given: the default group's size under an initialised torch.distributed, else 1;
-    but a model whose parameters live on a DeviceMesh that is not the whole world as one
-    dimension (tensor or 2-D parallelism; HSDP's replicate x shard mesh excepted) is refused,
-    since some of the ranks are then not data-parallel and dividing by all of them would make
-    the effective batch too small.
+    When none is given: the default group's size under an initialised torch.distributed; before
+    the group exists, the launcher's ``WORLD_SIZE`` (torchrun sets it before the script runs:
+    :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose parameters live
+    on a DeviceMesh that is not the whole world as one dimension (tensor or 2-D parallelism;
+    HSDP's replicate x shard mesh excepted) is refused, since some of the ranks are then not
+    data-parallel and dividing by all of them would make the effective batch too small.
 
     Raises:
         ConfigError: the sources disagree, a size is not a positive int, a mesh has more than
-            one dimension, or the data-parallel ranks cannot be told apart (names the fix).
+            one dimension, the data-parallel ranks cannot be told apart, or the launcher's
+            ``WORLD_SIZE`` is not the default group's size (names the fix).
     """
+    from autobatch.conditions import launcher_data_parallel
     from autobatch.errors import ConfigError
 
     given: dict[str, int] = {}
@@ -114,10 +138,21 @@ def data_parallel_size(
         said = ", ".join(f"{name}={value}" for name, value in given.items())
         raise ConfigError(f"{said} disagree on the number of data-parallel ranks; pass one of them")
     if given:
-        return next(iter(given.values()))
+        name, value = next(iter(given.items()))
+        return value, f"argument {name}"
+    launched = launcher_data_parallel(os.environ)
     if not (dist.is_available() and dist.is_initialized()):
-        return 1
+        if launched is not None:
+            return launched
+        return 1, "one process (no launcher's WORLD_SIZE, no process group)"
     world = dist.get_world_size()
+    if launched is not None and launched[0] != world:
+        raise ConfigError(
+            f"{launched[1]} says {launched[0]} ranks, but the default process group has {world}: "
+            "the launcher and torch.distributed disagree on how many ranks train; start the "
+            "process group with the launcher's world size (init_process_group() reads "
+            "WORLD_SIZE), or pass world_size=N"
+        )
     mesh = _parameter_mesh(model)
     # HSDP's 2-D mesh (replicate x shard) is all data-parallel; any other mesh that is not the
     # whole world as one dimension has ranks that share samples.
@@ -131,7 +166,7 @@ def data_parallel_size(
             "would make it too small; pass data_parallel_size=N, or process_group=mesh['dp'] "
             "(the data-parallel dimension of your mesh)"
         )
-    return world
+    return world, "the default process group"
 
 
 def _group_size(group: dist.ProcessGroup | DeviceMesh) -> int:

@@ -44,6 +44,7 @@ from autobatch.integrations.dropins import (
     tune,
 )
 from autobatch.planning.planner import Plan
+from autobatch.probing.conditions import check_plan_here
 from autobatch.probing.snapshot import preserved_rng
 from autobatch.probing.worst_case import worst_case_sample
 
@@ -80,6 +81,9 @@ def autotune_trainer(
 
     A WARNING on the ``autobatch.integrations`` logger says when the train dataset's rows do
     not fill whole optimizer steps (the Trainer's last step of an epoch then sees fewer samples).
+    A callback added to the Trainer compares the plan's conditions with the process's when
+    ``train()`` begins (its optimizer created, activation checkpointing on): each condition that
+    moves memory and differs is a :class:`~autobatch.errors.ConditionsWarning` naming it.
 
     Returns:
         The Plan applied to ``trainer.args``: ``per_device_train_batch_size ==
@@ -123,8 +127,9 @@ def autotune_trainer(
         identity=f"{code_identity(type(trainer).compute_loss)}:"
         f"smoothing={getattr(trainer, 'label_smoother', None)!r}:"
         f"loss_func={code_identity(getattr(trainer, 'compute_loss_func', None) or _compute_loss)}",
-        # Activation checkpointing needs no mention: the model's fingerprint covers each module's
-        # gradient_checkpointing flag and checkpoint function, on during the probe below.
+        # Activation checkpointing needs no mention: it is a recorded condition of the profile
+        # (each module's gradient_checkpointing flag and checkpoint function), on during the
+        # probe below as train() will turn it on.
     )
     amp_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     with _trainer_optimizer(trainer) as optimizer, _checkpointing(model, args):
@@ -161,7 +166,33 @@ def autotune_trainer(
         drop_last=bool(args.dataloader_drop_last),
         caller="autotune_trainer",
     )
+    _check_when_training_starts(trainer, result, amp_dtype)
     return result
+
+
+def _check_when_training_starts(trainer: Any, plan: Plan, amp_dtype: torch.dtype | None) -> None:
+    """Add a callback that compares ``plan``'s conditions with the process's when ``train()``
+    begins (its optimizer created, activation checkpointing turned on): one per Trainer."""
+    from transformers import TrainerCallback
+
+    class PlanConditionsCheck(TrainerCallback):
+        """autobatch: the plan's conditions checked when training begins."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            optimizer = kwargs.get("optimizer")
+            check_plan_here(
+                plan,
+                kwargs.get("model") or trainer.model,
+                getattr(optimizer, "optimizer", optimizer),  # Accelerate's wrapper holds one
+                where="autotune_trainer",
+                amp_dtype=amp_dtype,
+            )
+
+    handler = trainer.callback_handler
+    for callback in list(handler.callbacks):
+        if type(callback).__name__ == PlanConditionsCheck.__name__:
+            handler.remove_callback(callback)
+    trainer.add_callback(PlanConditionsCheck())
 
 
 def _data_parallel_size(trainer: Any) -> int:

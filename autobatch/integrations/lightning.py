@@ -44,6 +44,7 @@ from autobatch.integrations.dropins import (
     tune,
 )
 from autobatch.planning.planner import Plan
+from autobatch.probing.conditions import check_plan_here
 from autobatch.probing.snapshot import preserved_rng
 
 __all__ = ["AutobatchFinder"]
@@ -78,6 +79,11 @@ class AutobatchFinder(Callback):
             manual optimization that would need accumulation, ``SyncBatchNorm`` across ranks.
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
+
+    When training starts (``on_train_start``) the plan's conditions are compared with the
+    process's again (:func:`autobatch.probing.conditions.check_plan_here`): a condition that
+    moves memory and changed since fit start (cuDNN flags, the allocator, the module's dtypes,
+    sharding or checkpointing) is a :class:`~autobatch.errors.ConditionsWarning` naming it.
 
     Lightning steps at an epoch's end with the micro-batches left, so that step sees fewer
     samples when the train dataset's rows do not fill whole optimizer steps; a WARNING on the
@@ -142,6 +148,18 @@ class AutobatchFinder(Callback):
             device=self.device,
             batch_arg_name=self.batch_arg_name,
             options=self.options,
+        )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan is None:
+            return
+        check_plan_here(
+            self.plan,
+            pl_module,
+            trainer.optimizers[0] if trainer.optimizers else None,
+            where="AutobatchFinder",
+            amp_dtype=_AMP_DTYPES.get(str(trainer.precision)),
+            data_parallel=(trainer.world_size, "the Trainer's world_size"),
         )
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
+from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
 from autobatch.planning.prediction import (
     Prediction,
@@ -39,6 +40,7 @@ __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "Limit",
     "PlanSource",
+    "StepTimes",
     "require_int",
     "resolve_limit",
     "stored_profile_source",
@@ -58,6 +60,48 @@ def stored_profile_source(profile: Profile) -> PlanSource:
     return "estimated" if profile.method == "estimate" else "cached"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepTimes:
+    """Seconds of one training step by micro-batch size, and how far they can be trusted.
+
+    The planner picks a split other than the fewest accumulation steps by throughput only when
+    every micro-batch size of both splits was timed more than once and the faster split's
+    slowest timing still beats the other's fastest (:meth:`seconds_range`): a difference smaller
+    than the timings' spread, or timed once, is noise (a loaded machine, a first step's
+    warm-up), and a plan that turned each optimizer step into 256 tiny passes on it is worse
+    than none. Step times the caller gives are the caller's measurement and taken as exact.
+    """
+
+    seconds: Callable[[int], float]
+    """Predicted seconds of one step at any size: interpolated through the mean timing of each
+    measured size (see :func:`_step_time_model`)."""
+    timings: Mapping[int, tuple[float, ...]]
+    """Every timing of each measured size, in seconds (a profile's fitting trials, its warm-up
+    left out: it also creates the optimizer state)."""
+    exact: bool = False
+    """True for step times the caller gave: each is taken as exact."""
+
+    def seconds_range(self, size: int) -> tuple[float, float] | None:
+        """The fastest and slowest timing of a step at ``size``: where the caller's step times
+        are exact, the predicted time twice; None where ``size`` was not timed more than once."""
+        if self.exact:
+            value = self.seconds(size)
+            return value, value
+        times = self.timings.get(size, ())
+        return (min(times), max(times)) if len(times) > 1 else None
+
+    def describe(self, sizes: Iterable[int]) -> str:
+        """The timings behind a choice at ``sizes``, for a note."""
+        if self.exact:
+            return "given step_seconds, taken as exact"
+        parts = []
+        for size in sorted(set(sizes)):
+            times = self.timings.get(size, ())
+            shown = ", ".join(f"{t:.4g}" for t in times) if times else "not timed"
+            parts.append(f"micro-batch {size}: {shown} s")
+        return "; ".join(parts)
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Limit:
     """What a limit (number, profile or memory line) resolves to.
@@ -75,12 +119,14 @@ class Limit:
     peak_bytes: Callable[[int], int | None]
     """Peak bytes of a step by micro-batch size (measured, interpolated or modelled); None
     where unknown."""
-    step_time: Callable[[int], float] | None
+    step_time: StepTimes | None
     """Seconds of a step by micro-batch size; None without step times."""
     notes: tuple[str, ...]
     """What the plan notes about its limit."""
     prediction: Prediction | None = None
     """How a limit past the measured sizes was predicted; None when it was not."""
+    conditions: Conditions = dataclasses.field(default_factory=Conditions)
+    """The profile's conditions (empty for a number or a memory line)."""
 
 
 def require_int(name: str, value: object, minimum: int) -> None:
@@ -96,7 +142,13 @@ def resolve_limit(
     step_seconds: Mapping[int, float] | None,
     source: PlanSource | None,
 ) -> Limit:
-    step_time = None if step_seconds is None else _step_time_model(step_seconds, "step_seconds")
+    step_time = (
+        None
+        if step_seconds is None
+        else StepTimes(
+            seconds=_step_time_model(step_seconds, "step_seconds"), timings={}, exact=True
+        )
+    )
     if source is not None and (source not in SOURCES or source == "predicted"):
         raise ConfigError(
             f"source {source!r} must be one of {list(SOURCES[:-1])}: where the limit came from "
@@ -173,13 +225,7 @@ def resolve_limit(
             raise NoFeasiblePlanError(failed[1])
         limit_size, notes = failed[0], (*notes, *_failure_note(failed, failed[0]))
     if step_time is None:
-        timed: dict[int, list[float]] = {}
-        for trial in profile.trials:
-            if trial.fits and trial.step_seconds > 0:
-                timed.setdefault(trial.micro_batch_size, []).append(trial.step_seconds)
-        if len(timed) >= 2:
-            means = {size: sum(times) / len(times) for size, times in timed.items()}
-            step_time = _step_time_model(means, "profile trials")
+        step_time = _profile_step_times(profile)
     return Limit(
         max_micro_batch_size=limit_size,
         source=base,
@@ -187,6 +233,22 @@ def resolve_limit(
         peak_bytes=peak_bytes,
         step_time=step_time,
         notes=notes,
+    )
+
+
+def _profile_step_times(profile: Profile) -> StepTimes | None:
+    """The step times of a profile's fitting trials (the warm-up left out: it also creates the
+    optimizer state); None with fewer than two sizes timed."""
+    timed: dict[int, list[float]] = {}
+    for trial in profile.trials:
+        if trial.fits and trial.step_seconds > 0 and not trial.warm_up:
+            timed.setdefault(trial.micro_batch_size, []).append(trial.step_seconds)
+    if len(timed) < 2:
+        return None
+    means = {size: sum(times) / len(times) for size, times in timed.items()}
+    return StepTimes(
+        seconds=_step_time_model(means, "profile trials"),
+        timings={size: tuple(times) for size, times in timed.items()},
     )
 
 
@@ -199,7 +261,7 @@ def _model_limit(
     model: MemoryModel,
     capacity_bytes: int | None,
     safety_margin: float | None,
-    step_time: Callable[[int], float] | None,
+    step_time: StepTimes | None,
     source: PlanSource,
 ) -> Limit:
     """A caller's memory line and a capacity: the line is the caller's claim, taken as given."""
@@ -234,7 +296,7 @@ def _profile_limit(
     capacity_bytes: int,
     margin: float,
     source: PlanSource,
-    step_time: Callable[[int], float] | None,
+    step_time: StepTimes | None,
 ) -> Limit:
     """A profile planned for another capacity: measured within its sizes, predicted past them."""
     model = profile.memory_model

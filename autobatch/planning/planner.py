@@ -15,8 +15,9 @@ steps and ``m`` the micro-batch size:
   minimal ``k = ceil(P / M)`` with unequal sizes. ``"never"`` only plans equal sizes, ``"always"``
   always uses the minimal ``k``. Unequal sizes need each micro-batch's loss weighted by its share
   of the ``P`` samples (not ``1 / k``) for the gradient to equal the full batch's.
-- With step times (measured, or given), the split with the least predicted time per effective
-  batch wins among the candidates of the kind chosen above; ties go to fewer steps.
+- With step times, another split than the fewest steps wins only by a difference measured more
+  than once and beyond the timings' spread (:func:`~autobatch.planning.splits.choose_steps`);
+  given ``step_seconds`` are taken as exact. The notes show the timings behind the choice.
 
 Example::
 
@@ -36,6 +37,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from autobatch.conditions import Conditions
 from autobatch.device.budget import MemoryBudget
 from autobatch.errors import (
     ConfigError,
@@ -135,6 +137,9 @@ class Plan:
     ``capacity_bytes``, the sharing mode, whether the plan fits what is free now and
     ``trials_per_gpu`` (see :mod:`autobatch.device.budget`); None when the plan was made from
     numbers alone."""
+    conditions: Conditions = dataclasses.field(default_factory=Conditions)
+    """What its profile was measured under (``autotune``: with the plan's data-parallel size and
+    source); empty from a number. Compared with the live process where the plan is used."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -197,6 +202,7 @@ class Plan:
         data["notes"] = list(self.notes)
         data["prediction"] = None if self.prediction is None else self.prediction.to_dict()
         data["budget"] = None if self.budget is None else self.budget.to_dict()
+        data["conditions"] = self.conditions.to_dict()
         return data
 
     @classmethod
@@ -219,6 +225,7 @@ class Plan:
             fields["prediction"] = None if prediction is None else Prediction.from_dict(prediction)
             budget = data.get("budget")
             fields["budget"] = None if budget is None else MemoryBudget.from_dict(budget)
+            fields["conditions"] = Conditions.from_dict(data.get("conditions"))
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not a valid plan: {exc}") from exc
@@ -451,7 +458,10 @@ def _resolve(
         step_seconds=step_seconds,
         source=source,
     )
-    if not isinstance(limit, Profile) or not limit.failure_note:
+    if not isinstance(limit, Profile):
+        return resolved
+    resolved.conditions = limit.conditions
+    if not limit.failure_note:
         return resolved
     return dataclasses.replace(resolved, notes=(limit.failure_note, *resolved.notes))
 
@@ -615,9 +625,12 @@ def _plan(limit: Limit, constraints: PlanConstraints) -> Plan:
             None if peak is None or limit.capacity_bytes is None else limit.capacity_bytes - peak
         ),
         predicted_seconds_per_effective_batch=(
-            None if limit.step_time is None else split_seconds(per_rank, steps, limit.step_time)
+            None
+            if limit.step_time is None
+            else split_seconds(per_rank, steps, limit.step_time.seconds)
         ),
         source=limit.source,
         prediction=limit.prediction,
         notes=tuple(notes),
+        conditions=limit.conditions,
     )

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 
 from autobatch.planning.constraints import MAX_GRADIENT_ACCUMULATION_STEPS, PlanConstraints
+from autobatch.planning.limits import StepTimes
 
 __all__ = [
     "choose_steps",
@@ -97,10 +98,19 @@ def choose_steps(
     per_rank: int,
     max_micro_batch_size: int,
     constraints: PlanConstraints,
-    step_time: Callable[[int], float] | None,
+    step_time: StepTimes | None,
 ) -> tuple[int, str] | None:
     """Accumulation steps for ``per_rank`` samples in micro-batches of at most
-    ``max_micro_batch_size`` and a note (may be empty); None if none fit."""
+    ``max_micro_batch_size`` and a note (may be empty); None if none fit.
+
+    The rule: the fewest steps among the candidates (equal or unequal sizes, see the planner),
+    unless step times show another candidate faster beyond doubt: every micro-batch size of
+    both splits timed more than once, and the other split's time per effective batch from its
+    slowest timings below the fewest steps' from their fastest (:class:`StepTimes`). Among
+    such candidates the one with the least predicted time wins (ties: fewer steps). A throughput
+    choice notes both times and the timings behind them; so does keeping the fewest steps when
+    the predicted times favoured another split the timings could not confirm.
+    """
     minimal = -(-per_rank // max_micro_batch_size)
     equal = equal_steps(per_rank, max_micro_batch_size, constraints)
     minimal_ok = constraints.unequal_allowed and minimal <= constraints.max_steps
@@ -112,21 +122,61 @@ def choose_steps(
         candidates = [minimal]
     if not candidates:
         return None
-    if step_time is None or len(candidates) == 1:
-        return candidates[0], ""
-    best = candidates[0]
-    best_seconds = first_seconds = split_seconds(per_rank, best, step_time)
-    for steps in candidates[1:]:
-        seconds = split_seconds(per_rank, steps, step_time)
-        if seconds < best_seconds * (1 - 1e-9):
-            best, best_seconds = steps, seconds
-    if best == candidates[0]:
-        return best, ""
     fewest = candidates[0]
-    return best, (
-        f"chose {best} steps of {per_rank // best} over {fewest} of {per_rank // fewest} by step "
-        f"time: {best_seconds:.4g} s vs {first_seconds:.4g} s per effective batch"
+    if step_time is None or len(candidates) == 1:
+        return fewest, ""
+    fewest_seconds = split_seconds(per_rank, fewest, step_time.seconds)
+    fewest_range = _split_range(per_rank, fewest, step_time)
+    best, best_seconds = fewest, fewest_seconds  # the fastest beyond doubt
+    guess, guess_seconds = fewest, fewest_seconds  # the fastest by predicted time alone
+    for steps in candidates[1:]:
+        seconds = split_seconds(per_rank, steps, step_time.seconds)
+        if seconds < guess_seconds * (1 - 1e-9):
+            guess, guess_seconds = steps, seconds
+        if seconds >= best_seconds * (1 - 1e-9) or fewest_range is None:
+            continue
+        steps_range = _split_range(per_rank, steps, step_time)
+        if steps_range is not None and steps_range[1] < fewest_range[0]:
+            best, best_seconds = steps, seconds
+    if best != fewest:
+        return best, (
+            f"chose {best} steps of {per_rank // best} over {fewest} of {per_rank // fewest} by "
+            f"step time: {best_seconds:.4g} s vs {fewest_seconds:.4g} s per effective batch, "
+            "each timed more than once and apart by more than the timings' spread ("
+            + step_time.describe(_sizes(per_rank, best) + _sizes(per_rank, fewest))
+            + ")"
+        )
+    if guess == fewest:
+        return fewest, ""
+    return fewest, (
+        f"kept {fewest} steps of {per_rank // fewest}: step times predict {guess} steps of "
+        f"{per_rank // guess} faster ({guess_seconds:.4g} s vs {fewest_seconds:.4g} s per "
+        "effective batch), but a split is chosen by throughput only when its sizes were timed "
+        "more than once and the difference exceeds the timings' spread ("
+        + step_time.describe(_sizes(per_rank, guess) + _sizes(per_rank, fewest))
+        + ")"
     )
+
+
+def _sizes(per_rank: int, steps: int) -> list[int]:
+    """The distinct micro-batch sizes of :func:`split_sizes`."""
+    smaller, num_larger = divmod(per_rank, steps)
+    return [smaller + 1, smaller] if num_larger else [smaller]
+
+
+def _split_range(per_rank: int, steps: int, step_time: StepTimes) -> tuple[float, float] | None:
+    """Seconds per effective batch from the fastest and from the slowest timings of the
+    split's sizes; None when one of them was not timed more than once."""
+    smaller, num_larger = divmod(per_rank, steps)
+    low = high = 0.0
+    for size, count in ((smaller + 1, num_larger), (smaller, steps - num_larger)):
+        if not count:
+            continue
+        found = step_time.seconds_range(size)
+        if found is None:
+            return None
+        low, high = low + found[0] * count, high + found[1] * count
+    return low, high
 
 
 def _largest_product_at_most(n: int, a: int, b: int) -> int | None:

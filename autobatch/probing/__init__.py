@@ -2,7 +2,8 @@
 
 ``probe`` runs the search over real trials (``trials``, steered by the pure ``search``), after an
 estimate on fake tensors (``estimate``); ``step`` and ``batch`` say how a sample becomes a step;
-``snapshot`` leaves no trace; ``identity`` is what a profile is stored under. This face is what
+``snapshot`` leaves no trace; ``identity`` is what a profile is stored under; ``conditions``
+reads the conditions a step runs under from the live process. This face is what
 other layers and the benchmarks import (the benchmarks run peers over the same step).
 
 Example::
@@ -16,6 +17,7 @@ Example::
 from __future__ import annotations
 
 from autobatch.probing.batch import BatchSource, batch_tensors
+from autobatch.probing.conditions import read_conditions
 from autobatch.probing.estimator import FakeStep, estimate
 from autobatch.probing.prober import probe
 from autobatch.probing.snapshot import resident_tensors
@@ -32,6 +34,7 @@ __all__ = [
     "batch_tensors",
     "estimate",
     "probe",
+    "read_conditions",
     "resident_tensors",
     "worst_case_sample",
 ]

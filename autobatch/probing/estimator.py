@@ -31,10 +31,12 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autobatch.conditions import Conditions
 from autobatch.device.live_bytes import LiveBytes
 from autobatch.errors import ConfigError, EstimateUnavailableError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import eager, is_compiled
+from autobatch.probing.conditions import precision_remedies, read_conditions
 from autobatch.probing.identity import now_iso
 from autobatch.probing.options import DEFAULT_LIMIT, StepSpec, check_search_arguments
 from autobatch.probing.search import (
@@ -291,11 +293,13 @@ def estimate(
     # Nothing real is computed, but a train_step that closes over the real model can still
     # assign (fake) gradients to it, and the user's code may draw random numbers.
     grads = [(param, param.grad) for param in model.parameters()]
+    conditions = read_conditions(model, optimizer, device_type="fake", amp_dtype=amp_dtype)
     try:
         with preserved_rng():
             profile = run_estimate(
                 FakeStep.of(step),
                 identity=step.identity,
+                conditions=conditions,
                 capacity_bytes=capacity_bytes,
                 max_micro_batch_size=max_micro_batch_size,
                 safety_margin=safety_margin,
@@ -335,13 +339,15 @@ def run_estimate(
     fake: FakeStep,
     *,
     identity: StepIdentity,
+    conditions: Conditions,
     capacity_bytes: int,
     max_micro_batch_size: int,
     safety_margin: float,
     device_name: str,
 ) -> Profile:
-    """:func:`estimate`'s search on ``fake``, as a Profile of ``identity``. (The probe does not
-    call it: it runs :func:`estimate_points` for a prior and a first size.)
+    """:func:`estimate`'s search on ``fake``, as a Profile of ``identity`` measured under
+    ``conditions``. (The probe does not call it: it runs :func:`estimate_points` for a prior and
+    a first size.)
 
     Raises:
         DoesNotFitError: not even micro-batch 1 fits in ``capacity_bytes``.
@@ -362,7 +368,7 @@ def run_estimate(
             f"capacity is {format_bytes(capacity_bytes)}",
             remedies=(
                 Remedy(purpose="a larger device"),
-                Remedy(parameter="amp_dtype", values=("bfloat16",), purpose="reduced precision"),
+                *precision_remedies(conditions),
                 Remedy(purpose="a smaller model"),
             ),
             device_name=device_name,
@@ -405,4 +411,5 @@ def run_estimate(
         notes=(f"estimated on fake tensors in {seconds:.1f} s",),
         identity=identity,
         created_at=now_iso(),
+        conditions=conditions,
     )

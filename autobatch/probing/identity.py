@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import types
 from datetime import UTC, datetime
 
@@ -21,7 +20,6 @@ from autobatch.probing.batch import BatchSource
 from autobatch.profile import StepIdentity
 
 __all__ = [
-    "backend_flags",
     "callable_identity",
     "model_fingerprint",
     "module_settings",
@@ -35,8 +33,10 @@ __all__ = [
 def model_fingerprint(model: torch.nn.Module) -> str:
     """16 hex digits of SHA-256 over the model's class, its parameters' and buffers' names,
     shapes, dtypes and ``requires_grad``, and each module's plain configuration (see
-    :func:`module_settings`: Hugging Face's ``gradient_checkpointing`` flag, a dropout's ``p``...).
-    Equal architectures with equal settings share it, in any process; weights do not matter."""
+    :func:`module_settings`: a dropout's ``p``, Hugging Face's attention kernel...). Equal
+    architectures with equal settings share it, in any process; weights do not matter, nor
+    activation checkpointing (a recorded condition, :attr:`Conditions.activation_checkpointing`,
+    so that a profile with it and one without are told apart by name)."""
     digest = hashlib.sha256(type(model).__module__.encode() + type(model).__qualname__.encode())
     for name, param in model.named_parameters():
         digest.update(
@@ -49,15 +49,16 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-_MODULE_STATE_SKIPPED = frozenset({"training"})
-"""Public module attributes left out of the key: ``training`` (the probe sets and restores it)."""
+_MODULE_STATE_SKIPPED = frozenset({"training", "gradient_checkpointing"})
+"""Public module (and module config) attributes left out of the fingerprint: ``training`` (the
+probe sets and restores it) and Hugging Face's ``gradient_checkpointing`` (with its private
+``_gradient_checkpointing_func``, a condition of the profile:
+:func:`autobatch.probing.conditions.activation_checkpointing`)."""
 
-_MODULE_PRIVATE_KEPT = frozenset(
-    {"_attn_implementation", "_attn_implementation_internal", "_gradient_checkpointing_func"}
-)
+_MODULE_PRIVATE_KEPT = frozenset({"_attn_implementation", "_attn_implementation_internal"})
 """Private module (and module config) attributes that change a step's memory (Hugging Face's
-attention kernel and the checkpoint function with its settings), kept in the key though
-private. Other private state is left out: it may differ in every process (a cached hash)."""
+attention kernel), kept in the key though private. Other private state is left out: it may
+differ in every process (a cached hash)."""
 
 _MAX_TUPLE = 16
 """Longest tuple (or list) of plain values that counts as configuration."""
@@ -113,10 +114,11 @@ def _attributes(instance: object) -> dict[str, object]:
 def module_settings(module: torch.nn.Module) -> str:
     """A module's own plain configuration, as text the same in any process: its public
     attributes of simple types (bool, int, float, str, None, dtype and short tuples of them, e.g.
-    ``in_features``, ``p``, ``gradient_checkpointing``) plus Hugging Face's private attention and
-    checkpointing settings; and, one level down, the same of a public configuration object it
-    holds (Hugging Face's ``config``: ``set_attn_implementation`` changes only the config). Not
-    ``training``, tensors, submodules, hooks, containers, callables or other private state.
+    ``in_features``, ``p``) plus Hugging Face's private attention settings; and, one level down,
+    the same of a public configuration object it holds (Hugging Face's ``config``:
+    ``set_attn_implementation`` changes only the config). Not ``training``, activation
+    checkpointing (a condition, see :data:`_MODULE_STATE_SKIPPED`), tensors, submodules, hooks,
+    containers, callables or other private state.
 
     Example::
 
@@ -124,7 +126,7 @@ def module_settings(module: torch.nn.Module) -> str:
     """
     own = _plain_state(module, private=False, skipped=_MODULE_STATE_SKIPPED)
     held = [
-        f"{name}({_plain_state(value, private=False)})"
+        f"{name}({_plain_state(value, private=False, skipped=_MODULE_STATE_SKIPPED)})"
         for name, value in sorted(module.__dict__.items())
         if not name.startswith("_") and _is_settings_object(value)
     ]
@@ -143,22 +145,12 @@ def _is_settings_object(value: object) -> bool:
 
 
 def param_dtype(model: torch.nn.Module) -> str:
-    """Dtype of the first floating-point parameter, e.g. ``"float32"``; ``""`` without one."""
+    """Dtype of the first floating-point parameter, e.g. ``"float32"``; ``""`` without one. (The
+    bytes of every dtype are a condition: :attr:`Conditions.parameter_bytes`.)"""
     for param in model.parameters():
         if param.is_floating_point():
             return str(param.dtype).removeprefix("torch.")
     return ""
-
-
-def backend_flags() -> dict[str, str]:
-    """Backend state that changes a step's peak memory; part of a profile's cache key."""
-    return {
-        "cudnn.benchmark": str(torch.backends.cudnn.benchmark),
-        "cudnn.deterministic": str(torch.backends.cudnn.deterministic),
-        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get(
-            "PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")
-        ),
-    }
 
 
 def now_iso() -> str:
@@ -294,5 +286,4 @@ def step_identity(
         amp_dtype=str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "",
         optimizer=type(optimizer).__name__ if optimizer is not None else "AdamW",
         torch_version=torch.__version__,
-        backend_flags=backend_flags(),
     )

@@ -14,17 +14,20 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from autobatch.conditions import Conditions, launcher_data_parallel
 from autobatch.device import Device
 from autobatch.distributed.consensus import Consensus, LocalConsensus
 from autobatch.distributed.layout import collective_layout
 from autobatch.errors import ConfigError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import CompiledMode, compiled_mode
+from autobatch.probing.conditions import read_conditions
 from autobatch.probing.identity import step_identity
 from autobatch.probing.parallel import device_for_layout
 from autobatch.probing.placement import check_placement
@@ -145,6 +148,10 @@ class ProbeOptions:
     """The model's collective layout (:func:`collective_layout`), "" for none."""
     compiled: CompiledMode
     """How a torch.compile'd model's step is measured (:func:`compiled_mode`)."""
+    conditions: Conditions
+    """The live process's conditions for the step on ``device``, read once before any step runs
+    (:func:`~autobatch.probing.conditions.read_conditions`): what the lookup's key holds and
+    what the profile records (with the optimizer state after its first step)."""
 
     @property
     def mode(self) -> Mode:
@@ -162,8 +169,14 @@ class ProbeOptions:
         on_trial: OnTrial | None = None,
         eval: bool = False,
         consensus: Consensus | None = None,
+        data_parallel: tuple[int, str] | None = None,
     ) -> ProbeOptions:
-        """Check how to probe ``step`` on ``device`` (resolved by the caller), once.
+        """Check how to probe ``step`` on ``device`` (resolved by the caller), once, and read the
+        conditions it runs under.
+
+        ``data_parallel``: the data-parallel size and its source, as the caller resolved it
+        (:func:`autobatch.distributed.layout.resolve_data_parallel`); None: the ranks probing
+        together, else the launcher's ``WORLD_SIZE``, else one process.
 
         Raises:
             ConfigError: a limit or margin no search can use, ``eval=True`` with a train_step
@@ -179,6 +192,13 @@ class ProbeOptions:
             device = device_for_layout(
                 device, layout, world_size=None if consensus is None else consensus.world_size
             )
+        ranks = consensus if consensus is not None else LocalConsensus()
+        if data_parallel is None:
+            data_parallel = (
+                (ranks.world_size, "the ranks probing together")
+                if ranks.world_size > 1
+                else launcher_data_parallel(os.environ) or (1, "one process")
+            )
         return cls(
             device=device,
             safety_margin=safety_margin,
@@ -186,9 +206,16 @@ class ProbeOptions:
             use_estimate=use_estimate,
             on_trial=on_trial,
             eval=eval,
-            consensus=consensus if consensus is not None else LocalConsensus(),
+            consensus=ranks,
             layout=layout,
             compiled=compiled_mode(step.model, device.type),
+            conditions=read_conditions(
+                step.model,
+                step.optimizer,
+                device_type=device.type,
+                amp_dtype=step.amp_dtype,
+                data_parallel=data_parallel,
+            ),
         )
 
     def for_eval(self, step: StepSpec) -> ProbeOptions:

@@ -46,6 +46,7 @@ from autobatch.distributed.consensus import Consensus
 from autobatch.distributed.fake_backend import process_groups_faked, reshard_fsdp2
 from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
 from autobatch.probing.compiled import eager
+from autobatch.probing.conditions import with_optimizer_state
 from autobatch.probing.estimator import FakeStep, estimate_points
 from autobatch.probing.identity import now_iso
 from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
@@ -480,6 +481,8 @@ class Prober:
             compiled=self.options.compiled,
             created_at=now_iso(),
             budget=capacity.budget,
+            # The optimizer's state exists now (the warm-up made it): its bytes by dtype.
+            conditions=with_optimizer_state(self.options.conditions, self.optimizer),
         )
 
 

@@ -36,6 +36,7 @@ from autobatch.errors import (
     StepFailedError,
 )
 from autobatch.probing.compiled import mark_batch_dynamic
+from autobatch.probing.conditions import precision_remedies
 from autobatch.probing.options import ProbeOptions, StepSpec
 from autobatch.probing.search import Point, bracket
 from autobatch.probing.snapshot import resident_tensors
@@ -464,7 +465,7 @@ class TrialRunner:
             f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}",
             remedies=(
                 Remedy(purpose="a larger device"),
-                Remedy(parameter="amp_dtype", values=("bfloat16",), purpose="reduced precision"),
+                *precision_remedies(self.options.conditions),
                 Remedy(purpose="a lighter optimizer"),
                 Remedy(purpose="a smaller model"),
             ),

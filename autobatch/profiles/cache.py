@@ -23,20 +23,26 @@ import sys
 import warnings
 from collections.abc import Callable
 
+from autobatch.conditions import ConditionChange, Conditions, condition_changes
 from autobatch.distributed.consensus import LocalConsensus, ProcessGroupConsensus
 from autobatch.errors import AutobatchError, ReportWarning
-from autobatch.profile import Profile
+from autobatch.profile import Mode, Profile, StepIdentity
 from autobatch.profiles.store import ProfileStore
+from autobatch.units import format_bytes
 
 __all__ = [
     "CAPACITY_TOLERANCE",
+    "EXPLAINED_PROFILES",
+    "SAME_SLOPE",
     "Confirm",
     "Ranks",
     "StoreOptions",
+    "Superseded",
     "TunedProfile",
     "agreed_profile",
     "answers_request",
     "report_profile_to",
+    "superseded_in",
 ]
 
 logger = logging.getLogger("autobatch")
@@ -57,6 +63,80 @@ class StoreOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Superseded:
+    """A stored profile of the same step on the same card that did not answer because the
+    conditions it was measured under differ from the live process's."""
+
+    profile_id: str
+    profile: Profile
+    changes: tuple[ConditionChange, ...]
+    """What differs (:func:`autobatch.conditions.condition_changes`), at least one."""
+
+    def describe(self) -> str:
+        """Why the store did not answer, naming each condition, both values and the fix."""
+        return (
+            f"stored profile {self.profile_id} of this step on this card was measured under other "
+            f"conditions, so it was probed again: "
+            + "; ".join(change.describe() for change in self.changes)
+        )
+
+    def checkpointing_in_vain(self, probed: Profile) -> str:
+        """When activation checkpointing is what changed and ``probed`` (the new profile) needs
+        as many bytes per sample as this one (within :data:`SAME_SLOPE`): that it changed
+        nothing, with both slopes and what to check; ``""`` otherwise."""
+        before, after = self.profile.memory_model, probed.memory_model
+        toggled = any(change.name == "activation checkpointing" for change in self.changes)
+        if not toggled or before is None or after is None:
+            return ""
+        slopes = (before.bytes_per_sample, after.bytes_per_sample)
+        if abs(slopes[0] - slopes[1]) > SAME_SLOPE * max(slopes):
+            return ""
+        return (
+            f"activation checkpointing changed nothing: {format_bytes(slopes[1])} per sample now "
+            f"({probed.conditions.activation_checkpointing}), {format_bytes(slopes[0])} in "
+            f"profile {self.profile_id} ({self.profile.conditions.activation_checkpointing}); "
+            "check that it wraps the layers whose activations dominate, and that they run it "
+            "(Hugging Face models checkpoint only in training mode)"
+        )
+
+
+SAME_SLOPE = 0.05
+"""Bytes per sample with and without activation checkpointing within this fraction of each
+other: checkpointing changed nothing."""
+
+EXPLAINED_PROFILES = 20
+"""Stored profiles of the model on the card that a store miss looks through for the reason."""
+
+
+def superseded_in(
+    store: ProfileStore,
+    identity: StepIdentity,
+    live: Conditions,
+    *,
+    device_name: str,
+    total_memory_bytes: int,
+    compiled: str,
+    mode: Mode,
+) -> Superseded | None:
+    """The newest stored profile of the step ``identity`` on this card (name, total memory,
+    compiled, mode), when its conditions differ from ``live``; None otherwise (none stored, or
+    the newest agrees on its conditions and something else kept it from answering)."""
+    same = (identity, total_memory_bytes, compiled, mode)
+    for profile_id, stored in store.list_profiles(
+        model_fingerprint=identity.model_fingerprint,
+        device_name=device_name,
+        limit=EXPLAINED_PROFILES,
+    ):
+        if (stored.identity, stored.total_memory_bytes, stored.compiled, stored.mode) != same:
+            continue
+        changes = condition_changes(stored.conditions, live)
+        return (
+            Superseded(profile_id=profile_id, profile=stored, changes=changes) if changes else None
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TunedProfile:
     """What the tuning road found."""
 
@@ -66,6 +146,9 @@ class TunedProfile:
     profile_id: str | None
     """The profile's id in the store; None when no store was used, on ranks other than 0, or
     when the profile was not stored (a non-OOM failure cut the search short)."""
+    superseded: Superseded | None = None
+    """The stored profile that would have answered but for a change of conditions (it was
+    probed again, and the new profile's notes say why); None otherwise."""
 
 
 Ranks = ProcessGroupConsensus | LocalConsensus
@@ -74,6 +157,10 @@ Ranks = ProcessGroupConsensus | LocalConsensus
 Confirm = Callable[[ProfileStore | None], tuple[Profile | None, str]]
 """Confirmation on arrival: given the opened store (None without one), a profile confirmed on
 this card, or None and a note saying why not (``""`` when nothing was predicted)."""
+
+Explain = Callable[[ProfileStore], Superseded | None]
+"""Why the store had no answer: a stored profile of the same step on this card whose conditions
+differ from the live process's, or None."""
 
 
 def agreed_profile(
@@ -84,6 +171,7 @@ def agreed_profile(
     accepts: Callable[[Profile], bool],
     run_probe: Callable[[], Profile],
     confirm: Confirm | None = None,
+    explain: Explain | None = None,
 ) -> TunedProfile:
     """The one store lane, for one process and for every rank of a process group: rank 0 reads
     the store and every rank uses what it found, or all probe together; rank 0 writes the result
@@ -102,21 +190,26 @@ def agreed_profile(
         run_probe: probes (every rank calls it together).
         confirm: one process only: before probing, a plan predicted from another card's profile
             is confirmed by one real trial (:mod:`autobatch.profiles.confirmation`).
+        explain: when the store has no answer, a stored profile of the same step on this card
+            that a change of conditions kept from answering: the probe's profile notes it and
+            the ``autobatch`` logger warns with it (never with ``refresh``).
     """
     use_store = ranks.all_equal(key) and storing.use_store
     opened: list[ProfileStore] = []  # rank 0 only
     profile_id: list[str] = []  # rank 0 only
 
-    def look_up() -> Profile | None:
+    def look_up() -> tuple[Profile | None, Superseded | None]:
         if not use_store:
-            return None
+            return None, None
         given = storing.store
         opened.append(given if isinstance(given, ProfileStore) else ProfileStore(given))
-        found = None if storing.refresh else opened[0].find(key)
-        if found is None or not accepts(found[1]):
-            return None
-        profile_id.append(found[0])
-        return found[1]
+        if storing.refresh:
+            return None, None
+        found = opened[0].find(key)
+        if found is not None and accepts(found[1]):
+            profile_id.append(found[0])
+            return found[1], None
+        return None, explain(opened[0]) if explain is not None else None
 
     def save(profile: Profile) -> Profile:
         if opened and profile.stop_kind != "failure":
@@ -125,11 +218,13 @@ def agreed_profile(
         return profile
 
     try:
-        cached = ranks.on_rank_zero(look_up, "reading the profile store")
+        cached, superseded = ranks.on_rank_zero(look_up, "reading the profile store")
         if cached is not None:
             return TunedProfile(
                 profile=cached, cached=True, profile_id=profile_id[0] if profile_id else None
             )
+        if superseded is not None:
+            logger.warning("%s", superseded.describe())
         note = ""
         if confirm is not None and not storing.refresh:
             confirmed, note = confirm(opened[0] if opened else None)
@@ -139,15 +234,22 @@ def agreed_profile(
                     profile=confirmed,
                     cached=False,
                     profile_id=profile_id[0] if profile_id else None,
+                    superseded=superseded,
                 )
             if note:
                 logger.warning("%s", note)
         profile = run_probe()
-        if note:
-            profile = dataclasses.replace(profile, notes=(*profile.notes, note))
+        said = [note] if note else []
+        if superseded is not None:
+            said.append(superseded.describe())
+        if said:
+            profile = dataclasses.replace(profile, notes=(*profile.notes, *said))
         agreed = ranks.on_rank_zero(lambda: save(profile), "writing the profile store")
         return TunedProfile(
-            profile=agreed, cached=False, profile_id=profile_id[0] if profile_id else None
+            profile=agreed,
+            cached=False,
+            profile_id=profile_id[0] if profile_id else None,
+            superseded=superseded,
         )
     finally:
         if opened and not isinstance(storing.store, ProfileStore):

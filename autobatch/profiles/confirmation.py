@@ -4,12 +4,13 @@ A predicted plan (``plan.source == "predicted"``) is a pure function of a stored
 capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
 card it runs on, it looks in the store, then (with ``report_to``) in the service, for a profile of
 the *same step* (the same :class:`~autobatch.profile.StepIdentity`: model, step, input, dtypes,
-optimizer, torch, backend flags) probed on another card, and plans from it for this card's
-capacity. When that plan is predicted (past the largest size that really ran there), one real trial
-at the predicted max micro-batch confirms it: the confirming profile is stored for this card (later
-calls read it from the store; with ``report_to`` the service gets it too) and the plan is
-``measured``. When the trial runs out of memory, or its peak does not keep the safety margin free,
-a normal probe runs instead, and the profile's notes and the ``autobatch`` logger say so.
+optimizer, torch; and the same conditions, :mod:`autobatch.conditions`) probed on another card,
+and plans from it for this card's capacity. When that plan is predicted (past the largest size
+that really ran there), one real trial at the predicted max micro-batch confirms it: the
+confirming profile is stored for this card (later calls read it from the store; with
+``report_to`` the service gets it too) and the plan is ``measured``. When the trial runs out of
+memory, or its peak does not keep the safety margin free, a normal probe runs instead, and the
+profile's notes and the ``autobatch`` logger say so.
 
 Imports no torch: the trial is the caller's
 (:func:`autobatch.probing.prober.confirm_micro_batch_size`).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+from autobatch.conditions import Conditions, condition_changes
 from autobatch.errors import AutobatchError, ConfigError, NoFeasiblePlanError
 from autobatch.planning.planner import plan
 from autobatch.planning.prediction import Prediction
@@ -71,6 +73,7 @@ def find_prediction(
     safety_margin: float,
     max_micro_batch_size: int,
     mode: Mode = "train",
+    conditions: Conditions | None = None,
 ) -> ArrivalPrediction | None:
     """The predicted plan for this card from the first profile of the same step in ``candidates``.
 
@@ -83,6 +86,9 @@ def find_prediction(
         capacity_bytes: bytes the step may use on this card.
         safety_margin: fraction of ``capacity_bytes`` kept free.
         max_micro_batch_size: the caller's limit; the predicted size is capped by it.
+        conditions: the live process's (:attr:`Profile.conditions`); a profile measured under
+            other conditions that move memory (:func:`autobatch.conditions.condition_changes`)
+            predicts nothing here. None: not compared.
         mode: what the caller measures (:attr:`Profile.mode`); only profiles of that mode
             count. The planner predicts training steps only, so ``"eval"`` finds none (an
             evaluation fits more than the training step the profile shares its identity with).
@@ -98,6 +104,8 @@ def find_prediction(
             continue
         elsewhere = (profile.device_name, profile.total_memory_bytes) != card
         if profile.identity != identity or not elsewhere:
+            continue
+        if conditions is not None and condition_changes(profile.conditions, conditions):
             continue
         try:
             result = plan(

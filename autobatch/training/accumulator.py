@@ -55,6 +55,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
 from autobatch.errors import ConfigError, DistributedError, SmallMicroBatchNormWarning
+from autobatch.planning import Plan
+from autobatch.probing.conditions import check_plan_here, live_data_parallel
 from autobatch.training.counting import as_count, leading_dim
 from autobatch.training.micro_step import MicroStep, WindowState
 from autobatch.training.oom_split import (
@@ -345,7 +347,12 @@ class Accumulator:
             (detected; then counts are all-reduced over ``model.process_group`` and
             ``world_size`` is that group's size). Other wrappers (FSDP) are not handled.
         optimizer: steps once per window.
-        gradient_accumulation_steps: micro-batches per optimizer step, >= 1.
+        gradient_accumulation_steps: micro-batches per optimizer step, >= 1; default the
+            ``plan``'s.
+        plan: the Plan this loop runs, checked against this process
+            (:func:`autobatch.probing.conditions.check_plan_here`): its world size against DDP's
+            group, the launcher's ``WORLD_SIZE`` or one process (not under FSDP or tensor
+            parallelism), its conditions against the live ones.
         scaler: optional ``torch.amp.GradScaler``; losses are scaled before backward and
             unscaled once per window.
         scheduler: optional LR scheduler stepped (without arguments) once per window.
@@ -360,10 +367,13 @@ class Accumulator:
             ``autobatch.tuning.split_recorder(...)`` so the profile store learns the size.
 
     Raises:
-        ConfigError: ``gradient_accumulation_steps`` not an int >= 1, ``max_grad_norm`` not a
-            finite number > 0, ``on_oom`` or ``oom_retry_windows`` invalid, or a
-            ``ReduceLROnPlateau`` scheduler (it needs a metric: step it yourself after
-            ``window.step()``).
+        ConfigError: ``gradient_accumulation_steps`` not an int >= 1 (nor given by ``plan``, or
+            not the plan's), ``max_grad_norm`` not a finite number > 0, ``on_oom`` or
+            ``oom_retry_windows`` invalid, a ``ReduceLROnPlateau`` scheduler (it needs a metric:
+            step it yourself after ``window.step()``), or a ``plan`` for another world size.
+
+    Warns:
+        ConditionsWarning: the ``plan`` was measured under other conditions (each named).
     """
 
     def __init__(
@@ -371,7 +381,8 @@ class Accumulator:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        gradient_accumulation_steps: int,
+        gradient_accumulation_steps: int | None = None,
+        plan: Plan | None = None,
         scaler: torch.amp.GradScaler | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         max_grad_norm: float | None = None,
@@ -380,11 +391,11 @@ class Accumulator:
         on_split: Callable[[SplitEvent], None] | None = None,
     ) -> None:
         self._splitter = Splitter(on_oom=on_oom, retry_windows=oom_retry_windows, on_split=on_split)
-        k = gradient_accumulation_steps
+        k = _steps(gradient_accumulation_steps, plan)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(
                 f"gradient_accumulation_steps must be an int >= 1, got {k!r}; pass the plan's "
-                "gradient_accumulation_steps (1 means no accumulation)"
+                "gradient_accumulation_steps (1 means no accumulation), or plan=plan"
             )
         if max_grad_norm is not None and (
             isinstance(max_grad_norm, bool)
@@ -415,8 +426,26 @@ class Accumulator:
             self._group = self._ddp.process_group
             self.world_size = dist.get_world_size(self._group)
             self._agreement = WindowAgreement(self._group, model)
+        if plan is not None:
+            check_plan_here(
+                plan,
+                model,
+                optimizer,
+                where="Accumulator",
+                data_parallel=self._data_parallel(),
+            )
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
+
+    def _data_parallel(self) -> tuple[int, str] | None:
+        """This loop's data-parallel ranks and where that comes from; None when it cannot tell
+        (torch.distributed without DDP: FSDP or tensor parallel ranks are not all
+        data-parallel)."""
+        if self._ddp is not None:
+            return self.world_size, "DistributedDataParallel's process group"
+        if dist.is_available() and dist.is_initialized():
+            return None
+        return live_data_parallel()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -559,3 +588,13 @@ class Accumulator:
                 SmallMicroBatchNormWarning,
                 stacklevel=3,
             )
+
+
+def _steps(gradient_accumulation_steps: int | None, plan: Plan | None) -> object:
+    """The accumulation steps: the given ones, else the plan's (ConfigError if they differ)."""
+    if plan is None or gradient_accumulation_steps in (None, plan.gradient_accumulation_steps):
+        return gradient_accumulation_steps if plan is None else plan.gradient_accumulation_steps
+    raise ConfigError(
+        f"gradient_accumulation_steps {gradient_accumulation_steps!r} disagrees with the plan's "
+        f"{plan.gradient_accumulation_steps}; pass one of them"
+    )

@@ -121,24 +121,6 @@ def test_parse_device_rejects_with_the_value_and_the_forms(text: str, message: s
         parse_device(text)
 
 
-def test_backend_flags_are_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autobatch.probing.batch import BatchSource
-    from autobatch.probing.identity import step_identity
-
-    model, source = torch.nn.Linear(3, 2), BatchSource.from_sample(torch.randn(2, 3))
-
-    def key() -> str:
-        identity = step_identity(model, source, None)
-        return identity.cache_key(device_name="sim", total_memory_bytes=1)
-
-    plain = key()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert key() != plain
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
-    assert key() != plain
-
-
 def test_simulated_oom_is_recognised_by_peers_that_match_on_the_message() -> None:
     lightning_memory = pytest.importorskip("lightning.pytorch.utilities.memory")
     accelerate_memory = pytest.importorskip("accelerate.utils.memory")

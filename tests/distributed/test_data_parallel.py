@@ -103,7 +103,10 @@ def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
             f"effective_batch_size 64 = {m} (micro_batch_size) x {k} "
             "(gradient_accumulation_steps) x 2 (data-parallel ranks)"
         )
-        assert by_size == {**by_group, "source": "cached"}
+        # The same plan from the store; its conditions say where the size came from.
+        assert by_group["conditions"]["data_parallel_source"] == "argument process_group"
+        sourced = {**by_group["conditions"], "data_parallel_source": "argument data_parallel_size"}
+        assert by_size == {**by_group, "source": "cached", "conditions": sourced}
         assert disagree[0] == "ConfigError"
         assert "data_parallel_size=4, process_group=2 disagree" in disagree[1]
         assert layout == "tensor parallel (DTensor parameters)"

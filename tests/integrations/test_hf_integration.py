@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from autobatch.device.simulated import SimulatedDevice  # noqa: E402
-from autobatch.errors import ConfigError, NoFeasiblePlanError  # noqa: E402
+from autobatch.errors import ConditionsWarning, ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.hf import autotune_trainer, row_length  # noqa: E402
 from autobatch.profiles.store import ProfileStore  # noqa: E402
 
@@ -285,3 +285,29 @@ def test_torchrun_ranks_agree_on_the_smaller_card_and_train_at_the_plan(tmp_path
             2 * plan["gradient_accumulation_steps"]
         )
     assert ranks[0]["first_weight"] == ranks[1]["first_weight"]  # DDP kept them in step
+
+
+def test_conditions_changed_after_tuning_are_warned_about_when_train_begins(
+    tmp_path: Path,
+) -> None:
+    trainer = make_trainer(tmp_path, max_steps=1)
+    autotune_trainer(
+        trainer, 48, device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES), use_store=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if issubclass(w.category, ConditionsWarning)]
+
+    trainer.args.activation_checkpointing = True  # set after the plan was made
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [str(w.message) for w in caught if issubclass(w.category, ConditionsWarning)]
+    assert any(
+        "autotune_trainer: micro-batch" in text
+        and "activation checkpointing: measured with none detected, this process has Hugging "
+        "Face gradient_checkpointing on 3 modules"
+        in text
+        for text in said
+    ), said

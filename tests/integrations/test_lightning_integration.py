@@ -21,7 +21,7 @@ pl = pytest.importorskip("lightning.pytorch")
 torchmetrics = pytest.importorskip("torchmetrics")
 
 from autobatch.device.simulated import SimulatedDevice  # noqa: E402
-from autobatch.errors import ConfigError, NoFeasiblePlanError  # noqa: E402
+from autobatch.errors import ConditionsWarning, ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.lightning import AutobatchFinder  # noqa: E402
 from autobatch.profiles.store import ProfileStore  # noqa: E402
 
@@ -290,3 +290,30 @@ def test_the_trainers_mixed_precision_is_probed(tmp_path: Path) -> None:
     trainer.fit(Classifier())
     ((_, profile),) = store.list_profiles()
     assert profile.amp_dtype == "bfloat16"
+
+
+class FreezesAtFitStart(Classifier):
+    """Freezes its first layer in its own on_fit_start: after the finder's probe (callbacks'
+    hooks run first), before training."""
+
+    def on_fit_start(self) -> None:
+        self.net[0].requires_grad_(False)
+
+
+@pytest.mark.parametrize(("module", "warned"), [(Classifier, False), (FreezesAtFitStart, True)])
+def test_the_plans_conditions_are_checked_when_training_starts(
+    module: type[Classifier], warned: bool
+) -> None:
+    finder = AutobatchFinder(96, device=SimulatedDevice(capacity_bytes=CAPACITY_BYTES))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(finder, max_steps=1).fit(module())
+    said = [str(w.message) for w in caught if issubclass(w.category, ConditionsWarning)]
+    if not warned:
+        assert said == []
+        return
+    assert any(
+        "AutobatchFinder: micro-batch" in text
+        and "trainable parameters: measured with 11018 of 11018 trainable (100.0%)" in text
+        for text in said
+    ), said

@@ -403,21 +403,95 @@ def test_step_times_extrapolate_without_going_negative() -> None:
     assert result.predicted_seconds_per_effective_batch == pytest.approx(0.04)
 
 
-def test_profile_trials_give_step_times_on_their_device_only() -> None:
-    trials = (
-        Trial(micro_batch_size=8, fits=True, peak_reserved_bytes=2 * GIB, step_seconds=0.08),
-        Trial(micro_batch_size=16, fits=True, peak_reserved_bytes=3 * GIB, step_seconds=0.16),
-        Trial(micro_batch_size=24, fits=True, peak_reserved_bytes=4 * GIB, step_seconds=0.5),
-        Trial(micro_batch_size=32, fits=False, oom=True),
-    )
-    profile = make_profile(max_micro_batch_size=24, recommended_micro_batch_size=24, trials=trials)
+def timed_profile(timings: dict[int, tuple[float, ...]], **overrides: Any) -> Profile:
+    """A profile whose fitting trials at each size took ``timings`` seconds (a repeat trial for
+    each timing after the first), with a warm-up at 1 and an OOM above the largest size."""
+    trials = [
+        Trial(
+            micro_batch_size=1,
+            fits=True,
+            peak_reserved_bytes=GIB,
+            warm_up=True,
+            step_seconds=0.0001,
+        )
+    ]
+    for size, times in sorted(timings.items()):
+        peak = GIB + size * 100 * 2**20
+        trials.extend(
+            Trial(
+                micro_batch_size=size,
+                fits=True,
+                peak_reserved_bytes=peak,
+                step_seconds=t,
+                repeat=i > 0,
+            )
+            for i, t in enumerate(times)
+        )
+    largest = max(timings)
+    trials.append(Trial(micro_batch_size=largest + 1, fits=False, oom=True))
+    fields: dict[str, Any] = {
+        "max_micro_batch_size": largest,
+        "recommended_micro_batch_size": largest,
+        "trials": tuple(trials),
+    }
+    return make_profile(**{**fields, **overrides})
+
+
+def test_profile_step_times_timed_once_keep_the_fewest_steps() -> None:
+    # Each size timed once: 3 x 16 predicts 0.48 s against 2 x 24's 1.0 s, but one timing per
+    # size cannot tell that from noise (the issue's E=256 case chose 1 x 256 by such numbers).
+    profile = timed_profile({8: (0.08,), 16: (0.16,), 24: (0.5,)})
 
     same_device = plan(profile, effective_batch_size=48)
     other_device = plan(profile, effective_batch_size=48, capacity_bytes=80 * GIB)
 
-    assert same_device.micro_batch_sizes == (16, 16, 16)
-    assert same_device.predicted_seconds_per_effective_batch == pytest.approx(0.48)
+    assert same_device.micro_batch_sizes == (24, 24)
+    assert same_device.predicted_seconds_per_effective_batch == pytest.approx(1.0)
+    (note,) = [n for n in same_device.notes if n.startswith("kept 2 steps of 24")]
+    assert "predict 3 steps of 16 faster (0.48 s vs 1 s" in note
+    assert "micro-batch 16: 0.16 s; micro-batch 24: 0.5 s" in note
     assert other_device.predicted_seconds_per_effective_batch is None
+
+
+def test_profile_step_times_timed_twice_apart_choose_by_throughput_and_show_the_timings() -> None:
+    profile = timed_profile({8: (0.08,), 16: (0.16, 0.17), 24: (0.5, 0.52)})
+
+    result = plan(profile, effective_batch_size=48)
+
+    assert result.micro_batch_sizes == (16, 16, 16)
+    assert result.predicted_seconds_per_effective_batch == pytest.approx(3 * 0.165)
+    (note,) = [n for n in result.notes if n.startswith("chose 3 steps of 16 over 2 of 24")]
+    assert "micro-batch 16: 0.16, 0.17 s; micro-batch 24: 0.5, 0.52 s" in note
+
+
+def test_profile_step_times_within_their_spread_keep_the_fewest_steps() -> None:
+    # 3 x 16 from its slowest timing (3 x 0.4 = 1.2 s) is not below 2 x 24 from its fastest
+    # (2 x 0.45 = 0.9 s): the difference of the means is inside the spread.
+    profile = timed_profile({16: (0.1, 0.4), 24: (0.45, 0.55)})
+
+    result = plan(profile, effective_batch_size=48)
+
+    assert result.micro_batch_sizes == (24, 24)
+    assert any(n.startswith("kept 2 steps of 24") for n in result.notes)
+
+
+def test_a_noisy_tiny_model_plans_the_same_in_every_run() -> None:
+    # The issue's E=256 case: a tiny model whose only timings are one trial at 1 and the chosen
+    # size timed twice on a loaded machine; whatever the noise, the plan is 1 x 256.
+    plans = {
+        plan(
+            timed_profile(
+                {1: (t1,), 256: (t256, t256 * noise)},
+                total_memory_bytes=64 * GIB,
+                capacity_bytes=64 * GIB,
+            ),
+            effective_batch_size=256,
+        ).micro_batch_sizes
+        for t1 in (0.0019, 0.004, 0.0005)
+        for t256 in (1.03, 0.3)
+        for noise in (1.0, 1.5)
+    }
+    assert plans == {(256,)}
 
 
 @pytest.mark.parametrize(

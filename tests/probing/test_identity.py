@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from autobatch.integrations.dropins import code_identity
 from autobatch.probing.batch import BatchSource
+from autobatch.probing.conditions import read_conditions
 from autobatch.probing.identity import model_fingerprint, module_settings, step_identity
 from autobatch.tuning import autotune_profile
 
@@ -67,8 +68,10 @@ def small_model() -> torch.nn.Module:
 
 
 def key(model: torch.nn.Module | None = None, source: BatchSource = SAMPLE, **step: Any) -> str:
+    """The key a request looks up: the step's identity, the device and the live conditions."""
     model = model if model is not None else small_model()
-    return step_identity(model, source, None, **step).cache_key(**DEVICE)
+    conditions = read_conditions(model, None, device_type="sim", amp_dtype=None)
+    return step_identity(model, source, None, **step).cache_key(**DEVICE, conditions=conditions)
 
 
 def test_two_instances_of_a_step_class_with_equal_settings_share_a_key() -> None:
@@ -167,7 +170,10 @@ GPT2_SAMPLE = BatchSource.from_sample({"input_ids": torch.randint(0, 64, (2, 16)
 
 
 def test_gradient_checkpointing_changes_the_key_and_each_key_is_stable() -> None:
+    # A condition of the profile (so a store miss can say that it changed), not the model's
+    # fingerprint.
     plain, checkpointed = gpt2(False), gpt2(True)
+    assert model_fingerprint(plain) == model_fingerprint(checkpointed)
     assert key(gpt2(False), GPT2_SAMPLE) == key(plain, GPT2_SAMPLE)
     assert key(gpt2(True), GPT2_SAMPLE) == key(checkpointed, GPT2_SAMPLE)
     assert key(plain, GPT2_SAMPLE) != key(checkpointed, GPT2_SAMPLE)

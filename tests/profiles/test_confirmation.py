@@ -215,6 +215,27 @@ def test_an_evaluation_micro_batch_is_never_predicted_from_a_training_profile(
     assert find_prediction([("e", evaluation)], small.identity, **options) is None
 
 
+def test_a_profile_measured_under_other_conditions_predicts_nothing(
+    tmp_path: Path, probed_on_a_small_card: Profile
+) -> None:
+    store = tmp_path / "profiles.sqlite3"
+    small = small_card_profile(store, probed_on_a_small_card)
+    options: dict[str, Any] = {
+        "device_name": "sim",
+        "total_memory_bytes": 24 * 2**20,
+        "capacity_bytes": 24 * 2**20,
+        "safety_margin": 0.05,
+        "max_micro_batch_size": 4096,
+    }
+    with ProfileStore(store) as opened:
+        candidates = stored_profiles(opened, small.identity)
+    assert small.conditions.optimizer == "torch.optim.adamw.AdamW"
+    same = small.conditions
+    assert find_prediction(candidates, small.identity, conditions=same, **options) is not None
+    other = dataclasses.replace(same, optimizer="bitsandbytes.optim.adamw.AdamW8bit")
+    assert find_prediction(candidates, small.identity, conditions=other, **options) is None
+
+
 def test_an_unreachable_service_gives_no_profiles_and_says_why() -> None:
     import socket
 

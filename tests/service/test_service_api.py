@@ -343,6 +343,39 @@ def test_plan_local_gpu_without_nvml_is_503(make_app: Callable[..., FastAPI]) ->
     problem(response, 503, "device-unavailable")
 
 
+def test_a_profiles_conditions_round_trip_and_its_plans_expose_them(client: TestClient) -> None:
+    from autobatch.conditions import Conditions
+
+    conditions = Conditions(
+        device_type="cuda",
+        allocator_settings="expandable_segments:True",
+        allocator_source="torch",
+        allocator_backend="native",
+        allocator_environment={"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+        cudnn={"benchmark": "True", "deterministic": "False", "enabled": "True"},
+        amp_dtype="bfloat16",
+        parameter_bytes={"bfloat16": 248 * MiB},
+        gradient_bytes={"bfloat16": 248 * MiB},
+        optimizer_state_bytes={"float32": 992 * MiB},
+        num_parameters=124 * 2**20,
+        num_trainable_parameters=124 * 2**20,
+        activation_checkpointing="none detected",
+        optimizer="torch.optim.adamw.AdamW",
+        optimizer_state_dtype="float32",
+        data_parallel_size=8,
+        data_parallel_source="the default process group",
+    )
+    profile = make_profile(conditions=conditions)
+    profile_id = client.post("/v1/profiles", json=profile.to_dict()).json()["id"]
+    stored = client.get(f"/v1/profiles/{profile_id}").json()["profile"]
+    assert Profile.from_dict(stored).conditions == conditions
+    body = client.post(
+        "/v1/plan", json={"profile_id": profile_id, "effective_batch_size": 72}
+    ).json()
+    PlanPublic.model_validate(body)
+    assert Plan.from_dict(body["plan"]).conditions == conditions
+
+
 def test_plan_from_a_stored_profile_is_cached(client: TestClient) -> None:
     profile_id = client.post("/v1/profiles", json=make_profile().to_dict()).json()["id"]
     body = client.post(
