@@ -67,10 +67,10 @@ from autobatch.profiles.cache import (
     StoreOptions,
     Superseded,
     TunedProfile,
-    _outside_autobatch,
     agreed_profile,
     answers_request,
     superseded_in,
+    user_stacklevel,
 )
 from autobatch.profiles.confirmation import (
     ArrivalPrediction,
@@ -484,7 +484,7 @@ def _why_probed_again(found: TunedProfile) -> list[str]:
     notes = [found.superseded.describe()]
     in_vain = found.superseded.checkpointing_in_vain(found.profile)
     if in_vain:
-        warnings.warn(in_vain, ConditionsWarning, stacklevel=_outside_autobatch())
+        warnings.warn(in_vain, ConditionsWarning, stacklevel=user_stacklevel())
         notes.append(in_vain)
     return notes
 

@@ -43,6 +43,7 @@ __all__ = [
     "answers_request",
     "report_profile_to",
     "superseded_in",
+    "user_stacklevel",
 ]
 
 logger = logging.getLogger("autobatch")
@@ -275,11 +276,11 @@ def report_profile_to(report_to: str | None, profile: Profile) -> None:
             "The plan is returned and the profile is in the local store; send it later with "
             "autobatch.client.report_profile(url, profile), or probe again with refresh=True",
             ReportWarning,
-            stacklevel=_outside_autobatch(),
+            stacklevel=user_stacklevel(),
         )
 
 
-def _outside_autobatch() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the user's line: the first caller outside
     the autobatch package (autotune, tune and autotune_profile sit at different depths)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
