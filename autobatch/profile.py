@@ -23,7 +23,16 @@ from autobatch.errors import ConfigError
 if TYPE_CHECKING:
     from autobatch.device.budget import MemoryBudget
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "MemoryModel", "Profile", "StepIdentity", "StopKind", "Trial"]
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "GradientSync",
+    "MemoryModel",
+    "Profile",
+    "StepIdentity",
+    "StopKind",
+    "SyncMode",
+    "Trial",
+]
 
 PROFILE_SCHEMA_VERSION = 2
 """Bumped whenever a field of :class:`Profile` is added, changes meaning or is removed (older
@@ -36,6 +45,8 @@ StopKind = Literal["boundary", "limit", "failure"]
 ``max_micro_batch_size``; ``"failure"`` a non-OOM failure cut it short."""
 Compiled = Literal["", "measured", "confirmed"]
 Mode = Literal["train", "eval"]
+SyncMode = Literal["", "none", "once_per_window"]
+"""How the measured step reduced gradients across data-parallel ranks; see :class:`GradientSync`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -220,6 +231,72 @@ _IDENTITY_KEYS = frozenset(f.name for f in dataclasses.fields(StepIdentity))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GradientSync:
+    """The gradient-sync mode a profile (and a plan made from it) was measured in. It moves
+    memory: a loop that skips the gradient reduction on the micro-steps before a window's last
+    (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``, as the Accumulator
+    does) holds those micro-steps' gradients between them, and under FSDP2 unsharded, the whole
+    model's, where a step that reduces holds only its shard. The Accumulator refuses a plan
+    measured in another mode than its loop runs (``Accumulator(plan=...)``)."""
+
+    mode: SyncMode = ""
+    """``""``: not recorded (a profile written before this field, an estimate, a plan from a
+    number); ``"none"``: the step reduced no gradients across ranks (no DDP or FSDP2 wrapper, an
+    evaluation, or a ``train_step`` that updates by itself, measured as it runs);
+    ``"once_per_window"``: each trial ran ``num_micro_steps`` micro-steps, all but the last with
+    the reduction skipped, then the optimizer step, as the Accumulator runs a window."""
+    wrapper: str = ""
+    """The data-parallel wrapper that reduced the gradients (``"DistributedDataParallel"``,
+    ``"FSDP2 (fully_shard)"``), ``""`` for none."""
+    num_micro_steps: int = 1
+    """Forward and backward passes per measured trial, >= 1."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("", "none", "once_per_window"):
+            raise ConfigError(
+                f"gradient_sync mode {self.mode!r} must be '', 'none' or 'once_per_window'"
+            )
+        if isinstance(self.num_micro_steps, bool) or not (
+            isinstance(self.num_micro_steps, int) and self.num_micro_steps >= 1
+        ):
+            raise ConfigError(
+                f"gradient_sync num_micro_steps {self.num_micro_steps!r} must be >= 1"
+            )
+
+    def describe(self) -> str:
+        """In words, for messages: ``"with 2 micro-steps per trial, the gradient reduction of
+        FSDP2 (fully_shard) skipped on all but the last"``."""
+        if self.mode == "once_per_window":
+            return (
+                f"with {self.num_micro_steps} micro-steps per trial, the gradient reduction of "
+                f"{self.wrapper} skipped on all but the last"
+            )
+        if self.mode == "none":
+            return "with no gradient reduction across ranks"
+        return "without a recorded gradient-sync mode (one micro-step per trial)"
+
+    def answers(self, wanted: GradientSync) -> bool:
+        """Whether a profile measured in this mode answers a request measured in ``wanted``:
+        the same mode; or a profile from before modes were recorded (one micro-step) for a step
+        that reduces nothing across ranks, which is what such a profile measured."""
+        return self == wanted or (self.mode == "" and wanted.mode == "none")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "wrapper": self.wrapper, "num_micro_steps": self.num_micro_steps}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> GradientSync:
+        """Inverse of :meth:`to_dict`; None or missing keys (older data) read as not recorded."""
+        if data is None:
+            return cls()
+        return cls(
+            mode=data.get("mode", ""),
+            wrapper=str(data.get("wrapper", "")),
+            num_micro_steps=data.get("num_micro_steps", 1),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     """What one probe (or estimate) found for one model, input, optimizer and device.
 
@@ -290,6 +367,8 @@ class Profile:
     bytes, checkpointing, optimizer, cuDNN, AMP, data-parallel size), read from that process;
     compared with the live process wherever the profile is used (:mod:`autobatch.conditions`).
     Empty for a profile written before autobatch recorded them."""
+    gradient_sync: GradientSync = dataclasses.field(default_factory=GradientSync)
+    """The gradient-sync mode the trials ran in (not recorded in profiles written before it)."""
 
     def __post_init__(self) -> None:
         if self.max_micro_batch_size < 1:
@@ -440,6 +519,7 @@ class Profile:
 
                 fields["budget"] = MemoryBudget.from_dict(budget)
             fields["conditions"] = Conditions.from_dict(data.get("conditions"))
+            fields["gradient_sync"] = GradientSync.from_dict(data.get("gradient_sync"))
             if fields.get("stop_kind") is None:  # schema 1, or a service body that left it out
                 fields["stop_kind"] = _stop_kind_of_v1(data)
             fields["schema_version"] = PROFILE_SCHEMA_VERSION

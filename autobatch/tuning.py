@@ -434,9 +434,13 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
     (searched_capacity,) = ranks.min_ints([capacity_now.capacity_bytes])
 
     def accepts(found: Profile) -> bool:
-        return answers_request(
-            found, options.safety_margin, options.max_micro_batch_size, searched_capacity
-        ) and not condition_changes(found.conditions, options.conditions)
+        return (
+            answers_request(
+                found, options.safety_margin, options.max_micro_batch_size, searched_capacity
+            )
+            and not condition_changes(found.conditions, options.conditions)
+            and found.gradient_sync.answers(options.gradient_sync)
+        )
 
     def explain(store: ProfileStore) -> Superseded | None:
         return superseded_in(

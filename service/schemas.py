@@ -342,6 +342,14 @@ class ConditionsFields(_Strict):
     data_parallel_source: LongText = ""
 
 
+class GradientSyncFields(_Strict):
+    """``autobatch.profile.GradientSync``: the gradient-sync mode a profile was measured in."""
+
+    mode: Literal["", "none", "once_per_window"] = ""
+    wrapper: Name = ""
+    num_micro_steps: int = Field(default=1, ge=1, le=1000)
+
+
 class ProfileBase(_Strict):
     """A probe result (``autobatch.Profile.to_dict()``)."""
 
@@ -385,6 +393,7 @@ class ProfileBase(_Strict):
         default=None, description="The memory budget the probe ran under (left out: not said)."
     )
     conditions: ConditionsFields | None = None
+    gradient_sync: GradientSyncFields | None = None
 
 
 class ProfileCreate(ProfileBase):
@@ -492,6 +501,18 @@ class PredictionFields(BaseModel):
     margin: float
 
 
+class EpochFields(BaseModel):
+    """``autobatch.planning.epochs.EpochPlan``: one epoch of data under a plan, per rank."""
+
+    num_rows_per_rank: int
+    drop_last: bool
+    num_micro_batches_per_rank: int
+    num_optimizer_steps: int
+    num_full_steps: int
+    last_step_micro_batches: int
+    last_effective_batch_size: int
+
+
 class PlanFields(BaseModel):
     """``autobatch.Plan.to_dict()``: ``sum(micro_batch_sizes) * world_size ==
     effective_batch_size``."""
@@ -518,6 +539,8 @@ class PlanFields(BaseModel):
         "the deciding one, the sharing mode, fits_now and trials_per_gpu; null without a device.",
     )
     conditions: ConditionsFields | None = None
+    gradient_sync: GradientSyncFields | None = None
+    epoch: EpochFields | None = None
 
 
 class PlanConfigs(BaseModel):

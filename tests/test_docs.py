@@ -97,6 +97,20 @@ def test_last_short_window_snippet_steps_with_its_real_size() -> None:
     assert namespace["optimizer"].state == {}  # SGD without momentum keeps no state
 
 
+def test_epoch_snippet_prints_the_epochs_numbers() -> None:
+    page = DOCS / "training-loop.md"
+    namespace = _run(page, _snippet(page, "with_epoch(125)"))  # checks the printed (1, 125)
+
+    assert namespace["plan"].epoch.num_full_steps == 0
+
+
+def test_deadline_snippet_builds_a_deadline() -> None:
+    page = DOCS / "training-loop.md"
+    namespace = _run(page, _snippet(page, "AgreementDeadline(min_seconds=600"))
+
+    assert namespace["deadline"].seconds(1.0) == 600
+
+
 def test_readme_autotune_snippet_probes_then_answers_from_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,7 +159,7 @@ def test_framework_configs_snippet_prints_the_configs() -> None:
     namespace = _run(page, _snippet(page, "deepspeed_config(plan)"))
 
     config = namespace["deepspeed_config"](namespace["plan"])
-    assert config["train_batch_size"] == 16 * 4 == 64
+    assert config == {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 4}
 
 
 def test_cli_plan_table_is_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:

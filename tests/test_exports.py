@@ -223,6 +223,7 @@ FLAT_ENTRY_POINTS = {
     "autobatch/tuning.py:autotune",
     "autobatch/tuning.py:autotune_profile",
     "autobatch/tuning.py:tune",
+    "autobatch/training/accumulator.py:__init__",  # Accumulator(...), called by users
 }
 MAX_PARAMETERS = 10
 

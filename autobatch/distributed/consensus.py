@@ -7,7 +7,9 @@ int64 tensors (on the CPU for gloo, on the probed CUDA device for nccl). With it
 the
 same micro-batch sizes in the same order; a size fits only if it fits on every rank, so a smaller or
 busier card lowers the plan for all; a non-OOM failure on one rank ends the probe on every rank
-within the same collective (no rank is left waiting).
+within the same collective (no rank is left waiting). Each agreement has a deadline
+(:mod:`autobatch.distributed.deadline`): a rank that stops answering (hung inside a trial, say)
+fails the others within a few step-times, naming it, not at the process group's timeout.
 
 :func:`autobatch.autotune` uses it by itself when ``torch.distributed`` is initialised: rank 0
 alone reads and writes the profile store, and every rank returns rank 0's profile, so every rank
@@ -26,12 +28,19 @@ Example::
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from autobatch.distributed.deadline import (
+    AgreementDeadline,
+    Agreements,
+    Default,
+    resolve_deadline,
+)
 from autobatch.distributed.fake_backend import groups_faked
 from autobatch.errors import DistributedError
 
@@ -109,6 +118,9 @@ class ProcessGroupConsensus:
         device: the device this rank probes. Under nccl the agreement's small tensors go there
             (a CUDA device), not to the current CUDA device, which on a rank that never called
             ``torch.cuda.set_device`` is cuda:0, another rank's GPU. None: the current device.
+        deadline: how long each agreement after the first waits for a peer
+            (:class:`~autobatch.distributed.deadline.AgreementDeadline`; the default reads
+            ``$AUTOBATCH_AGREEMENT_SECONDS``); None: the process group's own timeout.
 
     Raises:
         DistributedError: torch.distributed is not available or not initialised, the group
@@ -118,7 +130,11 @@ class ProcessGroupConsensus:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | None = None,
+        deadline: AgreementDeadline | Default | None = Default.DEADLINE,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise DistributedError(
@@ -135,7 +151,6 @@ class ProcessGroupConsensus:
         self._group = group
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
-        self._src = 0 if group is None else dist.get_global_rank(group, 0)
         pg = group if group is not None else dist.group.WORLD
         self._device = consensus_device(
             str(dist.get_backend(group)),
@@ -143,6 +158,8 @@ class ProcessGroupConsensus:
             bound=getattr(pg, "bound_device_id", None),
             current_cuda_index=torch.cuda.current_device,
         )
+        self._agreements = Agreements(group, resolve_deadline(deadline))
+        self._num_agreements = 0
 
     @property
     def device(self) -> torch.device:
@@ -165,23 +182,46 @@ class ProcessGroupConsensus:
         """Number of ranks in the group."""
         return self._world_size
 
+    def _where(self) -> str:
+        self._num_agreements += 1
+        return (
+            f"the probe's agreement number {self._num_agreements} (the ranks agree after each step)"
+        )
+
     def min_ints(self, values: Sequence[int]) -> list[int]:
-        """Element-wise minimum over the ranks (one all-reduce of ``len(values)`` int64s)."""
+        """Element-wise minimum over the ranks (one all-reduce of ``len(values)`` int64s).
+
+        Raises:
+            DistributedError: a peer did not answer within the deadline (names it).
+        """
         tensor = torch.tensor(list(values), dtype=torch.int64, device=self._device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._group)
+        self._agreements.all_reduce(tensor, dist.ReduceOp.MIN, where=self._where())
         return [int(value) for value in tensor.tolist()]
 
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:
-        """Rank 0's values, on every rank (one broadcast of ``len(values)`` int64s)."""
+        """Rank 0's values, on every rank (one broadcast of ``len(values)`` int64s).
+
+        Raises:
+            DistributedError: a peer did not answer within the deadline (names it).
+        """
         tensor = torch.tensor(list(values), dtype=torch.int64, device=self._device)
-        dist.broadcast(tensor, src=self._src, group=self._group)
+        self._agreements.broadcast(tensor, where=self._where())
         return [int(value) for value in tensor.tolist()]
 
     def broadcast_object(self, obj: T) -> T:
-        """Rank 0's ``obj`` (picklable), on every rank; the others' ``obj`` is ignored."""
-        box: list[Any] = [obj]
-        dist.broadcast_object_list(box, src=self._src, group=self._group, device=self._device)
-        return cast(T, box[0])
+        """Rank 0's ``obj`` (picklable), on every rank; the others' ``obj`` is ignored (two
+        broadcasts: the pickle's length, then its bytes).
+
+        Raises:
+            DistributedError: a peer did not answer within the deadline (names it).
+        """
+        data = pickle.dumps(obj) if self._rank == 0 else b""
+        (length,) = self.broadcast_ints([len(data)])
+        buffer = torch.zeros(length, dtype=torch.uint8, device=self._device)
+        if self._rank == 0:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._agreements.broadcast(buffer, where=self._where())
+        return cast(T, pickle.loads(buffer.cpu().numpy().tobytes()))
 
     def all_equal(self, value: str) -> bool:
         """True on every rank when every rank's ``value`` equals rank 0's."""

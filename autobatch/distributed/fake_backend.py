@@ -198,9 +198,13 @@ def _refuse_peer_calls(patched: list[tuple[Any, str, Any]]) -> None:
 def reset_fsdp2(model: torch.nn.Module) -> None:
     """After a step that raised mid-forward or mid-backward: FSDP2's own recovery,
     ``reset_iter_state()`` on the root ``fully_shard`` module (the first in ``model.modules()``):
-    it reshards every parameter group and clears the step's trackers, so the next step runs."""
+    it reshards every parameter group and clears the step's trackers, so the next step runs;
+    and the unsharded gradients an earlier micro-step without the reduction left are dropped."""
     from torch.distributed.fsdp import FSDPModule
 
+    from autobatch.distributed.sync import drop_unsharded_gradients
+
+    drop_unsharded_gradients(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reset_iter_state()

@@ -10,7 +10,7 @@ Example::
 
     from autobatch.integrations import deepspeed_config
 
-    deepspeed_config(plan)  # {"train_batch_size": 1024, ...}
+    deepspeed_config(plan)  # {"train_micro_batch_size_per_gpu": 16, ...}
 """
 
 from __future__ import annotations

@@ -30,7 +30,14 @@ from torch.utils._pytree import tree_map
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
-from autobatch.integrations.dropins import SET_BY_FRAMEWORK, autotune_arguments, check_options, tune
+from autobatch.integrations.dropins import (
+    SET_BY_FRAMEWORK,
+    autotune_arguments,
+    check_options,
+    dataset_rows,
+    tune,
+    with_epoch,
+)
 from autobatch.planning.planner import Plan
 from autobatch.probing.snapshot import preserved_rng
 
@@ -66,8 +73,13 @@ def autotune_accelerator(
             options (``safety_margin``, ``max_gradient_accumulation_steps``, ``store``...).
 
     Returns:
-        The Plan; ``accelerator.gradient_accumulation_steps`` is its
-        ``gradient_accumulation_steps``. Rebuild the dataloader with ``plan.micro_batch_size``.
+        The Plan, with its ``epoch`` (the dataloader's dataset rows per epoch: micro-batches and
+        optimizer steps per rank, the last step's effective batch);
+        ``accelerator.gradient_accumulation_steps`` is its ``gradient_accumulation_steps``.
+        Rebuild the dataloader with ``plan.micro_batch_size``. When the rows do not fill whole
+        optimizer steps, a WARNING on ``autobatch.integrations`` says so: Accelerate divides
+        every loss by the accumulation steps, so an epoch's short last step applies only that
+        share of its gradient.
 
     Raises:
         ConfigError: an option autotune does not take or that this function sets itself; an
@@ -93,7 +105,20 @@ def autotune_accelerator(
         caller="autotune_accelerator",
     )
     accelerator.gradient_accumulation_steps = result.gradient_accumulation_steps
-    return result
+    base = getattr(dataloader, "base_dataloader", dataloader)
+    steps = result.gradient_accumulation_steps
+    return with_epoch(
+        result,
+        dataset_rows(getattr(base, "dataset", None)),
+        drop_last=bool(getattr(base, "drop_last", False)),
+        caller="autotune_accelerator",
+        last_step=(
+            f"accelerator.backward() divides every micro-batch's loss by {steps} "
+            "(gradient_accumulation_steps), also in that step, so it applies only its share of "
+            f"{steps} micro-batches: with j of them, j/{steps} of their mean gradient (multiply "
+            f"their losses by {steps}/j to make it their mean)"
+        ),
+    )
 
 
 def _first_batch(dataloader: Any, device: torch.device) -> Any:

@@ -50,22 +50,24 @@ def deepspeed_config(plan: Plan) -> dict[str, int]:
     """The batch keys of a DeepSpeed config (merge them into yours).
 
     DeepSpeed checks ``train_batch_size == train_micro_batch_size_per_gpu *
-    gradient_accumulation_steps * world_size`` at start-up; a Plan always satisfies it for
-    ``plan.world_size`` ranks.
+    gradient_accumulation_steps * world_size`` each time it reads a config, and it reads it
+    before its process group exists too (ZeRO-3's ``zero.Init`` inside ``from_pretrained``
+    under ``HfDeepSpeedConfig``), with a world size of 1. So ``train_batch_size`` is left out:
+    DeepSpeed then sets it to ``m * k * world_size`` itself, which passes that check before the
+    group exists and after, and equals ``plan.effective_batch_size`` once launched on
+    ``plan.world_size`` ranks (as the launcher must: ``deepspeed --num_gpus``).
 
     Args:
         plan: a plan with equal micro-batch sizes.
 
     Returns:
-        ``{"train_batch_size": E, "train_micro_batch_size_per_gpu": m,
-        "gradient_accumulation_steps": k}``.
+        ``{"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}``.
 
     Raises:
         ConfigError: the plan's micro-batches are of unequal size.
     """
     _require_equal_sizes(plan, "DeepSpeed")
     return {
-        "train_batch_size": plan.effective_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
     }

@@ -10,14 +10,14 @@ Example::
     plan = tune(module, sample, effective_batch_size=64, world_size=1, optimizer=optimizer,
                 train_step=step, device="sim:1GiB", amp_dtype=None, options=options,
                 caller="AutobatchFinder")
-    check_epoch_end(len(dataset), plan, drop_last=False, caller="AutobatchFinder")
+    plan = with_epoch(plan, len(dataset), drop_last=False, caller="AutobatchFinder",
+                      last_step="Lightning steps with what is left")
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,12 +31,11 @@ from autobatch.tuning import autotune
 
 __all__ = [
     "FrameworkStep",
-    "check_epoch_end",
     "check_options",
     "code_identity",
     "dataset_rows",
-    "last_step_samples",
     "tune",
+    "with_epoch",
 ]
 
 logger = logging.getLogger("autobatch.integrations")
@@ -189,42 +188,26 @@ def tune(
     return result
 
 
-def last_step_samples(num_rows: int, plan: Plan, *, drop_last: bool) -> int:
-    """Samples per rank in an epoch's last optimizer step, when each rank reads
-    ``ceil(num_rows / world_size)`` rows (as a distributed sampler pads them) in micro-batches of
-    ``plan.micro_batch_size`` and the framework steps at the epoch's end with what it has."""
-    rows = math.ceil(num_rows / plan.world_size)
-    size, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
-    partial = 0 if drop_last else rows % size
-    micro_batches = rows // size + (1 if partial else 0)
-    if micro_batches == 0:
-        return 0
-    last_window = micro_batches % steps or steps
-    return (last_window - (1 if partial else 0)) * size + partial
-
-
-def check_epoch_end(num_rows: int | None, plan: Plan, *, drop_last: bool, caller: str) -> None:
-    """Log a WARNING on ``autobatch.integrations`` when each epoch's last optimizer step would see
-    fewer samples than the effective batch (the frameworks step at an epoch's end with the
-    micro-batches left); silent for a dataset without a length.
-    """
-    if num_rows is None:
-        return
-    per_rank = plan.effective_batch_size // plan.world_size
-    last = last_step_samples(num_rows, plan, drop_last=drop_last)
-    if last != per_rank:
+def with_epoch(plan: Plan, data: Any, *, drop_last: bool, caller: str, last_step: str) -> Plan:
+    """``plan`` with its epoch (:meth:`Plan.with_epoch`; unchanged when ``data`` is None: a
+    dataset without a length), and a WARNING on ``autobatch.integrations`` when an epoch's last
+    optimizer step falls short of the effective batch (the frameworks step at an epoch's end
+    with the micro-batches left), saying what the framework does with it (``last_step``)."""
+    if data is None:
+        return plan
+    result = plan.with_epoch(data, drop_last=drop_last)
+    epoch = result.epoch
+    assert epoch is not None
+    if not epoch.fills_every_step:
         logger.warning(
-            "%s: the train dataset's %d rows do not fill whole optimizer steps: the last step of "
-            "each epoch sees %d samples per rank instead of %d (%d x %d); for an exact effective "
-            "batch at every step, give it a multiple of %d rows",
+            "%s: %s; %s. For an exact effective batch at every step, give each epoch a "
+            "multiple of %d rows (or drop_last=True)",
             caller,
-            num_rows,
-            last,
-            per_rank,
-            plan.micro_batch_size,
-            plan.gradient_accumulation_steps,
+            epoch.describe(plan.effective_batch_size),
+            last_step,
             plan.effective_batch_size,
         )
+    return result
 
 
 def dataset_rows(dataset: object) -> int | None:

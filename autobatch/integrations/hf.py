@@ -37,11 +37,11 @@ from autobatch.integrations.dropins import (
     STEP_ARGUMENTS,
     FrameworkStep,
     autotune_arguments,
-    check_epoch_end,
     check_options,
     code_identity,
     dataset_rows,
     tune,
+    with_epoch,
 )
 from autobatch.planning.planner import Plan
 from autobatch.probing.conditions import check_plan_here
@@ -80,16 +80,19 @@ def autotune_trainer(
             ``store``, ``refresh``, ``amp_dtype``...).
 
     A WARNING on the ``autobatch.integrations`` logger says when the train dataset's rows do
-    not fill whole optimizer steps (the Trainer's last step of an epoch then sees fewer samples).
-    A callback added to the Trainer compares the plan's conditions with the process's when
-    ``train()`` begins (its optimizer created, activation checkpointing on): each condition that
-    moves memory and differs is a :class:`~autobatch.errors.ConditionsWarning` naming it.
+    not fill whole optimizer steps (the Trainer's last step of an epoch then sees fewer samples,
+    weighted as their mean). A callback added to the Trainer compares the plan's conditions with
+    the process's when ``train()`` begins (its optimizer created, activation checkpointing on):
+    each condition that moves memory and differs is a
+    :class:`~autobatch.errors.ConditionsWarning` naming it.
 
     Returns:
-        The Plan applied to ``trainer.args``: ``per_device_train_batch_size ==
-        plan.micro_batch_size``, ``gradient_accumulation_steps ==
-        plan.gradient_accumulation_steps``; with the option ``eval=True`` (the evaluation
-        forward probed on its own, under ``torch.inference_mode``) also
+        The Plan applied to ``trainer.args``, with its ``epoch`` (the train dataset's rows per
+        epoch: micro-batches and optimizer steps per rank, the last step's effective batch):
+        ``per_device_train_batch_size == plan.micro_batch_size``,
+        ``gradient_accumulation_steps == plan.gradient_accumulation_steps``; with the option
+        ``eval=True`` (the evaluation forward probed on its own, under
+        ``torch.inference_mode``) also
         ``per_device_eval_batch_size == plan.eval_micro_batch_size``.
 
     Raises:
@@ -160,14 +163,19 @@ def autotune_trainer(
             f"{result.gradient_accumulation_steps} x world size {world_size}); its parallel "
             "layout is one autotune_trainer does not know: plan with autobatch.autotune"
         )
-    check_epoch_end(
-        dataset_rows(trainer.train_dataset),
+    _check_when_training_starts(trainer, result, amp_dtype)
+    return with_epoch(
         result,
+        dataset_rows(trainer.train_dataset),
         drop_last=bool(args.dataloader_drop_last),
         caller="autotune_trainer",
+        last_step=(
+            "the Trainer divides that step's losses by its own number of micro-batches (or by "
+            "the items counted, num_items_in_batch, for a model that takes it), so the step is "
+            "the mean of its samples (a short last micro-batch counts as a whole one where "
+            "items are not counted)"
+        ),
     )
-    _check_when_training_starts(trainer, result, amp_dtype)
-    return result
 
 
 def _check_when_training_starts(trainer: Any, plan: Plan, amp_dtype: torch.dtype | None) -> None:

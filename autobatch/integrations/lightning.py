@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,17 +38,19 @@ from autobatch.integrations.dropins import (
     STEP_ARGUMENTS,
     FrameworkStep,
     autotune_arguments,
-    check_epoch_end,
     check_options,
     code_identity,
     dataset_rows,
     tune,
+    with_epoch,
 )
 from autobatch.planning.planner import Plan
 from autobatch.probing.conditions import check_plan_here
 from autobatch.probing.snapshot import preserved_rng
 
 __all__ = ["AutobatchFinder"]
+
+logger = logging.getLogger("autobatch.integrations")
 
 _AMP_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 """Lightning precision settings that autocast the step (the probe autocasts the same way)."""
@@ -88,7 +91,12 @@ class AutobatchFinder(Callback):
     Lightning steps at an epoch's end with the micro-batches left, so that step sees fewer
     samples when the train dataset's rows do not fill whole optimizer steps; a WARNING on the
     ``autobatch.integrations`` logger says so (give the dataset a multiple of
-    ``effective_batch_size`` rows).
+    ``effective_batch_size`` rows), and the finder weights that step's micro-batches by their
+    samples (Lightning divides each loss by ``accumulate_grad_batches``, which would apply only
+    that share of a short step's gradient), so the step is the exact mean of its samples. An
+    epoch shorter than one optimizer step (``num_training_batches < accumulate_grad_batches``)
+    never reaches ``effective_batch_size``: it is refused (a WARNING when
+    ``limit_train_batches`` shortened it). ``plan.epoch`` has the numbers per epoch.
     """
 
     def __init__(
@@ -117,6 +125,8 @@ class AutobatchFinder(Callback):
         self.batch_arg_name = batch_arg_name
         self.options = dict(options)
         self.plan: Plan | None = None
+        self._weights: _LastStepWeights | None = None
+        self._factor = 1.0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -149,6 +159,18 @@ class AutobatchFinder(Callback):
             batch_arg_name=self.batch_arg_name,
             options=self.options,
         )
+        self._weights = _LastStepWeights.of(self.plan, trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._factor = 1.0 if self._weights is None else self._weights.factor(batch_idx)
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._factor != 1.0:  # the epoch's short last step: its micro-batch's share
+            loss.mul_(self._factor)  # the tensor Lightning backpropagates next
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plan is None:
@@ -222,8 +244,50 @@ def _tune(
     del sample
     lightning_setattr(pl_module, batch_arg_name, result.micro_batch_size)
     trainer.accumulate_grad_batches = result.gradient_accumulation_steps
-    _rebuild_train_dataloader(trainer, result, batch_arg_name)
-    return result
+    return _rebuild_train_dataloader(trainer, result, batch_arg_name)
+
+
+class _LastStepWeights:
+    """The factor on each micro-batch's loss of an epoch that makes Lightning's last optimizer
+    step, when short, the mean of its samples: Lightning divides every loss by
+    ``accumulate_grad_batches`` (k); a micro-batch of n samples in a last step of N needs
+    ``n / N``, so the factor is ``k * n / N`` (1 for every micro-batch of a full step).
+
+    Args:
+        plan: the plan, with its epoch.
+        num_batches: micro-batches Lightning runs per epoch (``num_training_batches``).
+        loader_length: micro-batches the loader yields per epoch (the last may be partial).
+    """
+
+    def __init__(self, plan: Plan, num_batches: int, loader_length: int) -> None:
+        epoch = plan.epoch
+        assert epoch is not None
+        size, steps = plan.micro_batch_size, plan.gradient_accumulation_steps
+        last_size = (
+            size if epoch.drop_last else epoch.num_rows_per_rank - (loader_length - 1) * size
+        )
+        self.start = (num_batches - 1) // steps * steps  # the first batch of the last step
+        sizes = [
+            last_size if index == loader_length - 1 else size
+            for index in range(self.start, num_batches)
+        ]
+        self.factors = [steps * rows / sum(sizes) for rows in sizes]
+
+    @classmethod
+    def of(cls, plan: Plan, trainer: pl.Trainer) -> _LastStepWeights | None:
+        """The weights of ``plan``'s epochs under ``trainer``; None when every step is whole
+        or the epoch's length is unknown."""
+        num_batches = trainer.num_training_batches
+        loader = trainer.train_dataloader
+        if plan.epoch is None or not isinstance(num_batches, int) or num_batches < 1:
+            return None
+        weights = cls(plan, num_batches, len(loader))  # type: ignore[arg-type]
+        return None if all(factor == 1.0 for factor in weights.factors) else weights
+
+    def factor(self, batch_index: int) -> float:
+        if batch_index < self.start or batch_index - self.start >= len(self.factors):
+            return 1.0
+        return self.factors[batch_index - self.start]
 
 
 def _single_train_loader(trainer: pl.Trainer) -> torch.utils.data.DataLoader[Any]:
@@ -322,10 +386,17 @@ def _probing(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[Non
             metric.reset()
 
 
-def _rebuild_train_dataloader(trainer: pl.Trainer, plan: Plan, name: str) -> None:
-    """Rebuild the train dataloader (as Lightning's tuner does) and check that it now gives
-    micro-batches of ``plan.micro_batch_size``. The fit loop then uses it as built here, so this
-    build takes the RNG draws Lightning's own build would have taken."""
+def _rebuild_train_dataloader(trainer: pl.Trainer, plan: Plan, name: str) -> Plan:
+    """Rebuild the train dataloader (as Lightning's tuner does), check that it now gives
+    micro-batches of ``plan.micro_batch_size`` and that an epoch holds one optimizer step at
+    least; the plan with its epoch. The fit loop then uses the loader as built here, so this
+    build takes the RNG draws Lightning's own build would have taken.
+
+    Raises:
+        ConfigError: the loader ignores the batch size attribute; the loader's epoch has fewer
+            micro-batches than ``accumulate_grad_batches`` (no step would reach the effective
+            batch).
+    """
     loop = trainer.fit_loop
     loop._combined_loader = None  # force a reload, as lightning.pytorch.tuner does
     loop.setup_data()
@@ -339,9 +410,43 @@ def _rebuild_train_dataloader(trainer: pl.Trainer, plan: Plan, name: str) -> Non
             f"size {batch_size}; build it with DataLoader(..., batch_size=self.{name}) so the "
             "effective batch is exact"
         )
-    check_epoch_end(
-        dataset_rows(loader.dataset),
+    rows = dataset_rows(loader.dataset)
+    result = with_epoch(
         plan,
+        None if rows is None else loader,
         drop_last=loader.drop_last,
         caller="AutobatchFinder",
+        last_step=(
+            "AutobatchFinder weights that step's micro-batches by their samples (Lightning "
+            "alone divides each loss by accumulate_grad_batches), so it is their exact mean"
+        ),
     )
+    _check_epoch_length(trainer, result, len(loader) if rows is not None else None)
+    return result
+
+
+def _check_epoch_length(trainer: pl.Trainer, plan: Plan, loader_length: int | None) -> None:
+    """Refuse an epoch shorter than one optimizer step (warn when ``limit_train_batches``
+    made it so): no step of it would reach the effective batch."""
+    num_batches = trainer.num_training_batches
+    steps = plan.gradient_accumulation_steps
+    if not isinstance(num_batches, int) or num_batches >= steps:
+        return
+    whole = loader_length is not None and loader_length < steps  # the data itself is short
+    if whole and plan.epoch is not None:
+        reached = plan.epoch.last_effective_batch_size
+    else:
+        reached = num_batches * plan.micro_batch_size * plan.world_size
+    message = (
+        f"AutobatchFinder: an epoch has {num_batches} micro-batch(es) per rank "
+        f"(num_training_batches), fewer than accumulate_grad_batches {steps}, so every "
+        f"optimizer step ends the epoch with an effective batch of {reached}, never "
+        f"effective_batch_size {plan.effective_batch_size}, and max_steps and LR schedules "
+        "would count such steps"
+    )
+    if whole:
+        raise ConfigError(
+            f"{message}; give the dataset at least {plan.effective_batch_size} rows, or ask "
+            f"for an effective_batch_size it can fill (at most {reached})"
+        )
+    logger.warning("%s (limit_train_batches shortened the epoch)", message)

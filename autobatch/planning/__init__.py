@@ -6,6 +6,7 @@ resolves what a plan's limit is (a number, a profile, a memory line and a capaci
 the search over splits; ``prediction`` predicts the largest micro-batch past what was measured;
 ``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's);
 ``budget`` puts the memory budget a plan was made for on it (``fits_now``, ``trials_per_gpu``).
+``epochs`` is a plan over one epoch of data (:class:`EpochPlan`, ``Plan.with_epoch``).
 This face is what other layers and the service import.
 
 Example::
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from autobatch.planning.budget import given_budget, with_budget
 from autobatch.planning.constraints import PlanConstraints
+from autobatch.planning.epochs import EpochPlan
 from autobatch.planning.limits import DEFAULT_SAFETY_MARGIN, PlanSource, stored_profile_source
 from autobatch.planning.planner import (
     MAX_GRADIENT_ACCUMULATION_STEPS,
@@ -35,6 +37,7 @@ from autobatch.planning.prediction import Prediction
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "EpochPlan",
     "Plan",
     "PlanConstraints",
     "PlanSource",

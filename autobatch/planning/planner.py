@@ -52,6 +52,7 @@ from autobatch.planning.constraints import (
     Uneven,
     check_options,
 )
+from autobatch.planning.epochs import EpochPlan, epoch_plan
 from autobatch.planning.limits import (
     DEFAULT_SAFETY_MARGIN,
     SOURCES,
@@ -68,7 +69,7 @@ from autobatch.planning.splits import (
     split_seconds,
     split_sizes,
 )
-from autobatch.profile import MemoryModel, Profile
+from autobatch.profile import GradientSync, MemoryModel, Profile
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
@@ -140,6 +141,14 @@ class Plan:
     conditions: Conditions = dataclasses.field(default_factory=Conditions)
     """What its profile was measured under (``autotune``: with the plan's data-parallel size and
     source); empty from a number. Compared with the live process where the plan is used."""
+    gradient_sync: GradientSync = dataclasses.field(default_factory=GradientSync)
+    """The gradient-sync mode the profile behind the plan was measured in (its
+    ``gradient_sync``); not recorded for a plan from a number or a memory line. The Accumulator
+    refuses a plan measured in another mode than its loop runs."""
+    epoch: EpochPlan | None = None
+    """One epoch of data under this plan (:meth:`with_epoch`): micro-batches and optimizer steps
+    per epoch per rank, and the effective batch the epoch's last step reaches; None when the
+    data was not given."""
 
     def __post_init__(self) -> None:
         sizes = self.micro_batch_sizes
@@ -195,6 +204,27 @@ class Plan:
         one rank has it among its ``notes``."""
         return _formula(self.micro_batch_sizes, self.effective_batch_size, self.world_size)
 
+    def with_epoch(self, data: Any, *, drop_last: bool = False) -> Plan:
+        """This plan with its :attr:`epoch`: what one epoch of ``data`` does under it (a note
+        says so when its last optimizer step falls short of the effective batch).
+
+        Args:
+            data: the epoch's rows over all ranks (an int; each rank reads
+                ``ceil(rows / world_size)``, as a padding ``DistributedSampler`` gives it), a
+                sampler (its ``len()``: this rank's rows), or a loader built at this plan's
+                micro-batch size (its sampler's ``len()`` and its ``drop_last``).
+            drop_last: with rows or a sampler, whether the loader drops an incomplete last
+                micro-batch.
+
+        Raises:
+            ConfigError: see :func:`autobatch.planning.epochs.epoch_plan`.
+        """
+        epoch = epoch_plan(self.micro_batch_sizes, self.world_size, data, drop_last=drop_last)
+        notes = self.notes
+        if not epoch.fills_every_step:
+            notes = (*notes, epoch.describe(self.effective_batch_size))
+        return dataclasses.replace(self, epoch=epoch, notes=notes)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists)."""
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -203,6 +233,8 @@ class Plan:
         data["prediction"] = None if self.prediction is None else self.prediction.to_dict()
         data["budget"] = None if self.budget is None else self.budget.to_dict()
         data["conditions"] = self.conditions.to_dict()
+        data["gradient_sync"] = self.gradient_sync.to_dict()
+        data["epoch"] = None if self.epoch is None else self.epoch.to_dict()
         return data
 
     @classmethod
@@ -226,6 +258,8 @@ class Plan:
             budget = data.get("budget")
             fields["budget"] = None if budget is None else MemoryBudget.from_dict(budget)
             fields["conditions"] = Conditions.from_dict(data.get("conditions"))
+            fields["gradient_sync"] = GradientSync.from_dict(data.get("gradient_sync"))
+            fields["epoch"] = EpochPlan.from_dict(data.get("epoch"))
             return cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not a valid plan: {exc}") from exc
@@ -411,7 +445,14 @@ def plan_within(
         step_seconds=step_seconds,
         source=source,
     )
-    return _plan(resolved, constraints)
+    return _measured_in(_plan(resolved, constraints), limit)
+
+
+def _measured_in(result: Plan, limit: int | Profile | MemoryModel) -> Plan:
+    """``result`` with the gradient-sync mode of the profile it was planned from, if any."""
+    if not isinstance(limit, Profile):
+        return result
+    return dataclasses.replace(result, gradient_sync=limit.gradient_sync)
 
 
 def _raise_in_order(
@@ -519,7 +560,12 @@ def plan_world_sizes(
             step_seconds=step_seconds,
             source=source,
         )
-        return _rows(resolved, constraints, world_sizes)
+        return [
+            dataclasses.replace(row, plan=_measured_in(row.plan, limit))
+            if row.plan is not None
+            else row
+            for row in _rows(resolved, constraints, world_sizes)
+        ]
     _raise_in_order(
         refused,
         limit,

@@ -24,6 +24,7 @@ from autobatch.conditions import Conditions, launcher_data_parallel
 from autobatch.device import Device
 from autobatch.distributed.consensus import Consensus, LocalConsensus
 from autobatch.distributed.layout import collective_layout
+from autobatch.distributed.sync import data_parallel
 from autobatch.errors import ConfigError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import CompiledMode, compiled_mode
@@ -32,9 +33,17 @@ from autobatch.probing.identity import step_identity
 from autobatch.probing.parallel import device_for_layout
 from autobatch.probing.placement import check_placement
 from autobatch.probing.step import LossFn, TrainStep, check_step_arguments
-from autobatch.profile import Mode, StepIdentity, Trial
+from autobatch.profile import GradientSync, Mode, StepIdentity, Trial
 
-__all__ = ["DEFAULT_LIMIT", "OnTrial", "ProbeOptions", "StepSpec", "check_search_arguments"]
+__all__ = [
+    "DEFAULT_LIMIT",
+    "MICRO_STEPS_WITHOUT_SYNC",
+    "OnTrial",
+    "ProbeOptions",
+    "StepSpec",
+    "check_search_arguments",
+    "measured_sync",
+]
 
 DEFAULT_LIMIT = 1 << 16
 """Largest micro-batch the searches consider unless told otherwise."""
@@ -152,6 +161,9 @@ class ProbeOptions:
     """The live process's conditions for the step on ``device``, read once before any step runs
     (:func:`~autobatch.probing.conditions.read_conditions`): what the lookup's key holds and
     what the profile records (with the optimizer state after its first step)."""
+    gradient_sync: GradientSync = GradientSync()
+    """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the
+    profile."""
 
     @property
     def mode(self) -> Mode:
@@ -216,6 +228,7 @@ class ProbeOptions:
                 amp_dtype=step.amp_dtype,
                 data_parallel=data_parallel,
             ),
+            gradient_sync=measured_sync(step, eval=eval),
         )
 
     def for_eval(self, step: StepSpec) -> ProbeOptions:
@@ -226,12 +239,35 @@ class ProbeOptions:
         """
         if step.step_includes_update:
             raise _eval_of_an_updating_step()
-        return dataclasses.replace(self, eval=True)
+        return dataclasses.replace(self, eval=True, gradient_sync=measured_sync(step, eval=True))
 
     def with_limit(self, max_micro_batch_size: int) -> ProbeOptions:
         """The same options with another limit (checked)."""
         check_search_arguments(max_micro_batch_size, self.safety_margin)
         return dataclasses.replace(self, max_micro_batch_size=max_micro_batch_size)
+
+
+MICRO_STEPS_WITHOUT_SYNC = 2
+"""Micro-steps per trial of a DDP or FSDP2 model: the first without the gradient reduction, as
+a loop that reduces once per window runs it, so that the gradients held between micro-steps
+(FSDP2's unsharded ones) are in the measured peak."""
+
+
+def measured_sync(step: StepSpec, *, eval: bool) -> GradientSync:
+    """The gradient-sync mode a probe of ``step`` measures in: for a training step of a DDP
+    or FSDP2 model, two micro-steps, the reduction skipped on the first (as the Accumulator
+    runs a window); no reduction to speak of for an evaluation or a plain model; not recorded
+    for a ``train_step`` that updates by itself (it runs as written)."""
+    parallel = None if eval else data_parallel(step.model, probing=True)
+    if parallel is None:
+        return GradientSync(mode="none")
+    if step.step_includes_update:
+        return GradientSync(mode="", wrapper=parallel.wrapper)
+    return GradientSync(
+        mode="once_per_window",
+        wrapper=parallel.wrapper,
+        num_micro_steps=MICRO_STEPS_WITHOUT_SYNC,
+    )
 
 
 def _eval_of_an_updating_step() -> ConfigError:

@@ -483,6 +483,7 @@ class Prober:
             budget=capacity.budget,
             # The optimizer's state exists now (the warm-up made it): its bytes by dtype.
             conditions=with_optimizer_state(self.options.conditions, self.optimizer),
+            gradient_sync=self.options.gradient_sync,
         )
 
 

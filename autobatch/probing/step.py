@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -48,6 +49,14 @@ class TrainingStep:
             overflowed (a training loop would skip that step). The probe measures memory: a
             skipped step would leave the optimizer state uncreated, and every measurement short
             of it.
+        num_micro_steps: forward and backward passes before the one optimizer step (each loss
+            divided by it), as one window of gradient accumulation: the last on the batch, the
+            ones before on ``lead_batch``.
+        skip_sync: a context without the gradient reduction (DDP's ``no_sync()``, FSDP2's
+            switch off), entered for every micro-step but the last; None: none.
+        lead_batch: what the micro-steps before the last run on (None: the batch). The
+            gradients they leave held (FSDP2's unsharded ones) are the parameters' size
+            whatever the batch's, so a small one measures the same peak for less time.
     """
 
     def __init__(
@@ -61,6 +70,9 @@ class TrainingStep:
         amp_dtype: torch.dtype | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         step_on_overflow: bool = False,
+        num_micro_steps: int = 1,
+        skip_sync: Callable[[], AbstractContextManager[object]] | None = None,
+        lead_batch: Any = None,
     ) -> None:
         if step_includes_update and train_step is None:
             raise ConfigError("step_includes_update=True needs train_step=...; pass your step")
@@ -72,6 +84,9 @@ class TrainingStep:
         self.amp_dtype = amp_dtype
         self.grad_scaler = grad_scaler
         self.step_on_overflow = step_on_overflow
+        self.num_micro_steps = num_micro_steps
+        self.skip_sync = skip_sync
+        self.lead_batch = lead_batch
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Forward and loss (under autocast when set); a scalar tensor.
@@ -176,14 +191,24 @@ class TrainingStep:
         )
 
     def run(self, batch: Any) -> float:
-        """The whole step; returns the loss value (a float, nothing kept alive)."""
-        loss = self.loss(batch)
-        value = loss.detach()
+        """The whole step (``num_micro_steps`` forward and backward passes, then the update);
+        returns the last loss value (a float, nothing kept alive)."""
         if self.step_includes_update:
-            return _value(value)
+            return _value(self.loss(batch).detach())
+        num = self.num_micro_steps
+        for index in range(num):
+            leading = index < num - 1
+            with self.skip_sync() if self.skip_sync is not None and leading else nullcontext():
+                lead = self.lead_batch
+                loss = self.loss(lead if leading and lead is not None else batch)
+                value = loss.detach()
+                if num > 1:
+                    loss = loss / num
+                if self.grad_scaler is not None:
+                    loss = self.grad_scaler.scale(loss)
+                loss.backward()  # type: ignore[no-untyped-call]
+                del loss
         if self.grad_scaler is not None:
-            self.grad_scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
-            del loss
             if self.step_on_overflow:
                 self.grad_scaler.unscale_(self.optimizer)
                 self.optimizer.step()
@@ -191,8 +216,6 @@ class TrainingStep:
                 self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
         else:
-            loss.backward()  # type: ignore[no-untyped-call]
-            del loss
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return _value(value)

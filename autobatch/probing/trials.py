@@ -28,6 +28,7 @@ from autobatch.device import BudgetReading, Capacity, MemoryBudget, PeakMemory, 
 from autobatch.device.oom import is_oom
 from autobatch.distributed.fake_backend import process_groups_faked, reset_fsdp2
 from autobatch.distributed.layout import FSDP2_LAYOUT, FSDP2_TP_LAYOUT
+from autobatch.distributed.sync import data_parallel
 from autobatch.errors import (
     ConfigError,
     DistributedError,
@@ -150,6 +151,9 @@ class TrialRunner:
         scaler = None
         if step.amp_dtype == torch.float16:
             scaler = torch.amp.GradScaler(self.device.torch_device.type)
+        # A DDP or FSDP2 model: micro-steps as a window runs them (options.gradient_sync).
+        num_micro_steps = options.gradient_sync.num_micro_steps
+        parallel = data_parallel(step.model, probing=True) if num_micro_steps > 1 else None
         self.training_step = TrainingStep(
             step.model,
             optimizer,
@@ -159,7 +163,18 @@ class TrialRunner:
             amp_dtype=step.amp_dtype,
             grad_scaler=scaler,
             step_on_overflow=True,
+            num_micro_steps=num_micro_steps,
+            skip_sync=None if parallel is None else parallel.skipped,
+            lead_batch=None if parallel is None else step.source.make(1),
         )
+        if parallel is not None:
+            log.notes.append(
+                f"{parallel.wrapper}: each trial ran {num_micro_steps - 1} micro-step(s) of the "
+                "smallest size with the gradient reduction skipped, then one of the trial's size "
+                "and the optimizer step, as a loop that reduces once per window runs them, so "
+                "the gradients held between micro-steps (FSDP2: unsharded) are in the measured "
+                "peaks"
+            )
 
     def start(self) -> Capacity:
         """Read this device's capacity and agree the one searched (the smallest rank's)."""
@@ -226,6 +241,8 @@ class TrialRunner:
                 "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
                 "warmed up at 2: keep every micro-batch at 2 or more"
             )
+            if self.training_step.lead_batch is not None:
+                self.training_step.lead_batch = self.spec.source.make(2)
             self.trial(2, warm_up=True)
             return
         if self.options.compiled == "measured" and self.limit >= 2:
@@ -354,7 +371,7 @@ class TrialRunner:
             error = (
                 f"rank {agreed.rank} failed for a reason other than memory"
                 if agreed.outcome is Outcome.FAILED
-                else f"micro-batch {size} does not fit on every rank"
+                else f"micro-batch {size} does not fit on rank {agreed.rank}"
             )
         trial = Trial(
             micro_batch_size=size,
@@ -386,7 +403,7 @@ class TrialRunner:
         if self.options.on_trial is not None:
             self.options.on_trial(trial)
         if warm_up and not trial.fits:
-            self.does_not_fit()
+            self.does_not_fit(agreed.rank)
         if agreed.outcome is Outcome.FAILED and not 0 < self.log.failed_micro_batch_size < size:
             self.log.failed_micro_batch_size = size  # the smallest size that failed so
         self._check_estimate(trial)
@@ -446,7 +463,8 @@ class TrialRunner:
             self.optimizer.state.clear()
         self.device.release()
 
-    def does_not_fit(self) -> NoReturn:
+    def does_not_fit(self, rank: int | None = None) -> NoReturn:
+        """Raise DoesNotFitError; ``rank``: the lowest rank where the warm-up did worst."""
         capacity = self.agreed_capacity
         grads = sum(
             p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
@@ -456,9 +474,9 @@ class TrialRunner:
         )
         ranks = self.consensus.world_size
         raise DoesNotFitError(
-            f"the {'evaluation' if self.options.eval else 'training'} step does not fit on "
-            f"{self.device.name}"
-            f"{f' (or another of the {ranks} ranks)' if ranks > 1 else ''} even at micro-batch 1: "
+            f"the {'evaluation' if self.options.eval else 'training'} step does not fit "
+            f"{_on_rank(rank, ranks, self.consensus.rank, self.device.name)} even at micro-batch "
+            "1: "
             f"capacity {format_bytes(capacity.capacity_bytes)} "
             f"(total {format_bytes(capacity.total_memory_bytes)}, "
             f"{format_bytes(capacity.foreign_memory_bytes)} used by others); the model's static "
@@ -487,6 +505,17 @@ class TrialRunner:
             "step_includes_update=False (the probe then adds backward, optimizer.step() and "
             "zero_grad() around a train_step that returns the loss)"
         )
+
+
+def _on_rank(rank: int | None, ranks: int, own: int, device_name: str) -> str:
+    """Where a step did not fit, for DoesNotFitError: this device, or rank N's."""
+    if ranks == 1:
+        return f"on {device_name}"
+    if rank is None:
+        return f"on {device_name} (or another of the {ranks} ranks)"
+    if rank == own:
+        return f"on {device_name} (rank {rank} of {ranks}: this rank)"
+    return f"on rank {rank} (of {ranks}; this rank, {own}, probes {device_name})"
 
 
 def _needs_two_samples(exc: BaseException | None) -> bool:

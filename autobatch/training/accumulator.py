@@ -8,10 +8,14 @@ bookkeeping that is easy to get subtly wrong:
   tokens) in the whole window, all ranks included, so the accumulated gradient is the gradient of
   the mean over the effective batch even when micro-batches differ in size or padding;
 - under ``DistributedDataParallel`` gradients are all-reduced once per window (``no_sync`` on the
-  other micro-steps);
-- under DDP an error on one rank only (``count_fn``, a refused backward, ``step``) reaches the
-  other ranks at their next window agreement (:mod:`autobatch.training.window_agreement`), so
-  every rank raises instead of waiting in a collective;
+  other micro-steps), and under FSDP2 (``fully_shard``) reduce-scattered once per window (its
+  own ``set_requires_gradient_sync(False)`` on the other micro-steps), the counts summed over the
+  data-parallel ranks either way;
+- under DDP or FSDP2 an error on one rank only (``count_fn``, a refused backward, ``step``)
+  reaches the other ranks at their next window agreement
+  (:mod:`autobatch.training.window_agreement`), so every rank raises instead of waiting in a
+  collective, and a rank that stops answering fails the others within a deadline
+  (:mod:`autobatch.distributed.deadline`), naming it;
 - the optimizer steps once per window, including a short last window, and gradients are zeroed
   after it, so nothing leaks into the next window or epoch;
 - with a ``GradScaler``: scaled backward per micro-step, then once per window ``unscale_``,
@@ -51,12 +55,13 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
+from autobatch.distributed.deadline import AgreementDeadline, Default, resolve_deadline
 from autobatch.errors import ConfigError, DistributedError, SmallMicroBatchNormWarning
 from autobatch.planning import Plan
 from autobatch.probing.conditions import check_plan_here, live_data_parallel
+from autobatch.training.conditions import check_plan, loop_parallelism
 from autobatch.training.counting import as_count, leading_dim
 from autobatch.training.micro_step import MicroStep, WindowState
 from autobatch.training.oom_split import (
@@ -191,7 +196,7 @@ class Window(Generic[B]):
             optimizer=acc.optimizer,
             scaler=acc.scaler,
             world_size=acc.world_size,
-            ddp=acc._ddp,
+            parallel=acc._parallel,
             agreement=acc._agreement,
         )
         last = len(batches) - 1
@@ -318,8 +323,9 @@ class Window(Generic[B]):
             elif acc.scheduler is not None:
                 acc.scheduler.step()
         finally:
-            # Also when a step above raised: the window's gradient must not reach the next one.
-            optimizer.zero_grad(set_to_none=True)
+            # Also when a step above raised: the window's gradient must not reach the next one
+            # (every backward ran, the last one reducing: FSDP2 keeps nothing unsharded).
+            state.drop_gradients(pending=False)
         # The weighted losses sum to this rank's loss sum * world_size / global_count; under
         # DDP the factor rescales that to this rank's own mean.
         world_size = acc.world_size
@@ -343,16 +349,15 @@ class Accumulator:
     """Runs gradient accumulation so each optimizer step sees the effective batch's mean gradient.
 
     Args:
-        model: the module being trained, possibly wrapped in ``DistributedDataParallel``
-            (detected; then counts are all-reduced over ``model.process_group`` and
-            ``world_size`` is that group's size). Other wrappers (FSDP) are not handled.
-        optimizer: steps once per window.
-        gradient_accumulation_steps: micro-batches per optimizer step, >= 1; default the
-            ``plan``'s.
-        plan: the Plan this loop runs, checked against this process
-            (:func:`autobatch.probing.conditions.check_plan_here`): its world size against DDP's
-            group, the launcher's ``WORLD_SIZE`` or one process (not under FSDP or tensor
-            parallelism), its conditions against the live ones.
+        model: the module being trained, possibly wrapped in ``DistributedDataParallel`` or
+            sharded with FSDP2 (``fully_shard``), both detected: then counts are all-reduced
+            over the ranks the gradients are averaged over (DDP's ``process_group``, the FSDP2
+            mesh's group), ``world_size`` is their number, and the gradients are reduced once
+            per window. FSDP1 and engines that own accumulation (DeepSpeed's) are refused.
+        optimizer: steps once per window (a torch optimizer; an engine such as DeepSpeed's,
+            which owns accumulation, is refused).
+        gradient_accumulation_steps: micro-batches per optimizer step, >= 1; may be left out
+            when ``plan`` is given.
         scaler: optional ``torch.amp.GradScaler``; losses are scaled before backward and
             unscaled once per window.
         scheduler: optional LR scheduler stepped (without arguments) once per window.
@@ -365,12 +370,26 @@ class Accumulator:
             out-of-memory error, before the planned size is tried again, >= 1.
         on_split: called with each :class:`~autobatch.training.oom_split.SplitEvent`, e.g.
             ``autobatch.tuning.split_recorder(...)`` so the profile store learns the size.
+        plan: the plan this loop runs (``autotune``'s): its ``gradient_accumulation_steps``,
+            checked against the loop: its world size must be the model's data-parallel ranks,
+            and, where the loop skips the gradient reduction between micro-steps (DDP or FSDP2,
+            more than one step), it must have been measured in that mode
+            (``plan.gradient_sync``).
+        agreement_deadline: under DDP or FSDP2, how long each agreement of the ranks but a
+            loop's first waits for a peer
+            (:class:`~autobatch.distributed.deadline.AgreementDeadline`; by default the longer
+            of 120 s, or ``$AUTOBATCH_AGREEMENT_SECONDS``, and 10 times this rank's own work
+            since its previous agreement); None: the process group's own timeout.
 
     Raises:
-        ConfigError: ``gradient_accumulation_steps`` not an int >= 1 (nor given by ``plan``, or
-            not the plan's), ``max_grad_norm`` not a finite number > 0, ``on_oom`` or
-            ``oom_retry_windows`` invalid, a ``ReduceLROnPlateau`` scheduler (it needs a metric:
-            step it yourself after ``window.step()``), or a ``plan`` for another world size.
+        ConfigError: ``gradient_accumulation_steps`` not an int >= 1 (or neither it nor
+            ``plan`` given), ``max_grad_norm`` not a finite number > 0, ``on_oom`` or
+            ``oom_retry_windows`` invalid, a ``ReduceLROnPlateau`` scheduler (it needs a
+            metric: step it yourself after ``window.step()``); the model or optimizer is an
+            engine that owns accumulation, the model is sharded with FSDP1, or with FSDP2 and
+            ``on_oom="split"``; a ``plan`` made for another loop (another world size or
+            gradient-sync mode: :func:`autobatch.training.conditions.check_plan`,
+            :func:`autobatch.probing.conditions.check_plan_here`).
 
     Warns:
         ConditionsWarning: the ``plan`` was measured under other conditions (each named).
@@ -382,17 +401,24 @@ class Accumulator:
         optimizer: torch.optim.Optimizer,
         *,
         gradient_accumulation_steps: int | None = None,
-        plan: Plan | None = None,
         scaler: torch.amp.GradScaler | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         max_grad_norm: float | None = None,
         on_oom: OnOom = "raise",
         oom_retry_windows: int = DEFAULT_OOM_RETRY_WINDOWS,
         on_split: Callable[[SplitEvent], None] | None = None,
+        plan: Plan | None = None,
+        agreement_deadline: AgreementDeadline | Default | None = Default.DEADLINE,
     ) -> None:
         self._splitter = Splitter(on_oom=on_oom, retry_windows=oom_retry_windows, on_split=on_split)
-        k = _steps(gradient_accumulation_steps, plan)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        deadline = resolve_deadline(agreement_deadline)
+        k = gradient_accumulation_steps
+        if k is None and plan is None:
+            raise ConfigError(
+                "gradient_accumulation_steps must be an int >= 1, got None; pass the plan's "
+                "gradient_accumulation_steps, or the plan itself (plan=...)"
+            )
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(
                 f"gradient_accumulation_steps must be an int >= 1, got {k!r}; pass the plan's "
                 "gradient_accumulation_steps (1 means no accumulation), or plan=plan"
@@ -412,20 +438,27 @@ class Accumulator:
                 "ReduceLROnPlateau steps on a metric, which the Accumulator does not have; pass "
                 "scheduler=None and call scheduler.step(metric) yourself after window.step()"
             )
+        self._parallel = parallel = loop_parallelism(model, optimizer, on_oom=on_oom)
+        if plan is not None:
+            k = check_plan(plan, gradient_accumulation_steps=k, parallel=parallel)
+        assert k is not None
         self.model = model
         self.optimizer = optimizer
         self.gradient_accumulation_steps = k
         self.scaler = scaler
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.plan = plan
+        self._ddp = None if parallel is None else parallel.ddp
         self._group: dist.ProcessGroup | None = None
         self.world_size = 1
-        self._agreement: WindowAgreement | None = None  # the ranks' window agreements, under DDP
-        if self._ddp is not None:
-            self._group = self._ddp.process_group
-            self.world_size = dist.get_world_size(self._group)
-            self._agreement = WindowAgreement(self._group, model)
+        """Data-parallel ranks: the group DDP or FSDP2 averages the gradients over; 1 without."""
+        # The ranks' window agreements, under DDP or FSDP2.
+        self._agreement: WindowAgreement | None = None
+        if parallel is not None:
+            self._group = parallel.group
+            self.world_size = parallel.world_size
+            self._agreement = WindowAgreement(self._group, model, deadline)
         if plan is not None:
             check_plan_here(
                 plan,
@@ -439,10 +472,10 @@ class Accumulator:
 
     def _data_parallel(self) -> tuple[int, str] | None:
         """This loop's data-parallel ranks and where that comes from; None when it cannot tell
-        (torch.distributed without DDP: FSDP or tensor parallel ranks are not all
+        (torch.distributed without DDP or FSDP2: tensor-parallel ranks are not all
         data-parallel)."""
-        if self._ddp is not None:
-            return self.world_size, "DistributedDataParallel's process group"
+        if self._parallel is not None:
+            return self.world_size, f"{self._parallel.wrapper}'s process group"
         if dist.is_available() and dist.is_initialized():
             return None
         return live_data_parallel()
@@ -491,9 +524,24 @@ class Accumulator:
         # Start from no gradient: none left by an earlier loop that broke off after a backward
         # (an OOM retry, a `break`), or by a backward outside the helper.
         self.optimizer.zero_grad(set_to_none=True)
+        if self._parallel is not None:
+            self._parallel.drop_pending()
         agreement = self._agreement
         if agreement is not None:
             agreement.told_at_next = None
+            agreement.agreements.restart()  # the loop's first agreement follows the user's code
+        try:
+            yield from self._windows(iterator, count_fn)
+        finally:  # FSDP2: the reduction on again, also when the loop broke off mid-window
+            if self._parallel is not None:
+                self._parallel.set_sync(True)
+
+    def _windows(
+        self,
+        iterator: Iterator[B],
+        count_fn: Callable[[B], int | torch.Tensor] | None,
+    ) -> Iterator[Window[B]]:
+        agreement = self._agreement
         previous: Window[B] | None = None
         for index in itertools.count():
             if agreement is not None and agreement.told_at_next is not None:
@@ -566,9 +614,9 @@ class Accumulator:
         return batches, counts
 
     def _forward_communicates(self) -> bool:
-        """Whether DDP broadcasts buffers at every forward pass (a collective per forward)."""
-        ddp = self._ddp
-        return ddp is not None and bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
+        """Whether a forward pass runs a collective (DDP's buffer broadcast, FSDP2's
+        all-gathers)."""
+        return self._parallel is not None and self._parallel.forward_communicates
 
     def _check_batch_norm(self, batches: Sequence[Any]) -> None:
         self._norm_checked = True
@@ -588,13 +636,3 @@ class Accumulator:
                 SmallMicroBatchNormWarning,
                 stacklevel=3,
             )
-
-
-def _steps(gradient_accumulation_steps: int | None, plan: Plan | None) -> object:
-    """The accumulation steps: the given ones, else the plan's (ConfigError if they differ)."""
-    if plan is None or gradient_accumulation_steps in (None, plan.gradient_accumulation_steps):
-        return gradient_accumulation_steps if plan is None else plan.gradient_accumulation_steps
-    raise ConfigError(
-        f"gradient_accumulation_steps {gradient_accumulation_steps!r} disagrees with the plan's "
-        f"{plan.gradient_accumulation_steps}; pass one of them"
-    )

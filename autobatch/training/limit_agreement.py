@@ -21,11 +21,13 @@ alone does not reach them) or at the process group's timeout, so let that error 
 Pieces are local (ranks may run different numbers of forward passes), so a forward pass must not
 communicate: a model with buffers needs ``DistributedDataParallel(..., broadcast_buffers=False)``
 and none may have a ``SyncBatchNorm`` in training mode (:func:`refuse_collective_forward` refuses
-both on every rank before any step).
+both on every rank before any step); a ``loss_of`` that runs a collective itself (an all-reduce of
+the loss for logging) is caught at its first call, on every rank alike, by the process groups'
+collective counts (:meth:`LimitAgreement.refuse_collectives`), before any rank splits.
 
 Example::
 
-    ranks = LimitAgreement(ddp.process_group, device, window_index=3, num_micro_steps=4)
+    ranks = LimitAgreement(agreements, device, window_index=3, num_micro_steps=4)
     agreed = ranks.meet(0, limit=8)  # the smallest limit of any rank; None: every rank runs whole
 """
 
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from autobatch.distributed.deadline import Agreements
 from autobatch.errors import ConfigError, DistributedError, DoesNotFitError
 
 __all__ = ["LimitAgreement", "refuse_collective_forward"]
@@ -53,7 +56,8 @@ class LimitAgreement:
     """The limit agreements of one ``run_window`` call under DDP (see the module docstring).
 
     Args:
-        group: the process group of the ``DistributedDataParallel`` model.
+        agreements: the Accumulator's agreements over the ``DistributedDataParallel`` model's
+            process group (one sequence with the window agreements, under one deadline).
         device: where the all-reduced tensor lives (the parameters' device; NCCL needs CUDA).
         window_index: the window being run, for messages.
         num_micro_steps: micro-steps in the window; the last one's agreement is the last the
@@ -61,6 +65,7 @@ class LimitAgreement:
     """
 
     __slots__ = (
+        "agreements",
         "device",
         "group",
         "num_agreed",
@@ -73,17 +78,18 @@ class LimitAgreement:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        agreements: Agreements,
         device: torch.device,
         *,
         window_index: int,
         num_micro_steps: int,
     ) -> None:
-        self.group = group
+        self.agreements = agreements
+        self.group = agreements.group
         self.device = device
         self.window_index = window_index
         self.num_micro_steps = num_micro_steps
-        self.rank = dist.get_rank(group)
+        self.rank = agreements.rank
         self.num_agreed = 0
         """Micro-steps whose agreement is done."""
         self.owes_agreement = True
@@ -113,27 +119,72 @@ class LimitAgreement:
         failure = 0
         if error is not None:
             failure = _DOES_NOT_FIT if isinstance(error, DoesNotFitError) else _FAILED
-        mine = [limit if limit is not None else _NO_LIMIT, failure]
+        ranks = self.agreements.world_size
+        # A failure packed with its rank: the MIN names the worst failure's lowest rank.
+        mine = [limit if limit is not None else _NO_LIMIT, failure * ranks + self.rank]
+        if not failure:
+            mine[1] = 0
         flags = torch.tensor(mine, dtype=torch.int64, device=self.device)
         self.peers_know = True  # told, or the collective failed: none to tell again
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
-        agreed, worst = int(flags[0]), int(flags[1])
+        where = f"micro-batch {index} of window {self.window_index}"
+        self.agreements.all_reduce(
+            flags, dist.ReduceOp.MIN, where=f"the limit agreement of {where}"
+        )
+        agreed = int(flags[0])
+        worst, failed_rank = divmod(int(flags[1]), ranks)
         if failure:
             return None  # this rank raises its own error
-        where = f"micro-batch {index} of window {self.window_index}"
         if worst == _DOES_NOT_FIT:
             raise DistributedError(
-                f"another rank could not fit {where} even at the smallest micro-batch size and "
-                "raised DoesNotFitError; this rank stops too"
+                f"rank {failed_rank} could not fit {where} even at the smallest micro-batch "
+                "size and raised DoesNotFitError; this rank stops too"
             )
         if worst:
             raise DistributedError(
-                f"another rank raised an error in {where} before the ranks agreed to run it "
-                "(see that rank's error); this rank stops too, so that no rank waits for it"
+                f"rank {failed_rank} raised an error in {where} before the ranks agreed to run "
+                "it (see that rank's error); this rank stops too, so that no rank waits for it"
             )
         self.peers_know = False  # the agreement went well: a later error is this rank's alone
         self.owes_agreement = index < self.num_micro_steps - 1
         return None if agreed == _NO_LIMIT else agreed
+
+    def collectives(self, model: torch.nn.Module) -> tuple[int, ...] | None:
+        """How many collectives this rank has issued on the model's group and the default
+        group (c10d's sequence numbers), and whether DDP has rebuilt its gradient buckets (the
+        first forward after the first backward broadcasts their order, on every rank alike);
+        None where the backend does not count them."""
+        groups = [self.group, dist.group.WORLD]
+        try:
+            counts = [
+                int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
+                for group in groups
+                if group is not None
+            ]
+        except (AttributeError, RuntimeError):
+            return None
+        return (*counts, int(bool(getattr(model, "_has_rebuilt_buckets", False))))
+
+    def refuse_collectives(
+        self, model: torch.nn.Module, before: tuple[int, ...] | None, where: str
+    ) -> None:
+        """Raise when the user's ``loss_of`` issued a collective since ``before`` (not counting
+        a call in which DDP rebuilt its buckets: its own, on every rank alike).
+
+        Raises:
+            ConfigError: it did: a piece runs on one rank only, so when one rank splits the
+                others would be left in (or paired wrongly with) that collective. Every rank
+                runs the same ``loss_of``, so every rank raises here, at the same micro-step.
+        """
+        after = self.collectives(model)
+        if before is None or after is None or after == before or after[-1] != before[-1]:
+            return
+        raise ConfigError(
+            f"loss_of ran {max(b - a for a, b in zip(before, after, strict=True))} collective(s) "
+            f"(torch.distributed) in {where}; with on_oom='split' the pieces of a split "
+            "micro-batch run on one rank only, so when one rank runs out of memory the others "
+            "would be left in that collective, or pair it with another. Move the collective out "
+            "of loss_of (log the loss after window.run), or use on_oom='raise'"
+        )
 
     def tell(self, error: Exception, limit: int | None) -> None:
         """After an error on this rank, meet the other ranks at the agreement they wait at, with

@@ -26,6 +26,7 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from autobatch.distributed.sync import DataParallel
 from autobatch.errors import ConfigError
 from autobatch.training.window_agreement import Status, WindowAgreement
 
@@ -46,9 +47,9 @@ class WindowState:
         count_fn: the ``count_fn`` the window's micro-batches were counted with, or None.
         optimizer: the Accumulator's optimizer (its gradients are dropped through it).
         scaler: the Accumulator's ``GradScaler``, or None.
-        world_size: ranks of the data-parallel group (1 without DDP).
-        ddp: the model when it is a ``DistributedDataParallel``, else None.
-        agreement: the Accumulator's window agreement under DDP, else None.
+        world_size: ranks of the data-parallel group (1 without DDP or FSDP2).
+        parallel: the model's data-parallel gradient reduction (DDP, FSDP2), else None.
+        agreement: the Accumulator's window agreement under DDP or FSDP2, else None.
     """
 
     __slots__ = (
@@ -64,6 +65,7 @@ class WindowState:
         "micro_steps",
         "num_backward",
         "optimizer",
+        "parallel",
         "scaler",
         "stepped",
         "sync_due",
@@ -81,7 +83,7 @@ class WindowState:
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None,
         world_size: int,
-        ddp: DistributedDataParallel | None,
+        parallel: DataParallel | None,
         agreement: WindowAgreement | None,
     ) -> None:
         self.index = index
@@ -90,7 +92,8 @@ class WindowState:
         self.optimizer = optimizer
         self.scaler = scaler
         self.world_size = world_size
-        self.ddp = ddp
+        self.parallel = parallel
+        self.ddp: DistributedDataParallel | None = None if parallel is None else parallel.ddp
         self.agreement = agreement
         self.micro_steps: list[MicroStep[Any]] = []
         """The window's micro-steps, in order (the Window adds them)."""
@@ -123,11 +126,21 @@ class WindowState:
         """The ranks agreed that this window failed: drop its gradients, so that a loop that
         catches the error on every rank skips the window."""
         self.abandoned = True
+        self.drop_gradients()
+
+    def drop_gradients(self, *, pending: bool = True) -> None:
+        """Drop the window's gradients: the optimizer's, and (``pending``) under FSDP2 the
+        unsharded ones its skipped reductions left (none after the window's last backward);
+        the reduction is switched on again."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.parallel is not None:
+            if pending:
+                self.parallel.drop_pending()
+            self.parallel.set_sync(True)
 
     def forget_backward(self) -> None:
         """Forget every backward of this window: its gradients, losses and counts."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.drop_gradients()
         self.weighted_losses.clear()
         self.num_backward = 0
         for micro in self.micro_steps:
@@ -184,12 +197,14 @@ class MicroStep(Generic[B]):
         """Context for this micro-step's forward AND backward.
 
         Under DDP it is ``model.no_sync()`` except on the last micro-step, so gradients are
-        all-reduced once per window; otherwise it does nothing.
+        all-reduced once per window; under FSDP2 it switches the reduce-scatter off
+        (``set_requires_gradient_sync(False)``, on again on leaving) except on the last, which
+        :meth:`backward` also does by itself; otherwise it does nothing.
         """
-        ddp = self._state.ddp
-        if ddp is None or self.is_last:
+        parallel = self._state.parallel
+        if parallel is None or self.is_last:
             return _NO_CONTEXT
-        return ddp.no_sync()
+        return parallel.skipped()
 
     def backward(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
         """Weight the loss by this micro-batch's share of the window and backpropagate it.
@@ -233,6 +248,8 @@ class MicroStep(Generic[B]):
                 raise
         weighted = loss * weight  # this micro-step's share of the global mean
         scaler = state.scaler
+        if state.parallel is not None:  # FSDP2: reduce-scatter on the window's last only
+            state.parallel.set_sync(self.is_last)
         torch.autograd.backward(scaler.scale(weighted) if scaler is not None else weighted)
         # Recorded only once backward succeeded: after an error (an OOM) the step can be retried.
         state.weighted_losses.append(weighted.detach())

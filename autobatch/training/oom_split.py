@@ -189,9 +189,9 @@ class _WindowRun:
         self.events: list[SplitEvent] = []
         # Under DDP with splitting: the ranks' once-per-micro-step limit agreement.
         self.ranks: LimitAgreement | None = None
-        if self.ddp is not None and splitter.on_oom == "split":
+        if state.agreement is not None and splitter.on_oom == "split":
             self.ranks = LimitAgreement(
-                self.ddp.process_group,
+                state.agreement.agreements,
                 self._device(),
                 window_index=state.index,
                 num_micro_steps=len(self.micros),
@@ -287,7 +287,7 @@ class _WindowRun:
         context = step.sync_context()
         try:
             with context:
-                loss = self.loss_of(batch)
+                loss = self._loss(step, batch)
                 if synced and self.ranks is not None:
                     # Backward's own checks (a mean over 0 counted items, a loss of many
                     # elements) before the agreement: past it, an error on one rank leaves the
@@ -315,6 +315,20 @@ class _WindowRun:
         if rows < 0:
             rows = rows_to_cut(batch, self.state.index, step.index)
         return _Failure(phase=phase, reason=reason, start=start, rows=rows)
+
+    def _loss(self, step: MicroStep[Any], batch: Any) -> torch.Tensor:
+        """``loss_of(batch)``; under DDP, refused when it communicates (also when it ran out of
+        memory after its collective)."""
+        ranks = self.ranks
+        if ranks is None:
+            return self.loss_of(batch)
+        before = ranks.collectives(self.model)
+        try:
+            return self.loss_of(batch)
+        finally:
+            ranks.refuse_collectives(
+                self.model, before, f"micro-batch {step.index} of window {self.state.index}"
+            )
 
     def _min_rows(self) -> int:
         """Fewest rows a piece may have: 2 when the model normalises with batch statistics."""

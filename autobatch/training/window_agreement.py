@@ -15,6 +15,8 @@ synchronised backward (the last micro-step's ``backward``; with ``on_oom="split"
 agreements instead). A rank that fails meets the others at the next window agreement with its
 status and then raises its own error; each of the others raises :class:`DistributedError` there,
 naming the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
+Every agreement but a loop's first has a deadline (:mod:`autobatch.distributed.deadline`): a rank
+that stops answering fails the others within a few window-times, naming it.
 
 Example::
 
@@ -32,6 +34,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from autobatch.distributed.deadline import AgreementDeadline, Agreements
 from autobatch.errors import ConfigError, DistributedError
 
 __all__ = ["AgreeingWindow", "Status", "WindowAgreement"]
@@ -88,16 +91,26 @@ class WindowAgreement:
     """The window agreements of one Accumulator's ranks (see the module docstring).
 
     Args:
-        group: the process group of the ``DistributedDataParallel`` model.
+        group: the data-parallel process group (the ``DistributedDataParallel`` model's, or the
+            one an FSDP2 model reduces its gradients over).
         model: the model; the all-reduced tensor lives on its parameters' device (NCCL needs
             CUDA).
+        deadline: how long each agreement but a loop's first waits for a peer; None: the
+            process group's own timeout (:mod:`autobatch.distributed.deadline`).
     """
 
-    __slots__ = ("group", "model", "rank", "told_at_next", "world_size")
+    __slots__ = ("agreements", "group", "model", "rank", "told_at_next", "world_size")
 
-    def __init__(self, group: dist.ProcessGroup | None, model: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        model: torch.nn.Module,
+        deadline: AgreementDeadline | None = None,
+    ) -> None:
         self.group = group
         self.model = model
+        self.agreements = Agreements(group, deadline)
+        """Every agreement of the Accumulator's ranks, the limit agreements' too."""
         self.told_at_next: int | None = None
         """The window whose error this rank told the others at the agreement that starts the
         next window (or ends the loop): the loop cannot go on (``windows()`` resets it)."""
@@ -138,7 +151,7 @@ class WindowAgreement:
         values[1] = int(empty)
         if status != Status.OK:
             values[2 + self.rank] = (int(status) << 32) + window
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        self.agreements.all_reduce(values, dist.ReduceOp.SUM, where=where or "an agreement")
         total, num_empty, *slots = values.tolist()
         agreed = int(total), num_empty > 0
         if not any(slots) or status not in (Status.OK, Status.EXHAUSTED):
@@ -170,7 +183,12 @@ class WindowAgreement:
     def tell(self, status: Status, window_index: int) -> None:
         """Meet the others at the next agreement with this rank's failure (it raises next)."""
         try:
-            self.meet(0, where="", status=status, window=window_index)
+            self.meet(
+                0,
+                where=f"the agreement where this rank tells of its error in window {window_index}",
+                status=status,
+                window=window_index,
+            )
         except Exception:  # noqa: BLE001 - a broken group: this rank's own error matters more
             logger.warning("could not tell the other ranks of this rank's error", exc_info=True)
 

@@ -86,8 +86,7 @@ def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
         "deepspeed",
     )
     assert code == 0
-    assert json.loads(out) == {
-        "train_batch_size": 64,
+    assert json.loads(out) == {  # DeepSpeed computes train_batch_size = 16 x 2 x its world
         "train_micro_batch_size_per_gpu": 16,
         "gradient_accumulation_steps": 2,
     }

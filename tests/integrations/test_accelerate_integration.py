@@ -96,3 +96,52 @@ def test_an_empty_dataloader_is_refused(accelerator: Any) -> None:
     )
     with pytest.raises(ConfigError, match="gave no batch"):
         autotune_accelerator(accelerator, model, empty, 96, loss_fn=F.cross_entropy)
+
+
+def test_a_short_last_step_is_said_and_weighted_as_said(
+    accelerator: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 24 rows, 4 x 4 planned: an epoch is a step of 4 micro-batches, then one of 2. Accelerate
+    # divides every loss by 4, so that step applies 2/4 of its mean gradient (an update of
+    # -15.375 where its mean is 30.75); the warning says so, with the numbers.
+    torch.manual_seed(0)
+    weight = torch.nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        weight.weight.zero_()
+    optimizer = torch.optim.SGD(weight.parameters(), lr=1.0)
+    inputs = torch.arange(1, 25, dtype=torch.float64).unsqueeze(1) * 1.5
+    dataset = torch.utils.data.TensorDataset(inputs)
+    with caplog.at_level("WARNING", logger="autobatch.integrations"):
+        plan = autotune_accelerator(
+            accelerator,
+            weight,
+            torch.utils.data.DataLoader(dataset, batch_size=2),
+            16,
+            optimizer=optimizer,
+            train_step=lambda model, batch: model(batch[0]).mean(),
+            device="sim:64MiB",
+            max_micro_batch_size=4,
+            use_store=False,
+        )
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 4)
+    assert plan.epoch is not None and plan.epoch.last_step_micro_batches == 2
+    (record,) = [r for r in caplog.records if "autotune_accelerator" in r.getMessage()]
+    message = record.getMessage()
+    assert "then a last one of 8 samples (2 micro-batch(es) per rank)" in message
+    assert "divides every micro-batch's loss by 4" in message
+    assert "j/4 of their mean gradient" in message
+
+    model, optimizer, loader = accelerator.prepare(
+        weight, optimizer, torch.utils.data.DataLoader(dataset, batch_size=4)
+    )
+    updates = []
+    for (batch,) in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).mean())
+            before = float(model.weight)
+            optimizer.step()
+            optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                updates.append(float(model.weight) - before)
+    last_mean = float(inputs[16:].mean())  # 30.75: its update would be -30.75
+    assert updates[-1] == pytest.approx(-last_mean * 2 / 4, abs=1e-12)  # 2 of 4, as said

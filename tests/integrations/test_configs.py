@@ -25,14 +25,28 @@ def make_plan(limit: int, effective: int, world_size: int) -> Plan:
     return plan(limit, effective_batch_size=effective, world_size=world_size, uneven="never")
 
 
-def deepspeed_batch_assertion(config: dict[str, int], world_size: int) -> None:
-    """DeepSpeed's own check, replicated because DeepSpeed is not installed here.
+def deepspeed_batch_settings(config: dict[str, int], world_size: int) -> dict[str, int]:
+    """DeepSpeed's own reading of the batch keys, replicated because DeepSpeed is not installed
+    here: the missing one is derived, then all three are checked. DeepSpeed reads a config
+    before its process group exists too (ZeRO-3's ``zero.Init`` inside ``from_pretrained``
+    under ``HfDeepSpeedConfig``), with a world size of 1.
 
-    Source: DeepSpeed ``deepspeed/runtime/config.py``, ``DeepSpeedConfig._batch_assertion``.
+    Source: DeepSpeed ``deepspeed/runtime/config.py``, ``DeepSpeedConfig.
+    _set_batch_related_parameters`` and ``_batch_assertion``.
     """
-    train_batch = config["train_batch_size"]
-    micro_batch = config["train_micro_batch_size_per_gpu"]
-    grad_acc = config["gradient_accumulation_steps"]
+    train_batch = config.get("train_batch_size")
+    micro_batch = config.get("train_micro_batch_size_per_gpu")
+    grad_acc = config.get("gradient_accumulation_steps")
+    if train_batch is not None and micro_batch is not None and grad_acc is not None:
+        pass
+    elif train_batch is not None and micro_batch is not None:
+        grad_acc = train_batch // micro_batch // world_size
+    elif train_batch is not None and grad_acc is not None:
+        micro_batch = train_batch // world_size // grad_acc
+    elif micro_batch is not None and grad_acc is not None:
+        train_batch = micro_batch * grad_acc * world_size
+    else:
+        raise AssertionError("replica covers the cases autobatch emits")
     assert train_batch > 0, f"Train batch size: {train_batch} has to be greater than 0"
     assert micro_batch > 0, f"Micro batch size per gpu: {micro_batch} has to be greater than 0"
     assert grad_acc > 0, f"Gradient accumulation steps: {grad_acc} has to be greater than 0"
@@ -41,27 +55,36 @@ def deepspeed_batch_assertion(config: dict[str, int], world_size: int) -> None:
         f"micro_batch_per_gpu * gradient_acc_step * world_size "
         f"{train_batch} != {micro_batch} * {grad_acc} * {world_size}"
     )
+    return {
+        "train_batch_size": train_batch,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_acc,
+    }
 
 
 @pytest.mark.parametrize(("limit", "effective", "world_size"), CASES)
-def test_deepspeed_config_passes_deepspeeds_batch_assertion(
+def test_deepspeed_config_passes_deepspeeds_batch_rule_before_and_after_its_process_group(
     limit: int, effective: int, world_size: int
 ) -> None:
     result = make_plan(limit, effective, world_size)
     config = deepspeed_config(result)
 
     assert config == {
-        "train_batch_size": effective,
         "train_micro_batch_size_per_gpu": result.micro_batch_size,
         "gradient_accumulation_steps": result.gradient_accumulation_steps,
     }
-    deepspeed_batch_assertion(config, world_size)
+    deepspeed_batch_settings(config, world_size=1)  # before the group: no AssertionError
+    launched = deepspeed_batch_settings(config, world_size)
+    assert launched["train_batch_size"] == effective  # the plan's effective batch, exactly
 
 
-def test_deepspeed_batch_assertion_replica_catches_a_mismatch() -> None:
-    config = deepspeed_config(make_plan(24, 96, 4))
-    with pytest.raises(AssertionError, match=re.escape("96 != 24 * 1 * 2")):
-        deepspeed_batch_assertion(config, world_size=2)
+def test_a_pinned_train_batch_size_fails_deepspeeds_check_before_its_process_group() -> None:
+    # What deepspeed_config used to emit, read by DeepSpeed with world size 1 (before
+    # init_process_group) for a plan of 1 x 8 on 2 ranks: the job died there.
+    result = make_plan(1, 16, 2)
+    pinned = {"train_batch_size": 16, **deepspeed_config(result)}
+    with pytest.raises(AssertionError, match=re.escape("16 != 1 * 8 * 1")):
+        deepspeed_batch_settings(pinned, world_size=1)
 
 
 @pytest.mark.parametrize(("limit", "effective", "world_size"), CASES)
@@ -139,7 +162,6 @@ def test_unequal_micro_batches_cannot_be_expressed(convert: object, framework: s
         (
             "deepspeed",
             {
-                "train_batch_size": 128,
                 "train_micro_batch_size_per_gpu": 16,
                 "gradient_accumulation_steps": 4,
             },

@@ -141,7 +141,14 @@ def test_rows_that_leave_a_short_last_step_are_reported(
     )
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (16, 3)
     # 64 rows = 4 micro-batches of 16: the epoch's second step has one micro-batch.
-    assert "the last step of each epoch sees 16 samples per rank instead of 48" in caplog.text
+    assert "an epoch is 4 micro-batches per rank (64 rows), 2 optimizer step(s): 1 of " in (
+        caplog.text
+    )
+    assert "then a last one of 16 samples (1 micro-batch(es) per rank)" in caplog.text
+    assert "the Trainer divides that step's losses by its own number of micro-batches" in (
+        caplog.text
+    )
+    assert plan.epoch is not None and plan.epoch.num_optimizer_steps == 2
     seen: list[int] = []
     trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True

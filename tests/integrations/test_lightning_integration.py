@@ -317,3 +317,91 @@ def test_the_plans_conditions_are_checked_when_training_starts(
         and "trainable parameters: measured with 11018 of 11018 trainable (100.0%)" in text
         for text in said
     ), said
+
+
+class Linear1(pl.LightningModule):
+    """One float64 weight w and the loss mean(x * w) over a micro-batch: its gradient is the
+    mean of the micro-batch's x, so an SGD step of lr 1 moves w by minus the mean of the x the
+    step saw, weighted as the step weights them."""
+
+    def __init__(self, inputs: torch.Tensor, *, batch_size: int = 4) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+        self.inputs = inputs
+        self.batch_size = batch_size
+        self.updates: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (batch[0] * self.w).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.updates.append(float(self.w.detach()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        dataset = torch.utils.data.TensorDataset(self.inputs)
+        return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size)
+
+
+def linear_trainer(*callbacks: Any, max_epochs: int = 1) -> Any:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+
+
+def test_the_epochs_short_last_step_is_the_exact_mean_of_its_samples() -> None:
+    # 22 rows, 4 x 4 planned: an epoch is 4 micro-batches of 4 (one step), then one of 4 and a
+    # partial one of 2 (a step of 6 samples). Lightning divides each loss by 4, so that step
+    # used to apply (mean(b5) + mean(b6)) / 4: half the weight of its micro-batches, and the
+    # partial one weighted as a whole one.
+    inputs = -torch.arange(1, 23, dtype=torch.float64).unsqueeze(1) * 3
+    module = Linear1(inputs)
+    finder = AutobatchFinder(16, device="sim:64MiB", use_store=False, max_micro_batch_size=4)
+    trainer = linear_trainer(finder)
+    trainer.fit(module)
+    assert finder.plan is not None and finder.plan.epoch is not None
+    assert (finder.plan.micro_batch_size, finder.plan.gradient_accumulation_steps) == (4, 4)
+    assert finder.plan.epoch.num_optimizer_steps == trainer.global_step == 2
+    assert finder.plan.epoch.last_effective_batch_size == 6
+    first, last = float(inputs[:16].mean()), float(inputs[16:].mean())
+    assert module.updates[3] == pytest.approx(-first, abs=1e-12)
+    assert module.updates[-1] == pytest.approx(-first - last, abs=1e-12)  # 25.5 + 58.5
+    lightning_alone = (float(inputs[16:20].mean()) + float(inputs[20:].mean())) / 4
+    assert lightning_alone == -30.0  # Lightning alone: 25.5 + 30, not 84
+
+
+def test_the_weighting_warns_what_it_does(caplog: pytest.LogCaptureFixture) -> None:
+    finder = AutobatchFinder(16, device="sim:64MiB", use_store=False, max_micro_batch_size=4)
+    with caplog.at_level("WARNING", logger="autobatch.integrations"):
+        linear_trainer(finder).fit(Linear1(torch.ones(22, 1, dtype=torch.float64)))
+    (record,) = [r for r in caplog.records if "AutobatchFinder" in r.getMessage()]
+    assert "an epoch is 6 micro-batches per rank (22 rows), 2 optimizer step(s)" in (
+        record.getMessage()
+    )
+    assert "AutobatchFinder weights that step's micro-batches by their samples" in (
+        record.getMessage()
+    )
+
+
+def test_an_epoch_shorter_than_one_step_is_refused_at_setup() -> None:
+    # 125 rows, effective batch 256 as 8 x 32: every step of every epoch would see 125 samples.
+    module = Linear1(torch.ones(125, 1, dtype=torch.float64))
+    finder = AutobatchFinder(256, device="sim:64MiB", use_store=False, max_micro_batch_size=8)
+    with pytest.raises(
+        ConfigError,
+        match=r"an epoch has 16 micro-batch\(es\) per rank \(num_training_batches\), fewer than "
+        r"accumulate_grad_batches 32, so every optimizer step ends the epoch with an effective "
+        r"batch of 125, never effective_batch_size 256",
+    ):
+        linear_trainer(finder).fit(module)
+    assert module.updates == []

@@ -200,7 +200,6 @@ def test_plan_from_a_max_micro_batch_size_with_configs(client: TestClient) -> No
     assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == (16, 4)
     assert plan["source"] == "given" and plan["world_size"] == 1
     assert body["configs"]["deepspeed"] == {
-        "train_batch_size": 64,
         "train_micro_batch_size_per_gpu": 16,
         "gradient_accumulation_steps": 4,
     }

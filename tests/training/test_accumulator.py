@@ -559,3 +559,81 @@ def test_counts_from_numpy_and_mappings_and_refusals() -> None:
     with pytest.raises(ConfigError, match="looks like a list of samples"):
         next(windows_of([samples]))
     assert [m.count for m in next(windows_of([samples], count_fn=len))] == [2]
+
+
+class FakeDeepSpeedEngine(nn.Module):
+    """A hand-written stand-in for DeepSpeed's engine (DeepSpeed is not installed): it owns
+    gradient accumulation: ``backward`` divides each loss by its own accumulation steps, and
+    ``step`` updates only at its accumulation boundaries (every ``gas`` calls)."""
+
+    def __init__(self, module: nn.Module, gas: int) -> None:
+        super().__init__()
+        self.module = module
+        self.gas = gas
+        self.micro_steps = 0
+        self.updates = 0
+        self.inner = torch.optim.SGD(module.parameters(), lr=0.1)
+        self.param_groups = self.inner.param_groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.gas).backward()
+
+    def step(self) -> None:
+        if self.is_gradient_accumulation_boundary():
+            self.inner.step()
+            self.inner.zero_grad()
+            self.updates += 1
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def test_an_engine_that_owns_accumulation_is_refused_as_the_optimizer() -> None:
+    # Passed as the optimizer, the engine used to be stepped once per window and update once
+    # per 4 of them: 1 update in 16 micro-batches, silently.
+    model = make_model()
+    engine = FakeDeepSpeedEngine(model, gas=4)
+    with pytest.raises(ConfigError, match=r"the optimizer is a FakeDeepSpeedEngine, an engine"):
+        Accumulator(model, engine, gradient_accumulation_steps=4)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"engine.backward\(loss\); engine.step\(\)"):
+        Accumulator(model, engine, gradient_accumulation_steps=4)  # type: ignore[arg-type]
+
+
+def test_an_engine_that_owns_accumulation_is_refused_as_the_model() -> None:
+    engine = FakeDeepSpeedEngine(make_model(), gas=4)
+    with pytest.raises(ConfigError, match=r"the model is a FakeDeepSpeedEngine"):
+        Accumulator(engine, engine.inner, gradient_accumulation_steps=4)
+
+
+def test_an_optimizer_from_the_deepspeed_package_is_refused() -> None:
+    # DeepSpeed's ZeRO optimizers are stepped by its engine, at its boundaries.
+    zero = type("DeepSpeedZeroOptimizer", (torch.optim.SGD,), {"__module__": "deepspeed.zero"})
+    model = make_model()
+    with pytest.raises(ConfigError, match=r"the optimizer is a DeepSpeedZeroOptimizer"):
+        Accumulator(model, zero(model.parameters(), lr=0.1), gradient_accumulation_steps=2)
+
+
+def test_a_plan_gives_the_steps_and_must_be_for_this_loop() -> None:
+    from autobatch.planning.planner import plan
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, optimizer, plan=plan(16, effective_batch_size=64))
+    assert acc.gradient_accumulation_steps == 4
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=2 disagrees with the plan"):
+        Accumulator(
+            model, optimizer, gradient_accumulation_steps=2, plan=plan(16, effective_batch_size=64)
+        )
+    two_ranks = plan(16, effective_batch_size=128, world_size=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"world_size: the plan is for 2 data-parallel ranks, ",
+    ):
+        Accumulator(model, optimizer, plan=two_ranks)

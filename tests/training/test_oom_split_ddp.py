@@ -206,7 +206,7 @@ def test_ddp_a_row_that_fits_nowhere_makes_every_rank_raise(tmp_path: Path) -> N
         "micro-batch 0 of window 0 does not fit even at micro-batch size 1" in (ranks[1]["message"])
     )
     assert ranks[0]["error"] == "DistributedError"
-    assert "another rank could not fit micro-batch 0 of window 0" in ranks[0]["message"]
+    assert "rank 1 could not fit micro-batch 0 of window 0" in ranks[0]["message"]
 
 
 # -- an error on one rank only never leaves the other waiting ---------------------------------
@@ -239,7 +239,8 @@ def _one_rank_worker(rank: int, store_path: str, out_dir: str, case: str) -> Non
     try:
         data = _data(rank)[:2]
         heavy_at = {
-            "final_piece_counts_nothing": 1, "callback": 0, "callback_last": 1, "backward_error": 1
+            "final_piece_counts_nothing": 1, "callback": 0, "callback_last": 1, "backward_error": 1,
+            "communicating_loss": 0,
         }  # fmt: skip
         if rank == 1 and case in heavy_at:
             data[heavy_at[case]][0][2, 0] = HEAVY  # runs out of memory in forward above 4 rows
@@ -268,9 +269,16 @@ def _one_rank_worker(rank: int, store_path: str, out_dir: str, case: str) -> Non
         )
         before = [p.detach().clone() for p in model.parameters()]
         start = time.monotonic()
+
+        def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            loss = masked_mse(ddp, batch)
+            if case == "communicating_loss":  # the mean over the ranks, for a log line
+                dist.all_reduce(loss.detach().clone())
+            return loss
+
         try:
             for window in acc.windows(data, count_fn=num_counted):
-                stats = window.run(lambda batch: masked_mse(ddp, batch))
+                stats = window.run(loss_of)
                 outcome["splits"] = [
                     [s.phase, s.old_micro_batch_size, s.new_micro_batch_size] for s in stats.splits
                 ]
@@ -302,6 +310,26 @@ def _run_one_rank_case(tmp_path: Path, case: str) -> list[dict[str, Any]]:
     for outcome in ranks:  # nobody waited for gloo's timeout
         assert outcome["seconds"] < SHORT_PG_TIMEOUT.total_seconds() / 2
     return ranks
+
+
+@pytest.mark.slow
+def test_ddp_a_loss_of_that_communicates_is_refused_on_every_rank_before_a_split(
+    tmp_path: Path,
+) -> None:
+    # loss_of all-reduces the loss for a log line, and rank 1 runs out of memory inside it (in
+    # the forward, before that all-reduce) on its first micro-batch. Splitting there used to run
+    # rank 1's pieces, each with an all-reduce rank 0 never issues: rank 0, whose all-reduce
+    # paired with rank 1's first piece's, went on alone. The collective is seen at loss_of's
+    # first call on each rank, and both raise.
+    ranks = _run_one_rank_case(tmp_path, "communicating_loss")
+    for outcome in ranks:
+        assert outcome["error"] == "ConfigError", outcome
+        assert (
+            "loss_of ran 1 collective(s) (torch.distributed) in micro-batch 0 of window 0"
+            in (outcome["message"])
+        )
+        assert "on_oom='raise'" in outcome["message"]
+        assert outcome["grad"] == [[[0.0] * 3] * 4, [0.0] * 4, [[0.0] * 4], [0.0]]
 
 
 @pytest.mark.slow
@@ -346,7 +374,7 @@ def test_ddp_a_mean_over_nothing_on_one_rank_makes_every_rank_raise(tmp_path: Pa
     assert "reduction='sum'" in ranks[1]["message"]
     assert ranks[0]["error"] == "DistributedError"
     assert (
-        "another rank raised an error in micro-batch 1 of window 0 before the ranks agreed"
+        "rank 1 raised an error in micro-batch 1 of window 0 before the ranks agreed"
         in (ranks[0]["message"])
     )
     assert ranks[0]["grad"] == ranks[1]["grad"] == [[[0.0] * 3] * 4, [0.0] * 4, [[0.0] * 4], [0.0]]
@@ -368,7 +396,7 @@ def test_ddp_a_split_callback_that_raises_on_rank_0_leaves_no_rank_waiting(
     assert ranks[0]["message"] == "attempt to write a readonly database"
     assert ranks[1]["error"] == "DistributedError"
     if case == "callback":
-        assert "another rank raised an error in micro-batch 1 of window 0" in ranks[1]["message"]
+        assert "rank 0 raised an error in micro-batch 1 of window 0" in ranks[1]["message"]
     else:
         assert ranks[1]["splits"] == [["forward", 8, 4]]
         assert (
