@@ -34,10 +34,12 @@ __all__ = [
     "Trial",
 ]
 
-PROFILE_SCHEMA_VERSION = 2
+PROFILE_SCHEMA_VERSION = 3
 """Bumped whenever a field of :class:`Profile` is added, changes meaning or is removed (older
 autobatch versions then skip such profiles in a shared store). Version 2 added ``stop_kind``;
-version 1 profiles are still read (their ``stop_kind`` derived from ``stop_reason``)."""
+version 3 added the blocks that say where and under what a profile holds: ``budget``,
+``conditions``, ``gradient_sync`` and ``node_name``. Versions 1 and 2 are still read (a missing
+block reads as "not recorded"; a version 1 ``stop_kind`` is derived from ``stop_reason``)."""
 
 Method = Literal["estimate", "probe", "doubling"]
 StopKind = Literal["boundary", "limit", "failure"]
@@ -369,6 +371,10 @@ class Profile:
     Empty for a profile written before autobatch recorded them."""
     gradient_sync: GradientSync = dataclasses.field(default_factory=GradientSync)
     """The gradient-sync mode the trials ran in (not recorded in profiles written before it)."""
+    node_name: str = ""
+    """The machine the profile was measured on (:func:`autobatch.device.node.node_name`: a
+    Kubernetes node, a Slurm node or the host name); ``""`` for an estimate or a profile written
+    before schema version 3. ``device_name`` is the card type."""
 
     def __post_init__(self) -> None:
         if self.max_micro_batch_size < 1:

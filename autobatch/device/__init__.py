@@ -34,6 +34,7 @@ from autobatch.device.budget import (
     fraction_reading,
     vgpu_limit_reading,
 )
+from autobatch.device.node import NODE_NAME_ENV_VARS, node_name
 from autobatch.device.resolve import ParsedDevice, parse_device, resolve_device
 from autobatch.device.types import (
     UNKNOWN_MEMORY,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from autobatch.device.visible import NvmlDevice, VisibleDevices, cuda_visible_devices
 
 __all__ = [
+    "NODE_NAME_ENV_VARS",
     "REASONS",
     "SHARING_TOLERANCE",
     "UNKNOWN_MEMORY",
@@ -81,6 +83,7 @@ __all__ = [
     "fraction_reading",
     "is_oom",
     "list_gpus",
+    "node_name",
     "parse_device",
     "resolve_device",
     "vgpu_limit_reading",

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autobatch.device import Capacity, Device, resolve_device
+from autobatch.device import Capacity, Device, node_name, resolve_device
 from autobatch.distributed.consensus import Consensus
 from autobatch.distributed.fake_backend import process_groups_faked, reshard_fsdp2
 from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
@@ -484,6 +484,7 @@ class Prober:
             # The optimizer's state exists now (the warm-up made it): its bytes by dtype.
             conditions=with_optimizer_state(self.options.conditions, self.optimizer),
             gradient_sync=self.options.gradient_sync,
+            node_name=node_name(),
         )
 
 
