@@ -264,10 +264,9 @@ class JobManager:
                 self._on_event("failed")
 
     def _store_path(self) -> str | None:
-        """The store's file for the child; None for an in-memory store (the child cannot share
-        it: each job then probes, and the parent stores the result)."""
-        path = str(self._store.path)
-        return None if path == ":memory:" else path
+        """The store's location for the child (a file or a URL); None for an in-memory store
+        (the child cannot share it: each job then probes, and the parent stores the result)."""
+        return self._store.shared_location()
 
     def _run(self, job_id: str, entry: ModelEntry, device: str, refresh: bool) -> None:
         messages = self._context.Queue()
