@@ -394,6 +394,11 @@ class ProfileBase(_Strict):
     )
     conditions: ConditionsFields | None = None
     gradient_sync: GradientSyncFields | None = None
+    node_name: Name = Field(
+        default="",
+        description="The machine the profile was measured on (a Kubernetes or Slurm node, or "
+        "the host name); device_name is the card type. Empty when not recorded.",
+    )
 
 
 class ProfileCreate(ProfileBase):

@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     """A probe job's child is killed, and the job marked failed, after this many seconds."""
     max_queued_probes: int = Field(default=8, ge=0, le=1024)
     """Jobs that may wait per device behind the running one; one more gets 409."""
+    store_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
+    """The longest a request waits for the profile store (a write lock held by another process,
+    a slow database server); beyond it the request answers 503 ``store-busy`` and ``/readyz``
+    says not ready. Store calls run off the event loop (``service.store_calls``)."""
     nvml_timeout_seconds: float = Field(default=2.0, gt=0, le=600)
     """The longest a request waits for NVML; beyond it a device-dependent request answers 503
     ``nvml_timeout`` (a hung driver never blocks the service)."""
@@ -93,6 +97,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, help="largest request body, bytes")
     parser.add_argument("--probe-timeout-seconds", type=float, help="probe job time limit")
     parser.add_argument("--max-queued-probes", type=int, help="waiting jobs per device")
+    parser.add_argument(
+        "--store-timeout-seconds", type=float, help="longest wait for the profile store (5)"
+    )
     parser.add_argument(
         "--nvml-timeout-seconds", type=float, help="longest wait for NVML (default 2)"
     )

@@ -1,5 +1,9 @@
 """``/healthz`` (alive), ``/readyz`` (store writable, NVML state), ``/metrics`` (Prometheus).
 
+``/readyz`` checks the store in a worker thread with a deadline (``service.store_calls``): a store
+locked by another process, or a database server that hangs, makes it answer "not ready" within
+``store_timeout_seconds``, never a frozen event loop.
+
 These stay open when an API token is set, for kubelet probes and scrapers. ``/healthz`` never
 touches NVML; ``/readyz`` and ``/metrics`` read it through ``service.gpus``, so a hung driver
 costs them at most the NVML timeout once, then answers at once until the driver recovers.
@@ -14,8 +18,9 @@ from autobatch.errors import DeviceUnavailableError, StoreError
 from service.deps import StateDep
 from service.gpus import HEALTH_FAILURES
 from service.metrics import CONTENT_TYPE
-from service.problems import public_text
+from service.problems import Problem, public_text
 from service.schemas import GpuProblem, HealthPublic, ReadyPublic
+from service.store_calls import store_call
 
 router = APIRouter(prefix="", tags=["health"])
 
@@ -38,9 +43,11 @@ async def readyz(state: StateDep) -> JSONResponse:
     store, settings = state.store, state.settings
     store_detail = None
     try:
-        store.check_writable()
+        await store_call(state, store.check_writable)
     except StoreError as exc:
         store_detail = public_text(str(exc))  # the store's path stays in the server
+    except Problem as exc:  # store-busy: the check did not answer in time
+        store_detail = exc.detail
     nvml_reason = nvml_detail = None
     num_gpus = 0
     problems: list[GpuProblem] = []
