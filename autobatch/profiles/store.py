@@ -539,7 +539,7 @@ class ProfileStore:
 
     def _describe(self, doing: str, exc: BaseException) -> str:
         """A StoreError message: what failed, on which store, and the fix (no password)."""
-        text = str(exc).strip()
+        text = " ".join(str(exc).split())  # one line (psycopg's messages span several)
         password = _password(self._location.url)
         if password:
             text = text.replace(password, "***")
