@@ -45,17 +45,30 @@ def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> 
     return profile_public(profile_id, profile)
 
 
-@router.get("", summary="List stored profiles, newest first", responses=problem_responses(422))
+@router.get("", summary="List stored profiles, newest first", responses=problem_responses(404, 422))
 def list_profiles(
     state: StateDep,
     model_fingerprint: Annotated[str | None, Query(max_length=256)] = None,
     device_name: Annotated[str | None, Query(max_length=256)] = None,
+    node_name: Annotated[str | None, Query(max_length=256)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: Annotated[str | None, Query(max_length=64)] = None,
 ) -> ProfileList:
-    found = state.store.list_profiles(
-        model_fingerprint=model_fingerprint, device_name=device_name, limit=limit
+    """One page; ``next_before`` (the last id) asks for the next."""
+    try:
+        found = state.store.list_profiles(
+            model_fingerprint=model_fingerprint,
+            device_name=device_name,
+            node_name=node_name,
+            limit=limit,
+            before=before,
+        )
+    except ProfileNotFoundError:
+        raise unknown_profile(before or "", field="query.before") from None
+    return ProfileList(
+        profiles=[profile_public(pid, profile) for pid, profile in found],
+        next_before=found[-1][0] if len(found) == limit else None,
     )
-    return ProfileList(profiles=[profile_public(pid, profile) for pid, profile in found])
 
 
 @router.get("/{profile_id}", summary="Read a profile", responses=problem_responses(404, 422))
