@@ -16,6 +16,7 @@ from __future__ import annotations
 from autobatch.profiles.location import parse_location
 from autobatch.profiles.store import (
     STORE_ENV_VAR,
+    ProfilePage,
     ProfileStore,
     ProfileSummary,
     SummaryPage,
@@ -25,6 +26,7 @@ from autobatch.profiles.store import (
 
 __all__ = [
     "STORE_ENV_VAR",
+    "ProfilePage",
     "ProfileStore",
     "ProfileSummary",
     "SummaryPage",

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STORE_ENV_VAR",
     "STORE_SCHEMA_VERSION",
+    "ProfilePage",
     "ProfileStore",
     "ProfileSummary",
     "SummaryPage",
@@ -100,6 +101,18 @@ class SummaryPage:
     """One page of :meth:`ProfileStore.list_summaries`, newest first."""
 
     summaries: tuple[ProfileSummary, ...]
+    next_before: str | None
+    """Pass as ``before=`` for the next page; None when this page is the last."""
+    num_skipped: int = 0
+    """Rows on this page left out because they could not be read (logged)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProfilePage:
+    """One page of :meth:`ProfileStore.page_profiles`, newest first."""
+
+    profiles: tuple[tuple[str, Profile], ...]
+    """``(profile_id, profile)`` pairs."""
     next_before: str | None
     """Pass as ``before=`` for the next page; None when this page is the last."""
     num_skipped: int = 0
@@ -324,6 +337,42 @@ class ProfileStore:
             ProfileNotFoundError: ``before`` names no stored profile.
             StoreError: the store is closed or unreadable.
         """
+        return list(
+            self.page_profiles(
+                model_fingerprint=model_fingerprint,
+                device_name=device_name,
+                node_name=node_name,
+                limit=limit,
+                before=before,
+            ).profiles
+        )
+
+    def page_profiles(
+        self,
+        *,
+        model_fingerprint: str | None = None,
+        device_name: str | None = None,
+        node_name: str | None = None,
+        limit: int = 100,
+        before: str | None = None,
+        max_bytes: int | None = None,
+    ) -> ProfilePage:
+        """One page of whole profiles, newest first, of bounded size.
+
+        Rows are read a few at a time (a server-side cursor on PostgreSQL), so a page never
+        holds more than its profiles.
+
+        Args:
+            max_bytes: end the page once the profiles read hold more than this many bytes of
+                JSON (it always holds one); None for no bound.
+            others: as :meth:`list_profiles`.
+
+        Returns:
+            The page, and the ``before`` that gives the next one.
+
+        Raises:
+            As :meth:`list_profiles`.
+        """
         from autobatch.profiles.schema import profiles
 
         query = self._listing(
@@ -333,9 +382,24 @@ class ProfileStore:
             node_name=node_name,
             limit=limit,
         )
+        rows: list[tuple[str, str]] = []
+        num_bytes = 0
         with self._read("list profiles") as conn:
-            rows = conn.execute(self._paged(conn, query, before)).all()
-        return self._decode_all(rows)
+            paged = self._paged(conn, query, before)
+            streamed = conn.execution_options(stream_results=True, yield_per=16).execute(paged)
+            for profile_id, text in streamed:
+                rows.append((profile_id, text))
+                num_bytes += len(text)
+                if max_bytes is not None and num_bytes > max_bytes:
+                    break
+            streamed.close()
+        full = len(rows) == limit or (max_bytes is not None and num_bytes > max_bytes)
+        found = self._decode_all(rows)
+        return ProfilePage(
+            profiles=tuple(found),
+            next_before=rows[-1][0] if full and rows else None,
+            num_skipped=len(rows) - len(found),
+        )
 
     def list_summaries(
         self,
