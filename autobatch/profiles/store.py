@@ -40,9 +40,7 @@ import json
 import logging
 import os
 import pathlib
-import random
 import threading
-import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -175,17 +173,19 @@ class ProfileStore:
                     f"cannot create the directory for the profile store {path}: {exc}; "
                     f"set {STORE_ENV_VAR} to a writable location"
                 ) from exc
+        from autobatch.profiles.engine import file_identity, make_engine, use_wal
+
         self._engine: sa.Engine | None = None
         with self._errors("open it"):
-            self._engine = _make_engine(self._location, timeout_seconds=timeout_seconds)
+            self._engine = make_engine(self._location, timeout_seconds=timeout_seconds)
         try:
             from autobatch.profiles.schema import open_schema
 
             with self._errors("open it"), self._engine.connect() as conn:
                 open_schema(conn, backend=self.backend, display=self.location)
                 if path is not None and not self._location.in_memory:
-                    _use_wal(conn, timeout_seconds=timeout_seconds)
-                    self._identity = _file_identity(path)
+                    use_wal(conn, timeout_seconds=timeout_seconds)
+                    self._identity = file_identity(path)
         except BaseException:
             self.close()
             raise
@@ -231,6 +231,7 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
+        from autobatch.profiles.engine import insert
         from autobatch.profiles.schema import profiles
 
         text = _canonical(profile)
@@ -248,8 +249,8 @@ class ProfileStore:
             "profile_json": text,
         }
         with self._write("store a profile") as conn:
-            insert = _insert(self.backend, profiles).values(**row)
-            done = conn.execute(insert.on_conflict_do_nothing(index_elements=["id"]))
+            statement = insert(self.backend, profiles).values(**row)
+            done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
             if done.rowcount == 0:
                 stored = conn.execute(
                     sa_select(profiles.c.profile_json).where(profiles.c.id == profile_id)
@@ -479,10 +480,11 @@ class ProfileStore:
         """
         import sqlalchemy as sa
 
+        from autobatch.profiles.engine import file_identity
         from autobatch.profiles.schema import store_meta
 
         if self._identity is not None and self.path is not None:
-            now = _file_identity(self.path)
+            now = file_identity(self.path)
             if now != self._identity:
                 what = "deleted" if now is None else "replaced by another file"
                 raise StoreError(
@@ -506,13 +508,15 @@ class ProfileStore:
 
         import sqlalchemy.exc
 
+        from autobatch.profiles.engine import describe_error
+
         try:
             yield
         except sqlalchemy.exc.SQLAlchemyError as exc:
             cause = getattr(exc, "orig", None) or exc
-            raise StoreError(self._describe(doing, cause)) from cause
+            raise StoreError(describe_error(self._location, doing, cause)) from cause
         except sqlite3.Error as exc:  # raised by the driver outside SQLAlchemy (_use_wal)
-            raise StoreError(self._describe(doing, exc)) from exc
+            raise StoreError(describe_error(self._location, doing, exc)) from exc
 
     @contextlib.contextmanager
     def _read(self, doing: str) -> Iterator[sa.Connection]:
@@ -601,36 +605,6 @@ class ProfileStore:
         if why is not None:
             _log.warning("profile store %s: %d rows skipped: %s", self.location, count, why)
 
-    def _describe(self, doing: str, exc: BaseException) -> str:
-        """A StoreError message: what failed, on which store, and the fix (no password)."""
-        text = " ".join(str(exc).split())  # one line (psycopg's messages span several)
-        password = _password(self._location.url)
-        if password:
-            text = text.replace(password, "***")
-        lowered = text.lower()
-        if "not a database" in lowered or "malformed" in lowered:
-            fix = (
-                f"the file is not a valid SQLite database; move it away (or set {STORE_ENV_VAR} "
-                "to another location) and autobatch will create a new store"
-            )
-        elif "locked" in lowered or "busy" in lowered or "lock timeout" in lowered:
-            fix = "another process holds the store's write lock; retry, or raise the timeout"
-        elif "readonly" in lowered or "read-only" in lowered or "unable to open" in lowered:
-            fix = (
-                f"check the file's and its directory's permissions, or set {STORE_ENV_VAR} to a "
-                "writable file"
-            )
-        elif self.backend == "postgresql" and (
-            "connect" in lowered or "does not exist" in lowered or "authentication" in lowered
-        ):
-            fix = (
-                f"check that the PostgreSQL server is up and the database exists, or set "
-                f"{STORE_ENV_VAR} to another location"
-            )
-        else:
-            fix = f"set {STORE_ENV_VAR} to another location if it persists"
-        return f"profile store {self.location}: cannot {doing}: {text}; {fix}"
-
 
 class _Rollback(Exception):
     """Raised inside :meth:`ProfileStore._write` to end the transaction without committing."""
@@ -645,90 +619,3 @@ def sa_select(*columns: Any) -> sa.Select[Any]:
 
 def _canonical(profile: Profile) -> str:
     return json.dumps(profile.to_dict(), sort_keys=True, separators=(",", ":"))
-
-
-def _insert(backend: str, table: sa.Table) -> Any:
-    if backend == "postgresql":
-        from sqlalchemy.dialects import postgresql
-
-        return postgresql.insert(table)
-    from sqlalchemy.dialects import sqlite
-
-    return sqlite.insert(table)
-
-
-def _password(url: str) -> str:
-    import urllib.parse
-
-    netloc = urllib.parse.urlsplit(url).netloc
-    userinfo = netloc.rpartition("@")[0]
-    return urllib.parse.unquote(userinfo.partition(":")[2]) if ":" in userinfo else ""
-
-
-def _make_engine(location: StoreLocation, *, timeout_seconds: float) -> sa.Engine:
-    import sqlalchemy as sa
-    from sqlalchemy import event, pool
-
-    if location.backend == "postgresql":
-        timeout_ms = max(1, int(timeout_seconds * 1000))
-        return sa.create_engine(
-            location.url,
-            pool_pre_ping=True,
-            pool_size=4,
-            max_overflow=8,
-            pool_timeout=timeout_seconds,
-            connect_args={
-                "connect_timeout": max(1, int(timeout_seconds)),
-                "options": f"-c lock_timeout={timeout_ms} -c statement_timeout={timeout_ms}",
-            },
-        )
-    # one connection, used under the store's lock by whichever thread holds it
-    engine = sa.create_engine(
-        location.url,
-        poolclass=pool.StaticPool,
-        connect_args={"timeout": timeout_seconds, "check_same_thread": False},
-    )
-
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # transactions begin where _begin says
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: sa.Connection) -> None:
-        write = conn.get_execution_options().get("autobatch_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-
-    return engine
-
-
-def _use_wal(conn: sa.Connection, *, timeout_seconds: float) -> None:
-    """Switch the file to the WAL journal (kept in the file, so done once per file).
-
-    The switch needs an exclusive lock and SQLite does not wait for one here (no busy handler):
-    while other processes read the file as they open it, it fails at once with "database is
-    locked". Retried until ``timeout_seconds``, as the busy timeout would.
-    """
-    import sqlite3
-
-    raw = conn.connection.driver_connection  # outside any transaction: WAL cannot switch in one
-    assert isinstance(raw, sqlite3.Connection)
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        if str(raw.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-            return
-        try:
-            raw.execute("PRAGMA journal_mode = WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            busy = exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-            if not busy or time.monotonic() >= deadline:
-                raise
-        time.sleep(random.uniform(0.001, 0.01))
-
-
-def _file_identity(path: pathlib.Path) -> tuple[int, int] | None:
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_dev, stat.st_ino

@@ -284,3 +284,21 @@ def test_check_writable_on_postgres(postgres_url: str) -> None:
         profile_id = store.put(make_profile())
         store.check_writable()
         assert [pid for pid, _ in store.list_profiles()] == [profile_id]
+
+
+def test_importing_the_store_does_not_import_sqlalchemy() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from autobatch import ProfileStore; import autobatch.profiles;"
+            "print('sqlalchemy' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.split() == ["False"]
