@@ -33,7 +33,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -53,6 +52,7 @@ from autobatch.profiles.location import (
     default_store_path,
     parse_location,
 )
+from autobatch.profiles.pages import ProfilePage, ProfileSummary, SummaryPage
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -74,47 +74,6 @@ here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
 _DEFAULT_TIMEOUT_SECONDS = 30.0
 _log = logging.getLogger("autobatch.profiles")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ProfileSummary:
-    """What a listing shows of a stored profile, read from indexed columns (no JSON decoded)."""
-
-    id: str
-    """The profile's id (16 hex digits)."""
-    cache_key: str
-    model_fingerprint: str
-    device_name: str
-    """The card type it was measured on (e.g. ``"NVIDIA H100 80GB HBM3"``)."""
-    node_name: str
-    """The machine it was measured on; ``""`` when not recorded."""
-    max_micro_batch_size: int
-    recommended_micro_batch_size: int
-    created_at: str
-    """ISO 8601 time of the measurement, or of storing when the profile carried none."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SummaryPage:
-    """One page of :meth:`ProfileStore.list_summaries`, newest first."""
-
-    summaries: tuple[ProfileSummary, ...]
-    next_before: str | None
-    """Pass as ``before=`` for the next page; None when this page is the last."""
-    num_skipped: int = 0
-    """Rows on this page left out because they could not be read (logged)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ProfilePage:
-    """One page of :meth:`ProfileStore.page_profiles`, newest first."""
-
-    profiles: tuple[tuple[str, Profile], ...]
-    """``(profile_id, profile)`` pairs."""
-    next_before: str | None
-    """Pass as ``before=`` for the next page; None when this page is the last."""
-    num_skipped: int = 0
-    """Rows on this page left out because they could not be read (logged)."""
 
 
 def profile_id_of(profile: Profile) -> str:
@@ -449,6 +408,52 @@ class ProfileStore:
             next_before=rows[-1].id if len(rows) == limit else None,
             num_skipped=skipped,
         )
+
+    def copy_into(self, target: ProfileStore, *, batch_size: int = 500) -> int:
+        """Copy every profile of this store into ``target``, oldest first, ids kept.
+
+        How a SQLite store moves to the fleet's PostgreSQL: rows are copied as stored (a
+        version-1 row keeps its old id), in batches, each batch one write transaction on
+        ``target``. Profiles ``target`` already holds are left as they are, so a copy that was
+        interrupted can simply be run again.
+
+        Args:
+            target: the store to copy into (another backend or file).
+            batch_size: rows per read and per write transaction, >= 1.
+
+        Returns:
+            The number of profiles that were new to ``target``.
+
+        Raises:
+            ConfigError: ``batch_size`` is below 1.
+            StoreError: either store is closed, unreadable or not writable.
+        """
+        import sqlalchemy as sa
+
+        from autobatch.profiles.engine import insert
+        from autobatch.profiles.schema import profiles
+
+        if batch_size < 1:
+            raise ConfigError(f"batch_size {batch_size} must be >= 1")
+        columns = [column for column in profiles.columns if column.name != "seq"]
+        last_seq, num_copied = -1, 0
+        while True:
+            with self._read("read profiles to copy") as conn:
+                rows = conn.execute(
+                    sa.select(profiles.c.seq, *columns)
+                    .where(profiles.c.seq > last_seq)
+                    .order_by(profiles.c.seq)
+                    .limit(batch_size)
+                ).all()
+            if not rows:
+                return num_copied
+            last_seq = rows[-1].seq
+            values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
+            with target._write("copy profiles in") as conn:
+                statement = insert(target.backend, profiles).values(values)
+                statement = statement.on_conflict_do_nothing(index_elements=["id"])
+                # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
+                num_copied += len(conn.execute(statement.returning(profiles.c.id)).all())
 
     def delete(self, profile_id: str) -> bool:
         """Remove the profile stored under ``profile_id``.

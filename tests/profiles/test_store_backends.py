@@ -302,3 +302,21 @@ def test_importing_the_store_does_not_import_sqlalchemy() -> None:
         check=True,
     ).stdout
     assert out.split() == ["False"]
+
+
+def test_an_old_sqlite_store_copies_into_postgres(
+    tmp_path: pathlib.Path, postgres_url: str
+) -> None:
+    path = tmp_path / "old.sqlite3"
+    data = make_profile().to_dict()
+    data.pop("node_name")
+    _old_store(path, [("0123456789abcdef", json.dumps(data)), ("badbadbadbadbad0", "not json")])
+    with ProfileStore(path) as source, ProfileStore(postgres_url) as target:
+        newer = [source.put(make_profile(num_steps=n + 1, node_name="n1")) for n in range(7)]
+        assert source.copy_into(target, batch_size=3) == 9
+        assert source.copy_into(target, batch_size=3) == 0  # run again: nothing new
+        assert target.list_summaries() == source.list_summaries()
+        assert target.get("0123456789abcdef") == source.get("0123456789abcdef")
+        assert [pid for pid, _ in target.list_profiles(node_name="n1")] == newer[::-1]
+        with pytest.raises(ConfigError, match="batch_size 0"):
+            source.copy_into(target, batch_size=0)
