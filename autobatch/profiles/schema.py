@@ -17,7 +17,7 @@ file reads the newer ``user_version`` and refuses it instead of writing to it.
 Versions: 1, the first SQLite layout (``profiles`` with ``seq, id, cache_key, model_fingerprint,
 device_name, created_at, profile_schema_version, profile_json``); 2 adds ``store_meta``,
 ``node_name`` (indexed) and the ``max_micro_batch_size``/``recommended_micro_batch_size`` that
-summaries list without decoding profiles.
+summaries list without decoding profiles, and ``probe_jobs`` (the service's job records).
 
 Example::
 
@@ -43,6 +43,7 @@ __all__ = [
     "STORE_SCHEMA_VERSION",
     "metadata",
     "open_schema",
+    "probe_jobs",
     "profiles",
     "store_meta",
 ]
@@ -81,6 +82,15 @@ store_meta = sa.Table(
 )
 """Facts about the store itself: ``schema_version``."""
 
+probe_jobs = sa.Table(
+    "probe_jobs",
+    metadata,
+    sa.Column("id", sa.Text(), primary_key=True),
+    sa.Column("updated_at", sa.Text(), nullable=False),
+    sa.Column("job_json", sa.Text(), nullable=False),
+)
+"""The service's probe jobs, so that a restarted server still answers a known job id."""
+
 _V1_COLUMNS = frozenset(
     {
         "seq",
@@ -96,9 +106,11 @@ _V1_COLUMNS = frozenset(
 
 
 def _to_v2(conn: sa.Connection, backend: str) -> None:
-    """Version 1 -> 2: ``store_meta``; ``node_name`` and the micro-batch columns, filled in from
-    each row's JSON (a row that does not decode keeps ``''``/NULL: listings skip it)."""
+    """Version 1 -> 2: ``store_meta`` and ``probe_jobs``; ``node_name`` and the micro-batch
+    columns, filled in from each row's JSON (a row that does not decode keeps ``''``/NULL:
+    listings skip it)."""
     store_meta.create(conn)
+    probe_jobs.create(conn)
     for ddl in (
         "ALTER TABLE profiles ADD COLUMN node_name TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE profiles ADD COLUMN max_micro_batch_size INTEGER",

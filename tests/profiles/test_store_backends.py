@@ -190,7 +190,7 @@ def test_a_newer_store_is_refused_and_left_untouched(location: str) -> None:
         assert conn.execute(sa.select(schema.profiles)).all() == before
         tables = set(sa.inspect(conn).get_table_names())
     engine.dispose()
-    assert tables == {"profiles", "store_meta"}
+    assert tables == {"profiles", "probe_jobs", "store_meta"}
 
 
 # -- listings -----------------------------------------------------------------------------------
@@ -320,3 +320,13 @@ def test_an_old_sqlite_store_copies_into_postgres(
         assert [pid for pid, _ in target.list_profiles(node_name="n1")] == newer[::-1]
         with pytest.raises(ConfigError, match="batch_size 0"):
             source.copy_into(target, batch_size=0)
+
+
+def test_job_records_are_kept_and_replaced(location: str) -> None:
+    with ProfileStore(location) as store:
+        assert store.get_job("j1") is None
+        store.put_job("j1", {"id": "j1", "status": "queued"})
+        store.put_job("j1", {"id": "j1", "status": "succeeded", "profile_id": "abc"})
+        store.put_job("j2", {"id": "j2", "status": "running"})
+        assert store.get_job("j1") == {"id": "j1", "status": "succeeded", "profile_id": "abc"}
+        assert store.get_job("j2") == {"id": "j2", "status": "running"}

@@ -1,4 +1,5 @@
-"""``/readyz`` and the store: a store file deleted or swapped under the service is not ready."""
+"""The service and its store: ``/readyz`` says when the store file was deleted or swapped, the
+one store variable, and probe jobs kept in the store across a restart."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from autobatch.profiles import ProfileStore
+from tests.service.test_service_api import wait_for
 
 
 def test_readyz_says_when_the_store_file_was_deleted_or_replaced(
@@ -45,3 +48,45 @@ def test_the_service_reads_the_one_store_variable(
     monkeypatch.delenv("AUTOBATCH_STORE")
     monkeypatch.setenv("AUTOBATCH_STORE_PATH", str(tmp_path / "old-name.sqlite3"))  # deprecated
     assert Settings().store_path == str(tmp_path / "old-name.sqlite3")
+
+
+@pytest.mark.slow  # a spawned probe child, importing torch
+def test_a_known_job_id_still_answers_after_a_restart(
+    make_app: Callable[..., Any], registry_file: Path, tmp_path: Path
+) -> None:
+    store_path = str(tmp_path / "jobs.sqlite3")
+    first = make_app(config_file=registry_file, store_path=store_path)
+    client = TestClient(first)
+    job_id = client.post("/v1/probes", json={"model": "tiny-mlp"}).json()["id"]
+    done = wait_for(client, job_id, {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done["error"]
+    first.state.service.jobs.close()  # the server stops: its records are written
+    first.state.service.store.close()
+    again = TestClient(make_app(config_file=registry_file, store_path=store_path))
+    answer = again.get(f"/v1/probes/{job_id}")
+    assert answer.status_code == 200
+    assert answer.json()["status"] == "succeeded"
+    assert answer.json()["profile_id"] == done["profile_id"]
+    assert again.get("/v1/probes/ffffffffffffffff").status_code == 404
+
+
+def test_a_job_a_restart_cut_short_reads_as_failed(
+    make_app: Callable[..., Any], tmp_path: Path
+) -> None:
+    store_path = str(tmp_path / "jobs.sqlite3")
+    with ProfileStore(store_path) as store:  # as a server killed mid-probe left it
+        store.put_job(
+            "0123456789abcdef",
+            {
+                "id": "0123456789abcdef",
+                "model": "tiny-mlp",
+                "device": "cpu",
+                "status": "running",
+                "created_at": "2026-12-05T07:00:00+00:00",
+                "child_pid": 4242,
+            },
+        )
+    client = TestClient(make_app(store_path=store_path))
+    answer = client.get("/v1/probes/0123456789abcdef").json()
+    assert answer["status"] == "failed"
+    assert "restarted while the job was running" in answer["error"]
