@@ -445,13 +445,15 @@ def report_profile(
     timeout: float = 10.0,
     transport: httpx.BaseTransport | None = None,
 ) -> str:
-    """Register ``profile`` with the service at ``url`` (``autotune(..., report_to=url)``).
+    """Publish ``profile`` to the service at ``url`` (``autotune(..., report_to=url)``), retried
+    a few times (at most 4 tries in 10 s: a training script does not wait long for a
+    scheduler's service; :func:`autobatch.client.publish_profile` tries harder).
 
     Args:
         url: the service's base URL.
         profile: what to register.
         token: bearer token; None reads nothing (pass ``os.environ.get("AUTOBATCH_API_TOKEN")``).
-        timeout: seconds.
+        timeout: seconds per try.
         transport: an httpx transport (tests).
 
     Returns:
@@ -460,5 +462,7 @@ def report_profile(
     Raises:
         ConfigError: the server rejected the profile. ServiceError: unreachable, 401, 5xx.
     """
-    with AutobatchClient(url, token=token, timeout=timeout, transport=transport) as client:
-        return client.register_profile(profile)
+    from autobatch.client.publish import RetryPolicy, publish_profile
+
+    policy = RetryPolicy(max_attempts=4, max_seconds=10.0, timeout_seconds=timeout)
+    return publish_profile(url, profile, token=token, policy=policy, transport=transport)
