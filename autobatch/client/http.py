@@ -89,6 +89,12 @@ class PlanRequest:
     allow_inexact: bool = False
     safety_margin: float | None = None
     gpu_fraction: float | None = None
+    card: str | None = None
+    """The card type to plan for (with ``model_fingerprint``): see the answer's selection."""
+    node: str | None = None
+    """The node to plan for (with ``model_fingerprint``)."""
+    conditions: Mapping[str, Any] | None = None
+    """Conditions the plan must hold under (with ``card`` or ``node``)."""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body: unset (None) fields left out, the device fields under ``device``."""
@@ -305,6 +311,17 @@ class AutobatchClient:
             )
             for row in self._post_plan(request)["world_size_options"]
         ]
+
+    def plan_answer(self, request: PlanRequest) -> dict[str, Any]:
+        """``POST /v1/plan`` with ``request``: the whole answer as JSON (the service's
+        ``PlanPublic``: ``plan``, ``configs``, ``profile_id``, ``device``, ``selection``), for
+        callers that need more than the plan, e.g. which profile answered a card's plan and
+        whether it was measured there (``answer["selection"]["match"]``).
+
+        Raises:
+            as :meth:`plan`.
+        """
+        return self._post_plan(request)
 
     def _post_plan(self, request: PlanRequest) -> dict[str, Any]:
         response = self._request(
