@@ -104,6 +104,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--central-url",
         help="node mode: publish every probed profile to this central service's URL",
     )
+    parser.add_argument(
+        "--central-api-token",
+        help="the central service's bearer token (prefer AUTOBATCH_CENTRAL_API_TOKEN)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
