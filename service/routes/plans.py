@@ -449,9 +449,11 @@ def _resolve_limit(
     return profile, profile_id, stored_profile_source(profile)
 
 
-CARD_CANDIDATES = 50
+CARD_CANDIDATES = (2, 8, 50)
 """Profiles of the model on the card asked about read per request (newest first) to find one
-under the conditions asked; past them, the model's newest :data:`ANY_CANDIDATES` of any card."""
+under the conditions asked, in growing pages: the newest 2 (one of them usually answers, and
+decoding each profile costs about 70 µs on 2 cores), then 8, then 50; past them, the model's
+newest :data:`ANY_CANDIDATES` of any card."""
 ANY_CANDIDATES = 200
 
 
@@ -472,12 +474,13 @@ def _select(
     try:
         chosen = None
         if body.card is not None and body.node is None:
-            on_card = store.list_profiles(
-                model_fingerprint=body.model_fingerprint,
-                device_name=body.card,
-                limit=CARD_CANDIDATES,
-            )
-            chosen = select_profile(on_card, card=body.card, node=None, conditions=wanted)
+            for limit in CARD_CANDIDATES:
+                on_card = store.list_profiles(
+                    model_fingerprint=body.model_fingerprint, device_name=body.card, limit=limit
+                )
+                chosen = select_profile(on_card, card=body.card, node=None, conditions=wanted)
+                if len(on_card) < limit or (chosen is not None and chosen.match != "predicted"):
+                    break
         if chosen is None or chosen.match == "predicted":
             candidates = store.list_profiles(
                 model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES
