@@ -217,6 +217,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             store=args.store,
             use_store=not args.no_store,
             refresh=args.refresh,
+            report_to=args.report_to,
             on_trial=progress.trial,
             eval=args.eval,
             **_plan_kwargs(args, args.world_size),

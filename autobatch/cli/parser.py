@@ -210,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
     tune.add_argument("--no-store", action="store_true", help="neither read nor write the store")
     tune.add_argument(
+        "--report-to",
+        metavar="URL",
+        help="publish a newly probed profile to this autobatch service (e.g. the central one), "
+        "retried; a failure warns",
+    )
+    tune.add_argument(
         "--eval",
         action="store_true",
         help="also probe the evaluation micro-batch (forward under inference_mode, eval mode)",

@@ -69,6 +69,7 @@ FLAGS = {
         "--multiple-of",
         "--no-store",
         "--refresh",
+        "--report-to",
         "--safety-margin",
         "--seq-len",
         "--uneven",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from autobatch.cli import main
 from autobatch.cli.plan_env import env_variables
 from autobatch.planning import plan
+from autobatch.profile import Profile
+from tests.service.test_publish import FlakyServer
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -137,3 +140,28 @@ def test_service_flags_need_a_model_and_a_url(
             ]
         )
     assert "'amp' is not NAME=VALUE" in capsys.readouterr().err
+
+
+def test_tune_report_to_publishes_the_new_profile_through_a_failing_first_try(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    server = FlakyServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.script = ["503"]  # a replica restarting: the first try fails, the retry lands
+    try:
+        code, out, err = run(
+            capsys,
+            *["--store", str(tmp_path / "s.sqlite3"), "tune", "tests.service.models:tiny_mlp"],
+            *["--input-shape", "32", "--device", "sim:4MiB", "--effective-batch-size", "64"],
+            *["--json", "--report-to", server.url],
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+    assert code == 0, err
+    assert len(server.bodies) == 2 and server.bodies[0] == server.bodies[1]
+    published = Profile.from_dict(json.loads(server.bodies[1]))
+    assert published == Profile.from_dict(json.loads(out)["profile"])

@@ -48,6 +48,15 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_GET(self) -> None:
+        """``GET /v1/profiles``: none (``autotune(report_to=...)`` asks before it probes)."""
+        data = json.dumps({"profiles": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
