@@ -24,6 +24,7 @@ from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
 from service.protocol import timed_protocol
+from service.publisher import Publisher
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles
 from service.settings import Settings
@@ -50,12 +51,21 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     registry = load_registry(settings.config_file)
     store = ProfileStore(settings.store_path)
     metrics = Metrics()
+    publisher = None
+    if settings.central_url:
+        token = settings.central_api_token
+        publisher = Publisher(
+            settings.central_url,
+            token=None if token is None else token.get_secret_value(),
+            on_outcome=metrics.publish_outcome,
+        )
     jobs = JobManager(
         registry,
         store,
         timeout_seconds=settings.probe_timeout_seconds,
         max_queued=settings.max_queued_probes,
         on_event=metrics.probe_event,
+        on_profile=None if publisher is None else publisher.submit,
     )
 
     @asynccontextmanager
@@ -63,6 +73,8 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         jobs.open()
         yield
         jobs.close()  # kills running probe children; the store stays open for run()/the caller
+        if publisher is not None:
+            publisher.close()
 
     app = FastAPI(
         title="autobatch",
