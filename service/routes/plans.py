@@ -20,7 +20,8 @@ limits its container, is out of the service's sight: the budget says so (``unsee
 and a warning). ``fits_now`` says whether the plan fits what is free now, and
 ``trials_per_gpu`` how many such jobs fit on one card.
 
-Pure arithmetic after one store lookup and one (cached) NVML reading at most: no torch is
+Pure arithmetic after one store lookup (in a worker thread with a deadline,
+``service.store_calls``) and one (cached) NVML reading at most: no torch is
 imported on this path.
 """
 
@@ -68,6 +69,7 @@ from service.schemas import (
     PlanPublic,
     ResolvedDevice,
 )
+from service.store_calls import store_call
 from service.wording import field_wording
 
 MAX_ANSWER_MICRO_BATCHES = 4 * MAX_GRADIENT_ACCUMULATION_STEPS
@@ -120,10 +122,16 @@ async def create_plan(request: Request) -> Response:
     profile_id: str | None
     source: PlanSource | None
     if body.card is not None or body.node is not None:
-        limit, profile_id, source, chosen, card_bytes = _select(body, request)
+        state = service_state(request)  # the store is read off the loop, with a deadline
+        limit, profile_id, source, chosen, card_bytes = await store_call(
+            state, _select, body, request
+        )
         if capacity is None:
             capacity = card_bytes
-    else:
+    elif body.profile_id is not None or body.model_fingerprint is not None:
+        state = service_state(request)
+        limit, profile_id, source = await store_call(state, _resolve_limit, body, request, device)
+    else:  # a number or a memory model from the caller: no store, no thread
         limit, profile_id, source = _resolve_limit(body, request, device)
     options: dict[str, Any] = {
         "multiple_of": body.multiple_of,
