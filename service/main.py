@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
 from autobatch.profiles import ProfileStore
+from service.central import CentralProfiles
 from service.deps import ServiceState
 from service.gpus import GpuMonitor
 from service.jobs import JobManager
@@ -51,9 +52,12 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     registry = load_registry(settings.config_file)
     store = ProfileStore(settings.store_path)
     metrics = Metrics()
-    publisher = None
+    publisher = central = None
     if settings.central_url:
         token = settings.central_api_token
+        central = CentralProfiles(
+            settings.central_url, token=None if token is None else token.get_secret_value()
+        )
         publisher = Publisher(
             settings.central_url,
             token=None if token is None else token.get_secret_value(),
@@ -88,6 +92,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
         jobs=jobs,
         metrics=metrics,
+        central=central,
     )
     token = settings.api_token
     app.add_middleware(

@@ -444,6 +444,10 @@ def _resolve_limit(
         )
     found = found or store.list_profiles(model_fingerprint=body.model_fingerprint, limit=1)
     if not found:
+        found = _from_central(
+            request, body.model_fingerprint, None if device is None else device.name
+        )
+    if not found:
         raise Problem(
             404,
             "unknown-profile",
@@ -494,6 +498,9 @@ def _select(
                 model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES
             )
             chosen = select_profile(candidates, card=body.card, node=body.node, conditions=wanted)
+        if chosen is None:
+            fetched = _from_central(request, body.model_fingerprint, body.card)
+            chosen = select_profile(fetched, card=body.card, node=body.node, conditions=wanted)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
     if chosen is None:
@@ -527,6 +534,22 @@ def _select(
             )
         card_bytes = on_card[0][1].total_memory_bytes
     return profile, chosen.profile_id, stored_profile_source(profile), chosen, card_bytes
+
+
+def _from_central(
+    request: Request, model_fingerprint: str, card: str | None
+) -> list[tuple[str, Profile]]:
+    """Node mode, for a model this node's store does not hold: the central service's profile
+    of it for ``card`` (:mod:`service.central`), kept in this node's store; empty without a
+    central service, or when it holds none or does not answer."""
+    state = service_state(request)
+    if state.central is None:
+        return []
+    fetched = state.central.fetch(model_fingerprint, card=card)
+    if fetched is None:
+        return []
+    _central_id, profile = fetched
+    return [(state.store.put(profile), profile)]
 
 
 def _predicted_note(chosen: Selection, body: PlanCreate) -> str:

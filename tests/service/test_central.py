@@ -6,16 +6,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from autobatch.client import RetryPolicy
 from autobatch.profile import Profile
 from service.publisher import Publisher
-from tests.service.serving import serving
+from tests.service.serving import free_port, serving
 from tests.service.test_publish import FlakyServer
 from tests.service.test_service_api import make_profile
 
@@ -105,3 +107,42 @@ def test_a_probe_on_a_node_answers_a_plan_by_card_at_the_central_service(
         assert body["selection"]["node_name"] == profile.node_name != ""
         assert body["selection"]["profile_id"] == published[0]["id"]
         assert body["plan"]["gradient_accumulation_steps"] == 2
+
+        # Node B never probed this model: its sidecar answers from the central service's profile.
+        (tmp_path / "node-b").mkdir()
+        with serving(tmp_path / "node-b", "--central-url", central_url) as node_b:
+            plan_b = node_b.client.post(
+                "/v1/plan",
+                json={
+                    "model_fingerprint": profile.model_fingerprint,
+                    "effective_batch_size": 2 * profile.recommended_micro_batch_size,
+                },
+            )
+            assert plan_b.status_code == 200, plan_b.text
+            assert plan_b.json()["plan"]["micro_batch_size"] == profile.recommended_micro_batch_size
+            assert plan_b.json()["plan"]["source"] == "cached"
+            by_card_b = node_b.client.post(
+                "/v1/plan",
+                json={
+                    "model_fingerprint": profile.model_fingerprint,
+                    "card": profile.device_name,
+                    "effective_batch_size": 2 * profile.recommended_micro_batch_size,
+                },
+            )
+            assert by_card_b.status_code == 200, by_card_b.text
+            assert by_card_b.json()["selection"]["match"] == "measured"
+            assert by_card_b.json()["selection"]["node_name"] == profile.node_name
+            # It kept a copy: the profile now answers from node B's own store.
+            kept = node_b.client.get(f"/v1/profiles/{plan_b.json()['profile_id']}")
+            assert Profile.from_dict(kept.json()["profile"]) == profile
+
+
+def test_a_sidecar_whose_central_service_is_down_answers_from_its_own_store(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    app = make_app(central_url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    answer = TestClient(app).post(
+        "/v1/plan", json={"model_fingerprint": "abc", "effective_batch_size": 8}
+    )
+    assert answer.status_code == 404
+    assert "no stored profile has model_fingerprint 'abc'" in answer.json()["detail"]
