@@ -30,6 +30,15 @@ route's, and its server CPU time per request within 2x; checked against each bas
 absolute p99 target is not used: on a shared 2-core machine the empty route alone varies from
 run to run (17-24 ms at concurrency 32).
 
+Central mode (issue 28): two more rows plan from the store, as a fleet's service does. The
+store (in memory, in the service's process) holds :data:`FLEET_NODES` nodes' profiles of one
+model on each of three cards, the asked card's oldest and its newest under other conditions,
+and other models' profiles beside them. ``plan (node)`` is the per-node route (``POST /v1/plan``
+with ``model_fingerprint``: the model's newest profile, what a node's sidecar answers);
+``plan (card)`` plans for a card type under conditions (``card`` and ``conditions``: the newest
+profile of the model measured on that card under them, from any node). Goal: the card route's
+p99 within 2x of the per-node route's (:data:`CARD_P99_GOAL`), in the same run.
+
     .venv/bin/python bench/service_load.py                       # 15000 requests per level
     .venv/bin/python bench/service_load.py --requests 500 --rounds 2 --concurrency 1 32
 """
@@ -54,9 +63,64 @@ P99_GOAL = 1.5
 """Plan route's p99 latency over the empty route's, at the same concurrency."""
 CPU_GOAL = 2.0
 """Plan route's server CPU time per request over the empty route's."""
+CARD_P99_GOAL = 2.0
+"""Card-type plan route's p99 latency over the per-node plan route's, at the same concurrency."""
 PLAN_BODY = json.dumps(
     {"max_micro_batch_size": 24, "effective_batch_size": 1024, "world_size": 8}
 ).encode()
+FINGERPRINT = "bench-gpt"
+CARDS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4")
+FLEET_NODES = 16
+"""Nodes per card that published a profile of the benchmark's model."""
+NODE_BODY = json.dumps(
+    {"model_fingerprint": FINGERPRINT, "effective_batch_size": 1024, "world_size": 8}
+).encode()
+CARD_BODY = json.dumps(
+    {
+        "model_fingerprint": FINGERPRINT,
+        "card": CARDS[0],
+        "conditions": {"amp_dtype": "bfloat16"},
+        "effective_batch_size": 1024,
+        "world_size": 8,
+    }
+).encode()
+
+
+def fleet_profiles() -> list[Any]:
+    """Profiles as a fleet publishes them, oldest first: the asked card's first, its newest
+    under other conditions (fp16), then the other cards', then other models'."""
+    from autobatch.conditions import Conditions
+    from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
+
+    gib = 2**30
+    trials = tuple(
+        Trial(micro_batch_size=n, fits=True, peak_reserved_bytes=4 * gib + n * gib // 2)
+        for n in (1, 8, 16, 32, 64)
+    ) + (Trial(micro_batch_size=128, fits=False, oom=True, error="OutOfMemoryError"),)
+    profiles = []
+    for card in CARDS:
+        for node in range(FLEET_NODES):
+            amp = "float16" if card == CARDS[0] and node == FLEET_NODES - 1 else "bfloat16"
+            for model in (FINGERPRINT, f"other-{node}"):
+                profiles.append(
+                    Profile(
+                        max_micro_batch_size=64,
+                        recommended_micro_batch_size=60,
+                        safety_margin=0.05,
+                        method="probe",
+                        trials=trials,
+                        num_steps=len(trials) + 1,
+                        device_name=card,
+                        device_type="cuda",
+                        total_memory_bytes=80 * gib,
+                        capacity_bytes=80 * gib,
+                        memory_model=MemoryModel(fixed_bytes=4 * gib, bytes_per_sample=gib // 2),
+                        node_name=f"{card.split()[1].lower()}-node-{node}",
+                        conditions=Conditions(device_type="cuda", amp_dtype=amp),
+                        identity=StepIdentity(model_fingerprint=model),
+                    )
+                )
+    return profiles
 
 
 async def empty() -> dict[str, bool]:
@@ -80,6 +144,8 @@ def service_app() -> Any:
     from service.settings import Settings
 
     app = create_app(Settings(store_path=":memory:"))
+    for profile in fleet_profiles():
+        app.state.service.store.put(profile)
     # The app dispatches to its included routers' routes as they are when a request comes.
     plans.router.post("/bench-empty")(empty)
     return app
@@ -167,10 +233,16 @@ class Tally:
     server_cpu_seconds: float = 0.0
 
     def run(
-        self, server: subprocess.Popen[bytes], port: int, path: str, requests: int, concurrency: int
+        self,
+        server: subprocess.Popen[bytes],
+        port: int,
+        endpoint: tuple[str, int, str, bytes],
+        requests: int,
+        concurrency: int,
     ) -> None:
+        _, _, path, body = endpoint
         cpu, started = cpu_seconds(server.pid), time.perf_counter()
-        latencies = asyncio.run(load(port, path, PLAN_BODY, requests, concurrency))
+        latencies = asyncio.run(load(port, path, body, requests, concurrency))
         self.seconds += time.perf_counter() - started
         self.server_cpu_seconds += cpu_seconds(server.pid) - cpu
         self.latencies += latencies
@@ -191,11 +263,14 @@ def p99(latencies: list[float]) -> float:
 
 
 ENDPOINTS = (
-    ("POST /v1/plan", 0, "/v1/plan"),
-    ("empty (service)", 0, "/v1/plan/bench-empty"),
-    ("empty (bare)", 1, "/bench/empty"),
+    ("POST /v1/plan", 0, "/v1/plan", PLAN_BODY),
+    ("empty (service)", 0, "/v1/plan/bench-empty", PLAN_BODY),
+    ("empty (bare)", 1, "/bench/empty", PLAN_BODY),
+    ("plan (node)", 0, "/v1/plan", NODE_BODY),
+    ("plan (card)", 0, "/v1/plan", CARD_BODY),
 )
-"""(name, index of its server, path): the plan route and the two baselines."""
+"""(name, index of its server, path, body): the plan route, the two baselines, and the per-node
+and card-type plans from the store."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, port in zip(("service", "bare"), ports, strict=True)
     ]
     try:
-        for _, server, path in ENDPOINTS:  # warm up (imports, first-call caches)
-            asyncio.run(load(ports[server], path, PLAN_BODY, 200, 4))
+        for _, server, path, body in ENDPOINTS:  # warm up (imports, first-call caches)
+            asyncio.run(load(ports[server], path, body, 200, 4))
         print(
             f"{os.cpu_count()} CPUs, {args.requests} requests per endpoint and level, "
             f"in {args.rounds} interleaved rounds"
@@ -231,17 +306,18 @@ def main(argv: list[str] | None = None) -> int:
         for concurrency in args.concurrency:
             tallies = [Tally() for _ in ENDPOINTS]
             for _ in range(args.rounds):
-                for tally, (_, server, path) in zip(tallies, ENDPOINTS, strict=True):
-                    tally.run(servers[server], ports[server], path, per_round, concurrency)
+                for tally, endpoint in zip(tallies, ENDPOINTS, strict=True):
+                    server = endpoint[1]
+                    tally.run(servers[server], ports[server], endpoint, per_round, concurrency)
             results = [tally.summary() for tally in tallies]
-            for (name, _, _), result in zip(ENDPOINTS, results, strict=True):
+            for (name, *_), result in zip(ENDPOINTS, results, strict=True):
                 print(
                     f"{concurrency:>4} {name:>15} {result['rps']:>8.0f} "
                     f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {result['cpu_us']:>18.0f}"
                 )
             plan = results[0]
-            for (name, _, _), empty_result, empty_tally in zip(
-                ENDPOINTS[1:], results[1:], tallies[1:], strict=True
+            for (name, *_), empty_result, empty_tally in zip(
+                ENDPOINTS[1:3], results[1:3], tallies[1:3], strict=True
             ):
                 p99_ratio = plan["p99_ms"] / empty_result["p99_ms"]
                 cpu = empty_result["cpu_us"]
@@ -264,6 +340,19 @@ def main(argv: list[str] | None = None) -> int:
                     f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x "
                     f"over {len(paired)} rounds"
                 )
+            node, card = results[3], results[4]
+            card_ratio = card["p99_ms"] / node["p99_ms"]
+            cpu_ratio = card["cpu_us"] / node["cpu_us"] if node["cpu_us"] else float("nan")
+            paired = sorted(
+                a / b for a, b in zip(tallies[4].round_p99s, tallies[3].round_p99s, strict=True)
+            )
+            print(
+                f"{'':>4} plan (card)/plan (node): p99 {card['p99_ms']:.2f} ms / "
+                f"{node['p99_ms']:.2f} ms = {card_ratio:.2f}x "
+                f"({'met' if card_ratio <= CARD_P99_GOAL else 'MISSED'}: <= {CARD_P99_GOAL}x), "
+                f"server CPU per request {cpu_ratio:.2f}x; round by round: median "
+                f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x"
+            )
     finally:
         for server in servers:
             server.terminate()

@@ -20,6 +20,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from autobatch.profiles import ProfileStore
+from service.central import CentralProfiles
 from service.gpus import GpuMonitor
 from service.jobs import JobManager
 from service.metrics import Metrics
@@ -38,6 +39,9 @@ class ServiceState:
     """NVML, read off the event loop with a timeout (``service.gpus``)."""
     jobs: JobManager
     metrics: Metrics
+    central: CentralProfiles | None = None
+    """Node mode: the central service a plan here falls back to for a model this node's store
+    does not hold (``service.central``); None without ``AUTOBATCH_CENTRAL_URL``."""
 
 
 def service_state(request: Request) -> ServiceState:

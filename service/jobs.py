@@ -110,6 +110,8 @@ class JobManager:
         timeout_seconds: wall time after which a running child is killed, seconds.
         max_queued: waiting jobs allowed per device.
         on_event: called with ``"started"``, ``"failed"``, ``"succeeded"`` or ``"oom"`` (metrics).
+        on_profile: called with each succeeded job's profile (a node's publisher); it must
+            return at once.
     """
 
     def __init__(
@@ -120,12 +122,14 @@ class JobManager:
         timeout_seconds: float,
         max_queued: int,
         on_event: Callable[[str], None] | None = None,
+        on_profile: Callable[[Profile], None] | None = None,
     ) -> None:
         self.registry = registry
         self._store = store
         self._timeout_seconds = timeout_seconds
         self._max_queued = max_queued
         self._on_event = on_event or (lambda _event: None)
+        self._on_profile = on_profile or (lambda _profile: None)
         self._lock = threading.Condition()
         self._jobs: dict[str, Job] = {}
         self._queues: dict[str, collections.deque[str]] = {}
@@ -416,6 +420,8 @@ class JobManager:
                 "probe job %s (model %r on %s) failed: %s", job_id, job.model, job.device, job.error
             )
         self._on_event("succeeded" if changes["status"] == "succeeded" else "failed")
+        if job.status == "succeeded":
+            self._on_profile(profile)
 
 
 def queue_key(device: str) -> str:

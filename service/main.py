@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
 from autobatch.profiles import ProfileStore
+from service.central import CentralProfiles
 from service.deps import ServiceState
 from service.gpus import GpuMonitor
 from service.jobs import JobManager
@@ -24,6 +25,7 @@ from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
 from service.protocol import timed_protocol
+from service.publisher import Publisher
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles
 from service.settings import Settings
@@ -50,12 +52,24 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     registry = load_registry(settings.config_file)
     store = ProfileStore(settings.store_path)
     metrics = Metrics()
+    publisher = central = None
+    if settings.central_url:
+        token = settings.central_api_token
+        central = CentralProfiles(
+            settings.central_url, token=None if token is None else token.get_secret_value()
+        )
+        publisher = Publisher(
+            settings.central_url,
+            token=None if token is None else token.get_secret_value(),
+            on_outcome=metrics.publish_outcome,
+        )
     jobs = JobManager(
         registry,
         store,
         timeout_seconds=settings.probe_timeout_seconds,
         max_queued=settings.max_queued_probes,
         on_event=metrics.probe_event,
+        on_profile=None if publisher is None else publisher.submit,
     )
 
     @asynccontextmanager
@@ -63,6 +77,8 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         jobs.open()
         yield
         jobs.close()  # kills running probe children; the store stays open for run()/the caller
+        if publisher is not None:
+            publisher.close()
 
     app = FastAPI(
         title="autobatch",
@@ -76,6 +92,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
         jobs=jobs,
         metrics=metrics,
+        central=central,
     )
     token = settings.api_token
     app.add_middleware(

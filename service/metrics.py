@@ -96,6 +96,12 @@ class Metrics:
             "Out-of-memory trials caught by probe jobs",
             registry=self.registry,
         )
+        self.published = Counter(
+            "autobatch_profiles_published",
+            "Profiles a node's sidecar published to the central service, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         for event in ("started", "succeeded", "failed"):
             self.probe_events.labels(event)
@@ -122,6 +128,10 @@ class Metrics:
             self.ooms.inc()
         else:
             self.probe_events.labels(event).inc()
+
+    def publish_outcome(self, outcome: str) -> None:
+        """``"published"`` or ``"failed"``: one profile sent to the central service."""
+        self.published.labels(outcome).inc()
 
     def render(self, list_gpus: Callable[[], list[GpuInfo]]) -> bytes:
         """The Prometheus text exposition of every metric, GPU memory read with ``list_gpus``."""

@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -428,6 +428,24 @@ class PlanCreate(_Strict):
     max_micro_batch_size: Size | None = None
     memory_model: MemoryModelBase | None = None
     device: DeviceSpec | None = None
+    card: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None,
+        description="Plan for this card type (a profile's device_name, e.g. 'NVIDIA H100 80GB "
+        "HBM3'): the newest profile of model_fingerprint measured on it, on any node, under "
+        "the conditions asked answers 'measured'; otherwise a profile measured elsewhere "
+        "answers 'predicted' (see the answer's selection). Needs model_fingerprint.",
+    )
+    node: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None,
+        description="Plan for this node (a profile's node_name): its own profile of "
+        "model_fingerprint first, then the card's as for card. Needs model_fingerprint.",
+    )
+    conditions: dict[str, Any] | None = Field(
+        default=None,
+        description="Conditions the plan must hold under (names of a profile's conditions, "
+        "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
+        "'predicted'. Needs card or node.",
+    )
     effective_batch_size: Size
     world_size: WorldSize = 1
     data_parallel_size: WorldSize | None = Field(
@@ -469,6 +487,13 @@ class PlanCreate(_Strict):
                 "give exactly one of profile_id, model_fingerprint, max_micro_batch_size, "
                 "memory_model; got " + (", ".join(given) or "none")
             )
+        if (self.card is not None or self.node is not None) and self.model_fingerprint is None:
+            raise ValueError(
+                "card and node choose among the stored profiles of a model: give "
+                "model_fingerprint with them"
+            )
+        if self.conditions is not None and self.card is None and self.node is None:
+            raise ValueError("conditions need card or node: the card type or node planned for")
         ranks = self.data_parallel_size
         if ranks is not None and self.world_size not in (1, ranks):
             raise ValueError(
@@ -566,12 +591,29 @@ class WorldSizeOptionPublic(BaseModel):
     reason: str
 
 
+class SelectionPublic(BaseModel):
+    """Which stored profile answered a plan for a card or a node
+    (``autobatch.planning.selection.Selection``)."""
+
+    match: Literal["measured", "estimated", "predicted"] = Field(
+        description="'measured': a profile measured on the card (and node) asked about under "
+        "the conditions asked; 'estimated': the same from an estimate; 'predicted': measured "
+        "elsewhere or under other conditions, so the plan is a prediction for that card."
+    )
+    profile_id: str
+    node_name: str = Field(description="Where the profile was measured ('' if unrecorded).")
+    device_name: str = Field(description="The card the profile was measured on.")
+    card: str | None = Field(description="The card type planned for; null when unknown.")
+    reasons: list[str] = Field(description="Why the match is not 'measured'.")
+
+
 class PlanPublic(BaseModel):
     plan: PlanFields
     configs: PlanConfigs
     world_size_options: list[WorldSizeOptionPublic] | None = None
     profile_id: str | None = None
     device: ResolvedDevice | None = None
+    selection: SelectionPublic | None = None
 
 
 # -- probes ------------------------------------------------------------------------------------

@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     connection is closed."""
     log_level: str = "info"
     """uvicorn's log level."""
+    central_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    """Node mode: the central service (e.g. ``http://autobatch-central:8000``) that every
+    profile a probe job finds is published to (``service.publisher``); None publishes nothing."""
+    central_api_token: SecretStr | None = None
+    """The central service's bearer token, when it sets one."""
 
     @field_validator("api_token")
     @classmethod
@@ -110,6 +115,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--body-timeout-seconds", type=float, help="deadline for a request's body (30)"
     )
     parser.add_argument("--log-level", help="uvicorn log level (default info)")
+    parser.add_argument(
+        "--central-url",
+        help="node mode: publish every probed profile to this central service's URL",
+    )
+    parser.add_argument(
+        "--central-api-token",
+        help="the central service's bearer token (prefer AUTOBATCH_CENTRAL_API_TOKEN)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

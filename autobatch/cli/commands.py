@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from autobatch.cli.parser import build_parser
+from autobatch.cli.plan_env import remote_plan, write_plan
 from autobatch.errors import AutobatchError, ConfigError, Remedy
 from autobatch.units import format_bytes
 
@@ -216,6 +217,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             store=args.store,
             use_store=not args.no_store,
             refresh=args.refresh,
+            report_to=args.report_to,
             on_trial=progress.trial,
             eval=args.eval,
             **_plan_kwargs(args, args.world_size),
@@ -261,6 +263,23 @@ def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
     from autobatch.planning import given_budget, plan, plan_world_sizes, stored_profile_source
 
+    if args.model_fingerprint is not None:
+        return _remote_plan(args, out)
+    remote_only = [
+        flag
+        for flag, value in (
+            ("--service", args.service),
+            ("--card", args.card),
+            ("--node", args.node),
+            ("--condition", args.condition),
+        )
+        if value
+    ]
+    if remote_only:
+        raise ConfigError(
+            f"{', '.join(remote_only)} choose among a service's stored profiles: give "
+            "--model-fingerprint (and --service) with them"
+        )
     limit: Any = args.max_micro_batch_size
     source = None
     if args.profile is not None:
@@ -280,9 +299,16 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     fmt = _output_format(args)
     if len(args.world_size) == 1:
         kwargs = _plan_kwargs(args, args.world_size[0])
-        result = plan(limit, capacity_bytes=capacity, source=source, **kwargs)
-        _print_plan(_budgeted(result, budget, limit), fmt, out)
+        result = _budgeted(
+            plan(limit, capacity_bytes=capacity, source=source, **kwargs), budget, limit
+        )
+        if args.env or args.output:
+            write_plan(result.to_dict(), None, args.output, out)
+        else:
+            _print_plan(result, fmt, out)
         return 0
+    if args.env or args.output:
+        raise ConfigError("--env and --output take a single --world-size")
     if fmt not in ("text", "json"):
         raise ConfigError(f"--format {fmt} needs a single --world-size")
     kwargs = _plan_kwargs(args, 1)
@@ -327,6 +353,31 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         )
     if budget is not None and args.gpu_fraction is not None:  # after the table, which is first
         _print_budget(budget, out)
+    return 0
+
+
+def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
+    """``plan --model-fingerprint``: the service's plan, as text, JSON or ``--env`` lines."""
+    from autobatch.planning import Plan
+
+    answer = remote_plan(args)
+    if args.env or args.output:
+        write_plan(answer["plan"], answer, args.output, out)
+        return 0
+    fmt = _output_format(args)
+    if fmt == "json":
+        print(json.dumps(answer, indent=2), file=out)
+        return 0
+    _print_plan(Plan.from_dict(answer["plan"]), fmt, out)
+    selection = answer.get("selection")
+    if fmt == "text" and selection is not None:
+        print(
+            f"profile                      {selection['profile_id']} ({selection['match']}: "
+            f"measured on {selection['device_name']}, node {selection['node_name'] or '?'})",
+            file=out,
+        )
+        for reason in selection["reasons"]:
+            print(f"note: {reason}", file=out)
     return 0
 
 

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from autobatch import __version__
+from autobatch.cli.plan_env import parse_condition
 from autobatch.errors import ConfigError
 from autobatch.units import parse_bytes
 
@@ -212,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
     tune.add_argument("--no-store", action="store_true", help="neither read nor write the store")
     tune.add_argument(
+        "--report-to",
+        metavar="URL",
+        help="publish a newly probed profile to this autobatch service (e.g. the central one), "
+        "retried; a failure warns",
+    )
+    tune.add_argument(
         "--eval",
         action="store_true",
         help="also probe the evaluation micro-batch (forward under inference_mode, eval mode)",
@@ -221,9 +228,36 @@ def build_parser() -> argparse.ArgumentParser:
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--max-micro-batch-size", type=_positive_int)
     source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
+    source.add_argument(
+        "--model-fingerprint",
+        help="plan from a service's stored profiles of this model (with --service)",
+    )
     _add_plan_args(plan, world_sizes=True)
     plan.add_argument("--capacity", type=_bytes, help="another device's capacity, with --profile")
     _add_fraction_arg(plan, extra=" (--capacity)")
+    plan.add_argument(
+        "--service",
+        help="the autobatch service to ask (default $AUTOBATCH_CENTRAL_URL), with "
+        "--model-fingerprint",
+    )
+    plan.add_argument("--card", help="plan for this card type, e.g. 'NVIDIA H100 80GB HBM3'")
+    plan.add_argument("--node", help="plan for this node (its own profile first)")
+    plan.add_argument(
+        "--condition",
+        action="append",
+        type=parse_condition,
+        metavar="NAME=VALUE",
+        help="a condition the plan must hold under, e.g. amp_dtype=bfloat16 (repeatable)",
+    )
+    plan.add_argument(
+        "--env",
+        action="store_true",
+        help="print shell export lines (AUTOBATCH_MICRO_BATCH_SIZE=...) instead",
+    )
+    plan.add_argument(
+        "--output",
+        help="write the export lines to this file (JSON for a .json path) instead of stdout",
+    )
 
     profiles = commands.add_parser("profiles", help="stored profiles")
     actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -17,5 +17,14 @@ from autobatch.client.http import (
     ServiceError,
     report_profile,
 )
+from autobatch.client.publish import RetryPolicy, publish_profile
 
-__all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError", "report_profile"]
+__all__ = [
+    "AutobatchClient",
+    "PlanRequest",
+    "ProbeStatus",
+    "RetryPolicy",
+    "ServiceError",
+    "publish_profile",
+    "report_profile",
+]

@@ -89,6 +89,12 @@ class PlanRequest:
     allow_inexact: bool = False
     safety_margin: float | None = None
     gpu_fraction: float | None = None
+    card: str | None = None
+    """The card type to plan for (with ``model_fingerprint``): see the answer's selection."""
+    node: str | None = None
+    """The node to plan for (with ``model_fingerprint``)."""
+    conditions: Mapping[str, Any] | None = None
+    """Conditions the plan must hold under (with ``card`` or ``node``)."""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body: unset (None) fields left out, the device fields under ``device``."""
@@ -306,6 +312,17 @@ class AutobatchClient:
             for row in self._post_plan(request)["world_size_options"]
         ]
 
+    def plan_answer(self, request: PlanRequest) -> dict[str, Any]:
+        """``POST /v1/plan`` with ``request``: the whole answer as JSON (the service's
+        ``PlanPublic``: ``plan``, ``configs``, ``profile_id``, ``device``, ``selection``), for
+        callers that need more than the plan, e.g. which profile answered a card's plan and
+        whether it was measured there (``answer["selection"]["match"]``).
+
+        Raises:
+            as :meth:`plan`.
+        """
+        return self._post_plan(request)
+
     def _post_plan(self, request: PlanRequest) -> dict[str, Any]:
         response = self._request(
             "POST", "/v1/plan", profile_id=request.profile_id or "", json=request.to_json()
@@ -445,13 +462,15 @@ def report_profile(
     timeout: float = 10.0,
     transport: httpx.BaseTransport | None = None,
 ) -> str:
-    """Register ``profile`` with the service at ``url`` (``autotune(..., report_to=url)``).
+    """Publish ``profile`` to the service at ``url`` (``autotune(..., report_to=url)``), retried
+    a few times (at most 4 tries in 10 s: a training script does not wait long for a
+    scheduler's service; :func:`autobatch.client.publish_profile` tries harder).
 
     Args:
         url: the service's base URL.
         profile: what to register.
         token: bearer token; None reads nothing (pass ``os.environ.get("AUTOBATCH_API_TOKEN")``).
-        timeout: seconds.
+        timeout: seconds per try.
         transport: an httpx transport (tests).
 
     Returns:
@@ -460,5 +479,7 @@ def report_profile(
     Raises:
         ConfigError: the server rejected the profile. ServiceError: unreachable, 401, 5xx.
     """
-    with AutobatchClient(url, token=token, timeout=timeout, transport=transport) as client:
-        return client.register_profile(profile)
+    from autobatch.client.publish import RetryPolicy, publish_profile
+
+    policy = RetryPolicy(max_attempts=4, max_seconds=10.0, timeout_seconds=timeout)
+    return publish_profile(url, profile, token=token, policy=policy, transport=transport)

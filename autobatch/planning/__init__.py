@@ -5,7 +5,9 @@
 resolves what a plan's limit is (a number, a profile, a memory line and a capacity); ``splits`` is
 the search over splits; ``prediction`` predicts the largest micro-batch past what was measured;
 ``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's);
-``budget`` puts the memory budget a plan was made for on it (``fits_now``, ``trials_per_gpu``).
+``selection`` picks the stored profile that answers a plan for a card type or a node
+(measured there, or predicted from another); ``budget`` puts the memory budget a plan was made
+for on it (``fits_now``, ``trials_per_gpu``).
 ``epochs`` is a plan over one epoch of data (:class:`EpochPlan`, ``Plan.with_epoch``).
 This face is what other layers and the service import.
 
@@ -33,6 +35,7 @@ from autobatch.planning.planner import (
     plan_world_sizes,
 )
 from autobatch.planning.prediction import Prediction
+from autobatch.planning.selection import Selection, condition_mismatches, select_profile
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
@@ -42,13 +45,16 @@ __all__ = [
     "PlanConstraints",
     "PlanSource",
     "Prediction",
+    "Selection",
     "Uneven",
     "WorldSizeOption",
+    "condition_mismatches",
     "given_budget",
     "largest_useful_micro_batch_size",
     "plan",
     "plan_within",
     "plan_world_sizes",
+    "select_profile",
     "stored_profile_source",
     "with_budget",
 ]

@@ -20,12 +20,14 @@ limits its container, is out of the service's sight: the budget says so (``unsee
 and a warning). ``fits_now`` says whether the plan fits what is free now, and
 ``trials_per_gpu`` how many such jobs fit on one card.
 
-Pure arithmetic after one store lookup and one (cached) NVML reading at most: no torch is
+Pure arithmetic after one store lookup (in a worker thread with a deadline,
+``service.store_calls``) and one (cached) NVML reading at most: no torch is
 imported on this path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -46,9 +48,11 @@ from autobatch.planning import (
     MAX_GRADIENT_ACCUMULATION_STEPS,
     Plan,
     PlanSource,
+    Selection,
     given_budget,
     plan,
     plan_world_sizes,
+    select_profile,
     stored_profile_source,
     with_budget,
 )
@@ -65,6 +69,7 @@ from service.schemas import (
     PlanPublic,
     ResolvedDevice,
 )
+from service.store_calls import store_call
 from service.wording import field_wording
 
 MAX_ANSWER_MICRO_BATCHES = 4 * MAX_GRADIENT_ACCUMULATION_STEPS
@@ -112,7 +117,22 @@ async def create_plan(request: Request) -> Response:
             field="body.gpu_fraction",
         )
     capacity = None if device is None else device.capacity_bytes
-    limit, profile_id, source = _resolve_limit(body, request, device)
+    chosen: Selection | None = None
+    limit: int | Profile | MemoryModel
+    profile_id: str | None
+    source: PlanSource | None
+    if body.card is not None or body.node is not None:
+        state = service_state(request)  # the store is read off the loop, with a deadline
+        limit, profile_id, source, chosen, card_bytes = await store_call(
+            state, _select, body, request
+        )
+        if capacity is None:
+            capacity = card_bytes
+    elif body.profile_id is not None or body.model_fingerprint is not None:
+        state = service_state(request)
+        limit, profile_id, source = await store_call(state, _resolve_limit, body, request, device)
+    else:  # a number or a memory model from the caller: no store, no thread
+        limit, profile_id, source = _resolve_limit(body, request, device)
     options: dict[str, Any] = {
         "multiple_of": body.multiple_of,
         "max_gradient_accumulation_steps": body.max_gradient_accumulation_steps,
@@ -134,6 +154,8 @@ async def create_plan(request: Request) -> Response:
         margin = limit.safety_margin if isinstance(limit, Profile) else DEFAULT_SAFETY_MARGIN
     if budget is not None:
         result = with_budget(result, budget, safety_margin=margin)
+    if chosen is not None and chosen.match == "predicted":
+        result = dataclasses.replace(result, notes=(*result.notes, _predicted_note(chosen, body)))
     options_table = None
     if body.world_sizes is not None:
         _check_table_size(body, result)
@@ -167,6 +189,7 @@ async def create_plan(request: Request) -> Response:
         "world_size_options": options_table,
         "profile_id": profile_id,
         "device": None if device is None else device.model_dump(),
+        "selection": None if chosen is None else _selection_public(chosen, body),
     }
     return Response(to_json(public), media_type="application/json")
 
@@ -421,6 +444,10 @@ def _resolve_limit(
         )
     found = found or store.list_profiles(model_fingerprint=body.model_fingerprint, limit=1)
     if not found:
+        found = _from_central(
+            request, body.model_fingerprint, None if device is None else device.name
+        )
+    if not found:
         raise Problem(
             404,
             "unknown-profile",
@@ -432,3 +459,117 @@ def _resolve_limit(
         )
     profile_id, profile = found[0]
     return profile, profile_id, stored_profile_source(profile)
+
+
+CARD_CANDIDATES = (2, 8, 50)
+"""Profiles of the model on the card asked about read per request (newest first) to find one
+under the conditions asked, in growing pages: the newest 2 (one of them usually answers, and
+decoding each profile costs about 70 µs on 2 cores), then 8, then 50; past them, the model's
+newest :data:`ANY_CANDIDATES` of any card."""
+ANY_CANDIDATES = 200
+
+
+def _select(
+    body: PlanCreate, request: Request
+) -> tuple[Profile, str, PlanSource, Selection, int | None]:
+    """A plan's profile for ``body.card``/``body.node`` (:mod:`autobatch.planning.selection`):
+    (profile, its id, plan source, the selection, the card's memory in bytes when the plan is
+    predicted for a card other than the profile's, else None).
+
+    Raises:
+        Problem: 404 when the store has no training profile of the model; 422 when the card's
+            memory is unknown (no profile of any model measured on it, and no device given).
+    """
+    assert body.model_fingerprint is not None
+    store = service_state(request).store
+    wanted = body.conditions or {}
+    try:
+        chosen = None
+        if body.card is not None and body.node is None:
+            for limit in CARD_CANDIDATES:
+                on_card = store.list_profiles(
+                    model_fingerprint=body.model_fingerprint, device_name=body.card, limit=limit
+                )
+                chosen = select_profile(on_card, card=body.card, node=None, conditions=wanted)
+                if len(on_card) < limit or (chosen is not None and chosen.match != "predicted"):
+                    break
+        if chosen is None or chosen.match == "predicted":
+            candidates = store.list_profiles(
+                model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES
+            )
+            chosen = select_profile(candidates, card=body.card, node=body.node, conditions=wanted)
+        if chosen is None:
+            fetched = _from_central(request, body.model_fingerprint, body.card)
+            chosen = select_profile(fetched, card=body.card, node=body.node, conditions=wanted)
+    except ConfigError as exc:
+        raise Problem(422, "validation", str(exc), field="body.conditions") from None
+    if chosen is None:
+        asked = " and ".join(
+            f"{name} {value!r}"
+            for name, value in (("card", body.card), ("node", body.node))
+            if value is not None
+        )
+        raise Problem(
+            404,
+            "unknown-profile",
+            f"no stored training profile has model_fingerprint {body.model_fingerprint!r}, so "
+            f"nothing can plan it for {asked}, measured or predicted; publish one (POST "
+            "/v1/profiles, autobatch tune --report-to URL, or a probe on a node whose sidecar "
+            "reports here)",
+            field="body.model_fingerprint",
+        )
+    profile = chosen.profile
+    card_bytes = None
+    if not chosen.same_card and body.card is not None and body.device is None:
+        on_card = store.list_profiles(device_name=body.card, limit=1)
+        if not on_card:
+            raise Problem(
+                422,
+                "unknown-card",
+                f"no stored profile (of any model) was measured on card {body.card!r}, so its "
+                f"memory is unknown and the profile measured on {profile.device_name} cannot be "
+                "scaled to it: give device.capacity_bytes (the card's memory in bytes), or "
+                "check the card's name against GET /v1/profiles' device_name",
+                field="body.card",
+            )
+        card_bytes = on_card[0][1].total_memory_bytes
+    return profile, chosen.profile_id, stored_profile_source(profile), chosen, card_bytes
+
+
+def _from_central(
+    request: Request, model_fingerprint: str, card: str | None
+) -> list[tuple[str, Profile]]:
+    """Node mode, for a model this node's store does not hold: the central service's profile
+    of it for ``card`` (:mod:`service.central`), kept in this node's store; empty without a
+    central service, or when it holds none or does not answer."""
+    state = service_state(request)
+    if state.central is None:
+        return []
+    fetched = state.central.fetch(model_fingerprint, card=card)
+    if fetched is None:
+        return []
+    _central_id, profile = fetched
+    return [(state.store.put(profile), profile)]
+
+
+def _predicted_note(chosen: Selection, body: PlanCreate) -> str:
+    target = body.card or (f"node {body.node}" if body.node else "the card asked about")
+    return (
+        f"predicted for {target}, not measured there: planned from profile {chosen.profile_id} "
+        f"({'; '.join(chosen.reasons)}); one real trial on that card confirms it"
+    )
+
+
+def _selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
+    profile = chosen.profile
+    card = body.card
+    if card is None and chosen.match != "predicted":
+        card = profile.device_name
+    return {
+        "match": chosen.match,
+        "profile_id": chosen.profile_id,
+        "node_name": profile.node_name,
+        "device_name": profile.device_name,
+        "card": card,
+        "reasons": list(chosen.reasons),
+    }

@@ -5,18 +5,29 @@ GPUs and picks none itself; the store is writable by the user the server runs as
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import kubernetes_validate.utils as kubernetes_validate
 import pytest
 import yaml
 
+from autobatch.client import publish_profile
+from autobatch.conditions import Conditions
 from service.__main__ import parse_args
 from service.registry import load_registry
 from service.settings import settings_from_args
+from tests.service.serving import free_port
 from tests.service.test_container import image_env, instruction
+from tests.service.test_service_api import make_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -189,3 +200,194 @@ def test_files_the_comments_name_exist(path: Path) -> None:
     assert ours, "expected the comments to point somewhere"
     for name in ours:
         assert (ROOT / name).exists(), f"{path.name} names {name}, which does not exist"
+
+
+# -- central mode --------------------------------------------------------------------------------
+
+
+def test_central_deployment_is_replicated_on_the_shared_store_and_disruption_safe() -> None:
+    manifest = kinds(DEPLOY / "central.yaml")
+    deployment, service, budget = (
+        manifest["Deployment"],
+        manifest["Service"],
+        manifest["PodDisruptionBudget"],
+    )
+    assert deployment["spec"]["replicas"] >= 2
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["minAvailable"] < deployment["spec"]["replicas"]
+    pod = pod_spec(deployment)
+    container = autobatch_container(pod)
+    store = env_of(container)["AUTOBATCH_STORE"]["secretKeyRef"]
+    assert store == {"name": "autobatch-store", "key": "AUTOBATCH_STORE"}
+    settings = settings_from_args(parse_args(container["args"][2:]))
+    assert settings.host == "0.0.0.0" and not settings.require_gpu  # no GPU, no NVIDIA runtime
+    assert "runtimeClassName" not in pod and gpu_resources(container) == []
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    port = service["spec"]["ports"][0]
+    assert port["targetPort"] == container["ports"][0]["name"] and port["port"] == settings.port
+
+
+def test_node_daemonset_publishes_to_the_central_service() -> None:
+    container = autobatch_container(pod_spec(kinds(DEPLOY / "daemonset.yaml")["DaemonSet"]))
+    central = kinds(DEPLOY / "central.yaml")["Service"]
+    url = env_of(container)["AUTOBATCH_CENTRAL_URL"]
+    assert url == f"http://{central['metadata']['name']}:{central['spec']['ports'][0]['port']}"
+
+
+def plan_init_container(job: dict[str, Any]) -> dict[str, Any]:
+    (init,) = [c for c in pod_spec(job)["initContainers"] if c["name"] == "plan"]
+    return init
+
+
+def kubelet_expand(words: list[str], env: dict[str, str]) -> list[str]:
+    """``$(NAME)`` in a container's command replaced from its env, as the kubelet does."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), word) for word in words]
+
+
+def option(words: list[str], flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+@contextmanager
+def python_m_service(tmp_path: Path, token: str) -> Iterator[str]:
+    """``python -m service`` on a free loopback port over a SQLite store; its base URL."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOBATCH_API_TOKEN": token}
+    env.pop("AUTOBATCH_CENTRAL_URL", None)
+    log = tmp_path / "service.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning",
+             "--store-path", str(tmp_path / "central.sqlite3")],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"python -m service did not start: {log.read_text()}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def autobatch_command(words: list[str]) -> list[str]:
+    """The image's ``autobatch`` console script is this environment's."""
+    assert words[0] == "autobatch"
+    script = Path(sys.executable).with_name("autobatch")
+    program = [str(script)] if script.exists() else [sys.executable, "-m", "autobatch"]
+    return [*program, *words[1:]]
+
+
+@pytest.mark.slow
+def test_training_jobs_init_container_writes_the_plan_the_trainer_sources(tmp_path: Path) -> None:
+    job = kinds(DEPLOY / "training-job.yaml")["Job"]
+    init = plan_init_container(job)
+    (trainer,) = pod_spec(job)["containers"]
+    plan_file = env_of(init)["AUTOBATCH_PLAN_FILE"]
+    # The trainer sources the file the init container writes, on the volume both mount.
+    assert f". {plan_file}" in trainer["args"][0]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert plan_file.startswith(mounts["plan"] + "/")
+    assert {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]} == mounts
+    (volume,) = pod_spec(job)["volumes"]
+    assert "emptyDir" in volume
+    central = kinds(DEPLOY / "central.yaml")["Service"]
+    assert env_of(init)["AUTOBATCH_CENTRAL_URL"] == (
+        f"http://{central['metadata']['name']}:{central['spec']['ports'][0]['port']}"
+    )
+    words = init["command"]
+    fingerprint, card = option(words, "--model-fingerprint"), option(words, "--card")
+    token = "deploy-test-token"
+    with python_m_service(tmp_path, token) as url:
+        # A node publishes what it measured there (bf16, as the Job asks): 36 fits at 40 GiB.
+        profile = make_profile(
+            model_fingerprint=fingerprint,
+            device_name=card,
+            node_name="gpu-node-7",
+            conditions=Conditions(device_type="cuda", amp_dtype="bfloat16"),
+        )
+        profile_id = publish_profile(url, profile, token=token)
+        env = {
+            "AUTOBATCH_CENTRAL_URL": url,  # the Service's address, here
+            "AUTOBATCH_PLAN_FILE": str(tmp_path / "plan" / "plan.env"),  # the emptyDir, here
+        }
+        (tmp_path / "plan").mkdir()
+        command = autobatch_command(kubelet_expand(words, env))
+        done = subprocess.run(
+            command,
+            env={**os.environ, "AUTOBATCH_API_TOKEN": token},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        # The trainer's shell sources it.
+        sourced = subprocess.run(
+            ["sh", "-c", f". {env['AUTOBATCH_PLAN_FILE']} && env"],
+            env={},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        variables = dict(
+            line.split("=", 1) for line in sourced.splitlines() if line.startswith("AUTOBATCH_")
+        )
+        # Effective batch 1024 on 8 ranks: 128 per rank, micro-batches of at most 36 -> 4 x 32.
+        assert variables == {
+            "AUTOBATCH_MICRO_BATCH_SIZE": "32",
+            "AUTOBATCH_GRADIENT_ACCUMULATION_STEPS": "4",
+            "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "1024",
+            "AUTOBATCH_WORLD_SIZE": "8",
+            "AUTOBATCH_MAX_MICRO_BATCH_SIZE": "36",
+            "AUTOBATCH_MICRO_BATCH_SIZES": "32,32,32,32",
+            "AUTOBATCH_PLAN_SOURCE": "measured",
+            "AUTOBATCH_PREDICTED_PEAK_MEMORY_BYTES": str(20 * 2**30),
+            "AUTOBATCH_PROFILE_ID": profile_id,
+            "AUTOBATCH_PLAN_CARD": card,
+            "AUTOBATCH_PROFILE_NODE": "gpu-node-7",
+            "AUTOBATCH_PROFILE_CARD": card,
+        }
+
+        # The Slurm TaskProlog asks the same service the same way, and prints Slurm's lines.
+        prolog = subprocess.run(
+            ["sh", str(DEPLOY / "slurm" / "prolog.sh")],
+            env={
+                "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+                "AUTOBATCH_CENTRAL_URL": url,
+                "AUTOBATCH_API_TOKEN": token,
+                "AUTOBATCH_MODEL_FINGERPRINT": fingerprint,
+                "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "256",
+                "AUTOBATCH_CARD": card,
+                "AUTOBATCH_PLAN_DIR": str(tmp_path),
+                "SLURM_JOB_ID": "4242",
+                "SLURM_NTASKS": "4",
+                "SLURMD_NODENAME": "gpu-node-9",
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert prolog.returncode == 0, prolog.stderr
+        lines = prolog.stdout.splitlines()
+        assert "export AUTOBATCH_MICRO_BATCH_SIZE=32" in lines  # 256 / 4 = 64 = 2 x 32
+        assert "export AUTOBATCH_GRADIENT_ACCUMULATION_STEPS=2" in lines
+        assert f"export AUTOBATCH_PLAN_CARD={card}" in lines  # unquoted, spaces and all
+        assert f"export AUTOBATCH_PLAN_FILE={tmp_path}/plan-4242.env" in lines
+
+    # The service gone: the init container fails (the pod does not start training blind) and
+    # the prolog lets the task start without a plan.
+    done = subprocess.run(command, env=dict(os.environ), capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "cannot reach the autobatch service" in done.stderr

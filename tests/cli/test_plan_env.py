@@ -1,0 +1,167 @@
+"""``autobatch plan --env``: export lines or a file from a local plan or a service's answer."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from autobatch.cli import main
+from autobatch.cli.plan_env import env_variables
+from autobatch.planning import plan
+from autobatch.profile import Profile
+from tests.service.test_publish import FlakyServer
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def sourced(text: str) -> dict[str, str]:
+    """What ``sh`` exports after sourcing ``text``."""
+    done = subprocess.run(["sh", "-c", f"{text}\nenv -0"], capture_output=True, check=True, env={})
+    pairs = (item.partition("=") for item in done.stdout.decode().split("\0") if item)
+    return {name: value for name, _, value in pairs if name.startswith("AUTOBATCH_")}
+
+
+def test_local_plan_as_export_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64", "--env"
+    )
+
+    assert (code, err) == (0, "")
+    assert sourced(out) == {
+        "AUTOBATCH_MICRO_BATCH_SIZE": "16",
+        "AUTOBATCH_GRADIENT_ACCUMULATION_STEPS": "4",
+        "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "64",
+        "AUTOBATCH_WORLD_SIZE": "1",
+        "AUTOBATCH_MAX_MICRO_BATCH_SIZE": "24",
+        "AUTOBATCH_MICRO_BATCH_SIZES": "16,16,16,16",
+        "AUTOBATCH_PLAN_SOURCE": "given",
+        "AUTOBATCH_PREDICTED_PEAK_MEMORY_BYTES": "",
+    }
+
+
+def test_output_writes_env_or_json_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    base = ("plan", "--max-micro-batch-size", "7", "--effective-batch-size", "26")
+    code, out, _ = run(capsys, *base, "--output", str(tmp_path / "plan.env"))
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'plan.env'}: micro_batch_size 7")
+    written = sourced((tmp_path / "plan.env").read_text())
+    assert written["AUTOBATCH_MICRO_BATCH_SIZES"] == "7,7,6,6"  # unequal: 26 = 7+7+6+6
+    code, _, _ = run(capsys, *base, "--output", str(tmp_path / "plan.json"))
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["env"] == written and data["plan"]["effective_batch_size"] == 26
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize(
+    ("plan_source", "match", "expected"),
+    [
+        ("cached", "measured", "measured"),
+        ("predicted", "measured", "predicted"),  # measured on the card, past its sizes
+        ("cached", "predicted", "predicted"),  # measured on another card
+        ("estimated", "estimated", "estimated"),
+    ],
+)
+def test_plan_source_is_predicted_when_either_side_says_so(
+    plan_source: str, match: str, expected: str
+) -> None:
+    planned = {**plan(8, effective_batch_size=16).to_dict(), "source": plan_source}
+    answer = {
+        "profile_id": "p1",
+        "selection": {"match": match, "card": "L4", "node_name": "n1", "device_name": "A100"},
+    }
+
+    variables = env_variables(planned, answer)
+
+    assert variables["AUTOBATCH_PLAN_SOURCE"] == expected
+    assert variables["AUTOBATCH_PROFILE_ID"] == "p1"
+    assert variables["AUTOBATCH_PROFILE_NODE"] == "n1"
+    assert variables["AUTOBATCH_PROFILE_CARD"] == "A100"
+    assert variables["AUTOBATCH_PLAN_CARD"] == "L4"
+
+
+def test_an_unreachable_service_exits_non_zero_and_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--service",
+        url,
+        "--model-fingerprint",
+        "fp",
+        "--card",
+        "NVIDIA L4",
+        "--effective-batch-size",
+        "64",
+        "--output",
+        str(tmp_path / "plan.env"),
+    )
+
+    assert (code, out) == (1, "")
+    assert err.startswith("autobatch: error: POST /v1/plan: cannot reach the autobatch service")
+    assert not (tmp_path / "plan.env").exists()
+
+
+def test_service_flags_need_a_model_and_a_url(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AUTOBATCH_CENTRAL_URL", raising=False)
+    code, _, err = run(
+        capsys, "plan", "--max-micro-batch-size", "8", "--card", "L4", "--effective-batch-size", "8"
+    )
+    assert code == 1 and "--card choose among a service's stored profiles" in err
+    code, _, err = run(
+        capsys, "plan", "--model-fingerprint", "fp", "--card", "L4", "--effective-batch-size", "8"
+    )
+    assert code == 1 and "give --service URL (or set AUTOBATCH_CENTRAL_URL)" in err
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "plan",
+                "--model-fingerprint",
+                "fp",
+                "--condition",
+                "amp",
+                "--effective-batch-size",
+                "8",
+            ]
+        )
+    assert "'amp' is not NAME=VALUE" in capsys.readouterr().err
+
+
+def test_tune_report_to_publishes_the_new_profile_through_a_failing_first_try(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    server = FlakyServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.script = ["503"]  # a replica restarting: the first try fails, the retry lands
+    try:
+        code, out, err = run(
+            capsys,
+            *["--store", str(tmp_path / "s.sqlite3"), "tune", "tests.service.models:tiny_mlp"],
+            *["--input-shape", "32", "--device", "sim:4MiB", "--effective-batch-size", "64"],
+            *["--json", "--report-to", server.url],
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+    assert code == 0, err
+    assert len(server.bodies) == 2 and server.bodies[0] == server.bodies[1]
+    published = Profile.from_dict(json.loads(server.bodies[1]))
+    assert published == Profile.from_dict(json.loads(out)["profile"])
