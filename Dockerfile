@@ -32,6 +32,9 @@ RUN pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
         pydantic-settings==2.16.3 \
         prometheus-client==0.26.0 \
         httpx==0.28.1 \
+        sqlalchemy==2.1.9 \
+        psycopg==3.3.9 \
+        psycopg-binary==3.3.9 \
         nvidia-ml-py==13.615.71 \
         tqdm==4.70.1 \
         transformers==5.24.0

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, StoreError
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
 from service.children import die_with_parent, kill_group
@@ -137,6 +137,8 @@ class JobManager:
         self._children: dict[str, multiprocessing.process.BaseProcess] = {}
         self._closed = False
         self._context = multiprocessing.get_context("spawn")
+        self._records: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self._recorder: threading.Thread | None = None
 
     def submit(self, model: str, *, device: str | None = None, refresh: bool = False) -> Job:
         """Queue a probe of the registered ``model`` on ``device`` (default: the entry's).
@@ -176,6 +178,7 @@ class JobManager:
                 refresh=refresh,
             )
             self._jobs[job.id] = job
+            self._record(job.id)
             waiting.append(job.id)
             self._forget_old()
             worker = self._workers.get(key)
@@ -189,15 +192,28 @@ class JobManager:
             return self._snapshot(job.id)
 
     def get(self, job_id: str) -> Job:
-        """The job's current state.
+        """The job's current state; a job of an earlier run of the server (a restart) is read
+        from the store, and one it left unfinished reads as failed.
 
         Raises:
             UnknownJobError: no job has this id (or it finished long ago and was forgotten).
+            StoreError: the store cannot be read.
         """
         with self._lock:
-            if job_id not in self._jobs:
-                raise UnknownJobError(f"no probe job with id {job_id!r}")
-            return self._snapshot(job_id)
+            if job_id in self._jobs:
+                return self._snapshot(job_id)
+        record = self._store.get_job(job_id)
+        if record is None:
+            raise UnknownJobError(f"no probe job with id {job_id!r}")
+        fields = {k: v for k, v in record.items() if k in Job.__dataclass_fields__}
+        job = Job(**{**fields, "queue_position": None, "child_pid": None})
+        if job.status in ("queued", "running"):
+            job = dataclasses.replace(
+                job,
+                status="failed",
+                error=f"the server restarted while the job was {job.status}; submit it again",
+            )
+        return job
 
     def list_jobs(self) -> list[Job]:
         """Every remembered job, newest first."""
@@ -225,6 +241,10 @@ class JobManager:
             kill_group(child)
         for worker in list(self._workers.values()):
             worker.join(timeout=10)
+        recorder = self._recorder
+        if recorder is not None:
+            self._records.put(None)  # written what was recorded, then stop
+            recorder.join(timeout=10)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -238,6 +258,26 @@ class JobManager:
 
     def _update(self, job_id: str, **changes: Any) -> None:
         self._jobs[job_id] = dataclasses.replace(self._jobs[job_id], **changes)
+        if "status" in changes:
+            self._record(job_id)
+
+    def _record(self, job_id: str) -> None:
+        """Hand the job's state to the recorder thread, which keeps it in the store (so a
+        restarted server still answers the id); never waits on the store (the caller may be
+        on the event loop, and holds the lock)."""
+        self._records.put(dataclasses.asdict(self._jobs[job_id]))
+        if self._recorder is None or not self._recorder.is_alive():
+            self._recorder = threading.Thread(
+                target=self._write_records, name="probe-job-records", daemon=True
+            )
+            self._recorder.start()
+
+    def _write_records(self) -> None:
+        while (record := self._records.get()) is not None:
+            try:
+                self._store.put_job(record["id"], record)
+            except StoreError as exc:  # the job runs on; only a restart would lose it
+                _log.warning("probe job %s not recorded in the store: %s", record["id"], exc)
 
     def _forget_old(self) -> None:
         finished = [j for j, job in self._jobs.items() if job.status in ("succeeded", "failed")]
@@ -268,10 +308,9 @@ class JobManager:
                 self._on_event("failed")
 
     def _store_path(self) -> str | None:
-        """The store's file for the child; None for an in-memory store (the child cannot share
-        it: each job then probes, and the parent stores the result)."""
-        path = str(self._store.path)
-        return None if path == ":memory:" else path
+        """The store's location for the child (a file or a URL); None for an in-memory store
+        (the child cannot share it: each job then probes, and the parent stores the result)."""
+        return self._store.shared_location()
 
     def _run(self, job_id: str, entry: ModelEntry, device: str, refresh: bool) -> None:
         messages = self._context.Queue()

@@ -412,6 +412,8 @@ class ProfilePublic(BaseModel):
 
 class ProfileList(BaseModel):
     profiles: list[ProfilePublic]
+    next_before: str | None = None
+    """Pass as ``before=`` for the next page; None when this page is the last."""
 
 
 # -- plans -------------------------------------------------------------------------------------

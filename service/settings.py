@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "add_serve_arguments", "settings_from_args"]
@@ -20,15 +20,20 @@ __all__ = ["Settings", "add_serve_arguments", "settings_from_args"]
 class Settings(BaseSettings):
     """Everything the service is configured with; each field is also ``AUTOBATCH_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="AUTOBATCH_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="AUTOBATCH_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     host: str = "127.0.0.1"
     """Interface to bind; loopback unless told otherwise (the container says 0.0.0.0)."""
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port; 0 lets the OS choose."""
-    store_path: str | None = None
-    """Profile store file; None means the library default (``$AUTOBATCH_STORE`` or the XDG
-    cache); ``":memory:"`` keeps profiles in memory."""
+    store_path: str | None = Field(
+        default=None, validation_alias=AliasChoices("AUTOBATCH_STORE", "AUTOBATCH_STORE_PATH")
+    )
+    """The profile store: a SQLite file, ``":memory:"``, or a ``sqlite:///`` or
+    ``postgresql://`` URL. Read from ``AUTOBATCH_STORE``, the variable the library and the CLI
+    read too (``AUTOBATCH_STORE_PATH`` is a deprecated alias); None means the XDG cache file."""
     api_token: SecretStr | None = None
     """When set, every ``/v1`` call needs ``Authorization: Bearer <token>``. An empty token is
     refused (it would match a request without one): unset it to run without a token."""
@@ -79,7 +84,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     ``AUTOBATCH_*`` and then to the defaults."""
     parser.add_argument("--host", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port (default 8000)")
-    parser.add_argument("--store-path", help="profile store file (':memory:' for none on disk)")
+    parser.add_argument(
+        "--store-path",
+        help="profile store: a file, ':memory:' or a postgresql:// URL (default $AUTOBATCH_STORE)",
+    )
     parser.add_argument(
         "--api-token",
         help="bearer token for /v1 (prefer AUTOBATCH_API_TOKEN: flags show in `ps`)",

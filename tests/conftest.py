@@ -225,3 +225,13 @@ def _freeze_what_a_test_module_leaves() -> Iterator[None]:
     yield
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """The URL of a fresh PostgreSQL database, dropped afterwards (``tests/helpers/postgres.py``:
+    skips, naming what is missing, when no server answers, unless told it is required)."""
+    from tests.helpers.postgres import postgres_database
+
+    with postgres_database() as url:
+        yield url

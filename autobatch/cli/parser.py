@@ -187,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autobatch", description="Memory-aware micro-batch auto-tuner for PyTorch training."
     )
-    parser.add_argument("--store", help="profile store path (default $AUTOBATCH_STORE or cache)")
+    parser.add_argument(
+        "--store",
+        help="profile store: a file, :memory: or a postgresql:// URL (default $AUTOBATCH_STORE)",
+    )
     parser.add_argument("--version", action="version", version=f"autobatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -1,168 +1,156 @@
-"""Profiles in SQLite: the embedded default store, and the only module that speaks SQL.
+"""The profile store: SQLite, the embedded default, or PostgreSQL for a fleet (SQLAlchemy Core).
 
-Uses the standard library's ``sqlite3`` and imports neither torch nor pynvml, so the CLI and the
-service can read and write profiles on machines without a GPU. One file may be shared by several
-processes (WAL journal, a busy timeout, short ``BEGIN IMMEDIATE`` write transactions) and one
-:class:`ProfileStore` may be shared by the threads of one process.
+All of the store's SQL lives in this module and in :mod:`autobatch.profiles.schema` (tables and
+migrations); SQLAlchemy is imported when a store is opened, not when this module is, so
+``from autobatch import ProfileStore`` stays light. Imports neither torch nor pynvml.
 
-The file is never overwritten or migrated silently: a file that is not an autobatch store, or one
-written by a newer autobatch, raises :class:`~autobatch.errors.StoreError` naming the file and the
-fix, and is left as it was.
+One location names the store (:mod:`autobatch.profiles.location`): a file path, ``":memory:"``,
+``sqlite:///...`` or ``postgresql://...``; None means ``$AUTOBATCH_STORE``, the one variable the
+library, the CLI and the service all read. A SQLite file may be shared by several processes (WAL
+journal, a busy timeout, short ``BEGIN IMMEDIATE`` write transactions); a PostgreSQL database by
+any number of processes and machines. One :class:`ProfileStore` may be shared by threads.
+
+A profile's id is a content hash: 16 hex digits of the SHA-256 of its canonical JSON. Storing
+the same profile again is a no-op that returns the same id (``INSERT ... ON CONFLICT DO
+NOTHING``), so a publisher's retries never duplicate a profile, and concurrent writers on either
+backend lose nothing (each insert is one row of its own; nothing is read-modified-written).
+
+The database is never overwritten or migrated silently: a foreign database, one written by a
+newer autobatch, or a damaged one raises :class:`~autobatch.errors.StoreError` naming the store
+and the fix, and is left as it was; an older store is migrated in place on open.
 
 Example::
 
     from autobatch.profiles.store import ProfileStore
 
-    # ProfileStore() opens $AUTOBATCH_STORE, else ~/.cache/autobatch/profiles.sqlite3
-    with ProfileStore() as store:
-        profile_id = store.put(profile)
+    with ProfileStore("postgresql://autobatch@db:5432/profiles") as store:
+        profile_id = store.put(profile)          # the same id however often it is retried
         found = store.find(profile.cache_key())
-        if found is not None:
-            profile_id, cached = found
-        for profile_id, stored in store.list_profiles(model_fingerprint="9f2c...", limit=10):
-            print(profile_id, stored.device_name, stored.max_micro_batch_size)
+        page = store.list_summaries(device_name="NVIDIA H100 80GB HBM3", limit=50)
+        more = store.list_summaries(device_name="NVIDIA H100 80GB HBM3", before=page.next_before)
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
+import logging
 import os
 import pathlib
-import random
-import sqlite3
 import threading
-import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
+from autobatch.profiles.location import (
+    STORE_ENV_VAR,
+    StoreLocation,
+    default_store_path,
+    parse_location,
+)
+from autobatch.profiles.pages import ProfilePage, ProfileSummary, SummaryPage
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
 
 __all__ = [
     "STORE_ENV_VAR",
     "STORE_SCHEMA_VERSION",
+    "ProfilePage",
     "ProfileStore",
+    "ProfileSummary",
+    "SummaryPage",
     "default_store_path",
+    "profile_id_of",
 ]
 
-STORE_SCHEMA_VERSION = 1
-"""Version of the table layout, kept in the file's ``PRAGMA user_version``."""
+STORE_SCHEMA_VERSION = 2
+"""Version of the table layout (``autobatch.profiles.schema.STORE_SCHEMA_VERSION``, repeated
+here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
-STORE_ENV_VAR = "AUTOBATCH_STORE"
-"""Environment variable naming the store file; overrides the XDG cache location."""
-
-_APPLICATION_ID = 0x41744274  # b"AtBt", in the file header: marks the file as an autobatch store
-_MEMORY = ":memory:"
 _DEFAULT_TIMEOUT_SECONDS = 30.0
-
-_CREATE_SCHEMA = (
-    """
-    CREATE TABLE profiles (
-        seq INTEGER PRIMARY KEY,
-        id TEXT NOT NULL UNIQUE,
-        cache_key TEXT NOT NULL,
-        model_fingerprint TEXT NOT NULL,
-        device_name TEXT NOT NULL,
-        created_at TEXT NOT NULL,
-        profile_schema_version INTEGER NOT NULL,
-        profile_json TEXT NOT NULL
-    )
-    """,
-    "CREATE INDEX profiles_cache_key ON profiles (cache_key)",
-    "CREATE INDEX profiles_model_fingerprint ON profiles (model_fingerprint)",
-    "CREATE INDEX profiles_device_name ON profiles (device_name)",
-    f"PRAGMA application_id = {_APPLICATION_ID}",
-    f"PRAGMA user_version = {STORE_SCHEMA_VERSION}",
-)
-_PROFILE_COLUMNS = frozenset(
-    {
-        "seq",
-        "id",
-        "cache_key",
-        "model_fingerprint",
-        "device_name",
-        "created_at",
-        "profile_schema_version",
-        "profile_json",
-    }
-)
+_log = logging.getLogger("autobatch.profiles")
 
 
-def default_store_path() -> pathlib.Path:
-    """Where the store lives when no path is given.
-
-    Returns:
-        ``$AUTOBATCH_STORE`` when set and non-empty (``~`` expanded), else
-        ``$XDG_CACHE_HOME/autobatch/profiles.sqlite3``, where an unset, empty or relative
-        ``XDG_CACHE_HOME`` means ``~/.cache`` (as the XDG base directory spec says).
-    """
-    explicit = os.environ.get(STORE_ENV_VAR, "")
-    if explicit:
-        return pathlib.Path(explicit).expanduser()
-    cache_home = os.environ.get("XDG_CACHE_HOME", "")
-    if not cache_home or not os.path.isabs(cache_home):
-        cache_home = str(pathlib.Path.home() / ".cache")
-    return pathlib.Path(cache_home) / "autobatch" / "profiles.sqlite3"
+def profile_id_of(profile: Profile) -> str:
+    """The id :meth:`ProfileStore.put` gives ``profile``: 16 hex digits of the SHA-256 of its
+    canonical JSON (the same profile always gets the same id, on any machine)."""
+    return hashlib.sha256(_canonical(profile).encode()).hexdigest()[:16]
 
 
 class ProfileStore:
-    """Profiles kept in one SQLite file, newest first.
+    """Profiles kept in SQLite or PostgreSQL, newest first.
 
-    One connection per store, guarded by a lock, so one store may be shared across threads (the
-    service does). Several processes may open the same file at once. "Newest" means most recently
-    stored with :meth:`put`.
+    "Newest" means most recently stored with :meth:`put`. On SQLite, calls from the threads of
+    one process are serialised by a lock (one connection); on PostgreSQL each call takes a
+    connection from a small pool.
 
     Args:
-        path: the SQLite file; ``None`` means :func:`default_store_path`; ``":memory:"`` keeps
-            the profiles in memory (tests). Missing parent directories are created.
-        timeout_seconds: how long a call waits for another process's write lock before giving
-            up, in seconds.
+        location: a SQLite file, ``":memory:"`` (tests), ``sqlite:///FILE`` or
+            ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB``; None means ``$AUTOBATCH_STORE``,
+            else ``~/.cache/autobatch/profiles.sqlite3``. A SQLite file's missing parent
+            directories are created.
+        timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
+            connection) before giving up, in seconds.
 
     Raises:
-        StoreError: the file cannot be opened or created (permissions, a directory in the way),
-            is not an autobatch store (not SQLite, or SQLite with other tables), or was written
-            by a newer autobatch. The file is left untouched in every case.
+        ConfigError: the location is a URL of another scheme (``mysql://``...).
+        StoreError: the store cannot be opened or created (permissions, a directory in the way,
+            no server), is not an autobatch store, was written by a newer autobatch, or is
+            damaged. It is left untouched in every case.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | None = None,
+        location: str | os.PathLike[str] | None = None,
         *,
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
     ) -> None:
-        self._in_memory = path is not None and os.fspath(path) == _MEMORY
-        self.path = pathlib.Path(_MEMORY) if self._in_memory else _resolve(path)
-        """The store's file (``Path(":memory:")`` for an in-memory store)."""
-        self._lock = threading.Lock()
-        if not self._in_memory:
+        self._location: StoreLocation = parse_location(location)
+        self.path: pathlib.Path | None = self._location.path
+        """The SQLite file (``Path(":memory:")`` in memory); None on PostgreSQL."""
+        self.location = self._location.display
+        """Where the store is, as it may be shown: the file, or the URL without its password."""
+        self.backend = self._location.backend
+        """``"sqlite"`` or ``"postgresql"``."""
+        self.num_unreadable_rows = 0
+        """Rows skipped by listings since the store was opened, as they did not decode."""
+        self._lock: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if self.backend == "sqlite" else contextlib.nullcontext()
+        )
+        self._identity: tuple[int, int] | None = None
+        path = self.path
+        if path is not None and not self._location.in_memory:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StoreError(
-                    f"cannot create the directory for the profile store {self.path}: {exc}; "
+                    f"cannot create the directory for the profile store {path}: {exc}; "
                     f"set {STORE_ENV_VAR} to a writable location"
                 ) from exc
-        with self._sqlite_errors("open it"):
-            conn = sqlite3.connect(
-                _MEMORY if self._in_memory else str(self.path),
-                timeout=timeout_seconds,
-                isolation_level=None,  # autocommit; writes use explicit BEGIN IMMEDIATE
-                check_same_thread=False,  # shared across threads, serialised by self._lock
-            )
-        self._conn: sqlite3.Connection | None = conn
+        from autobatch.profiles.engine import file_identity, make_engine, use_wal
+
+        self._engine: sa.Engine | None = None
+        with self._errors("open it"):
+            self._engine = make_engine(self._location, timeout_seconds=timeout_seconds)
         try:
-            with self._lock, self._sqlite_errors("open it"):
-                self._open_schema(conn, timeout_seconds=timeout_seconds)
+            from autobatch.profiles.schema import open_schema
+
+            with self._errors("open it"), self._engine.connect() as conn:
+                open_schema(conn, backend=self.backend, display=self.location)
+                if path is not None and not self._location.in_memory:
+                    use_wal(conn, timeout_seconds=timeout_seconds)
+                    self._identity = file_identity(path)
         except BaseException:
             self.close()
             raise
 
     def __repr__(self) -> str:
-        return f"ProfileStore({str(self.path)!r})"
+        return f"ProfileStore({self.location!r})"
 
     def __enter__(self) -> ProfileStore:
         return self
@@ -175,43 +163,62 @@ class ProfileStore:
     ) -> None:
         self.close()
 
+    def shared_location(self) -> str | None:
+        """The location another process opens to reach this store (a PostgreSQL URL includes
+        its password: hand it to a child process, never to a log); None in memory."""
+        if self._location.in_memory:
+            return None
+        return str(self.path) if self.path is not None else self._location.url
+
     def close(self) -> None:
-        """Close the connection. Idempotent; any later call raises :class:`StoreError`."""
+        """Close the store's connections. Idempotent; any later call raises StoreError."""
         with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.dispose()
 
     def put(self, profile: Profile) -> str:
-        """Store ``profile`` under a new id.
+        """Store ``profile``; storing it again changes nothing and returns the same id.
 
         Args:
             profile: the profile to keep. Its ``created_at`` is indexed as given, or as the time
                 of storing when empty.
 
         Returns:
-            The new id, 16 hexadecimal characters.
+            Its id, 16 hexadecimal characters (:func:`profile_id_of`).
 
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        profile_id = uuid.uuid4().hex[:16]
-        created_at = profile.created_at or datetime.datetime.now(datetime.UTC).isoformat()
-        row = (
-            profile_id,
-            profile.cache_key(),
-            profile.model_fingerprint,
-            profile.device_name,
-            created_at,
-            profile.schema_version,
-            json.dumps(profile.to_dict(), sort_keys=True),
-        )
+        from autobatch.profiles.engine import insert
+        from autobatch.profiles.schema import profiles
+
+        text = _canonical(profile)
+        profile_id = hashlib.sha256(text.encode()).hexdigest()[:16]
+        row = {
+            "id": profile_id,
+            "cache_key": profile.cache_key(),
+            "model_fingerprint": profile.model_fingerprint,
+            "device_name": profile.device_name,
+            "node_name": profile.node_name,
+            "created_at": profile.created_at or datetime.datetime.now(datetime.UTC).isoformat(),
+            "profile_schema_version": profile.schema_version,
+            "max_micro_batch_size": profile.max_micro_batch_size,
+            "recommended_micro_batch_size": profile.recommended_micro_batch_size,
+            "profile_json": text,
+        }
         with self._write("store a profile") as conn:
-            conn.execute(
-                "INSERT INTO profiles (id, cache_key, model_fingerprint, device_name, created_at,"
-                " profile_schema_version, profile_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                row,
-            )
+            statement = insert(self.backend, profiles).values(**row)
+            done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
+            if done.rowcount == 0:
+                stored = conn.execute(
+                    sa_select(profiles.c.profile_json).where(profiles.c.id == profile_id)
+                ).scalar_one_or_none()
+                if stored is not None and stored != text:
+                    raise StoreError(
+                        f"profile store {self.location}: id {profile_id} already holds another "
+                        "profile (a hash collision); delete that profile and store again"
+                    )
         return profile_id
 
     def get(self, profile_id: str) -> Profile:
@@ -222,80 +229,231 @@ class ProfileStore:
             StoreError: the stored profile was written by a newer autobatch or is not a valid
                 profile, or the store is closed or unreadable.
         """
+        from autobatch.profiles.schema import profiles
+
+        query = sa_select(profiles.c.id, profiles.c.profile_json).where(profiles.c.id == profile_id)
         with self._read("read a profile") as conn:
-            row = conn.execute(
-                "SELECT id, profile_json FROM profiles WHERE id = ?", (profile_id,)
-            ).fetchone()
+            row = conn.execute(query).first()
         if row is None:
             raise ProfileNotFoundError(
-                f"no profile with id {profile_id!r} in {self.path}", profile_id=profile_id
+                f"no profile with id {profile_id!r} in {self.location}", profile_id=profile_id
             )
-        return self._decode(row)[1]
+        return self._decode(row[0], row[1])
 
     def find(self, cache_key: str) -> tuple[str, Profile] | None:
-        """The newest profile stored under ``cache_key`` (see :meth:`Profile.cache_key`).
+        """The newest readable profile stored under ``cache_key`` (see
+        :meth:`Profile.cache_key`).
 
-        Profiles written by a newer autobatch (a ``schema_version`` this one cannot read) are
-        skipped.
+        Profiles written by a newer autobatch (a ``schema_version`` this one cannot read), and
+        rows that do not decode (logged), are skipped.
 
         Returns:
             ``(profile_id, profile)``, or ``None`` when none matches.
 
         Raises:
-            StoreError: the store is closed or unreadable, or the matching row is not a valid
-                profile.
+            StoreError: the store is closed or unreadable.
         """
+        from autobatch.profiles.schema import profiles
+
+        query = (
+            sa_select(profiles.c.id, profiles.c.profile_json)
+            .where(profiles.c.cache_key == cache_key)
+            .where(profiles.c.profile_schema_version <= PROFILE_SCHEMA_VERSION)
+            .order_by(profiles.c.seq.desc())
+            .limit(20)
+        )
         with self._read("find a profile") as conn:
-            row = conn.execute(
-                "SELECT id, profile_json FROM profiles"
-                " WHERE cache_key = ? AND profile_schema_version <= ?"
-                " ORDER BY seq DESC LIMIT 1",
-                (cache_key, PROFILE_SCHEMA_VERSION),
-            ).fetchone()
-        return None if row is None else self._decode(row)
+            rows = conn.execute(query).all()
+        found = self._decode_all(rows)
+        return found[0] if found else None
 
     def list_profiles(
         self,
         *,
         model_fingerprint: str | None = None,
         device_name: str | None = None,
+        node_name: str | None = None,
         limit: int = 100,
+        before: str | None = None,
     ) -> list[tuple[str, Profile]]:
-        """Stored profiles, newest first.
+        """Stored profiles, newest first, whole. Prefer :meth:`list_summaries` for listings.
 
-        Profiles written by a newer autobatch are skipped.
+        Profiles written by a newer autobatch are skipped, and so are rows that do not decode
+        (logged and counted in :attr:`num_unreadable_rows`): one bad row never fails a listing.
 
         Args:
             model_fingerprint: only profiles of this model, when given.
-            device_name: only profiles probed on this device (e.g. ``"NVIDIA H200"``), when given.
-            limit: at most this many, >= 1.
+            device_name: only profiles measured on this card type (e.g. ``"NVIDIA H200"``).
+            node_name: only profiles measured on this machine.
+            limit: at most this many rows are read, >= 1.
+            before: only profiles stored before the one with this id (the last id of the
+                previous page).
 
         Returns:
             ``(profile_id, profile)`` pairs, newest first.
 
         Raises:
             ConfigError: ``limit`` is below 1.
-            StoreError: the store is closed or unreadable, or a row is not a valid profile.
+            ProfileNotFoundError: ``before`` names no stored profile.
+            StoreError: the store is closed or unreadable.
         """
-        if limit < 1:
-            raise ConfigError(f"limit {limit} must be >= 1")
-        clauses = ["profile_schema_version <= ?"]
-        params: list[Any] = [PROFILE_SCHEMA_VERSION]
-        if model_fingerprint is not None:
-            clauses.append("model_fingerprint = ?")
-            params.append(model_fingerprint)
-        if device_name is not None:
-            clauses.append("device_name = ?")
-            params.append(device_name)
-        params.append(limit)
+        return list(
+            self.page_profiles(
+                model_fingerprint=model_fingerprint,
+                device_name=device_name,
+                node_name=node_name,
+                limit=limit,
+                before=before,
+            ).profiles
+        )
+
+    def page_profiles(
+        self,
+        *,
+        model_fingerprint: str | None = None,
+        device_name: str | None = None,
+        node_name: str | None = None,
+        limit: int = 100,
+        before: str | None = None,
+        max_bytes: int | None = None,
+    ) -> ProfilePage:
+        """One page of whole profiles, newest first, of bounded size.
+
+        Rows are read a few at a time (a server-side cursor on PostgreSQL), so a page never
+        holds more than its profiles.
+
+        Args:
+            max_bytes: end the page once the profiles read hold more than this many bytes of
+                JSON (it always holds one); None for no bound.
+            others: as :meth:`list_profiles`.
+
+        Returns:
+            The page, and the ``before`` that gives the next one.
+
+        Raises:
+            As :meth:`list_profiles`.
+        """
+        from autobatch.profiles.schema import profiles
+
+        query = self._listing(
+            sa_select(profiles.c.id, profiles.c.profile_json),
+            model_fingerprint=model_fingerprint,
+            device_name=device_name,
+            node_name=node_name,
+            limit=limit,
+        )
+        rows: list[tuple[str, str]] = []
+        num_bytes = 0
         with self._read("list profiles") as conn:
-            rows = conn.execute(
-                "SELECT id, profile_json FROM profiles WHERE "
-                + " AND ".join(clauses)
-                + " ORDER BY seq DESC LIMIT ?",
-                params,
-            ).fetchall()
-        return [self._decode(row) for row in rows]
+            paged = self._paged(conn, query, before)
+            streamed = conn.execution_options(stream_results=True, yield_per=16).execute(paged)
+            for profile_id, text in streamed:
+                rows.append((profile_id, text))
+                num_bytes += len(text)
+                if max_bytes is not None and num_bytes > max_bytes:
+                    break
+            streamed.close()
+        full = len(rows) == limit or (max_bytes is not None and num_bytes > max_bytes)
+        found = self._decode_all(rows)
+        return ProfilePage(
+            profiles=tuple(found),
+            next_before=rows[-1][0] if full and rows else None,
+            num_skipped=len(rows) - len(found),
+        )
+
+    def list_summaries(
+        self,
+        *,
+        model_fingerprint: str | None = None,
+        device_name: str | None = None,
+        node_name: str | None = None,
+        limit: int = 100,
+        before: str | None = None,
+    ) -> SummaryPage:
+        """One page of summaries of the stored profiles, newest first; no profile is decoded.
+
+        Args: as :meth:`list_profiles`.
+
+        Returns:
+            The page, and the ``before`` that gives the next one.
+
+        Raises:
+            ConfigError: ``limit`` is below 1.
+            ProfileNotFoundError: ``before`` names no stored profile.
+            StoreError: the store is closed or unreadable.
+        """
+        from autobatch.profiles.schema import profiles
+
+        columns = [profiles.c[name] for name in ProfileSummary.__dataclass_fields__ if name != "id"]
+        query = self._listing(
+            sa_select(profiles.c.id, *columns),
+            model_fingerprint=model_fingerprint,
+            device_name=device_name,
+            node_name=node_name,
+            limit=limit,
+        )
+        with self._read("list profiles") as conn:
+            rows = conn.execute(self._paged(conn, query, before)).all()
+        summaries = []
+        for row in rows:
+            values = row._asdict()
+            if values["max_micro_batch_size"] is None:  # a migrated row that did not decode
+                continue
+            summaries.append(ProfileSummary(**values))
+        skipped = len(rows) - len(summaries)
+        if skipped:
+            self._skipped(skipped, "they have no micro-batch sizes (not decodable when migrated)")
+        return SummaryPage(
+            summaries=tuple(summaries),
+            next_before=rows[-1].id if len(rows) == limit else None,
+            num_skipped=skipped,
+        )
+
+    def copy_into(self, target: ProfileStore, *, batch_size: int = 500) -> int:
+        """Copy every profile of this store into ``target``, oldest first, ids kept.
+
+        How a SQLite store moves to the fleet's PostgreSQL: rows are copied as stored (a
+        version-1 row keeps its old id), in batches, each batch one write transaction on
+        ``target``. Profiles ``target`` already holds are left as they are, so a copy that was
+        interrupted can simply be run again.
+
+        Args:
+            target: the store to copy into (another backend or file).
+            batch_size: rows per read and per write transaction, >= 1.
+
+        Returns:
+            The number of profiles that were new to ``target``.
+
+        Raises:
+            ConfigError: ``batch_size`` is below 1.
+            StoreError: either store is closed, unreadable or not writable.
+        """
+        import sqlalchemy as sa
+
+        from autobatch.profiles.engine import insert
+        from autobatch.profiles.schema import profiles
+
+        if batch_size < 1:
+            raise ConfigError(f"batch_size {batch_size} must be >= 1")
+        columns = [column for column in profiles.columns if column.name != "seq"]
+        last_seq, num_copied = -1, 0
+        while True:
+            with self._read("read profiles to copy") as conn:
+                rows = conn.execute(
+                    sa.select(profiles.c.seq, *columns)
+                    .where(profiles.c.seq > last_seq)
+                    .order_by(profiles.c.seq)
+                    .limit(batch_size)
+                ).all()
+            if not rows:
+                return num_copied
+            last_seq = rows[-1].seq
+            values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
+            with target._write("copy profiles in") as conn:
+                statement = insert(target.backend, profiles).values(values)
+                statement = statement.on_conflict_do_nothing(index_elements=["id"])
+                # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
+                num_copied += len(conn.execute(statement.returning(profiles.c.id)).all())
 
     def delete(self, profile_id: str) -> bool:
         """Remove the profile stored under ``profile_id``.
@@ -306,181 +464,212 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
+        import sqlalchemy as sa
+
+        from autobatch.profiles.schema import profiles
+
         with self._write("delete a profile") as conn:
-            cursor = conn.execute("DELETE FROM profiles WHERE id = ?", (profile_id,))
-        return cursor.rowcount > 0
+            done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
+        return done.rowcount > 0
+
+    def put_job(self, job_id: str, record: Mapping[str, Any]) -> None:
+        """Keep (or replace) the record of the service's probe job ``job_id``.
+
+        Args:
+            job_id: the job's id.
+            record: its state, JSON-ready.
+
+        Raises:
+            StoreError: the store is closed, locked longer than the timeout, or not writable.
+        """
+        from autobatch.profiles.engine import insert
+        from autobatch.profiles.schema import probe_jobs
+
+        values = {
+            "id": job_id,
+            "updated_at": datetime.datetime.now(datetime.UTC).isoformat(),
+            "job_json": json.dumps(dict(record), sort_keys=True),
+        }
+        statement = insert(self.backend, probe_jobs).values(**values)
+        statement = statement.on_conflict_do_update(
+            index_elements=["id"],
+            set_={"updated_at": values["updated_at"], "job_json": values["job_json"]},
+        )
+        with self._write("store a probe job") as conn:
+            conn.execute(statement)
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        """The record kept by :meth:`put_job` for ``job_id``; None when there is none.
+
+        Raises:
+            StoreError: the store is closed or unreadable, or the record does not decode.
+        """
+        from autobatch.profiles.schema import probe_jobs
+
+        query = sa_select(probe_jobs.c.job_json).where(probe_jobs.c.id == job_id)
+        with self._read("read a probe job") as conn:
+            text = conn.execute(query).scalar_one_or_none()
+        if text is None:
+            return None
+        try:
+            record = json.loads(text)
+        except ValueError as exc:
+            raise StoreError(
+                f"cannot read probe job {job_id!r} from {self.location}: {exc}"
+            ) from exc
+        if not isinstance(record, dict):
+            raise StoreError(f"cannot read probe job {job_id!r} from {self.location}: not a record")
+        return record
 
     def check_writable(self) -> None:
         """Check that a write would succeed now (for a readiness probe); writes nothing.
 
-        Takes the write lock and makes a change that is rolled back.
+        Takes the write lock and makes a change that is rolled back. A SQLite file that was
+        deleted or replaced since the store opened it fails the check: writes would go to a
+        file no other process (nor a restart) sees.
 
         Raises:
-            StoreError: the store is closed, read-only, or locked by another process for longer
-                than the timeout.
+            StoreError: the store is closed, read-only, locked by another writer for longer
+                than the timeout, unreachable, or its file was deleted or replaced.
         """
-        with self._write("check that the store is writable") as conn:
-            conn.execute(f"PRAGMA user_version = {STORE_SCHEMA_VERSION}")
+        import sqlalchemy as sa
+
+        from autobatch.profiles.engine import file_identity
+        from autobatch.profiles.schema import store_meta
+
+        if self._identity is not None and self.path is not None:
+            now = file_identity(self.path)
+            if now != self._identity:
+                what = "deleted" if now is None else "replaced by another file"
+                raise StoreError(
+                    f"the profile store {self.path} was {what} after it was opened: what is "
+                    "written now would be lost; restart the service (it opens the file anew)"
+                )
+        with contextlib.suppress(_Rollback), self._write("check that it is writable") as conn:
+            conn.execute(
+                sa.update(store_meta)
+                .where(store_meta.c.key == "schema_version")
+                .values(value=store_meta.c.value)
+            )
             raise _Rollback
 
     # -- internals ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _sqlite_errors(self, doing: str) -> Iterator[None]:
-        """Translate every ``sqlite3.Error`` into a :class:`StoreError` (the one place)."""
+    def _errors(self, doing: str) -> Iterator[None]:
+        """Translate SQLAlchemy's and the drivers' errors into StoreError (the one place)."""
+        import sqlite3
+
+        import sqlalchemy.exc
+
+        from autobatch.profiles.engine import describe_error
+
         try:
             yield
-        except sqlite3.Error as exc:
-            raise StoreError(_describe(self.path, doing, exc)) from exc
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            cause = getattr(exc, "orig", None) or exc
+            raise StoreError(describe_error(self._location, doing, cause)) from cause
+        except sqlite3.Error as exc:  # raised by the driver outside SQLAlchemy (_use_wal)
+            raise StoreError(describe_error(self._location, doing, exc)) from exc
 
     @contextlib.contextmanager
-    def _read(self, doing: str) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._sqlite_errors(doing):
-            yield self._connection()
+    def _read(self, doing: str) -> Iterator[sa.Connection]:
+        with self._lock, self._errors(doing), self._engine_or_raise().connect() as conn:
+            yield conn
 
     @contextlib.contextmanager
-    def _write(self, doing: str) -> Iterator[sqlite3.Connection]:
-        """One short ``BEGIN IMMEDIATE`` transaction, committed unless the body raises."""
-        with self._lock, self._sqlite_errors(doing):
-            conn = self._connection()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException as exc:
-                conn.rollback()
-                if isinstance(exc, _Rollback):
-                    return
-                raise
-            conn.execute("COMMIT")
+    def _write(self, doing: str) -> Iterator[sa.Connection]:
+        """One short write transaction (``BEGIN IMMEDIATE`` on SQLite), committed unless the
+        body raises."""
+        with (
+            self._lock,
+            self._errors(doing),
+            self._engine_or_raise().connect() as conn,
+            conn.execution_options(autobatch_write=True).begin(),
+        ):
+            yield conn
 
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise StoreError(f"the profile store {self.path} is closed")
-        return self._conn
+    def _engine_or_raise(self) -> sa.Engine:
+        if self._engine is None:
+            raise StoreError(f"the profile store {self.location} is closed")
+        return self._engine
 
-    def _open_schema(self, conn: sqlite3.Connection, *, timeout_seconds: float) -> None:
-        """Check the file is ours and current; create the tables in an empty one.
+    def _listing(
+        self,
+        query: sa.Select[Any],
+        *,
+        model_fingerprint: str | None,
+        device_name: str | None,
+        node_name: str | None,
+        limit: int,
+    ) -> sa.Select[Any]:
+        from autobatch.profiles.schema import profiles
 
-        Reads only, unless the database is empty: a foreign, newer or corrupt file is never
-        written to. Application id, schema version and tables are read in one read transaction,
-        so another process creating the store at the same moment is seen either not at all or
-        whole; the check repeats inside the creating write transaction, as another process may
-        create the tables first.
-        """
-        with _transaction(conn, "BEGIN"):
-            empty = self._inspect(conn)
-        if empty:
-            with _transaction(conn, "BEGIN IMMEDIATE"):
-                if self._inspect(conn):
-                    for statement in _CREATE_SCHEMA:
-                        conn.execute(statement)
-        if not self._in_memory:
-            _use_wal(conn, timeout_seconds=timeout_seconds)
+        if limit < 1:
+            raise ConfigError(f"limit {limit} must be >= 1")
+        query = query.where(profiles.c.profile_schema_version <= PROFILE_SCHEMA_VERSION)
+        for column, value in (
+            (profiles.c.model_fingerprint, model_fingerprint),
+            (profiles.c.device_name, device_name),
+            (profiles.c.node_name, node_name),
+        ):
+            if value is not None:
+                query = query.where(column == value)
+        return query.order_by(profiles.c.seq.desc()).limit(limit)
 
-    def _inspect(self, conn: sqlite3.Connection) -> bool:
-        """True when the database is empty; raise unless it is a current autobatch store."""
-        application_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        user_version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = {
-            name
-            for (name,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
-            ).fetchall()
-        }
-        if application_id == 0 and user_version == 0 and not tables:
-            return True
-        move_away = (
-            f"move it away (or set {STORE_ENV_VAR} to another file) and autobatch will "
-            "create a new store"
-        )
-        if application_id != _APPLICATION_ID:
-            raise StoreError(
-                f"{self.path} is a SQLite database but not an autobatch profile store "
-                f"(tables: {', '.join(sorted(tables)) or 'none'}); {move_away}"
+    def _paged(
+        self, conn: sa.Connection, query: sa.Select[Any], before: str | None
+    ) -> sa.Select[Any]:
+        from autobatch.profiles.schema import profiles
+
+        if before is None:
+            return query
+        seq = conn.execute(
+            sa_select(profiles.c.seq).where(profiles.c.id == before)
+        ).scalar_one_or_none()
+        if seq is None:
+            raise ProfileNotFoundError(
+                f"no profile with id {before!r} in {self.location} to list the profiles before; "
+                "start again from the first page",
+                profile_id=before,
             )
-        if user_version > STORE_SCHEMA_VERSION:
-            raise StoreError(
-                f"the profile store {self.path} has schema version {user_version}, newer than "
-                f"this autobatch reads ({STORE_SCHEMA_VERSION}); upgrade autobatch, or set "
-                f"{STORE_ENV_VAR} to another file"
-            )
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(profiles)").fetchall()}
-        missing = _PROFILE_COLUMNS - columns
-        if user_version < STORE_SCHEMA_VERSION or missing:
-            raise StoreError(
-                f"the profile store {self.path} is damaged (schema version {user_version}, "
-                f"missing columns: {', '.join(sorted(missing)) or 'none'}); {move_away}"
-            )
-        return False
+        return query.where(profiles.c.seq < seq)
 
-    def _decode(self, row: tuple[str, str]) -> tuple[str, Profile]:
-        profile_id, text = row
+    def _decode(self, profile_id: str, text: str) -> Profile:
         try:
-            return profile_id, Profile.from_dict(json.loads(text))
-        except (ConfigError, ValueError) as exc:
+            return Profile.from_dict(json.loads(text))
+        except (ConfigError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise StoreError(
-                f"cannot read profile {profile_id!r} from {self.path}: {exc}; upgrade autobatch, "
-                "or delete the profile"
+                f"cannot read profile {profile_id!r} from {self.location}: {exc}; upgrade "
+                "autobatch, or delete the profile"
             ) from exc
+
+    def _decode_all(self, rows: Any) -> list[tuple[str, Profile]]:
+        found = []
+        for profile_id, text in rows:
+            try:
+                found.append((profile_id, self._decode(profile_id, text)))
+            except StoreError as exc:
+                _log.warning("%s (skipped)", exc)
+                self._skipped(1, None)
+        return found
+
+    def _skipped(self, count: int, why: str | None) -> None:
+        self.num_unreadable_rows += count
+        if why is not None:
+            _log.warning("profile store %s: %d rows skipped: %s", self.location, count, why)
 
 
 class _Rollback(Exception):
     """Raised inside :meth:`ProfileStore._write` to end the transaction without committing."""
 
 
-@contextlib.contextmanager
-def _transaction(conn: sqlite3.Connection, begin: str) -> Iterator[None]:
-    """One transaction opened with ``begin``, committed unless the body raises."""
-    conn.execute(begin)
-    try:
-        yield
-    except BaseException:
-        conn.rollback()
-        raise
-    conn.execute("COMMIT")
+def sa_select(*columns: Any) -> sa.Select[Any]:
+    """``sqlalchemy.select``, imported on first use."""
+    import sqlalchemy as sa
+
+    return sa.select(*columns)
 
 
-def _use_wal(conn: sqlite3.Connection, *, timeout_seconds: float) -> None:
-    """Switch the file to the WAL journal (kept in the file, so done once per file).
-
-    The switch needs an exclusive lock and SQLite does not wait for one here (no busy handler):
-    while other processes read the file as they open it, it fails at once with "database is
-    locked". Retried until ``timeout_seconds``, as the busy timeout would.
-    """
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-            return
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            busy = exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-            if not busy or time.monotonic() >= deadline:
-                raise
-        time.sleep(random.uniform(0.001, 0.01))
-
-
-def _resolve(path: str | os.PathLike[str] | None) -> pathlib.Path:
-    return default_store_path() if path is None else pathlib.Path(path).expanduser()
-
-
-def _describe(path: pathlib.Path, doing: str, exc: sqlite3.Error) -> str:
-    """A StoreError message for a sqlite3 error: what failed, on which file, and the fix."""
-    text = str(exc)
-    lowered = text.lower()
-    if "not a database" in lowered or "malformed" in lowered:
-        fix = (
-            f"the file is not a valid SQLite database; move it away (or set {STORE_ENV_VAR} to "
-            "another file) and autobatch will create a new store"
-        )
-    elif "locked" in lowered or "busy" in lowered:
-        fix = "another process holds the store's write lock; retry, or raise the timeout"
-    elif "readonly" in lowered or "read-only" in lowered or "unable to open" in lowered:
-        fix = (
-            f"check the file's and its directory's permissions, or set {STORE_ENV_VAR} to a "
-            "writable file"
-        )
-    else:
-        fix = f"set {STORE_ENV_VAR} to another file if it persists"
-    return f"profile store {path}: cannot {doing}: {text}; {fix}"
+def _canonical(profile: Profile) -> str:
+    return json.dumps(profile.to_dict(), sort_keys=True, separators=(",", ":"))

@@ -23,6 +23,10 @@ router = APIRouter(
 )
 
 
+PAGE_BYTES = 8 << 20
+"""A listing page ends once its profiles hold this many bytes of stored JSON (one at least)."""
+
+
 def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
     return ProfilePublic(
         id=profile_id, profile=ProfileBase.model_validate(profile.to_dict(), strict=False)
@@ -45,17 +49,32 @@ def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> 
     return profile_public(profile_id, profile)
 
 
-@router.get("", summary="List stored profiles, newest first", responses=problem_responses(422))
+@router.get("", summary="List stored profiles, newest first", responses=problem_responses(404, 422))
 def list_profiles(
     state: StateDep,
     model_fingerprint: Annotated[str | None, Query(max_length=256)] = None,
     device_name: Annotated[str | None, Query(max_length=256)] = None,
+    node_name: Annotated[str | None, Query(max_length=256)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: Annotated[str | None, Query(max_length=64)] = None,
 ) -> ProfileList:
-    found = state.store.list_profiles(
-        model_fingerprint=model_fingerprint, device_name=device_name, limit=limit
+    """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
+    request stays bounded however large the profiles. ``next_before`` asks for the next page."""
+    try:
+        page = state.store.page_profiles(
+            model_fingerprint=model_fingerprint,
+            device_name=device_name,
+            node_name=node_name,
+            limit=limit,
+            before=before,
+            max_bytes=PAGE_BYTES,
+        )
+    except ProfileNotFoundError:
+        raise unknown_profile(before or "", field="query.before") from None
+    return ProfileList(
+        profiles=[profile_public(pid, profile) for pid, profile in page.profiles],
+        next_before=page.next_before,
     )
-    return ProfileList(profiles=[profile_public(pid, profile) for pid, profile in found])
 
 
 @router.get("/{profile_id}", summary="Read a profile", responses=problem_responses(404, 422))

@@ -117,3 +117,14 @@ def test_ddp_agreement_overhead_prints_the_paired_ratio_of_two_gloo_ranks() -> N
     ratio = float(row[row.index("ratio") + 1])
     assert 0.2 < ratio < 5.0, row  # a measured ratio of two timed loops, not a constant
     assert "target < 2%:" in out
+
+
+@pytest.mark.slow
+def test_store_publish_counts_every_profile_on_both_backends(postgres_url: str) -> None:
+    out = _run(
+        ["bench/store_publish.py", "--publishers", "3", "--each", "20", "--postgres", postgres_url],
+        timeout_s=300,
+    )
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    for backend in ("sqlite", "postgresql"):
+        assert "stored 60  lost 0  duplicates 0" in lines[backend], out

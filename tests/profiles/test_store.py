@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import re
 import sqlite3
 import threading
 from typing import Any
@@ -16,7 +17,12 @@ import pytest
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
-from autobatch.profiles.store import STORE_SCHEMA_VERSION, ProfileStore, default_store_path
+from autobatch.profiles.store import (
+    STORE_SCHEMA_VERSION,
+    ProfileStore,
+    default_store_path,
+    profile_id_of,
+)
 
 GIB = 2**30
 
@@ -67,8 +73,19 @@ def make_profile(**overrides: Any) -> Profile:
     return Profile(**fields, identity=StepIdentity(**identity))
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Any:
+    """The store contract runs on both backends (PostgreSQL: a fresh database per test)."""
+    if request.param == "sqlite":
+        location = str(tmp_path / "profiles.sqlite3")
+    else:
+        location = request.getfixturevalue("postgres_url")
+    with ProfileStore(location) as opened:
+        yield opened
+
+
 @pytest.fixture
-def store(tmp_path: pathlib.Path) -> Any:
+def sqlite_store(tmp_path: pathlib.Path) -> Any:
     with ProfileStore(tmp_path / "profiles.sqlite3") as opened:
         yield opened
 
@@ -145,15 +162,23 @@ def test_round_trip_without_memory_model(store: ProfileStore) -> None:
     assert store.get(store.put(profile)) == profile
 
 
-def test_ids_are_distinct_short_hex(store: ProfileStore) -> None:
-    ids = [store.put(make_profile()) for _ in range(20)]
+def test_ids_are_content_hashes_and_put_is_idempotent(store: ProfileStore) -> None:
+    ids = [store.put(make_profile(num_steps=n + 1)) for n in range(20)]
     assert len(set(ids)) == 20
     assert all(len(i) == 16 and int(i, 16) >= 0 for i in ids)
+    assert ids[3] == profile_id_of(make_profile(num_steps=4))
+    again = [store.put(make_profile(num_steps=n + 1)) for n in range(20)]  # a publisher retries
+    assert again == ids
+    listed = store.list_profiles(limit=1000)
+    assert len(listed) == 20
+    assert [pid for pid, _ in listed] == ids[::-1]  # a no-op put does not make a row newer
 
 
 def test_get_missing_raises_not_found(store: ProfileStore) -> None:
     store.put(make_profile())
-    with pytest.raises(ProfileNotFoundError, match=r"no profile with id 'nope' in .*profiles") as e:
+    with pytest.raises(
+        ProfileNotFoundError, match=rf"no profile with id 'nope' in {re.escape(store.location)}$"
+    ) as e:
         store.get("nope")
     assert isinstance(e.value, KeyError)
     assert isinstance(e.value, StoreError)
@@ -200,7 +225,7 @@ def test_list_rejects_limit_below_one(store: ProfileStore) -> None:
 
 def test_delete_returns_whether_it_removed(store: ProfileStore) -> None:
     keep = store.put(make_profile())
-    gone = store.put(make_profile())
+    gone = store.put(make_profile(num_steps=7))
     assert store.delete(gone) is True
     assert store.delete(gone) is False
     assert store.delete("never-stored") is False
@@ -209,11 +234,11 @@ def test_delete_returns_whether_it_removed(store: ProfileStore) -> None:
     assert [pid for pid, _ in store.list_profiles()] == [keep]
 
 
-def test_empty_created_at_is_indexed_with_store_time(store: ProfileStore) -> None:
+def test_empty_created_at_is_indexed_with_store_time(sqlite_store: ProfileStore) -> None:
     profile = make_profile(created_at="")
-    profile_id = store.put(profile)
-    assert store.get(profile_id) == profile  # the profile itself is stored unchanged
-    with _raw(store.path) as conn:
+    profile_id = sqlite_store.put(profile)
+    assert sqlite_store.get(profile_id) == profile  # the profile itself is stored unchanged
+    with _raw(sqlite_store.path) as conn:
         (created_at,) = conn.execute(
             "SELECT created_at FROM profiles WHERE id = ?", (profile_id,)
         ).fetchone()
@@ -228,9 +253,9 @@ def test_in_memory_store() -> None:
         assert str(store.path) == ":memory:"
 
 
-def test_file_uses_wal_and_records_schema_version(store: ProfileStore) -> None:
-    store.put(make_profile())
-    with _raw(store.path) as conn:
+def test_file_uses_wal_and_records_schema_version(sqlite_store: ProfileStore) -> None:
+    sqlite_store.put(make_profile())
+    with _raw(sqlite_store.path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
         assert conn.execute("PRAGMA user_version").fetchone() == (STORE_SCHEMA_VERSION,)
 
@@ -329,13 +354,13 @@ def test_unwritable_location_raises_store_error(tmp_path: pathlib.Path) -> None:
 # -- readiness probe ----------------------------------------------------------------------------
 
 
-def test_check_writable_writes_nothing(store: ProfileStore) -> None:
-    profile_id = store.put(make_profile())
-    store.check_writable()
-    assert [pid for pid, _ in store.list_profiles()] == [profile_id]
-    with _raw(store.path) as conn:
+def test_check_writable_writes_nothing(sqlite_store: ProfileStore) -> None:
+    profile_id = sqlite_store.put(make_profile())
+    sqlite_store.check_writable()
+    assert [pid for pid, _ in sqlite_store.list_profiles()] == [profile_id]
+    with _raw(sqlite_store.path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone() == (STORE_SCHEMA_VERSION,)
-    store.put(make_profile())  # the write lock was released
+    sqlite_store.put(make_profile())  # the write lock was released
 
 
 def test_check_writable_raises_while_another_process_holds_the_lock(
@@ -469,13 +494,13 @@ def test_processes_opening_a_new_file_at_once_all_succeed(tmp_path: pathlib.Path
     ],
 )
 def test_a_schema_1_profile_in_the_store_is_read_with_its_stop_kind(
-    store: ProfileStore, recorded: dict[str, Any], stop_kind: str
+    sqlite_store: ProfileStore, recorded: dict[str, Any], stop_kind: str
 ) -> None:
     """Profiles stored before stop_kind existed (schema 1) still answer, with the kind derived."""
     data = make_profile().to_dict()
     del data["stop_kind"]
     data.update(recorded, schema_version=1)
-    with sqlite3.connect(store.path) as conn:  # as autobatch 0.1 wrote it
+    with sqlite3.connect(sqlite_store.path) as conn:  # as autobatch 0.1 wrote it
         conn.execute(
             "INSERT INTO profiles (id, cache_key, model_fingerprint, device_name, created_at,"
             " profile_schema_version, profile_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -489,11 +514,11 @@ def test_a_schema_1_profile_in_the_store_is_read_with_its_stop_kind(
                 json.dumps(data),
             ),
         )
-    loaded = store.get("old")
+    loaded = sqlite_store.get("old")
     assert loaded.stop_kind == stop_kind
     assert loaded.stop_reason == recorded["stop_reason"]
     assert loaded.schema_version == PROFILE_SCHEMA_VERSION
-    assert store.find(make_profile().cache_key()) == ("old", loaded)
+    assert sqlite_store.find(make_profile().cache_key()) == ("old", loaded)
 
 
 def test_stop_kind_must_agree_with_a_failed_size() -> None:

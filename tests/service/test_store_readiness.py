@@ -1,0 +1,92 @@
+"""The service and its store: ``/readyz`` says when the store file was deleted or swapped, the
+one store variable, and probe jobs kept in the store across a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from autobatch.profiles import ProfileStore
+from tests.service.test_service_api import wait_for
+
+
+def test_readyz_says_when_the_store_file_was_deleted_or_replaced(
+    make_app: Callable[..., Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "served.sqlite3"
+    client = TestClient(make_app(store_path=str(path)))
+    assert client.get("/readyz").json()["store_writable"] is True
+    path.unlink()
+    gone = client.get("/readyz")
+    assert gone.status_code == 503
+    assert gone.json()["store_writable"] is False
+    assert "was deleted" in gone.json()["store_detail"]
+    assert str(tmp_path) not in gone.text  # no server path in answers
+
+    swapped_path = tmp_path / "swapped.sqlite3"
+    swapped = TestClient(make_app(store_path=str(swapped_path)))
+    other = tmp_path / "other.sqlite3"
+    with ProfileStore(other):
+        pass
+    other.replace(swapped_path)
+    answer = swapped.get("/readyz")
+    assert answer.status_code == 503
+    assert "replaced by another file" in answer.json()["store_detail"]
+
+
+def test_the_service_reads_the_one_store_variable(
+    make_app: Callable[..., Any], tmp_path: Path, monkeypatch: Any
+) -> None:
+    from service.settings import Settings
+
+    monkeypatch.setenv("AUTOBATCH_STORE", "postgresql://ci:s3cret@127.0.0.1:5432/fleet")
+    assert Settings().store_path == "postgresql://ci:s3cret@127.0.0.1:5432/fleet"
+    monkeypatch.delenv("AUTOBATCH_STORE")
+    monkeypatch.setenv("AUTOBATCH_STORE_PATH", str(tmp_path / "old-name.sqlite3"))  # deprecated
+    assert Settings().store_path == str(tmp_path / "old-name.sqlite3")
+
+
+@pytest.mark.slow  # a spawned probe child, importing torch
+def test_a_known_job_id_still_answers_after_a_restart(
+    make_app: Callable[..., Any], registry_file: Path, tmp_path: Path
+) -> None:
+    store_path = str(tmp_path / "jobs.sqlite3")
+    first = make_app(config_file=registry_file, store_path=store_path)
+    client = TestClient(first)
+    job_id = client.post("/v1/probes", json={"model": "tiny-mlp"}).json()["id"]
+    done = wait_for(client, job_id, {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done["error"]
+    first.state.service.jobs.close()  # the server stops: its records are written
+    first.state.service.store.close()
+    again = TestClient(make_app(config_file=registry_file, store_path=store_path))
+    answer = again.get(f"/v1/probes/{job_id}")
+    assert answer.status_code == 200
+    assert answer.json()["status"] == "succeeded"
+    assert answer.json()["profile_id"] == done["profile_id"]
+    assert again.get("/v1/probes/ffffffffffffffff").status_code == 404
+
+
+def test_a_job_a_restart_cut_short_reads_as_failed(
+    make_app: Callable[..., Any], tmp_path: Path
+) -> None:
+    store_path = str(tmp_path / "jobs.sqlite3")
+    with ProfileStore(store_path) as store:  # as a server killed mid-probe left it
+        store.put_job(
+            "0123456789abcdef",
+            {
+                "id": "0123456789abcdef",
+                "model": "tiny-mlp",
+                "device": "cpu",
+                "status": "running",
+                "created_at": "2026-12-05T07:00:00+00:00",
+                "child_pid": 4242,
+            },
+        )
+    client = TestClient(make_app(store_path=store_path))
+    answer = client.get("/v1/probes/0123456789abcdef").json()
+    assert answer["status"] == "failed"
+    assert "restarted while the job was running" in answer["error"]
