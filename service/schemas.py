@@ -416,6 +416,27 @@ class ProfileList(BaseModel):
     """Pass as ``before=`` for the next page; None when this page is the last."""
 
 
+class ProfileSummaryPublic(BaseModel):
+    """What a listing shows of a stored profile; the whole profile is ``GET /v1/profiles/{id}``."""
+
+    id: str
+    cache_key: str
+    model_fingerprint: str
+    device_name: str
+    node_name: str
+    max_micro_batch_size: int
+    recommended_micro_batch_size: int
+    created_at: str
+
+
+class ProfileSummaryList(BaseModel):
+    summaries: list[ProfileSummaryPublic]
+    next_before: str | None = None
+    """Pass as ``before=`` for the next page; None when this page is the last."""
+    num_skipped: int = 0
+    """Stored rows on this page that could not be read (logged by the server)."""
+
+
 # -- plans -------------------------------------------------------------------------------------
 
 

@@ -51,3 +51,45 @@ def test_a_listing_of_300_large_profiles_is_paged_with_bounded_memory(
         ).json()
         seen += [entry["id"] for entry in page["profiles"]]
     assert len(seen) == len(set(seen)) == NUM_PROFILES
+    # Summaries: the whole store in one page of a few hundred bytes per profile, no JSON decoded.
+    tracemalloc.start()
+    try:
+        summaries = client.get("/v1/profiles/summaries", params={"limit": 1000})
+        _, summary_peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summaries.status_code == 200
+    rows = summaries.json()["summaries"]
+    assert [row["id"] for row in rows] == seen
+    assert summaries.json()["next_before"] is None
+    assert len(summaries.content) < 1000 * NUM_PROFILES
+    assert summary_peak_bytes < PAGE_BYTES // 4
+    print(
+        f"summaries: {len(rows)} in {len(summaries.content) / 2**10:.0f} KiB, traced peak "
+        f"{summary_peak_bytes / 2**20:.1f} MiB"
+    )
+
+
+def test_summaries_page_and_filter_and_match_the_profiles(client: TestClient) -> None:
+    ids = [
+        client.post(
+            "/v1/profiles",
+            json=make_profile(num_steps=n + 1, node_name=f"node-{n % 2}").to_dict(),
+        ).json()["id"]
+        for n in range(5)
+    ]
+    first = client.get("/v1/profiles/summaries", params={"limit": 3}).json()
+    assert [row["id"] for row in first["summaries"]] == ids[::-1][:3]
+    rest = client.get(
+        "/v1/profiles/summaries", params={"limit": 3, "before": first["next_before"]}
+    ).json()
+    assert [row["id"] for row in rest["summaries"]] == ids[::-1][3:]
+    assert rest["next_before"] is None
+    node_1 = client.get("/v1/profiles/summaries", params={"node_name": "node-1"}).json()
+    assert [row["id"] for row in node_1["summaries"]] == [ids[3], ids[1]]
+    whole = client.get(f"/v1/profiles/{ids[0]}").json()["profile"]
+    row = rest["summaries"][-1]
+    for name in ("model_fingerprint", "device_name", "node_name", "max_micro_batch_size"):
+        assert row[name] == whole[name]
+    unknown = client.get("/v1/profiles/summaries", params={"before": "ffffffffffffffff"})
+    assert unknown.status_code == 404
