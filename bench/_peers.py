@@ -64,6 +64,7 @@ __all__ = [
     "median",
     "run_accelerate",
     "run_autobatch",
+    "run_bisection",
     "exhaustive_at",
     "run_exhaustive",
     "run_lightning",
@@ -317,6 +318,55 @@ def run_autobatch(
     return result, profile
 
 
+# -- plain bisection -----------------------------------------------------------------------------
+
+
+def run_bisection(case: Case, device: Device, *, limit: int) -> ToolResult:
+    """Bisection over ``1..limit`` with real steps after a warm-up at 1 (optimizer state created):
+    the floor of what a search without an estimate costs, ``ceil(log2(limit))`` trials. Any
+    exception counts as a failure (exact for a failure pattern monotone in the size)."""
+    model, sample, optimizer = case.build(device.torch_device)
+    model.train()
+    step = TrainingStep(model, optimizer, loss_fn=case.loss_fn)
+    source = BatchSource.from_sample(sample)
+    started = time.perf_counter()
+    sizes, num_ooms = [1], 0
+    with device.measure(_resident(model, optimizer)):
+        step.run(source.make(1))
+
+    def runs(size: int) -> bool:
+        nonlocal num_ooms
+        sizes.append(size)
+        try:
+            with device.measure(_resident(model, optimizer)):
+                step.run(source.make(size))
+                device.synchronize()
+        except Exception as exc:  # any failure bounds the sizes that run
+            num_ooms += is_oom(exc)
+            for param in model.parameters():
+                param.grad = None
+            device.release()
+            return False
+        return True
+
+    lo, hi = 1, limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+    seconds = time.perf_counter() - started
+    model = sample = optimizer = step = source = None  # type: ignore[assignment]
+    _release(device)
+    return ToolResult(
+        tool="bisection",
+        micro_batch_size=lo,
+        num_trials=len(sizes),
+        num_steps=len(sizes),
+        num_ooms=num_ooms,
+        seconds=seconds,
+        sizes=tuple(sizes),
+    )
+
+
 # -- exhaustive ----------------------------------------------------------------------------------
 
 
@@ -409,7 +459,8 @@ def run_accelerate(case: Case, device: Device, *, starting_micro_batch_size: int
     sizes: list[int] = []
     num_ooms = 0
     started = time.perf_counter()
-    step.run(source.make(1))  # warm-up: creates the optimizer state (see module docstring)
+    with device.measure(_resident(model, optimizer)):  # a step on the device's clock too
+        step.run(source.make(1))  # warm-up: creates the optimizer state (see module docstring)
     sizes.append(1)
 
     def one_step(micro_batch_size: int) -> int:
