@@ -287,10 +287,12 @@ def run_patterns(patterns: tuple[Pattern, ...]) -> None:
 def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace) -> None:
     """Wall time on the device's clock, each tool on a fresh simulated card per regime.
 
-    Every tool runs with the objects that exist before it frozen out of the garbage collector
-    (``gc.freeze``), as autobatch's probe does for itself: the peers' and the bisection's
-    ``gc.collect()`` after each OOM then walks only what they created, not the whole process
-    (torch, Lightning, transformers), which here would cost them about 0.3 s an OOM.
+    Each tool's time is its search's (``ToolResult.seconds`` on the card's clock: the model's
+    construction and the release afterwards left out). The peers and the bisection run with the
+    objects that exist before them frozen out of the garbage collector (``gc.freeze``), as
+    autobatch's probe does for itself: their ``gc.collect()`` after each OOM then walks only
+    what they created, not the whole process (torch, Lightning, transformers), which here would
+    cost them about 0.3 s an OOM.
     """
     rows: list[dict[str, Any]] = []
     _, warm_case, warm_capacity, _ = cases[0]  # first steps in a process pay one-time costs
@@ -343,7 +345,7 @@ def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace
             )
             runs[regime] = timed
         estimated = runs["cpu"]["profile"]
-        cpu_total = runs["cpu"]["autobatch"][1]
+        cpu_total = runs["cpu"]["autobatch"][1]  # the estimate's road, re-priced per regime
         for regime, step_seconds in REGIMES.items():
             road = None
             if estimated.method == "probe":  # the cpu run took the estimate's road: re-priced
@@ -396,18 +398,21 @@ def _timed(
     step_seconds: float,
     run: Callable[[SimulatedDevice], Any],
 ) -> Any:
-    """``run`` on a fresh card of ``step_seconds`` a real step, timed on its clock (the objects
-    that exist before it frozen out of the collector); ``timed[tool]`` gets (result, seconds)."""
+    """``run`` on a fresh card of ``step_seconds`` a real step; ``timed[tool]`` gets (result, its
+    search's seconds on the card's clock). Every tool but autobatch (whose probe does it for
+    itself) runs with the objects that exist before it frozen out of the collector."""
     card = SimulatedDevice(capacity_bytes=capacity, step_seconds=step_seconds)
     gc.collect()
-    gc.freeze()
+    freeze = tool != "autobatch"
+    if freeze:
+        gc.freeze()
     try:
-        start = card.clock()
         result = run(card)
-        seconds = card.clock() - start
     finally:
-        gc.unfreeze()
-    timed[tool] = (result, seconds)
+        if freeze:
+            gc.unfreeze()
+    found = result[0] if isinstance(result, tuple) else result
+    timed[tool] = (result, found.seconds)
     return result
 
 
