@@ -202,7 +202,8 @@ def run_models(plan: list[tuple[Any, int]], args: argparse.Namespace) -> None:
     print(
         "Simulated device (real step on CPU, OOM over the capacity); found = largest micro-batch "
         "reported; ratio = found / exhaustive max; trials = sizes tried (warm-up included); "
-        "steps = training steps run (OOMs included)."
+        "steps = training steps run (OOMs included); seconds on the device's clock, each real "
+        "step counted at 1 s (SimulatedDevice's default step_seconds: a CPU-like regime)."
     )
     print(format_table(rows))
     print()
