@@ -64,6 +64,7 @@ __all__ = [
     "median",
     "run_accelerate",
     "run_autobatch",
+    "run_bisection",
     "exhaustive_at",
     "run_exhaustive",
     "run_lightning",
@@ -259,7 +260,8 @@ class ToolResult:
     num_ooms: int
     """Steps that ran out of memory."""
     seconds: float
-    """Wall time of the whole search (autobatch: its fake-tensor estimate included)."""
+    """Time of the whole search on the device's clock (autobatch: its fake-tensor estimate
+    included; the model's construction and the release after it excluded)."""
     sizes: tuple[int, ...] = ()
     """Sizes tried, in order."""
     peak_bytes: tuple[int, ...] = ()
@@ -292,7 +294,7 @@ def run_autobatch(
 ) -> tuple[ToolResult, Profile]:
     """``autobatch.probe`` with the case's optimizer (state restored afterwards)."""
     model, sample, optimizer = case.build(device.torch_device)
-    started = time.perf_counter()
+    started = device.clock()
     profile = autobatch.probe(
         model,
         sample,
@@ -301,7 +303,7 @@ def run_autobatch(
         device=device,
         max_micro_batch_size=max_micro_batch_size,
     )
-    seconds = time.perf_counter() - started
+    seconds = device.clock() - started
     del model, sample, optimizer
     _release(device)
     result = ToolResult(
@@ -315,6 +317,55 @@ def run_autobatch(
         note=profile.method,
     )
     return result, profile
+
+
+# -- plain bisection -----------------------------------------------------------------------------
+
+
+def run_bisection(case: Case, device: Device, *, limit: int) -> ToolResult:
+    """Bisection over ``1..limit`` with real steps after a warm-up at 1 (optimizer state created):
+    the floor of what a search without an estimate costs, ``ceil(log2(limit))`` trials. Any
+    exception counts as a failure (exact for a failure pattern monotone in the size)."""
+    model, sample, optimizer = case.build(device.torch_device)
+    model.train()
+    step = TrainingStep(model, optimizer, loss_fn=case.loss_fn)
+    source = BatchSource.from_sample(sample)
+    started = device.clock()
+    sizes, num_ooms = [1], 0
+    with device.measure(_resident(model, optimizer)):
+        step.run(source.make(1))
+
+    def runs(size: int) -> bool:
+        nonlocal num_ooms
+        sizes.append(size)
+        try:
+            with device.measure(_resident(model, optimizer)):
+                step.run(source.make(size))
+                device.synchronize()
+        except Exception as exc:  # any failure bounds the sizes that run
+            num_ooms += is_oom(exc)
+            for param in model.parameters():
+                param.grad = None
+            device.release()
+            return False
+        return True
+
+    lo, hi = 1, limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+    seconds = device.clock() - started
+    model = sample = optimizer = step = source = None  # type: ignore[assignment]
+    _release(device)
+    return ToolResult(
+        tool="bisection",
+        micro_batch_size=lo,
+        num_trials=len(sizes),
+        num_steps=len(sizes),
+        num_ooms=num_ooms,
+        seconds=seconds,
+        sizes=tuple(sizes),
+    )
 
 
 # -- exhaustive ----------------------------------------------------------------------------------
@@ -408,8 +459,9 @@ def run_accelerate(case: Case, device: Device, *, starting_micro_batch_size: int
     source = BatchSource.from_sample(sample)
     sizes: list[int] = []
     num_ooms = 0
-    started = time.perf_counter()
-    step.run(source.make(1))  # warm-up: creates the optimizer state (see module docstring)
+    started = device.clock()
+    with device.measure(_resident(model, optimizer)):  # a step on the device's clock too
+        step.run(source.make(1))  # warm-up: creates the optimizer state (see module docstring)
     sizes.append(1)
 
     def one_step(micro_batch_size: int) -> int:
@@ -435,7 +487,7 @@ def run_accelerate(case: Case, device: Device, *, starting_micro_batch_size: int
         if "No executable batch size found" not in str(exc):
             raise
         found, note = 0, "no size fits"
-    seconds = time.perf_counter() - started
+    seconds = device.clock() - started
     # Drop the references (the closure holds them too) so a CUDA cache can be emptied.
     model = sample = optimizer = step = source = None  # type: ignore[assignment]
     _release(device)
@@ -550,7 +602,7 @@ def run_lightning(
                 raise
 
     module = Module()
-    started = time.perf_counter()
+    started = device.clock()
     with tempfile.TemporaryDirectory() as root, _quiet_lightning():
         trainer = pl.Trainer(
             accelerator=accelerator,
@@ -565,7 +617,7 @@ def run_lightning(
         found = Tuner(trainer).scale_batch_size(
             module, mode="binsearch", steps_per_trial=steps_per_trial, margin=0.0
         )
-    seconds = time.perf_counter() - started
+    seconds = device.clock() - started
     del module, trainer
     model = sample = source = None  # type: ignore[assignment]  # the closures hold them too
     _release(device)

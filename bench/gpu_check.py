@@ -51,7 +51,7 @@ import torch
 from autobatch import SimulatedDevice
 from autobatch.device import Device
 from autobatch.probing import BatchSource, FakeStep
-from autobatch.profile import Profile
+from autobatch.profile import ProbeTimings, Profile
 from bench._peers import (
     GIB,
     MIB,
@@ -64,6 +64,7 @@ from bench._peers import (
     real_cases,
     run_accelerate,
     run_autobatch,
+    run_bisection,
     run_exhaustive,
     run_lightning,
     summarize,
@@ -252,6 +253,15 @@ def run_cell(
     probed = _guarded(errors, f"{label} autobatch", lambda: run_autobatch(case, make_device()))
     if probed is not None:
         row["autobatch"], profile = probed
+        row["timings"] = profile.timings
+        row["method"] = profile.method
+        bisection = _guarded(
+            errors,
+            f"{label} bisection",
+            lambda: run_bisection(case, make_device(), limit=1 << 16),
+        )
+        if bisection is not None:
+            row["bisection"] = bisection
         estimator = (
             _guarded(
                 errors,
@@ -308,9 +318,36 @@ def format_estimator(items: list[dict[str, Any]]) -> str:
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
     return {
-        key: dataclasses.asdict(value) if isinstance(value, ToolResult) else value
+        key: dataclasses.asdict(value) if isinstance(value, (ToolResult, ProbeTimings)) else value
         for key, value in row.items()
     }
+
+
+def format_timings(rows: list[dict[str, Any]]) -> str:
+    """autobatch's wall time by part (Profile.timings) beside plain bisection over real steps."""
+    header = (
+        f"{'case':<18} {'capacity':>9} {'road':<8} {'total s':>8} {'estimate':>9} "
+        f"{'fake':>4} {'s/fake':>7} {'real s':>8} {'trials':>6} {'s/real':>7} "
+        f"{'cleanup':>8} {'bisect s':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        timings: ProbeTimings | None = row.get("timings")
+        if timings is None:
+            continue
+        fakes = timings.fake_step_seconds
+        trials = timings.trial_seconds
+        bisection: ToolResult | None = row.get("bisection")
+        lines.append(
+            f"{row['case']:<18} {format_capacity(row['capacity_bytes']):>9} "
+            f"{row.get('method', ''):<8} {timings.total_seconds:>8.3f} "
+            f"{timings.estimate_seconds:>9.3f} {len(fakes):>4} "
+            f"{(sum(fakes) / len(fakes) if fakes else 0):>7.3f} {sum(trials):>8.3f} "
+            f"{len(trials):>6} {(sum(trials) / len(trials) if trials else 0):>7.3f} "
+            f"{sum(timings.cleanup_seconds):>8.3f} "
+            f"{(bisection.seconds if bisection is not None else float('nan')):>8.3f}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Estimator (fake tensors) vs measured peak at the same micro-batch:")
     print(format_estimator(estimator))
+    print()
+    print(
+        "Probe wall time by part (Profile.timings, device clock) beside plain bisection over "
+        "real steps (1..65536):"
+    )
+    print(format_timings(rows))
     print()
     print("Search for the largest micro-batch (found / exhaustive max; trials, steps, OOMs):")
     print(format_table(rows))

@@ -22,17 +22,33 @@ is a bisection over real steps. Goals (issue 10): autobatch finds the true max e
 pattern, within ``ceil(log2(limit)) + 3`` search trials (its warm-up and the chosen size's second
 step aside).
 
+Goals (issue 27), on every failure pattern: autobatch's failures no more than the best peer's
+(among the peers that found the true max: a smaller answer in fewer trials is not a better
+search), its search trials no more than the best such peer's trials plus 2.
+
+Then wall time in two regimes (issue 27), on simulated cards whose real steps count a set time on
+the device's clock (``SimulatedDevice(step_seconds=...)``; the fake-tensor estimate and every
+tool's own overhead count as they pass): ``gpu``, a real step much cheaper than a fake one
+(5 ms; a fake step of the benchmark's models costs 12 to 180 ms here), and ``cpu``, dearer
+(100 ms; GPT-2 124M here: 2.5 s a real step, 1 s a fake one).
+Beside autobatch: Lightning, Accelerate, plain bisection over real steps (the floor of a search
+without an estimate) and "estimate then confirm" (the estimate and the trials of autobatch's run
+that took that road, in the cpu regime, its steps counted at the regime's cost). Goal: autobatch
+within 1.2x of the cheaper of bisection and estimate-then-confirm, and below both peers.
+
 Usage::
 
     .venv/bin/python bench/probe_vs_peers.py            # 5 models x 2 capacities
     .venv/bin/python bench/probe_vs_peers.py --quick    # 1 model x 1 capacity, 1 pattern
     .venv/bin/python bench/probe_vs_peers.py --patterns-only
+    .venv/bin/python bench/probe_vs_peers.py --regimes-only --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import math
 import os
 import sys
@@ -57,6 +73,7 @@ from bench._peers import (
     median,
     run_accelerate,
     run_autobatch,
+    run_bisection,
     run_exhaustive,
     run_lightning,
     summarize,
@@ -79,7 +96,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--patterns-only", action="store_true", help="only the failure patterns (no models)"
     )
+    parser.add_argument("--no-regimes", action="store_true", help="skip the wall-time regimes")
+    parser.add_argument(
+        "--regimes-only", action="store_true", help="only the wall-time regimes (gpu, cpu)"
+    )
     return parser.parse_args(argv)
+
+
+REGIMES: dict[str, float] = {"gpu": 0.005, "cpu": 0.1}
+"""Simulated seconds of one real step in each regime (``SimulatedDevice(step_seconds=...)``)."""
 
 
 def targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
@@ -123,10 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         plan = plan[:1]
     started = time.perf_counter()
-    if not args.patterns_only:
+    if not args.patterns_only and not args.regimes_only:
         run_models(plan, args)
-    if not args.no_patterns:
+    if not args.no_patterns and not args.regimes_only:
         run_patterns(PATTERNS[:1] if args.quick else PATTERNS)
+    if not args.no_regimes and not args.patterns_only:
+        # one capacity per model (the first), and the first failure pattern
+        firsts = [(c, cap) for i, (c, cap) in enumerate(plan) if plan[i - 1][0] != c or i == 0]
+        run_regimes(
+            [(c.name, c, cap, 1 << 16) for c, cap in firsts]
+            + [(p.name, p.case, p.capacity_bytes, p.limit) for p in PATTERNS[:1]],
+            args,
+        )
     print(f"total {time.perf_counter() - started:.1f} s")
     return 0
 
@@ -169,7 +202,8 @@ def run_models(plan: list[tuple[Any, int]], args: argparse.Namespace) -> None:
     print(
         "Simulated device (real step on CPU, OOM over the capacity); found = largest micro-batch "
         "reported; ratio = found / exhaustive max; trials = sizes tried (warm-up included); "
-        "steps = training steps run (OOMs included)."
+        "steps = training steps run (OOMs included); seconds on the device's clock, each real "
+        "step counted at 1 s (SimulatedDevice's default step_seconds: a CPU-like regime)."
     )
     print(format_table(rows))
     print()
@@ -231,6 +265,156 @@ def run_patterns(patterns: tuple[Pattern, ...]) -> None:
         f"goal {'MET   ' if exact else 'MISSED'} autobatch found / true max = 1.000 in every "
         f"pattern: min {min(ratios):.3f}"
     )
+    for row in rows:
+        exact = [
+            row[t]
+            for t in ("lightning", "accelerate")
+            if row[t].micro_batch_size == row["true_max"]
+        ]
+        if not exact:
+            print(f"goal n/a    {row['pattern'].name}: no peer found the true max")
+            continue
+        peers = exact
+        best_fails = min(p.num_ooms for p in peers)
+        best_trials = min(p.num_trials for p in peers)
+        met = row["autobatch_fails"] <= best_fails and row["search_trials"] <= best_trials + 2
+        print(
+            f"goal {'MET   ' if met else 'MISSED'} {row['pattern'].name}: autobatch "
+            f"{row['autobatch_fails']} failures (best peer {best_fails}), "
+            f"{row['search_trials']} search trials (best peer {best_trials}, + 2 allowed)"
+        )
+
+
+def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace) -> None:
+    """Wall time on the device's clock, each tool on a fresh simulated card per regime.
+
+    Each tool's time is its search's (``ToolResult.seconds`` on the card's clock: the model's
+    construction and the release afterwards left out). The peers and the bisection run with the
+    objects that exist before them frozen out of the garbage collector (``gc.freeze``), as
+    autobatch's probe does for itself: their ``gc.collect()`` after each OOM then walks only
+    what they created, not the whole process (torch, Lightning, transformers), which here would
+    cost them about 0.3 s an OOM.
+    """
+    rows: list[dict[str, Any]] = []
+    _, warm_case, warm_capacity, _ = cases[0]  # first steps in a process pay one-time costs
+    run_bisection(warm_case, SimulatedDevice(capacity_bytes=warm_capacity), limit=64)
+    for name, case, capacity, limit in cases:
+        runs: dict[str, dict[str, Any]] = {}
+        for regime, step_seconds in REGIMES.items():
+            print(f"{name} @ {regime} ...", file=sys.stderr, flush=True)
+            timed: dict[str, Any] = {}
+            bisection = _timed(
+                timed,
+                "bisection",
+                capacity,
+                step_seconds,
+                lambda card, case=case, limit=limit: run_bisection(case, card, limit=limit),
+            )
+            ours = _timed(
+                timed,
+                "autobatch",
+                capacity,
+                step_seconds,
+                lambda card, case=case, limit=limit: run_autobatch(
+                    case, card, max_micro_batch_size=limit
+                ),
+            )
+            timed["profile"] = ours[1]
+            _timed(
+                timed,
+                "lightning",
+                capacity,
+                step_seconds,
+                lambda card, case=case: _peer(
+                    "lightning", functools.partial(run_lightning, case, card, accelerator="cpu")
+                ),
+            )
+            begin = (
+                2 * max(bisection.micro_batch_size, 1)
+                if args.accelerate_start == "2x"
+                else int(args.accelerate_start)
+            )
+            _timed(
+                timed,
+                "accelerate",
+                capacity,
+                step_seconds,
+                lambda card, case=case, begin=begin: _peer(
+                    "accelerate",
+                    functools.partial(run_accelerate, case, card, starting_micro_batch_size=begin),
+                ),
+            )
+            runs[regime] = timed
+        estimated = runs["cpu"]["profile"]
+        cpu_total = runs["cpu"]["autobatch"][1]  # the estimate's road, re-priced per regime
+        for regime, step_seconds in REGIMES.items():
+            road = None
+            if estimated.method == "probe":  # the cpu run took the estimate's road: re-priced
+                road = cpu_total + estimated.num_trials * (step_seconds - REGIMES["cpu"])
+            rows.append({"name": name, "regime": regime, "road": road, **runs[regime]})
+    print()
+    print(
+        "Wall time by regime (simulated card: a real step counts gpu 5 ms, cpu 100 ms on the "
+        "device's clock; everything else as it passes); est+confirm = autobatch's estimate and "
+        "trials of its cpu-regime run, steps at this regime's cost. autobatch's split: "
+        "estimate / real trials (count) / clean-ups."
+    )
+    header = (
+        f"{'case':<16} {'regime':<6} {'autobatch':>10} {'est+conf':>9} {'bisect':>9} "
+        f"{'lightning':>10} {'accelerate':>10} {'vs floor':>8}  autobatch split"
+    )
+    print(header)
+    print("-" * len(header))
+    within, below = True, True
+    for row in rows:
+        ours = row["autobatch"][1]
+        floor = min(row["bisection"][1], row["road"] if row["road"] is not None else math.inf)
+        ratio = ours / floor
+        within &= ratio <= 1.2
+        below &= ours < row["lightning"][1] and ours < row["accelerate"][1]
+        timings = row["profile"].timings
+        split = (
+            f"{timings.estimate_seconds:.3f} / {sum(timings.trial_seconds):.3f} "
+            f"({len(timings.trial_seconds)}) / {sum(timings.cleanup_seconds):.3f} "
+            f"[{row['profile'].method}]"
+        )
+        road = f"{row['road']:.3f}" if row["road"] is not None else "n/a"
+        print(
+            f"{row['name']:<16} {row['regime']:<6} {ours:>10.3f} {road:>9} "
+            f"{row['bisection'][1]:>9.3f} {row['lightning'][1]:>10.3f} "
+            f"{row['accelerate'][1]:>10.3f} {ratio:>7.2f}x  {split}"
+        )
+    print()
+    print(
+        f"goal {'MET   ' if within else 'MISSED'} autobatch within 1.2x of the cheaper of "
+        "estimate-then-confirm and bisection over real steps, in both regimes"
+    )
+    print(f"goal {'MET   ' if below else 'MISSED'} autobatch below Lightning and Accelerate")
+
+
+def _timed(
+    timed: dict[str, Any],
+    tool: str,
+    capacity: int,
+    step_seconds: float,
+    run: Callable[[SimulatedDevice], Any],
+) -> Any:
+    """``run`` on a fresh card of ``step_seconds`` a real step; ``timed[tool]`` gets (result, its
+    search's seconds on the card's clock). Every tool but autobatch (whose probe does it for
+    itself) runs with the objects that exist before it frozen out of the collector."""
+    card = SimulatedDevice(capacity_bytes=capacity, step_seconds=step_seconds)
+    gc.collect()
+    freeze = tool != "autobatch"
+    if freeze:
+        gc.freeze()
+    try:
+        result = run(card)
+    finally:
+        if freeze:
+            gc.unfreeze()
+    found = result[0] if isinstance(result, tuple) else result
+    timed[tool] = (result, found.seconds)
+    return result
 
 
 def _peer(tool: str, run: Callable[[], ToolResult]) -> ToolResult:

@@ -350,6 +350,20 @@ class GradientSyncFields(_Strict):
     num_micro_steps: int = Field(default=1, ge=1, le=1000)
 
 
+Seconds = Annotated[float, Field(ge=0, le=1e9)]
+
+
+class ProbeTimingsFields(_Strict):
+    """``autobatch.profile.ProbeTimings``: where a probe's time went, in seconds."""
+
+    total_seconds: Seconds
+    estimate_seconds: Seconds = 0.0
+    fake_step_seconds: list[Seconds] = Field(default_factory=list, max_length=10000)
+    trial_seconds: list[Seconds] = Field(default_factory=list, max_length=10000)
+    cleanup_seconds: list[Seconds] = Field(default_factory=list, max_length=10000)
+    clock: Literal["wall", "simulated"] = "wall"
+
+
 class ProfileBase(_Strict):
     """A probe result (``autobatch.Profile.to_dict()``)."""
 
@@ -398,6 +412,11 @@ class ProfileBase(_Strict):
         default="",
         description="The machine the profile was measured on (a Kubernetes or Slurm node, or "
         "the host name); device_name is the card type. Empty when not recorded.",
+    )
+    timings: ProbeTimingsFields | None = Field(
+        default=None,
+        description="Where the probe's time went: the estimate, each real trial, each clean-up "
+        "after a failure (left out: not recorded).",
     )
 
 

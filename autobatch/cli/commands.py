@@ -447,6 +447,8 @@ def _print_plan(
             f"{profile.num_ooms} OOM, {profile.method})",
             file=out,
         )
+        if profile.timings is not None:
+            print(f"probe time       {profile.timings.describe()}", file=out)
         _print_limit_note(profile, out, flag_limit=flag_limit)
     print(f"micro_batch_size             {result.micro_batch_size}", file=out)
     print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,3 +137,6 @@ class CpuDevice:
 
     def synchronize(self) -> None:
         return None
+
+    def clock(self) -> float:
+        return time.perf_counter()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -319,6 +320,9 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)
+
+    def clock(self) -> float:
+        return time.perf_counter()
 
     def __repr__(self) -> str:
         return f"CudaDevice(cuda_index={self._cuda_index})"

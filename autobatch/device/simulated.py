@@ -5,6 +5,12 @@ Tests, demos and benchmarks use it (``--device sim:2GiB``) to exercise the probe
 models without a GPU. Every storage counts rounded up to 512 B, the CUDA allocator's smallest
 block; there is no cache, so peak reserved equals peak allocated.
 
+Its clock (:meth:`SimulatedDevice.clock`, which the probe times itself with) counts each real step
+at ``step_seconds`` rather than the time it took on the CPU, while everything else (the
+fake-tensor estimate, clean-ups) counts as it passes: a small ``step_seconds`` puts the probe
+where real steps are much cheaper than fake ones (a GPU), a large one where they are dearer (a
+CPU), deterministically.
+
 Example::
 
     device = SimulatedDevice(capacity_bytes=2 * 2**30)
@@ -14,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -31,7 +38,12 @@ from autobatch.device.types import Capacity, PeakMemory
 from autobatch.errors import ConfigError
 from autobatch.units import format_bytes
 
-__all__ = ["SimulatedDevice"]
+__all__ = ["DEFAULT_STEP_SECONDS", "SimulatedDevice"]
+
+DEFAULT_STEP_SECONDS = 1.0
+"""Simulated seconds a real step counts by default: a dear step, as a model's on a CPU (GPT-2
+124M took 2.5 s per step at micro-batch 1 on 2 cores here), so by default the probe's estimate
+pays for itself as it does on a CPU."""
 
 
 class SimulatedDevice:
@@ -52,10 +64,13 @@ class SimulatedDevice:
             0.5 for two trials on one card: the budget is ``gpu_fraction * capacity_bytes``
             when that is smaller than what is free. Declared, not enforced: as on a real card,
             a step may go past it, and the probe counts such a step as over the capacity.
+        step_seconds: seconds each real step (one :meth:`measure` block) counts on the device's
+            :meth:`clock`, instead of the time it took on the CPU (>= 0); None for the wall
+            clock.
 
     Raises:
-        ConfigError: a size is not positive, the foreign bytes leave nothing, or
-            ``gpu_fraction`` is not in (0, 1].
+        ConfigError: a size is not positive, the foreign bytes leave nothing,
+            ``gpu_fraction`` is not in (0, 1], or ``step_seconds`` is negative.
     """
 
     def __init__(
@@ -66,6 +81,7 @@ class SimulatedDevice:
         name: str = "sim",
         defer_oom: bool = False,
         gpu_fraction: float | None = None,
+        step_seconds: float | None = DEFAULT_STEP_SECONDS,
     ) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes {capacity_bytes} must be > 0, e.g. 2 * 2**30")
@@ -78,6 +94,11 @@ class SimulatedDevice:
         self._name = name
         self._defer_oom = defer_oom
         self._gpu_fraction = check_gpu_fraction(gpu_fraction)
+        if step_seconds is not None and not step_seconds >= 0:
+            raise ConfigError(f"step_seconds {step_seconds} must be >= 0 (or None: wall clock)")
+        self._step_seconds = step_seconds
+        self._clock_offset = 0.0
+        """Simulated minus wall seconds: each step adds its simulated cost, less its real one."""
         self.num_ooms = 0
         """OutOfMemoryErrors raised so far."""
 
@@ -137,6 +158,7 @@ class SimulatedDevice:
             name=self._name,
             defer_oom=self._defer_oom,
             gpu_fraction=gpu_fraction,
+            step_seconds=self._step_seconds,
         )
 
     def _out_of_memory(self, requested_bytes: int, live_bytes: int) -> torch.OutOfMemoryError:
@@ -161,6 +183,7 @@ class SimulatedDevice:
         )
         tracker.add_resident(resident)
         peak = PeakMemory()
+        started = time.perf_counter()
         try:
             if tracker.live_bytes > usable:
                 raise self._out_of_memory(0, tracker.live_bytes)
@@ -168,6 +191,8 @@ class SimulatedDevice:
                 yield peak
         finally:
             peak.allocated_bytes = peak.reserved_bytes = tracker.peak_bytes
+            if self._step_seconds is not None:
+                self._clock_offset += self._step_seconds - (time.perf_counter() - started)
         if tracker.peak_bytes > usable:  # only with defer_oom: the step ran to its end
             raise self._out_of_memory(tracker.peak_bytes - usable, usable)
 
@@ -179,6 +204,7 @@ class SimulatedDevice:
             name=self._name,
             defer_oom=True,
             gpu_fraction=self._gpu_fraction,
+            step_seconds=self._step_seconds,
         )
 
     def release(self) -> None:
@@ -186,3 +212,12 @@ class SimulatedDevice:
 
     def synchronize(self) -> None:
         return None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Simulated seconds a real step counts on :meth:`clock`; None: the wall clock."""
+        return self._step_seconds
+
+    def clock(self) -> float:
+        """``time.perf_counter()``, with each real step counted at ``step_seconds``."""
+        return time.perf_counter() + self._clock_offset

@@ -165,3 +165,9 @@ class Device(Protocol):
         ...
 
     def synchronize(self) -> None: ...
+
+    def clock(self) -> float:
+        """Seconds on a monotonic clock, for the probe's timings and its choice of road
+        (``time.perf_counter()`` on real devices; a simulated device may count its real steps
+        at a set cost instead)."""
+        ...

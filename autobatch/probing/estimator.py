@@ -129,6 +129,10 @@ class FakeStep:
             step_on_overflow=True,
         )
         self.num_steps = 0
+        self.step_seconds: list[float] = []
+        """Each fake step's wall time (the warm-up's first), seconds."""
+        self.stopped_early = False
+        """:func:`estimate_points` stopped at its time budget before the boundary was found."""
         self.min_micro_batch_size = 1
         """Smallest size the step can train at (2 when BatchNorm refuses one sample)."""
         self._warmed_up = False
@@ -151,6 +155,7 @@ class FakeStep:
         train (BatchNorm needs more than one value per channel)."""
         if self._warmed_up:
             return
+        started = time.perf_counter()
         try:
             with self._tracing(LiveBytes()):
                 self.step.run(self.source.make(1))
@@ -161,6 +166,7 @@ class FakeStep:
             with self._tracing(LiveBytes()):
                 self.step.run(self.source.make(2))
         self.num_steps += 1
+        self.step_seconds.append(time.perf_counter() - started)
         self._warmed_up = True
 
     def resident(self) -> list[torch.Tensor]:
@@ -194,11 +200,13 @@ class FakeStep:
             EstimateUnavailableError: the step cannot run on fake tensors.
         """
         self.warm_up()
+        started = time.perf_counter()
         tracker = LiveBytes()
         tracker.add_resident(self.resident())
         with self._tracing(tracker):
             self.step.run(self.source.make(micro_batch_size))
         self.num_steps += 1
+        self.step_seconds.append(time.perf_counter() - started)
         return tracker.peak_bytes
 
 
@@ -315,13 +323,30 @@ def estimate(
 
 
 def estimate_points(
-    fake: FakeStep, *, capacity_bytes: int, max_micro_batch_size: int
+    fake: FakeStep,
+    *,
+    capacity_bytes: int,
+    max_micro_batch_size: int,
+    budget_seconds: float | None = None,
 ) -> list[Point]:
-    """Fake trials until the boundary under ``capacity_bytes`` is found (see module doc)."""
+    """Fake trials until the boundary under ``capacity_bytes`` is found (see module doc).
+
+    Args:
+        fake: the fake step.
+        capacity_bytes, max_micro_batch_size: the search's capacity and limit.
+        budget_seconds: the most the fake steps may take in all (None: no bound). No fake step
+            starts when the steps so far plus one more of their mean length would exceed it; the
+            search then stops (``fake.stopped_early``), its points so far returned. The warm-up
+            fake step always runs.
+    """
     points: list[Point] = []
     fake.warm_up()
     size: int | None = min(fake.min_micro_batch_size, max_micro_batch_size)
     while size is not None:
+        spent = sum(fake.step_seconds)
+        if budget_seconds is not None and spent + spent / len(fake.step_seconds) > budget_seconds:
+            fake.stopped_early = True
+            break
         peak = fake.peak_bytes(size)
         points.append(Point(micro_batch_size=size, fits=peak <= capacity_bytes, peak_bytes=peak))
         if len(points) == 1 and points[0].fits:

@@ -2,25 +2,35 @@
 
 1. **Capacity** from the device (CUDA: NVML free + torch reserved, capped by the per-process
    fraction; simulated: its capacity less foreign bytes).
-2. **Estimate** on fake tensors (:mod:`autobatch.probing.estimator`): a predicted size and a memory
-line,
-   with nothing allocated. When the step cannot run on fake tensors the probe says so in the
-   profile's notes and falls back to doubling-then-bisect.
-3. **Confirm and bisect** with real steps (:mod:`autobatch.probing.search`): typically a warm-up at
-   micro-batch 1 (creates the optimizer state, so every measured step runs with it, as in
-   training), the predicted size, and one size above it. The search is safeguarded: whatever the
+2. **Warm-up**: one real step at micro-batch 1 creates the optimizer state (so every measured step
+   runs with it, as in training) and says what a real step costs here.
+3. **Estimate** on fake tensors (:mod:`autobatch.probing.estimator`): a predicted size and a memory
+   line, with nothing allocated, *when it pays*. The rule: the estimate may cost what it can
+   save, ``(ceil(log2(limit)) - 2)`` real steps at the warm-up's measured time
+   (:func:`~autobatch.probing.search.estimate_budget_seconds`: bisection's trials against the
+   estimate's usual two). It does not start when :data:`EXPECTED_FAKE_STEPS` fake steps of the
+   predicted length (:data:`FAKE_STEP_SECONDS_PER_TENSOR` per parameter tensor) would cost
+   more, and it stops before a fake step that would take it over (the mean of its steps so far
+   as the next one's length); what it found by then still guides the search. On a CPU, where a
+   real step is dear, it runs; on a GPU, where a real step takes milliseconds and a fake one
+   the same CPU time as anywhere, the search goes on with real steps. Without a warm-up (the
+   optimizer already has state) no real step was timed and the estimate runs. When the step
+   cannot run on fake tensors the probe says so in the profile's notes and falls back to
+   doubling-then-bisect.
+4. **Confirm and bisect** with real steps (:mod:`autobatch.probing.search`): typically the
+   predicted size, and one size above it. The search is safeguarded: whatever the
    peaks and the estimate say, it finds the exact max within ``ceil(log2(limit)) + 3`` trials
    besides the warm-up. Each measured peak is set beside the estimate's; an estimate off by more
    than :data:`UNRELIABLE_ESTIMATE` is said so in the notes and no longer steers the search.
-4. **OOM** (classified by :func:`autobatch.device.oom.is_oom`) marks a size too big; after it, no
+5. **OOM** (classified by :func:`autobatch.device.oom.is_oom`) marks a size too big; after it, no
    reference to the failed step survives (gradients dropped, ``gc.collect()`` then the allocator
    cache emptied). Any other exception is not OOM: at the first trial it is re-raised as
    :class:`~autobatch.errors.StepFailedError`; later it is an upper bound (a kernel's launch
    limit, say): the search goes on below it, and the profile names the size and the error.
-5. **Leave no trace** (:mod:`autobatch.probing.snapshot`): parameters, buffers, gradients,
+6. **Leave no trace** (:mod:`autobatch.probing.snapshot`): parameters, buffers, gradients,
 optimizer state,
    train/eval flags and RNG states are restored bitwise.
-6. **Ranks agree** through a :class:`Consensus` (one process: :class:`LocalConsensus`; under
+7. **Ranks agree** through a :class:`Consensus` (one process: :class:`LocalConsensus`; under
    torch.distributed: :class:`autobatch.distributed.consensus.ProcessGroupConsensus`): every rank
    runs the
    same sizes in the same order, a size fits only if it fits on every rank (the capacity searched
@@ -41,7 +51,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autobatch.device import Capacity, Device, node_name, resolve_device
+from autobatch.device import Capacity, Device, SimulatedDevice, node_name, resolve_device
 from autobatch.distributed.consensus import Consensus
 from autobatch.distributed.fake_backend import process_groups_faked, reshard_fsdp2
 from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
@@ -54,6 +64,7 @@ from autobatch.probing.parallel import trial_context
 from autobatch.probing.placement import model_device
 from autobatch.probing.search import (
     bracket,
+    estimate_budget_seconds,
     fit_memory_model,
     fit_wide_line,
     next_micro_batch_size,
@@ -63,12 +74,29 @@ from autobatch.probing.snapshot import Snapshot, objects_frozen
 from autobatch.probing.step import LossFn, TrainStep
 from autobatch.probing.trials import TrialLog, TrialRunner
 from autobatch.probing.worst_case import WorstCaseSample
-from autobatch.profile import MemoryModel, Profile, StopKind, Trial
+from autobatch.profile import MemoryModel, ProbeTimings, Profile, StopKind, Trial
 from autobatch.units import format_bytes
 
-__all__ = ["Prober", "probe", "run_confirmation", "run_probe"]
+__all__ = [
+    "EXPECTED_FAKE_STEPS",
+    "FAKE_STEP_SECONDS_PER_TENSOR",
+    "Prober",
+    "probe",
+    "run_confirmation",
+    "run_probe",
+]
 
 T = TypeVar("T")
+
+FAKE_STEP_SECONDS_PER_TENSOR = 0.006
+"""Predicted seconds of one fake step per parameter tensor of the model, before any fake step has
+run (measured here, 2 shared CPU cores, torch 2.13: 4 to 9 ms per tensor for the benchmark's tiny
+models, 6.8 ms for GPT-2 124M's 148 tensors: 8 fake steps in 8.0 s). A prediction: the
+estimate's own steps replace it once the first has run."""
+
+EXPECTED_FAKE_STEPS = 6
+"""Fake steps an estimate usually takes: its warm-up, micro-batch 1, 64, then a few secant steps
+to the boundary (5 to 8 for the benchmark's models)."""
 
 
 def probe(
@@ -250,8 +278,11 @@ class Prober:
         self.optimizer = optimizer
         self.log = TrialLog()
         self.runner = TrialRunner(step, options, optimizer=optimizer, log=self.log)
+        if self._estimate_refusal() is None:
+            self.runner.static_bytes_hint = self._fake_static_bytes
         self.estimated = False
         """An estimate started the search (even if later found unreliable)."""
+        self._started = options.device.clock()
 
     def run(self) -> Profile:
         if self.options.compiled == "measured":
@@ -302,13 +333,13 @@ class Prober:
 
     def _search(self) -> Profile:
         agreed_capacity = self.runner.start()
-        self.log.prior, first = self._estimate(agreed_capacity)
-        self.estimated = self.log.prior is not None
         if (
             self.runner.needs_state()
             and not self.options.consensus.min_ints([int(bool(self.optimizer.state))])[0]
         ):
             self.runner.warm_up()
+        self.log.prior, first = self._estimate(agreed_capacity)
+        self.estimated = self.log.prior is not None
         size = self.runner.agree_size(first) if first is not None else self._next_size()
         while True:
             while size is not None:
@@ -368,61 +399,119 @@ class Prober:
             )
         return fits
 
-    def _estimate(self, capacity: Capacity) -> tuple[MemoryModel | None, int | None]:
-        """Prior memory line and first size to try, from fake tensors (None, None without)."""
+    def _estimate_refusal(self) -> str | None:
+        """Why the estimate cannot be used for this probe (a note), None when it can."""
         if not self.options.use_estimate:
-            self.log.notes.append("estimate not used (use_estimate=False): doubling-then-bisect")
-            return None, None
+            return "estimate not used (use_estimate=False): doubling-then-bisect"
         if self.options.eval:
-            self.log.notes.append(
+            return (
                 "estimate not used: the estimate traces a training step; the evaluation "
                 "micro-batch was found by doubling-then-bisect"
             )
-            return None, None
         if self.step.step_includes_update:
             # The train_step steps the user's own optimizer, over the real parameters: on a fake
             # copy of the model it would create no optimizer state, and the estimate would be low.
-            self.log.notes.append(
+            return (
                 "estimate not used: a train_step that updates by itself (step_includes_update) "
                 "cannot run on a fake copy of the model; used doubling-then-bisect"
             )
-            return None, None
         if self.options.layout:
-            self.log.notes.append(
+            return (
                 f"estimate not used: the step of a model sharded with {self.options.layout} runs "
                 "collectives, which a fake copy cannot; used doubling-then-bisect"
             )
+        return None
+
+    def _fake_step(self) -> FakeStep:
+        return FakeStep(
+            self.step.model,
+            self.optimizer,
+            self.step.source,
+            loss_fn=self.step.loss_fn,
+            train_step=self.step.train_step,
+            step_includes_update=self.step.step_includes_update,
+            amp_dtype=self.step.amp_dtype,
+        )
+
+    def _fake_static_bytes(self) -> int:
+        """Resident bytes after one fake step (weights, optimizer state); 0 when it cannot run."""
+        try:
+            with process_groups_faked():
+                fake = self._fake_step()
+                fake.warm_up()
+        except (EstimateUnavailableError, PeerObjectError):
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in fake.resident())
+
+    def _estimate(self, capacity: Capacity) -> tuple[MemoryModel | None, int | None]:
+        """Prior memory line and first size to try, from fake tensors (None, None without)."""
+        refusal = self._estimate_refusal()
+        if refusal is not None:
+            self.log.notes.append(refusal)
             return None, None
+        timed = zip(self.log.trials, self.log.trial_seconds, strict=True)
+        real_step_seconds = next((s for t, s in timed if t.warm_up), None)
+        budget = (
+            None
+            if real_step_seconds is None
+            else estimate_budget_seconds(
+                limit=self.options.max_micro_batch_size, real_step_seconds=real_step_seconds
+            )
+        )
+        if budget is not None:
+            num_tensors = sum(1 for _ in self.step.model.parameters())
+            predicted = EXPECTED_FAKE_STEPS * FAKE_STEP_SECONDS_PER_TENSOR * num_tensors
+            # Every rank takes the same road (the fake steps run no collective, the real do).
+            if not self.options.consensus.min_ints([int(predicted <= budget)])[0]:
+                self.log.notes.append(
+                    f"estimate not run: its {EXPECTED_FAKE_STEPS} fake steps would take about "
+                    f"{predicted:.3g} s (predicted: {FAKE_STEP_SECONDS_PER_TENSOR * 1000:g} ms "
+                    f"per parameter tensor, {num_tensors} tensors), more than the "
+                    f"{budget:.3g} s of real steps it can save (a real step took "
+                    f"{real_step_seconds:.3g} s); searched with real steps"
+                )
+                return None, None
+        started = self.options.device.clock()
         try:
             # The fake steps' collectives on real tensors (an object collective pickles into
             # one) would reach the other ranks, which may estimate differently: none leaves.
             with process_groups_faked():
-                fake = FakeStep(
-                    self.step.model,
-                    self.optimizer,
-                    self.step.source,
-                    loss_fn=self.step.loss_fn,
-                    train_step=self.step.train_step,
-                    step_includes_update=self.step.step_includes_update,
-                    amp_dtype=self.step.amp_dtype,
-                )
+                fake = self._fake_step()
                 points = estimate_points(
                     fake,
                     capacity_bytes=capacity.capacity_bytes,
                     max_micro_batch_size=self.options.max_micro_batch_size,
+                    budget_seconds=budget,
                 )
         except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it
+            self.log.estimate_seconds = self.options.device.clock() - started
             self.log.notes.append(f"estimate unavailable ({exc}); used doubling-then-bisect")
             return None, None
+        self.log.estimate_seconds = self.options.device.clock() - started
+        self.log.fake_step_seconds = list(fake.step_seconds)
         self.log.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
-        lo, _ = bracket(points)
+        lo, hi = bracket(points)
         prior = fit_wide_line(points)
-        self.log.notes.append(
-            f"estimate: micro-batch {lo} fits in {format_bytes(capacity.capacity_bytes)} "
-            f"({fake.num_steps} fake steps)"
-        )
+        first: int | None = max(lo, 1)
+        if fake.stopped_early:
+            first = lo if lo > 1 else None  # None: the search proposes
+            if prior is not None:  # the line so far proposes; the safeguarded search checks
+                top = self.options.max_micro_batch_size if hi is None else hi - 1
+                predicted = prior.max_micro_batch_size(capacity.capacity_bytes)
+                first = max(first or 1, min(predicted, top))
+            self.log.notes.append(
+                f"estimate stopped after {fake.num_steps} fake steps ({sum(fake.step_seconds):.3g}"
+                f" s), at the {budget:.3g} s of real steps it can save (a real step took "
+                f"{real_step_seconds:.3g} s): micro-batch {lo} fits, the search starts at "
+                f"{first or 'its own proposal'}"
+            )
+        else:
+            self.log.notes.append(
+                f"estimate: micro-batch {lo} fits in {format_bytes(capacity.capacity_bytes)} "
+                f"({fake.num_steps} fake steps)"
+            )
         del fake
-        return prior, max(lo, 1)
+        return prior, first
 
     def _compare_with_estimate(self) -> None:
         """One note setting the estimated peak beside the measured one at each confirmed size."""
@@ -485,6 +574,20 @@ class Prober:
             conditions=with_optimizer_state(self.options.conditions, self.optimizer),
             gradient_sync=self.options.gradient_sync,
             node_name=node_name(),
+            timings=self._timings(),
+        )
+
+    def _timings(self) -> ProbeTimings:
+        """The time so far by part, on the device's clock."""
+        device = self.options.device
+        simulated = isinstance(device, SimulatedDevice) and device.step_seconds is not None
+        return ProbeTimings(
+            total_seconds=max(0.0, device.clock() - self._started),
+            estimate_seconds=max(0.0, self.log.estimate_seconds),
+            fake_step_seconds=tuple(self.log.fake_step_seconds),
+            trial_seconds=tuple(self.log.trial_seconds),
+            cleanup_seconds=tuple(self.log.cleanup_seconds),
+            clock="simulated" if simulated else "wall",
         )
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -114,6 +115,14 @@ class TrialLog:
     """The estimate's memory line; dropped when a measured peak shows it unreliable."""
     estimated_static_bytes: int = 0
     """The estimate's resident bytes (weights, optimizer state), for DoesNotFitError's text."""
+    trial_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Each trial's time on the device's clock (one per entry of ``trials``), clean-up aside."""
+    cleanup_seconds: list[float] = dataclasses.field(default_factory=list)
+    """The clean-up after each trial on the device's clock (0 where the step ran)."""
+    estimate_seconds: float = 0.0
+    """The estimate in all, on the device's clock (0: it did not run)."""
+    fake_step_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Each fake step of the estimate."""
 
 
 class TrialRunner:
@@ -148,6 +157,10 @@ class TrialRunner:
         self.device = options.device
         self.consensus = options.consensus
         self.limit = options.max_micro_batch_size
+        self.static_bytes_hint: Callable[[], int] | None = None
+        """The resident bytes (weights, optimizer state) a fake step shows, for
+        DoesNotFitError's text when the warm-up does not fit before any estimate ran (the
+        optimizer's real state is dropped with the failed step); None: none."""
         scaler = None
         if step.amp_dtype == torch.float16:
             scaler = torch.amp.GradScaler(self.device.torch_device.type)
@@ -322,6 +335,7 @@ class TrialRunner:
         )
         calls = MAX_WARM_UP_CALLS if must_update and self.spec.step_includes_update else 1
         calls_run = 0
+        clock_started = self.device.clock()
         started = time.perf_counter()
         try:
             with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
@@ -345,14 +359,18 @@ class TrialRunner:
                 )
                 fatal.__cause__ = exc
         seconds = time.perf_counter() - started
+        trial_seconds = self.device.clock() - clock_started
         self.log.num_steps += calls_run
         skipped_update = train and outcome.ran and not updates.count
         if skipped_update and must_update:
             outcome = Outcome.FAILED
             error = f"no optimizer step in {calls_run} calls"
             fatal = self._never_updated(size, calls_run)
+        cleanup_seconds = 0.0
         if not outcome.ran:
+            cleanup_started = self.device.clock()
             self._clean_up_after_failure()
+            cleanup_seconds = self.device.clock() - cleanup_started
         measured = peak.reserved_bytes if peak is not None and outcome.ran else 0
         if outcome is Outcome.OVER_CAPACITY:
             error = (
@@ -391,6 +409,8 @@ class TrialRunner:
             ),
         )
         self.log.trials.append(trial)
+        self.log.trial_seconds.append(max(0.0, trial_seconds))
+        self.log.cleanup_seconds.append(max(0.0, cleanup_seconds))
         peak_bytes = agreed.peak_bytes
         if repeat:  # the size's outcome is both steps'
             first_peaks = [p.peak_bytes for p in self.log.points if p.micro_batch_size == size]
@@ -469,9 +489,10 @@ class TrialRunner:
         grads = sum(
             p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
         )
-        static = max(
-            self.log.estimated_static_bytes + grads, _static_bytes(self.model, self.optimizer)
-        )
+        estimated = self.log.estimated_static_bytes
+        if not estimated and self.static_bytes_hint is not None:
+            estimated = self.static_bytes_hint()
+        static = max(estimated + grads, _static_bytes(self.model, self.optimizer))
         ranks = self.consensus.world_size
         raise DoesNotFitError(
             f"the {'evaluation' if self.options.eval else 'training'} step does not fit "

@@ -44,12 +44,16 @@ def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> 
     assert "compiled (eager)       ok " in out and "fsdp2 (1 rank)         ok " in out
     assert "Estimator (fake tensors) vs measured peak" in out
     assert "Search for the largest micro-batch" in out
+    assert "Probe wall time by part" in out  # the time split the first GPU run shows
     assert "gpt2-tiny" in out and "autobatch" in out
     assert out.rstrip().splitlines()[-1].startswith("medians |")  # the table comes last
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["env"]["dry_run"] is True
     assert result["errors"] == []
     assert result["rows"][0]["autobatch"]["micro_batch_size"] >= 1
+    timings = result["rows"][0]["timings"]
+    assert timings["total_seconds"] >= sum(timings["trial_seconds"]) > 0
+    assert result["rows"][0]["bisection"]["num_trials"] == 17  # warm-up + 16 over 1..65536
     assert [row["case"] for row in result["stacks"]] == ["compiled (eager)", "fsdp2 (1 rank)"]
     tuned = result["cli_tune"]  # the CLI's own road, as on the GPU with --device cuda:0
     assert (tuned["rc"], tuned["device_name"]) == (0, "sim"), tuned
@@ -58,13 +62,23 @@ def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
-    out = _run(["bench/probe_vs_peers.py", "--quick"], timeout_s=120)
+    out = _run(["bench/probe_vs_peers.py", "--quick"], timeout_s=240)  # with the regimes
     for tool in ("autobatch", "lightning", "accelerate", "exhaustive"):
         assert f" {tool} " in out
     assert "medians | autobatch:" in out
     assert out.count("target ") == 4
-    # one failure pattern the peaks do not predict, and its two goals
-    assert "oom-above-37" in out and out.count("goal ") == 2
+    # one failure pattern the peaks do not predict, its three goals (the bound, the exact max,
+    # against the best peer), and the wall time in both regimes with its two goals
+    assert "oom-above-37" in out and out.count("goal ") == 5
+    regimes = [line.split() for line in out.splitlines() if line.split()[1:2] in (["gpu"], ["cpu"])]
+    assert [(row[0], row[1]) for row in regimes] == [
+        ("mlp-adam", "gpu"),
+        ("mlp-adam", "cpu"),
+        ("oom-above-37", "gpu"),
+        ("oom-above-37", "cpu"),
+    ]
+    for row in regimes:
+        assert all(float(value) > 0 for value in row[2:3] + row[4:7]), row  # measured seconds
 
 
 @pytest.mark.slow

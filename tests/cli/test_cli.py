@@ -386,6 +386,9 @@ class OtherCard:
     def synchronize(self) -> None:
         pass
 
+    def clock(self) -> float:
+        return 0.0
+
 
 def test_tune_puts_model_and_sample_on_a_device_other_than_the_cpu(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -570,3 +573,12 @@ def test_plan_refuses_an_eval_profile_naming_the_flag(
     # The library words the same remedy by its Python argument.
     with pytest.raises(ConfigError, match=r"eval=False \(a training profile\)"):
         plan(issue_profile(mode="eval"), effective_batch_size=8)
+
+
+def test_tune_text_shows_where_the_probe_s_time_went(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["tune", *TINY, "--device", "sim:4MiB", "--no-store", "--effective-batch-size", "64"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("probe time"))
+    # the simulated card counts each real step at 1 s (SimulatedDevice's default step_seconds)
+    assert "(simulated clock)" in line and "fake steps)" in line and "real trials" in line

@@ -147,6 +147,9 @@ class AllocatorStatsDevice:
     def synchronize(self) -> None:
         return None
 
+    def clock(self) -> float:
+        return 0.0
+
 
 def test_on_cuda_the_trials_measure_the_compiled_step_and_compile_once_for_all_sizes() -> None:
     device = AllocatorStatsDevice(

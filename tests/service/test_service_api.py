@@ -18,7 +18,7 @@ import autobatch
 from autobatch.cli import main as cli_main
 from autobatch.planning import given_budget, with_budget
 from autobatch.planning.planner import Plan
-from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
+from autobatch.profile import MemoryModel, ProbeTimings, Profile, StepIdentity, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
 from service.routing import is_json_media_type
@@ -1138,11 +1138,25 @@ def test_openapi_documents_the_plan_body_in_every_app(make_app: Callable[..., Fa
 
 def test_the_profile_schema_has_every_profile_field() -> None:
     """The service must accept whatever autobatch.Profile.to_dict() produces (no drift)."""
-    from service.schemas import BudgetReadingBase, MemoryBudgetBase, ProfileBase, TrialBase
+    from service.schemas import (
+        BudgetReadingBase,
+        MemoryBudgetBase,
+        ProbeTimingsFields,
+        ProfileBase,
+        TrialBase,
+    )
 
-    # A profile that says its memory budget (a probe's): every field, nested ones too.
-    data = make_profile(budget=given_budget(80 * GiB, gpu_fraction=0.5)).to_dict()
+    # A profile that says its memory budget and timings (a probe's): every field, nested ones too.
+    timings = ProbeTimings(
+        total_seconds=3.5,
+        estimate_seconds=2.0,
+        fake_step_seconds=(0.5, 0.75, 0.75),
+        trial_seconds=(0.5, 0.5, 0.25),
+        cleanup_seconds=(0.0, 0.0, 0.125),
+    )
+    data = make_profile(budget=given_budget(80 * GiB, gpu_fraction=0.5), timings=timings).to_dict()
     assert set(ProfileBase.model_fields) == set(data)
+    assert set(ProbeTimingsFields.model_fields) == set(data["timings"])
     assert set(TrialBase.model_fields) == set(data["trials"][0])
     assert set(MemoryBudgetBase.model_fields) == set(data["budget"])
     assert set(BudgetReadingBase.model_fields) == set(data["budget"]["readings"][0])

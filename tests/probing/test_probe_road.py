@@ -1,0 +1,128 @@
+"""The probe's road by cost (issue 27): the estimate runs only where it saves more real-step time
+than it costs, and the profile records where the time went. The simulated device's clock counts
+each real step at ``step_seconds``, so both regimes are exact here, not timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autobatch import probe
+from autobatch.device.simulated import SimulatedDevice
+from autobatch.errors import ConfigError
+from autobatch.probing.batch import BatchSource
+from autobatch.probing.estimator import FakeStep, estimate_points
+from autobatch.probing.prober import EXPECTED_FAKE_STEPS, FAKE_STEP_SECONDS_PER_TENSOR
+from autobatch.probing.search import estimate_budget_seconds
+from autobatch.profile import ProbeTimings, Profile
+
+MIB = 2**20
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+SAMPLE = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
+def run(step_seconds: float | None) -> Profile:
+    device = SimulatedDevice(capacity_bytes=4 * MIB, step_seconds=step_seconds)
+    return probe(mlp(), SAMPLE, loss_fn=F.cross_entropy, device=device)
+
+
+def test_where_real_steps_are_dear_the_estimate_runs_and_four_steps_confirm_it() -> None:
+    # a CPU: 10 s a real step; the estimate may spend (16 - 2) real steps = 140 s
+    profile = run(10.0)
+    assert profile.method == "probe"
+    assert profile.num_trials == 4 and profile.num_ooms == 1  # warm-up, n, n + 1, n again
+    timings = profile.timings
+    assert timings is not None and timings.clock == "simulated"
+    assert len(timings.fake_step_seconds) >= 3  # the fake warm-up, 1, 64, ...
+    assert timings.estimate_seconds >= sum(timings.fake_step_seconds) > 0
+    assert timings.trial_seconds == pytest.approx((10.0,) * 4, abs=0.5)
+    assert timings.cleanup_seconds[2] > 0 and timings.cleanup_seconds[:2] == (0.0, 0.0)
+    assert timings.total_seconds >= timings.estimate_seconds + timings.real_seconds
+    assert not any("estimate not run" in note for note in profile.notes)
+
+
+def test_where_real_steps_are_cheap_the_search_runs_on_real_steps_alone() -> None:
+    # a GPU: a microsecond a real step; 14 of them save far less than one fake step costs
+    profile = run(1e-6)
+    fresh = run(10.0)
+    assert profile.method == "doubling"
+    assert profile.max_micro_batch_size == fresh.max_micro_batch_size  # the same exact max
+    timings = profile.timings
+    assert timings is not None
+    assert timings.estimate_seconds == 0 and timings.fake_step_seconds == ()
+    assert len(timings.trial_seconds) == profile.num_trials
+    note = next(n for n in profile.notes if n.startswith("estimate not run"))
+    predicted = EXPECTED_FAKE_STEPS * FAKE_STEP_SECONDS_PER_TENSOR * 4  # 4 parameter tensors
+    assert f"{predicted:.3g} s" in note and "searched with real steps" in note
+
+
+def test_the_rule_is_the_real_steps_the_estimate_saves() -> None:
+    # bisection over 1..65536 takes 16 trials, the estimate's confirmation 2
+    assert estimate_budget_seconds(limit=65536, real_step_seconds=0.5) == 7.0
+    assert estimate_budget_seconds(limit=2, real_step_seconds=0.5) == 0.0
+
+
+def test_an_estimate_out_of_budget_stops_after_its_warm_up_step() -> None:
+    model = mlp()
+    fake = FakeStep(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        BatchSource.from_sample(SAMPLE),
+        loss_fn=F.cross_entropy,
+    )
+    points = estimate_points(
+        fake, capacity_bytes=4 * MIB, max_micro_batch_size=4096, budget_seconds=0
+    )
+    assert points == [] and fake.stopped_early and fake.num_steps == 1
+    assert len(fake.step_seconds) == 1
+
+
+def test_the_simulated_clock_counts_a_real_step_at_step_seconds() -> None:
+    device = SimulatedDevice(capacity_bytes=MIB, step_seconds=5.0)
+    started = device.clock()
+    with device.measure([]):
+        torch.ones(16).sum()
+    assert 4.99 < device.clock() - started < 5.5
+    assert device.with_gpu_fraction(0.5).step_seconds == 5.0
+    assert device.deferring_oom().step_seconds == 5.0
+    with pytest.raises(ConfigError, match="step_seconds -1"):
+        SimulatedDevice(capacity_bytes=MIB, step_seconds=-1)
+
+
+def test_timings_travel_with_the_profile_and_older_profiles_read_as_not_recorded() -> None:
+    profile = run(10.0)
+    data = profile.to_dict()
+    assert Profile.from_dict(data) == profile
+    assert profile.timings is not None
+    assert list(data["timings"]["trial_seconds"]) == list(profile.timings.trial_seconds)
+    assert Profile.from_dict(json.loads(json.dumps(data))) == profile
+    del data["timings"]
+    assert Profile.from_dict(data).timings is None
+
+
+def test_timings_are_checked_and_described() -> None:
+    timings = ProbeTimings(
+        total_seconds=3.5,
+        estimate_seconds=2.0,
+        fake_step_seconds=(0.5, 1.5),
+        trial_seconds=(0.5, 0.5, 0.25),
+        cleanup_seconds=(0.0, 0.0, 0.125),
+    )
+    assert timings.real_seconds == 1.375
+    assert timings.describe() == (
+        "3.5 s: estimate 2 s (2 fake steps), 3 real trials 1.25 s, clean-up after 1 failures "
+        "0.125 s"
+    )
+    with pytest.raises(ConfigError, match="one per trial"):
+        ProbeTimings(total_seconds=1.0, trial_seconds=(0.5,))
+    with pytest.raises(ConfigError, match=">= 0"):
+        ProbeTimings(total_seconds=-1.0)
