@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -235,3 +236,21 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_database() as url:
         yield url
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _a_private_profile_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test reads or writes the profile store of the user who runs the suite: the default
+    store (``$XDG_CACHE_HOME/autobatch``) is a folder of this session's, and ``AUTOBATCH_STORE``
+    is unset (a test that wants one sets it). Before, a test that autotuned with the default
+    store failed where another checkout had left a newer store in ``~/.cache``; the servers and
+    CLIs the tests start inherit this too."""
+    saved = {name: os.environ.get(name) for name in ("AUTOBATCH_STORE", "XDG_CACHE_HOME")}
+    os.environ.pop("AUTOBATCH_STORE", None)
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
