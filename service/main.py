@@ -27,7 +27,7 @@ from service.problems import install_openapi, install_problem_handlers
 from service.protocol import timed_protocol
 from service.publisher import Publisher
 from service.registry import load_registry
-from service.routes import devices, health, plans, probes, profiles
+from service.routes import devices, health, plans, probes, profiles, summaries
 from service.settings import Settings
 
 __all__ = ["create_app", "run"]
@@ -101,7 +101,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         metrics=metrics,
         api_token=None if token is None else token.get_secret_value(),
     )
-    for module in (plans, profiles, probes, devices, health):
+    for module in (plans, profiles, summaries, probes, devices, health):
         app.include_router(module.router)
     install_problem_handlers(app)
     install_openapi(app)

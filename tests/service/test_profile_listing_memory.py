@@ -54,7 +54,7 @@ def test_a_listing_of_300_large_profiles_is_paged_with_bounded_memory(
     # Summaries: the whole store in one page of a few hundred bytes per profile, no JSON decoded.
     tracemalloc.start()
     try:
-        summaries = client.get("/v1/profiles/summaries", params={"limit": 1000})
+        summaries = client.get("/v1/profile-summaries", params={"limit": 1000})
         _, summary_peak_bytes = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -78,18 +78,18 @@ def test_summaries_page_and_filter_and_match_the_profiles(client: TestClient) ->
         ).json()["id"]
         for n in range(5)
     ]
-    first = client.get("/v1/profiles/summaries", params={"limit": 3}).json()
+    first = client.get("/v1/profile-summaries", params={"limit": 3}).json()
     assert [row["id"] for row in first["summaries"]] == ids[::-1][:3]
     rest = client.get(
-        "/v1/profiles/summaries", params={"limit": 3, "before": first["next_before"]}
+        "/v1/profile-summaries", params={"limit": 3, "before": first["next_before"]}
     ).json()
     assert [row["id"] for row in rest["summaries"]] == ids[::-1][3:]
     assert rest["next_before"] is None
-    node_1 = client.get("/v1/profiles/summaries", params={"node_name": "node-1"}).json()
+    node_1 = client.get("/v1/profile-summaries", params={"node_name": "node-1"}).json()
     assert [row["id"] for row in node_1["summaries"]] == [ids[3], ids[1]]
     whole = client.get(f"/v1/profiles/{ids[0]}").json()["profile"]
     row = rest["summaries"][-1]
     for name in ("model_fingerprint", "device_name", "node_name", "max_micro_batch_size"):
         assert row[name] == whole[name]
-    unknown = client.get("/v1/profiles/summaries", params={"before": "ffffffffffffffff"})
+    unknown = client.get("/v1/profile-summaries", params={"before": "ffffffffffffffff"})
     assert unknown.status_code == 404
