@@ -357,13 +357,16 @@ class ProbeTimings:
         after 1 failure 0.1 s"``."""
         parts = []
         if self.fake_step_seconds or self.estimate_seconds:
-            parts.append(
-                f"estimate {self.estimate_seconds:.3g} s ({len(self.fake_step_seconds)} fake steps)"
-            )
-        parts.append(f"{len(self.trial_seconds)} real trials {sum(self.trial_seconds):.3g} s")
+            fake = _counted(len(self.fake_step_seconds), "fake step")
+            parts.append(f"estimate {self.estimate_seconds:.3g} s ({fake})")
+        parts.append(
+            f"{_counted(len(self.trial_seconds), 'real trial')} {sum(self.trial_seconds):.3g} s"
+        )
         cleanups = [c for c in self.cleanup_seconds if c > 0]
         if cleanups:
-            parts.append(f"clean-up after {len(cleanups)} failures {sum(cleanups):.3g} s")
+            parts.append(
+                f"clean-up after {_counted(len(cleanups), 'failure')} {sum(cleanups):.3g} s"
+            )
         clock = " (simulated clock)" if self.clock == "simulated" else ""
         return f"{self.total_seconds:.3g} s{clock}: " + ", ".join(parts)
 
@@ -621,6 +624,11 @@ class Profile:
             return cls(**fields)
         except (TypeError, AttributeError, ValueError) as exc:
             raise ConfigError(f"not a valid profile: {exc}") from exc
+
+
+def _counted(count: int, noun: str) -> str:
+    """``"1 failure"``, ``"3 failures"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _stop_kind_of_v1(data: Mapping[str, Any]) -> StopKind:

@@ -113,7 +113,11 @@ def resolve_device(
         from autobatch.device.simulated import SimulatedDevice
 
         assert parsed.capacity_bytes is not None
-        return SimulatedDevice(capacity_bytes=parsed.capacity_bytes, gpu_fraction=fraction)
+        # Named by a string (the CLI, the service, a script): its steps really run on this
+        # machine's CPU, and the probe weighs them at what they really cost (the wall clock).
+        return SimulatedDevice(
+            capacity_bytes=parsed.capacity_bytes, gpu_fraction=fraction, step_seconds=None
+        )
     if parsed.type == "cpu":
         from autobatch.device.cpu import CpuDevice
 
