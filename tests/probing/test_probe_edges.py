@@ -84,7 +84,11 @@ def test_a_profile_cut_short_by_a_non_oom_failure_is_not_cached(tmp_path: Path) 
                 raise RuntimeError("transient driver hiccup")
         return m(batch).pow(2).mean()
 
-    kwargs: dict[str, Any] = {"device": "sim:16MiB", "store": tmp_path / "s.sqlite3"}
+    # A card whose real steps are dear (1 s each on its clock), so the estimate runs first.
+    kwargs: dict[str, Any] = {
+        "device": SimulatedDevice(capacity_bytes=16 << 20),
+        "store": tmp_path / "s.sqlite3",
+    }
     model, x = mlp(), torch.randn(4, 256)
     first = autotune(model, x, train_step=flaky, effective_batch_size=256, **kwargs)
     # the failure (at 256, the trial after the warm-up) bounded the search: 255 ran
@@ -249,7 +253,7 @@ def test_batchnorm1d_model_is_probed_from_two_samples() -> None:
         model,
         (torch.randn(4, 8), torch.randint(0, 4, (4,))),
         loss_fn=F.cross_entropy,
-        device="sim:1MiB",
+        device=SimulatedDevice(capacity_bytes=1 << 20),  # dear steps: the estimate runs
     )
     assert profile.method == "probe" and profile.max_micro_batch_size > 2
     assert any("warmed up at 2" in note for note in profile.notes)

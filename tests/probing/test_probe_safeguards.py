@@ -30,7 +30,12 @@ def search_trials(profile: Profile) -> int:
 def test_a_threshold_the_peaks_do_not_show_is_found_from_what_ran() -> None:
     # once: 20000, 19999, 19998, 19997, 9999, 9998, ... 37 (31 trials, 28 OOMs); then bisection
     # from the failed limit: 20000, 10000, 5000, ... (15 search trials, 11 OOMs)
-    profile = probe(FailsAbove(37), SAMPLE, device="sim:1GiB", max_micro_batch_size=20_000)
+    profile = probe(  # dear steps (1 s each on the card's clock): the estimate runs first
+        FailsAbove(37),
+        SAMPLE,
+        device=SimulatedDevice(capacity_bytes=1 << 30),
+        max_micro_batch_size=20_000,
+    )
     assert profile.max_micro_batch_size == 37
     assert search_trials(profile) <= 9 < trial_budget(20_000) == math.ceil(math.log2(20_000)) + 3
     assert profile.num_ooms <= 4

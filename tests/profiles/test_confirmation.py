@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobatch import autotune, plan
+from autobatch import SimulatedDevice, autotune, plan
 from autobatch.profile import Profile, StepIdentity
 from autobatch.profiles.confirmation import find_prediction, service_profiles, stored_profiles
 from autobatch.profiles.store import ProfileStore
@@ -58,7 +58,9 @@ STEP = CountingStep()
 def probed_on_a_small_card(tmp_path_factory: pytest.TempPathFactory) -> Profile:
     """A real probe on a 6 MiB card (one per module: the estimate takes seconds on 2 cores)."""
     store = tmp_path_factory.mktemp("small") / "profiles.sqlite3"
-    found = autotune_profile(mlp(), SAMPLE, train_step=STEP, device="sim:6MiB", store=store)
+    found = autotune_profile(
+        mlp(), SAMPLE, train_step=STEP, device=SimulatedDevice(capacity_bytes=6 << 20), store=store
+    )
     assert not found.cached
     return found.profile
 
@@ -140,7 +142,11 @@ def test_a_failed_confirmation_probes_and_says_so(
     step.real_calls = 0
     with caplog.at_level(logging.WARNING, logger="autobatch"):
         found_here = autotune_profile(
-            mlp(), SAMPLE, train_step=step, device="sim:24MiB", store=store
+            mlp(),
+            SAMPLE,
+            train_step=step,
+            device=SimulatedDevice(capacity_bytes=24 << 20),
+            store=store,
         )
     profile, cached = found_here.profile, found_here.cached
 
