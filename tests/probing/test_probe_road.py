@@ -119,8 +119,7 @@ def test_timings_are_checked_and_described() -> None:
     )
     assert timings.real_seconds == 1.375
     assert timings.describe() == (
-        "3.5 s: estimate 2 s (2 fake steps), 3 real trials 1.25 s, clean-up after 1 failure "
-        "0.125 s"
+        "3.5 s: estimate 2 s (2 fake steps), 3 real trials 1.25 s, clean-up after 1 failure 0.125 s"
     )
     with pytest.raises(ConfigError, match="one per trial"):
         ProbeTimings(total_seconds=1.0, trial_seconds=(0.5,))
