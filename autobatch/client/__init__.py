@@ -15,9 +15,8 @@ from autobatch.client.http import (
     PlanRequest,
     ProbeStatus,
     ServiceError,
-    report_profile,
 )
-from autobatch.client.publish import RetryPolicy, publish_profile
+from autobatch.client.publish import RetryPolicy, publish_profile, report_profile
 
 __all__ = [
     "AutobatchClient",

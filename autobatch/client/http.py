@@ -1,6 +1,7 @@
 """A small typed client for autobatch's HTTP service (httpx), for training scripts and schedulers.
 
-Problem details from the server become autobatch errors in one place, :func:`_raise_for_problem`:
+Problem details from the server become autobatch errors in one place
+(:func:`autobatch.client.problems.raise_for_problem`):
 validation and planning errors :class:`~autobatch.errors.ConfigError` /
 :class:`~autobatch.errors.NoFeasiblePlanError`, an unknown profile
 :class:`~autobatch.errors.ProfileNotFoundError`, an unavailable store or GPU
@@ -26,21 +27,15 @@ from typing import Any
 
 import httpx
 
+from autobatch.client.problems import raise_for_problem
 from autobatch.device import GpuInfo, MemoryInfo
 from autobatch.errors import (
-    ConfigError,
-    DeviceUnavailableError,
-    NoFeasiblePlanError,
-    ProfileNotFoundError,
     ServiceError,
-    StoreError,
 )
 from autobatch.planning.planner import Plan, Uneven, WorldSizeOption
 from autobatch.profile import MemoryModel, Profile
 
-__all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError", "report_profile"]
-
-_PROBLEM = "urn:autobatch:problem:"
+__all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,39 +112,6 @@ class PlanRequest:
         return body
 
 
-def _raise_for_problem(response: httpx.Response, *, profile_id: str = "") -> None:
-    """The one place where an error response becomes an autobatch exception.
-
-    Args:
-        response: the server's answer.
-        profile_id: the profile the request named (for :class:`ProfileNotFoundError`); ``""``
-            when it named none (a model fingerprint's newest profile).
-    """
-    if response.is_success:
-        return
-    try:
-        problem = response.json()
-    except ValueError:
-        problem = {}
-    if not isinstance(problem, dict):
-        problem = {}
-    slug = str(problem.get("type", "")).removeprefix(_PROBLEM)
-    detail = str(problem.get("detail") or response.text or response.reason_phrase)
-    message = f"{response.request.method} {response.request.url.path}: {detail}"
-    status = response.status_code
-    if slug == "unknown-profile":
-        raise ProfileNotFoundError(message, profile_id=profile_id)
-    if slug == "no-feasible-plan":
-        raise NoFeasiblePlanError(message)
-    if slug == "store-unavailable":
-        raise StoreError(message)
-    if slug == "device-unavailable":
-        raise DeviceUnavailableError(message)
-    if status in (400, 413, 415, 422) or slug == "unknown-model":
-        raise ConfigError(message)
-    raise ServiceError(message, status=status, problem=problem)
-
-
 class AutobatchClient:
     """Calls one autobatch service.
 
@@ -198,7 +160,7 @@ class AutobatchClient:
             raise ServiceError(
                 f"{method} {path}: cannot reach the autobatch service: {exc}", status=0
             ) from exc
-        _raise_for_problem(response, profile_id=profile_id)
+        raise_for_problem(response, profile_id=profile_id)
         return response
 
     # -- plans -------------------------------------------------------------------------------
@@ -452,34 +414,3 @@ class AutobatchClient:
                     status=0,
                 )
             time.sleep(poll_seconds)
-
-
-def report_profile(
-    url: str,
-    profile: Profile,
-    *,
-    token: str | None = None,
-    timeout: float = 10.0,
-    transport: httpx.BaseTransport | None = None,
-) -> str:
-    """Publish ``profile`` to the service at ``url`` (``autotune(..., report_to=url)``), retried
-    a few times (at most 4 tries in 10 s: a training script does not wait long for a
-    scheduler's service; :func:`autobatch.client.publish_profile` tries harder).
-
-    Args:
-        url: the service's base URL.
-        profile: what to register.
-        token: bearer token; None reads nothing (pass ``os.environ.get("AUTOBATCH_API_TOKEN")``).
-        timeout: seconds per try.
-        transport: an httpx transport (tests).
-
-    Returns:
-        The profile's id on the server.
-
-    Raises:
-        ConfigError: the server rejected the profile. ServiceError: unreachable, 401, 5xx.
-    """
-    from autobatch.client.publish import RetryPolicy, publish_profile
-
-    policy = RetryPolicy(max_attempts=4, max_seconds=10.0, timeout_seconds=timeout)
-    return publish_profile(url, profile, token=token, policy=policy, transport=transport)

@@ -30,11 +30,11 @@ from collections.abc import Callable
 
 import httpx
 
-from autobatch.client.http import _raise_for_problem
+from autobatch.client.problems import raise_for_problem
 from autobatch.errors import ConfigError, ServiceError
 from autobatch.profile import Profile
 
-__all__ = ["RETRIED_STATUSES", "RetryPolicy", "publish_profile"]
+__all__ = ["RETRIED_STATUSES", "RetryPolicy", "publish_profile", "report_profile"]
 
 RETRIED_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 """Answers that may succeed when asked again (and any other 5xx)."""
@@ -118,7 +118,7 @@ def publish_profile(
                     return str(response.json()["id"])
                 status = response.status_code
                 if status not in RETRIED_STATUSES and status < 500:
-                    _raise_for_problem(response)
+                    raise_for_problem(response)
                 failure = f"answered {status} {response.reason_phrase}: {response.text[:200]}"
                 retry_after = _retry_after_seconds(response)
             if attempt + 1 == policy.max_attempts:
@@ -144,3 +144,32 @@ def _retry_after_seconds(response: httpx.Response) -> float | None:
         return max(0.0, float(value))
     except ValueError:
         return None
+
+
+def report_profile(
+    url: str,
+    profile: Profile,
+    *,
+    token: str | None = None,
+    timeout: float = 10.0,
+    transport: httpx.BaseTransport | None = None,
+) -> str:
+    """Publish ``profile`` to the service at ``url`` (``autotune(..., report_to=url)``), retried
+    a few times (at most 4 tries in 10 s: a training script does not wait long for a
+    scheduler's service; :func:`autobatch.client.publish_profile` tries harder).
+
+    Args:
+        url: the service's base URL.
+        profile: what to register.
+        token: bearer token; None reads nothing (pass ``os.environ.get("AUTOBATCH_API_TOKEN")``).
+        timeout: seconds per try.
+        transport: an httpx transport (tests).
+
+    Returns:
+        The profile's id on the server.
+
+    Raises:
+        ConfigError: the server rejected the profile. ServiceError: unreachable, 401, 5xx.
+    """
+    policy = RetryPolicy(max_attempts=4, max_seconds=10.0, timeout_seconds=timeout)
+    return publish_profile(url, profile, token=token, policy=policy, transport=transport)

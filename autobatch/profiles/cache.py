@@ -266,7 +266,7 @@ def report_profile_to(report_to: str | None, profile: Profile) -> None:
     """
     if report_to is None:
         return
-    from autobatch.client.http import report_profile
+    from autobatch.client.publish import report_profile
 
     try:
         report_profile(report_to, profile, token=os.environ.get("AUTOBATCH_API_TOKEN"))

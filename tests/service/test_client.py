@@ -9,7 +9,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.client.http import AutobatchClient, ServiceError, report_profile
+from autobatch.client.http import AutobatchClient, ServiceError
+from autobatch.client.publish import report_profile
 from autobatch.errors import ConfigError, NoFeasiblePlanError, ProfileNotFoundError
 from autobatch.profile import MemoryModel
 from tests.helpers.fake_pynvml import GiB
