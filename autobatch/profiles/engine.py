@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import shutil
 import time
 from typing import Any
 
@@ -132,6 +133,17 @@ def use_wal(conn: sa.Connection, *, timeout_seconds: float) -> None:
             if not busy or time.monotonic() >= deadline:
                 raise
         time.sleep(random.uniform(0.001, 0.01))
+
+
+MIN_FREE_BYTES = 1 << 20
+"""Free bytes a SQLite store's filesystem must keep for the store to count as writable: a
+rolled-back test write allocates nothing, so on a full disk it succeeds while every real write
+(a profile is up to a few hundred KB of JSON) fails."""
+
+
+def free_bytes(path: pathlib.Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
+    return shutil.disk_usage(path.parent).free
 
 
 def file_identity(path: pathlib.Path) -> tuple[int, int] | None:

@@ -530,11 +530,12 @@ class ProfileStore:
 
         Raises:
             StoreError: the store is closed, read-only, locked by another writer for longer
-                than the timeout, unreachable, or its file was deleted or replaced.
+                than the timeout, unreachable, its file was deleted or replaced, or the disk
+                holding it has under ``MIN_FREE_BYTES`` (1 MiB) free.
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles.engine import file_identity
+        from autobatch.profiles.engine import MIN_FREE_BYTES, file_identity, free_bytes
         from autobatch.profiles.schema import store_meta
 
         if self._identity is not None and self.path is not None:
@@ -544,6 +545,12 @@ class ProfileStore:
                 raise StoreError(
                     f"the profile store {self.path} was {what} after it was opened: what is "
                     "written now would be lost; restart the service (it opens the file anew)"
+                )
+            free = free_bytes(self.path)
+            if free < MIN_FREE_BYTES:
+                raise StoreError(
+                    f"the disk holding the profile store {self.path} is full ({free} bytes "
+                    f"free, under {MIN_FREE_BYTES}): writes would fail; free some space there"
                 )
         with contextlib.suppress(_Rollback), self._write("check that it is writable") as conn:
             conn.execute(

@@ -3,7 +3,8 @@ one store variable, and probe jobs kept in the store across a restart."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,59 @@ def test_a_job_a_restart_cut_short_reads_as_failed(
     answer = client.get("/v1/probes/0123456789abcdef").json()
     assert answer["status"] == "failed"
     assert "restarted while the job was running" in answer["error"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB filesystem of its own (tmpfs), so that the store's disk can really fill up;
+    skips, naming why, where this process may not mount one (not root, no CAP_SYS_ADMIN)."""
+    import shutil
+    import subprocess
+
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if shutil.which("mount")
+        else None
+    )
+    if mounted is None or mounted.returncode != 0:
+        reason = "no mount command" if mounted is None else mounted.stderr.strip()
+        pytest.skip(f"cannot mount a 4 MiB tmpfs to fill a disk ({reason}): needs root")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_readyz_says_when_the_store_s_disk_is_full(
+    make_app: Callable[..., Any], small_disk: Path
+) -> None:
+    """The issue: /readyz said ready on a full disk, where every write answered 503."""
+    app = make_app(store_path=str(small_disk / "store.sqlite3"))
+    client = TestClient(app)
+    assert client.get("/readyz").json()["store_writable"] is True
+    filler = small_disk / "filler"
+    # Fill the disk, as a runaway log would.
+    with filler.open("wb") as out, contextlib.suppress(OSError):
+        while True:
+            out.write(b"\0" * 65536)
+            out.flush()
+    full = client.get("/readyz")
+    assert full.status_code == 503
+    assert full.json()["store_writable"] is False
+    assert "is full" in full.json()["store_detail"]
+    assert str(small_disk) not in full.text
+    # Writes really fail there: a profile of ~0.4 MB finds no room.
+    from tests.profiles.test_store import make_profile
+
+    notes = tuple("x" * 4000 for _ in range(100))
+    refused = client.post("/v1/profiles", json=make_profile(notes=notes).to_dict())
+    assert refused.status_code == 503
+    filler.unlink()
+    assert client.get("/readyz").json()["store_writable"] is True
