@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
-from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Response
 
 from autobatch.errors import ProfileNotFoundError
 from autobatch.profile import Profile
 from service.deps import StateDep
 from service.problems import problem_responses, unknown_profile
+from service.routes.listing import ListingDep
 from service.routing import JsonBodyRoute
 from service.schemas import (
     ProfileBase,
@@ -55,27 +55,10 @@ def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> 
 
 
 @router.get("", summary="List stored profiles, newest first", responses=problem_responses(404, 422))
-def list_profiles(
-    state: StateDep,
-    model_fingerprint: Annotated[str | None, Query(max_length=256)] = None,
-    device_name: Annotated[str | None, Query(max_length=256)] = None,
-    node_name: Annotated[str | None, Query(max_length=256)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before: Annotated[str | None, Query(max_length=64)] = None,
-) -> ProfileList:
+def list_profiles(state: StateDep, listing: ListingDep) -> ProfileList:
     """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
     request stays bounded however large the profiles. ``next_before`` asks for the next page."""
-    try:
-        page = state.store.page_profiles(
-            model_fingerprint=model_fingerprint,
-            device_name=device_name,
-            node_name=node_name,
-            limit=limit,
-            before=before,
-            max_bytes=PAGE_BYTES,
-        )
-    except ProfileNotFoundError:
-        raise unknown_profile(before or "", field="query.before") from None
+    page = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES)
     return ProfileList(
         profiles=[profile_public(pid, profile) for pid, profile in page.profiles],
         next_before=page.next_before,

@@ -5,13 +5,12 @@ profile is ``GET /v1/profiles/{id}``. Its own path, so that no profile id can sh
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
-from autobatch.errors import ProfileNotFoundError
 from service.deps import StateDep
-from service.problems import problem_responses, unknown_profile
+from service.problems import problem_responses
+from service.routes.listing import ListingDep
 from service.schemas import ProfileSummaryList, ProfileSummaryPublic
 
 router = APIRouter(
@@ -26,27 +25,11 @@ router = APIRouter(
     summary="List summaries of stored profiles, newest first",
     responses=problem_responses(404, 422),
 )
-def list_summaries(
-    state: StateDep,
-    model_fingerprint: Annotated[str | None, Query(max_length=256)] = None,
-    device_name: Annotated[str | None, Query(max_length=256)] = None,
-    node_name: Annotated[str | None, Query(max_length=256)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before: Annotated[str | None, Query(max_length=64)] = None,
-) -> ProfileSummaryList:
+def list_summaries(state: StateDep, listing: ListingDep) -> ProfileSummaryList:
     """One page of at most ``limit`` summaries (ids, model, card, node, sizes, time), read from
     the store's columns without decoding a profile: a few hundred bytes each, however large the
     profiles. ``next_before`` asks for the next page; ``GET /v1/profiles/{id}`` the whole one."""
-    try:
-        page = state.store.list_summaries(
-            model_fingerprint=model_fingerprint,
-            device_name=device_name,
-            node_name=node_name,
-            limit=limit,
-            before=before,
-        )
-    except ProfileNotFoundError:
-        raise unknown_profile(before or "", field="query.before") from None
+    page = listing.read(state.store.list_summaries)
     return ProfileSummaryList(
         summaries=[ProfileSummaryPublic(**dataclasses.asdict(s)) for s in page.summaries],
         next_before=page.next_before,
