@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi import FastAPI
@@ -15,6 +16,9 @@ from service.main import create_app
 from service.settings import Settings
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 from tests.service.models import REGISTRY_TOML
+
+if TYPE_CHECKING:
+    from tests.service.test_publish import FlakyServer
 
 A100_UUID = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
 H100_UUID = "GPU-9f8e7d6c-0000-1111-2222-333344445555"
@@ -65,3 +69,17 @@ def make_app(tmp_path: Path) -> Iterator[Callable[..., FastAPI]]:
 @pytest.fixture
 def client(make_app: Callable[..., FastAPI]) -> TestClient:
     return TestClient(make_app())
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyServer]:
+    """A local HTTP server that answers a scripted run of failures and successes (test_publish)."""
+    from tests.service.test_publish import FlakyServer
+
+    server = FlakyServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()

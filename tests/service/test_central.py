@@ -4,9 +4,8 @@ the central service plans from it by card type."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +19,6 @@ from service.publisher import Publisher
 from tests.service.serving import free_port, serving
 from tests.service.test_publish import FlakyServer
 from tests.service.test_service_api import make_profile
-
-
-@pytest.fixture
-def flaky() -> Iterator[FlakyServer]:
-    server = FlakyServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join()
 
 
 def test_publisher_sends_each_profile_in_order_and_counts_outcomes(flaky: FlakyServer) -> None:

@@ -7,7 +7,6 @@ import hashlib
 import http.server
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -73,17 +72,6 @@ class FlakyServer(http.server.ThreadingHTTPServer):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-@pytest.fixture
-def flaky() -> Iterator[FlakyServer]:
-    server = FlakyServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join()
 
 
 FAST = RetryPolicy(max_attempts=5, max_seconds=10, base_delay_seconds=0.01, max_delay_seconds=0.1)
