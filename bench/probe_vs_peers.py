@@ -361,17 +361,22 @@ def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace
     )
     header = (
         f"{'case':<16} {'regime':<6} {'autobatch':>10} {'est+conf':>9} {'bisect':>9} "
-        f"{'lightning':>10} {'accelerate':>10} {'vs floor':>8}  autobatch split"
+        f"{'lightning':>10} {'accelerate':>10} {'vs floor':>8}  found (a/l/acc)  autobatch split"
     )
     print(header)
     print("-" * len(header))
-    within, below = True, True
+    within, below, below_exact = True, True, True
     for row in rows:
         ours = row["autobatch"][1]
         floor = min(row["bisection"][1], row["road"] if row["road"] is not None else math.inf)
         ratio = ours / floor
         within &= ratio <= 1.2
         below &= ours < row["lightning"][1] and ours < row["accelerate"][1]
+        true = row["bisection"][0].micro_batch_size
+        found = {tool: _found(row[tool][0]) for tool in ("autobatch", "lightning", "accelerate")}
+        below_exact &= all(
+            ours < row[tool][1] for tool in ("lightning", "accelerate") if found[tool] == true
+        )
         timings = row["profile"].timings
         split = (
             f"{timings.estimate_seconds:.3f} / {sum(timings.trial_seconds):.3f} "
@@ -379,17 +384,33 @@ def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace
             f"[{row['profile'].method}]"
         )
         road = f"{row['road']:.3f}" if row["road"] is not None else "n/a"
+        marks = "/".join(
+            "=" if found[tool] == true else str(found[tool])
+            for tool in ("autobatch", "lightning", "accelerate")
+        )
         print(
             f"{row['name']:<16} {row['regime']:<6} {ours:>10.3f} {road:>9} "
             f"{row['bisection'][1]:>9.3f} {row['lightning'][1]:>10.3f} "
-            f"{row['accelerate'][1]:>10.3f} {ratio:>7.2f}x  {split}"
+            f"{row['accelerate'][1]:>10.3f} {ratio:>7.2f}x  {marks + f' of {true}':<15}  {split}"
         )
     print()
     print(
         f"goal {'MET   ' if within else 'MISSED'} autobatch within 1.2x of the cheaper of "
         "estimate-then-confirm and bisection over real steps, in both regimes"
     )
-    print(f"goal {'MET   ' if below else 'MISSED'} autobatch below Lightning and Accelerate")
+    print(
+        f"goal {'MET   ' if below_exact else 'MISSED'} autobatch below every peer that found the "
+        "true max ('=' in found; a smaller answer sooner is not a faster search)"
+    )
+    print(
+        f"     {'met   ' if below else 'missed'} autobatch below Lightning and Accelerate whatever "
+        "they found"
+    )
+
+
+def _found(result: Any) -> int:
+    """The size a tool's run found (autobatch's run is a (result, profile) pair)."""
+    return int((result[0] if isinstance(result, tuple) else result).micro_batch_size)
 
 
 def _timed(

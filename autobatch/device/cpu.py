@@ -140,3 +140,7 @@ class CpuDevice:
 
     def clock(self) -> float:
         return time.perf_counter()
+
+    @property
+    def steps_scale_with_size(self) -> bool:
+        return True  # compute-bound from one sample

@@ -324,5 +324,9 @@ class CudaDevice:
     def clock(self) -> float:
         return time.perf_counter()
 
+    @property
+    def steps_scale_with_size(self) -> bool:
+        return False  # small steps are bound by kernel launches, not by the size
+
     def __repr__(self) -> str:
         return f"CudaDevice(cuda_index={self._cuda_index})"

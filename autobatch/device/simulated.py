@@ -220,6 +220,11 @@ class SimulatedDevice:
         """Simulated seconds a real step counts on :meth:`clock`; None: the wall clock."""
         return self._step_seconds
 
+    @property
+    def steps_scale_with_size(self) -> bool:
+        """True on the wall clock (the steps run on this CPU); False at a set ``step_seconds``."""
+        return self._step_seconds is None
+
     def clock(self) -> float:
         """``time.perf_counter()``, with each real step counted at ``step_seconds``."""
         return time.perf_counter() + self._clock_offset

@@ -171,3 +171,12 @@ class Device(Protocol):
         (``time.perf_counter()`` on real devices; a simulated device may count its real steps
         at a set cost instead)."""
         ...
+
+    @property
+    def steps_scale_with_size(self) -> bool:
+        """Whether a real step's time grows in proportion to its micro-batch from the smallest
+        sizes on (a CPU, compute-bound from one sample), rather than staying near the time of
+        a step at micro-batch 1 (a GPU's small steps, bound by kernel launches; a simulated
+        card that counts each step at a set cost). The probe prices the real steps an estimate
+        saves with it."""
+        ...

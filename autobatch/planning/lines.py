@@ -72,16 +72,24 @@ def fit_memory_model(
     :mod:`autobatch.probing.search`).
 
     Returns:
-        The line through two measured points; else the line from the prior's fixed bytes through
+        The line through two measured points (the latest, and the latest before it of another
+        size and peak); else the line from the prior's fixed bytes through
         the largest measured fitting size above 1 (the prior's slope through it when its peak is
         not above those bytes); else the prior itself (None without one).
     """
     known = [p for p in points if p.peak_bytes > 0]
     fitted = sorted((p for p in known if p.fits), key=lambda p: p.micro_batch_size)
     over = sorted((p for p in known if not p.fits), key=lambda p: p.micro_batch_size)
-    recent = [p for p in known if p.micro_batch_size != known[-1].micro_batch_size] if known else []
+    # The latest point and the latest before it with another size and another peak: two adjacent
+    # sizes often share a peak (allocator rounding), and no line goes through them.
+    recent = [
+        p
+        for p in known
+        if p.micro_batch_size != known[-1].micro_batch_size
+        and p.peak_bytes != known[-1].peak_bytes
+    ]
     pair = None
-    if recent and recent[-1].peak_bytes != known[-1].peak_bytes:
+    if recent:
         pair = tuple(sorted((recent[-1], known[-1]), key=lambda p: p.micro_batch_size))
     elif fitted and over:
         pair = (fitted[-1], over[0])

@@ -5,18 +5,21 @@
 2. **Warm-up**: one real step at micro-batch 1 creates the optimizer state (so every measured step
    runs with it, as in training) and says what a real step costs here.
 3. **Estimate** on fake tensors (:mod:`autobatch.probing.estimator`): a predicted size and a memory
-   line, with nothing allocated, *when it pays*. The rule: the estimate may cost what it can
-   save, ``(ceil(log2(limit)) - 2)`` real steps at the warm-up's measured time
-   (:func:`~autobatch.probing.search.estimate_budget_seconds`: bisection's trials against the
-   estimate's usual two). It does not start when :data:`EXPECTED_FAKE_STEPS` fake steps of the
-   predicted length (:data:`FAKE_STEP_SECONDS_PER_TENSOR` per parameter tensor) would cost
-   more, and it stops before a fake step that would take it over (the mean of its steps so far
-   as the next one's length); what it found by then still guides the search. On a CPU, where a
-   real step is dear, it runs; on a GPU, where a real step takes milliseconds and a fake one
-   the same CPU time as anywhere, the search goes on with real steps. Without a warm-up (the
-   optimizer already has state) no real step was timed and the estimate runs. When the step
-   cannot run on fake tensors the probe says so in the profile's notes and falls back to
-   doubling-then-bisect.
+   line, with nothing allocated, *when it pays*. The rule: the estimate may cost what it saves,
+   the real steps the search runs without it before two measured peaks give it a line (at
+   micro-batch 4 and 16), priced from the warm-up's measured time: that time each where a
+   step's time stays near it (a GPU's small steps, a simulated card's set cost), that time the
+   size where it grows with the size (a CPU;
+   :func:`~autobatch.probing.search.estimate_budget_seconds`). It does not start when
+   :data:`EXPECTED_FAKE_STEPS` fake steps of the predicted length
+   (:data:`FAKE_STEP_SECONDS_PER_TENSOR` per parameter tensor) would cost more, and it stops
+   before a fake step that would take it past :data:`ESTIMATE_OVERRUN` times that (the mean of
+   its steps so far as the next one's length); what it found by then still guides the search.
+   On a CPU, where a real step is dear, it runs; on a GPU, where a real step takes milliseconds
+   and a fake one the same CPU time as anywhere, the search goes on with real steps. Without a
+   warm-up (the optimizer already has state) no real step was timed and the estimate runs.
+   When the step cannot run on fake tensors the probe says so in the profile's notes and falls
+   back to doubling-then-bisect.
 4. **Confirm and bisect** with real steps (:mod:`autobatch.probing.search`): typically the
    predicted size, and one size above it. The search is safeguarded: whatever the
    peaks and the estimate say, it finds the exact max within ``ceil(log2(limit)) + 3`` trials
@@ -78,6 +81,7 @@ from autobatch.profile import MemoryModel, ProbeTimings, Profile, StopKind, Tria
 from autobatch.units import format_bytes
 
 __all__ = [
+    "ESTIMATE_OVERRUN",
     "EXPECTED_FAKE_STEPS",
     "FAKE_STEP_SECONDS_PER_TENSOR",
     "Prober",
@@ -93,6 +97,14 @@ FAKE_STEP_SECONDS_PER_TENSOR = 0.006
 run (measured here, 2 shared CPU cores, torch 2.13: 4 to 9 ms per tensor for the benchmark's tiny
 models, 6.8 ms for GPT-2 124M's 148 tensors: 8 fake steps in 8.0 s). A prediction: the
 estimate's own steps replace it once the first has run."""
+
+ESTIMATE_OVERRUN = 2.0
+"""A started estimate stops before a fake step that would take it past this many times its
+budget (:func:`~autobatch.probing.search.estimate_budget_seconds`). Its start was judged on a
+predicted length (:data:`FAKE_STEP_SECONDS_PER_TENSOR`), off by 2x either way on the benchmark's
+models, and what it found is worth little when it stops short of the boundary: a small MLP
+under Adam (a real step at 0.1 s) stopped at 1x after 3 fake steps, 0.17 s, and the search took
+7 real trials where the whole estimate (0.36 s) leaves 3."""
 
 EXPECTED_FAKE_STEPS = 6
 """Fake steps an estimate usually takes: its warm-up, micro-batch 1, 64, then a few secant steps
@@ -455,7 +467,9 @@ class Prober:
             None
             if real_step_seconds is None
             else estimate_budget_seconds(
-                limit=self.options.max_micro_batch_size, real_step_seconds=real_step_seconds
+                limit=self.options.max_micro_batch_size,
+                real_step_seconds=real_step_seconds,
+                steps_scale_with_size=self.options.device.steps_scale_with_size,
             )
         )
         if budget is not None:
@@ -481,7 +495,7 @@ class Prober:
                     fake,
                     capacity_bytes=capacity.capacity_bytes,
                     max_micro_batch_size=self.options.max_micro_batch_size,
-                    budget_seconds=budget,
+                    budget_seconds=None if budget is None else ESTIMATE_OVERRUN * budget,
                 )
         except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it
             self.log.estimate_seconds = self.options.device.clock() - started
@@ -501,9 +515,9 @@ class Prober:
                 first = max(first or 1, min(predicted, top))
             self.log.notes.append(
                 f"estimate stopped after {fake.num_steps} fake steps ({sum(fake.step_seconds):.3g}"
-                f" s), at the {budget:.3g} s of real steps it can save (a real step took "
-                f"{real_step_seconds:.3g} s): micro-batch {lo} fits, the search starts at "
-                f"{first or 'its own proposal'}"
+                f" s), at {ESTIMATE_OVERRUN:g}x the {budget:.3g} s of real steps it saves (a real "
+                f"step took {real_step_seconds:.3g} s): micro-batch {lo} fits, the search starts "
+                f"at {first or 'its own proposal'}"
             )
         else:
             self.log.notes.append(
@@ -534,7 +548,10 @@ class Prober:
         stop_reason: str,
         stop_kind: StopKind,
     ) -> Profile:
-        line = fit_memory_model(self.log.points, prior)
+        # The profile's line predicts across the range (the recommended size under the margin,
+        # plans): through peaks far apart, not the search's secant through its two latest
+        # (often adjacent sizes, tilted by allocator rounding).
+        line = fit_wide_line(self.log.points) or fit_memory_model(self.log.points, prior)
         skipped = sorted({t.micro_batch_size for t in self.log.trials if t.skipped_optimizer_step})
         if skipped:
             self.log.notes.append(

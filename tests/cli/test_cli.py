@@ -389,6 +389,10 @@ class OtherCard:
     def clock(self) -> float:
         return 0.0
 
+    @property
+    def steps_scale_with_size(self) -> bool:
+        return False
+
 
 def test_tune_puts_model_and_sample_on_a_device_other_than_the_cpu(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

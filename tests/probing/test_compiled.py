@@ -150,6 +150,10 @@ class AllocatorStatsDevice:
     def clock(self) -> float:
         return 0.0
 
+    @property
+    def steps_scale_with_size(self) -> bool:
+        return False
+
 
 def test_on_cuda_the_trials_measure_the_compiled_step_and_compile_once_for_all_sizes() -> None:
     device = AllocatorStatsDevice(

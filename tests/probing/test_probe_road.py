@@ -11,12 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import probe
+from autobatch.device.cpu import CpuDevice
 from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.estimator import FakeStep, estimate_points
-from autobatch.probing.prober import EXPECTED_FAKE_STEPS, FAKE_STEP_SECONDS_PER_TENSOR
-from autobatch.probing.search import estimate_budget_seconds
+from autobatch.probing.prober import (
+    ESTIMATE_OVERRUN,
+    EXPECTED_FAKE_STEPS,
+    FAKE_STEP_SECONDS_PER_TENSOR,
+)
+from autobatch.probing.search import estimate_budget_seconds, growth_sizes
 from autobatch.profile import ProbeTimings, Profile
 
 MIB = 2**20
@@ -36,7 +41,7 @@ def run(step_seconds: float | None) -> Profile:
 
 
 def test_where_real_steps_are_dear_the_estimate_runs_and_four_steps_confirm_it() -> None:
-    # a CPU: 10 s a real step; the estimate may spend (16 - 2) real steps = 140 s
+    # dear real steps: 10 s each on a set clock; the estimate may spend two of them, 20 s
     profile = run(10.0)
     assert profile.method == "probe"
     assert profile.num_trials == 4 and profile.num_ooms == 1  # warm-up, n, n + 1, n again
@@ -51,7 +56,7 @@ def test_where_real_steps_are_dear_the_estimate_runs_and_four_steps_confirm_it()
 
 
 def test_where_real_steps_are_cheap_the_search_runs_on_real_steps_alone() -> None:
-    # a GPU: a microsecond a real step; 14 of them save far less than one fake step costs
+    # a GPU: a microsecond a real step; the two it saves cost far less than one fake step
     profile = run(1e-6)
     fresh = run(10.0)
     assert profile.method == "doubling"
@@ -66,9 +71,38 @@ def test_where_real_steps_are_cheap_the_search_runs_on_real_steps_alone() -> Non
 
 
 def test_the_rule_is_the_real_steps_the_estimate_saves() -> None:
-    # bisection over 1..65536 takes 16 trials, the estimate's confirmation 2
-    assert estimate_budget_seconds(limit=65536, real_step_seconds=0.5) == 7.0
-    assert estimate_budget_seconds(limit=2, real_step_seconds=0.5) == 0.0
+    # without an estimate the search grows to 4 and 16 before two measured peaks give it a line
+    assert growth_sizes(65536) == (4, 16) and growth_sizes(10) == (4, 10)
+    assert growth_sizes(3) == (3,) and growth_sizes(1) == ()
+    # a step's time stays near the warm-up's (a GPU, a set cost): two steps
+    assert estimate_budget_seconds(
+        limit=65536, real_step_seconds=0.5, steps_scale_with_size=False
+    ) == pytest.approx(1.0)
+    # it grows with the size (a CPU): 4 + 16 warm-up steps
+    assert estimate_budget_seconds(
+        limit=65536, real_step_seconds=0.5, steps_scale_with_size=True
+    ) == pytest.approx(10.0)
+    assert estimate_budget_seconds(limit=1, real_step_seconds=0.5, steps_scale_with_size=True) == 0
+
+
+def test_devices_say_whether_a_step_s_time_grows_with_its_size() -> None:
+    assert CpuDevice().steps_scale_with_size
+    assert SimulatedDevice(capacity_bytes=MIB, step_seconds=None).steps_scale_with_size
+    assert not SimulatedDevice(capacity_bytes=MIB, step_seconds=0.1).steps_scale_with_size
+
+
+def test_a_started_estimate_may_overrun_its_prediction_to_reach_the_boundary() -> None:
+    # 0.1 s a real step on a set clock: the estimate may spend 0.2 s; its predicted 0.096 s
+    # (4 tensors) starts it, and it runs to the boundary within ESTIMATE_OVERRUN x 0.2 s, so
+    # the search needs only the predicted size, one above, and the second step
+    profile = run(0.1)
+    timings = profile.timings
+    assert timings is not None
+    if timings.estimate_seconds > ESTIMATE_OVERRUN * 0.2:
+        pytest.skip(f"this machine's fake steps took {timings.estimate_seconds:.2f} s in all")
+    assert profile.method == "probe"
+    assert not any("estimate stopped" in note for note in profile.notes)
+    assert profile.num_trials == 4 and profile.num_ooms == 1
 
 
 def test_an_estimate_out_of_budget_stops_after_its_warm_up_step() -> None:
