@@ -85,8 +85,7 @@ def fit_memory_model(
     recent = [
         p
         for p in known
-        if p.micro_batch_size != known[-1].micro_batch_size
-        and p.peak_bytes != known[-1].peak_bytes
+        if p.micro_batch_size != known[-1].micro_batch_size and p.peak_bytes != known[-1].peak_bytes
     ]
     pair = None
     if recent:

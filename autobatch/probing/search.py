@@ -78,7 +78,7 @@ fewer), for ``1 / H(p)`` = 1.09 times the trials: over a bracket of 2**10 sizes,
 spare trials of :func:`trial_budget`. Over 16 sizes or fewer a third rounds to a scan one or
 two sizes at a time, and the search bisects.
 
-Measured (``tests/probing/test_search.py``, thresholds log-uniform over 20..15000 under a limit
+Measured in a side harness (thresholds log-uniform over 20..15000 under a limit
 of 20000, the estimate proposing the limit): 6.3 failures on average where bisection from what
 ran took 6.95 and PyTorch Lightning's doubling-then-bisect 5.3 (which never tries the limit,
 and takes 17.6 trials to our 13.5)."""
