@@ -29,11 +29,11 @@ safeguards, on integers), otherwise the search bisects the bracket:
 - **the model must not be contradicted**: a model that predicts the failed ``hi`` fits (the failure
   came earlier than the peaks say: workspaces, fragmentation, launch limits, an estimate off by
   any factor) could only creep below ``hi``, one size per trial; the search goes on from what
-  ran instead (after one step at ``hi - 1`` when a line through measured peaks is off by less
-  than a sixteenth of the bracket): the geometric middle of ``lo`` and ``hi`` while ``hi`` is
-  more than :data:`MAX_GROWTH` times ``lo``, then bisection; the same without any model once a
-  size failed. It trusts a model again once its prediction is below ``hi`` (new measured peaks
-  refit it).
+  ran instead (after one step at ``hi - 1`` when a line through measured peaks near ``hi`` is
+  off by less than a sixteenth of the bracket): the geometric middle of ``lo`` and ``hi`` while
+  ``hi`` is more than :data:`MAX_GROWTH` times ``lo``, then a third of the way up from ``lo``
+  (:data:`FIT_SIDE_SPLIT`), then bisection; the same without any model once a size failed. It
+  trusts a model again once its prediction is below ``hi`` (new measured peaks refit it).
 
 Imports neither torch nor pynvml.
 
@@ -53,6 +53,7 @@ from autobatch.planning.lines import fit_memory_model, fit_wide_line
 from autobatch.profile import MemoryModel
 
 __all__ = [
+    "FIT_SIDE_MIN_SIZES",
     "FIT_SIDE_SPLIT",
     "MAX_GROWTH",
     "Point",
@@ -78,10 +79,13 @@ fewer), for ``1 / H(p)`` = 1.09 times the trials: over a bracket of 2**10 sizes,
 spare trials of :func:`trial_budget`. Over 16 sizes or fewer a third rounds to a scan one or
 two sizes at a time, and the search bisects.
 
-Measured in a side harness (thresholds log-uniform over 20..15000 under a limit
-of 20000, the estimate proposing the limit): 6.3 failures on average where bisection from what
-ran took 6.95 and PyTorch Lightning's doubling-then-bisect 5.3 (which never tries the limit,
-and takes 17.6 trials to our 13.5)."""
+Measured (``tests/probing/test_search.py``, thresholds 1..4096 under a limit of 20000, the
+estimate proposing the limit): 6.7 failures on average, worst 10, where bisection after the
+geometric middle took 7.8, worst 13."""
+
+FIT_SIDE_MIN_SIZES = 16
+"""Over this many sizes or fewer, the search from what ran bisects: a third of so few rounds to
+a scan one or two sizes at a time."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +144,8 @@ def estimate_budget_seconds(
     Example: 0.1 s a step, any limit of 16 or more: 0.2 s; on a CPU: 2.0 s.
     """
     sizes = growth_sizes(limit)
-    return sum(sizes if steps_scale_with_size else [1] * len(sizes)) * real_step_seconds
+    steps = sum(sizes) if steps_scale_with_size else len(sizes)
+    return steps * real_step_seconds
 
 
 def _bisection_trials(lo: int, top: int) -> int:
@@ -196,7 +201,8 @@ def _guided(
     predicted = model.max_micro_batch_size(capacity_bytes)
     if hi is not None and predicted >= hi:
         # Contradicted: the model says hi fits, and it did not. A line through measured peaks
-        # off by a little (allocator rounding) puts the max just below hi: one step there. Off
+        # off by a little (allocator rounding) near hi (lo at least half of it) puts the max
+        # just below hi: one step there. Far from what it was measured at, or off
         # by more, or once that step failed too, it could only creep down one size per trial:
         # the search goes on from what ran instead.
         measured = any(p.peak_bytes > 0 and p.micro_batch_size > 1 for p in points)
@@ -223,14 +229,15 @@ def _from_what_ran(lo: int, top: int) -> int:
     from a far ``top`` fails at every step above the answer. Within a factor of
     :data:`MAX_GROWTH` the answer is about as likely anywhere in the bracket, and a failure
     costs a clean-up (and, on a real card, can fragment the cache): the split nearer ``lo``
-    fails less often, for a few more trials; over 16 sizes or fewer, bisection. The safeguard in
+    fails less often, for a few more trials; over :data:`FIT_SIDE_MIN_SIZES` sizes or fewer,
+    bisection. The safeguard in
     :func:`next_micro_batch_size` moves it towards the middle when the budget needs that.
     """
     if lo > 0 and top > MAX_GROWTH * lo:
         return max(lo + 1, math.isqrt(lo * top))
-    if top - lo > 16:
+    if top - lo > FIT_SIDE_MIN_SIZES:
         return lo + (top - lo) // FIT_SIDE_SPLIT
-    return (lo + top) // 2  # a third of a few sizes rounds to a scan one size at a time
+    return (lo + top) // 2
 
 
 def _num_trials(points: Sequence[Point]) -> int:
