@@ -566,6 +566,7 @@ class Prober:
                 capacity_bytes=capacity.capacity_bytes,
                 safety_margin=self.options.safety_margin,
                 model=line,
+                warm_up_peak_bytes=self.log.warm_up_peak_bytes,
             ),
             safety_margin=self.options.safety_margin,
             method="probe" if self.estimated or prior is not None else "doubling",

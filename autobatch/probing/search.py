@@ -251,15 +251,29 @@ def recommended_size(
     capacity_bytes: int,
     safety_margin: float,
     model: MemoryModel | None,
+    warm_up_peak_bytes: int = 0,
 ) -> int:
-    """Largest fitting size whose peak keeps ``safety_margin`` of the capacity free; at least 1.
+    """Largest fitting size whose peak keeps ``safety_margin`` of the capacity free; when none
+    does, the smallest size that fitted (1 when none did).
 
-    Uses measured peaks where the size was tried, the memory model between them.
+    Uses measured peaks where the size was tried, the memory model between them. The model never
+    outranks a measurement: no size at or above one whose peak broke the margin is recommended,
+    whatever the line says, since peaks grow with the size. ``warm_up_peak_bytes`` is the warm-up
+    step's peak (0: unknown), which the warm-up's point does not carry (the optimizer state it
+    created would tilt the search's lines): every later step holds that state too, so it bounds
+    the peak of every size from the warm-up's up.
     """
     lo, _ = bracket(points)
     budget = int(capacity_bytes * (1 - safety_margin))
+    smallest = min((p.micro_batch_size for p in points if p.fits), default=1)
     measured = {p.micro_batch_size: p.peak_bytes for p in points if p.fits and p.peak_bytes > 0}
-    best = max((n for n, peak in measured.items() if peak <= budget), default=1)
+    over = [n for n, peak in measured.items() if peak > budget]
+    if warm_up_peak_bytes > budget:
+        over += [p.micro_batch_size for p in points if p.warm_up]
+    best = max((n for n, peak in measured.items() if peak <= budget), default=smallest)
     if model is not None:
-        best = max(best, min(lo, model.max_micro_batch_size(budget)))
+        predicted = min(lo, model.max_micro_batch_size(budget))
+        if over:
+            predicted = min(predicted, min(over) - 1)
+        best = max(best, predicted)
     return max(1, min(best, lo)) if lo else 1

@@ -111,6 +111,9 @@ class TrialLog:
     """Real steps run (warm-ups, repeats and compiled confirmations included)."""
     failed_micro_batch_size: int = 0
     """Smallest size that failed for a reason other than memory (0: none did)."""
+    warm_up_peak_bytes: int = 0
+    """The warm-up step's peak, the largest over the ranks (0: unknown); kept out of ``points``
+    (the optimizer state it created would tilt the search's lines), a floor for the margin."""
     prior: MemoryModel | None = None
     """The estimate's memory line; dropped when a measured peak shows it unreliable."""
     estimated_static_bytes: int = 0
@@ -377,7 +380,7 @@ class TrialRunner:
                 f"peak {format_bytes(measured)} is over the capacity "
                 f"{format_bytes(self.own_capacity.capacity_bytes)}"
             )
-        agreed = self._agree_outcome(outcome, 0 if warm_up else measured, fatal is not None)
+        agreed = self._agree_outcome(outcome, measured, fatal is not None)
         if fatal is not None:
             raise fatal
         if agreed.fatal_rank is not None:
@@ -411,7 +414,9 @@ class TrialRunner:
         self.log.trials.append(trial)
         self.log.trial_seconds.append(max(0.0, trial_seconds))
         self.log.cleanup_seconds.append(max(0.0, cleanup_seconds))
-        peak_bytes = agreed.peak_bytes
+        peak_bytes = 0 if warm_up else agreed.peak_bytes
+        if warm_up:
+            self.log.warm_up_peak_bytes = agreed.peak_bytes
         if repeat:  # the size's outcome is both steps'
             first_peaks = [p.peak_bytes for p in self.log.points if p.micro_batch_size == size]
             self.log.points = [p for p in self.log.points if p.micro_batch_size != size]

@@ -166,6 +166,43 @@ def test_recommended_size_keeps_the_margin() -> None:
     assert recommended_size(points, capacity_bytes=10_000, safety_margin=0.99, model=line) == 1
 
 
+@pytest.mark.parametrize(("broke_at", "expected"), [(1, 1), (40, 39), (81, 80)])
+def test_recommended_size_never_reaches_a_measured_peak_over_the_margin(
+    broke_at: int, expected: int
+) -> None:
+    # The line (1_000 + 100 n) says 80 keeps 10% of 10_000 free, but the peak measured at
+    # ``broke_at`` broke the margin: peaks grow with the size, so nothing from there up is
+    # recommended (a tiny card where even 1 breaks it gets 1, on every rank alike).
+    points = [
+        Point(micro_batch_size=1, fits=True, peak_bytes=1_100 if broke_at > 1 else 9_500),
+        Point(micro_batch_size=broke_at, fits=True, peak_bytes=9_500),
+        Point(micro_batch_size=90, fits=True, peak_bytes=10_000),
+        Point(micro_batch_size=91, fits=False),
+    ]
+    line = MemoryModel(fixed_bytes=1_000, bytes_per_sample=100)
+    kept = recommended_size(points, capacity_bytes=10_000, safety_margin=0.1, model=line)
+    assert kept == expected
+
+
+@pytest.mark.parametrize("warm_up_size", [1, 2])
+def test_a_warm_up_over_the_margin_leaves_the_smallest_size_that_trained(warm_up_size: int) -> None:
+    # The line through 20 and 40 (flat below, allocator rounding) says 10 keeps 10% free, but the
+    # warm-up's peak (kept out of its point) already broke the margin: every later step holds
+    # the optimizer state it created, so no size keeps it; the smallest that trained is the
+    # answer (2 where 1 cannot train: BatchNorm).
+    points = [
+        Point(micro_batch_size=warm_up_size, fits=True, warm_up=True),
+        Point(micro_batch_size=20, fits=True, peak_bytes=9_300),
+        Point(micro_batch_size=40, fits=True, peak_bytes=9_900),
+        Point(micro_batch_size=41, fits=False),
+    ]
+    line = MemoryModel(fixed_bytes=8_700, bytes_per_sample=30)
+    kept = {"capacity_bytes": 10_000, "safety_margin": 0.1, "model": line}
+    assert recommended_size(points, **kept, warm_up_peak_bytes=9_100) == warm_up_size
+    assert recommended_size(points, **kept, warm_up_peak_bytes=8_900) == 10  # the line
+    assert recommended_size(points, **kept) == 10  # unknown
+
+
 # -- safeguards: any monotone failure pattern, whatever the peaks say ------------------------
 
 
