@@ -254,7 +254,7 @@ def recommended_size(
     warm_up_peak_bytes: int = 0,
 ) -> int:
     """Largest fitting size whose peak keeps ``safety_margin`` of the capacity free; when none
-    does, the smallest size that fitted (1 when none did).
+    does, the warm-up's size (1, or 2 where 1 cannot train).
 
     Uses measured peaks where the size was tried, the memory model between them. The model never
     outranks a measurement: no size at or above one whose peak broke the margin is recommended,
@@ -265,7 +265,7 @@ def recommended_size(
     """
     lo, _ = bracket(points)
     budget = int(capacity_bytes * (1 - safety_margin))
-    smallest = min((p.micro_batch_size for p in points if p.fits), default=1)
+    smallest = min((p.micro_batch_size for p in points if p.warm_up and p.fits), default=1)
     measured = {p.micro_batch_size: p.peak_bytes for p in points if p.fits and p.peak_bytes > 0}
     over = [n for n, peak in measured.items() if peak > budget]
     if warm_up_peak_bytes > budget:

@@ -201,6 +201,11 @@ def test_a_warm_up_over_the_margin_leaves_the_smallest_size_that_trained(warm_up
     assert recommended_size(points, **kept, warm_up_peak_bytes=9_100) == warm_up_size
     assert recommended_size(points, **kept, warm_up_peak_bytes=8_900) == 10  # the line
     assert recommended_size(points, **kept) == 10  # unknown
+    # Without a warm-up (the estimate's fake steps), sizes below the smallest tried may keep it.
+    fake = [p for p in points if not p.warm_up]
+    assert recommended_size(fake, **kept, warm_up_peak_bytes=9_100) == 10
+    kept["safety_margin"] = 0.2  # 8_000: every size tried breaks it, the line says 0
+    assert recommended_size(fake, **kept) == 1
 
 
 # -- safeguards: any monotone failure pattern, whatever the peaks say ------------------------
