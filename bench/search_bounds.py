@@ -67,10 +67,9 @@ def autobatch_search(*, estimate: bool) -> Search:
                 points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior
             )
         while size is not None:
+            fits = size <= t
             points.append(
-                Point(micro_batch_size=size, fits=size <= t, peak_bytes=1_000 + size)
-                if size <= t
-                else Point(micro_batch_size=size, fits=False)
+                Point(micro_batch_size=size, fits=fits, peak_bytes=1_000 + size if fits else 0)
             )
             size = next_micro_batch_size(
                 points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior

@@ -114,12 +114,14 @@ def fit_memory_model(
     return prior
 
 
-def fit_wide_line(points: Sequence[MeasuredPoint]) -> MemoryModel | None:
+def fit_wide_line(
+    points: Sequence[MeasuredPoint], prior: MemoryModel | None = None
+) -> MemoryModel | None:
     """A line through the largest fitting peak and one at no more than half its size (at least
     2, past where the optimizer step may dominate): far apart, so allocator rounding does not
     tilt it, and it predicts the peak across the range, where :func:`fit_memory_model`'s secant
     through the two latest points (often adjacent sizes) is only good near them. Falls back to
-    that secant when there is no such pair.
+    :func:`fit_memory_model` (that secant, else the ``prior``'s lines) when there is no such pair.
     """
     known = sorted((p for p in points if p.peak_bytes > 0), key=lambda p: p.micro_batch_size)
     fitted = [p for p in known if p.fits]
@@ -133,7 +135,7 @@ def fit_wide_line(points: Sequence[MeasuredPoint]) -> MemoryModel | None:
         ]
         if below:
             return _secant(below[-1], large)
-    return fit_memory_model(points, prior=None)
+    return fit_memory_model(points, prior)
 
 
 def _secant(small: MeasuredPoint, large: MeasuredPoint) -> MemoryModel:

@@ -68,7 +68,6 @@ from autobatch.probing.placement import model_device
 from autobatch.probing.search import (
     bracket,
     estimate_budget_seconds,
-    fit_memory_model,
     fit_wide_line,
     next_micro_batch_size,
     recommended_size,
@@ -551,7 +550,7 @@ class Prober:
         # The profile's line predicts across the range (the recommended size under the margin,
         # plans): through peaks far apart, not the search's secant through its two latest
         # (often adjacent sizes, tilted by allocator rounding).
-        line = fit_wide_line(self.log.points) or fit_memory_model(self.log.points, prior)
+        line = fit_wide_line(self.log.points, prior)
         skipped = sorted({t.micro_batch_size for t in self.log.trials if t.skipped_optimizer_step})
         if skipped:
             self.log.notes.append(

@@ -265,12 +265,12 @@ def recommended_size(
     """
     lo, _ = bracket(points)
     budget = int(capacity_bytes * (1 - safety_margin))
-    smallest = min((p.micro_batch_size for p in points if p.warm_up and p.fits), default=1)
+    warm_up = min((p.micro_batch_size for p in points if p.warm_up and p.fits), default=None)
     measured = {p.micro_batch_size: p.peak_bytes for p in points if p.fits and p.peak_bytes > 0}
     over = [n for n, peak in measured.items() if peak > budget]
-    if warm_up_peak_bytes > budget:
-        over += [p.micro_batch_size for p in points if p.warm_up]
-    best = max((n for n, peak in measured.items() if peak <= budget), default=smallest)
+    if warm_up is not None and warm_up_peak_bytes > budget:
+        over.append(warm_up)
+    best = max((n for n, peak in measured.items() if peak <= budget), default=warm_up or 1)
     if model is not None:
         predicted = min(lo, model.max_micro_batch_size(budget))
         if over:

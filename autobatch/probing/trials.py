@@ -414,9 +414,9 @@ class TrialRunner:
         self.log.trials.append(trial)
         self.log.trial_seconds.append(max(0.0, trial_seconds))
         self.log.cleanup_seconds.append(max(0.0, cleanup_seconds))
-        peak_bytes = 0 if warm_up else agreed.peak_bytes
-        if warm_up:
-            self.log.warm_up_peak_bytes = agreed.peak_bytes
+        peak_bytes = agreed.peak_bytes
+        if warm_up:  # kept apart from the search's points
+            self.log.warm_up_peak_bytes, peak_bytes = peak_bytes, 0
         if repeat:  # the size's outcome is both steps'
             first_peaks = [p.peak_bytes for p in self.log.points if p.micro_batch_size == size]
             self.log.points = [p for p in self.log.points if p.micro_batch_size != size]
