@@ -6,7 +6,10 @@ counted against a capacity, torch's ``OutOfMemoryError`` raised like the CUDA al
 Foreign exceptions are classified in one place (``oom.is_oom``); NVML is read in one module
 (``nvml``, the only one importing ``pynvml``), over the device set the process was given
 (``visible``). What a job may use is a :class:`MemoryBudget`: every memory source the process
-can see, combined by one pure rule (``budget``), on each :class:`Capacity`.
+can see, combined by one pure rule (``budget``), on each :class:`Capacity`. A card named from
+outside the job (an NVML reading of a local GPU, a Kubernetes node's GPU feature discovery
+labels) gets its budget from :func:`budget_from_nvml` and :func:`budget_from_labels`, pure
+(``card_budget``, ``node_labels``).
 
 This face is what other layers, the service and the benchmarks import. The types and parsing
 import eagerly; NVML, the devices and ``is_oom`` on first use (importing ``autobatch`` neither
@@ -32,9 +35,12 @@ from autobatch.device.budget import (
     check_gpu_fraction,
     combine_budget,
     fraction_reading,
+    gpu_fraction_reading,
     vgpu_limit_reading,
 )
+from autobatch.device.card_budget import CardBudget, budget_from_labels, budget_from_nvml
 from autobatch.device.node import NODE_NAME_ENV_VARS, node_name
+from autobatch.device.node_labels import LabelError, NodeDevice, read_node_labels
 from autobatch.device.resolve import ParsedDevice, parse_device, resolve_device
 from autobatch.device.types import (
     UNKNOWN_MEMORY,
@@ -62,13 +68,16 @@ __all__ = [
     "BudgetReading",
     "BudgetSource",
     "Capacity",
+    "CardBudget",
     "CpuDevice",
     "CudaDevice",
     "Device",
     "GpuInfo",
+    "LabelError",
     "MemoryBudget",
     "MemoryInfo",
     "MemorySource",
+    "NodeDevice",
     "Nvml",
     "NvmlDevice",
     "ParsedDevice",
@@ -76,15 +85,19 @@ __all__ = [
     "SharingMode",
     "SimulatedDevice",
     "VisibleDevices",
+    "budget_from_labels",
+    "budget_from_nvml",
     "check_gpu_fraction",
     "combine_budget",
     "cuda_visible_devices",
     "default_nvml",
     "fraction_reading",
+    "gpu_fraction_reading",
     "is_oom",
     "list_gpus",
     "node_name",
     "parse_device",
+    "read_node_labels",
     "resolve_device",
     "vgpu_limit_reading",
 ]

@@ -52,6 +52,7 @@ __all__ = [
     "check_gpu_fraction",
     "combine_budget",
     "fraction_reading",
+    "gpu_fraction_reading",
     "parse_memory_limit",
     "vgpu_limit_reading",
 ]
@@ -357,6 +358,14 @@ def fraction_reading(
     """``fraction * total_bytes`` (rounded down) as the ``source`` reading."""
     share = int(fraction * total_bytes)
     return BudgetReading(source=source, total_bytes=share, available_bytes=share, detail=detail)
+
+
+def gpu_fraction_reading(gpu_fraction: float, total_bytes: int) -> BudgetReading:
+    """The declared ``gpu_fraction`` (0 < x <= 1) of a card of ``total_bytes``, as the
+    ``gpu_fraction`` reading every device and the service add last."""
+    return fraction_reading(
+        "gpu_fraction", gpu_fraction, total_bytes, f"gpu_fraction={gpu_fraction} declared"
+    )
 
 
 _LIMIT = re.compile(r"^\s*([0-9]+)\s*([kKmMgG]?)\s*$")

@@ -35,6 +35,7 @@ from autobatch.device.budget import (
     check_gpu_fraction,
     combine_budget,
     fraction_reading,
+    gpu_fraction_reading,
     vgpu_limit_reading,
 )
 from autobatch.device.nvml import Nvml, default_nvml
@@ -162,11 +163,7 @@ def cuda_budget(
             )
         )
     if gpu_fraction is not None:
-        readings.append(
-            fraction_reading(
-                "gpu_fraction", gpu_fraction, total_bytes, f"gpu_fraction={gpu_fraction} declared"
-            )
-        )
+        readings.append(gpu_fraction_reading(gpu_fraction, total_bytes))
     unseen = ("cuda_runtime",) if runtime_memory is None else ()
     return combine_budget(readings, unseen_sources=unseen), total_bytes, foreign_bytes
 

@@ -31,7 +31,7 @@ from autobatch.device.budget import (
     MemoryBudget,
     check_gpu_fraction,
     combine_budget,
-    fraction_reading,
+    gpu_fraction_reading,
 )
 from autobatch.device.live_bytes import LiveBytes
 from autobatch.device.types import Capacity, PeakMemory
@@ -133,14 +133,7 @@ class SimulatedDevice:
             )
         ]
         if self._gpu_fraction is not None:
-            readings.append(
-                fraction_reading(
-                    "gpu_fraction",
-                    self._gpu_fraction,
-                    self._total,
-                    f"gpu_fraction={self._gpu_fraction} declared",
-                )
-            )
+            readings.append(gpu_fraction_reading(self._gpu_fraction, self._total))
         return combine_budget(readings)
 
     def capacity(self) -> Capacity:

@@ -4,7 +4,8 @@ The limit comes from exactly one of: a stored profile (``profile_id``), the newe
 of a model (``model_fingerprint``), a plain ``max_micro_batch_size``, or a ``memory_model``. The
 device, when given, is a local GPU (``cuda_index``/``uuid``, read from NVML), a capacity in bytes,
 or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB, a MIG slice's
-``nvidia.com/mig-<profile>.memory`` with ``mig_profile``; see :mod:`service.labels`).
+``nvidia.com/mig-<profile>.memory`` with ``mig_profile``; see
+:func:`autobatch.device.read_node_labels`).
 ``world_sizes`` adds a table over candidate world sizes (``planner.plan_world_sizes``).
 
 A local GPU is one of the cards this container was given (``NVIDIA_VISIBLE_DEVICES``, then
@@ -35,11 +36,11 @@ from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
 from autobatch.device import (
-    BudgetReading,
+    CardBudget,
+    LabelError,
     MemoryBudget,
-    combine_budget,
-    fraction_reading,
-    vgpu_limit_reading,
+    budget_from_labels,
+    budget_from_nvml,
 )
 from autobatch.errors import ConfigError, DeviceUnavailableError, ProfileNotFoundError
 from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
@@ -57,10 +58,8 @@ from autobatch.planning import (
     with_budget,
 )
 from autobatch.profile import MemoryModel, Profile
-from autobatch.units import format_bytes
 from service.deps import service_state
 from service.gpus import GpuMonitor
-from service.labels import LabelError, read_node_labels
 from service.problems import Problem, problem_responses, unknown_profile
 from service.routing import JsonBodyRoute, json_body_openapi, read_json_body
 from service.schemas import (
@@ -243,13 +242,31 @@ def _configs(result: Plan) -> dict[str, Any]:
 async def _resolve_device(
     spec: DeviceSpec, gpus: GpuMonitor, gpu_fraction: float | None
 ) -> tuple[ResolvedDevice, MemoryBudget]:
-    """The device planned for and its memory budget (module docstring); the device's
-    ``capacity_bytes`` is the budget's."""
+    """The device planned for and its memory budget (module docstring; built by
+    ``autobatch.device``, read here); the device's ``capacity_bytes`` is the budget's.
+
+    Raises:
+        Problem: 422 for an unknown GPU, unreadable labels or no free memory; 503 when the
+            GPU's memory (or its vGPU limit) is unknown.
+    """
     if spec.capacity_bytes is not None:
         budget = given_budget(spec.capacity_bytes, gpu_fraction=gpu_fraction)
-        return _resolved(budget, source="capacity_bytes"), budget
+        return _resolved(CardBudget(budget=budget, source="capacity_bytes")), budget
     if spec.node_labels is not None:
-        return await _labelled_device(spec, gpus, gpu_fraction)
+        try:
+            seen = [reading.gpu for reading in (await gpus.snapshot())[1]]
+        except DeviceUnavailableError:
+            seen = []  # a central instance, or no driver: the labels alone
+        try:
+            card = budget_from_labels(
+                spec.node_labels, mig_profile=spec.mig_profile, gpu_fraction=gpu_fraction, gpus=seen
+            )
+        except LabelError as exc:
+            field = (
+                "body.gpu_fraction" if exc.field == "gpu_fraction" else f"body.device.{exc.field}"
+            )
+            raise Problem(422, "validation", str(exc), field=field) from None
+        return _resolved(card), card.budget
     reading, inventory = await gpus.reading_for(cuda_index=spec.cuda_index, uuid=spec.uuid)
     if spec.cuda_index is not None:
         field, wanted = "body.device.cuda_index", f"cuda_index {spec.cuda_index}"
@@ -271,140 +288,38 @@ async def _resolve_device(
             f"this node has no GPU with {wanted}{why} (visible: {visible or 'none'})",
             field=field,
         )
-    gpu, memory = reading.gpu, reading.gpu.memory
-    total, free = memory.total_memory_bytes, memory.free_memory_bytes
-    if total is None or free is None:
-        raise Problem(
-            503,
-            "memory-unknown",
-            f"the memory of GPU {gpu.uuid} is unknown ({gpu.memory_reason}: "
-            f"{gpu.memory_detail}); plan with device.capacity_bytes instead",
-            field=field,
-        )
-    capacity = total if spec.memory == "total" else free
-    if capacity < 1:
-        raise Problem(
-            422, "no-free-memory", f"GPU {gpu.uuid} has no free memory", field="body.device.memory"
-        )
-    held = memory.used_memory_bytes
-    note = None
-    if spec.memory == "total" and held:
-        reserve = (
-            ", the driver's reserve included (NVML's v1 memory API does not separate it)"
-            if memory.used_includes_reserved
-            else ""
-        )
-        note = (
-            f"other processes hold {format_bytes(held)} ({held} bytes{reserve}) on this GPU now; "
-            'this plan for memory "total" assumes they will be gone when the job runs; plan '
-            'with memory "free" to leave room for them'
-        )
-    readings = [
-        BudgetReading(
-            source="nvml",
-            total_bytes=total,
-            available_bytes=min(capacity, total),
-            free_bytes=min(free, total),
-            detail=f'{gpu.name} {gpu.uuid}, memory "{spec.memory}"',
-        )
-    ]
     try:
-        limit = None if gpu.cuda_index is None else vgpu_limit_reading(os.environ, gpu.cuda_index)
-    except ConfigError as exc:
+        card = budget_from_nvml(
+            reading.gpu, memory=spec.memory, gpu_fraction=gpu_fraction, environ=os.environ
+        )
+    except DeviceUnavailableError as exc:
+        if exc.reason == "no_free_memory":
+            raise Problem(422, "no-free-memory", str(exc), field="body.device.memory") from None
         raise Problem(503, "memory-unknown", str(exc), field=field) from None
-    if limit is not None:
-        readings.append(limit)
-    if gpu_fraction is not None:
-        readings.append(_fraction(gpu_fraction, total))
-    budget = combine_budget(readings, unseen_sources=("cuda_runtime",))
     device = _resolved(
-        budget,
-        source="nvml",
-        name=gpu.name,
-        uuid=gpu.uuid,
-        cuda_index=gpu.cuda_index,
-        mig_profile=gpu.mig_profile or None,
-        memory_source=memory.memory_source,
-        sampled_at=reading.sampled_at,
-        age_seconds=round(reading.age_seconds(), 3),
-        memory_held_by_others_bytes=held,
-        note=note,
+        card, sampled_at=reading.sampled_at, age_seconds=round(reading.age_seconds(), 3)
     )
-    return device, budget
+    return device, card.budget
 
 
-async def _labelled_device(
-    spec: DeviceSpec, gpus: GpuMonitor, gpu_fraction: float | None
-) -> tuple[ResolvedDevice, MemoryBudget]:
-    """A device named by GPU feature discovery labels: the card (or slice), its share under
-    the device plugin's time-slicing, and the declared fraction."""
-    assert spec.node_labels is not None
-    try:
-        seen = [reading.gpu for reading in (await gpus.snapshot())[1]]
-    except DeviceUnavailableError:
-        seen = []  # a central instance, or no driver: the labels alone
-    try:
-        labelled = read_node_labels(spec.node_labels, mig_profile=spec.mig_profile, gpus=seen)
-    except LabelError as exc:
-        raise Problem(422, "validation", str(exc), field=exc.field) from None
-    card = labelled.capacity_bytes
-    if labelled.shared and labelled.replicas == 1 and gpu_fraction is None:
-        raise Problem(
-            422,
-            "validation",
-            "the node labels say its GPUs are shared (a '-SHARED' product or a sharing strategy) "
-            "but not among how many jobs (no nvidia.com/gpu.replicas label), so a job's share "
-            "of the card is unknown and it is never planned as the whole card: give "
-            "gpu_fraction (1 / the number of replicas), or device.capacity_bytes",
-            field="body.gpu_fraction",
-        )
-    readings = [
-        BudgetReading(
-            source="node_labels",
-            total_bytes=card,
-            available_bytes=card,
-            detail=f"{labelled.name or 'GPU'} from the node's labels",
-        )
-    ]
-    if labelled.replicas > 1:
-        share = card // labelled.replicas
-        strategy = labelled.sharing_strategy or "time-slicing"
-        readings.append(
-            BudgetReading(
-                source="time_slicing",
-                total_bytes=share,
-                available_bytes=share,
-                detail=f"the device plugin shares each card among {labelled.replicas} replicas "
-                f"({strategy}, no memory isolation between them): 1/{labelled.replicas} of it",
-            )
-        )
-    if gpu_fraction is not None:
-        readings.append(_fraction(gpu_fraction, card))
-    budget = combine_budget(readings, unseen_sources=("cuda_runtime",))
-    device = _resolved(
-        budget,
-        source="node_labels",
-        name=labelled.name,
-        mig_profile=spec.mig_profile,
-        warnings=list(labelled.warnings),
-    )
-    return device, budget
-
-
-def _fraction(gpu_fraction: float, total_bytes: int) -> BudgetReading:
-    return fraction_reading(
-        "gpu_fraction", gpu_fraction, total_bytes, f"gpu_fraction={gpu_fraction} declared"
-    )
-
-
-def _resolved(budget: MemoryBudget, **fields: Any) -> ResolvedDevice:
+def _resolved(card: CardBudget, **reading: float) -> ResolvedDevice:
     """The device as the answer shows it: its capacity is the budget's, with the deciding
-    source and the sharing mode beside it."""
+    source and the sharing mode beside it (and ``reading``'s time for a local GPU)."""
+    budget = card.budget
     return ResolvedDevice(
+        source=card.source,
         capacity_bytes=budget.budget_bytes,
         deciding_source=budget.deciding_source,
         sharing_mode=budget.sharing_mode,
-        **fields,
+        name=card.name,
+        uuid=card.uuid,
+        cuda_index=card.cuda_index,
+        mig_profile=card.mig_profile,
+        memory_source=card.memory_source,
+        memory_held_by_others_bytes=card.memory_held_by_others_bytes,
+        note=card.note,
+        warnings=list(card.warnings),
+        **reading,
     )
 
 

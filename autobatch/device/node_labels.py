@@ -1,12 +1,14 @@
 """The GPU memory a job gets on a Kubernetes node, from GPU feature discovery (GFD) labels.
 
-Pure: labels (and, when the sidecar has them, its own NVML readings) in, bytes out.
+Pure: labels (and, when the reader has them, its own NVML readings) in, bytes out; no torch, no
+pynvml. :func:`autobatch.device.budget_from_labels` turns the result into a memory budget.
 
 - ``nvidia.com/gpu.memory`` is documented in MiB, but some GFD versions wrote bytes (a 40 GB card
   read ``42505273344``). No real MiB value exceeds 2**31 (2 PiB), so a larger value can only be
   bytes: it is read as bytes, with a warning in the answer.
-- When the sidecar's own NVML sees the card the labels describe (same product name) and its total
-  memory differs from the label by more than :data:`NVML_TOLERANCE`, NVML wins, with a warning.
+- When the reader's own NVML (the service's sidecar) sees the card the labels describe (same
+  product name) and its total memory differs from the label by more than
+  :data:`NVML_TOLERANCE`, NVML wins, with a warning.
 - MIG, mixed strategy (``nvidia.com/mig.strategy=mixed``): each slice profile has its own labels,
   ``nvidia.com/mig-<profile>.memory`` (MiB), ``.count`` and friends, while ``nvidia.com/gpu.*``
   describe the parent card. A job on a slice gets the slice's memory, so when the node shows MIG
@@ -20,6 +22,11 @@ Pure: labels (and, when the sidecar has them, its own NVML readings) in, bytes o
   never the whole card; a ``-SHARED`` product with no readable replicas label is refused, naming
   ``gpu_fraction`` as the way to say the share.
 
+A label that cannot be read is a :class:`LabelError` (a :class:`~autobatch.errors.ConfigError`)
+whose ``field`` names the input at fault: ``node_labels.<label>``, ``mig_profile`` or
+``gpu_fraction``, which each surface names in its own terms (the service as the request's
+field path, ``body.device.mig_profile``).
+
 Example::
 
     device = read_node_labels({"nvidia.com/gpu.memory": "81920"}, mig_profile=None, gpus=[])
@@ -31,8 +38,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from autobatch.device import GpuInfo
+from autobatch.device.types import GpuInfo
+from autobatch.errors import ConfigError
 from autobatch.units import format_bytes
 
 __all__ = [
@@ -63,12 +72,24 @@ NVML_TOLERANCE = 0.05
 """Labels and NVML may differ this much (fraction of NVML's total) before NVML wins."""
 
 
-class LabelError(ValueError):
-    """A label is missing or unreadable; ``field`` names the request field."""
+class LabelError(ConfigError):
+    """A label is missing or unreadable, or the labels leave the job's share unknown.
+
+    Attributes:
+        field: the input at fault, relative to the device named: ``"node_labels.<label>"``,
+            ``"mig_profile"`` or ``"gpu_fraction"``.
+    """
 
     def __init__(self, message: str, *, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_label_error, (self.message, self.field)
+
+
+def _rebuild_label_error(message: str, field: str) -> LabelError:
+    return LabelError(message, field=field)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,12 +116,12 @@ class NodeDevice:
 def read_node_labels(
     labels: Mapping[str, str], *, mig_profile: str | None, gpus: Sequence[GpuInfo]
 ) -> NodeDevice:
-    """The card or MIG slice the labels describe, corrected by NVML when the sidecar sees it.
+    """The card or MIG slice the labels describe, corrected by NVML when the reader sees it.
 
     Args:
         labels: the node's labels (``kubectl get node -o json``'s ``metadata.labels``).
         mig_profile: the MIG profile the job gets (e.g. ``"1g.5gb"``), or None for a whole GPU.
-        gpus: this node's GPUs as the sidecar reads them; only NVML readings (not the CUDA
+        gpus: this node's GPUs as the reader sees them; only NVML readings (not the CUDA
             runtime's or the host's) of the labelled product count. Empty when NVML is
             unavailable or the node is another one.
 
@@ -127,14 +148,14 @@ def read_node_labels(
             f"the node shows MIG slices ({labels.get(MIG_STRATEGY_LABEL, 'mixed')} strategy): "
             f"{shown}; give device.mig_profile for the slice the job gets (a job on a slice has "
             "the slice's memory, not the card's), or device.capacity_bytes for a whole GPU",
-            field="body.device.mig_profile",
+            field="mig_profile",
         )
     if mig_profile is not None:
         if mig_profile not in slices:
             raise LabelError(
                 f"mig_profile {mig_profile!r} is not among the node's MIG slices "
                 f"({shown or 'none: no nvidia.com/mig-<profile>.memory label'})",
-                field="body.device.mig_profile",
+                field="mig_profile",
             )
         key = f"nvidia.com/mig-{mig_profile}.memory"
         name = None if product is None else f"{product}-MIG-{mig_profile}"
@@ -208,7 +229,7 @@ def _memory_bytes(key: str, value: str) -> tuple[int, list[str]]:
 
 
 def _field(key: str) -> str:
-    return f"body.device.node_labels.{key}"
+    return f"node_labels.{key}"
 
 
 def _same_product(nvml_name: str, gfd_name: str) -> bool:
