@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autobatch.client import service_remote
 from autobatch.conditions import condition_changes
 from autobatch.device import Device, MemoryBudget, resolve_device
 from autobatch.distributed.consensus import (
@@ -76,9 +77,9 @@ from autobatch.profiles.confirmation import (
     ArrivalPrediction,
     confirm_on_arrival,
     find_prediction,
-    service_profiles,
     stored_profiles,
 )
+from autobatch.profiles.remote import ProfileRemote
 from autobatch.profiles.store import ProfileStore
 from autobatch.training.oom_split import SplitEvent
 
@@ -282,7 +283,9 @@ def tune(
         on_trial=on_trial,
         data_parallel=(world_size, world_source),
     )
-    storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
+    storing = StoreOptions(
+        store=store, use_store=use_store, refresh=refresh, remote=service_remote(report_to)
+    )
     found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
     result = plan_within(found.profile, constraints, source=source)
@@ -383,7 +386,9 @@ def autotune_profile(
         on_trial=on_trial,
         eval=eval,
     )
-    storing = StoreOptions(store=store, use_store=use_store, refresh=refresh, report_to=report_to)
+    storing = StoreOptions(
+        store=store, use_store=use_store, refresh=refresh, remote=service_remote(report_to)
+    )
     return find_profile(step, options, storing)
 
 
@@ -460,7 +465,7 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
             options,
             total_memory_bytes=capacity_now.total_memory_bytes,
             capacity_bytes=searched_capacity,
-            report_to=storing.report_to,
+            remote=storing.remote,
         )
         if predicted is None:
             return None, ""
@@ -500,10 +505,10 @@ def _prediction_here(
     *,
     total_memory_bytes: int,
     capacity_bytes: int,
-    report_to: str | None,
+    remote: ProfileRemote | None,
 ) -> ArrivalPrediction | None:
     """A plan predicted for this card from a profile of the same step on another card: from the
-    store, else from the service at ``report_to`` (:mod:`autobatch.profiles.confirmation`)."""
+    store, else from ``remote`` (:mod:`autobatch.profiles.confirmation`)."""
     where: dict[str, Any] = {
         "device_name": options.device.name,
         "total_memory_bytes": total_memory_bytes,
@@ -515,12 +520,12 @@ def _prediction_here(
     }
     identity = step.identity
     found = find_prediction(stored_profiles(store, identity), identity, **where)
-    if found is not None or report_to is None:
+    if found is not None or remote is None:
         return found
-    remote, why = service_profiles(report_to, identity, token=os.environ.get("AUTOBATCH_API_TOKEN"))
+    elsewhere, why = remote.profiles_of(identity)
     if why:
         logger.warning("%s; probing this card without it", why)
-    return find_prediction(remote, identity, **where)
+    return find_prediction(elsewhere, identity, **where)
 
 
 def split_recorder(

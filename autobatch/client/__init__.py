@@ -17,6 +17,7 @@ from autobatch.client.http import (
     ServiceError,
 )
 from autobatch.client.publish import RetryPolicy, publish_profile, report_profile
+from autobatch.client.remote import ServiceProfiles, service_remote
 
 __all__ = [
     "AutobatchClient",
@@ -24,6 +25,8 @@ __all__ = [
     "ProbeStatus",
     "RetryPolicy",
     "ServiceError",
+    "ServiceProfiles",
     "publish_profile",
     "report_profile",
+    "service_remote",
 ]

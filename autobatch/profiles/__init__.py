@@ -1,7 +1,9 @@
-"""Profiles: the store (``store``), the cache rule and reporting (``cache``), and confirmation on
-arrival of a plan predicted from another card (``confirmation``). This face (torch-free) is the
-store, what the service and the CLI import. The store's location is a file, ``:memory:`` or a
-``sqlite://``/``postgresql://`` URL (``location``); its tables and migrations are in ``schema``.
+"""Profiles: the store (``store``), the cache rule and reporting (``cache``), confirmation on
+arrival of a plan predicted from another card (``confirmation``), and the protocol of a remote
+beyond the store (``remote``; the road passes one down, e.g. the central service). This face
+(torch-free) is the store and that protocol, what the service and the CLI import. The store's
+location is a file, ``:memory:`` or a ``sqlite://``/``postgresql://`` URL (``location``); its
+tables and migrations are in ``schema``.
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
 from __future__ import annotations
 
 from autobatch.profiles.location import parse_location
+from autobatch.profiles.remote import ProfileRemote
 from autobatch.profiles.store import (
     STORE_ENV_VAR,
     ProfilePage,
@@ -27,6 +30,7 @@ from autobatch.profiles.store import (
 __all__ = [
     "STORE_ENV_VAR",
     "ProfilePage",
+    "ProfileRemote",
     "ProfileStore",
     "ProfileSummary",
     "SummaryPage",

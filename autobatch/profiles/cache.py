@@ -1,11 +1,13 @@
-"""Where the tuning road's profiles come from and go to: the profile store, the service, the cache
-rule.
+"""Where the tuning road's profiles come from and go to: the profile store, a remote (the service),
+the cache rule.
 
 The road (:mod:`autobatch.tuning`) looks a profile up before it probes and keeps the one it
 probed through one lane, :func:`agreed_profile`, for one process and for the ranks of a process
 group alike (rank 0 reads and writes, every rank uses rank 0's answer); :func:`answers_request`
 is the rule for whether a stored profile answers a request, and :func:`report_profile_to`
-registers a new profile with the service, warning rather than failing.
+hands a new profile to the remote the road passed down
+(:class:`~autobatch.profiles.remote.ProfileRemote`, e.g. the central service), warning rather
+than failing.
 
 Example::
 
@@ -25,8 +27,9 @@ from collections.abc import Callable
 
 from autobatch.conditions import ConditionChange, Conditions, condition_changes
 from autobatch.distributed.consensus import LocalConsensus, ProcessGroupConsensus
-from autobatch.errors import AutobatchError, ReportWarning
+from autobatch.errors import ReportWarning
 from autobatch.profile import Mode, Profile, StepIdentity
+from autobatch.profiles.remote import ProfileRemote
 from autobatch.profiles.store import ProfileStore
 from autobatch.units import format_bytes
 
@@ -59,8 +62,10 @@ class StoreOptions:
     """False: no read, no write."""
     refresh: bool = False
     """Probe again even when the store has a profile that answers."""
-    report_to: str | None = None
-    """Base URL of an autobatch service that gets every newly measured profile."""
+    remote: ProfileRemote | None = None
+    """Profiles beyond the store (e.g. the central service, built by the road from
+    ``report_to``): asked for a profile of this step on another card, and given every newly
+    measured profile; None: the store alone."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -215,7 +220,7 @@ def agreed_profile(
     def save(profile: Profile) -> Profile:
         if opened and profile.stop_kind != "failure":
             profile_id.append(opened[0].put(profile))
-        report_profile_to(storing.report_to, profile)
+        report_profile_to(storing.remote, profile)
         return profile
 
     try:
@@ -257,27 +262,18 @@ def agreed_profile(
             opened[0].close()
 
 
-def report_profile_to(report_to: str | None, profile: Profile) -> None:
-    """Register a newly probed profile with the service at ``report_to`` (if any).
+def report_profile_to(remote: ProfileRemote | None, profile: Profile) -> None:
+    """Hand a newly probed profile to ``remote`` (if any).
 
-    A failure warns (:class:`ReportWarning`) rather than raises: the probe's result is in hand
-    and in the local store, and a training script should not die because a scheduler's service
-    is down or refused the token.
+    A failure warns (:class:`ReportWarning`, the remote's words) rather than raises: the probe's
+    result is in hand and in the local store, and a training script should not die because a
+    scheduler's service is down or refused the token.
     """
-    if report_to is None:
+    if remote is None:
         return
-    from autobatch.client.publish import report_profile
-
-    try:
-        report_profile(report_to, profile, token=os.environ.get("AUTOBATCH_API_TOKEN"))
-    except AutobatchError as exc:
-        warnings.warn(
-            f"could not register the profile with the autobatch service at {report_to}: {exc}. "
-            "The plan is returned and the profile is in the local store; send it later with "
-            "autobatch.client.report_profile(url, profile), or probe again with refresh=True",
-            ReportWarning,
-            stacklevel=user_stacklevel(),
-        )
+    failure = remote.report(profile)
+    if failure:
+        warnings.warn(failure, ReportWarning, stacklevel=user_stacklevel())
 
 
 def user_stacklevel() -> int:

@@ -2,14 +2,15 @@
 
 A predicted plan (``plan.source == "predicted"``) is a pure function of a stored profile and a
 capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
-card it runs on, it looks in the store, then (with ``report_to``) in the service, for a profile of
-the *same step* (the same :class:`~autobatch.profile.StepIdentity`: model, step, input, dtypes,
-optimizer, torch; and the same conditions, :mod:`autobatch.conditions`) probed on another card,
-and plans from it for this card's capacity. When that plan is predicted (past the largest size
-that really ran there), one real trial at the predicted max micro-batch confirms it: the
-confirming profile is stored for this card (later calls read it from the store; with
-``report_to`` the service gets it too) and the plan is ``measured``. When the trial runs out of
-memory, or its peak does not keep the safety margin free, a normal probe runs instead, and the
+card it runs on, it looks in the store, then in the remote the road passed down
+(:class:`~autobatch.profiles.remote.ProfileRemote`; with ``report_to``, the service), for a
+profile of the *same step* (the same :class:`~autobatch.profile.StepIdentity`: model, step,
+input, dtypes, optimizer, torch; and the same conditions, :mod:`autobatch.conditions`) probed on
+another card, and plans from it for this card's capacity. When that plan is predicted (past the
+largest size that really ran there), one real trial at the predicted max micro-batch confirms
+it: the confirming profile is stored for this card (later calls read it from the store; the
+remote gets it too) and the plan is ``measured``. When the trial runs out of memory, or its peak
+does not keep the safety margin free, a normal probe runs instead, and the
 profile's notes and the ``autobatch`` logger say so.
 
 Imports no torch: the trial is the caller's
@@ -29,7 +30,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from autobatch.conditions import Conditions, condition_changes
-from autobatch.errors import AutobatchError, ConfigError, NoFeasiblePlanError
+from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning.planner import plan
 from autobatch.planning.prediction import Prediction
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
@@ -39,7 +40,6 @@ __all__ = [
     "ArrivalPrediction",
     "confirm_on_arrival",
     "find_prediction",
-    "service_profiles",
     "stored_profiles",
 ]
 
@@ -79,8 +79,8 @@ def find_prediction(
 
     Args:
         candidates: ``(id, profile)`` pairs, most trusted first (e.g. :func:`stored_profiles`,
-            then :func:`service_profiles`); profiles of other steps, and of this card, are
-            skipped.
+            then the remote's, :meth:`~autobatch.profiles.remote.ProfileRemote.profiles_of`);
+            profiles of other steps, and of this card, are skipped.
         identity: this request's step (:func:`autobatch.probing.identity.step_identity`).
         device_name, total_memory_bytes: this card (with ``identity``, the cache key).
         capacity_bytes: bytes the step may use on this card.
@@ -166,23 +166,3 @@ def stored_profiles(
     if store is None:
         return []
     return store.list_profiles(model_fingerprint=identity.model_fingerprint)
-
-
-def service_profiles(
-    url: str | None, identity: StepIdentity, *, token: str | None
-) -> tuple[list[tuple[str, Profile]], str]:
-    """The profiles of this step's model held by the autobatch service at ``url``, newest
-    first, and why there are none when the service could not be asked ("" otherwise).
-
-    A failure does not raise: without the service's profiles the card is probed as usual.
-    """
-    if url is None:
-        return [], ""
-    from autobatch.client.http import AutobatchClient
-
-    try:
-        with AutobatchClient(url, token=token, timeout=10.0) as client:
-            found = client.list_profiles(model_fingerprint=identity.model_fingerprint)
-    except AutobatchError as exc:
-        return [], f"could not ask the autobatch service at {url} for profiles of this step: {exc}"
-    return [(f"{url} {profile_id}", profile) for profile_id, profile in found], ""

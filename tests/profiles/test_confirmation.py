@@ -13,10 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import SimulatedDevice, autotune, plan
+from autobatch.client import ServiceProfiles
+from autobatch.probing.options import ProbeOptions, StepSpec
 from autobatch.profile import Profile, StepIdentity
-from autobatch.profiles.confirmation import find_prediction, service_profiles, stored_profiles
+from autobatch.profiles.cache import StoreOptions
+from autobatch.profiles.confirmation import find_prediction, stored_profiles
 from autobatch.profiles.store import ProfileStore
-from autobatch.tuning import autotune_profile
+from autobatch.tuning import autotune_profile, find_profile
+from tests.profiles.test_remote import Shelf
 
 
 def mlp() -> torch.nn.Module:
@@ -249,7 +253,33 @@ def test_an_unreachable_service_gives_no_profiles_and_says_why() -> None:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     identity = StepIdentity(model_fingerprint="fp")
-    found, why = service_profiles(url, identity, token=None)
+    found, why = ServiceProfiles(url).profiles_of(identity)
     assert found == []
     assert why.startswith(f"could not ask the autobatch service at {url}")
-    assert service_profiles(None, identity, token=None) == ([], "")
+
+
+@pytest.mark.slow  # a real probe (shared), then the confirmation
+def test_a_prediction_from_the_remote_the_road_is_given_is_confirmed_and_reported_to_it(
+    tmp_path: Path, probed_on_a_small_card: Profile
+) -> None:
+    # The local store is empty; only the remote holds the small card's profile. The road asks
+    # the remote it was given (no URL, no HTTP), confirms its prediction with one real trial,
+    # stores the confirming profile here and hands it to the same remote.
+    small = probed_on_a_small_card
+    predicted = plan(small, effective_batch_size=1, capacity_bytes=24 * 2**20, source="cached")
+    assert predicted.source == "predicted"
+    shelf = Shelf([small])
+    step = StepSpec.build(mlp(), SAMPLE, train_step=STEP)
+    options = ProbeOptions.build(step, device=SimulatedDevice(capacity_bytes=24 << 20))
+    storing = StoreOptions(store=tmp_path / "local.sqlite3", remote=shelf)
+
+    found = find_profile(step, options, storing)
+
+    assert shelf.asked == [step.identity]
+    assert not found.cached
+    assert found.profile.stop_reason.startswith("confirmation: micro-batch")
+    assert found.profile.max_micro_batch_size == predicted.max_micro_batch_size
+    assert any("from profile shelf 0" in note for note in found.profile.notes)
+    assert shelf.reported == [found.profile]
+    with ProfileStore(tmp_path / "local.sqlite3") as opened:
+        assert [profile for _, profile in opened.list_profiles()] == [found.profile]

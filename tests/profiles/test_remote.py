@@ -1,0 +1,129 @@
+"""The store layer's remote (issue 34): profiles beyond the local store come from, and go to,
+whatever :class:`~autobatch.profiles.ProfileRemote` the road passes down; the store layer knows
+nothing of HTTP. A hand-written fake stands in for the central service."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autobatch import SimulatedDevice
+from autobatch.distributed.consensus import LocalConsensus
+from autobatch.errors import ReportWarning
+from autobatch.probing.options import ProbeOptions, StepSpec
+from autobatch.profile import Profile, StepIdentity
+from autobatch.profiles import ProfileRemote, ProfileStore
+from autobatch.profiles.cache import StoreOptions, agreed_profile
+from autobatch.tuning import find_profile
+from tests.profiles.test_store import make_profile
+
+
+class Shelf:
+    """A remote that keeps profiles in memory: it answers from ``kept``, records what it was
+    asked and given, and fails as told (``unreachable``, ``refusal``: the words it says)."""
+
+    def __init__(
+        self, kept: list[Profile] | None = None, *, unreachable: str = "", refusal: str = ""
+    ) -> None:
+        self.kept = list(kept or [])
+        self.asked: list[StepIdentity] = []
+        self.reported: list[Profile] = []
+        self.unreachable = unreachable
+        self.refusal = refusal
+
+    def profiles_of(self, identity: StepIdentity) -> tuple[list[tuple[str, Profile]], str]:
+        self.asked.append(identity)
+        if self.unreachable:
+            return [], self.unreachable
+        fingerprint = identity.model_fingerprint
+        return [
+            (f"shelf {index}", profile)
+            for index, profile in enumerate(self.kept)
+            if profile.identity.model_fingerprint == fingerprint
+        ], ""
+
+    def report(self, profile: Profile) -> str:
+        if self.refusal:
+            return self.refusal
+        self.reported.append(profile)
+        return ""
+
+
+def test_the_fake_is_a_profile_remote() -> None:
+    remote: ProfileRemote = Shelf()  # mypy on this file checks the protocol here
+    assert remote.profiles_of(StepIdentity(model_fingerprint="fp")) == ([], "")
+
+
+def test_a_new_profile_goes_to_the_remote_and_a_cached_one_does_not(tmp_path: Path) -> None:
+    shelf = Shelf()
+    probed = make_profile()
+    storing = StoreOptions(store=tmp_path / "s.sqlite3", remote=shelf)
+    runs: list[Profile] = []
+
+    def run_probe() -> Profile:
+        runs.append(probed)
+        return probed
+
+    def tuned() -> tuple[Profile, bool]:
+        found = agreed_profile(
+            LocalConsensus(),
+            probed.cache_key(),
+            storing,
+            accepts=lambda p: True,
+            run_probe=run_probe,
+        )
+        return found.profile, found.cached
+
+    assert tuned() == (probed, False)
+    assert shelf.reported == [probed]
+    assert tuned() == (probed, True)  # from the store: nothing new to report
+    assert shelf.reported == [probed] and len(runs) == 1
+
+
+def test_a_remote_that_refuses_the_profile_warns_in_its_words_at_the_callers_line(
+    tmp_path: Path,
+) -> None:
+    shelf = Shelf(refusal="the shelf is full; send it later")
+    probed = make_profile()
+    with pytest.warns(ReportWarning, match="^the shelf is full; send it later$") as caught:
+        found = agreed_profile(
+            LocalConsensus(),
+            probed.cache_key(),
+            StoreOptions(store=tmp_path / "s.sqlite3", remote=shelf),
+            accepts=lambda p: True,
+            run_probe=lambda: probed,
+        )
+    assert found.profile == probed and found.profile_id is not None  # stored all the same
+    assert caught[0].filename == __file__
+    with ProfileStore(tmp_path / "s.sqlite3") as store:
+        assert [profile for _, profile in store.list_profiles()] == [probed]
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def test_the_road_asks_the_remote_it_is_given_and_probes_when_it_cannot_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shelf = Shelf(unreachable="the shelf is locked")
+    step = StepSpec.build(
+        mlp(), (torch.randn(2, 16), torch.randint(0, 4, (2,))), loss_fn=F.cross_entropy
+    )
+    options = ProbeOptions.build(
+        step,
+        device=SimulatedDevice(capacity_bytes=2 << 20),
+        use_estimate=False,
+        max_micro_batch_size=8,
+    )
+    with caplog.at_level(logging.WARNING, logger="autobatch"):
+        found = find_profile(step, options, StoreOptions(use_store=False, remote=shelf))
+    assert shelf.asked == [step.identity]
+    assert "the shelf is locked; probing this card without it" in caplog.text
+    assert not found.cached and found.profile.trials  # probed here
+    assert shelf.reported == [found.profile]

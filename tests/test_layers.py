@@ -1,0 +1,125 @@
+"""The library's layers (issue 34): data flows down, nothing imports upward or sideways across
+the table below. Every import counts, a lazy one in a function body included: the modules' whole
+syntax trees are walked, not only their top-level statements."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "autobatch"
+
+LAYERS: tuple[frozenset[str], ...] = tuple(
+    frozenset(names.split())
+    for names in (
+        "errors units",
+        "device",
+        "conditions profile",
+        "distributed",
+        "planning",
+        "profiles",
+        "probing",
+        "training live",
+        "client",
+        "tuning",
+        "integrations models",
+        "cli service",
+    )
+)
+"""Bottom first: a layer imports its own and the layers below it (``service`` is the top-level
+package beside ``autobatch``; ``autobatch/__init__.py`` is the face of them all)."""
+
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+THIRD_PARTY_FORBIDDEN = {
+    "planning": {"torch", "pynvml", "httpx", "sqlalchemy"},
+    "profiles": {"torch", "pynvml", "httpx"},
+    "client": {"torch", "pynvml", "sqlalchemy"},
+    "conditions": {"torch", "pynvml"},
+    "profile": {"torch", "pynvml"},
+}
+"""Libraries a layer never imports itself (pure planning; a store that knows nothing of HTTP or
+devices; a client light enough for a scheduler)."""
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every absolute module name that ``source`` imports, anywhere in its syntax tree."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    """``autobatch.profiles.cache`` -> ``profiles``; ``service.main`` -> ``service``; None for
+    another package."""
+    parts = module.split(".")
+    if parts[0] == "service":
+        return "service"
+    if parts[0] == "autobatch" and len(parts) > 1:
+        return parts[1]
+    return None
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.stem in RANK)
+
+
+def test_the_table_names_every_layer_of_the_library() -> None:
+    layers = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    layers |= {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
+    assert layers | {"service"} == set(RANK)
+
+
+def test_the_walk_finds_an_import_inside_a_function_body() -> None:
+    source = (
+        "import os\n"
+        "def report(profile):\n"
+        "    if profile:\n"
+        "        from autobatch.client.publish import report_profile\n"
+        "    import autobatch.service_side as s\n"
+    )
+    assert imported_modules(source) == {"os", "autobatch.client.publish", "autobatch.service_side"}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_layer_above_its_own(path: Path) -> None:
+    relative = path.relative_to(PACKAGE)
+    layer = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+    upward = {
+        module
+        for module in imported_modules(path.read_text())
+        if (target := layer_of(module)) is not None and RANK[target] > RANK[layer]
+    }
+    assert not upward, f"{relative} ({layer}) imports {sorted(upward)} from above it"
+    forbidden = THIRD_PARTY_FORBIDDEN.get(layer, set())
+    foreign = {
+        module for module in imported_modules(path.read_text()) if module.split(".")[0] in forbidden
+    }
+    assert not foreign, f"{relative} ({layer}) imports {sorted(foreign)}"
+
+
+def test_the_store_layer_knows_nothing_of_http_or_the_service() -> None:
+    # The remote (the central service among them) is passed in from above: profiles/ neither
+    # imports the client nor the service, in a function body or anywhere else.
+    offenders = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sorted((PACKAGE / "profiles").rglob("*.py"))
+        for module in imported_modules(path.read_text())
+        if layer_of(module) in ("client", "service", "cli", "tuning") or module == "httpx"
+    }
+    assert not offenders, sorted(offenders)
+
+
+def test_only_the_nvml_module_imports_pynvml() -> None:
+    importers = {
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if any(m.split(".")[0] == "pynvml" for m in imported_modules(path.read_text()))
+    }
+    assert importers == {"device/nvml.py"}
