@@ -315,6 +315,7 @@ def tune_request(request: TuneRequest) -> Tuning:
             largest_useful_micro_batch_size(wanted.effective_batch_size, world_size),
         ),
         data_parallel=(world_size, world_source),
+        eval=False,  # the training profile plans; the evaluation's is probed after it
     )
     storing = _storing(request)
     found = find_profile(step, options, storing)
@@ -437,7 +438,9 @@ def tune_profile(request: TuneRequest) -> TunedProfile:
     Raises:
         As :func:`autotune_profile`.
     """
-    step, options = _bundles(request, max_micro_batch_size=request.max_micro_batch_size)
+    step, options = _bundles(
+        request, max_micro_batch_size=request.max_micro_batch_size, eval=request.eval
+    )
     return find_profile(step, options, _storing(request))
 
 
@@ -454,10 +457,12 @@ def _bundles(
     request: TuneRequest,
     *,
     max_micro_batch_size: int,
+    eval: bool,
     data_parallel: tuple[int, str] | None = None,
 ) -> tuple[StepSpec, ProbeOptions]:
     """The step and the probe options of ``request`` (:meth:`StepSpec.build`,
-    :meth:`ProbeOptions.build` with the live conditions), probing up to ``max_micro_batch_size``;
+    :meth:`ProbeOptions.build` with the live conditions), probing up to ``max_micro_batch_size``
+    the training step or (``eval``) the evaluation;
     under torch.distributed the options agree through the default process group (every rank
     must call this)."""
     model = request.model
@@ -481,7 +486,7 @@ def _bundles(
         max_micro_batch_size=max_micro_batch_size,
         use_estimate=request.use_estimate,
         on_trial=request.on_trial,
-        eval=request.eval,
+        eval=eval,
         data_parallel=data_parallel,
     )
     return step, options

@@ -94,6 +94,7 @@ FACES = {
     "autobatch.integrations.accelerate",
     "autobatch.integrations.hf",
     "autobatch.integrations.lightning",
+    "autobatch.margin",
     "autobatch.models",
     "autobatch.planning",
     "autobatch.probing",

@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning.budget import (
     PlanWithTable,
     budget_margin,
@@ -60,7 +60,6 @@ __all__ = [
     "budget_margin",
     "budgeted_plan",
     "budgeted_table",
-    "check_safety_margin",
     "condition_mismatches",
     "given_budget",
     "largest_useful_micro_batch_size",
