@@ -41,11 +41,13 @@ if TYPE_CHECKING:
     )
     from autobatch.live import plan
     from autobatch.planning.planner import Plan, plan_world_sizes
+    from autobatch.planning.request import PlanRequest
     from autobatch.probing.estimator import estimate
     from autobatch.probing.prober import probe
     from autobatch.probing.worst_case import worst_case_sample
     from autobatch.profile import Profile
     from autobatch.profiles.store import ProfileStore
+    from autobatch.request import TuneRequest
     from autobatch.training.accumulator import Accumulator
     from autobatch.training.oom_split import SplitEvent
     from autobatch.tuning import autotune, split_recorder, tune
@@ -63,6 +65,7 @@ __all__ = [
     "EstimateUnavailableError",
     "NoFeasiblePlanError",
     "Plan",
+    "PlanRequest",
     "ProcessGroupConsensus",
     "Profile",
     "ProfileStore",
@@ -71,6 +74,7 @@ __all__ = [
     "SplitEvent",
     "StepFailedError",
     "StoreError",
+    "TuneRequest",
     "autotune",
     "estimate",
     "format_bytes",
@@ -107,6 +111,8 @@ _EXPORTS: dict[str, str] = {
     "StepFailedError": "autobatch.errors",
     "StoreError": "autobatch.errors",
     "Plan": "autobatch.planning.planner",
+    "PlanRequest": "autobatch.planning.request",
+    "TuneRequest": "autobatch.request",
     "plan": "autobatch.live",
     "plan_world_sizes": "autobatch.planning.planner",
     "estimate": "autobatch.probing.estimator",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError
+from autobatch.margin import check_safety_margin
 
 if TYPE_CHECKING:
     from autobatch.device.budget import MemoryBudget
@@ -473,8 +474,7 @@ class Profile:
                 f"recommended_micro_batch_size {self.recommended_micro_batch_size} must be in "
                 f"1..{self.max_micro_batch_size}"
             )
-        if not 0 <= self.safety_margin < 1:
-            raise ConfigError(f"safety_margin {self.safety_margin} must be in [0, 1)")
+        check_safety_margin(self.safety_margin)
         if (self.stop_kind == "failure") != (self.failed_micro_batch_size > 0):
             raise ConfigError(
                 f"stop_kind {self.stop_kind!r} disagrees with failed_micro_batch_size "

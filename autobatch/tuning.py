@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,15 +47,15 @@ from autobatch.distributed.consensus import (
     process_group_consensus,
 )
 from autobatch.distributed.layout import resolve_data_parallel
-from autobatch.errors import ConditionsWarning
+from autobatch.errors import ConditionsWarning, ConfigError
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import (
     Plan,
-    PlanConstraints,
     Uneven,
+    budgeted_plan,
     largest_useful_micro_batch_size,
-    plan_within,
+    plan_request,
     stored_profile_source,
-    with_budget,
 )
 from autobatch.probing.compiled import compiled_mode
 from autobatch.probing.conditions import read_conditions
@@ -81,15 +81,19 @@ from autobatch.profiles.confirmation import (
 )
 from autobatch.profiles.remote import ProfileRemote
 from autobatch.profiles.store import ProfileStore
+from autobatch.request import TuneRequest
 from autobatch.training.oom_split import SplitEvent
 
 __all__ = [
+    "TuneRequest",
     "TunedProfile",
     "Tuning",
     "autotune",
     "autotune_profile",
     "split_recorder",
     "tune",
+    "tune_profile",
+    "tune_request",
 ]
 
 
@@ -125,7 +129,7 @@ def autotune(
     device: str | Device | None = None,
     gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
-    safety_margin: float = 0.05,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
     max_micro_batch_size: int = DEFAULT_LIMIT,
     multiple_of: int = 1,
     max_gradient_accumulation_steps: int | None = None,
@@ -184,32 +188,34 @@ def autotune(
         StoreError: the store is corrupt, newer, or not writable.
         DistributedError: under torch.distributed, another rank failed (it raises the cause).
     """
-    return tune(
-        model,
-        sample,
-        effective_batch_size=effective_batch_size,
-        world_size=world_size,
-        data_parallel_size=data_parallel_size,
-        process_group=process_group,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        device=device,
-        gpu_fraction=gpu_fraction,
-        amp_dtype=amp_dtype,
-        safety_margin=safety_margin,
-        max_micro_batch_size=max_micro_batch_size,
-        multiple_of=multiple_of,
-        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-        uneven=uneven,
-        allow_inexact=allow_inexact,
-        store=store,
-        use_store=use_store,
-        refresh=refresh,
-        report_to=report_to,
-        on_trial=on_trial,
-        eval=eval,
+    return tune_request(
+        TuneRequest(
+            model=model,
+            sample=sample,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            data_parallel_size=data_parallel_size,
+            process_group=process_group,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            device=device,
+            gpu_fraction=gpu_fraction,
+            amp_dtype=amp_dtype,
+            safety_margin=safety_margin,
+            max_micro_batch_size=max_micro_batch_size,
+            multiple_of=multiple_of,
+            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+            uneven=uneven,
+            allow_inexact=allow_inexact,
+            store=store,
+            use_store=use_store,
+            refresh=refresh,
+            report_to=report_to,
+            on_trial=on_trial,
+            eval=eval,
+        )
     ).plan
 
 
@@ -228,7 +234,7 @@ def tune(
     device: str | Device | None = None,
     gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
-    safety_margin: float = 0.05,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
     max_micro_batch_size: int = DEFAULT_LIMIT,
     multiple_of: int = 1,
     max_gradient_accumulation_steps: int | None = None,
@@ -243,58 +249,100 @@ def tune(
 ) -> Tuning:
     """:func:`autotune`, returning the profile (and its id in the store) beside the plan.
 
-    Arguments and errors as for :func:`autotune`; the CLI's ``tune`` calls this. Every argument
-    is checked here, once, into the option bundles the road passes down.
+    Arguments and errors as for :func:`autotune`.
     """
+    return tune_request(
+        TuneRequest(
+            model=model,
+            sample=sample,
+            effective_batch_size=effective_batch_size,
+            world_size=world_size,
+            data_parallel_size=data_parallel_size,
+            process_group=process_group,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            device=device,
+            gpu_fraction=gpu_fraction,
+            amp_dtype=amp_dtype,
+            safety_margin=safety_margin,
+            max_micro_batch_size=max_micro_batch_size,
+            multiple_of=multiple_of,
+            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+            uneven=uneven,
+            allow_inexact=allow_inexact,
+            store=store,
+            use_store=use_store,
+            refresh=refresh,
+            report_to=report_to,
+            on_trial=on_trial,
+            eval=eval,
+        )
+    )
+
+
+def tune_request(request: TuneRequest) -> Tuning:
+    """The road for one :class:`~autobatch.request.TuneRequest` with an
+    ``effective_batch_size``: resolve the ranks, check that some plan is possible before
+    probing, find the profile (:func:`find_profile`), plan from it with this device's memory
+    budget (:func:`autobatch.planning.budgeted_plan`), and probe the evaluation micro-batch
+    when asked. :func:`autotune`, :func:`tune`, the CLI's ``tune`` and the drop-ins call this.
+
+    Raises:
+        ConfigError: the request has no ``effective_batch_size``; otherwise as :func:`autotune`.
+        DoesNotFitError, StepFailedError, DeviceUnavailableError, NoFeasiblePlanError,
+            StoreError, DistributedError: as :func:`autotune`.
+    """
+    if request.plan is None:
+        raise ConfigError(
+            "tune_request plans, so its request needs effective_batch_size; for the profile "
+            "alone call tune_profile"
+        )
     world_size, world_source = resolve_data_parallel(
-        model,
-        world_size=world_size,
-        data_parallel_size=data_parallel_size,
-        process_group=process_group,
+        request.model,
+        world_size=request.world_size,
+        data_parallel_size=request.data_parallel_size,
+        process_group=request.process_group,
     )
-    constraints = PlanConstraints(
-        effective_batch_size=effective_batch_size,
-        world_size=world_size,
-        multiple_of=multiple_of,
-        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-        uneven=uneven,
-        allow_inexact=allow_inexact,
-    )
+    wanted = dataclasses.replace(request.plan, world_size=world_size)
     # Fail before probing when no micro-batch the probe could find makes a plan.
-    plan_within(max_micro_batch_size, constraints)
+    plan_request(request.max_micro_batch_size, wanted)
     step, options = _bundles(
-        model,
-        sample,
-        step_arguments={
-            "optimizer": optimizer,
-            "loss_fn": loss_fn,
-            "train_step": train_step,
-            "step_includes_update": step_includes_update,
-            "amp_dtype": amp_dtype,
-        },
-        device=device,
-        gpu_fraction=gpu_fraction,
-        safety_margin=safety_margin,
+        request,
         # Sizes no plan for this request can use are not worth a trial (nor the estimate's).
         max_micro_batch_size=min(
-            max_micro_batch_size,
-            largest_useful_micro_batch_size(effective_batch_size, world_size),
+            request.max_micro_batch_size,
+            largest_useful_micro_batch_size(wanted.effective_batch_size, world_size),
         ),
-        on_trial=on_trial,
         data_parallel=(world_size, world_source),
+        eval=False,  # the training profile plans; the evaluation's is probed after it
     )
-    storing = StoreOptions(
-        store=store, use_store=use_store, refresh=refresh, remote=service_remote(report_to)
-    )
+    storing = _storing(request)
     found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
-    result = plan_within(found.profile, constraints, source=source)
     budget = _plan_budget(options, found.profile)
-    if budget is not None:
-        result = with_budget(result, budget, safety_margin=options.safety_margin)
-        assert result.budget is not None
+    result = budgeted_plan(found.profile, wanted, budget=budget, source=source)
+    if result.budget is not None:
         for warning in result.budget.warnings:
-            logger.warning("memory budget %s: %s", budget.describe(), warning)
+            logger.warning("memory budget %s: %s", result.budget.describe(), warning)
+    result = _with_notes(result, found, options, world_size, world_source)
+    if not request.eval:
+        return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
+    evaluation = find_profile(step, options.for_eval(step), storing).profile
+    result = dataclasses.replace(
+        result, eval_micro_batch_size=evaluation.recommended_micro_batch_size
+    )
+    return Tuning(
+        plan=result, profile=found.profile, profile_id=found.profile_id, eval_profile=evaluation
+    )
+
+
+def _with_notes(
+    result: Plan, found: TunedProfile, options: ProbeOptions, world_size: int, world_source: str
+) -> Plan:
+    """``result`` with the road's notes (why it probed again, the ranks, the conditions not in
+    effect) and the profile's conditions with the plan's data-parallel size and its source."""
     distributed = dist.is_available() and dist.is_initialized()
     notes = [*_why_probed_again(found), *result.notes]
     if world_size == 1 and distributed:
@@ -308,7 +356,7 @@ def tune(
             "yet, so the ranks did not agree on the micro-batch (each probed its own device); "
             "call autotune after init_process_group for one plan on every rank"
         )
-    result = dataclasses.replace(
+    return dataclasses.replace(
         result,
         notes=tuple(notes),
         conditions=dataclasses.replace(
@@ -316,15 +364,6 @@ def tune(
             data_parallel_size=world_size,
             data_parallel_source=world_source,
         ),
-    )
-    if not eval:
-        return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
-    evaluation = find_profile(step, options.for_eval(step), storing).profile
-    result = dataclasses.replace(
-        result, eval_micro_batch_size=evaluation.recommended_micro_batch_size
-    )
-    return Tuning(
-        plan=result, profile=found.profile, profile_id=found.profile_id, eval_profile=evaluation
     )
 
 
@@ -348,7 +387,7 @@ def autotune_profile(
     device: str | Device | None = None,
     gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
-    safety_margin: float = 0.05,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
     max_micro_batch_size: int = DEFAULT_LIMIT,
     use_estimate: bool = True,
     store: ProfileStore | str | os.PathLike[str] | None = None,
@@ -368,50 +407,88 @@ def autotune_profile(
     Raises:
         As :func:`autotune`, except NoFeasiblePlanError.
     """
+    return tune_profile(
+        TuneRequest(
+            model=model,
+            sample=sample,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            device=device,
+            gpu_fraction=gpu_fraction,
+            amp_dtype=amp_dtype,
+            safety_margin=safety_margin,
+            max_micro_batch_size=max_micro_batch_size,
+            use_estimate=use_estimate,
+            store=store,
+            use_store=use_store,
+            refresh=refresh,
+            report_to=report_to,
+            on_trial=on_trial,
+            eval=eval,
+        )
+    )
+
+
+def tune_profile(request: TuneRequest) -> TunedProfile:
+    """The profile for one :class:`~autobatch.request.TuneRequest` (its plan part, if any, is
+    not used): a stored one that answers, else a prediction confirmed here, else a probe.
+    :func:`autotune_profile` and the service's probe jobs call this.
+
+    Raises:
+        As :func:`autotune_profile`.
+    """
     step, options = _bundles(
-        model,
-        sample,
-        step_arguments={
-            "optimizer": optimizer,
-            "loss_fn": loss_fn,
-            "train_step": train_step,
-            "step_includes_update": step_includes_update,
-            "amp_dtype": amp_dtype,
-        },
-        device=device,
-        gpu_fraction=gpu_fraction,
-        safety_margin=safety_margin,
-        max_micro_batch_size=max_micro_batch_size,
-        use_estimate=use_estimate,
-        on_trial=on_trial,
-        eval=eval,
+        request, max_micro_batch_size=request.max_micro_batch_size, eval=request.eval
     )
-    storing = StoreOptions(
-        store=store, use_store=use_store, refresh=refresh, remote=service_remote(report_to)
+    return find_profile(step, options, _storing(request))
+
+
+def _storing(request: TuneRequest) -> StoreOptions:
+    return StoreOptions(
+        store=request.store,
+        use_store=request.use_store,
+        refresh=request.refresh,
+        remote=service_remote(request.report_to),
     )
-    return find_profile(step, options, storing)
 
 
 def _bundles(
-    model: torch.nn.Module,
-    sample: Any,
+    request: TuneRequest,
     *,
-    step_arguments: Mapping[str, Any],
-    device: str | Device | None,
-    gpu_fraction: float | None = None,
-    **probe_arguments: Any,
+    max_micro_batch_size: int,
+    eval: bool,
+    data_parallel: tuple[int, str] | None = None,
 ) -> tuple[StepSpec, ProbeOptions]:
-    """The step (``step_arguments``: :meth:`StepSpec.build`'s) and the probe options
-    (``probe_arguments``: :meth:`ProbeOptions.build`'s, with the live conditions), checked once;
+    """The step and the probe options of ``request`` (:meth:`StepSpec.build`,
+    :meth:`ProbeOptions.build` with the live conditions), probing up to ``max_micro_batch_size``
+    the training step or (``eval``) the evaluation;
     under torch.distributed the options agree through the default process group (every rank
     must call this)."""
-    step = StepSpec.build(model, sample, **step_arguments)
-    target = resolve_device(device, default=model_device(model), gpu_fraction=gpu_fraction)
+    model = request.model
+    step = StepSpec.build(
+        model,
+        request.sample,
+        optimizer=request.optimizer,
+        loss_fn=request.loss_fn,
+        train_step=request.train_step,
+        step_includes_update=request.step_includes_update,
+        amp_dtype=request.amp_dtype,
+    )
+    target = resolve_device(
+        request.device, default=model_device(model), gpu_fraction=request.gpu_fraction
+    )
     options = ProbeOptions.build(
         step,
         device=target,
         consensus=process_group_consensus(target.torch_device),
-        **probe_arguments,
+        safety_margin=request.safety_margin,
+        max_micro_batch_size=max_micro_batch_size,
+        use_estimate=request.use_estimate,
+        on_trial=request.on_trial,
+        eval=eval,
+        data_parallel=data_parallel,
     )
     return step, options
 

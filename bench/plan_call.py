@@ -48,7 +48,7 @@ def child(number: int) -> None:
         "allow_inexact": False,
     }
 
-    def call() -> None:  # as service/routes/plans.py calls it for a plain max micro-batch
+    def call() -> None:  # the flat plan() for a plain max micro-batch
         autobatch.plan(24, effective_batch_size=1024, world_size=8, source=None, **options)
 
     timings = timeit.repeat(call, timer=time.process_time, number=number, repeat=REPEATS)

@@ -486,18 +486,18 @@ def _pin_visible_devices() -> None:
 def _tune(
     entry: ModelEntry, device: str, store_path: str | None, refresh: bool, messages: Any
 ) -> dict[str, Any]:
-    """Through the library's one road (:func:`autobatch.tuning.autotune_profile`): a stored
+    """Through the library's one road (:func:`autobatch.tuning.tune_profile`): a stored
     profile that still answers, unless ``refresh``; else a probe, stored by the road."""
     from autobatch.device import resolve_device
-    from autobatch.tuning import autotune_profile
+    from autobatch.tuning import TuneRequest, tune_profile
 
     if cuda_index(device) is not None:
         _pin_visible_devices()
     target = resolve_device(device)
     spec = _registered_model(entry).to(target.torch_device)
-    found = autotune_profile(
-        spec.model,
-        spec.sample,
+    request = TuneRequest(
+        model=spec.model,
+        sample=spec.sample,
         loss_fn=spec.loss_fn,
         device=target,
         safety_margin=entry.safety_margin,
@@ -508,6 +508,7 @@ def _tune(
         refresh=refresh,
         on_trial=lambda trial: messages.put(("trial", dataclasses.asdict(trial))),
     )
+    found = tune_profile(request)
     return {
         "profile": found.profile.to_dict(),
         "cached": found.cached,

@@ -49,9 +49,15 @@ from pydantic import (
 
 from autobatch.device import parse_device
 from autobatch.errors import ConfigError
+from autobatch.margin import (
+    DEFAULT_SAFETY_MARGIN,
+    MAX_SAFETY_MARGIN,
+    MIN_SAFETY_MARGIN,
+    check_safety_margin,
+)
 from autobatch.planning import largest_useful_micro_batch_size
 
-__all__ = ["DeviceName", "InputSpec", "ModelEntry", "Registry", "load_registry"]
+__all__ = ["DeviceName", "InputSpec", "ModelEntry", "Registry", "SafetyMargin", "load_registry"]
 
 
 def check_device(device: str) -> str:
@@ -74,6 +80,27 @@ DeviceName = Annotated[
     AfterValidator(check_device),
 ]
 """A device a probe may run on, checked by the library's parser."""
+
+
+def check_margin(value: float) -> float:
+    """A safety margin the library accepts (:func:`autobatch.margin.check_safety_margin`, the one
+    check of its range), for pydantic fields; raises ``ValueError`` with the library's words."""
+    try:
+        return check_safety_margin(value)
+    except ConfigError as exc:
+        raise ValueError(exc.message) from None
+
+
+SafetyMargin = Annotated[
+    float,
+    Field(
+        description="Fraction of the device's capacity kept free, in [0, 1)",
+        # The schema states the library's range; the check is the library's (check_margin).
+        json_schema_extra={"minimum": MIN_SAFETY_MARGIN, "exclusiveMaximum": MAX_SAFETY_MARGIN},
+    ),
+    AfterValidator(check_margin),
+]
+"""A safety margin, checked by the library."""
 
 
 def cuda_index(device: str) -> int | None:
@@ -114,7 +141,7 @@ class ModelEntry(BaseModel):
     ``ceil(effective_batch_size / world_size)``, which no plan for it could use."""
     world_size: int = Field(default=1, ge=1)
     """Data-parallel ranks of that job (only bounds the sizes probed)."""
-    safety_margin: float = Field(default=0.05, ge=0, lt=1)
+    safety_margin: SafetyMargin = DEFAULT_SAFETY_MARGIN
     use_estimate: bool = True
 
     @property

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
-from service.registry import DeviceName
+from service.registry import DeviceName, SafetyMargin
 
 __all__ = [
     "BudgetReadingBase",
@@ -369,7 +369,7 @@ class ProfileBase(_Strict):
 
     max_micro_batch_size: Size
     recommended_micro_batch_size: Size
-    safety_margin: float = Field(ge=0, lt=1)
+    safety_margin: SafetyMargin
     method: Literal["estimate", "probe", "doubling"]
     trials: list[TrialBase] = Field(max_length=10000)
     num_steps: Count
@@ -506,7 +506,7 @@ class PlanCreate(_Strict):
     )
     uneven: Literal["auto", "never", "always"] = "auto"
     allow_inexact: bool = False
-    safety_margin: float | None = Field(default=None, ge=0, lt=1)
+    safety_margin: SafetyMargin | None = None
     gpu_fraction: GpuFraction | None = Field(
         default=None,
         description="The share of the device's card the job gets (0 < x <= 1; Ray's "

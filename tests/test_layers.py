@@ -15,7 +15,7 @@ PACKAGE = ROOT / "autobatch"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "errors units",
+        "errors margin units",
         "device",
         "conditions profile",
         "distributed",
@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "probing",
         "training live",
         "client",
-        "tuning",
+        "request tuning",
         "integrations models",
         "cli service",
     )

@@ -197,30 +197,33 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
     from autobatch.device import resolve_device
-    from autobatch.tuning import tune
+    from autobatch.tuning import TuneRequest, tune_request
 
     target = resolve_device(_tune_device(args))
     spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
     progress = _Progress(enabled=fmt == "text")
     try:
-        tuned = tune(
-            spec.model,
-            spec.sample,
-            optimizer=spec.optimizer,
-            loss_fn=spec.loss_fn,
-            device=target,
-            gpu_fraction=args.gpu_fraction,
-            amp_dtype=_amp(args),
-            safety_margin=args.safety_margin,
-            max_micro_batch_size=args.max_micro_batch_size,
-            store=args.store,
-            use_store=not args.no_store,
-            refresh=args.refresh,
-            report_to=args.report_to,
-            on_trial=progress.trial,
-            eval=args.eval,
-            **_plan_kwargs(args, args.world_size),
+        tuned = tune_request(
+            TuneRequest(
+                model=spec.model,
+                sample=spec.sample,
+                optimizer=spec.optimizer,
+                loss_fn=spec.loss_fn,
+                device=target,
+                gpu_fraction=args.gpu_fraction,
+                amp_dtype=_amp(args),
+                safety_margin=args.safety_margin,
+                max_micro_batch_size=args.max_micro_batch_size,
+                store=args.store,
+                use_store=not args.no_store,
+                refresh=args.refresh,
+                report_to=args.report_to,
+                on_trial=progress.trial,
+                eval=args.eval,
+                world_size=args.world_size,
+                **_plan_options(args),
+            )
         )
     finally:
         progress.close()
@@ -249,10 +252,11 @@ def _tune_device(args: argparse.Namespace) -> str:
     return device
 
 
-def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's flags, as :class:`~autobatch.planning.PlanRequest`'s (and
+    :class:`~autobatch.tuning.TuneRequest`'s) fields."""
     return {
         "effective_batch_size": args.effective_batch_size,
-        "world_size": world_size,
         "multiple_of": args.multiple_of,
         "max_gradient_accumulation_steps": args.max_gradient_accumulation_steps,
         "uneven": args.uneven,
@@ -261,7 +265,13 @@ def _plan_kwargs(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.planning import given_budget, plan, plan_world_sizes, stored_profile_source
+    from autobatch.planning import (
+        PlanRequest,
+        budgeted_plan,
+        budgeted_table,
+        given_budget,
+        stored_profile_source,
+    )
 
     if args.model_fingerprint is not None:
         return _remote_plan(args, out)
@@ -298,10 +308,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         capacity = budget.budget_bytes
     fmt = _output_format(args)
     if len(args.world_size) == 1:
-        kwargs = _plan_kwargs(args, args.world_size[0])
-        result = _budgeted(
-            plan(limit, capacity_bytes=capacity, source=source, **kwargs), budget, limit
+        request = PlanRequest(
+            world_size=args.world_size[0], capacity_bytes=capacity, **_plan_options(args)
         )
+        result = budgeted_plan(limit, request, budget=budget, source=source)
         if args.env or args.output:
             write_plan(result.to_dict(), None, args.output, out)
         else:
@@ -311,15 +321,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         raise ConfigError("--env and --output take a single --world-size")
     if fmt not in ("text", "json"):
         raise ConfigError(f"--format {fmt} needs a single --world-size")
-    kwargs = _plan_kwargs(args, 1)
-    del kwargs["world_size"]
-    options = plan_world_sizes(
-        limit, world_sizes=args.world_size, capacity_bytes=capacity, source=source, **kwargs
+    request = PlanRequest(
+        world_sizes=tuple(args.world_size), capacity_bytes=capacity, **_plan_options(args)
     )
-    options = [
-        dataclasses.replace(o, plan=_budgeted(o.plan, budget, limit)) if o.plan else o
-        for o in options
-    ]
+    options = budgeted_table(limit, request, budget=budget, source=source)
     if fmt == "json":
         rows = [
             {
@@ -379,15 +384,6 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
         for reason in selection["reasons"]:
             print(f"note: {reason}", file=out)
     return 0
-
-
-def _budgeted(result: Any, budget: Any, limit: Any) -> Any:
-    """``result`` with the budget of ``--capacity`` (and ``--gpu-fraction``) on it."""
-    from autobatch.planning import with_budget
-
-    if budget is None:
-        return result
-    return with_budget(result, budget, safety_margin=limit.safety_margin)
 
 
 def _print_budget(budget: Any, out: TextIO) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from autobatch import __version__
 from autobatch.cli.plan_env import parse_condition
 from autobatch.errors import ConfigError
+from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.units import parse_bytes
 
 __all__ = ["FORMATS", "build_parser"]
@@ -69,9 +70,10 @@ def _margin(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1), e.g. 0.05")
-    return value
+    try:
+        return check_safety_margin(value)  # the library's one check of the range
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _fraction(text: str) -> float:
@@ -114,7 +116,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--amp", choices=("bf16", "fp16"), help="autocast forward and loss in this dtype"
     )
     parser.add_argument(
-        "--safety-margin", type=_margin, default=0.05, help="capacity kept free (default 0.05)"
+        "--safety-margin",
+        type=_margin,
+        default=DEFAULT_SAFETY_MARGIN,
+        help=f"capacity kept free (default {DEFAULT_SAFETY_MARGIN})",
     )
     parser.add_argument(
         "--max-micro-batch-size", type=_positive_int, default=1 << 16, help="largest size tried"

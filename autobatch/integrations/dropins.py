@@ -27,7 +27,7 @@ from autobatch.device import Device
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning.planner import Plan
 from autobatch.probing.identity import callable_identity
-from autobatch.tuning import autotune
+from autobatch.tuning import TuneRequest, autotune, tune_request
 
 __all__ = [
     "FrameworkStep",
@@ -151,9 +151,11 @@ def tune(
     caller: str,
     constraint_note: str = "",
 ) -> Plan:
-    """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch.
+    """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch: the
+    :class:`~autobatch.tuning.TuneRequest` of the framework's and the user's options, down the
+    one road (:func:`~autobatch.tuning.tune_request`).
 
-    ``arguments`` are the rest of autotune's (:func:`autotune_arguments`). When no plan is
+    ``arguments`` are the rest of the request's fields (:func:`autotune_arguments`). When no plan is
     exact, the error says so in the ``caller``'s terms, with ``constraint_note`` (why the
     framework adds a constraint) appended, and offers only remedies the caller accepts (not
     ``allow_inexact``).
@@ -163,15 +165,16 @@ def tune(
             NoFeasiblePlanError, StoreError, DistributedError: see :func:`autobatch.autotune`.
     """
     try:
-        result = autotune(
-            model,
-            sample,
+        request = TuneRequest(
+            model=model,
+            sample=sample,
             effective_batch_size=effective_batch_size,
             world_size=world_size,
             uneven="never",  # a framework takes one micro-batch size
             allow_inexact=False,
             **arguments,
         )
+        result = tune_request(request).plan
     except (ConfigError, NoFeasiblePlanError) as exc:
         if type(exc) not in (ConfigError, NoFeasiblePlanError) or not (
             isinstance(exc, NoFeasiblePlanError)

@@ -1,7 +1,7 @@
 """Planning, PURE: numbers in, Plan out (no torch, no pynvml).
 
-``planner`` splits an effective batch into micro-batches and accumulation steps within the
-``constraints`` (:class:`PlanConstraints`: what a plan must respect, checked once); ``limits``
+``planner`` splits an effective batch into micro-batches and accumulation steps for a
+``request`` (:class:`PlanRequest`: what a plan needs besides its limit, checked once); ``limits``
 resolves what a plan's limit is (a number, a profile, a memory line and a capacity); ``splits`` is
 the search over splits; ``prediction`` predicts the largest micro-batch past what was measured;
 ``lines`` fits lines of peak bytes over micro-batch size (the prediction's and the probe search's);
@@ -20,21 +20,29 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.planning.budget import given_budget, with_budget
-from autobatch.planning.constraints import PlanConstraints
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
+from autobatch.planning.budget import (
+    PlanWithTable,
+    budget_margin,
+    budgeted_plan,
+    budgeted_table,
+    given_budget,
+    plan_with_table,
+    with_budget,
+)
 from autobatch.planning.epochs import EpochPlan
-from autobatch.planning.limits import DEFAULT_SAFETY_MARGIN, PlanSource, stored_profile_source
+from autobatch.planning.limits import PlanSource, stored_profile_source
 from autobatch.planning.planner import (
-    MAX_GRADIENT_ACCUMULATION_STEPS,
     Plan,
-    Uneven,
     WorldSizeOption,
     largest_useful_micro_batch_size,
     plan,
-    plan_within,
+    plan_request,
+    plan_table,
     plan_world_sizes,
 )
 from autobatch.planning.prediction import Prediction
+from autobatch.planning.request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest, Uneven
 from autobatch.planning.selection import Selection, condition_mismatches, select_profile
 
 __all__ = [
@@ -42,17 +50,23 @@ __all__ = [
     "MAX_GRADIENT_ACCUMULATION_STEPS",
     "EpochPlan",
     "Plan",
-    "PlanConstraints",
+    "PlanRequest",
     "PlanSource",
+    "PlanWithTable",
     "Prediction",
     "Selection",
     "Uneven",
     "WorldSizeOption",
+    "budget_margin",
+    "budgeted_plan",
+    "budgeted_table",
     "condition_mismatches",
     "given_budget",
     "largest_useful_micro_batch_size",
     "plan",
-    "plan_within",
+    "plan_request",
+    "plan_table",
+    "plan_with_table",
     "plan_world_sizes",
     "select_profile",
     "stored_profile_source",

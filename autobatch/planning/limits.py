@@ -23,6 +23,7 @@ from typing import Literal
 
 from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning.prediction import (
     Prediction,
     floor_at,
@@ -41,6 +42,7 @@ __all__ = [
     "Limit",
     "PlanSource",
     "StepTimes",
+    "check_step_seconds",
     "require_int",
     "resolve_limit",
     "stored_profile_source",
@@ -48,8 +50,6 @@ __all__ = [
 
 PlanSource = Literal["measured", "cached", "estimated", "given", "predicted"]
 SOURCES: tuple[PlanSource, ...] = ("measured", "cached", "estimated", "given", "predicted")
-DEFAULT_SAFETY_MARGIN = 0.05
-"""Fraction of the capacity a plan from a bare memory model keeps free (the probe's default)."""
 
 
 def stored_profile_source(profile: Profile) -> PlanSource:
@@ -145,9 +145,7 @@ def resolve_limit(
     step_time = (
         None
         if step_seconds is None
-        else StepTimes(
-            seconds=_step_time_model(step_seconds, "step_seconds"), timings={}, exact=True
-        )
+        else StepTimes(seconds=_step_time_model(step_seconds), timings={}, exact=True)
     )
     if source is not None and (source not in SOURCES or source == "predicted"):
         raise ConfigError(
@@ -187,7 +185,6 @@ def resolve_limit(
     base: PlanSource = source or ("estimated" if profile.method == "estimate" else "measured")
     model = profile.memory_model
     margin = profile.safety_margin if safety_margin is None else safety_margin
-    _require_margin(margin)
     peaks = measured_peaks(profile.trials)
 
     def peak_bytes(size: int) -> int | None:
@@ -197,7 +194,6 @@ def resolve_limit(
         return None if model is None else model.peak_bytes(size)
 
     if capacity_bytes is not None:
-        require_int("capacity_bytes", capacity_bytes, 1)
         # Step times measured on the profiled device say nothing reliable about another one.
         return _profile_limit(profile, peaks, capacity_bytes, margin, base, step_time)
     notes: tuple[str, ...] = ()
@@ -247,14 +243,9 @@ def _profile_step_times(profile: Profile) -> StepTimes | None:
         return None
     means = {size: sum(times) / len(times) for size, times in timed.items()}
     return StepTimes(
-        seconds=_step_time_model(means, "profile trials"),
+        seconds=_step_time_model(means),
         timings={size: tuple(times) for size, times in timed.items()},
     )
-
-
-def _require_margin(margin: object) -> None:
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ConfigError(f"safety_margin {margin!r} must be a number in [0, 1)")
 
 
 def _model_limit(
@@ -270,9 +261,7 @@ def _model_limit(
             f"a memory model ({model.fixed_bytes} + {model.bytes_per_sample} bytes per sample) "
             "needs capacity_bytes: the device memory to plan for"
         )
-    require_int("capacity_bytes", capacity_bytes, 1)
     margin = DEFAULT_SAFETY_MARGIN if safety_margin is None else safety_margin
-    _require_margin(margin)
     budget_bytes = int(capacity_bytes * (1 - margin))
     limit_size = model.max_micro_batch_size(budget_bytes)
     _require_fits(limit_size, model.peak_bytes(1), budget_bytes, capacity_bytes, margin)
@@ -444,14 +433,12 @@ def _require_fits(
         )
 
 
-def _step_time_model(points: Mapping[int, float], what: str) -> Callable[[int], float]:
-    """Seconds per step at any micro-batch size, interpolated through measured points.
+def check_step_seconds(points: object, what: str) -> None:
+    """Step times as the planner takes them: a mapping of two micro-batch sizes or more (ints
+    >= 1) to finite seconds > 0.
 
-    Piecewise linear through the points (with two points, the line ``a + b * m`` through them);
-    beyond them the end segments extend, kept at least the smaller end's per-sample time below
-    the smallest size, and non-decreasing above the largest. Not a least-squares line over all
-    points: a line cannot show a step slowing down near the memory limit, and fitted to such
-    points it predicts negative times at small sizes.
+    Raises:
+        ConfigError: names ``what``, the value and the form expected.
     """
     if not isinstance(points, Mapping):
         raise ConfigError(
@@ -467,6 +454,18 @@ def _step_time_model(points: Mapping[int, float], what: str) -> Callable[[int], 
             raise ConfigError(f"{what}[{size}] {value!r} must be finite seconds > 0")
     if len(points) < 2:
         raise ConfigError(f"{what} needs step times at two sizes or more, got {dict(points)}")
+
+
+def _step_time_model(points: Mapping[int, float]) -> Callable[[int], float]:
+    """Seconds per step at any micro-batch size, interpolated through measured points (checked
+    by :func:`check_step_seconds`, or a profile's fitting trials).
+
+    Piecewise linear through the points (with two points, the line ``a + b * m`` through them);
+    beyond them the end segments extend, kept at least the smaller end's per-sample time below
+    the smallest size, and non-decreasing above the largest. Not a least-squares line over all
+    points: a line cannot show a step slowing down near the memory limit, and fitted to such
+    points it predicts negative times at small sizes.
+    """
     xs = sorted(points)
     ys = [float(points[x]) for x in xs]
 

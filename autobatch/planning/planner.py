@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from autobatch.conditions import Conditions
 from autobatch.device.budget import MemoryBudget
@@ -46,22 +46,16 @@ from autobatch.errors import (
     python_wording,
     with_remedies,
 )
-from autobatch.planning.constraints import (
-    MAX_GRADIENT_ACCUMULATION_STEPS,
-    PlanConstraints,
-    Uneven,
-    check_options,
-)
 from autobatch.planning.epochs import EpochPlan, epoch_plan
 from autobatch.planning.limits import (
     DEFAULT_SAFETY_MARGIN,
     SOURCES,
     Limit,
     PlanSource,
-    require_int,
     resolve_limit,
 )
 from autobatch.planning.prediction import Prediction
+from autobatch.planning.request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest, Uneven
 from autobatch.planning.splits import (
     choose_steps,
     describe_rules,
@@ -80,7 +74,8 @@ __all__ = [
     "WorldSizeOption",
     "largest_useful_micro_batch_size",
     "plan",
-    "plan_within",
+    "plan_request",
+    "plan_table",
     "plan_world_sizes",
 ]
 
@@ -382,70 +377,52 @@ def plan(
             reachable effective batch sizes below and above), or the model does not fit at
             micro-batch 1 in ``capacity_bytes``.
     """
-    try:
-        constraints = PlanConstraints(
-            effective_batch_size=effective_batch_size,
-            world_size=world_size,
-            multiple_of=multiple_of,
-            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-            uneven=uneven,
-            allow_inexact=allow_inexact,
-        )
-    except ConfigError as exc:
-        refused = exc
-    else:
-        return plan_within(
-            limit,
-            constraints,
-            safety_margin=safety_margin,
-            capacity_bytes=capacity_bytes,
-            step_seconds=step_seconds,
-            source=source,
-        )
-    _raise_in_order(
-        refused,
-        limit,
-        (multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact),
-        safety_margin=safety_margin,
-        capacity_bytes=capacity_bytes,
-        step_seconds=step_seconds,
-        source=source,
-    )
+    fields = {
+        "effective_batch_size": effective_batch_size,
+        "world_size": world_size,
+        "multiple_of": multiple_of,
+        "max_gradient_accumulation_steps": max_gradient_accumulation_steps,
+        "uneven": uneven,
+        "allow_inexact": allow_inexact,
+        "safety_margin": safety_margin,
+        "capacity_bytes": capacity_bytes,
+        "step_seconds": step_seconds,
+    }
+    return plan_request(limit, _request_in_order(limit, fields, source), source=source)
 
 
-def plan_within(
-    limit: int | Profile | MemoryModel,
-    constraints: PlanConstraints,
-    *,
-    safety_margin: float | None = None,
-    capacity_bytes: int | None = None,
-    step_seconds: Mapping[int, float] | None = None,
-    source: PlanSource | None = None,
+def plan_request(
+    limit: int | Profile | MemoryModel, request: PlanRequest, *, source: PlanSource | None = None
 ) -> Plan:
-    """:func:`plan` for a caller holding checked :class:`PlanConstraints` (the tuning road plans
-    one request more than once): the constraints are not checked again.
+    """The plan for ``request`` within ``limit``: what :func:`plan` returns, for a caller holding
+    a checked :class:`PlanRequest` (the CLI, the service, the tuning road). ``world_sizes`` is
+    not planned here (:func:`plan_table`).
 
     Args:
         limit: as for :func:`plan`.
-        constraints: the effective batch, world size and options, checked when built.
-        safety_margin, capacity_bytes, step_seconds, source: as for :func:`plan`.
-
-    Returns:
-        The :class:`Plan`.
+        request: the effective batch, world size, options and what to plan for.
+        source: as for :func:`plan`.
 
     Raises:
-        ConfigError: the limit or one of the keyword arguments is invalid, or no plan reaches
-            the effective batch size for a reason an argument can fix (as for :func:`plan`).
+        ConfigError: the limit or ``source`` is invalid, the limit does not take
+            ``capacity_bytes`` or ``safety_margin``, or no plan reaches the effective batch size
+            for a reason an argument can fix (as for :func:`plan`).
         NoFeasiblePlanError: as for :func:`plan`.
     """
-    resolved = _resolve(
-        limit,
-        safety_margin=safety_margin,
-        capacity_bytes=capacity_bytes,
-        step_seconds=step_seconds,
-        source=source,
-    )
-    return _measured_in(_plan(resolved, constraints), limit)
+    return _measured_in(_plan(_resolve(limit, request, source), request), limit)
+
+
+def plan_table(
+    limit: int | Profile | MemoryModel, request: PlanRequest, *, source: PlanSource | None = None
+) -> list[WorldSizeOption]:
+    """One :class:`WorldSizeOption` per world size of ``request.world_sizes`` (none without
+    them): what :func:`plan_world_sizes` returns, for a caller holding a checked request.
+    ``request.world_size`` is not used.
+
+    Raises:
+        ConfigError, NoFeasiblePlanError: as for :func:`plan_world_sizes`.
+    """
+    return _table_within(_resolve(limit, request, source), request, limit)
 
 
 def _measured_in(result: Plan, limit: int | Profile | MemoryModel) -> Plan:
@@ -455,48 +432,41 @@ def _measured_in(result: Plan, limit: int | Profile | MemoryModel) -> Plan:
     return dataclasses.replace(result, gradient_sync=limit.gradient_sync)
 
 
-def _raise_in_order(
-    refused: ConfigError,
-    limit: int | Profile | MemoryModel,
-    options: tuple[int, int | None, Uneven, bool],
-    *,
-    safety_margin: float | None,
-    capacity_bytes: int | None,
-    step_seconds: Mapping[int, float] | None,
-    source: PlanSource | None,
-) -> NoReturn:
-    """Raise for arguments :class:`PlanConstraints` ``refused``, in the planner's order: the
-    options (``multiple_of``, ``max_gradient_accumulation_steps``, ``uneven``,
-    ``allow_inexact``) before the limit, the batch sizes after it. So a request wrong in its
-    limit and in ``effective_batch_size`` or ``world_size`` is told of the limit, as it always
-    was; only this error path checks the options twice."""
-    check_options(*options)
-    resolve_limit(
-        limit,
-        capacity_bytes=capacity_bytes,
-        safety_margin=safety_margin,
-        step_seconds=step_seconds,
-        source=source,
-    )
-    raise refused
+def _request_in_order(
+    limit: int | Profile | MemoryModel, fields: Mapping[str, Any], source: PlanSource | None
+) -> PlanRequest:
+    """The :class:`PlanRequest` of ``fields``; when refused, the error in the planner's order:
+    the options and what resolves the limit first, then the limit itself, then the batch sizes
+    and world sizes. So a request wrong in its limit and in ``effective_batch_size`` or
+    ``world_size`` is told of the limit, as it always was; only this error path checks twice."""
+    try:
+        return PlanRequest(**fields)
+    except ConfigError as refused:
+        # The same request with batch sizes that always pass: raises if the refusal came first.
+        fine = PlanRequest(
+            **{**fields, "effective_batch_size": 1, "world_size": 1, "world_sizes": None}
+        )
+        resolve_limit(
+            limit,
+            capacity_bytes=fine.capacity_bytes,
+            safety_margin=fine.safety_margin,
+            step_seconds=fine.step_seconds,
+            source=source,
+        )
+        raise refused from None
 
 
 def _resolve(
-    limit: int | Profile | MemoryModel,
-    *,
-    safety_margin: float | None,
-    capacity_bytes: int | None,
-    step_seconds: Mapping[int, float] | None,
-    source: PlanSource | None,
+    limit: int | Profile | MemoryModel, request: PlanRequest, source: PlanSource | None
 ) -> Limit:
-    """The limit :func:`plan_within` and :func:`plan_world_sizes` plan within
+    """The limit :func:`plan_request` and :func:`plan_table` plan within
     (:func:`~autobatch.planning.limits.resolve_limit`). A profile whose search a failure other
     than memory bounded says so in every plan."""
     resolved = resolve_limit(
         limit,
-        capacity_bytes=capacity_bytes,
-        safety_margin=safety_margin,
-        step_seconds=step_seconds,
+        capacity_bytes=request.capacity_bytes,
+        safety_margin=request.safety_margin,
+        step_seconds=request.step_seconds,
         source=source,
     )
     if not isinstance(limit, Profile):
@@ -540,58 +510,32 @@ def plan_world_sizes(
         NoFeasiblePlanError: the model does not fit at micro-batch 1 in ``capacity_bytes`` (no
             world size helps).
     """
-    try:
-        # One world size stands in until each row's: the checks that involve it come per row.
-        constraints = PlanConstraints(
-            effective_batch_size=effective_batch_size,
-            world_size=1,
-            multiple_of=multiple_of,
-            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-            uneven=uneven,
-            allow_inexact=allow_inexact,
-        )
-    except ConfigError as exc:
-        refused = exc
-    else:
-        resolved = _resolve(
-            limit,
-            safety_margin=safety_margin,
-            capacity_bytes=capacity_bytes,
-            step_seconds=step_seconds,
-            source=source,
-        )
-        return [
-            dataclasses.replace(row, plan=_measured_in(row.plan, limit))
-            if row.plan is not None
-            else row
-            for row in _rows(resolved, constraints, world_sizes)
-        ]
-    _raise_in_order(
-        refused,
-        limit,
-        (multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact),
-        safety_margin=safety_margin,
-        capacity_bytes=capacity_bytes,
-        step_seconds=step_seconds,
-        source=source,
-    )
+    fields = {
+        # One world size stands in for the rows': the checks that involve it come per row.
+        "effective_batch_size": effective_batch_size,
+        "world_size": 1,
+        "world_sizes": world_sizes,
+        "multiple_of": multiple_of,
+        "max_gradient_accumulation_steps": max_gradient_accumulation_steps,
+        "uneven": uneven,
+        "allow_inexact": allow_inexact,
+        "safety_margin": safety_margin,
+        "capacity_bytes": capacity_bytes,
+        "step_seconds": step_seconds,
+    }
+    return plan_table(limit, _request_in_order(limit, fields, source), source=source)
 
 
-def _rows(
-    limit: Limit, constraints: PlanConstraints, world_sizes: Sequence[int]
+def _table_within(
+    limit: Limit, request: PlanRequest, planned_from: int | Profile | MemoryModel
 ) -> list[WorldSizeOption]:
-    """:func:`plan_world_sizes`'s rows: a world size that is not an int >= 1 raises, a request
-    it cannot reach (fewer samples than ranks, not a multiple of it, no split) is its row."""
-    if isinstance(world_sizes, int | str) or not isinstance(world_sizes, Sequence):
-        raise ConfigError(
-            f"world_sizes {world_sizes!r} must be a list of ints, e.g. [1, 2, 4, 8]; for one "
-            "world size use plan(...)"
-        )
+    """:func:`plan_table`'s rows within a resolved limit: a request a world size cannot reach
+    (fewer samples than ranks, not a multiple of it, no split) is its row."""
     rows = []
-    for world_size in world_sizes:
-        require_int("world_size", world_size, 1)
+    for world_size in request.world_sizes or ():
         try:
-            result = _plan(limit, dataclasses.replace(constraints, world_size=world_size))
+            row = dataclasses.replace(request, world_size=world_size, world_sizes=None)
+            result = _measured_in(_plan(limit, row), planned_from)
         except (ConfigError, NoFeasiblePlanError) as exc:
             rows.append(
                 WorldSizeOption(
@@ -603,7 +547,7 @@ def _rows(
     return rows
 
 
-def _plan(limit: Limit, constraints: PlanConstraints) -> Plan:
+def _plan(limit: Limit, constraints: PlanRequest) -> Plan:
     effective, world_size = constraints.effective_batch_size, constraints.world_size
     largest = limit.max_micro_batch_size
     if constraints.multiple_of > largest:

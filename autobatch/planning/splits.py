@@ -8,7 +8,7 @@ neither torch nor pynvml.
 
 Example::
 
-    constraints = PlanConstraints(effective_batch_size=64)
+    constraints = PlanRequest(effective_batch_size=64)
     choose_steps(64, 24, constraints, None)    # (4, ""): 4 micro-batches of 16
     split_sizes(97, 5)                         # (20, 20, 19, 19, 19)
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from autobatch.planning.constraints import MAX_GRADIENT_ACCUMULATION_STEPS, PlanConstraints
 from autobatch.planning.limits import StepTimes
+from autobatch.planning.request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest
 
 __all__ = [
     "choose_steps",
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-def describe_rules(per_rank: int, max_micro_batch_size: int, constraints: PlanConstraints) -> str:
+def describe_rules(per_rank: int, max_micro_batch_size: int, constraints: PlanRequest) -> str:
     """What a split must meet, in words, for a message about ``per_rank`` samples per rank."""
     text = f"micro-batches of at most {max_micro_batch_size}"
     if constraints.multiple_of > 1:
@@ -59,9 +59,7 @@ def split_seconds(per_rank: int, steps: int, step_time: Callable[[int], float]) 
     return larger_seconds + step_time(smaller) * (steps - num_larger)
 
 
-def equal_steps(
-    per_rank: int, max_micro_batch_size: int, constraints: PlanConstraints
-) -> list[int]:
+def equal_steps(per_rank: int, max_micro_batch_size: int, constraints: PlanRequest) -> list[int]:
     """Accumulation steps of every equal split of micro-batches of at most
     ``max_micro_batch_size`` that meets the constraints, ascending.
 
@@ -97,7 +95,7 @@ def equal_steps(
 def choose_steps(
     per_rank: int,
     max_micro_batch_size: int,
-    constraints: PlanConstraints,
+    constraints: PlanRequest,
     step_time: StepTimes | None,
 ) -> tuple[int, str] | None:
     """Accumulation steps for ``per_rank`` samples in micro-batches of at most
@@ -197,7 +195,7 @@ def _smallest_product_at_least(n: int, a: int, b: int) -> int | None:
 
 
 def nearest_reachable(
-    max_micro_batch_size: int, constraints: PlanConstraints
+    max_micro_batch_size: int, constraints: PlanRequest
 ) -> tuple[int | None, int | None]:
     """Nearest reachable effective batch sizes strictly below/above the constraints' unreachable
     one, with micro-batches of at most ``max_micro_batch_size``."""

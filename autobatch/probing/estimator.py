@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autobatch.conditions import Conditions
 from autobatch.device.live_bytes import LiveBytes
 from autobatch.errors import ConfigError, EstimateUnavailableError
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import eager, is_compiled
 from autobatch.probing.conditions import precision_remedies, read_conditions
@@ -245,7 +246,7 @@ def estimate(
     step_includes_update: bool = False,
     amp_dtype: torch.dtype | None = None,
     max_micro_batch_size: int = DEFAULT_LIMIT,
-    safety_margin: float = 0.05,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
     device_name: str = "estimate",
 ) -> Profile:
     """Largest micro-batch whose training step fits in ``capacity_bytes``, on fake tensors.

@@ -26,6 +26,7 @@ from autobatch.distributed.consensus import Consensus, LocalConsensus
 from autobatch.distributed.layout import collective_layout
 from autobatch.distributed.sync import data_parallel
 from autobatch.errors import ConfigError
+from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.compiled import CompiledMode, compiled_mode
 from autobatch.probing.conditions import read_conditions
@@ -123,16 +124,13 @@ def check_search_arguments(max_micro_batch_size: int, safety_margin: float) -> N
     Raises:
         ConfigError: names the argument and the accepted range.
     """
-    if isinstance(safety_margin, bool) or not isinstance(safety_margin, int | float):
-        raise ConfigError(f"safety_margin {safety_margin!r} must be a number in [0, 1), e.g. 0.05")
+    check_safety_margin(safety_margin)
     if (
         isinstance(max_micro_batch_size, bool)
         or not isinstance(max_micro_batch_size, int)
         or max_micro_batch_size < 1
     ):
         raise ConfigError(f"max_micro_batch_size {max_micro_batch_size!r} must be an int >= 1")
-    if not 0 <= safety_margin < 1:
-        raise ConfigError(f"safety_margin {safety_margin!r} must be in [0, 1), e.g. 0.05")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +173,7 @@ class ProbeOptions:
         step: StepSpec,
         *,
         device: Device,
-        safety_margin: float = 0.05,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
         max_micro_batch_size: int = DEFAULT_LIMIT,
         use_estimate: bool = True,
         on_trial: OnTrial | None = None,

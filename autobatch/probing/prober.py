@@ -58,6 +58,7 @@ from autobatch.device import Capacity, Device, SimulatedDevice, node_name, resol
 from autobatch.distributed.consensus import Consensus
 from autobatch.distributed.fake_backend import process_groups_faked, reshard_fsdp2
 from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.probing.compiled import eager
 from autobatch.probing.conditions import with_optimizer_state
 from autobatch.probing.estimator import FakeStep, estimate_points
@@ -121,7 +122,7 @@ def probe(
     device: str | Device | None = None,
     gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
-    safety_margin: float = 0.05,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
     max_micro_batch_size: int = DEFAULT_LIMIT,
     use_estimate: bool = True,
     on_trial: OnTrial | None = None,

@@ -282,7 +282,7 @@ def _sync_mode_worker(rank: int, tmp: str) -> None:
 
     from autobatch.device import resolve_device
     from autobatch.distributed.consensus import ProcessGroupConsensus
-    from autobatch.planning import PlanConstraints, plan_within
+    from autobatch.planning import PlanRequest, plan_request
     from autobatch.probing.options import ProbeOptions, StepSpec
     from autobatch.probing.prober import run_probe
     from autobatch.tuning import tune
@@ -314,8 +314,8 @@ def _sync_mode_worker(rank: int, tmp: str) -> None:
             step, device=resolve_device(CAPACITY), consensus=ProcessGroupConsensus()
         )
         one_step = run_probe(step, dataclasses.replace(options, gradient_sync=GradientSync()))
-        old = plan_within(
-            one_step, PlanConstraints(effective_batch_size=EFFECTIVE, world_size=WORLD_SIZE)
+        old = plan_request(
+            one_step, PlanRequest(effective_batch_size=EFFECTIVE, world_size=WORLD_SIZE)
         )
         result["old_plan"] = [old.micro_batch_size, old.gradient_accumulation_steps]
         try:

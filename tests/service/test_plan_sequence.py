@@ -1,0 +1,59 @@
+"""POST /v1/plan and ``autobatch plan`` answer with the library's one plan -> budget -> table
+sequence (autobatch.planning.plan_with_table), not a copy of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from autobatch.cli import main
+from autobatch.planning import PlanRequest, given_budget, plan_with_table
+from autobatch.profile import MemoryModel
+
+GIB = 2**30
+LINE = MemoryModel(fixed_bytes=GIB, bytes_per_sample=100 * 2**20)
+
+
+def test_the_route_answers_what_plan_with_table_plans(client: TestClient) -> None:
+    body = {
+        "memory_model": {
+            "fixed_bytes": LINE.fixed_bytes,
+            "bytes_per_sample": LINE.bytes_per_sample,
+        },
+        "device": {"capacity_bytes": 16 * GIB},
+        "gpu_fraction": 0.5,
+        "effective_batch_size": 256,
+        "world_size": 2,
+        "world_sizes": [1, 2, 3],
+    }
+    answer = client.post("/v1/plan", json=body).json()
+    budget = given_budget(16 * GIB, gpu_fraction=0.5)
+    request = PlanRequest(
+        effective_batch_size=256,
+        world_size=2,
+        world_sizes=(1, 2, 3),
+        capacity_bytes=budget.budget_bytes,
+    )
+    planned = plan_with_table(LINE, request, budget=budget)
+    assert answer["plan"] == json.loads(json.dumps(planned.plan.to_dict()))
+    assert answer["plan"]["budget"]["trials_per_gpu"] == 2
+    assert planned.world_size_options is not None
+    assert [row["plan"] for row in answer["world_size_options"]] == [
+        None if row.plan is None else json.loads(json.dumps(row.plan.to_dict()))
+        for row in planned.world_size_options
+    ]
+
+
+def test_the_cli_table_is_plan_tables_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "96"]
+    assert main([*argv, "--world-size", "1,2,5", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    planned = plan_with_table(24, PlanRequest(effective_batch_size=96, world_sizes=(1, 2, 5)))
+    assert planned.world_size_options is not None
+    assert [row["plan"] for row in rows] == [
+        None if row.plan is None else json.loads(json.dumps(row.plan.to_dict()))
+        for row in planned.world_size_options
+    ]
+    assert rows[2]["plan"] is None and "not a multiple of world_size 5" in rows[2]["reason"]
