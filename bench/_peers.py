@@ -58,7 +58,6 @@ from autobatch.profile import Profile
 __all__ = [
     "Case",
     "ToolResult",
-    "REAL_CASES",
     "TINY_CASES",
     "format_table",
     "median",
@@ -237,9 +236,6 @@ def real_cases(seq_len: int = 512) -> tuple[Case, ...]:
             build_sample=lambda: _classified_tokens(2, seq_len, 30522, 2),
         ),
     )
-
-
-REAL_CASES = real_cases()
 
 
 # -- results -------------------------------------------------------------------------------------
