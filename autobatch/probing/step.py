@@ -1,4 +1,4 @@
-"""How a sample becomes one whole training step (DESIGN.md, "How a sample becomes a step").
+"""How a sample becomes one whole training step (docs/quickstart.md, "First runs from Python").
 
 - ``train_step(model, batch) -> loss`` given: that is the step; backward, optimizer step and
   ``zero_grad`` are added around it unless ``step_includes_update=True``.
