@@ -42,7 +42,7 @@ from autobatch.probing.conditions import precision_remedies
 from autobatch.probing.options import ProbeOptions, StepSpec
 from autobatch.probing.search import Point, bracket
 from autobatch.probing.snapshot import resident_tensors
-from autobatch.probing.step import OptimizerSteps, TrainingStep
+from autobatch.probing.step import MicroStepWindow, OptimizerSteps, TrainingStep
 from autobatch.profile import MemoryModel, Trial
 from autobatch.units import format_bytes
 
@@ -179,9 +179,11 @@ class TrialRunner:
             amp_dtype=step.amp_dtype,
             grad_scaler=scaler,
             step_on_overflow=True,
-            num_micro_steps=num_micro_steps,
-            skip_sync=None if parallel is None else parallel.skipped,
-            lead_batch=None if parallel is None else step.source.make(1),
+            window=MicroStepWindow(
+                num_micro_steps=num_micro_steps,
+                skip_sync=None if parallel is None else parallel.skipped,
+                lead_batch=None if parallel is None else step.source.make(1),
+            ),
         )
         if parallel is not None:
             log.notes.append(
@@ -257,8 +259,11 @@ class TrialRunner:
                 "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
                 "warmed up at 2: keep every micro-batch at 2 or more"
             )
-            if self.training_step.lead_batch is not None:
-                self.training_step.lead_batch = self.spec.source.make(2)
+            window = self.training_step.window
+            if window.lead_batch is not None:
+                self.training_step.window = dataclasses.replace(
+                    window, lead_batch=self.spec.source.make(2)
+                )
             self.trial(2, warm_up=True)
             return
         if self.options.compiled == "measured" and self.limit >= 2:
