@@ -15,7 +15,8 @@ from torch import nn
 
 import autobatch.training.accumulator as accumulate_module
 from autobatch.errors import ConfigError, SmallMicroBatchNormWarning
-from autobatch.training.accumulator import Accumulator, StepStats
+from autobatch.training.accumulator import Accumulator
+from autobatch.training.window import StepStats
 
 F64 = torch.float64
 
