@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autobatch import SimulatedDevice
 from autobatch.device import Device
 from autobatch.probing import BatchSource, TrainingStep
-from bench._peers import MIB, Case
+from bench._cases import MIB, Case
 
 __all__ = ["LAUNCH_LIMIT", "PATTERNS", "FailsAbove", "Pattern", "true_max"]
 

@@ -1,6 +1,7 @@
-"""Shared by ``bench/probe_vs_peers.py`` and ``bench/gpu_check.py``: model cases, and one runner per
-tool that searches for the largest micro-batch: autobatch's probe, PyTorch Lightning's
-``BatchSizeFinder`` (``mode="binsearch"``), Hugging Face Accelerate's
+"""Shared by ``bench/probe_vs_peers.py`` and ``bench/gpu_check.py``: one runner per tool that
+searches for the largest micro-batch (the model cases are ``bench/_cases.py``'s, the results
+and their tables ``bench/_results.py``'s, both re-exported here): autobatch's probe, PyTorch
+Lightning's ``BatchSizeFinder`` (``mode="binsearch"``), Hugging Face Accelerate's
 ``find_executable_batch_size``, and the exhaustive reference (every size from 1 up, as
 ``tests/conftest.py``'s ``exhaustive_max``; that file imports pytest, which a GPU box may lack).
 
@@ -40,233 +41,47 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import autobatch
 from autobatch.device import Device, is_oom
-from autobatch.probing import BatchSource, LossFn, TrainingStep, batch_tensors
+from autobatch.probing import BatchSource, TrainingStep, batch_tensors
 from autobatch.profile import Profile
+from bench._cases import GIB, MIB, TINY_CASES, Case, real_cases
+from bench._results import (
+    ToolResult,
+    format_capacity,
+    format_summary,
+    format_table,
+    median,
+    summarize,
+)
 
 __all__ = [
+    "GIB",
+    "MIB",
+    "TINY_CASES",
     "Case",
     "ToolResult",
-    "REAL_CASES",
-    "TINY_CASES",
+    "exhaustive_at",
+    "format_capacity",
+    "format_summary",
     "format_table",
     "median",
+    "real_cases",
     "run_accelerate",
     "run_autobatch",
     "run_bisection",
-    "exhaustive_at",
     "run_exhaustive",
     "run_lightning",
     "summarize",
 ]
-
-GIB = 2**30
-MIB = 2**20
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Case:
-    """A model, its sample and how its step is formed; :meth:`build` gives fresh, seeded copies."""
-
-    name: str
-    build_model: Callable[[], torch.nn.Module]
-    build_sample: Callable[[], Any]
-    """Returns one sample batch on the CPU (a few rows; micro-batches tile it)."""
-    loss_fn: LossFn | None = None
-    build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = lambda m: (
-        torch.optim.AdamW(m.parameters())
-    )
-    capacities_bytes: tuple[int, ...] = ()
-    """Simulated capacities this case is benchmarked at (tiny cases only)."""
-
-    def build(self, device: torch.device) -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
-        """Model (on ``device``), sample (on ``device``) and optimizer, seeded identically."""
-        torch.manual_seed(0)
-        model = self.build_model().to(device)
-        sample = _to(self.build_sample(), device)
-        return model, sample, self.build_optimizer(model)
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    return torch.utils._pytree.tree_map(
-        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, batch
-    )
-
-
-# -- model cases ---------------------------------------------------------------------------------
-
-
-def _mlp() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-
-
-def _cnn() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1),
-        torch.nn.BatchNorm2d(16),
-        torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 16, 3, padding=1),
-        torch.nn.BatchNorm2d(16),
-        torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16, 10),
-    )
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # config notes such as "loss_type=None ... unrecognized"
-
-
-def _gpt2(**config: Any) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    _quiet_transformers()
-    # Token ids of the default config lie outside a tiny vocabulary; unset them.
-    return GPT2LMHeadModel(GPT2Config(bos_token_id=None, eos_token_id=None, **config))
-
-
-def _bert(**config: Any) -> torch.nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    return BertForSequenceClassification(BertConfig(**config))
-
-
-def _vit(**config: Any) -> torch.nn.Module:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    return ViTForImageClassification(ViTConfig(**config))
-
-
-def _tokens(rows: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, vocab, (rows, length))
-    return {"input_ids": ids, "labels": ids}
-
-
-def _classified_tokens(rows: int, length: int, vocab: int, labels: int) -> dict[str, torch.Tensor]:
-    return {
-        "input_ids": torch.randint(0, vocab, (rows, length)),
-        "attention_mask": torch.ones(rows, length, dtype=torch.long),
-        "labels": torch.randint(0, labels, (rows,)),
-    }
-
-
-TINY_CASES: tuple[Case, ...] = (
-    # Same models and samples as tests/conftest.py's MODEL_CASES. Capacities are round numbers
-    # (not derived from the estimator) giving maxima of roughly 20 and 50 (MLP: 52 and 117).
-    Case(
-        name="mlp-adam",
-        build_model=_mlp,
-        build_sample=lambda: (torch.randn(4, 32), torch.randint(0, 10, (4,))),
-        loss_fn=F.cross_entropy,
-        build_optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
-        capacities_bytes=(MIB * 3 // 10, MIB // 2),
-    ),
-    Case(
-        name="cnn-batchnorm",
-        build_model=_cnn,
-        build_sample=lambda: (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))),
-        loss_fn=F.cross_entropy,
-        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-        capacities_bytes=(2 * MIB, 5 * MIB),
-    ),
-    Case(
-        name="gpt2-tiny",
-        build_model=lambda: _gpt2(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64),
-        build_sample=lambda: _tokens(2, 32, 256),
-        capacities_bytes=(16 * MIB, 32 * MIB),
-    ),
-    Case(
-        name="bert-tiny",
-        build_model=lambda: _bert(
-            vocab_size=256,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
-            num_labels=3,
-        ),
-        build_sample=lambda: _classified_tokens(2, 32, 256, 3),
-        capacities_bytes=(8 * MIB, 16 * MIB),
-    ),
-    Case(
-        name="vit-tiny",
-        build_model=lambda: _vit(
-            image_size=32,
-            patch_size=8,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=128,
-            num_labels=10,
-        ),
-        build_sample=lambda: {
-            "pixel_values": torch.randn(2, 3, 32, 32),
-            "labels": torch.randint(0, 10, (2,)),
-        },
-        capacities_bytes=(4 * MIB, 8 * MIB),
-    ),
-)
-
-
-def real_cases(seq_len: int = 512) -> tuple[Case, ...]:
-    """Real-size models with random weights (for a GPU): GPT-2 124M and BERT-base at ``seq_len``."""
-    return (
-        Case(
-            name=f"gpt2-124m@{seq_len}",
-            build_model=lambda: _gpt2(n_positions=max(1024, seq_len)),
-            build_sample=lambda: _tokens(2, seq_len, 50257),
-        ),
-        Case(
-            name=f"bert-base@{seq_len}",
-            build_model=lambda: _bert(max_position_embeddings=max(512, seq_len), num_labels=2),
-            build_sample=lambda: _classified_tokens(2, seq_len, 30522, 2),
-        ),
-    )
-
-
-REAL_CASES = real_cases()
-
-
-# -- results -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ToolResult:
-    """One tool's search on one (case, capacity)."""
-
-    tool: str
-    """``"autobatch"``, ``"lightning"``, ``"accelerate"`` or ``"exhaustive"``."""
-    micro_batch_size: int
-    """The largest micro-batch the tool reports as fitting (0: none found)."""
-    num_trials: int
-    """Distinct real sizes tried (warm-up included where the tool runs one)."""
-    num_steps: int
-    """Real training steps run, including those that ran out of memory."""
-    num_ooms: int
-    """Steps that ran out of memory."""
-    seconds: float
-    """Time of the whole search on the device's clock (autobatch: its fake-tensor estimate
-    included; the model's construction and the release after it excluded)."""
-    sizes: tuple[int, ...] = ()
-    """Sizes tried, in order."""
-    peak_bytes: tuple[int, ...] = ()
-    """Exhaustive only: measured peak of each size from 1 up that fitted."""
-    note: str = ""
 
 
 def _resident(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -630,82 +445,3 @@ def run_lightning(
         seconds=seconds,
         sizes=tuple(n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n),
     )
-
-
-# -- display -------------------------------------------------------------------------------------
-
-TOOLS = ("autobatch", "lightning", "accelerate")
-
-
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
-
-
-def _ratio(found: int, reference: int) -> float:
-    return found / reference if reference > 0 else float("nan")
-
-
-def format_capacity(capacity_bytes: int) -> str:
-    if capacity_bytes >= GIB:
-        return f"{capacity_bytes / GIB:.0f}GiB"
-    return f"{capacity_bytes / MIB:.3g}MiB"
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per (case, capacity, tool); ``rows`` items have ``case``, ``capacity_bytes``,
-    ``exhaustive`` (a ToolResult) and one ToolResult per tool in :data:`TOOLS`."""
-    header = (
-        f"{'model':<16} {'capacity':>9} {'tool':<11} {'found':>6} {'exh.max':>7} {'ratio':>6} "
-        f"{'trials':>6} {'steps':>6} {'OOMs':>5} {'seconds':>8}  sizes tried"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        reference: ToolResult = row["exhaustive"]
-        for tool in (*TOOLS, "exhaustive"):
-            result: ToolResult | None = row.get(tool)
-            if result is None:
-                continue
-            sizes = ",".join(map(str, result.sizes[:14])) + (
-                "..." if len(result.sizes) > 14 else ""
-            )
-            if result.note:
-                sizes = f"{sizes}  ({result.note})" if sizes else f"({result.note})"
-            lines.append(
-                f"{row['case']:<16} {format_capacity(row['capacity_bytes']):>9} {tool:<11} "
-                f"{result.micro_batch_size:>6} {reference.micro_batch_size:>7} "
-                f"{_ratio(result.micro_batch_size, reference.micro_batch_size):>6.3f} "
-                f"{result.num_trials:>6} {result.num_steps:>6} {result.num_ooms:>5} "
-                f"{result.seconds:>8.2f}  {sizes}"
-            )
-    return "\n".join(lines)
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Medians per tool over the rows: trials, steps, OOMs, found/exhaustive ratio, seconds."""
-    summary: dict[str, dict[str, float]] = {}
-    for tool in TOOLS:
-        results = [(row[tool], row["exhaustive"]) for row in rows if row.get(tool) is not None]
-        summary[tool] = {
-            "median_trials": median([r.num_trials for r, _ in results]),
-            "median_steps": median([r.num_steps for r, _ in results]),
-            "median_ooms": median([r.num_ooms for r, _ in results]),
-            "median_ratio": median(
-                [_ratio(r.micro_batch_size, e.micro_batch_size) for r, e in results]
-            ),
-            "min_ratio": min(
-                (_ratio(r.micro_batch_size, e.micro_batch_size) for r, e in results),
-                default=float("nan"),
-            ),
-            "median_seconds": median([r.seconds for r, _ in results]),
-        }
-    return summary
-
-
-def format_summary(summary: dict[str, dict[str, float]]) -> str:
-    parts = [
-        f"{tool}: trials {s['median_trials']:g}, steps {s['median_steps']:g}, "
-        f"OOMs {s['median_ooms']:g}, found/max {s['median_ratio']:.3f} (min {s['min_ratio']:.3f}), "
-        f"{s['median_seconds']:.2f} s"
-        for tool, s in summary.items()
-    ]
-    return "medians | " + " | ".join(parts)

@@ -350,76 +350,100 @@ def format_timings(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    budget = Budget(args.budget_s)
-    errors: list[str] = []
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Target:
+    """What the check runs on: the cases, the capacities, where, and the environment's record."""
+
+    cases: list[Case]
+    capacities: list[int]
+    """Capacities of the cells, in bytes, smallest first (the budget cuts the dearest cells)."""
+    accelerator: str
+    """Lightning's accelerator: ``"gpu"`` or ``"cpu"``."""
+    total_bytes: int
+    """The GPU's total memory (0 on a dry run)."""
+    env: dict[str, Any]
+
+
+def choose_target(args: argparse.Namespace) -> Target | None:
+    """The dry run's tiny case on simulated cards, or the real cases on ``cuda:0``; None when a
+    real run finds no CUDA device."""
     env: dict[str, Any] = {"torch": torch.__version__, "dry_run": args.dry_run}
     if args.dry_run:
         torch.set_num_threads(2)
-        cases = [c for c in TINY_CASES if c.name == "gpt2-tiny"]
-        capacities = [8 * MIB, 12 * MIB]  # maxima of about 9 and 15: seconds, not minutes
-        accelerator = "cpu"
         env["device"] = "simulated (CPU)"
-        total_bytes = 0
+        return Target(
+            cases=[c for c in TINY_CASES if c.name == "gpt2-tiny"],
+            capacities=[8 * MIB, 12 * MIB],  # maxima of about 9 and 15: seconds, not minutes
+            accelerator="cpu",
+            total_bytes=0,
+            env=env,
+        )
+    if not torch.cuda.is_available():
+        return None
+    total_bytes = torch.cuda.get_device_properties(0).total_memory
+    env.update(
+        device=torch.cuda.get_device_name(0),
+        total_memory_bytes=total_bytes,
+        cuda=torch.version.cuda,
+    )
+    return Target(
+        cases=list(real_cases(args.seq_len)),
+        capacities=[int(c * GIB) for c in args.capacities_gib],
+        accelerator="gpu",
+        total_bytes=total_bytes,
+        env=env,
+    )
+
+
+def run_stacks(
+    args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
+) -> list[dict[str, Any]]:
+    """The modern stacks (torch.compile, FSDP2), one row each; failures appended to ``errors``."""
+    stacks: list[dict[str, Any]] = []
+    if not budget.allows("modern stacks (compiled, FSDP2)", 10.0 if args.dry_run else 90.0):
+        return stacks
+    if args.dry_run:
+        backend, width, depth = "eager", 32, 2
+
+        def stack_device() -> Device:
+            return SimulatedDevice(capacity_bytes=1 * MIB)
     else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
-            return 2
         from autobatch.device import CudaDevice
 
-        cases = list(real_cases(args.seq_len))
-        total_bytes = torch.cuda.get_device_properties(0).total_memory
-        capacities = [int(c * GIB) for c in args.capacities_gib]
-        accelerator = "gpu"
-        env.update(
-            device=torch.cuda.get_device_name(0),
-            total_memory_bytes=total_bytes,
-            cuda=torch.version.cuda,
-        )
+        backend, width, depth = "inductor", 1024, 4
+        _set_cuda_capacity(min(target.capacities), target.total_bytes)
+        stack_cuda = CudaDevice(0)
 
-    pytest_result = {"ran": False} if args.skip_pytest else run_pytest(budget, dry_run=args.dry_run)
-    print(f"pytest: {pytest_result}", file=sys.stderr, flush=True)
-    cli_tune = run_cli_tune(budget, dry_run=args.dry_run)  # its own process, the whole card
-    print(f"autobatch tune: {cli_tune}", file=sys.stderr, flush=True)
-    if cli_tune.get("ran") and cli_tune.get("rc") != 0:
-        errors.append(f"autobatch tune --device {cli_tune['device']}: {cli_tune}")
+        def stack_device() -> Device:
+            return stack_cuda
 
-    stacks: list[dict[str, Any]] = []
-    if budget.allows("modern stacks (compiled, FSDP2)", 10.0 if args.dry_run else 90.0):
-        if args.dry_run:
-            backend, width, depth = "eager", 32, 2
+    for what, check in (
+        (
+            "compiled",
+            lambda: check_compiled(stack_device, backend=backend, width=width, depth=depth),
+        ),
+        ("fsdp2", lambda: check_fsdp2(stack_device, width=width, depth=depth)),
+    ):
+        row = _guarded(errors, f"stacks {what}", check)
+        if row is not None:
+            stacks.append(row)
+            if not row["ok"]:
+                errors.append(f"stacks {what}: {row}")
+    return stacks
 
-            def stack_device() -> Device:
-                return SimulatedDevice(capacity_bytes=1 * MIB)
-        else:
-            backend, width, depth = "inductor", 1024, 4
-            _set_cuda_capacity(min(capacities), total_bytes)
-            stack_cuda = CudaDevice(0)
 
-            def stack_device() -> Device:
-                return stack_cuda
-
-        for what, check in (
-            (
-                "compiled",
-                lambda: check_compiled(stack_device, backend=backend, width=width, depth=depth),
-            ),
-            ("fsdp2", lambda: check_fsdp2(stack_device, width=width, depth=depth)),
-        ):
-            row = _guarded(errors, f"stacks {what}", check)
-            if row is not None:
-                stacks.append(row)
-                if not row["ok"]:
-                    errors.append(f"stacks {what}: {row}")
+def run_cells(
+    args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every (capacity, case) cell the budget allows: the search rows and the estimator's."""
     rows: list[dict[str, Any]] = []
     estimator: list[dict[str, Any]] = []
-    for capacity in capacities:  # smallest first: the budget cuts the most expensive cells
-        for case in cases:
+    for capacity in target.capacities:  # smallest first: the budget cuts the most expensive
+        for case in target.cases:
             label = f"{case.name}@{format_capacity(capacity)}"
-            if not args.dry_run and capacity > 0.95 * total_bytes:
+            if not args.dry_run and capacity > 0.95 * target.total_bytes:
                 budget.skipped.append(
-                    f"{label} (over 95% of the {total_bytes / GIB:.0f} GiB device)"
+                    f"{label} (over 95% of the {target.total_bytes / GIB:.0f} GiB device)"
                 )
                 continue
             if not budget.allows(label, 5.0 if args.dry_run else MIN_SECONDS_PER_CELL):
@@ -430,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                 def make_device(capacity: int = capacity) -> Device:
                     return SimulatedDevice(capacity_bytes=capacity)
             else:
-                _set_cuda_capacity(capacity, total_bytes)
+                from autobatch.device import CudaDevice
+
+                _set_cuda_capacity(capacity, target.total_bytes)
                 cuda_device = CudaDevice(0)
 
                 def make_device(device: Device = cuda_device) -> Device:
@@ -440,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                 case,
                 capacity,
                 make_device=make_device,
-                accelerator=accelerator,
+                accelerator=target.accelerator,
                 budget=budget,
                 errors=errors,
             )
@@ -448,45 +474,34 @@ def main(argv: list[str] | None = None) -> int:
             estimator.extend(errs)
     if not args.dry_run:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    return rows, estimator
 
-    elapsed = time.perf_counter() - budget.started
-    result = {
-        "env": env,
-        "pytest": pytest_result,
-        "cli_tune": cli_tune,
-        "rows": [_jsonable(row) for row in rows],
-        "summary": summarize(rows) if rows else {},
-        "estimator": estimator,
-        "stacks": stacks,
-        "skipped": budget.skipped,
-        "errors": errors,
-        "elapsed_seconds": elapsed,
-        "budget_seconds": args.budget_s,
-    }
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-            json.dump(result, f, indent=2, default=str)
 
+def print_report(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The check's tables, as a person reads them (the JSON holds the same)."""
+    env, pytest_result = result["env"], result["pytest"]
     print()
-    print(f"device: {env.get('device')}  torch {torch.__version__}  elapsed {elapsed:.0f} s")
+    print(
+        f"device: {env.get('device')}  torch {torch.__version__}  "
+        f"elapsed {result['elapsed_seconds']:.0f} s"
+    )
     print(
         f"pytest tests/gpu -m gpu: {pytest_result.get('summary', 'not run')} "
         f"(rc {pytest_result.get('rc')})"
     )
     for line in pytest_result.get("tail", []):
         print(f"  | {line}")
-    print(f"autobatch tune (CLI): {cli_tune}")
-    for item in budget.skipped:
+    print(f"autobatch tune (CLI): {result['cli_tune']}")
+    for item in result["skipped"]:
         print(f"SKIPPED (time budget or device size): {item}")
-    for item in errors:
+    for item in result["errors"]:
         print(f"ERROR: {item}")
     print()
     print("Modern stacks (torch.compile, FSDP2):")
-    print(format_stacks(stacks))
+    print(format_stacks(result["stacks"]))
     print()
     print("Estimator (fake tensors) vs measured peak at the same micro-batch:")
-    print(format_estimator(estimator))
+    print(format_estimator(result["estimator"]))
     print()
     print(
         "Probe wall time by part (Profile.timings, device clock) beside plain bisection over "
@@ -498,6 +513,42 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if rows:
         print(format_summary(summarize(rows)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    budget = Budget(args.budget_s)
+    errors: list[str] = []
+    target = choose_target(args)
+    if target is None:
+        print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
+        return 2
+    pytest_result = {"ran": False} if args.skip_pytest else run_pytest(budget, dry_run=args.dry_run)
+    print(f"pytest: {pytest_result}", file=sys.stderr, flush=True)
+    cli_tune = run_cli_tune(budget, dry_run=args.dry_run)  # its own process, the whole card
+    print(f"autobatch tune: {cli_tune}", file=sys.stderr, flush=True)
+    if cli_tune.get("ran") and cli_tune.get("rc") != 0:
+        errors.append(f"autobatch tune --device {cli_tune['device']}: {cli_tune}")
+    stacks = run_stacks(args, target, budget, errors)
+    rows, estimator = run_cells(args, target, budget, errors)
+    result = {
+        "env": target.env,
+        "pytest": pytest_result,
+        "cli_tune": cli_tune,
+        "rows": [_jsonable(row) for row in rows],
+        "summary": summarize(rows) if rows else {},
+        "estimator": estimator,
+        "stacks": stacks,
+        "skipped": budget.skipped,
+        "errors": errors,
+        "elapsed_seconds": time.perf_counter() - budget.started,
+        "budget_seconds": args.budget_s,
+    }
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    print_report(result, rows)
     return 1 if errors else 0
 
 

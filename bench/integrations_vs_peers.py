@@ -109,7 +109,7 @@ def _lightning_module(device: SimulatedDevice, *, batch_size: int) -> Any:
     Lightning runs is counted on ``device``; ``phase`` says whether the search or training runs."""
     import lightning.pytorch as pl
 
-    from bench._peers import _gpt2
+    from bench._cases import _gpt2
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -229,7 +229,7 @@ def _hf_trainer(device: SimulatedDevice, root: str, *, per_device: int, accumula
     own)."""
     import transformers
 
-    from bench._peers import _gpt2
+    from bench._cases import _gpt2
 
     class MeasuredTrainer(transformers.Trainer):  # type: ignore[misc]
         measuring = False

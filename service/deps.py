@@ -1,7 +1,8 @@
 """The app's shared objects, handed to routes as one FastAPI dependency.
 
-One dependency, not one per object: FastAPI resolves each dependency on every request (about
-20 µs each on 2 cores), and ``POST /v1/plan`` is the route schedulers call in a loop. Tests fake
+One dependency, not one per object: FastAPI resolves each dependency on every request (a
+call through its dependency machinery each), and ``POST /v1/plan`` is the route schedulers call
+in a loop. Tests fake
 the GPU boundary by passing an ``Nvml`` over a fake pynvml to ``create_app``, not by overriding
 dependencies.
 
@@ -46,7 +47,8 @@ class ServiceState:
 
 def service_state(request: Request) -> ServiceState:
     """The app's :class:`ServiceState`, for a hot route that takes the ``Request`` instead of
-    :data:`StateDep` (``POST /v1/plan``: a dependency costs ~20 µs per request)."""
+    :data:`StateDep` (``POST /v1/plan``: a dependency is resolved on every request, and this
+    route's own work is small beside it)."""
     state: ServiceState = request.app.state.service
     return state
 

@@ -12,13 +12,15 @@ resolution. Other methods and unknown paths never reach it (they get 405 and 404
 bodies (``openapi_extra``), instead of declaring a body parameter. The answers are the same:
 415 as above, 400 ``malformed-json``, 422 with ``body.<field>`` paths; what it saves is FastAPI's
 per-request body and dependency handling (a ``Content-Type`` parse with ``email.message``, the
-body field's resolution): about 20 µs of the route's ~170 µs in-process on 2 cores.
+body field's resolution), a fixed cost that is a large share of a route whose own work is a few
+dictionary lookups (``bench/service_load.py`` measures it).
 
 Large bodies never hold the event loop (over ``LARGE_BODY_BYTES``): ``read_json_body`` parses
 and validates them in a worker thread, and a body with more fields its model does not declare
 than an answer lists (``service.problems.MAX_LISTED_ERRORS``) is refused from a walk over the
-parsed JSON, before pydantic reports each one (38,000 unknown fields cost 3 to 5 s of loop time
-in "did you mean" hints and a 27 MB answer before). ``JsonBodyRoute`` does the same walk, in a
+parsed JSON, before pydantic reports each one (a "did you mean" hint per unknown field grows
+the work and the answer with the body, so a few megabytes of unknown fields would hold the loop
+for seconds). ``JsonBodyRoute`` does the same walk, in a
 thread, for a large declared body before FastAPI validates it.
 
 Example::
@@ -74,8 +76,8 @@ _LARGE_BODY_LIMITERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Capac
 
 async def _off_the_loop(function: Callable[..., ModelT | None], *args: Any) -> Any:
     """``function(*args)`` in a worker thread, one large body at a time: the JSON parser and
-    pydantic hold the GIL for their whole call (about 10 ms per MB), so with one at a time the
-    event loop waits for one such call at most, not for a queue of them."""
+    pydantic hold the GIL for their whole call (a time that grows with the body's size), so with
+    one at a time the event loop waits for one such call at most, not for a queue of them."""
     loop = asyncio.get_running_loop()
     limiter = _LARGE_BODY_LIMITERS.get(loop)
     if limiter is None:
@@ -132,8 +134,8 @@ def _require_json(request: Request) -> None:
 
 def _content_type(request: Request) -> str | None:
     """The ``Content-Type`` header's value, read from the ASGI scope's header list (servers send
-    the names in lower case) instead of building the ``Headers`` mapping: about 1 µs less per
-    request.
+    the names in lower case) instead of building the ``Headers`` mapping, which the hot route
+    would build only to read this one header.
 
     Raises:
         Problem: 400, two or more ``Content-Type`` headers (which one a proxy on the way read is
@@ -180,7 +182,8 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
 def _parse_and_validate(raw: bytes, model: type[ModelT]) -> ModelT:
     """``raw`` parsed and validated as ``model``; raises as :func:`read_json_body`."""
     try:
-        # pydantic-core's parser first (about 2 µs less than json's for a plan body). It gives
+        # pydantic-core's parser first (it builds the objects in Rust, where json.loads goes
+        # through Python's decoder). It gives
         # the same objects wherever both accept the text; where it refuses (an error, or a text
         # only json takes: a byte-order mark, UTF-16, a lone surrogate escape, nesting past
         # 200), json.loads decides, so what is accepted and every error stay json's.
@@ -282,8 +285,8 @@ def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
 
 async def _read_body(request: Request) -> bytes:
     """The request's body bytes, read from its ASGI messages in a plain loop: Starlette's
-    ``Request.body()`` reads through an async generator, which costs about 3 µs more per request
-    on 2 cores (asyncio's generator hooks, ``aclosing``). Nothing reads the body after the route.
+    ``Request.body()`` reads through an async generator, which adds asyncio's generator hooks and
+    ``aclosing`` to every request of the hot route. Nothing reads the body after the route.
 
     Raises:
         ClientDisconnect: the client left before the body ended (as ``Request.body()`` raises).

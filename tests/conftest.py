@@ -212,8 +212,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     objects) from the garbage collector.
 
     A probe runs ``gc.collect()`` before every trial (``Device.release``), and a full collection
-    over them took 0.4 to 1 s on 2 cores: most of a small probe's time in this process. Objects
-    the tests create are collected as before.
+    walks every one of them, which outweighs a small probe's own steps. Objects the tests create
+    are collected as before.
     """
     gc.collect()
     gc.freeze()

@@ -62,11 +62,7 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live_bytes = 0
         """Bytes of storages alive now."""
         self.peak_bytes = 0
-        """Most bytes alive at once since construction or :meth:`reset_peak`."""
-
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes alive now."""
-        self.peak_bytes = self.live_bytes
+        """Most bytes alive at once since construction (one tracker per measured block)."""
 
     def add_resident(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that existed before the mode was entered (weights, optimizer state...)."""

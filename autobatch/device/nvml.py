@@ -5,7 +5,8 @@ NVML is initialised lazily, once per :class:`Nvml` instance (thread-safe), on th
 ``import autobatch`` works on machines without a driver. It is never shut down: the handle lives as
 long as the process, like nvitop's. Every ``NVMLError_*``, and the ``ImportError``/``OSError`` of a
 missing library, becomes :class:`~autobatch.errors.DeviceUnavailableError` with a stable
-``reason`` code (:data:`REASONS`) in one place, :func:`_translate`.
+``reason`` code (:data:`REASONS`) in one place,
+:func:`autobatch.device.nvml_errors.translate`.
 
 The device set is what this process was given (``NVIDIA_VISIBLE_DEVICES``, then
 ``CUDA_VISIBLE_DEVICES``, ordered by ``CUDA_DEVICE_ORDER``), resolved in one place,
@@ -27,14 +28,23 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from autobatch.device.nvml_errors import (
+    NOT_SUPPORTED_ERRORS,
+    REASONS,
+    error_classes,
+    is_stub,
+    loaded_library_paths,
+    nvml_errors,
+    reason_of,
+    translate,
+)
 from autobatch.device.types import UNKNOWN_MEMORY, GpuInfo, MemoryInfo, MemorySource
 from autobatch.device.visible import (
     CUDA_VISIBLE_VAR,
@@ -54,52 +64,8 @@ __all__ = [
 ]
 
 
-REASONS: dict[str, str] = {
-    "pynvml_missing": "the nvidia-ml-py package is not installed: pip install nvidia-ml-py",
-    "library_missing": "libnvidia-ml.so.1 was not found: run the container with the NVIDIA "
-    "runtime (Kubernetes runtimeClassName: nvidia, docker --gpus) so the driver's library is "
-    "mounted, or install the NVIDIA driver; on a machine without a GPU, use --device cpu or "
-    "sim:SIZE",
-    "cuda_stub_library": "the CUDA toolkit's stub libnvidia-ml.so was loaded (it only serves "
-    "linking): remove the toolkit's stubs directory from LD_LIBRARY_PATH so the driver's "
-    "libnvidia-ml.so.1 loads",
-    "driver_not_loaded": "the NVIDIA kernel driver is not loaded: install or load it (modprobe "
-    "nvidia; nvidia-smi must work), or use --device cpu or sim:SIZE on a machine without a GPU",
-    "driver_library_mismatch": "the NVIDIA kernel module and libnvidia-ml are different versions "
-    "(LibRmVersionMismatch, usually a driver upgrade without a reboot): reload the nvidia kernel "
-    "modules or reboot the node",
-    "bindings_mismatch": "nvidia-ml-py called a function this libnvidia-ml lacks: install an "
-    "nvidia-ml-py no newer than the driver",
-    "no_permission": "NVML refused the query (NoPermission; MIG parents inside containers): "
-    "query the MIG instance, or run with the permission",
-    "not_supported": "NVML does not report this (NotSupported; unified-memory boards, some WSL "
-    "setups, MIG parents): the memory comes from the CUDA runtime or the host, or is unknown",
-    "zero_total": "NVML reported a total of 0 bytes, which is read as unknown",
-    "gpu_lost": "the GPU fell off the bus or needs a reset (GpuIsLost): drain the node and reset "
-    "the GPU (nvidia-smi -r) or reboot",
-    "nvml_timeout": "an NVML call did not return in time (a hung driver): the reading is retried "
-    "on the next request; if it persists, check the driver (dmesg, nvidia-smi)",
-    "nvml_error": "NVML failed; the message names the call and the error",
-}
-"""Stable ``reason`` codes of NVML failures, each with what to do; docs/service.md lists them."""
-
-_NO_NVML_REASONS = frozenset(
-    {
-        "pynvml_missing",
-        "library_missing",
-        "cuda_stub_library",
-        "driver_not_loaded",
-        "driver_library_mismatch",
-    }
-)
-"""Reasons that mean "no usable NVML on this machine", not "this query failed"."""
-_LIBRARY_MISSING_ERRORS = ("NVMLError_LibraryNotFound",)
-_DRIVER_NOT_LOADED_ERRORS = ("NVMLError_DriverNotLoaded",)
-_VERSION_MISMATCH_ERRORS = ("NVMLError_LibRmVersionMismatch",)
-_GPU_LOST_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_ResetRequired", "NVMLError_GpuNotFound")
-_NOT_SUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
-_NO_V2_MEMORY_ERRORS = (*_NOT_SUPPORTED_ERRORS, "NVMLError_ArgumentVersionMismatch")
-_UNREADABLE_MEMORY_ERRORS = (*_NOT_SUPPORTED_ERRORS, "NVMLError_NoPermission")
+_NO_V2_MEMORY_ERRORS = (*NOT_SUPPORTED_ERRORS, "NVMLError_ArgumentVersionMismatch")
+_UNREADABLE_MEMORY_ERRORS = (*NOT_SUPPORTED_ERRORS, "NVMLError_NoPermission")
 _EMPTY_MIG_SLOT_ERRORS = ("NVMLError_NotFound", "NVMLError_InvalidArgument")
 _UNIFIED_ADDRESSING_MODE = "NVML_DEVICE_ADDRESSING_MODE_ATS"
 _MIG_PROFILE = re.compile(r"\bMIG (\d+g\.\d+gb)\b", re.IGNORECASE)
@@ -156,88 +122,6 @@ def _host_memory() -> tuple[int, int] | None:
     return values["MemAvailable"], values["MemTotal"]
 
 
-def _loaded_libraries() -> list[str]:
-    """Paths of the shared objects mapped into this process (``/proc/self/maps``)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            return sorted({line.split()[-1] for line in maps if "/" in line})
-    except OSError:
-        return []
-
-
-def _error_classes(lib: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
-    """The named exception classes of ``lib`` (older bindings may lack some)."""
-    found = (getattr(lib, name, None) for name in names)
-    return tuple(cls for cls in found if isinstance(cls, type))
-
-
-def _reason(lib: Any, exc: BaseException) -> str:
-    """The :data:`REASONS` code of one of NVML's exceptions (or a missing library)."""
-    if isinstance(exc, ImportError):
-        return "pynvml_missing"
-    if isinstance(exc, OSError):
-        return "library_missing"
-    table = (
-        (_LIBRARY_MISSING_ERRORS, "library_missing"),
-        (_DRIVER_NOT_LOADED_ERRORS, "driver_not_loaded"),
-        (_VERSION_MISMATCH_ERRORS, "driver_library_mismatch"),
-        (("NVMLLibraryMismatchError",), "bindings_mismatch"),
-        (_GPU_LOST_ERRORS, "gpu_lost"),
-        (("NVMLError_NoPermission",), "no_permission"),
-        (_NOT_SUPPORTED_ERRORS, "not_supported"),
-        (("NVMLError_Timeout",), "nvml_timeout"),
-    )
-    for names, reason in table:
-        if isinstance(exc, _error_classes(lib, names)):
-            return reason
-    return "nvml_error"
-
-
-def _translate(
-    lib: Any, action: str, exc: BaseException, *, stub_path: str = ""
-) -> DeviceUnavailableError | None:
-    """The :class:`DeviceUnavailableError` for one of NVML's exceptions; None for any other.
-
-    The only place NVML's exceptions are translated; :func:`_nvml_errors` applies it to a block.
-
-    Args:
-        lib: the pynvml module (None before it is imported).
-        action: what was being done, for the message, e.g. ``"list GPUs"``.
-        exc: what was raised. ``ImportError``/``OSError`` (no library), every ``NVMLError_*``
-            and pynvml's ``NVMLLibraryMismatchError`` are translated.
-        stub_path: the CUDA toolkit's stub libnvidia-ml when it is the one loaded: the reason
-            is then ``cuda_stub_library`` whatever the stub answered.
-
-    Returns:
-        The error, its ``reason`` one of :data:`REASONS`, its message the cause and the fix.
-    """
-    if not isinstance(exc, (ImportError, OSError)) and not isinstance(
-        exc, _error_classes(lib, ("NVMLError", "NVMLLibraryMismatchError"))
-    ):
-        return None
-    reason = "cuda_stub_library" if stub_path else _reason(lib, exc)
-    cause = f"{exc} ({type(exc).__name__})"
-    if stub_path:
-        cause = f"{stub_path}; {cause}"
-    if reason in _NO_NVML_REASONS:
-        message = f"NVML is not available: {REASONS[reason]} ({cause})."
-    else:
-        message = f"NVML could not {action}: {cause}; {REASONS[reason]}."
-    return DeviceUnavailableError(message, reason=reason)
-
-
-@contextlib.contextmanager
-def _nvml_errors(lib: Any, action: str, *, stub_path: str = "") -> Iterator[None]:
-    """Raise :func:`_translate`'s error ``from`` NVML's; other exceptions propagate unchanged."""
-    try:
-        yield
-    except Exception as exc:
-        translated = _translate(lib, action, exc, stub_path=stub_path)
-        if translated is None:
-            raise
-        raise translated from exc
-
-
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -272,12 +156,12 @@ class Nvml:
         self._environ = environ
         self._torch_mem_get_info = torch_mem_get_info or _torch_mem_get_info
         self._host_memory = host_memory or _host_memory
-        self._loaded_libraries = loaded_libraries or _loaded_libraries
+        self._loaded_libraries = loaded_libraries or loaded_library_paths
         self._lib: Any = None
         self._init_lock = threading.Lock()
 
     def _stub_path(self) -> str:
-        return next((p for p in self._loaded_libraries() if _is_stub(p)), "")
+        return next((p for p in self._loaded_libraries() if is_stub(p)), "")
 
     def _library(self) -> Any:
         """The initialised pynvml module."""
@@ -288,12 +172,12 @@ class Nvml:
             if self._lib is None:
                 module = self._module
                 if module is None:
-                    with _nvml_errors(None, "import pynvml"):
+                    with nvml_errors(None, "import pynvml"):
                         module = _import_pynvml()
                 try:
                     module.nvmlInit()
                 except Exception as exc:
-                    translated = _translate(module, "initialise", exc, stub_path=self._stub_path())
+                    translated = translate(module, "initialise", exc, stub_path=self._stub_path())
                     if translated is None:
                         raise
                     raise translated from exc
@@ -313,7 +197,7 @@ class Nvml:
             try:
                 current_mode, _pending_mode = lib.nvmlDeviceGetMigMode(handle)
                 mig_enabled = current_mode == lib.NVML_DEVICE_MIG_ENABLE
-            except _error_classes(lib, _UNREADABLE_MEMORY_ERRORS):
+            except error_classes(lib, _UNREADABLE_MEMORY_ERRORS):
                 mig_enabled = False
             name = _text(lib.nvmlDeviceGetName(handle))
             devices.append(
@@ -331,7 +215,7 @@ class Nvml:
 
     def _speed(self, lib: Any, devices: Sequence[NvmlDevice]) -> dict[str, float]:
         """CUDA cores x max SM clock of each physical GPU NVML reports them for."""
-        unsupported = _error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError"))
+        unsupported = error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError"))
         speed: dict[str, float] = {}
         for device in devices:
             if device.is_mig:
@@ -357,7 +241,7 @@ class Nvml:
             DeviceUnavailableError: no driver or libnvidia-ml, or the listing failed.
         """
         lib = self._library()
-        with _nvml_errors(lib, "list GPUs"):
+        with nvml_errors(lib, "list GPUs"):
             devices = self._scan(lib)
             environ, mounted_note = _with_mounted_device_list(self.environ)
             physical_names = {device.name for device in devices if not device.is_mig}
@@ -392,15 +276,15 @@ class Nvml:
                 GPU that fell off the bus.
         """
         lib = self._library()
-        with _nvml_errors(lib, f"read the memory of GPU {device.uuid}"):
+        with nvml_errors(lib, f"read the memory of GPU {device.uuid}"):
             memory, reason, detail = self._memory(lib, device)
         return device.info(memory, reason=reason, detail=detail)
 
     def _memory(self, lib: Any, device: NvmlDevice) -> tuple[MemoryInfo, str, str]:
         try:
             memory = _nvml_memory(lib, device.handle)
-        except _error_classes(lib, _UNREADABLE_MEMORY_ERRORS) as exc:
-            reason = _reason(lib, exc)
+        except error_classes(lib, _UNREADABLE_MEMORY_ERRORS) as exc:
+            reason = reason_of(lib, exc)
             detail = f"NVML could not read the memory of GPU {device.uuid}: {exc}"
         else:
             if memory.total_memory_bytes:
@@ -477,7 +361,7 @@ class Nvml:
             DeviceUnavailableError: no driver or libnvidia-ml.
         """
         lib = self._library()
-        with _nvml_errors(lib, "read the driver version"):
+        with nvml_errors(lib, "read the driver version"):
             return _text(lib.nvmlSystemGetDriverVersion())
 
 
@@ -506,16 +390,12 @@ def _with_mounted_device_list(environ: Mapping[str, str]) -> tuple[Mapping[str, 
     return {**environ, NVIDIA_VISIBLE_VAR: ",".join(names) or "none"}, note
 
 
-def _is_stub(path: str) -> bool:
-    return "/stubs/" in path and os.path.basename(path).startswith("libnvidia-ml.so")
-
-
 def _mig_devices(lib: Any, nvml_index: int, handle: Any, uuid: str) -> list[NvmlDevice]:
     found: list[NvmlDevice] = []
     for slot in range(lib.nvmlDeviceGetMaxMigDeviceCount(handle)):
         try:
             mig_handle = lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-        except _error_classes(lib, _EMPTY_MIG_SLOT_ERRORS):
+        except error_classes(lib, _EMPTY_MIG_SLOT_ERRORS):
             continue  # no instance in this slot
         name = _text(lib.nvmlDeviceGetName(mig_handle))
         match = _MIG_PROFILE.search(name)
@@ -542,7 +422,7 @@ def _unified(lib: Any, handle: Any) -> bool:
         return False
     try:
         return bool(function(handle) == ats)
-    except _error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError")):
+    except error_classes(lib, (*_UNREADABLE_MEMORY_ERRORS, "NVMLLibraryMismatchError")):
         return False
 
 
@@ -567,7 +447,7 @@ def _nvml_memory(lib: Any, handle: Any) -> MemoryInfo:
     if version is not None:
         try:
             memory = lib.nvmlDeviceGetMemoryInfo(handle, version=version)
-        except _error_classes(lib, _NO_V2_MEMORY_ERRORS):
+        except error_classes(lib, _NO_V2_MEMORY_ERRORS):
             pass
         else:
             return MemoryInfo(

@@ -41,11 +41,12 @@ from autobatch.units import format_bytes
 __all__ = ["DEFAULT_STEP_SECONDS", "SimulatedDevice"]
 
 DEFAULT_STEP_SECONDS = 1.0
-"""Simulated seconds a real step counts by default: a dear step, as a model's on a CPU (GPT-2
-124M took 2.5 s per step at micro-batch 1 on 2 cores here), so by default the probe's estimate
-pays for itself as it does on a CPU. A simulated card named by a string (``"sim:3GiB"``: the CLI,
-the service, ``autotune(device=...)``) counts the wall clock instead (``step_seconds=None``): its
-steps run on this CPU, and the probe weighs them at what they cost the user."""
+"""Simulated seconds a real step counts by default: a dear step, as a model's real step on a
+CPU is (seconds for a GPT-2-sized model, against the estimate's fake steps), so by default the
+probe's estimate pays for itself as it does on a CPU. A simulated card named by a string
+(``"sim:3GiB"``: the CLI, the service, ``autotune(device=...)``) counts the wall clock instead
+(``step_seconds=None``): its steps run on this CPU, and the probe weighs them at what they cost
+the user."""
 
 
 class SimulatedDevice:

@@ -84,9 +84,9 @@ def process_groups_faked() -> Iterator[int]:
     """Inside the block, every process group of this process sends its collectives to a fake
     backend of its rank and size; yields how many groups (0 without torch.distributed). It is
     the whole process's: a collective another thread issues meanwhile is faked too (it returns
-    that rank's own values, communicating nothing). Entering and leaving costs about 60 µs for 4
-    groups on CPU. A block inside another changes nothing: the outer one's exit puts the
-    backends back.
+    that rank's own values, communicating nothing). Entering and leaving re-registers each
+    group's backends, with no communication and no device memory, so every trial can afford it.
+    A block inside another changes nothing: the outer one's exit puts the backends back.
 
     Two things that need the other ranks raise :class:`PeerObjectError` inside the block,
     however the step reaches them (``dist.<name>``, or imported ``from torch.distributed``):

@@ -107,12 +107,6 @@ class DataParallel:
         for module in self._fsdp:
             module.set_requires_gradient_sync(on, recurse=False)  # type: ignore[operator]
 
-    def syncs_now(self) -> bool:
-        """DDP: whether a backward now would all-reduce (outside ``no_sync()``). FSDP2: True (the
-        Accumulator sets its switch right before each backward)."""
-        ddp = self.ddp
-        return bool(ddp.require_backward_grad_sync) if ddp is not None else True
-
     def drop_pending(self) -> None:
         """FSDP2: drop the unsharded gradients that backward passes without the reduction left
         (private FSDP2 state), which ``optimizer.zero_grad()`` does not reach; DDP: nothing."""

@@ -1,7 +1,7 @@
 """PURE: straight lines of peak bytes over micro-batch size, fitted to measured points.
 
-Peak memory is close to ``fixed + per_sample * n`` where activations dominate (DESIGN.md, "The
-training step that must fit"). Every such line autobatch fits is here, for two jobs:
+Peak memory is close to ``fixed + per_sample * n`` where activations dominate
+(docs/how-it-works.md, "The probe"). Every such line autobatch fits is here, for two jobs:
 
 - steering a search (:mod:`autobatch.probing.search`, the probe's and the estimate's):
   :func:`fit_memory_model`, an integer :class:`~autobatch.profile.MemoryModel` through two
@@ -156,7 +156,7 @@ def fit_least_squares(peaks: Mapping[int, int]) -> Line:
 
     Uses the sizes from half the largest measured size up; when fewer than two lie there, the two
     largest (a line through tiny sizes, where the optimizer step dominates, has too small a
-    slope: DESIGN.md, "The training step that must fit").
+    slope: docs/how-it-works.md, "The probe").
 
     Args:
         peaks: measured peak bytes by micro-batch size, two sizes at least.

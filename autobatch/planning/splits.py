@@ -3,8 +3,8 @@
 :mod:`autobatch.planning.planner` checks the arguments and resolves the limit, then asks this
 module for the steps (:func:`choose_steps`) and, when no split reaches the request, for the
 nearest effective batch sizes that can be reached (:func:`nearest_reachable`). The rules are the
-planner's (DESIGN.md, "Planner rules"; :mod:`autobatch.planning.planner`'s docstring). Imports
-neither torch nor pynvml.
+planner's (docs/how-it-works.md, "Planner rules"; :mod:`autobatch.planning.planner`'s
+docstring). Imports neither torch nor pynvml.
 
 Example::
 

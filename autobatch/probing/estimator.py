@@ -3,14 +3,13 @@
 The step runs on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes
 and devices, no data, no compute) over a fake copy of the model and optimizer, while
 :class:`~autobatch.device.live_bytes.LiveBytes` counts the storages alive at each moment. One
-warm-up
-fake step creates the optimizer state (Adam's moments appear at the first step), so every measured
-step runs with it present, as in training. A GPT-2 (124M) step costs a few seconds on 2 CPU cores
-whatever the micro-batch: sizes that would need 100 GiB are estimated in the same time.
+warm-up fake step creates the optimizer state (Adam's moments appear at the first step), so every
+measured step runs with it present, as in training. A fake step dispatches every op but computes
+nothing, so its cost grows with the model's op count, not with the micro-batch: sizes that would
+need 100 GiB cost what tiny ones do (``bench/`` reports what a step costs).
 
 The search over sizes is :mod:`autobatch.probing.search` with fake trials, which always finish, so
-every
-point has a known peak.
+every point has a known peak.
 
 Example::
 

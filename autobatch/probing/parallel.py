@@ -1,5 +1,6 @@
 """How the probe runs a step under the model's parallel layout, so that no rank is ever left
-waiting in a collective while another has stopped (DESIGN.md, "Collectives in the step"), and
+waiting in a collective while another has stopped (docs/training-loop.md, "Probing under
+torch.compile, FSDP, DDP and tensor parallelism"), and
 every rank's module can run the next trial after a step that stopped in the middle.
 
 - **Any layout**: each step a trial runs sends every process group's collectives (the

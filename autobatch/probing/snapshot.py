@@ -158,9 +158,9 @@ def objects_frozen() -> Iterator[None]:
     """Objects that existed before the block are left out of garbage collection while it runs.
 
     The probe collects garbage after every trial (a failed step's frames hold its tensors); each
-    full collection walks every object of torch and of whatever framework is imported (0.2 to
-    0.85 s a collection on a 2-core CPU with transformers or Lightning, most of a small model's
-    probe). What a probe must free is all created inside the block. Skipped when the process
+    full collection walks every object of torch and of whatever framework is imported
+    (transformers or Lightning add hundreds of thousands), which can outweigh a small model's
+    steps. What a probe must free is all created inside the block. Skipped when the process
     already froze objects (``gc.freeze()`` is process-wide and unfreezing would undo the
     caller's); the freeze is undone on leaving, so the process's collector is as it was.
     """

@@ -1,4 +1,4 @@
-"""How a sample becomes one whole training step (DESIGN.md, "How a sample becomes a step").
+"""How a sample becomes one whole training step (docs/quickstart.md, "First runs from Python").
 
 - ``train_step(model, batch) -> loss`` given: that is the step; backward, optimizer step and
   ``zero_grad`` are added around it unless ``step_includes_update=True``.
@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
@@ -28,10 +29,40 @@ import torch
 
 from autobatch.errors import ConfigError
 
-__all__ = ["LossFn", "OptimizerSteps", "TrainStep", "TrainingStep", "check_step_arguments"]
+__all__ = [
+    "LossFn",
+    "MicroStepWindow",
+    "OptimizerSteps",
+    "TrainStep",
+    "TrainingStep",
+    "check_step_arguments",
+]
 
 LossFn = Callable[..., torch.Tensor]
 TrainStep = Callable[[torch.nn.Module, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MicroStepWindow:
+    """How one step runs as a window of gradient accumulation, as a loop that reduces once per
+    window runs it (the probe's trials of a DDP or FSDP2 model). The default is one plain step.
+
+    Example::
+
+        window = MicroStepWindow(num_micro_steps=2, skip_sync=ddp.no_sync, lead_batch=small)
+        TrainingStep(model, optimizer, loss_fn=loss_fn, window=window).run(batch)
+    """
+
+    num_micro_steps: int = 1
+    """Forward and backward passes before the one optimizer step (each loss divided by it): the
+    last on the step's batch, the ones before on ``lead_batch``."""
+    skip_sync: Callable[[], AbstractContextManager[object]] | None = None
+    """A context without the gradient reduction (DDP's ``no_sync()``, FSDP2's switch off),
+    entered for every micro-step but the last; None: none."""
+    lead_batch: Any = None
+    """What the micro-steps before the last run on (None: the step's batch). The gradients they
+    leave held (FSDP2's unsharded ones) are the parameters' size whatever the batch's, so a small
+    one measures the same peak for less time."""
 
 
 class TrainingStep:
@@ -49,14 +80,8 @@ class TrainingStep:
             overflowed (a training loop would skip that step). The probe measures memory: a
             skipped step would leave the optimizer state uncreated, and every measurement short
             of it.
-        num_micro_steps: forward and backward passes before the one optimizer step (each loss
-            divided by it), as one window of gradient accumulation: the last on the batch, the
-            ones before on ``lead_batch``.
-        skip_sync: a context without the gradient reduction (DDP's ``no_sync()``, FSDP2's
-            switch off), entered for every micro-step but the last; None: none.
-        lead_batch: what the micro-steps before the last run on (None: the batch). The
-            gradients they leave held (FSDP2's unsharded ones) are the parameters' size
-            whatever the batch's, so a small one measures the same peak for less time.
+        window: the step as a window of gradient accumulation (:class:`MicroStepWindow`);
+            None: one forward and backward pass, then the update.
     """
 
     def __init__(
@@ -70,9 +95,7 @@ class TrainingStep:
         amp_dtype: torch.dtype | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         step_on_overflow: bool = False,
-        num_micro_steps: int = 1,
-        skip_sync: Callable[[], AbstractContextManager[object]] | None = None,
-        lead_batch: Any = None,
+        window: MicroStepWindow | None = None,
     ) -> None:
         if step_includes_update and train_step is None:
             raise ConfigError("step_includes_update=True needs train_step=...; pass your step")
@@ -84,9 +107,7 @@ class TrainingStep:
         self.amp_dtype = amp_dtype
         self.grad_scaler = grad_scaler
         self.step_on_overflow = step_on_overflow
-        self.num_micro_steps = num_micro_steps
-        self.skip_sync = skip_sync
-        self.lead_batch = lead_batch
+        self.window = MicroStepWindow() if window is None else window
 
     def loss(self, batch: Any) -> torch.Tensor:
         """Forward and loss (under autocast when set); a scalar tensor.
@@ -195,11 +216,12 @@ class TrainingStep:
         returns the last loss value (a float, nothing kept alive)."""
         if self.step_includes_update:
             return _value(self.loss(batch).detach())
-        num = self.num_micro_steps
+        window = self.window
+        num = window.num_micro_steps
         for index in range(num):
             leading = index < num - 1
-            with self.skip_sync() if self.skip_sync is not None and leading else nullcontext():
-                lead = self.lead_batch
+            with window.skip_sync() if window.skip_sync is not None and leading else nullcontext():
+                lead = window.lead_batch
                 loss = self.loss(lead if leading and lead is not None else batch)
                 value = loss.detach()
                 if num > 1:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import pickle
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -42,7 +41,15 @@ from autobatch.probing.conditions import precision_remedies
 from autobatch.probing.options import ProbeOptions, StepSpec
 from autobatch.probing.search import Point, bracket
 from autobatch.probing.snapshot import resident_tensors
-from autobatch.probing.step import OptimizerSteps, TrainingStep
+from autobatch.probing.step import MicroStepWindow, OptimizerSteps, TrainingStep
+from autobatch.probing.trial_failures import (
+    failure_hint,
+    needs_two_samples,
+    never_updated,
+    num_trainable,
+    on_rank,
+    static_bytes,
+)
 from autobatch.profile import MemoryModel, Trial
 from autobatch.units import format_bytes
 
@@ -95,6 +102,29 @@ class _Agreed:
     """Largest rank's peak when every rank measured one, else 0."""
     fatal_rank: int | None
     """Lowest rank whose error ends the probe, None when none."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Ran:
+    """One trial's step as this rank ran it, before the ranks agree (``TrialRunner._run_steps``)."""
+
+    outcome: Outcome
+    error: str = ""
+    """The failure, or the peak over the capacity, in one line ("" when it fitted)."""
+    fatal: Exception | None = None
+    """This rank's error that ends the probe, raised once every rank knows."""
+    calls: int = 0
+    """Calls of the step (more than one only while waiting for an optimizer step)."""
+    updated: bool = False
+    """Whether the optimizer stepped."""
+    seconds: float = 0.0
+    """Wall time of the calls."""
+    clock_seconds: float = 0.0
+    """The same on the device's clock."""
+    allocated_bytes: int = 0
+    """Peak allocated bytes (0 unless the step finished)."""
+    reserved_bytes: int = 0
+    """Peak reserved bytes (0 unless the step finished)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -179,9 +209,11 @@ class TrialRunner:
             amp_dtype=step.amp_dtype,
             grad_scaler=scaler,
             step_on_overflow=True,
-            num_micro_steps=num_micro_steps,
-            skip_sync=None if parallel is None else parallel.skipped,
-            lead_batch=None if parallel is None else step.source.make(1),
+            window=MicroStepWindow(
+                num_micro_steps=num_micro_steps,
+                skip_sync=None if parallel is None else parallel.skipped,
+                lead_batch=None if parallel is None else step.source.make(1),
+            ),
         )
         if parallel is not None:
             log.notes.append(
@@ -251,14 +283,17 @@ class TrialRunner:
         try:
             self.trial(1, warm_up=True)
         except StepFailedError as exc:
-            if not _needs_two_samples(exc.__cause__) or self.limit < 2:
+            if not needs_two_samples(exc.__cause__) or self.limit < 2:
                 raise
             self.log.notes.append(
                 "micro-batch 1 cannot train (BatchNorm needs more than one value per channel); "
                 "warmed up at 2: keep every micro-batch at 2 or more"
             )
-            if self.training_step.lead_batch is not None:
-                self.training_step.lead_batch = self.spec.source.make(2)
+            window = self.training_step.window
+            if window.lead_batch is not None:
+                self.training_step.window = dataclasses.replace(
+                    window, lead_batch=self.spec.source.make(2)
+                )
             self.trial(2, warm_up=True)
             return
         if self.options.compiled == "measured" and self.limit >= 2:
@@ -318,113 +353,48 @@ class TrialRunner:
             DoesNotFitError: the warm-up did not fit.
         """
         self.device.release()
-        peak: PeakMemory | None = None
-        error = ""
-        fatal: Exception | None = None  # raised once every rank knows
-        updates = OptimizerSteps(self.optimizer)
         train = warm_up or not self.options.eval
         # The chosen size must have run a measured step with an update: when its trial skipped
         # it, its second step runs the step again (bounded, as the warm-up is) until one does.
-        must_update = warm_up or (
-            repeat
-            and train
-            and not any(
-                t.micro_batch_size == size
-                and t.fits
-                and not t.warm_up
-                and not t.skipped_optimizer_step
-                for t in self.log.trials
-            )
-        )
+        must_update = warm_up or (repeat and train and not self._updated_at(size))
         calls = MAX_WARM_UP_CALLS if must_update and self.spec.step_includes_update else 1
-        calls_run = 0
-        clock_started = self.device.clock()
-        started = time.perf_counter()
-        try:
-            with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
-                while calls_run == 0 or (calls_run < calls and not updates.count):
-                    calls_run += 1
-                    self._run_step(self._batch(size), train=train)
-                self.device.synchronize()
-            within = peak.reserved_bytes <= self.own_capacity.capacity_bytes
-            outcome = Outcome.FITS if within else Outcome.OVER_CAPACITY
-        except Exception as exc:  # classified right here; only a fatal one is kept
-            oom = not isinstance(exc, ConfigError) and is_oom(exc)
-            outcome = Outcome.OOM if oom else Outcome.FAILED
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if isinstance(exc, ConfigError):
-                fatal = exc
-            elif outcome is Outcome.FAILED and bracket(self.log.points)[0] == 0:
-                fatal = StepFailedError(
-                    f"the training step failed at micro-batch {size} for a reason other than "
-                    f"memory: {error}{_hint(exc, ranks=self.consensus.world_size)}",
-                    micro_batch_size=size,
-                )
-                fatal.__cause__ = exc
-        seconds = time.perf_counter() - started
-        trial_seconds = self.device.clock() - clock_started
-        self.log.num_steps += calls_run
-        skipped_update = train and outcome.ran and not updates.count
+        ran = self._run_steps(size, train=train, calls=calls)
+        self.log.num_steps += ran.calls
+        skipped_update = train and ran.outcome.ran and not ran.updated
         if skipped_update and must_update:
-            outcome = Outcome.FAILED
-            error = f"no optimizer step in {calls_run} calls"
-            fatal = self._never_updated(size, calls_run)
+            ran.outcome = Outcome.FAILED
+            ran.allocated_bytes = ran.reserved_bytes = 0
+            ran.error = f"no optimizer step in {ran.calls} calls"
+            ran.fatal = never_updated(
+                self.optimizer, size=size, calls=ran.calls, max_calls=MAX_WARM_UP_CALLS
+            )
         cleanup_seconds = 0.0
-        if not outcome.ran:
+        if not ran.outcome.ran:
             cleanup_started = self.device.clock()
             self._clean_up_after_failure()
             cleanup_seconds = self.device.clock() - cleanup_started
-        measured = peak.reserved_bytes if peak is not None and outcome.ran else 0
-        if outcome is Outcome.OVER_CAPACITY:
-            error = (
-                f"peak {format_bytes(measured)} is over the capacity "
-                f"{format_bytes(self.own_capacity.capacity_bytes)}"
-            )
-        agreed = self._agree_outcome(outcome, measured, fatal is not None)
-        if fatal is not None:
-            raise fatal
-        if agreed.fatal_rank is not None:
-            raise DistributedError(
-                f"rank {agreed.fatal_rank} failed at micro-batch {size} for a reason other than "
-                "memory (its own error says why); every rank stopped probing"
-            )
-        if agreed.outcome is not outcome:  # another rank did worse
-            error = (
-                f"rank {agreed.rank} failed for a reason other than memory"
-                if agreed.outcome is Outcome.FAILED
-                else f"micro-batch {size} does not fit on rank {agreed.rank}"
-            )
+        agreed = self._agree_on(size, ran)
         trial = Trial(
             micro_batch_size=size,
             fits=agreed.outcome is Outcome.FITS,
-            oom=outcome is Outcome.OOM,
-            peak_allocated_bytes=peak.allocated_bytes if peak is not None and outcome.ran else 0,
-            peak_reserved_bytes=measured,
-            step_seconds=seconds if outcome.ran else 0.0,
-            error=error,
+            oom=ran.outcome is Outcome.OOM,
+            peak_allocated_bytes=ran.allocated_bytes,
+            peak_reserved_bytes=ran.reserved_bytes,
+            step_seconds=ran.seconds if ran.outcome.ran else 0.0,
+            error=ran.error,
             warm_up=warm_up,
             skipped_optimizer_step=skipped_update,
             repeat=repeat,
             estimated_peak_bytes=(
                 self.log.prior.peak_bytes(size)
-                if self.log.prior is not None and outcome.ran and not warm_up
+                if self.log.prior is not None and ran.outcome.ran and not warm_up
                 else 0
             ),
         )
         self.log.trials.append(trial)
-        self.log.trial_seconds.append(max(0.0, trial_seconds))
+        self.log.trial_seconds.append(max(0.0, ran.clock_seconds))
         self.log.cleanup_seconds.append(max(0.0, cleanup_seconds))
-        peak_bytes = agreed.peak_bytes
-        if warm_up:  # kept apart from the search's points
-            self.log.warm_up_peak_bytes, peak_bytes = peak_bytes, 0
-        if repeat:  # the size's outcome is both steps'
-            first_peaks = [p.peak_bytes for p in self.log.points if p.micro_batch_size == size]
-            self.log.points = [p for p in self.log.points if p.micro_batch_size != size]
-            if trial.fits:
-                peak_bytes = max(peak_bytes, *first_peaks)
-        self.log.points.append(
-            Point(micro_batch_size=size, fits=trial.fits, peak_bytes=peak_bytes, warm_up=warm_up)
-        )
+        self._record_point(trial, agreed.peak_bytes)
         if self.options.on_trial is not None:
             self.options.on_trial(trial)
         if warm_up and not trial.fits:
@@ -432,6 +402,96 @@ class TrialRunner:
         if agreed.outcome is Outcome.FAILED and not 0 < self.log.failed_micro_batch_size < size:
             self.log.failed_micro_batch_size = size  # the smallest size that failed so
         self._check_estimate(trial)
+
+    def _updated_at(self, size: int) -> bool:
+        """Whether a trial at ``size`` (not a warm-up) fitted and stepped the optimizer."""
+        return any(
+            t.micro_batch_size == size and t.fits and not t.warm_up and not t.skipped_optimizer_step
+            for t in self.log.trials
+        )
+
+    def _run_steps(self, size: int, *, train: bool, calls: int) -> _Ran:
+        """Run the step at ``size`` under the device's measurement, up to ``calls`` times until
+        the optimizer steps, and classify how it ended right where it raised (only a fatal
+        error is kept, to be raised once every rank knows)."""
+        ran = _Ran(outcome=Outcome.FITS)
+        updates = OptimizerSteps(self.optimizer)
+        peak: PeakMemory | None = None
+        clock_started = self.device.clock()
+        started = time.perf_counter()
+        try:
+            with self.device.measure(resident_tensors(self.model, self.optimizer)) as peak, updates:
+                while ran.calls == 0 or (ran.calls < calls and not updates.count):
+                    ran.calls += 1
+                    self._run_step(self._batch(size), train=train)
+                self.device.synchronize()
+            within = peak.reserved_bytes <= self.own_capacity.capacity_bytes
+            ran.outcome = Outcome.FITS if within else Outcome.OVER_CAPACITY
+        except Exception as exc:  # classified right here; only a fatal one is kept
+            oom = not isinstance(exc, ConfigError) and is_oom(exc)
+            ran.outcome = Outcome.OOM if oom else Outcome.FAILED
+            ran.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if isinstance(exc, ConfigError):
+                ran.fatal = exc
+            elif ran.outcome is Outcome.FAILED and bracket(self.log.points)[0] == 0:
+                failed = StepFailedError(
+                    f"the training step failed at micro-batch {size} for a reason other than "
+                    f"memory: {ran.error}{failure_hint(exc, ranks=self.consensus.world_size)}",
+                    micro_batch_size=size,
+                )
+                failed.__cause__ = exc
+                ran.fatal = failed
+        ran.seconds = time.perf_counter() - started
+        ran.clock_seconds = self.device.clock() - clock_started
+        ran.updated = updates.count > 0
+        if peak is not None and ran.outcome.ran:
+            ran.allocated_bytes, ran.reserved_bytes = peak.allocated_bytes, peak.reserved_bytes
+        if ran.outcome is Outcome.OVER_CAPACITY:
+            ran.error = (
+                f"peak {format_bytes(ran.reserved_bytes)} is over the capacity "
+                f"{format_bytes(self.own_capacity.capacity_bytes)}"
+            )
+        return ran
+
+    def _agree_on(self, size: int, ran: _Ran) -> _Agreed:
+        """The ranks' agreed outcome of this trial; raises this rank's fatal error, or names the
+        rank whose error ends the probe; ``ran.error`` says when another rank did worse.
+
+        Raises:
+            DistributedError: another rank's error ends the probe.
+        """
+        agreed = self._agree_outcome(ran.outcome, ran.reserved_bytes, ran.fatal is not None)
+        if ran.fatal is not None:
+            raise ran.fatal
+        if agreed.fatal_rank is not None:
+            raise DistributedError(
+                f"rank {agreed.fatal_rank} failed at micro-batch {size} for a reason other than "
+                "memory (its own error says why); every rank stopped probing"
+            )
+        if agreed.outcome is not ran.outcome:  # another rank did worse
+            ran.error = (
+                f"rank {agreed.rank} failed for a reason other than memory"
+                if agreed.outcome is Outcome.FAILED
+                else f"micro-batch {size} does not fit on rank {agreed.rank}"
+            )
+        return agreed
+
+    def _record_point(self, trial: Trial, peak_bytes: int) -> None:
+        """The search's point for ``trial``, with the ranks' agreed peak: a warm-up's peak is
+        kept apart, and a repeat's point is both steps' outcome at its size."""
+        size = trial.micro_batch_size
+        if trial.warm_up:
+            self.log.warm_up_peak_bytes, peak_bytes = peak_bytes, 0
+        if trial.repeat:
+            first_peaks = [p.peak_bytes for p in self.log.points if p.micro_batch_size == size]
+            self.log.points = [p for p in self.log.points if p.micro_batch_size != size]
+            if trial.fits:
+                peak_bytes = max(peak_bytes, *first_peaks)
+        self.log.points.append(
+            Point(
+                micro_batch_size=size, fits=trial.fits, peak_bytes=peak_bytes, warm_up=trial.warm_up
+            )
+        )
 
     def _agree_outcome(self, outcome: Outcome, peak_bytes: int, fatal: bool) -> _Agreed:
         """Every rank's outcome of one trial, as one (a single collective): the worst outcome and
@@ -484,7 +544,7 @@ class TrialRunner:
             reset_fsdp2(self.model)
         for param in self.model.parameters():
             param.grad = None
-        if self.optimizer.state and len(self.optimizer.state) != _num_trainable(self.optimizer):
+        if self.optimizer.state and len(self.optimizer.state) != num_trainable(self.optimizer):
             self.optimizer.state.clear()
         self.device.release()
 
@@ -497,11 +557,11 @@ class TrialRunner:
         estimated = self.log.estimated_static_bytes
         if not estimated and self.static_bytes_hint is not None:
             estimated = self.static_bytes_hint()
-        static = max(estimated + grads, _static_bytes(self.model, self.optimizer))
+        static = max(estimated + grads, static_bytes(self.model, self.optimizer))
         ranks = self.consensus.world_size
         raise DoesNotFitError(
             f"the {'evaluation' if self.options.eval else 'training'} step does not fit "
-            f"{_on_rank(rank, ranks, self.consensus.rank, self.device.name)} even at micro-batch "
+            f"{on_rank(rank, ranks, self.consensus.rank, self.device.name)} even at micro-batch "
             "1: "
             f"capacity {format_bytes(capacity.capacity_bytes)} "
             f"(total {format_bytes(capacity.total_memory_bytes)}, "
@@ -518,86 +578,6 @@ class TrialRunner:
             required_bytes=static,
             static_bytes=static,
         )
-
-    def _never_updated(self, size: int, calls: int) -> ConfigError:
-        """The error for a warm-up whose ``train_step`` never stepped the optimizer."""
-        name = type(self.optimizer).__name__
-        return ConfigError(
-            f"train_step ran {calls} times at micro-batch {size} and never called step() on the "
-            f"optimizer passed as optimizer= ({name}), so its state (e.g. Adam's moments) never "
-            "appeared and no measured step would include it. With step_includes_update=True "
-            f"train_step must step that optimizer at least once every {MAX_WARM_UP_CALLS} calls: "
-            "pass the optimizer it steps, accumulate over fewer calls while probing, or pass "
-            "step_includes_update=False (the probe then adds backward, optimizer.step() and "
-            "zero_grad() around a train_step that returns the loss)"
-        )
-
-
-def _on_rank(rank: int | None, ranks: int, own: int, device_name: str) -> str:
-    """Where a step did not fit, for DoesNotFitError: this device, or rank N's."""
-    if ranks == 1:
-        return f"on {device_name}"
-    if rank is None:
-        return f"on {device_name} (or another of the {ranks} ranks)"
-    if rank == own:
-        return f"on {device_name} (rank {rank} of {ranks}: this rank)"
-    return f"on rank {rank} (of {ranks}; this rank, {own}, probes {device_name})"
-
-
-def _needs_two_samples(exc: BaseException | None) -> bool:
-    return exc is not None and "Expected more than 1 value per channel" in str(exc)
-
-
-def _raised_in_torch_distributed(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised inside torch.distributed (on a fake backend, in a probe's
-    step: ``recv`` from any source, for one, fails there as nowhere else)."""
-    traceback = exc.__traceback__
-    while traceback is not None:
-        path = traceback.tb_frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/distributed/" in path:
-            return True
-        traceback = traceback.tb_next
-    return False
-
-
-def _hint(exc: BaseException, *, ranks: int = 1) -> str:
-    """A fix for failures with a known cause, appended to the error message; ``ranks``: the
-    ranks probing together."""
-    if "backward through the graph a second time" in str(exc):
-        return (
-            "; does your train_step call backward() itself? Then pass step_includes_update=True "
-            "(and let it step and zero the optimizer too)"
-        )
-    if ranks > 1 and (
-        isinstance(exc, (EOFError, pickle.UnpicklingError))
-        or "Backend fake" in str(exc)
-        or _raised_in_torch_distributed(exc)
-    ):
-        return (
-            "; while the probe runs a step, every process group's collectives go to a fake "
-            "backend (no communication: a rank gets its own values back, and nothing from a "
-            "broadcast_object_list or recv of another rank's; monitored_barrier is not "
-            "supported), so that a rank out of memory leaves no other waiting in one. A "
-            "train_step that needs what other ranks send cannot be probed as it is: move that "
-            "collective out of the train_step you probe (log after the step, for example)"
-        )
-    return ""
-
-
-def _num_trainable(optimizer: torch.optim.Optimizer) -> int:
-    return sum(len(group["params"]) for group in optimizer.param_groups)
-
-
-def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = sum(
-        v.untyped_storage().nbytes()
-        for per_param in optimizer.state.values()
-        for v in per_param.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return weights + grads + state
 
 
 def _with_ranks(own: Capacity, smallest: int, rank: int) -> MemoryBudget | None:

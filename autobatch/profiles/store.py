@@ -1,8 +1,10 @@
 """The profile store: SQLite, the embedded default, or PostgreSQL for a fleet (SQLAlchemy Core).
 
-All of the store's SQL lives in this module and in :mod:`autobatch.profiles.schema` (tables and
-migrations); SQLAlchemy is imported when a store is opened, not when this module is, so
-``from autobatch import ProfileStore`` stays light. Imports neither torch nor pynvml.
+All of the store's SQL lives in this module, :mod:`autobatch.profiles.connection` (opening the
+database, transactions, the write check, and the one place its errors are translated) and
+:mod:`autobatch.profiles.schema` (tables and migrations); SQLAlchemy is imported when a store
+is opened, not when this module is, so ``from autobatch import ProfileStore`` stays light.
+Imports neither torch nor pynvml.
 
 One location names the store (:mod:`autobatch.profiles.location`): a file path, ``":memory:"``,
 ``sqlite:///...`` or ``postgresql://...``; None means ``$AUTOBATCH_STORE``, the one variable the
@@ -32,20 +34,19 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import json
 import logging
 import os
 import pathlib
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
+from autobatch.profiles.connection import StoreConnection
 from autobatch.profiles.location import (
     STORE_ENV_VAR,
     StoreLocation,
@@ -119,35 +120,7 @@ class ProfileStore:
         """``"sqlite"`` or ``"postgresql"``."""
         self.num_unreadable_rows = 0
         """Rows skipped by listings since the store was opened, as they did not decode."""
-        self._lock: contextlib.AbstractContextManager[Any] = (
-            threading.Lock() if self.backend == "sqlite" else contextlib.nullcontext()
-        )
-        self._identity: tuple[int, int] | None = None
-        path = self.path
-        if path is not None and not self._location.in_memory:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create the directory for the profile store {path}: {exc}; "
-                    f"set {STORE_ENV_VAR} to a writable location"
-                ) from exc
-        from autobatch.profiles.engine import file_identity, make_engine, use_wal
-
-        self._engine: sa.Engine | None = None
-        with self._errors("open it"):
-            self._engine = make_engine(self._location, timeout_seconds=timeout_seconds)
-        try:
-            from autobatch.profiles.schema import open_schema
-
-            with self._errors("open it"), self._engine.connect() as conn:
-                open_schema(conn, backend=self.backend, display=self.location)
-                if path is not None and not self._location.in_memory:
-                    use_wal(conn, timeout_seconds=timeout_seconds)
-                    self._identity = file_identity(path)
-        except BaseException:
-            self.close()
-            raise
+        self._db = StoreConnection(self._location, timeout_seconds=timeout_seconds)
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"
@@ -172,10 +145,7 @@ class ProfileStore:
 
     def close(self) -> None:
         """Close the store's connections. Idempotent; any later call raises StoreError."""
-        with self._lock:
-            engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.dispose()
+        self._db.close()
 
     def put(self, profile: Profile) -> str:
         """Store ``profile``; storing it again changes nothing and returns the same id.
@@ -207,7 +177,7 @@ class ProfileStore:
             "recommended_micro_batch_size": profile.recommended_micro_batch_size,
             "profile_json": text,
         }
-        with self._write("store a profile") as conn:
+        with self._db.write("store a profile") as conn:
             statement = insert(self.backend, profiles).values(**row)
             done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
             if done.rowcount == 0:
@@ -232,7 +202,7 @@ class ProfileStore:
         from autobatch.profiles.schema import profiles
 
         query = sa_select(profiles.c.id, profiles.c.profile_json).where(profiles.c.id == profile_id)
-        with self._read("read a profile") as conn:
+        with self._db.read("read a profile") as conn:
             row = conn.execute(query).first()
         if row is None:
             raise ProfileNotFoundError(
@@ -262,7 +232,7 @@ class ProfileStore:
             .order_by(profiles.c.seq.desc())
             .limit(20)
         )
-        with self._read("find a profile") as conn:
+        with self._db.read("find a profile") as conn:
             rows = conn.execute(query).all()
         found = self._decode_all(rows)
         return found[0] if found else None
@@ -344,7 +314,7 @@ class ProfileStore:
         )
         rows: list[tuple[str, str]] = []
         num_bytes = 0
-        with self._read("list profiles") as conn:
+        with self._db.read("list profiles") as conn:
             paged = self._paged(conn, query, before)
             streamed = conn.execution_options(stream_results=True, yield_per=16).execute(paged)
             for profile_id, text in streamed:
@@ -392,7 +362,7 @@ class ProfileStore:
             node_name=node_name,
             limit=limit,
         )
-        with self._read("list profiles") as conn:
+        with self._db.read("list profiles") as conn:
             rows = conn.execute(self._paged(conn, query, before)).all()
         summaries = []
         for row in rows:
@@ -438,7 +408,7 @@ class ProfileStore:
         columns = [column for column in profiles.columns if column.name != "seq"]
         last_seq, num_copied = -1, 0
         while True:
-            with self._read("read profiles to copy") as conn:
+            with self._db.read("read profiles to copy") as conn:
                 rows = conn.execute(
                     sa.select(profiles.c.seq, *columns)
                     .where(profiles.c.seq > last_seq)
@@ -449,7 +419,7 @@ class ProfileStore:
                 return num_copied
             last_seq = rows[-1].seq
             values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
-            with target._write("copy profiles in") as conn:
+            with target._db.write("copy profiles in") as conn:
                 statement = insert(target.backend, profiles).values(values)
                 statement = statement.on_conflict_do_nothing(index_elements=["id"])
                 # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
@@ -468,7 +438,7 @@ class ProfileStore:
 
         from autobatch.profiles.schema import profiles
 
-        with self._write("delete a profile") as conn:
+        with self._db.write("delete a profile") as conn:
             done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
         return done.rowcount > 0
 
@@ -495,7 +465,7 @@ class ProfileStore:
             index_elements=["id"],
             set_={"updated_at": values["updated_at"], "job_json": values["job_json"]},
         )
-        with self._write("store a probe job") as conn:
+        with self._db.write("store a probe job") as conn:
             conn.execute(statement)
 
     def get_job(self, job_id: str) -> dict[str, Any] | None:
@@ -507,7 +477,7 @@ class ProfileStore:
         from autobatch.profiles.schema import probe_jobs
 
         query = sa_select(probe_jobs.c.job_json).where(probe_jobs.c.id == job_id)
-        with self._read("read a probe job") as conn:
+        with self._db.read("read a probe job") as conn:
             text = conn.execute(query).scalar_one_or_none()
         if text is None:
             return None
@@ -533,73 +503,9 @@ class ProfileStore:
                 than the timeout, unreachable, its file was deleted or replaced, or the disk
                 holding it has under ``MIN_FREE_BYTES`` (1 MiB) free.
         """
-        import sqlalchemy as sa
-
-        from autobatch.profiles.engine import MIN_FREE_BYTES, file_identity, free_bytes
-        from autobatch.profiles.schema import store_meta
-
-        if self._identity is not None and self.path is not None:
-            now = file_identity(self.path)
-            if now != self._identity:
-                what = "deleted" if now is None else "replaced by another file"
-                raise StoreError(
-                    f"the profile store {self.path} was {what} after it was opened: what is "
-                    "written now would be lost; restart the service (it opens the file anew)"
-                )
-            free = free_bytes(self.path)
-            if free < MIN_FREE_BYTES:
-                raise StoreError(
-                    f"the disk holding the profile store {self.path} is full ({free} bytes "
-                    f"free, under {MIN_FREE_BYTES}): writes would fail; free some space there"
-                )
-        with contextlib.suppress(_Rollback), self._write("check that it is writable") as conn:
-            conn.execute(
-                sa.update(store_meta)
-                .where(store_meta.c.key == "schema_version")
-                .values(value=store_meta.c.value)
-            )
-            raise _Rollback
+        self._db.check_writable()
 
     # -- internals ---------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        """Translate SQLAlchemy's and the drivers' errors into StoreError (the one place)."""
-        import sqlite3
-
-        import sqlalchemy.exc
-
-        from autobatch.profiles.engine import describe_error
-
-        try:
-            yield
-        except sqlalchemy.exc.SQLAlchemyError as exc:
-            cause = getattr(exc, "orig", None) or exc
-            raise StoreError(describe_error(self._location, doing, cause)) from cause
-        except sqlite3.Error as exc:  # raised by the driver outside SQLAlchemy (_use_wal)
-            raise StoreError(describe_error(self._location, doing, exc)) from exc
-
-    @contextlib.contextmanager
-    def _read(self, doing: str) -> Iterator[sa.Connection]:
-        with self._lock, self._errors(doing), self._engine_or_raise().connect() as conn:
-            yield conn
-
-    @contextlib.contextmanager
-    def _write(self, doing: str) -> Iterator[sa.Connection]:
-        """One short write transaction (``BEGIN IMMEDIATE`` on SQLite), committed unless the
-        body raises."""
-        with (
-            self._lock,
-            self._errors(doing),
-            self._engine_or_raise().connect() as conn,
-            conn.execution_options(autobatch_write=True).begin(),
-        ):
-            yield conn
-
-    def _engine_or_raise(self) -> sa.Engine:
-        if self._engine is None:
-            raise StoreError(f"the profile store {self.location} is closed")
-        return self._engine
 
     def _listing(
         self,
@@ -665,10 +571,6 @@ class ProfileStore:
         self.num_unreadable_rows += count
         if why is not None:
             _log.warning("profile store %s: %d rows skipped: %s", self.location, count, why)
-
-
-class _Rollback(Exception):
-    """Raised inside :meth:`ProfileStore._write` to end the transaction without committing."""
 
 
 def sa_select(*columns: Any) -> sa.Select[Any]:

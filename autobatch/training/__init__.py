@@ -1,7 +1,8 @@
 """Training: the Accumulator (gradient accumulation with an exact gradient), run-time OOM
 splitting, and the agreements that keep DDP ranks in step.
 
-- ``accumulator``: :class:`Accumulator`, its :class:`Window` s and :class:`StepStats`;
+- ``accumulator``: :class:`Accumulator`, which groups micro-batches into windows;
+- ``window``: one :class:`Window` (its micro-steps and optimizer step) and its :class:`StepStats`;
 - ``micro_step``: :class:`MicroStep` and the ``WindowState`` a window shares with the modules
   below (the seam: they read a window only through it);
 - ``oom_split``: ``Window.run`` splitting a micro-batch that runs out of memory
@@ -19,8 +20,9 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.training.accumulator import Accumulator, StepStats, Window
+from autobatch.training.accumulator import Accumulator
 from autobatch.training.micro_step import MicroStep
 from autobatch.training.oom_split import OnOom, SplitEvent
+from autobatch.training.window import StepStats, Window
 
 __all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]

@@ -1,6 +1,6 @@
 """One window's micro-steps and the state they share: :class:`MicroStep` and :class:`WindowState`.
 
-A :class:`~autobatch.training.accumulator.Window` owns a :class:`WindowState`: its counts, the
+A :class:`~autobatch.training.window.Window` owns a :class:`WindowState`: its counts, the
 weighted losses and backward passes so far, whether it stepped, and under DDP where it stands
 with the ranks' window agreement. The window's :class:`MicroStep` s weight and run their backward
 against it. It is also the seam to the two modules that run a window without being the window:
@@ -173,7 +173,7 @@ class WindowState:
 
 
 class MicroStep(Generic[B]):
-    """One micro-batch of a :class:`~autobatch.training.accumulator.Window`: run its forward and
+    """One micro-batch of a :class:`~autobatch.training.window.Window`: run its forward and
     backward inside :meth:`sync_context`, and hand the loss to :meth:`backward`.
 
     Attributes:

@@ -2,7 +2,7 @@
 
 A probe measures the batches it is shown; real data has rare long sequences and dense images,
 and the out-of-memory error then comes hours into training. With
-``Accumulator(..., on_oom="split")``, :meth:`Window.run <autobatch.training.accumulator.Window.run>`
+``Accumulator(..., on_oom="split")``, :meth:`Window.run <autobatch.training.window.Window.run>`
 catches it and runs that micro-batch again in pieces, each weighted by its own count of the
 window's total, so the window's gradient is the one the unsplit micro-batch would have given (up to
 floating-point summation order; dropout draws other masks; BatchNorm in training mode: below).
@@ -491,7 +491,7 @@ def run_window(
     splitter: Splitter,
 ) -> list[SplitEvent]:
     """Run a window's forward and backward passes, splitting on OOM as the module says; the
-    caller (:meth:`Window.run <autobatch.training.accumulator.Window.run>`) then steps it.
+    caller (:meth:`Window.run <autobatch.training.window.Window.run>`) then steps it.
 
     Args:
         state: the window's state (its micro-steps, counts and backward passes), none of whose

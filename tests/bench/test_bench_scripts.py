@@ -36,7 +36,7 @@ def _run(args: list[str], *, timeout_s: float, out_dir: Path | None = None) -> s
 
 
 @pytest.mark.slow
-@pytest.mark.slow  # about 80 s on 2 idle cores (tests/gpu, the stacks, the CLI, one cell)
+@pytest.mark.slow  # runs tests/gpu, the stacks, the CLI and one cell in subprocesses
 def test_gpu_check_dry_run_prints_the_tables_and_writes_json(tmp_path: Path) -> None:
     out = _run(
         ["bench/gpu_check.py", "--dry-run", "--budget-s", "130"], timeout_s=240, out_dir=tmp_path

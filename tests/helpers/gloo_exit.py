@@ -3,8 +3,8 @@ C++ static destructors (:func:`leave_gloo_worker`).
 
 torch 2.13's gloo can leave joinable threads behind; when the process then exits normally the C++
 runtime aborts it ("terminate called without an active exception", SIGABRT), after the worker
-has written everything the test checks. CI saw it in about 1 run in 20 of each multi-process
-test on 2 cores, so a suite with a dozen such tests failed more often than not.
+has written everything the test checks. It is intermittent per process, so a suite with a dozen
+multi-process tests would fail often if any of them exited normally.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _close_app() -> Iterator[None]:
     shutil.rmtree(_STORE_DIR, ignore_errors=True)
 
 
-@pytest.mark.slow  # every operation fuzzed: 15 to 30 s on 2 cores
+@pytest.mark.slow  # every operation fuzzed, each through the whole app
 @schema.parametrize()
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-import autobatch.training.accumulator as accumulate_module
+import autobatch.training.window as window_module
 from autobatch.errors import ConfigError, SmallMicroBatchNormWarning
-from autobatch.training.accumulator import Accumulator, StepStats
+from autobatch.training.accumulator import Accumulator
+from autobatch.training.window import StepStats
 
 F64 = torch.float64
 
@@ -235,13 +236,13 @@ def test_grad_scaler_order_per_window_and_nan_skip(monkeypatch: pytest.MonkeyPat
     w = nn.Parameter(torch.ones(2, dtype=F64))
     w.register_hook(lambda g: log.append("backward"))
     opt = torch.optim.SGD([w], lr=0.5)
-    real_clip = accumulate_module.clip_grad_norm_
+    real_clip = window_module.clip_grad_norm_
 
     def recording_clip(*args: Any, **kwargs: Any) -> torch.Tensor:
         log.append("clip")
         return real_clip(*args, **kwargs)
 
-    monkeypatch.setattr(accumulate_module, "clip_grad_norm_", recording_clip)
+    monkeypatch.setattr(window_module, "clip_grad_norm_", recording_clip)
     acc = Accumulator(
         nn.Module(), opt, gradient_accumulation_steps=3, scaler=scaler, max_grad_norm=10.0
     )
