@@ -107,8 +107,8 @@ class MemoryModel:
     """Peak bytes of one step as ``fixed_bytes + bytes_per_sample * micro_batch_size``.
 
     Fitted where activations dominate (the largest fitting sizes), so it is a good predictor near
-    and above them; below, the optimizer-step peak may dominate. See DESIGN.md, "The training step
-    that must fit".
+    and above them; below, the optimizer-step peak may dominate. See docs/how-it-works.md, "The
+    probe".
     """
 
     fixed_bytes: int

@@ -1,6 +1,7 @@
 """The ASGI gate in front of every route: bearer token, body size, request metrics.
 
-Pure ASGI (no per-request task or stream wrapping), so it costs microseconds. In order:
+Pure ASGI (no per-request task or stream wrapping), so it adds no task or copy per request. In
+order:
 
 - on ``/v1`` (after any ``root_path``): 401 unless exactly one ``Authorization: Bearer <token>``
   matches the configured token (compared in constant time); health and metrics stay open for
@@ -13,9 +14,10 @@ Pure ASGI (no per-request task or stream wrapping), so it costs microseconds. In
   client that left before its body ended counts as 499 (and reaches no route).
 
 These checks live here rather than in FastAPI dependencies: a dependency is resolved per request
-on every route (about 20 µs each on 2 cores), and these need nothing but the headers. The
-answers are problem details from ``service.problems``, like every other error. (The JSON
-``Content-Type`` check needs the matched route, so it is ``service.routing.JsonBodyRoute``.)
+on every route, on the hot path of every scheduler's call, and these need nothing but the
+headers. The answers are problem details from ``service.problems``, like every other error.
+(The JSON ``Content-Type`` check needs the matched route, so it is
+``service.routing.JsonBodyRoute``.)
 
 Example::
 

@@ -115,7 +115,7 @@ def resolve_limit(
 CARD_CANDIDATES = (2, 8, 50)
 """Profiles of the model on the card asked about read per request (newest first) to find one
 under the conditions asked, in growing pages: the newest 2 (one of them usually answers, and
-decoding each profile costs about 70 µs on 2 cores), then 8, then 50; past them, the model's
+every profile read is decoded in full), then 8, then 50; past them, the model's
 newest :data:`ANY_CANDIDATES` of any card."""
 ANY_CANDIDATES = 200
 

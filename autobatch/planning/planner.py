@@ -3,9 +3,9 @@
 PURE: imports neither torch nor pynvml, so schedulers and the service can plan on machines
 without a GPU, a driver, or torch.
 
-Rules (DESIGN.md, "Planner rules"), with ``E = effective_batch_size``, ``W = world_size``,
-``P = E / W`` samples per rank, ``M`` the largest micro-batch that may run, ``k`` accumulation
-steps and ``m`` the micro-batch size:
+Rules (docs/how-it-works.md, "Planner rules"), with ``E = effective_batch_size``,
+``W = world_size``, ``P = E / W`` samples per rank, ``M`` the largest micro-batch that may run,
+``k`` accumulation steps and ``m`` the micro-batch size:
 
 - ``E`` must be a positive multiple of ``W``.
 - Fewest ``k`` first, then the largest ``m <= M`` with ``m * k * W == E``.

@@ -56,7 +56,7 @@ OnTrial = Callable[[Trial], None]
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StepSpec:
     """What the step is: the model, its micro-batches, and how a batch becomes a training step
-    (DESIGN.md, "How a sample becomes a step"). Build it with :meth:`build`."""
+    (docs/quickstart.md, "First runs from Python"). Build it with :meth:`build`."""
 
     model: torch.nn.Module
     sample: Any

@@ -94,17 +94,18 @@ T = TypeVar("T")
 
 FAKE_STEP_SECONDS_PER_TENSOR = 0.006
 """Predicted seconds of one fake step per parameter tensor of the model, before any fake step has
-run (measured here, 2 shared CPU cores, torch 2.13: 4 to 9 ms per tensor for the benchmark's tiny
-models, 6.8 ms for GPT-2 124M's 148 tensors: 8 fake steps in 8.0 s). A prediction: the
-estimate's own steps replace it once the first has run."""
+run. A fake step dispatches every op on the host whatever the device, so its cost grows with the
+number of tensors the step touches rather than with the model's FLOPs; ``bench/probe_vs_peers.py``
+prints the per-tensor cost it sees. A prediction only: the estimate's own steps replace it once
+the first has run."""
 
 ESTIMATE_OVERRUN = 2.0
 """A started estimate stops before a fake step that would take it past this many times its
 budget (:func:`~autobatch.probing.search.estimate_budget_seconds`). Its start was judged on a
-predicted length (:data:`FAKE_STEP_SECONDS_PER_TENSOR`), off by 2x either way on the benchmark's
-models, and what it found is worth little when it stops short of the boundary: a small MLP
-under Adam (a real step at 0.1 s) stopped at 1x after 3 fake steps, 0.17 s, and the search took
-7 real trials where the whole estimate (0.36 s) leaves 3."""
+predicted length (:data:`FAKE_STEP_SECONDS_PER_TENSOR`), which can be off by about 2x either way,
+and an estimate stopped short of the memory's edge is worth little: the search then pays real
+trials for what a few more fake steps would have found. 2x lets an estimate that was judged
+worth starting finish, while bounding what a wrong prediction can cost."""
 
 EXPECTED_FAKE_STEPS = 6
 """Fake steps an estimate usually takes: its warm-up, micro-batch 1, 64, then a few secant steps

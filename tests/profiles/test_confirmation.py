@@ -60,7 +60,7 @@ STEP = CountingStep()
 
 @pytest.fixture(scope="module")
 def probed_on_a_small_card(tmp_path_factory: pytest.TempPathFactory) -> Profile:
-    """A real probe on a 6 MiB card (one per module: the estimate takes seconds on 2 cores)."""
+    """A real probe on a 6 MiB card (one per module: the estimate is the slow part)."""
     store = tmp_path_factory.mktemp("small") / "profiles.sqlite3"
     found = autotune_profile(
         mlp(), SAMPLE, train_step=STEP, device=SimulatedDevice(capacity_bytes=6 << 20), store=store
@@ -76,7 +76,7 @@ def small_card_profile(store: Path, profile: Profile) -> Profile:
     return profile
 
 
-@pytest.mark.slow  # a real probe (shared), then the confirmation: about 10 s on 2 cores
+@pytest.mark.slow  # a real probe (shared), then the confirmation
 def test_a_predicted_plan_is_confirmed_by_one_real_trial_then_reads_as_measured(
     tmp_path: Path, probed_on_a_small_card: Profile
 ) -> None:
@@ -114,7 +114,7 @@ def test_a_predicted_plan_is_confirmed_by_one_real_trial_then_reads_as_measured(
     assert again.source == "cached"
 
 
-@pytest.mark.slow  # the failed trial, then a full probe: about 7 s on 2 cores
+@pytest.mark.slow  # the failed trial, then a full probe
 def test_a_failed_confirmation_probes_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, probed_on_a_small_card: Profile
 ) -> None:
