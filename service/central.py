@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 
-from autobatch.client import AutobatchClient, PlanRequest
+from autobatch.client import AutobatchClient, PlanQuery
 from autobatch.errors import AutobatchError, ProfileNotFoundError
+from autobatch.planning import PlanRequest
 from autobatch.profile import Profile
 
 __all__ = ["CentralProfiles"]
@@ -48,14 +49,14 @@ class CentralProfiles:
     def fetch(self, model_fingerprint: str, *, card: str | None) -> tuple[str, Profile] | None:
         """The central service's profile of ``model_fingerprint`` for ``card`` (any card when
         None): ``(profile_id, profile)``, or None when it holds none or cannot be reached."""
-        request = PlanRequest(
-            effective_batch_size=1, model_fingerprint=model_fingerprint, card=card
+        query = PlanQuery(
+            plan=PlanRequest(effective_batch_size=1), model_fingerprint=model_fingerprint, card=card
         )
         try:
             with AutobatchClient(
                 self.url, token=self._token, timeout=self._timeout_seconds
             ) as client:
-                answer = client.plan_answer(request)
+                answer = client.plan_answer(query)
                 profile_id = answer.get("profile_id")
                 if not isinstance(profile_id, str):
                     return None

@@ -56,25 +56,28 @@ def remote_plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     if len(args.world_size) != 1:
         raise ConfigError("a plan from a service takes a single --world-size")
-    from autobatch.client import AutobatchClient, PlanRequest
+    from autobatch.client import AutobatchClient, PlanQuery
+    from autobatch.planning import PlanRequest
 
     conditions = dict(args.condition) if args.condition else None
-    request = PlanRequest(
-        effective_batch_size=args.effective_batch_size,
-        world_size=args.world_size[0],
+    query = PlanQuery(
+        plan=PlanRequest(
+            effective_batch_size=args.effective_batch_size,
+            world_size=args.world_size[0],
+            capacity_bytes=args.capacity,
+            multiple_of=args.multiple_of,
+            max_gradient_accumulation_steps=args.max_gradient_accumulation_steps,
+            uneven=args.uneven,
+            allow_inexact=args.allow_inexact,
+        ),
         model_fingerprint=args.model_fingerprint,
         card=args.card,
         node=args.node,
         conditions=conditions,
-        capacity_bytes=args.capacity,
         gpu_fraction=args.gpu_fraction,
-        multiple_of=args.multiple_of,
-        max_gradient_accumulation_steps=args.max_gradient_accumulation_steps,
-        uneven=args.uneven,
-        allow_inexact=args.allow_inexact,
     )
     with AutobatchClient(url, token=os.environ.get("AUTOBATCH_API_TOKEN")) as client:
-        return client.plan_answer(request)
+        return client.plan_answer(query)
 
 
 def env_variables(plan: dict[str, Any], answer: dict[str, Any] | None = None) -> dict[str, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from autobatch.client.http import (
     AutobatchClient,
-    PlanRequest,
+    PlanQuery,
     ProbeStatus,
     ServiceError,
 )
@@ -21,7 +21,7 @@ from autobatch.client.remote import ServiceProfiles, service_remote
 
 __all__ = [
     "AutobatchClient",
-    "PlanRequest",
+    "PlanQuery",
     "ProbeStatus",
     "RetryPolicy",
     "ServiceError",

@@ -29,13 +29,11 @@ import httpx
 
 from autobatch.client.problems import raise_for_problem
 from autobatch.device import GpuInfo, MemoryInfo
-from autobatch.errors import (
-    ServiceError,
-)
-from autobatch.planning.planner import Plan, Uneven, WorldSizeOption
+from autobatch.errors import ConfigError, ServiceError
+from autobatch.planning import Plan, PlanRequest, Uneven, WorldSizeOption
 from autobatch.profile import MemoryModel, Profile
 
-__all__ = ["AutobatchClient", "PlanRequest", "ProbeStatus", "ServiceError"]
+__all__ = ["AutobatchClient", "PlanQuery", "ProbeStatus", "ServiceError"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,28 +59,35 @@ class ProbeStatus:
         return self.status in ("succeeded", "failed")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PlanRequest:
-    """The body of ``POST /v1/plan`` (the service's ``PlanCreate``); see
-    :meth:`AutobatchClient.plan` for the fields."""
+_DEVICE_FIELDS = ("cuda_index", "uuid", "node_labels", "mig_profile")
 
-    effective_batch_size: int
-    world_size: int = 1
-    world_sizes: tuple[int, ...] | None = None
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlanQuery:
+    """The body of ``POST /v1/plan`` (the service's ``PlanCreate``): the library's
+    :class:`~autobatch.planning.PlanRequest` (checked on construction, by the same checks the
+    service runs), where the limit comes from, and the device; see :meth:`AutobatchClient.plan`
+    for the fields.
+
+    Example::
+
+        PlanQuery(plan=PlanRequest(effective_batch_size=1024, world_size=8,
+                                   capacity_bytes=80 * 2**30),
+                  profile_id="3f2a...")
+    """
+
+    plan: PlanRequest
+    """The effective batch, the ranks, the planner's options; its ``capacity_bytes`` is sent as
+    the device's (``device.capacity_bytes``). ``step_seconds`` is the library's alone: the
+    service plans from the timings its profiles hold."""
     profile_id: str | None = None
     model_fingerprint: str | None = None
     max_micro_batch_size: int | None = None
     memory_model: MemoryModel | None = None
     cuda_index: int | None = None
     uuid: str | None = None
-    capacity_bytes: int | None = None
     node_labels: Mapping[str, str] | None = None
     mig_profile: str | None = None
-    multiple_of: int = 1
-    max_gradient_accumulation_steps: int | None = None
-    uneven: Uneven = "auto"
-    allow_inexact: bool = False
-    safety_margin: float | None = None
     gpu_fraction: float | None = None
     card: str | None = None
     """The card type to plan for (with ``model_fingerprint``): see the answer's selection."""
@@ -91,22 +96,44 @@ class PlanRequest:
     conditions: Mapping[str, Any] | None = None
     """Conditions the plan must hold under (with ``card`` or ``node``)."""
 
+    def __post_init__(self) -> None:
+        if self.plan.step_seconds is not None:
+            raise ConfigError(
+                "step_seconds is not sent to the service, which plans from the timings its "
+                "profiles hold: leave it unset, or plan locally with autobatch.plan"
+            )
+
     def to_json(self) -> dict[str, Any]:
         """The JSON body: unset (None) fields left out, the device fields under ``device``."""
-        device_fields = ("cuda_index", "uuid", "capacity_bytes", "node_labels", "mig_profile")
-        body: dict[str, Any] = {}
+        plan = self.plan
+        body: dict[str, Any] = {
+            "effective_batch_size": plan.effective_batch_size,
+            "world_size": plan.world_size,
+            "multiple_of": plan.multiple_of,
+            "uneven": plan.uneven,
+            "allow_inexact": plan.allow_inexact,
+        }
+        optional = {
+            "world_sizes": None if plan.world_sizes is None else list(plan.world_sizes),
+            "max_gradient_accumulation_steps": plan.max_gradient_accumulation_steps,
+            "safety_margin": plan.safety_margin,
+        }
         device: dict[str, Any] = {}
+        if plan.capacity_bytes is not None:
+            device["capacity_bytes"] = plan.capacity_bytes
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is None:
+            if field.name == "plan" or value is None:
                 continue
             if isinstance(value, MemoryModel):
                 value = dataclasses.asdict(value)
             elif isinstance(value, Mapping):
                 value = dict(value)
-            elif isinstance(value, tuple):
-                value = list(value)
-            (device if field.name in device_fields else body)[field.name] = value
+            if field.name in _DEVICE_FIELDS:
+                device[field.name] = value
+            else:
+                optional[field.name] = value
+        body.update((name, value) for name, value in optional.items() if value is not None)
         if device:
             body["device"] = device
         return body
@@ -201,26 +228,28 @@ class AutobatchClient:
             ProfileNotFoundError: no such profile (or none for the fingerprint).
             DeviceUnavailableError, StoreError, ServiceError: see the module docstring.
         """
-        request = PlanRequest(
-            effective_batch_size=effective_batch_size,
-            world_size=world_size,
+        query = PlanQuery(
+            plan=PlanRequest(
+                effective_batch_size=effective_batch_size,
+                world_size=world_size,
+                multiple_of=multiple_of,
+                max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+                uneven=uneven,
+                allow_inexact=allow_inexact,
+                safety_margin=safety_margin,
+                capacity_bytes=capacity_bytes,
+            ),
             profile_id=profile_id,
             model_fingerprint=model_fingerprint,
             max_micro_batch_size=max_micro_batch_size,
             memory_model=memory_model,
             cuda_index=cuda_index,
             uuid=uuid,
-            capacity_bytes=capacity_bytes,
             node_labels=node_labels,
             mig_profile=mig_profile,
-            multiple_of=multiple_of,
-            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-            uneven=uneven,
-            allow_inexact=allow_inexact,
-            safety_margin=safety_margin,
             gpu_fraction=gpu_fraction,
         )
-        return Plan.from_dict(self._post_plan(request)["plan"])
+        return Plan.from_dict(self._post_plan(query)["plan"])
 
     def plan_world_sizes(
         self,
@@ -245,24 +274,26 @@ class AutobatchClient:
     ) -> list[WorldSizeOption]:
         """The plan at each of ``world_sizes`` (a scheduler choosing N GPUs); arguments and
         errors as for :meth:`plan`. The primary plan is made at ``min(world_sizes)``."""
-        request = PlanRequest(
-            effective_batch_size=effective_batch_size,
-            world_size=min(world_sizes),
-            world_sizes=tuple(world_sizes),
+        query = PlanQuery(
+            plan=PlanRequest(
+                effective_batch_size=effective_batch_size,
+                world_size=min(world_sizes),
+                world_sizes=tuple(world_sizes),
+                multiple_of=multiple_of,
+                max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+                uneven=uneven,
+                allow_inexact=allow_inexact,
+                safety_margin=safety_margin,
+                capacity_bytes=capacity_bytes,
+            ),
             profile_id=profile_id,
             model_fingerprint=model_fingerprint,
             max_micro_batch_size=max_micro_batch_size,
             memory_model=memory_model,
             cuda_index=cuda_index,
             uuid=uuid,
-            capacity_bytes=capacity_bytes,
             node_labels=node_labels,
             mig_profile=mig_profile,
-            multiple_of=multiple_of,
-            max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-            uneven=uneven,
-            allow_inexact=allow_inexact,
-            safety_margin=safety_margin,
             gpu_fraction=gpu_fraction,
         )
         return [
@@ -271,11 +302,11 @@ class AutobatchClient:
                 plan=None if row["plan"] is None else Plan.from_dict(row["plan"]),
                 reason=row["reason"],
             )
-            for row in self._post_plan(request)["world_size_options"]
+            for row in self._post_plan(query)["world_size_options"]
         ]
 
-    def plan_answer(self, request: PlanRequest) -> dict[str, Any]:
-        """``POST /v1/plan`` with ``request``: the whole answer as JSON (the service's
+    def plan_answer(self, query: PlanQuery) -> dict[str, Any]:
+        """``POST /v1/plan`` with ``query``: the whole answer as JSON (the service's
         ``PlanPublic``: ``plan``, ``configs``, ``profile_id``, ``device``, ``selection``), for
         callers that need more than the plan, e.g. which profile answered a card's plan and
         whether it was measured there (``answer["selection"]["match"]``).
@@ -283,11 +314,11 @@ class AutobatchClient:
         Raises:
             as :meth:`plan`.
         """
-        return self._post_plan(request)
+        return self._post_plan(query)
 
-    def _post_plan(self, request: PlanRequest) -> dict[str, Any]:
+    def _post_plan(self, query: PlanQuery) -> dict[str, Any]:
         response = self._request(
-            "POST", "/v1/plan", profile_id=request.profile_id or "", json=request.to_json()
+            "POST", "/v1/plan", profile_id=query.profile_id or "", json=query.to_json()
         )
         data: dict[str, Any] = response.json()
         return data

@@ -136,11 +136,11 @@ def test_a_missing_profile_names_the_id_asked_for(api: AutobatchClient) -> None:
 
 
 def test_plan_request_body_leaves_out_what_is_unset_and_groups_the_device() -> None:
-    from autobatch.client.http import PlanRequest
+    from autobatch.client import PlanQuery
+    from autobatch.planning import PlanRequest
 
-    body = PlanRequest(
-        effective_batch_size=64,
-        world_sizes=(1, 2),
+    body = PlanQuery(
+        plan=PlanRequest(effective_batch_size=64, world_sizes=(1, 2), capacity_bytes=2**30),
         memory_model=MemoryModel(fixed_bytes=3, bytes_per_sample=2),
         node_labels={"nvidia.com/gpu.product": "NVIDIA-H100"},
     ).to_json()
@@ -152,8 +152,21 @@ def test_plan_request_body_leaves_out_what_is_unset_and_groups_the_device() -> N
         "multiple_of": 1,
         "uneven": "auto",
         "allow_inexact": False,
-        "device": {"node_labels": {"nvidia.com/gpu.product": "NVIDIA-H100"}},
+        "device": {
+            "capacity_bytes": 2**30,
+            "node_labels": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+        },
     }
+
+
+def test_plan_query_checks_its_plan_where_the_library_does_and_refuses_step_seconds() -> None:
+    from autobatch.client import PlanQuery
+    from autobatch.planning import PlanRequest
+
+    with pytest.raises(ConfigError, match="safety_margin 1.5"):
+        PlanQuery(plan=PlanRequest(effective_batch_size=8, safety_margin=1.5), profile_id="p")
+    with pytest.raises(ConfigError, match="step_seconds is not sent to the service"):
+        PlanQuery(plan=PlanRequest(effective_batch_size=8, step_seconds={1: 0.1, 2: 0.2}))
 
 
 def test_devices(api: AutobatchClient) -> None:
