@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from autobatch.cli.parser import build_parser
+from autobatch.cli.parser import build_parser, unknown_arguments
 from autobatch.cli.plan_env import remote_plan, write_plan
 from autobatch.errors import AutobatchError, ConfigError, Remedy
 from autobatch.units import format_bytes
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         args.args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(unknown_arguments(parser, extra))  # unknown flags before the command
     handler: Callable[[argparse.Namespace, TextIO], int] = _COMMANDS[args.command]
     try:
         code = handler(args, sys.stdout)
