@@ -530,22 +530,15 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
         return 0
 
 
-_SERVICE_EXTRA = "pip install -e '.[service]' in the autobatch checkout"
-"""From the checkout: the name ``autobatch`` on PyPI is another project's."""
-
-
 def _serve(args: argparse.Namespace, out: TextIO) -> int:
-    try:
-        from service.__main__ import main as serve_main
-    except ImportError as exc:
-        raise ConfigError(f"the service needs its extras: {_SERVICE_EXTRA} ({exc})") from exc
+    from autobatch.extras import require
+
+    # service/__init__ requires its extra's modules: a missing one is named, not a traceback.
+    serve_main = require("service.__main__", extra="service", purpose="autobatch serve").main
     forwarded = list(args.args)
     if args.store and "--store-path" not in forwarded:
         forwarded += ["--store-path", args.store]
-    try:
-        return int(serve_main(forwarded))
-    except ImportError as exc:  # fastapi/uvicorn are imported when the server starts
-        raise ConfigError(f"the service needs its extras: {_SERVICE_EXTRA} ({exc})") from exc
+    return int(serve_main(forwarded))
 
 
 def _input(shapes: Any) -> str:

@@ -42,6 +42,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from autobatch.errors import ConfigError
+from autobatch.extras import require
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "load_model"]
 
@@ -88,13 +89,7 @@ class ModelSpec:
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ConfigError(
-            "built-in models need transformers: pip install -e '.[models]' in the autobatch "
-            "checkout (the name autobatch on PyPI is another project's)"
-        ) from exc
+    transformers = require("transformers", extra="models", purpose="a built-in model")
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     return transformers
 
