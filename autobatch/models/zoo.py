@@ -90,7 +90,7 @@ class ModelSpec:
 
 def _transformers() -> Any:
     transformers = require("transformers", extra="models", purpose="a built-in model")
-    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.logging.set_verbosity_error()
     return transformers
 
 
