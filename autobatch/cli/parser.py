@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 from autobatch import __version__
 from autobatch.cli.plan_env import parse_condition
 from autobatch.errors import ConfigError
-from autobatch.units import parse_bytes
+from autobatch.units import parse_capacity
 
 __all__ = ["FORMATS", "build_parser", "unknown_arguments"]
 
@@ -47,10 +47,11 @@ class _Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         self._given = list(sys.argv[1:] if args is None else args)
-        namespace, extras = super().parse_known_args(args, namespace)
+        parsed, extras = super().parse_known_args(args, namespace)
         if extras and not self.passes_unknown and not self._commands():
             self.error(unknown_arguments(self, extras))
-        return namespace, extras
+        assert parsed is not None
+        return parsed, extras
 
     def error(self, message: str) -> NoReturn:
         """Exit 2 with ``PROG: error: MESSAGE`` and one line pointing to ``--help``.
@@ -152,7 +153,7 @@ def _int_list(text: str) -> list[int]:
 
 def _bytes(text: str) -> int:
     try:
-        return parse_bytes(text)
+        return parse_capacity(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
