@@ -93,10 +93,19 @@ def _output_format(args: argparse.Namespace) -> str:
     return "json" if getattr(args, "json", False) else str(getattr(args, "format", "text"))
 
 
-def _store(args: argparse.Namespace) -> Any:
+def _store(args: argparse.Namespace, *, writing: bool = False) -> Any:
+    """The store ``--store`` (else ``$AUTOBATCH_STORE``, else the default file) names.
+
+    A mistyped location is an error, never a new empty store: reading needs the store to exist,
+    and writing creates its file only in an existing folder, but for the default location's
+    (``~/.cache/autobatch``), which is made when missing.
+    """
+    from autobatch.profiles.location import STORE_ENV_VAR
     from autobatch.profiles.store import ProfileStore
 
-    return ProfileStore(args.store)
+    default = args.store is None and not os.environ.get(STORE_ENV_VAR)
+    create = "never" if not writing else ("folders" if default else "file")
+    return ProfileStore(args.store, create=create)
 
 
 def _devices(args: argparse.Namespace, out: TextIO) -> int:
@@ -203,6 +212,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
     progress = _Progress(enabled=fmt == "text")
+    store = None if args.no_store else _store(args, writing=True)
     try:
         tuned = tune(
             spec.model,
@@ -214,7 +224,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             amp_dtype=_amp(args),
             safety_margin=args.safety_margin,
             max_micro_batch_size=args.max_micro_batch_size,
-            store=args.store,
+            store=store,
             use_store=not args.no_store,
             refresh=args.refresh,
             report_to=args.report_to,
@@ -224,6 +234,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         )
     finally:
         progress.close()
+        if store is not None:
+            store.close()
     _print_plan(
         tuned.plan,
         fmt,

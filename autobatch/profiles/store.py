@@ -48,9 +48,11 @@ from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 from autobatch.profiles.location import (
     STORE_ENV_VAR,
+    Create,
     StoreLocation,
     default_store_path,
     parse_location,
+    prepare_file,
 )
 from autobatch.profiles.pages import ProfilePage, ProfileSummary, SummaryPage
 
@@ -92,16 +94,22 @@ class ProfileStore:
     Args:
         location: a SQLite file, ``":memory:"`` (tests), ``sqlite:///FILE`` or
             ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB``; None means ``$AUTOBATCH_STORE``,
-            else ``~/.cache/autobatch/profiles.sqlite3``. A SQLite file's missing parent
-            directories are created.
+            else ``~/.cache/autobatch/profiles.sqlite3``.
         timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
             connection) before giving up, in seconds.
+        create: what opening a SQLite file may create, so that a mistyped location is an error
+            rather than a new empty store: ``"folders"`` (the default) the file and its missing
+            parent directories, ``"file"`` the file in an existing directory only, ``"never"``
+            nothing (for reading: the file must exist). A PostgreSQL database must exist in
+            every case (its tables are created in it).
 
     Raises:
-        ConfigError: the location is a URL of another scheme (``mysql://``...).
+        ConfigError: the location is a URL of another scheme (``mysql://``...), or ``create``
+            is none of the three.
         StoreError: the store cannot be opened or created (permissions, a directory in the way,
-            no server), is not an autobatch store, was written by a newer autobatch, or is
-            damaged. It is left untouched in every case.
+            no server), does not exist where ``create`` forbids creating it, is not an autobatch
+            store, was written by a newer autobatch, or is damaged. It is left untouched in
+            every case.
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class ProfileStore:
         location: str | os.PathLike[str] | None = None,
         *,
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
+        create: Create = "folders",
     ) -> None:
         self._location: StoreLocation = parse_location(location)
         self.path: pathlib.Path | None = self._location.path
@@ -125,13 +134,7 @@ class ProfileStore:
         self._identity: tuple[int, int] | None = None
         path = self.path
         if path is not None and not self._location.in_memory:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create the directory for the profile store {path}: {exc}; "
-                    f"set {STORE_ENV_VAR} to a writable location"
-                ) from exc
+            prepare_file(path, create)
         from autobatch.profiles.engine import file_identity, make_engine, use_wal
 
         self._engine: sa.Engine | None = None
