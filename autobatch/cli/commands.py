@@ -100,11 +100,11 @@ def _store(args: argparse.Namespace, *, writing: bool = False) -> Any:
     and writing creates its file only in an existing folder, but for the default location's
     (``~/.cache/autobatch``), which is made when missing.
     """
-    from autobatch.profiles.location import STORE_ENV_VAR
+    from autobatch.profiles.location import STORE_ENV_VAR, Create
     from autobatch.profiles.store import ProfileStore
 
     default = args.store is None and not os.environ.get(STORE_ENV_VAR)
-    create = "never" if not writing else ("folders" if default else "file")
+    create: Create = "never" if not writing else ("folders" if default else "file")
     return ProfileStore(args.store, create=create)
 
 
