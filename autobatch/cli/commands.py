@@ -136,9 +136,18 @@ def _devices(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
-    """Say so when the search stopped at a limit rather than at the memory's edge: the max
-    micro-batch printed is then a cap, not what fits. ``flag_limit`` is --max-micro-batch-size;
-    a smaller cap is the largest micro-batch a plan for the effective batch size can use."""
+    """Say so when the search stopped short of the memory's edge: at a limit (the max micro-batch
+    printed is then a cap, not what fits), or at a prediction one trial confirmed.
+    ``flag_limit`` is --max-micro-batch-size; a smaller cap is the largest micro-batch a plan
+    for the effective batch size can use."""
+    if profile.confirms_prediction:
+        print(
+            f"note: {profile.max_micro_batch_size} was predicted from another card's profile and "
+            "confirmed by one trial here, not searched to this card's memory edge: larger "
+            "micro-batches may fit; --refresh probes this card",
+            file=out,
+        )
+        return
     if profile.stop_kind != "limit":
         return
     size = profile.max_micro_batch_size
@@ -152,6 +161,18 @@ def _print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
         f"note: {size} is {cause}, not the memory's: larger micro-batches may fit; {fix}",
         file=out,
     )
+
+
+def _print_probe_time(profile: Any, out: TextIO, *, stored: bool) -> None:
+    """The probe's wall time by part; for a profile read from the store, said to be that
+    profile's, with its date (no probe ran now)."""
+    if profile.timings is None or (stored and not profile.created_at):
+        return
+    text = profile.timings.describe()
+    if stored:
+        when = profile.created_at[:16].replace("T", " ")
+        text += f"  (the stored profile's, probed {when} UTC; nothing ran now)"
+    print(f"probe time       {text}", file=out)
 
 
 def _bytes_or_unknown(num_bytes: int | None) -> str:
@@ -453,14 +474,18 @@ def _print_plan(
             f"{format_bytes(profile.total_memory_bytes)})",
             file=out,
         )
+        size = profile.max_micro_batch_size
+        counts = f"{profile.num_trials} trials, {profile.num_ooms} OOM"
+        how = (
+            f"predicted from another card's profile, confirmed by one trial at {size}: {counts}"
+            if profile.confirms_prediction
+            else f"{counts}, {profile.method}"
+        )
         print(
-            f"max micro-batch  {profile.max_micro_batch_size}  "
-            f"(recommended {profile.recommended_micro_batch_size}; {profile.num_trials} trials, "
-            f"{profile.num_ooms} OOM, {profile.method})",
+            f"max micro-batch  {size}  (recommended {profile.recommended_micro_batch_size}; {how})",
             file=out,
         )
-        if profile.timings is not None:
-            print(f"probe time       {profile.timings.describe()}", file=out)
+        _print_probe_time(profile, out, stored=result.source == "cached")
         _print_limit_note(profile, out, flag_limit=flag_limit)
     print(f"micro_batch_size             {result.micro_batch_size}", file=out)
     print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)
@@ -571,11 +596,20 @@ class _Progress:
         if self._bar is None:  # created at the first trial: a cached answer shows no bar
             from tqdm import tqdm
 
-            self._bar = tqdm(desc="probing", unit="trial", file=sys.stderr, leave=True)
+            # The count in words ("1 trial", "3 trials"), not tqdm's "3trial [?trial/s]".
+            self._bar = tqdm(
+                desc="probing: 0 trials",
+                file=sys.stderr,
+                leave=True,
+                bar_format="{desc} [{elapsed}]",
+            )
         outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
         peak = format_bytes(trial.peak_reserved_bytes) if trial.fits else "-"
-        self._bar.set_postfix_str(f"micro-batch {trial.micro_batch_size} {outcome}, peak {peak}")
         self._bar.update(1)
+        count = f"{self._bar.n} trial{'' if self._bar.n == 1 else 's'}"
+        self._bar.set_description_str(
+            f"probing: {count}, micro-batch {trial.micro_batch_size} {outcome}, peak {peak}"
+        )
 
     def close(self) -> None:
         if self._bar is not None:
