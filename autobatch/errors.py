@@ -158,16 +158,24 @@ class DeviceUnavailableError(AutobatchError):
             fix); ``"device_unavailable"`` when nothing more specific is known.
     """
 
-    def __init__(self, message: str, *, reason: str = "device_unavailable") -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "device_unavailable",
+        remedies: Sequence[Remedy] = (),
+    ) -> None:
+        super().__init__(message, remedies=remedies)
         self.reason = reason
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_device_unavailable, (str(self), self.reason)
+        return _rebuild_device_unavailable, (self.message, self.reason, self.remedies)
 
 
-def _rebuild_device_unavailable(message: str, reason: str) -> DeviceUnavailableError:
-    return DeviceUnavailableError(message, reason=reason)
+def _rebuild_device_unavailable(
+    message: str, reason: str, remedies: Sequence[Remedy] = ()
+) -> DeviceUnavailableError:
+    return DeviceUnavailableError(message, reason=reason, remedies=remedies)
 
 
 class DoesNotFitError(AutobatchError):

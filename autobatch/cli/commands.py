@@ -53,6 +53,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
 
+FLAGS = {
+    "amp_dtype": "--amp",
+    "capacity_bytes": "--capacity",
+    "device": "--device",
+    "gpu_fraction": "--gpu-fraction",
+    "input_shape": "--input-shape",
+    "image_size": "--image-size",
+    "max_micro_batch_size": "--max-micro-batch-size",
+    "seq_len": "--seq-len",
+    "store": "--store",
+    "world_size": "--world-size",
+}
+"""The library's parameter names whose flag is not the name with dashes (the one table); any
+other ``name`` is ``--name`` with ``_`` as ``-`` (``allow_inexact``: ``--allow-inexact``)."""
+
+
+def _flag_value(value: object) -> str:
+    """A library value as the flag takes it: ``bf16`` for bfloat16, ``3,224,224`` for a shape."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return _AMP_FLAG_VALUES.get(str(value), str(value))
+
 
 def _flag_wording(remedy: Remedy) -> str:
     """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``,
@@ -62,15 +84,14 @@ def _flag_wording(remedy: Remedy) -> str:
     """
     if not remedy.parameter:
         return remedy.purpose
-    flag = "--" + {"amp_dtype": "amp"}.get(remedy.parameter, remedy.parameter).replace("_", "-")
+    flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
     # ``is``: 1 == True, and --multiple-of 1 is no switch.
     if len(remedy.values) == 1 and remedy.values[0] is True:
         phrase = flag  # a switch
     elif len(remedy.values) == 1 and remedy.values[0] is False:
         phrase = f"a run without {flag}"  # a switch left off
     else:
-        values = (_AMP_FLAG_VALUES.get(str(v), str(v)) for v in remedy.values)
-        phrase = f"{flag} {' or '.join(values)}"
+        phrase = f"{flag} {' or '.join(map(_flag_value, remedy.values))}"
     return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
 
 
