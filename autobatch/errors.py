@@ -4,6 +4,7 @@ Every error autobatch raises on purpose derives from :class:`AutobatchError`::
 
     AutobatchError
     ├── ConfigError (also ValueError)  bad argument or input; names the value and the fix
+    │   ├── MissingExtraError          an optional dependency is not installed (also ImportError)
     │   └── PeerObjectError            a probed step needs another rank's data (faked collectives)
     ├── DeviceUnavailableError         no such device, no NVML/driver, device query failed
     ├── DoesNotFitError                the training step does not fit even at micro-batch 1
@@ -56,6 +57,7 @@ __all__ = [
     "DistributedError",
     "DoesNotFitError",
     "EstimateUnavailableError",
+    "MissingExtraError",
     "NoFeasiblePlanError",
     "PeerObjectError",
     "ProfileNotFoundError",
@@ -156,16 +158,24 @@ class DeviceUnavailableError(AutobatchError):
             fix); ``"device_unavailable"`` when nothing more specific is known.
     """
 
-    def __init__(self, message: str, *, reason: str = "device_unavailable") -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "device_unavailable",
+        remedies: Sequence[Remedy] = (),
+    ) -> None:
+        super().__init__(message, remedies=remedies)
         self.reason = reason
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_device_unavailable, (str(self), self.reason)
+        return _rebuild_device_unavailable, (self.message, self.reason, self.remedies)
 
 
-def _rebuild_device_unavailable(message: str, reason: str) -> DeviceUnavailableError:
-    return DeviceUnavailableError(message, reason=reason)
+def _rebuild_device_unavailable(
+    message: str, reason: str, remedies: Sequence[Remedy] = ()
+) -> DeviceUnavailableError:
+    return DeviceUnavailableError(message, reason=reason, remedies=remedies)
 
 
 class DoesNotFitError(AutobatchError):
@@ -254,6 +264,23 @@ class ProfileNotFoundError(StoreError, KeyError):
     def __str__(self) -> str:
         # KeyError.__str__ would quote the message; show it as every other StoreError does.
         return str(self.args[0])
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the
+    extra that installs it (:func:`autobatch.extras.require` raises it). Also an
+    ``ImportError``, as the failed import it stands for.
+
+    Attributes:
+        extra: the extra to install, e.g. ``"postgres"``.
+        module: the module that could not be imported, e.g. ``"psycopg"`` (also ``.name``).
+    """
+
+    def __init__(self, message: str, *, extra: str = "", module: str = "") -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.module = module
+        self.name = module
 
 
 class PeerObjectError(ConfigError):

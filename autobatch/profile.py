@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from autobatch.device.budget import MemoryBudget
 
 __all__ = [
+    "CONFIRMATION_STOP_REASON",
     "PROFILE_SCHEMA_VERSION",
     "GradientSync",
     "MemoryModel",
@@ -43,6 +44,10 @@ version 3 added the blocks that say where and under what a profile holds: ``budg
 ``conditions``, ``gradient_sync`` and ``node_name``, and the probe's wall time by part,
 ``timings``. Versions 1 and 2 are still read (a missing
 block reads as "not recorded"; a version 1 ``stop_kind`` is derived from ``stop_reason``)."""
+
+CONFIRMATION_STOP_REASON = "confirmation: "
+"""How the ``stop_reason`` of a profile confirming on arrival begins: one real trial at a
+micro-batch predicted from another card's profile (:mod:`autobatch.profiles.confirmation`)."""
 
 Method = Literal["estimate", "probe", "doubling"]
 StopKind = Literal["boundary", "limit", "failure"]
@@ -496,6 +501,12 @@ class Profile:
     def num_ooms(self) -> int:
         """Trials that ran out of memory."""
         return sum(trial.oom for trial in self.trials)
+
+    @property
+    def confirms_prediction(self) -> bool:
+        """True when ``max_micro_batch_size`` was predicted from another card's profile and
+        confirmed by one real trial here, not searched to this card's memory edge."""
+        return self.stop_reason.startswith(CONFIRMATION_STOP_REASON)
 
     # Read-only shorthands for the identity's fields (the public attributes of schema 1).
 

@@ -15,7 +15,7 @@ import re
 
 from autobatch.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["MIN_UNITLESS_CAPACITY_BYTES", "format_bytes", "parse_bytes", "parse_capacity"]
 
 _UNITS = {
     "": 1,
@@ -73,6 +73,45 @@ def parse_bytes(value: str | int) -> int:
     if number <= 0:
         raise ConfigError(f"memory size {value!r} must be more than 0 bytes")
     return number
+
+
+MIN_UNITLESS_CAPACITY_BYTES = 1 << 20
+"""The least a device's memory given as a bare number (bytes, no unit) may be: 1 MiB. Less is
+taken for a missing unit (``sim:3`` meant ``sim:3GiB``), not a device."""
+
+
+def parse_capacity(value: str | int, *, prefix: str = "") -> int:
+    """Parse a device's memory: :func:`parse_bytes`, refusing a bare number under 1 MiB.
+
+    The one parser of device and capacity sizes (``sim:SIZE``, the CLI's ``--capacity``). A
+    number without a unit is bytes; one under :data:`MIN_UNITLESS_CAPACITY_BYTES` is no
+    device's memory but a unit left off, so it is refused with the size it likely meant.
+    An ``int`` is bytes on purpose and is taken as it is.
+
+    Args:
+        value: e.g. ``"2GiB"``, ``"16 MiB"``, ``"1073741824"``, or an ``int`` of bytes.
+        prefix: what precedes the size where it was written (``"sim:"``), for the message.
+
+    Returns:
+        The capacity in bytes, > 0.
+
+    Raises:
+        ConfigError: as :func:`parse_bytes`, or a bare number under 1 MiB, e.g. ``"3"``:
+            "'sim:3' is 3 bytes ...; did you mean 'sim:3GiB'?".
+    """
+    num_bytes = parse_bytes(value)
+    if isinstance(value, int) or num_bytes >= MIN_UNITLESS_CAPACITY_BYTES:
+        return num_bytes
+    match = _PATTERN.match(value)
+    if match is None or match.group(2):
+        return num_bytes  # a unit was given: a small size meant as written
+    written = prefix + value.strip()
+    meant = written + ("GiB" if num_bytes < 1024 else "MiB")
+    raise ConfigError(
+        f"memory size {written!r} is {num_bytes} bytes (a number without a unit is bytes), "
+        f"too little for a device (under {format_bytes(MIN_UNITLESS_CAPACITY_BYTES)}); did you "
+        f"mean {meant!r}?"
+    )
 
 
 def format_bytes(num_bytes: int) -> str:

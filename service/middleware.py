@@ -9,8 +9,9 @@ order:
 - 413 for a body over ``max_body_bytes``: by ``Content-Length`` alone when it is the only
   framing, else counted while the body is buffered (chunked, or chunked and a length), before
   it is parsed;
-- each request is counted and timed under its route template (``/v1/profiles/{profile_id}``),
-  or ``"unmatched"`` for unknown paths, and its method or ``"other"``, so labels stay few; a
+- each request is counted and timed under its route template (``/v1/profiles/{profile_id}``,
+  ``/docs``), also when this gate answered it before the route ran (401, 413, 499), or
+  ``"unmatched"`` for a path no route has, and its method or ``"other"``, so labels stay few; a
   client that left before its body ended counts as 499 (and reaches no route).
 
 These checks live here rather than in FastAPI dependencies: a dependency is resolved per request
@@ -30,6 +31,7 @@ import secrets
 import time
 from typing import Any
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import Metrics
@@ -62,6 +64,42 @@ def _route_path(scope: Scope) -> str:
     path: str = scope["path"]
     root: str = scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _route_template(scope: Scope) -> str:
+    """The template of the route the request matched, for its metrics label.
+
+    FastAPI's routes record themselves in ``scope["route"]`` when they run; a request this gate
+    answered never reached one, and Starlette's plain routes (``/docs``, ``/openapi.json``,
+    ``/redoc``) record nothing, so the app's routes are matched here. A path matched for
+    another method (a 405) counts under that route; ``"unmatched"`` is a path no route has.
+    """
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return str(path)
+    routes: Any = getattr(getattr(scope.get("app"), "router", None), "routes", ())
+    return _match_template(scope, routes) or "unmatched"
+
+
+def _match_template(scope: Scope, routes: Any) -> str | None:
+    """The template of the first of ``routes`` that matches ``scope`` fully, else of the first
+    that matches but for the method; None when none does."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.NONE:
+            continue
+        included = getattr(route, "original_router", None)  # FastAPI's included router
+        # main.py includes each router without a prefix of its own: its routes' paths are whole.
+        template = (
+            _match_template(scope, included.routes)
+            if included is not None
+            else getattr(route, "path", None)
+        )
+        if template and match is Match.FULL:
+            return str(template)
+        partial = partial or template
+    return partial
 
 
 def _is_api(path: str) -> bool:
@@ -99,8 +137,7 @@ class ServiceMiddleware:
             elif replay is not None:
                 await self.app(scope, replay, send_counted)
         finally:
-            route: Any = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            template = _route_template(scope)
             method = scope["method"] if scope["method"] in _METHODS else "other"
             self.metrics.observe_request(method, template, status, time.perf_counter() - started)
 

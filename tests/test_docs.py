@@ -229,6 +229,36 @@ def test_every_relative_link_resolves(page: Path) -> None:
             assert anchor in _anchors(target), f"{page.name}: {link}: no such heading"
 
 
+def _lines_after_tables(text: str) -> list[tuple[int, str]]:
+    """Each line that directly follows a table row and is neither a row nor blank, with its
+    number: Markdown reads such a line as one more row of the table."""
+    found: list[tuple[int, str]] = []
+    in_fence = in_table = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            in_fence, in_table = not in_fence, False
+            continue
+        if in_fence:
+            continue
+        row = line.lstrip().startswith("|")
+        if in_table and not row and line.strip():
+            found.append((number, line))
+        in_table = row
+    return found
+
+
+def test_lines_after_tables_finds_a_paragraph_glued_to_a_table() -> None:
+    text = "| a | b |\n|---|---|\n| 1 | 2 |\nglued\n\n| c |\n|---|\n\napart\n```\n| x |\ny\n```\n"
+    assert _lines_after_tables(text) == [(4, "glued")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_paragraph_follows_a_table_row_without_a_blank_line(page: Path) -> None:
+    assert _lines_after_tables(page.read_text()) == [], (
+        f"{page.name}: add a blank line after the table"
+    )
+
+
 def test_the_readme_links_every_docs_page() -> None:
     linked = {Path(link) for link in re.findall(r"\]\((docs/[^)#]+)", README.read_text())}
     assert linked == {page.relative_to(ROOT) for page in DOCS.glob("*.md")}

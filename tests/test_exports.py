@@ -91,6 +91,7 @@ FACES = {
     "autobatch.device",
     "autobatch.distributed",
     "autobatch.errors",
+    "autobatch.extras",
     "autobatch.integrations",
     "autobatch.integrations.accelerate",
     "autobatch.integrations.hf",

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "autobatch"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "errors margin units",
+        "errors extras margin units",
         "device",
         "conditions profile",
         "distributed",

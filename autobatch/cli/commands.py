@@ -20,9 +20,19 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from autobatch.cli.parser import build_parser
+from autobatch.cli.output import (
+    Progress,
+    bytes_or_unknown,
+    flag_wording,
+    input_shapes,
+    print_budget,
+    print_limit_note,
+    print_plan,
+    print_table,
+)
+from autobatch.cli.parser import build_parser, unknown_arguments
 from autobatch.cli.plan_env import remote_plan, write_plan
-from autobatch.errors import AutobatchError, ConfigError, Remedy
+from autobatch.errors import AutobatchError, ConfigError
 from autobatch.units import format_bytes
 
 __all__ = ["build_parser", "main"]
@@ -35,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         args.args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(unknown_arguments(parser, extra))  # unknown flags before the command
     handler: Callable[[argparse.Namespace, TextIO], int] = _COMMANDS[args.command]
     try:
         code = handler(args, sys.stdout)
@@ -44,34 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except AutobatchError as exc:
-        print(f"autobatch: error: {exc.describe(_flag_wording)}", file=sys.stderr)
+        print(f"autobatch: error: {exc.describe(flag_wording)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
-
-
-_AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-def _flag_wording(remedy: Remedy) -> str:
-    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``,
-    ``a run without --eval``.
-
-    The one place the CLI words remedies (the library names them by Python argument).
-    """
-    if not remedy.parameter:
-        return remedy.purpose
-    flag = "--" + {"amp_dtype": "amp"}.get(remedy.parameter, remedy.parameter).replace("_", "-")
-    # ``is``: 1 == True, and --multiple-of 1 is no switch.
-    if len(remedy.values) == 1 and remedy.values[0] is True:
-        phrase = flag  # a switch
-    elif len(remedy.values) == 1 and remedy.values[0] is False:
-        phrase = f"a run without {flag}"  # a switch left off
-    else:
-        values = (_AMP_FLAG_VALUES.get(str(v), str(v)) for v in remedy.values)
-        phrase = f"{flag} {' or '.join(values)}"
-    return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
 
 
 def _stdout_closed() -> int:
@@ -93,10 +80,19 @@ def _output_format(args: argparse.Namespace) -> str:
     return "json" if getattr(args, "json", False) else str(getattr(args, "format", "text"))
 
 
-def _store(args: argparse.Namespace) -> Any:
+def _store(args: argparse.Namespace, *, writing: bool = False) -> Any:
+    """The store ``--store`` (else ``$AUTOBATCH_STORE``, else the default file) names.
+
+    A mistyped location is an error, never a new empty store: reading needs the store to exist,
+    and writing creates its file only in an existing folder, but for the default location's
+    (``~/.cache/autobatch``), which is made when missing.
+    """
+    from autobatch.profiles.location import STORE_ENV_VAR, Create
     from autobatch.profiles.store import ProfileStore
 
-    return ProfileStore(args.store)
+    default = args.store is None and not os.environ.get(STORE_ENV_VAR)
+    create: Create = "never" if not writing else ("folders" if default else "file")
+    return ProfileStore(args.store, create=create)
 
 
 def _devices(args: argparse.Namespace, out: TextIO) -> int:
@@ -114,9 +110,9 @@ def _devices(args: argparse.Namespace, out: TextIO) -> int:
         cuda = "-" if gpu.cuda_index is None else str(gpu.cuda_index)
         line = (
             f"nvml {gpu.nvml_index}  cuda {cuda}  {kind}{gpu.name}  {gpu.uuid}  "
-            f"total {_bytes_or_unknown(memory.total_memory_bytes)}  "
-            f"free {_bytes_or_unknown(memory.free_memory_bytes)}  "
-            f"used {_bytes_or_unknown(memory.used_memory_bytes)}"
+            f"total {bytes_or_unknown(memory.total_memory_bytes)}  "
+            f"free {bytes_or_unknown(memory.free_memory_bytes)}  "
+            f"used {bytes_or_unknown(memory.used_memory_bytes)}"
         )
         if memory.memory_source != "nvml":
             line += f"  ({memory.memory_source}: {gpu.memory_reason})"
@@ -124,29 +120,6 @@ def _devices(args: argparse.Namespace, out: TextIO) -> int:
             line += "  (not given to this container)"
         print(line, file=out)
     return 0
-
-
-def _print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
-    """Say so when the search stopped at a limit rather than at the memory's edge: the max
-    micro-batch printed is then a cap, not what fits. ``flag_limit`` is --max-micro-batch-size;
-    a smaller cap is the largest micro-batch a plan for the effective batch size can use."""
-    if profile.stop_kind != "limit":
-        return
-    size = profile.max_micro_batch_size
-    if size >= flag_limit:
-        cause = "the --max-micro-batch-size limit"
-        fix = "raise the limit to search further"
-    else:
-        cause = "the largest a plan for this effective batch size uses"
-        fix = "nothing larger was tried"
-    print(
-        f"note: {size} is {cause}, not the memory's: larger micro-batches may fit; {fix}",
-        file=out,
-    )
-
-
-def _bytes_or_unknown(num_bytes: int | None) -> str:
-    return "unknown" if num_bytes is None else format_bytes(num_bytes)
 
 
 def _amp(args: argparse.Namespace) -> Any:
@@ -181,11 +154,11 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
         print(json.dumps(profile.to_dict(), indent=2), file=out)
         return 0
     model_line = profile.memory_model
-    print(f"model            {spec.name} ({_input(profile.input_shape)})", file=out)
+    print(f"model            {spec.name} ({input_shapes(profile.input_shape)})", file=out)
     print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
     print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
     print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
-    _print_limit_note(profile, out, flag_limit=args.max_micro_batch_size)
+    print_limit_note(profile, out, flag_limit=args.max_micro_batch_size)
     if model_line is not None:
         print(
             f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
@@ -202,7 +175,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     target = resolve_device(_tune_device(args))
     spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
-    progress = _Progress(enabled=fmt == "text")
+    progress = Progress(enabled=fmt == "text")
+    store = None if args.no_store else _store(args, writing=True)
     try:
         tuned = tune_request(
             TuneRequest(
@@ -215,7 +189,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
                 amp_dtype=_amp(args),
                 safety_margin=args.safety_margin,
                 max_micro_batch_size=args.max_micro_batch_size,
-                store=args.store,
+                store=store,
                 use_store=not args.no_store,
                 refresh=args.refresh,
                 report_to=args.report_to,
@@ -227,7 +201,9 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         )
     finally:
         progress.close()
-    _print_plan(
+        if store is not None:
+            store.close()
+    print_plan(
         tuned.plan,
         fmt,
         out,
@@ -315,7 +291,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         if args.env or args.output:
             write_plan(result.to_dict(), None, args.output, out)
         else:
-            _print_plan(result, fmt, out)
+            print_plan(result, fmt, out)
         return 0
     if args.env or args.output:
         raise ConfigError("--env and --output take a single --world-size")
@@ -324,40 +300,9 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     request = PlanRequest(
         world_sizes=tuple(args.world_size), capacity_bytes=capacity, **_plan_options(args)
     )
-    options = budgeted_table(limit, request, budget=budget, source=source)
-    if fmt == "json":
-        rows = [
-            {
-                "world_size": o.world_size,
-                "plan": None if o.plan is None else o.plan.to_dict(),
-                "reason": o.describe(_flag_wording),
-            }
-            for o in options
-        ]
-        print(json.dumps(rows, indent=2), file=out)
-        return 0
-    print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
-    for option in options:
-        if option.plan is None:
-            print(
-                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {option.describe(_flag_wording)}",
-                file=out,
-            )
-            continue
-        p = option.plan
-        seconds = p.predicted_seconds_per_effective_batch
-        note = "" if seconds is None else f"{seconds:.3f} s per effective batch"
-        if p.prediction is not None:  # the max micro-batch is predicted, not measured
-            found = p.prediction.largest_measured_micro_batch_size
-            where = "past" if p.max_micro_batch_size > found else "below"
-            note = "; ".join(filter(None, (note, f"{p.source}: {where} measured {found}")))
-        sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
-        print(
-            f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
-            file=out,
-        )
-    if budget is not None and args.gpu_fraction is not None:  # after the table, which is first
-        _print_budget(budget, out)
+    print_table(budgeted_table(limit, request, budget=budget, source=source), fmt, out)
+    if fmt == "text" and budget is not None and args.gpu_fraction is not None:
+        print_budget(budget, out)  # after the table, which comes first
     return 0
 
 
@@ -373,7 +318,7 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
     if fmt == "json":
         print(json.dumps(answer, indent=2), file=out)
         return 0
-    _print_plan(Plan.from_dict(answer["plan"]), fmt, out)
+    print_plan(Plan.from_dict(answer["plan"]), fmt, out)
     selection = answer.get("selection")
     if fmt == "text" and selection is not None:
         print(
@@ -384,106 +329,6 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
         for reason in selection["reasons"]:
             print(f"note: {reason}", file=out)
     return 0
-
-
-def _print_budget(budget: Any, out: TextIO) -> None:
-    """The memory budget: the deciding source and the sharing mode, every source, warnings."""
-    print(f"memory budget                {budget.describe()}", file=out)
-    for reading in budget.readings:
-        of = (
-            f"{format_bytes(reading.available_bytes)} usable of {format_bytes(reading.total_bytes)}"
-        )
-        print(f"  {reading.source:<26} {of}", file=out)
-    if budget.unseen_sources:
-        print(f"  not seen                   {', '.join(budget.unseen_sources)}", file=out)
-    if budget.fits_now is not None:
-        free = format_bytes(budget.free_now_bytes or 0)
-        print(
-            f"fits now                     {'yes' if budget.fits_now else 'no'} ({free} free)",
-            file=out,
-        )
-    if budget.trials_per_gpu is not None:
-        print(f"trials per GPU               {budget.trials_per_gpu}", file=out)
-    for warning in budget.warnings:
-        print(f"warning: {warning}", file=out)
-
-
-def _print_plan(
-    result: Any,
-    fmt: str,
-    out: TextIO,
-    *,
-    profile: Any = None,
-    eval_profile: Any = None,
-    flag_limit: int = 0,
-) -> None:
-    from autobatch.integrations.configs import format_config
-
-    if fmt == "json":
-        data = {"plan": result.to_dict()}
-        if profile is not None:
-            data["profile"] = profile.to_dict()
-        if eval_profile is not None:
-            data["eval_profile"] = eval_profile.to_dict()
-        print(json.dumps(data, indent=2), file=out)
-        return
-    if fmt != "text":
-        print(format_config(result, fmt), file=out)  # type: ignore[arg-type]
-        return
-    if profile is not None:
-        print(
-            f"device           {profile.device_name} "
-            f"({format_bytes(profile.capacity_bytes)} usable of "
-            f"{format_bytes(profile.total_memory_bytes)})",
-            file=out,
-        )
-        print(
-            f"max micro-batch  {profile.max_micro_batch_size}  "
-            f"(recommended {profile.recommended_micro_batch_size}; {profile.num_trials} trials, "
-            f"{profile.num_ooms} OOM, {profile.method})",
-            file=out,
-        )
-        if profile.timings is not None:
-            print(f"probe time       {profile.timings.describe()}", file=out)
-        _print_limit_note(profile, out, flag_limit=flag_limit)
-    print(f"micro_batch_size             {result.micro_batch_size}", file=out)
-    print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)
-    print(f"world_size                   {result.world_size}", file=out)
-    print(f"effective_batch_size         {result.effective_batch_size}", file=out)
-    if result.eval_micro_batch_size is not None:
-        print(f"eval_micro_batch_size        {result.eval_micro_batch_size}", file=out)
-    if len(set(result.micro_batch_sizes)) > 1:
-        print(f"micro_batch_sizes            {list(result.micro_batch_sizes)}", file=out)
-    if not result.exact:
-        print(f"requested                    {result.requested_effective_batch_size}", file=out)
-    if result.predicted_peak_memory_bytes is not None:
-        print(
-            f"predicted peak               {format_bytes(result.predicted_peak_memory_bytes)}",
-            file=out,
-        )
-    print(f"source                       {result.source}", file=out)
-    if result.budget is not None:
-        _print_budget(result.budget, out)
-    if result.prediction is not None:
-        found = result.prediction
-        fit = (
-            f"{found.num_fit_points} points, largest residual "
-            f"{format_bytes(found.fit_residual_bytes)}"
-            if found.num_fit_points
-            else "the profile's stored line"
-        )
-        where = (
-            "past"
-            if result.max_micro_batch_size > found.largest_measured_micro_batch_size
-            else "below"
-        )
-        print(
-            f"largest measured             {found.largest_measured_micro_batch_size} "
-            f"(predicted {where} it: {fit}; margin +{found.margin:.0%})",
-            file=out,
-        )
-    for note in result.notes:
-        print(f"note: {note}", file=out)
 
 
 def _profiles(args: argparse.Namespace, out: TextIO) -> int:
@@ -506,7 +351,7 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
                     str(p.max_micro_batch_size),
                     p.mode,
                     p.optimizer or "-",
-                    _input(p.input_shape),
+                    input_shapes(p.input_shape),
                     p.model_fingerprint,
                 )
                 for pid, p in rows
@@ -526,51 +371,15 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
         return 0
 
 
-_SERVICE_EXTRA = "pip install -e '.[service]' in the autobatch checkout"
-"""From the checkout: the name ``autobatch`` on PyPI is another project's."""
-
-
 def _serve(args: argparse.Namespace, out: TextIO) -> int:
-    try:
-        from service.__main__ import main as serve_main
-    except ImportError as exc:
-        raise ConfigError(f"the service needs its extras: {_SERVICE_EXTRA} ({exc})") from exc
+    from autobatch.extras import require
+
+    # service/__init__ requires its extra's modules: a missing one is named, not a traceback.
+    serve_main = require("service.__main__", extra="service", purpose="autobatch serve").main
     forwarded = list(args.args)
     if args.store and "--store-path" not in forwarded:
         forwarded += ["--store-path", args.store]
-    try:
-        return int(serve_main(forwarded))
-    except ImportError as exc:  # fastapi/uvicorn are imported when the server starts
-        raise ConfigError(f"the service needs its extras: {_SERVICE_EXTRA} ({exc})") from exc
-
-
-def _input(shapes: Any) -> str:
-    """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``."""
-    return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
-
-
-class _Progress:
-    """One tqdm line per probe (to stderr); silent when disabled (``--json``, configs)."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self._enabled = enabled
-        self._bar: Any = None
-
-    def trial(self, trial: Any) -> None:
-        if not self._enabled:
-            return
-        if self._bar is None:  # created at the first trial: a cached answer shows no bar
-            from tqdm import tqdm
-
-            self._bar = tqdm(desc="probing", unit="trial", file=sys.stderr, leave=True)
-        outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
-        peak = format_bytes(trial.peak_reserved_bytes) if trial.fits else "-"
-        self._bar.set_postfix_str(f"micro-batch {trial.micro_batch_size} {outcome}, peak {peak}")
-        self._bar.update(1)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+    return int(serve_main(forwarded))
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {

@@ -1,7 +1,10 @@
 """The ``autobatch`` command's arguments: the subcommands, their flags, and each flag's type.
 
 Only parsing: the values are checked as argparse types (a bad one exits 2 naming it); what the
-commands do with them is :mod:`autobatch.cli.commands`'s.
+commands do with them is :mod:`autobatch.cli.commands`'s. A parsing error is one line and a
+pointer to ``--help``, never the whole usage: a mistyped flag names the nearest one
+(``unknown option --effective-batchsize; did you mean --effective-batch-size?``), and a global
+flag given after the command says where it goes.
 
 Example::
 
@@ -12,18 +15,119 @@ Example::
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from autobatch import __version__
 from autobatch.cli.plan_env import parse_condition
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
-from autobatch.units import parse_bytes
+from autobatch.units import parse_capacity
 
-__all__ = ["FORMATS", "build_parser"]
+__all__ = ["FORMATS", "build_parser", "unknown_arguments"]
 
 FORMATS = ("text", "json", "deepspeed", "hf", "lightning")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors that name the nearest flag or command.
+
+    Python 3.11's argparse has no ``suggest_on_error``; this is the one place the command line
+    suggests. Subcommands are built of this class too (argparse's default ``parser_class``).
+    """
+
+    global_options: tuple[str, ...] = ()
+    """The top-level parser's flags (``--store``), which a subcommand's error points back to."""
+    passes_unknown = False
+    """True for ``serve``, which hands the arguments it does not know to the service."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and not self.passes_unknown and not self._commands():
+            self.error(unknown_arguments(self, extras))
+        assert parsed is not None
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        """Exit 2 with ``PROG: error: MESSAGE`` and one line pointing to ``--help``.
+
+        A mistyped flag makes argparse complain of what it lacks (a required flag, a command);
+        the mistyped flag is the cause, so it is named instead.
+        """
+        unknown = _unknown_options(self, getattr(self, "_given", []))
+        if unknown and (not message.startswith("argument ") or "invalid choice" in message):
+            message = unknown_arguments(self, unknown)
+        choice = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+        if choice is not None:
+            near = difflib.get_close_matches(choice[2], self._commands() or (), n=1)
+            if near:
+                message += f"; did you mean {near[0]!r}?"
+        self.exit(2, f"{self.prog}: error: {message}\ntry '{self.prog} --help'\n")
+
+    def _commands(self) -> list[str]:
+        """This parser's subcommand names, empty for a leaf."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return list(action.choices)
+        return []
+
+
+def _known(parser: argparse.ArgumentParser, option: str) -> bool:
+    """True when ``option`` is one of the parser's flags or (argparse abbreviates) the start of
+    exactly one of them."""
+    flags = parser._option_string_actions
+    return option in flags or sum(flag.startswith(option) for flag in flags) == 1
+
+
+def _unknown_options(parser: _Parser, given: Sequence[str]) -> list[str]:
+    """The flags in ``given`` that ``parser`` does not know, each with the value after it;
+    for a parser with subcommands, only those before the command."""
+    commands = parser._commands()
+    unknown: list[str] = []
+    for index, token in enumerate(given):
+        if token in commands or token == "--":
+            break
+        option = token.partition("=")[0]
+        if option.startswith("-") and not _NUMBER.match(option) and not _known(parser, option):
+            unknown.extend(given[index : index + 2])
+    return unknown
+
+
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """The error for arguments ``parser`` did not take: the first unknown flag with the nearest
+    known one (or where it goes, for a global flag given after the command), else the stray
+    values.
+
+    Args:
+        parser: the (sub)command's parser that was left with ``extras``.
+        extras: what it did not take, in order, e.g. ``["--effective-batchsize", "96"]``.
+    """
+    for token in extras:
+        option = token.partition("=")[0]
+        if not option.startswith("-") or _NUMBER.match(option):
+            continue
+        global_options = getattr(parser, "global_options", ())
+        if option in global_options:
+            index = list(extras).index(token)
+            value = extras[index + 1 : index + 2] if "=" not in token else []
+            moved = " ".join([token, *value])
+            command = parser.prog.partition(" ")[2]
+            return f"{option} goes before the command: autobatch {moved} {command} ..."
+        flags = sorted({flag for flag in parser._option_string_actions if flag.startswith("--")})
+        near = difflib.get_close_matches(option, flags, n=1, cutoff=0.65)
+        if near:
+            return f"unknown option {option}; did you mean {near[0]}?"
+        return f"unknown option {option}; the flags are {', '.join(flags)}"
+    return f"unexpected argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}"
 
 
 def _positive_int(text: str) -> int:
@@ -50,7 +154,7 @@ def _int_list(text: str) -> list[int]:
 
 def _bytes(text: str) -> int:
     try:
-        return parse_bytes(text)
+        return parse_capacity(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -177,9 +281,25 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
             "parallelism)",
         )
-    parser.add_argument("--multiple-of", type=_positive_int, default=1)
-    parser.add_argument("--max-gradient-accumulation-steps", type=_positive_int)
-    parser.add_argument("--uneven", choices=("auto", "never", "always"), default="auto")
+    parser.add_argument(
+        "--multiple-of",
+        type=_positive_int,
+        default=1,
+        help="every micro-batch size a multiple of this, e.g. 8 for tensor cores (default 1; "
+        "above 1 rules out unequal sizes)",
+    )
+    parser.add_argument(
+        "--max-gradient-accumulation-steps",
+        type=_positive_int,
+        help="the most accumulation steps per optimizer step (default: no bound)",
+    )
+    parser.add_argument(
+        "--uneven",
+        choices=("auto", "never", "always"),
+        default="auto",
+        help="micro-batches of unequal sizes (differing by 1, losses weighted by samples): auto "
+        "when equal ones need more steps (default), never, or always the fewest steps",
+    )
     parser.add_argument(
         "--allow-inexact", action="store_true", help="reach the nearest effective batch size"
     )
@@ -189,7 +309,7 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole flag set: global options, then one subparser per command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="autobatch", description="Memory-aware micro-batch auto-tuner for PyTorch training."
     )
     parser.add_argument(
@@ -197,16 +317,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile store: a file, :memory: or a postgresql:// URL (default $AUTOBATCH_STORE)",
     )
     parser.add_argument("--version", action="version", version=f"autobatch {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)"
+    )
 
     devices = commands.add_parser("devices", help="list GPUs via NVML")
-    devices.add_argument("--json", action="store_true")
+    devices.add_argument("--json", action="store_true", help="print JSON")
 
     estimate = commands.add_parser("estimate", help="largest micro-batch, on fake tensors")
     _add_model_args(estimate)
     estimate.add_argument("--capacity", type=_bytes, required=True, help="e.g. 80GiB")
-    estimate.add_argument("--json", action="store_true")
+    estimate.add_argument("--json", action="store_true", help="print the profile as JSON")
 
+    _add_tune_command(commands)
+    _add_plan_command(commands)
+    _add_profiles_command(commands)
+
+    # The service owns its flags (service.settings); `autobatch serve --help` lists them.
+    serve = commands.add_parser(
+        "serve", help="run the HTTP service (see serve --help)", add_help=False
+    )
+    serve.passes_unknown = True
+    _point_back(parser)
+    return parser
+
+
+def _add_tune_command(commands: Any) -> None:
+    """``tune``: probe the device, then plan."""
     tune = commands.add_parser("tune", help="probe the device, then plan")
     _add_model_args(tune)
     _add_plan_args(tune, world_sizes=False)
@@ -229,9 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also probe the evaluation micro-batch (forward under inference_mode, eval mode)",
     )
 
+
+def _add_plan_command(commands: Any) -> None:
+    """``plan``: from a size, a stored profile, a capacity, or a service's profiles."""
     plan = commands.add_parser("plan", help="plan from a size, a stored profile or a capacity")
     source = plan.add_mutually_exclusive_group(required=True)
-    source.add_argument("--max-micro-batch-size", type=_positive_int)
+    source.add_argument(
+        "--max-micro-batch-size", type=_positive_int, help="the largest micro-batch that fits"
+    )
     source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
     source.add_argument(
         "--model-fingerprint",
@@ -264,15 +406,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the export lines to this file (JSON for a .json path) instead of stdout",
     )
 
-    profiles = commands.add_parser("profiles", help="stored profiles")
-    actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = actions.add_parser("list")
-    listing.add_argument("--json", action="store_true")
-    show = actions.add_parser("show")
-    show.add_argument("profile_id")
-    delete = actions.add_parser("delete")
-    delete.add_argument("profile_id")
 
-    # The service owns its flags (service.settings); `autobatch serve --help` lists them.
-    commands.add_parser("serve", help="run the HTTP service (see serve --help)", add_help=False)
-    return parser
+def _add_profiles_command(commands: Any) -> None:
+    """``profiles list|show|delete``."""
+    profiles = commands.add_parser("profiles", help="stored profiles")
+    actions = profiles.add_subparsers(
+        dest="action", required=True, metavar="ACTION", help="what to do with them"
+    )
+    listing = actions.add_parser("list", help="one line per stored profile, newest first")
+    listing.add_argument("--json", action="store_true", help="print the profiles as JSON")
+    show = actions.add_parser("show", help="one profile, as JSON")
+    show.add_argument("profile_id", help="its id (see autobatch profiles list)")
+    delete = actions.add_parser("delete", help="remove one profile from the store")
+    delete.add_argument("profile_id", help="its id (see autobatch profiles list)")
+
+
+def _point_back(parser: _Parser) -> None:
+    """Tell every subcommand's parser the global flags, for its error on one given after it."""
+    global_options = tuple(f for f in parser._option_string_actions if f.startswith("--"))
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        current.global_options = global_options
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())

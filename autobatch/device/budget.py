@@ -291,9 +291,9 @@ _UNSEEN = {
     "cuda_runtime": (
         "the CUDA runtime (torch.cuda.mem_get_info) was not read: a sharing layer in the job's "
         "container (HAMi, a vGPU device plugin, a fractional-GPU scheduler) would limit the job "
-        "below this budget unseen; give gpu_fraction, or the limit the job gets as its capacity "
-        "(the service's device.capacity_bytes), or tune inside the job (autobatch.autotune "
-        "reads it)"
+        "below this budget unseen; declare the share of the card the job gets (the GPU "
+        "fraction), or plan for the limit the job gets as its capacity, or tune inside the job "
+        "(where the runtime is read)"
     ),
 }
 

@@ -40,7 +40,7 @@ from autobatch.device.budget import (
 )
 from autobatch.device.nvml import Nvml, default_nvml
 from autobatch.device.types import Capacity, GpuInfo, PeakMemory
-from autobatch.errors import DeviceUnavailableError
+from autobatch.errors import DeviceUnavailableError, Remedy
 
 __all__ = ["CudaDevice", "usable_capacity"]
 
@@ -199,8 +199,11 @@ class CudaDevice:
         if not torch.cuda.is_available():
             raise DeviceUnavailableError(
                 f"CUDA is not available to torch {torch.__version__} (built for CUDA "
-                f"{torch.version.cuda or 'none: a CPU-only build'}); use --device cpu or "
-                "--device sim:SIZE, or install a CUDA build of torch on a machine with a GPU."
+                f"{torch.version.cuda or 'none: a CPU-only build'})",
+                remedies=[
+                    Remedy(parameter="device", values=("cpu", "sim:SIZE")),
+                    Remedy(purpose="a CUDA build of torch on a machine with a GPU"),
+                ],
             )
         num_devices = torch.cuda.device_count()
         if not 0 <= cuda_index < num_devices:

@@ -44,8 +44,9 @@ def parse_device(text: str) -> ParsedDevice:
 
     Args:
         text: ``"cuda:N"`` (``"cuda"`` is ``"cuda:0"``), ``"cpu"``, or ``"sim:SIZE"`` with a memory
-            size such as ``"sim:2GiB"`` (see :func:`autobatch.units.parse_bytes`); surrounding
-            blanks are ignored.
+            size such as ``"sim:2GiB"`` (see :func:`autobatch.units.parse_capacity`: a bare
+            number under 1 MiB, ``"sim:3"``, is refused as a unit left off); surrounding blanks
+            are ignored.
 
     Raises:
         ConfigError: anything else (names the value and the accepted forms).
@@ -56,11 +57,11 @@ def parse_device(text: str) -> ParsedDevice:
         )
     kind, sep, rest = text.strip().partition(":")
     if kind == "sim":
-        from autobatch.units import parse_bytes
+        from autobatch.units import parse_capacity
 
         if not rest.strip():
             raise ConfigError(f"device {text!r}: give the simulated capacity, e.g. 'sim:2GiB'")
-        return ParsedDevice(type="sim", capacity_bytes=parse_bytes(rest.strip()))
+        return ParsedDevice(type="sim", capacity_bytes=parse_capacity(rest.strip(), prefix="sim:"))
     if kind == "cpu" and not sep:
         return ParsedDevice(type="cpu")
     if kind == "cuda":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, Remedy
 from autobatch.planning.planner import Plan
 
 __all__ = [
@@ -40,9 +40,18 @@ def _require_equal_sizes(plan: Plan, framework: str) -> None:
     if plan.micro_batch_sizes[0] != plan.micro_batch_sizes[-1]:
         raise ConfigError(
             f"{framework} takes one micro-batch size, but this plan has unequal micro-batches "
-            f"({plan.micro_batch_sizes[0]} and {plan.micro_batch_sizes[-1]}); plan again with "
-            "uneven='never' (equal sizes, maybe more accumulation steps), or run the loop with "
-            "autobatch's accumulation helper, which weights losses by micro-batch size"
+            f"({plan.micro_batch_sizes[0]} and {plan.micro_batch_sizes[-1]})",
+            remedies=[
+                Remedy(
+                    parameter="uneven",
+                    values=("never",),
+                    purpose="equal sizes, maybe more accumulation steps",
+                ),
+                Remedy(
+                    purpose="autobatch's Accumulator in the loop, which weights losses by "
+                    "micro-batch size"
+                ),
+            ],
         )
 
 

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
+from autobatch.extras import require
 from autobatch.integrations.dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
@@ -181,6 +182,7 @@ def autotune_trainer(
 def _check_when_training_starts(trainer: Any, plan: Plan, amp_dtype: torch.dtype | None) -> None:
     """Add a callback that compares ``plan``'s conditions with the process's when ``train()``
     begins (its optimizer created, activation checkpointing turned on): one per Trainer."""
+    require("transformers", extra="hf", purpose="autotune_trainer")
     from transformers import TrainerCallback
 
     class PlanConditionsCheck(TrainerCallback):

@@ -25,14 +25,11 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
-from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
-from torchmetrics import Metric
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
+from autobatch.extras import needs_extra
 from autobatch.integrations.dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
@@ -47,6 +44,12 @@ from autobatch.integrations.dropins import (
 from autobatch.planning.planner import Plan
 from autobatch.probing.conditions import check_plan_here
 from autobatch.probing.snapshot import preserved_rng
+
+with needs_extra("lightning", purpose="autobatch.integrations.lightning"):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+    from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+    from torchmetrics import Metric
 
 __all__ = ["AutobatchFinder"]
 

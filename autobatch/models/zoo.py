@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, Remedy
+from autobatch.extras import require
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "load_model"]
 
@@ -88,14 +89,8 @@ class ModelSpec:
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ConfigError(
-            "built-in models need transformers: pip install -e '.[models]' in the autobatch "
-            "checkout (the name autobatch on PyPI is another project's)"
-        ) from exc
-    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers = require("transformers", extra="models", purpose="a built-in model")
+    transformers.logging.set_verbosity_error()
     return transformers
 
 
@@ -129,7 +124,7 @@ def _bert(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
 def _vit(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     if image_size % 16:
-        raise ConfigError(f"--image-size {image_size} must be a multiple of the patch size 16")
+        raise ConfigError(f"image size {image_size} must be a multiple of the patch size 16")
     config = tf.ViTConfig(image_size=image_size, num_labels=1000)
     sample = {
         "pixel_values": torch.randn(1, 3, image_size, image_size),
@@ -158,7 +153,7 @@ def _seq_len(seq_len: int | None, limit: int) -> int:
     if seq_len is None:
         return limit
     if not 1 <= seq_len <= limit:
-        raise ConfigError(f"--seq-len {seq_len} must be in 1..{limit} for this model")
+        raise ConfigError(f"sequence length {seq_len} must be in 1..{limit} for this model")
     return seq_len
 
 
@@ -220,8 +215,13 @@ def load_model(
     if isinstance(built, torch.nn.Module):
         if input_shape is None:
             raise ConfigError(
-                f"factory {name!r} returned a bare model; give --input-shape (one sample's shape, "
-                "e.g. 3,224,224) or return {'model': ..., 'sample': ...}"
+                f"factory {name!r} returned a bare model and no sample",
+                remedies=[
+                    Remedy(
+                        parameter="input_shape", values=((3, 224, 224),), purpose="one sample's"
+                    ),
+                    Remedy(purpose="a factory that returns {'model': ..., 'sample': ...}"),
+                ],
             )
         return ModelSpec(
             name=name,

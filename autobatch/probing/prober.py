@@ -77,7 +77,14 @@ from autobatch.probing.snapshot import Snapshot, objects_frozen
 from autobatch.probing.step import LossFn, TrainStep
 from autobatch.probing.trials import TrialLog, TrialRunner
 from autobatch.probing.worst_case import WorstCaseSample
-from autobatch.profile import MemoryModel, ProbeTimings, Profile, StopKind, Trial
+from autobatch.profile import (
+    CONFIRMATION_STOP_REASON,
+    MemoryModel,
+    ProbeTimings,
+    Profile,
+    StopKind,
+    Trial,
+)
 from autobatch.units import format_bytes
 
 __all__ = [
@@ -339,7 +346,9 @@ class Prober:
         trial = self.log.trials[-1]
         if not trial.fits:
             return trial, None
-        stop = f"confirmation: micro-batch {size}, predicted from another card, fits here"
+        stop = (
+            f"{CONFIRMATION_STOP_REASON}micro-batch {size}, predicted from another card, fits here"
+        )
         # The boundary is the prediction's (from the other card's line), not this trial's limit.
         profile = self._profile(agreed_capacity, prior, size, stop, "boundary")
         return trial, profile if profile.recommended_micro_batch_size == size else None

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import StoreError
-from autobatch.profiles.location import STORE_ENV_VAR, StoreLocation
+from autobatch.profiles.location import Create, StoreLocation, prepare_file
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -47,7 +47,9 @@ class StoreConnection:
             damaged. It is left untouched in every case.
     """
 
-    def __init__(self, location: StoreLocation, *, timeout_seconds: float) -> None:
+    def __init__(
+        self, location: StoreLocation, *, timeout_seconds: float, create: Create = "folders"
+    ) -> None:
         self.location = location
         self.display = location.display
         """Where the store is, as it may be shown: the file, or the URL without its password."""
@@ -58,13 +60,7 @@ class StoreConnection:
         path = location.path
         on_disk = path is not None and not location.in_memory
         if path is not None and on_disk:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create the directory for the profile store {path}: {exc}; "
-                    f"set {STORE_ENV_VAR} to a writable location"
-                ) from exc
+            prepare_file(path, create)
         from autobatch.profiles.engine import file_identity, make_engine, use_wal
 
         self._engine: sa.Engine | None = None

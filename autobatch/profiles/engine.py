@@ -79,6 +79,12 @@ def make_engine(location: StoreLocation, *, timeout_seconds: float) -> sa.Engine
     from sqlalchemy import event, pool
 
     if location.backend == "postgresql":
+        from autobatch.extras import require
+
+        # SQLAlchemy imports the driver inside create_engine; a missing one is named here.
+        require(
+            "psycopg", extra="postgres", purpose=f"the PostgreSQL profile store {location.display}"
+        )
         timeout_ms = max(1, int(timeout_seconds * 1000))
         return sa.create_engine(
             location.url,

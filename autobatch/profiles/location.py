@@ -23,13 +23,26 @@ import os
 import pathlib
 import re
 import urllib.parse
+from typing import Literal
 
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, StoreError
 
-__all__ = ["STORE_ENV_VAR", "StoreLocation", "default_store_path", "parse_location", "redact"]
+__all__ = [
+    "STORE_ENV_VAR",
+    "Create",
+    "StoreLocation",
+    "default_store_path",
+    "parse_location",
+    "prepare_file",
+    "redact",
+]
 
 STORE_ENV_VAR = "AUTOBATCH_STORE"
 """The one variable every entry point (library, CLI, service) reads for the store's location."""
+
+Create = Literal["folders", "file", "never"]
+"""What opening a SQLite store may create: its file and missing folders, its file in an existing
+folder only, or nothing (the store must exist)."""
 
 MEMORY = ":memory:"
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")  # 2+ letters: never "C://"
@@ -153,3 +166,33 @@ def _sqlite_memory() -> StoreLocation:
     return StoreLocation(
         backend="sqlite", path=pathlib.Path(MEMORY), url="sqlite://", display=MEMORY
     )
+
+
+def prepare_file(path: pathlib.Path, create: Create) -> None:
+    """Check that a SQLite store's file may be opened under ``create``; make its folders when
+    ``create`` is ``"folders"``.
+
+    Raises:
+        ConfigError: ``create`` is not one of the three.
+        StoreError: the file (``"never"``) or its folder (``"file"``) does not exist, or the
+            folders cannot be made.
+    """
+    if create not in ("folders", "file", "never"):
+        raise ConfigError(f"create={create!r} is not one of 'folders', 'file', 'never'")
+    if create == "never" and not path.exists():
+        raise StoreError(
+            f"no profile store at {path}: check the location for a typo; a probe's store is "
+            "created where it first stores a profile"
+        )
+    if create == "file" and not path.parent.is_dir():
+        raise StoreError(
+            f"no folder {path.parent} for the profile store {path}: check the location for a "
+            "typo, or create the folder first"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot create the directory for the profile store {path}: {exc}; "
+            f"set {STORE_ENV_VAR} to a writable location"
+        ) from exc

@@ -49,6 +49,7 @@ from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 from autobatch.profiles.connection import StoreConnection
 from autobatch.profiles.location import (
     STORE_ENV_VAR,
+    Create,
     StoreLocation,
     default_store_path,
     parse_location,
@@ -93,16 +94,22 @@ class ProfileStore:
     Args:
         location: a SQLite file, ``":memory:"`` (tests), ``sqlite:///FILE`` or
             ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB``; None means ``$AUTOBATCH_STORE``,
-            else ``~/.cache/autobatch/profiles.sqlite3``. A SQLite file's missing parent
-            directories are created.
+            else ``~/.cache/autobatch/profiles.sqlite3``.
         timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
             connection) before giving up, in seconds.
+        create: what opening a SQLite file may create, so that a mistyped location is an error
+            rather than a new empty store: ``"folders"`` (the default) the file and its missing
+            parent directories, ``"file"`` the file in an existing directory only, ``"never"``
+            nothing (for reading: the file must exist). A PostgreSQL database must exist in
+            every case (its tables are created in it).
 
     Raises:
-        ConfigError: the location is a URL of another scheme (``mysql://``...).
+        ConfigError: the location is a URL of another scheme (``mysql://``...), or ``create``
+            is none of the three.
         StoreError: the store cannot be opened or created (permissions, a directory in the way,
-            no server), is not an autobatch store, was written by a newer autobatch, or is
-            damaged. It is left untouched in every case.
+            no server), does not exist where ``create`` forbids creating it, is not an autobatch
+            store, was written by a newer autobatch, or is damaged. It is left untouched in
+            every case.
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class ProfileStore:
         location: str | os.PathLike[str] | None = None,
         *,
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
+        create: Create = "folders",
     ) -> None:
         self._location: StoreLocation = parse_location(location)
         self.path: pathlib.Path | None = self._location.path
@@ -120,7 +128,9 @@ class ProfileStore:
         """``"sqlite"`` or ``"postgresql"``."""
         self.num_unreadable_rows = 0
         """Rows skipped by listings since the store was opened, as they did not decode."""
-        self._db = StoreConnection(self._location, timeout_seconds=timeout_seconds)
+        self._db = StoreConnection(
+            self._location, timeout_seconds=timeout_seconds, create=create
+        )
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"

@@ -17,6 +17,7 @@ from autobatch.cli import main
 from autobatch.device import Capacity, nvml
 from autobatch.device.nvml import Nvml
 from autobatch.errors import ConfigError, DeviceUnavailableError
+from autobatch.profiles import ProfileStore
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
 
@@ -419,6 +420,7 @@ def test_profiles_show_and_delete_unknown(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     store = str(tmp_path / "s.sqlite3")
+    ProfileStore(store).close()  # an empty store: reading a missing one is another error
     code, _, err = run(capsys, "--store", store, "profiles", "show", "nope")
     assert code == 1 and "nope" in err
     code, _, err = run(capsys, "--store", store, "profiles", "delete", "nope")

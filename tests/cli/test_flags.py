@@ -97,3 +97,26 @@ def _flags(parser: argparse.ArgumentParser, command: tuple[str, ...] = ()) -> di
 
 def test_every_command_has_exactly_the_pinned_flags() -> None:
     assert _flags(build_parser()) == FLAGS
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, command: tuple[str, ...] = ()
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(" ".join(command) or "autobatch", parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _parsers(sub, (*command, name))
+    return found
+
+
+def test_every_argument_and_command_has_help() -> None:
+    missing = []
+    for command, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            name = "/".join(action.option_strings) or action.dest
+            if not action.help:
+                missing.append(f"{command}: {name}")
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{command} {a.dest}" for a in action._choices_actions if not a.help]
+    assert missing == []

@@ -864,7 +864,7 @@ def test_cuda_device_without_cuda_is_device_unavailable() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(
-        DeviceUnavailableError, match=r"CUDA is not available to torch .*--device sim:SIZE"
+        DeviceUnavailableError, match=r"CUDA is not available to torch .*device='cpu' or 'sim:SIZE'"
     ):
         CudaDevice(cuda_index=0)
 

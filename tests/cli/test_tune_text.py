@@ -1,0 +1,76 @@
+"""What `autobatch tune` prints says how each number came about: a max micro-batch predicted
+from another card's profile and confirmed by one trial says so, a stored profile's probe time is
+dated as the stored one's, and the progress line counts trials in words."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from autobatch.cli import main
+from autobatch.profiles import ProfileStore
+
+TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32"]
+TUNE += ["--effective-batch-size", "64"]
+
+
+def tune(capsys: pytest.CaptureFixture[str], store: Path, device: str) -> tuple[str, str]:
+    code = main(["--store", str(store), *TUNE, "--device", device])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+def line(out: str, start: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith(start))
+
+
+def test_a_confirmed_prediction_says_so_and_a_stored_probe_time_is_dated(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    store = tmp_path / "s.sqlite3"
+    out, _ = tune(capsys, store, "sim:4MiB")  # probed: the profile another card predicts from
+    assert re.fullmatch(
+        r"max micro-batch  64  \(recommended 64; \d+ trials, 0 OOM, (probe|doubling)\)",
+        line(out, "max micro-batch"),
+    )
+    assert "predicted" not in line(out, "max micro-batch")
+
+    out, _ = tune(capsys, store, "sim:6MiB")  # another card: predicted, then one trial
+    assert re.fullmatch(
+        r"max micro-batch  64  \(recommended 64; predicted from another card's profile, "
+        r"confirmed by one trial at 64: \d+ trials, 0 OOM\)",
+        line(out, "max micro-batch"),
+    )
+    assert line(out, "note:") == (
+        "note: 64 was predicted from another card's profile and confirmed by one trial here, not "
+        "searched to this card's memory edge: larger micro-batches may fit; --refresh probes "
+        "this card"
+    )
+    ran_now = line(out, "probe time")
+    assert "stored" not in ran_now
+
+    out, err = tune(capsys, store, "sim:6MiB")  # the same card again: from the store
+    assert "source                       cached" in out and "probing" not in err
+    with ProfileStore(store, create="never") as opened:
+        (newest, _), *_ = opened.list_profiles()
+        created = opened.get(newest).created_at
+    when = created[:16].replace("T", " ")
+    assert line(out, "probe time") == (
+        f"{ran_now}  (the stored profile's, probed {when} UTC; nothing ran now)"
+    )
+    assert "confirmed by one trial at 64" in line(out, "max micro-batch")
+
+
+def test_the_progress_line_counts_trials_in_words(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    _, err = tune(capsys, tmp_path / "s.sqlite3", "sim:4MiB")
+    assert "probing: 1 trial, micro-batch 1 fits" in err
+    last = err.rstrip("\n").rpartition("\r")[2]  # what stays on the terminal
+    assert re.fullmatch(
+        r"probing: \d+ trials, micro-batch 64 fits, peak [\d.]+ KiB \[00:\d\d\]", last
+    )
+    assert "0trial" not in err and "trial/s" not in err and "trials/s" not in err
