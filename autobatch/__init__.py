@@ -47,10 +47,9 @@ if TYPE_CHECKING:
     from autobatch.probing.worst_case import worst_case_sample
     from autobatch.profile import Profile
     from autobatch.profiles.store import ProfileStore
-    from autobatch.request import TuneRequest
     from autobatch.training.accumulator import Accumulator
     from autobatch.training.oom_split import SplitEvent
-    from autobatch.tuning import autotune, split_recorder, tune
+    from autobatch.tuning import TuneRequest, autotune, split_recorder, tune
     from autobatch.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -112,7 +111,7 @@ _EXPORTS: dict[str, str] = {
     "StoreError": "autobatch.errors",
     "Plan": "autobatch.planning.planner",
     "PlanRequest": "autobatch.planning.request",
-    "TuneRequest": "autobatch.request",
+    "TuneRequest": "autobatch.tuning",
     "plan": "autobatch.live",
     "plan_world_sizes": "autobatch.planning.planner",
     "estimate": "autobatch.probing.estimator",

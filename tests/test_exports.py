@@ -225,9 +225,9 @@ FLAT_ENTRY_POINTS = {
     "autobatch/planning/planner.py:plan_world_sizes",
     "autobatch/probing/estimator.py:estimate",
     "autobatch/probing/prober.py:probe",
-    "autobatch/tuning.py:autotune",
-    "autobatch/tuning.py:autotune_profile",
-    "autobatch/tuning.py:tune",
+    "autobatch/tuning/road.py:autotune",
+    "autobatch/tuning/road.py:autotune_profile",
+    "autobatch/tuning/road.py:tune",
     "autobatch/training/accumulator.py:Accumulator.__init__",  # Accumulator(...), called by users
 }
 MAX_PARAMETERS = 10

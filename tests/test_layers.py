@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "probing",
         "training live",
         "client",
-        "request tuning",
+        "tuning",
         "integrations models",
         "cli service",
     )

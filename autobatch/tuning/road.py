@@ -14,10 +14,11 @@ ranks agree (:mod:`autobatch.distributed.layout`): a size fits only if it fits o
 profile is used only when every rank has the same device, i.e. the same cache key), and every
 rank returns the same Plan.
 
-One road: :func:`autotune` (the Python API) and the CLI's ``tune`` go through :func:`tune`
-(the plan and the profile), which checks that some plan is possible before it probes and then
-calls :func:`autotune_profile`; the service's probe jobs call :func:`autotune_profile` directly
-(they store a profile, and plan later). The store is read and written only there.
+The flat keyword functions (:func:`autotune`, :func:`tune`, :func:`autotune_profile`) build a
+:class:`~autobatch.tuning.TuneRequest` and call :func:`tune_request` (checks that some plan is
+possible before it probes, then plans from the profile) or :func:`tune_profile`; the profile
+comes from :func:`autobatch.tuning.lookup.find_profile`, the one place the store is read and
+written.
 
 Example::
 
@@ -30,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,15 +38,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.client import service_remote
-from autobatch.conditions import condition_changes
 from autobatch.device import Device, MemoryBudget, resolve_device
 from autobatch.distributed.consensus import (
-    LocalConsensus,
-    ProcessGroupConsensus,
     process_group_consensus,
 )
 from autobatch.distributed.layout import resolve_data_parallel
-from autobatch.errors import ConditionsWarning, ConfigError
+from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import (
     Plan,
@@ -57,40 +53,22 @@ from autobatch.planning import (
     plan_request,
     stored_profile_source,
 )
-from autobatch.probing.compiled import compiled_mode
-from autobatch.probing.conditions import read_conditions
 from autobatch.probing.options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
 from autobatch.probing.placement import model_device
-from autobatch.probing.prober import run_confirmation, run_probe
 from autobatch.probing.step import LossFn, TrainStep
 from autobatch.profile import Profile
 from autobatch.profiles.cache import (
     StoreOptions,
-    Superseded,
     TunedProfile,
-    agreed_profile,
-    answers_request,
-    superseded_in,
-    user_stacklevel,
 )
-from autobatch.profiles.confirmation import (
-    ArrivalPrediction,
-    confirm_on_arrival,
-    find_prediction,
-    stored_profiles,
-)
-from autobatch.profiles.remote import ProfileRemote
 from autobatch.profiles.store import ProfileStore
-from autobatch.request import TuneRequest
-from autobatch.training.oom_split import SplitEvent
+from autobatch.tuning.lookup import find_profile, why_probed_again
+from autobatch.tuning.request import TuneRequest
 
 __all__ = [
-    "TuneRequest",
-    "TunedProfile",
     "Tuning",
     "autotune",
     "autotune_profile",
-    "split_recorder",
     "tune",
     "tune_profile",
     "tune_request",
@@ -283,7 +261,7 @@ def tune(
 
 
 def tune_request(request: TuneRequest) -> Tuning:
-    """The road for one :class:`~autobatch.request.TuneRequest` with an
+    """The road for one :class:`~autobatch.tuning.TuneRequest` with an
     ``effective_batch_size``: resolve the ranks, check that some plan is possible before
     probing, find the profile (:func:`find_profile`), plan from it with this device's memory
     budget (:func:`autobatch.planning.budgeted_plan`), and probe the evaluation micro-batch
@@ -344,7 +322,7 @@ def _with_notes(
     """``result`` with the road's notes (why it probed again, the ranks, the conditions not in
     effect) and the profile's conditions with the plan's data-parallel size and its source."""
     distributed = dist.is_available() and dist.is_initialized()
-    notes = [*_why_probed_again(found), *result.notes]
+    notes = [*why_probed_again(found), *result.notes]
     if world_size == 1 and distributed:
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
         # planner notes E = m x k x dp only for dp > 1, and here dp = 1 is worth saying.
@@ -432,7 +410,7 @@ def autotune_profile(
 
 
 def tune_profile(request: TuneRequest) -> TunedProfile:
-    """The profile for one :class:`~autobatch.request.TuneRequest` (its plan part, if any, is
+    """The profile for one :class:`~autobatch.tuning.TuneRequest` (its plan part, if any, is
     not used): a stored one that answers, else a prediction confirmed here, else a probe.
     :func:`autotune_profile` and the service's probe jobs call this.
 
@@ -491,197 +469,3 @@ def _bundles(
         data_parallel=data_parallel,
     )
     return step, options
-
-
-def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -> TunedProfile:
-    """The road's one store lane (:func:`autobatch.profiles.cache.agreed_profile`) for this step
-    and these options: a stored profile that answers, else a prediction confirmed on this card
-    (one process only), else a probe.
-
-    Raises:
-        As :func:`autotune_profile`.
-    """
-    ranks = options.consensus
-    assert isinstance(ranks, ProcessGroupConsensus | LocalConsensus)  # the road makes them
-    capacity_now = options.device.capacity()
-    key = step.identity.cache_key(
-        device_name=options.device.name,
-        total_memory_bytes=capacity_now.total_memory_bytes,
-        compiled=options.compiled,
-        mode=options.mode,
-        conditions=options.conditions,
-    )
-    # The capacity a profile answers for: under torch.distributed, the smallest rank's (the
-    # capacity the ranks probe together).
-    (searched_capacity,) = ranks.min_ints([capacity_now.capacity_bytes])
-
-    def accepts(found: Profile) -> bool:
-        return (
-            answers_request(
-                found, options.safety_margin, options.max_micro_batch_size, searched_capacity
-            )
-            and not condition_changes(found.conditions, options.conditions)
-            and found.gradient_sync.answers(options.gradient_sync)
-        )
-
-    def explain(store: ProfileStore) -> Superseded | None:
-        return superseded_in(
-            store,
-            step.identity,
-            options.conditions,
-            device_name=options.device.name,
-            total_memory_bytes=capacity_now.total_memory_bytes,
-            compiled=options.compiled,
-            mode=options.mode,
-        )
-
-    def confirm(store: ProfileStore | None) -> tuple[Profile | None, str]:
-        predicted = _prediction_here(
-            store,
-            step,
-            options,
-            total_memory_bytes=capacity_now.total_memory_bytes,
-            capacity_bytes=searched_capacity,
-            remote=storing.remote,
-        )
-        if predicted is None:
-            return None, ""
-        return confirm_on_arrival(
-            predicted,
-            lambda size, line: run_confirmation(step, options, micro_batch_size=size, prior=line),
-        )
-
-    return agreed_profile(
-        ranks,
-        key,
-        storing,
-        accepts=accepts,
-        run_probe=lambda: run_probe(step, options),
-        confirm=confirm if ranks.world_size == 1 else None,
-        explain=explain,
-    )
-
-
-def _why_probed_again(found: TunedProfile) -> list[str]:
-    """Plan notes for a profile probed again because the stored one's conditions differ, and a
-    :class:`ConditionsWarning` when activation checkpointing changed nothing."""
-    if found.superseded is None:
-        return []
-    notes = [found.superseded.describe()]
-    in_vain = found.superseded.checkpointing_in_vain(found.profile)
-    if in_vain:
-        warnings.warn(in_vain, ConditionsWarning, stacklevel=user_stacklevel())
-        notes.append(in_vain)
-    return notes
-
-
-def _prediction_here(
-    store: ProfileStore | None,
-    step: StepSpec,
-    options: ProbeOptions,
-    *,
-    total_memory_bytes: int,
-    capacity_bytes: int,
-    remote: ProfileRemote | None,
-) -> ArrivalPrediction | None:
-    """A plan predicted for this card from a profile of the same step on another card: from the
-    store, else from ``remote`` (:mod:`autobatch.profiles.confirmation`)."""
-    where: dict[str, Any] = {
-        "device_name": options.device.name,
-        "total_memory_bytes": total_memory_bytes,
-        "capacity_bytes": capacity_bytes,
-        "safety_margin": options.safety_margin,
-        "max_micro_batch_size": options.max_micro_batch_size,
-        "mode": options.mode,
-        "conditions": options.conditions,
-    }
-    identity = step.identity
-    found = find_prediction(stored_profiles(store, identity), identity, **where)
-    if found is not None or remote is None:
-        return found
-    elsewhere, why = remote.profiles_of(identity)
-    if why:
-        logger.warning("%s; probing this card without it", why)
-    return find_prediction(elsewhere, identity, **where)
-
-
-def split_recorder(
-    model: torch.nn.Module,
-    sample: Any,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    loss_fn: LossFn | None = None,
-    train_step: TrainStep | None = None,
-    step_includes_update: bool = False,
-    device: str | Device | None = None,
-    amp_dtype: torch.dtype | None = None,
-    store: ProfileStore | str | os.PathLike[str] | None = None,
-) -> Callable[[SplitEvent], None]:
-    """A callback for ``Accumulator(on_split=...)``: the store learns the size that really fit.
-
-    Give it the arguments given to :func:`autotune` (they name the stored profile). On each
-    split, the newest profile under that key, if it allows more than the split's new size, is
-    stored again with ``max_micro_batch_size`` and ``recommended_micro_batch_size`` lowered to it
-    and a note saying why, so the next ``autotune`` starts from what fitted. Under
-    torch.distributed only rank 0 writes.
-
-    Example::
-
-        acc = Accumulator(model, optimizer, gradient_accumulation_steps=plan.
-                          gradient_accumulation_steps, on_oom="split",
-                          on_split=split_recorder(model, sample, optimizer=optimizer,
-                                                  device="cuda:0"))
-
-    Raises:
-        ConfigError: as :func:`autotune` for the arguments (when called); the callback raises
-            StoreError when the store cannot be written.
-    """
-    step = StepSpec.build(
-        model,
-        sample,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        train_step=train_step,
-        step_includes_update=step_includes_update,
-        amp_dtype=amp_dtype,
-    )
-    target = resolve_device(device, default=model_device(model))
-    key = step.identity.cache_key(
-        device_name=target.name,
-        total_memory_bytes=target.capacity().total_memory_bytes,
-        compiled=compiled_mode(model, target.type),
-        conditions=read_conditions(model, optimizer, device_type=target.type, amp_dtype=amp_dtype),
-    )
-
-    def record(event: SplitEvent) -> None:
-        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-            return
-        opened = store if isinstance(store, ProfileStore) else ProfileStore(store)
-        try:
-            found = opened.find(key)
-            if found is None or found[1].max_micro_batch_size <= event.new_micro_batch_size:
-                return
-            profile = found[1]
-            size = event.new_micro_batch_size
-            note = (
-                f"lowered from {profile.max_micro_batch_size} to {size}: training ran out of "
-                f"memory at micro-batch size {event.old_micro_batch_size} (window "
-                f"{event.window_index}, micro-batch {event.micro_step_index}, {event.phase}: "
-                f"{event.reason})"
-            )
-            opened.put(
-                dataclasses.replace(
-                    profile,
-                    max_micro_batch_size=size,
-                    recommended_micro_batch_size=min(profile.recommended_micro_batch_size, size),
-                    notes=(*profile.notes, note),
-                    stop_kind="boundary",
-                    stop_reason=f"lowered to {size} after running out of memory in training",
-                    created_at="",
-                )
-            )
-        finally:
-            if opened is not store:
-                opened.close()
-
-    return record

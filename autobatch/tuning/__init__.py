@@ -1,0 +1,40 @@
+"""The one road: a tuning request validated once -> store lookup -> estimate/probe -> plan.
+
+:func:`autotune` (the Python API), the CLI's ``tune`` and the framework drop-ins build a
+:class:`TuneRequest` and go through :func:`tune_request` (the plan and the profile); the
+service's probe jobs call :func:`tune_profile` (they store a profile, and plan later). The store
+is read and written only in :func:`find_profile`.
+
+Example::
+
+    plan = autobatch.autotune(model, sample, effective_batch_size=1024, device="sim:8GiB")
+    plan.micro_batch_size, plan.gradient_accumulation_steps, plan.source
+"""
+
+from __future__ import annotations
+
+from autobatch.profiles.cache import TunedProfile
+from autobatch.tuning.lookup import find_profile
+from autobatch.tuning.request import TuneRequest
+from autobatch.tuning.road import (
+    Tuning,
+    autotune,
+    autotune_profile,
+    tune,
+    tune_profile,
+    tune_request,
+)
+from autobatch.tuning.split_recording import split_recorder
+
+__all__ = [
+    "TuneRequest",
+    "TunedProfile",
+    "Tuning",
+    "autotune",
+    "autotune_profile",
+    "find_profile",
+    "split_recorder",
+    "tune",
+    "tune_profile",
+    "tune_request",
+]
