@@ -20,7 +20,6 @@ MAX_FUNCTION_LINES = 80
 
 LONG_MODULES = {
     "autobatch/planning/planner.py",
-    "autobatch/probing/prober.py",
     "autobatch/profile.py",
     "service/schemas.py",
 }

@@ -46,7 +46,7 @@ def test_two_trials_on_one_card_each_plan_for_their_share(
 ) -> None:
     whole = tune(device=SimulatedDevice(capacity_bytes=CARD))
     with caplog.at_level(logging.WARNING, logger="autobatch"):
-        half = tune(device=f"sim:{CARD}", gpu_fraction=0.5)
+        half = tune(device=f"sim:{CARD}B", gpu_fraction=0.5)
 
     assert whole.predicted_peak_memory_bytes is not None
     assert whole.predicted_peak_memory_bytes > CARD // 2  # two of these would not fit
@@ -74,7 +74,7 @@ def test_the_profile_records_the_budget_it_was_probed_under() -> None:
         model,
         sample,
         loss_fn=torch.nn.functional.cross_entropy,
-        device=f"sim:{CARD}",
+        device=f"sim:{CARD}B",
         gpu_fraction=0.25,
         max_micro_batch_size=4096,
     )
@@ -85,7 +85,7 @@ def test_the_profile_records_the_budget_it_was_probed_under() -> None:
 
 def test_a_fraction_outside_zero_to_one_is_refused_before_any_step() -> None:
     with pytest.raises(ConfigError, match=r"gpu_fraction 0 must be a number in \(0, 1\]"):
-        tune(device=f"sim:{CARD}", gpu_fraction=0)
+        tune(device=f"sim:{CARD}B", gpu_fraction=0)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -104,7 +104,7 @@ def test_recommended_size_fits_and_keeps_the_margin(
     capacity = sim_capacity_for(case, 200)
     model, sample, optimizer = case.build()
     profile = probe(
-        model, sample, optimizer=optimizer, loss_fn=case.loss_fn, device=f"sim:{capacity}"
+        model, sample, optimizer=optimizer, loss_fn=case.loss_fn, device=f"sim:{capacity}B"
     )
     assert profile.recommended_micro_batch_size < profile.max_micro_batch_size
     assert profile.memory_model is not None

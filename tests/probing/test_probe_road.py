@@ -16,7 +16,7 @@ from autobatch.device.simulated import SimulatedDevice
 from autobatch.errors import ConfigError
 from autobatch.probing.batch import BatchSource
 from autobatch.probing.estimator import FakeStep, estimate_points
-from autobatch.probing.prober import (
+from autobatch.probing.probe_search import (
     ESTIMATE_OVERRUN,
     EXPECTED_FAKE_STEPS,
     FAKE_STEP_SECONDS_PER_TENSOR,
