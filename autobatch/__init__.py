@@ -24,9 +24,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autobatch.device import resolve_device
-    from autobatch.device.simulated import SimulatedDevice
-    from autobatch.distributed.consensus import ProcessGroupConsensus
+    from autobatch.device import SimulatedDevice, resolve_device
+    from autobatch.distributed import ProcessGroupConsensus
     from autobatch.errors import (
         AutobatchError,
         ConfigError,
@@ -40,15 +39,11 @@ if TYPE_CHECKING:
         StoreError,
     )
     from autobatch.live import plan
-    from autobatch.planning.planner import Plan, plan_world_sizes
-    from autobatch.planning.request import PlanRequest
-    from autobatch.probing.estimator import estimate
-    from autobatch.probing.prober import probe
-    from autobatch.probing.worst_case import worst_case_sample
+    from autobatch.planning import Plan, PlanRequest, plan_world_sizes
+    from autobatch.probing import estimate, probe, worst_case_sample
     from autobatch.profile import Profile
-    from autobatch.profiles.store import ProfileStore
-    from autobatch.training.accumulator import Accumulator
-    from autobatch.training.oom_split import SplitEvent
+    from autobatch.profiles import ProfileStore
+    from autobatch.training import Accumulator, SplitEvent
     from autobatch.tuning import TuneRequest, autotune, split_recorder, tune
     from autobatch.units import format_bytes, parse_bytes
 
@@ -91,14 +86,14 @@ __all__ = [
 # integrations, client) import without torch: the HTTP service never loads it, and a scheduler
 # can plan without it installed.
 _EXPORTS: dict[str, str] = {
-    "Accumulator": "autobatch.training.accumulator",
-    "SplitEvent": "autobatch.training.oom_split",
+    "Accumulator": "autobatch.training._accumulator",
+    "SplitEvent": "autobatch.training._oom_split",
     "autotune": "autobatch.tuning",
     "split_recorder": "autobatch.tuning",
     "tune": "autobatch.tuning",
     "resolve_device": "autobatch.device",
-    "SimulatedDevice": "autobatch.device.simulated",
-    "ProcessGroupConsensus": "autobatch.distributed.consensus",
+    "SimulatedDevice": "autobatch.device._simulated",
+    "ProcessGroupConsensus": "autobatch.distributed._consensus",
     "AutobatchError": "autobatch.errors",
     "ConfigError": "autobatch.errors",
     "DeviceUnavailableError": "autobatch.errors",
@@ -109,16 +104,16 @@ _EXPORTS: dict[str, str] = {
     "ServiceError": "autobatch.errors",
     "StepFailedError": "autobatch.errors",
     "StoreError": "autobatch.errors",
-    "Plan": "autobatch.planning.planner",
-    "PlanRequest": "autobatch.planning.request",
+    "Plan": "autobatch.planning._planner",
+    "PlanRequest": "autobatch.planning._request",
     "TuneRequest": "autobatch.tuning",
     "plan": "autobatch.live",
-    "plan_world_sizes": "autobatch.planning.planner",
-    "estimate": "autobatch.probing.estimator",
-    "probe": "autobatch.probing.prober",
-    "worst_case_sample": "autobatch.probing.worst_case",
+    "plan_world_sizes": "autobatch.planning._planner",
+    "estimate": "autobatch.probing._estimator",
+    "probe": "autobatch.probing._prober",
+    "worst_case_sample": "autobatch.probing._worst_case",
     "Profile": "autobatch.profile",
-    "ProfileStore": "autobatch.profiles.store",
+    "ProfileStore": "autobatch.profiles._store",
     "format_bytes": "autobatch.units",
     "parse_bytes": "autobatch.units",
 }

@@ -21,11 +21,11 @@ the profile), :class:`SmallMicroBatchNormWarning` (BatchNorm over small micro-ba
 :class:`ConditionsWarning` (a plan used under other conditions than it was measured in).
 
 NVML's exceptions (``pynvml.NVMLError_*``) are translated at the device boundary only
-(``autobatch.device.nvml``), with ``raise ... from exc``. Out-of-memory is classified, not
-translated: :func:`autobatch.device.oom.is_oom` is the one place that decides which exceptions
+(``autobatch.device._nvml``), with ``raise ... from exc``. Out-of-memory is classified, not
+translated: :func:`autobatch.device._oom.is_oom` is the one place that decides which exceptions
 (``torch.OutOfMemoryError``, cuBLAS/cuDNN allocation failures, the CPU allocator's) mean OOM, for
-the probe's trials (``autobatch.probing.prober``) and the training loop's splits
-(``autobatch.training.oom_split``); any other exception propagates.
+the probe's trials (``autobatch.probing._prober``) and the training loop's splits
+(``autobatch.training._oom_split``); any other exception propagates.
 
 An error that a changed argument would get past carries that change as structured
 :class:`Remedy` values (``exc.remedies``) rather than in its text, so that each surface names it
@@ -154,7 +154,7 @@ class DeviceUnavailableError(AutobatchError):
 
     Attributes:
         reason: a stable code a program can switch on, e.g. ``"driver_library_mismatch"``
-            or ``"gpu_lost"`` (``autobatch.device.nvml.REASONS`` lists NVML's, each with its
+            or ``"gpu_lost"`` (``autobatch.device._nvml.REASONS`` lists NVML's, each with its
             fix); ``"device_unavailable"`` when nothing more specific is known.
     """
 
@@ -286,7 +286,7 @@ class MissingExtraError(ConfigError, ImportError):
 class PeerObjectError(ConfigError):
     """While the probe faked the collectives, the step called something that needs the other
     ranks: an object collective whose receivers need another rank's object, or the creation of
-    a process group (see :func:`autobatch.distributed.fake_backend.process_groups_faked`)."""
+    a process group (see :func:`autobatch.distributed._fake_backend.process_groups_faked`)."""
 
 
 # Warnings: categories to filter or catch with ``warnings``.

@@ -73,7 +73,7 @@ _CHECKED_HERE = """
 
 
 def _changes_here(result: Plan, *, for_this_card: bool, world_size_given: bool) -> list[str]:
-    from autobatch.probing.conditions import live_data_parallel, process_conditions
+    from autobatch.probing import live_data_parallel, process_conditions
 
     live = process_conditions(data_parallel=live_data_parallel())
     recorded = result.conditions if for_this_card else Conditions()

@@ -22,7 +22,7 @@ from autobatch.errors import ConfigError
 from autobatch.margin import check_safety_margin
 
 if TYPE_CHECKING:
-    from autobatch.device.budget import MemoryBudget
+    from autobatch.device import MemoryBudget
 
 __all__ = [
     "CONFIRMATION_STOP_REASON",
@@ -47,7 +47,7 @@ block reads as "not recorded"; a version 1 ``stop_kind`` is derived from ``stop_
 
 CONFIRMATION_STOP_REASON = "confirmation: "
 """How the ``stop_reason`` of a profile confirming on arrival begins: one real trial at a
-micro-batch predicted from another card's profile (:mod:`autobatch.profiles.confirmation`)."""
+micro-batch predicted from another card's profile (:mod:`autobatch.profiles._confirmation`)."""
 
 Method = Literal["estimate", "probe", "doubling"]
 StopKind = Literal["boundary", "limit", "failure"]
@@ -139,7 +139,7 @@ class StepIdentity:
     """Everything about a training step, apart from the device, that changes its peak memory;
     with the device's name and total memory it makes a profile's cache key (:meth:`cache_key`).
 
-    Built once per request by :func:`autobatch.probing.identity.step_identity` (the probe, the
+    Built once per request by :func:`autobatch.probing._identity.step_identity` (the probe, the
     estimate
     and ``autotune`` all call it) and kept on the :class:`Profile`. Empty strings mean unknown
     (a profile built from numbers alone).
@@ -176,7 +176,7 @@ class StepIdentity:
         conditions: Conditions | None = None,
     ) -> str:
         """Canonical JSON of this identity and the device, as a string key (see
-        ``autobatch.profiles.store``): equal keys, equal steps on equal cards. ``compiled`` (see
+        ``autobatch.profiles._store``): equal keys, equal steps on equal cards. ``compiled`` (see
         :attr:`Profile.compiled`) joins the key only when set: a compiled step's peak differs
         from the eager one's, and uncompiled steps keep the keys they had. ``mode`` (see
         :attr:`Profile.mode`) likewise joins it only for ``"eval"``: an evaluation profile never
@@ -454,7 +454,7 @@ class Profile:
     budget: MemoryBudget | None = None
     """The memory budget the probe ran under: every source it read (NVML, the CUDA runtime,
     vGPU limits, fractions, the cgroup), the one that decided ``capacity_bytes`` and the sharing
-    mode (:mod:`autobatch.device.budget`); None for a profile that does not say (an estimate,
+    mode (:mod:`autobatch.device._budget`); None for a profile that does not say (an estimate,
     one written before autobatch recorded it)."""
     conditions: Conditions = dataclasses.field(default_factory=Conditions)
     """What moved the step's memory in the process it was measured in (allocator, dtypes and
@@ -464,7 +464,7 @@ class Profile:
     gradient_sync: GradientSync = dataclasses.field(default_factory=GradientSync)
     """The gradient-sync mode the trials ran in (not recorded in profiles written before it)."""
     node_name: str = ""
-    """The machine the profile was measured on (:func:`autobatch.device.node.node_name`: a
+    """The machine the profile was measured on (:func:`autobatch.device._node.node_name`: a
     Kubernetes node, a Slurm node or the host name); ``""`` for an estimate or a profile written
     before schema version 3. ``device_name`` is the card type."""
     timings: ProbeTimings | None = None
@@ -573,7 +573,7 @@ class Profile:
 
     def cache_key(self) -> str:
         """Key under which an equal request may reuse this profile (see
-        :mod:`autobatch.profiles.store`)."""
+        :mod:`autobatch.profiles._store`)."""
         return self.identity.cache_key(
             device_name=self.device_name,
             total_memory_bytes=self.total_memory_bytes,
@@ -623,7 +623,7 @@ class Profile:
             fields["notes"] = tuple(data.get("notes", ()))
             budget = data.get("budget")
             if budget is not None:
-                from autobatch.device.budget import MemoryBudget
+                from autobatch.device import MemoryBudget
 
                 fields["budget"] = MemoryBudget.from_dict(budget)
             fields["conditions"] = Conditions.from_dict(data.get("conditions"))

@@ -1,4 +1,4 @@
-"""Overhead of autobatch.training.accumulator.Accumulator against a hand-written accumulation loop.
+"""Overhead of autobatch.training._accumulator.Accumulator against a hand-written accumulation loop.
 
 Every variant trains the same model and optimizer on the same micro-batches, in one process. Each
 repetition times a few optimizer steps of each variant back to back, rotating the order, and

@@ -1,6 +1,6 @@
 """Cost of the Accumulator's error agreements under DDP: 2 gloo ranks on CPU, side by side.
 
-Since an error on one rank must reach the others (:mod:`autobatch.training.window_agreement`), the
+Since an error on one rank must reach the others (:mod:`autobatch.training._window_agreement`), the
 ranks'
 count all-reduce of each window carries a status per rank, and the ranks meet once more when the
 micro-batches run out (once per loop), and before the synchronised backward of a window where

@@ -7,9 +7,9 @@ estimator's error against measured peaks, in under 8 minutes.
    at capacities cut by ``torch.cuda.set_per_process_memory_fraction`` to 16, 40 and 80 GiB:
    autobatch's probe, Lightning's BatchSizeFinder (binsearch), Accelerate's
    ``find_executable_batch_size`` (starting at twice the exhaustive max) and the exhaustive scan,
-   all on ``cuda:0`` (a :class:`~autobatch.device.cuda.CudaDevice`); see ``bench/_peers.py``.
+   all on ``cuda:0`` (a :class:`~autobatch.device._cuda.CudaDevice`); see ``bench/_peers.py``.
 3. Estimator error: for each size autobatch measured as fitting, the fake-tensor peak
-   (:class:`autobatch.probing.estimator.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
+   (:class:`autobatch.probing._estimator.FakeStep`) against ``torch.cuda.max_memory_allocated`` and
    ``max_memory_reserved`` of the real step at the same size.
 4. Modern stacks (``bench/_stacks.py``): a torch.compile'd model (inductor; Dynamo frames
    counted, compilation still working after the probe) and an FSDP2 model on a one-rank group,

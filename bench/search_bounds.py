@@ -9,7 +9,7 @@ end knowing ``t`` exactly. Rows, each the weighted mean (and the worst) over eve
 
 - ``autobatch, estimate contradicted``: the estimate's peaks say every size fits, so its first
   trial is the limit, which fails (``oom-above-37`` in ``probe_vs_peers.py`` is one such ``t``);
-  then autobatch's search from what ran (``autobatch.probing.search.next_micro_batch_size``).
+  then autobatch's search from what ran (``autobatch.probing._search.next_micro_batch_size``).
 - ``autobatch, no estimate``: the search from the warm-up alone (growth steps, then from what ran).
 - ``Lightning binsearch (model)``: ``BatchSizeFinder(mode="binsearch")``'s loop as Lightning 2.x
   writes it (``_run_binary_scaling``: start at 2, double while it fits, then halve the bracket),

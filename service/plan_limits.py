@@ -123,7 +123,7 @@ ANY_CANDIDATES = 200
 def select(
     body: PlanCreate, store: ProfileStore, central: CentralProfiles | None
 ) -> tuple[Profile, str, PlanSource, Selection, int | None]:
-    """A plan's profile for ``body.card``/``body.node`` (:mod:`autobatch.planning.selection`):
+    """A plan's profile for ``body.card``/``body.node`` (:mod:`autobatch.planning._selection`):
     (profile, its id, plan source, the selection, the card's memory in bytes when the plan is
     predicted for a card other than the profile's, else None).
 

@@ -561,7 +561,7 @@ class PlanCreate(_Strict):
 
 
 class PredictionFields(BaseModel):
-    """``autobatch.planning.prediction.Prediction``: how a limit past the largest measured
+    """``autobatch.planning._prediction.Prediction``: how a limit past the largest measured
     micro-batch
     was predicted."""
 
@@ -574,7 +574,7 @@ class PredictionFields(BaseModel):
 
 
 class EpochFields(BaseModel):
-    """``autobatch.planning.epochs.EpochPlan``: one epoch of data under a plan, per rank."""
+    """``autobatch.planning._epochs.EpochPlan``: one epoch of data under a plan, per rank."""
 
     num_rows_per_rank: int
     drop_last: bool
@@ -633,7 +633,7 @@ class WorldSizeOptionPublic(BaseModel):
 
 class SelectionPublic(BaseModel):
     """Which stored profile answered a plan for a card or a node
-    (``autobatch.planning.selection.Selection``)."""
+    (``autobatch.planning._selection.Selection``)."""
 
     match: Literal["measured", "estimated", "predicted"] = Field(
         description="'measured': a profile measured on the card (and node) asked about under "

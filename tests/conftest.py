@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobatch.device.oom import is_oom
-from autobatch.device.simulated import SimulatedDevice
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.snapshot import resident_tensors
-from autobatch.probing.step import TrainingStep
+from autobatch.device._oom import is_oom
+from autobatch.device._simulated import SimulatedDevice
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._snapshot import resident_tensors
+from autobatch.probing._step import TrainingStep
 
 
 @dataclasses.dataclass
@@ -162,7 +162,7 @@ def exhaustive_max(case: ModelCase, capacity_bytes: int, *, limit: int = 4096) -
 @pytest.fixture
 def sim_capacity_for() -> Callable[[ModelCase, int], int]:
     """Capacity (bytes) at which ``case`` fits about ``target`` samples, from the estimator."""
-    from autobatch.probing.estimator import FakeStep
+    from autobatch.probing._estimator import FakeStep
 
     def capacity(case: ModelCase, target: int) -> int:
         model, sample, optimizer = case.build()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import autobatch
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConditionsWarning, ConfigError, DoesNotFitError
 from autobatch.planning import plan as plan_for_another_process
 

@@ -36,10 +36,10 @@ def test_all_is_sorted_and_names_every_export() -> None:
 
 
 def test_modules_are_named_apart_from_their_functions() -> None:
-    # ``import autobatch.probing.prober as m`` is the module (patching ``m.x`` patches the
+    # ``import autobatch.probing._prober as m`` is the module (patching ``m.x`` patches the
     # module), and importing the submodules does not hide the functions of the package.
     out = run_python(
-        "import autobatch.probing.prober as p, autobatch.probing.estimator as e,"
+        "import autobatch.probing._prober as p, autobatch.probing._estimator as e,"
         " autobatch.tuning as t;"
         "import autobatch;"
         "print(*(type(m).__name__ for m in (p, e, t)),"
@@ -178,7 +178,7 @@ def test_type_checkers_see_the_exports_and_flag_misspellings(tmp_path: Path) -> 
     )
     assert 'Module "autobatch" has no attribute "Planner"' in done.stdout, done.stdout
     assert 'no attribute "plan_world_size"' in done.stdout
-    assert 'Revealed type is "autobatch.planning.planner.Plan"' in done.stdout
+    assert 'Revealed type is "autobatch.planning._planner.Plan"' in done.stdout
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
@@ -211,24 +211,24 @@ def test_planning_the_service_and_the_client_do_not_import_torch() -> None:
 def test_import_does_not_initialise_nvml_or_cuda() -> None:
     out = run_python(
         "import autobatch, torch, sys; autobatch.autotune;"
-        "print(torch.cuda.is_initialized(), 'autobatch.device.nvml' in sys.modules)"
+        "print(torch.cuda.is_initialized(), 'autobatch.device._nvml' in sys.modules)"
     )
     assert out.split() == ["False", "False"]
 
 
 # Public entry points take flat keyword arguments; everything below them takes the option
-# bundles those build (autobatch.probing.options, autobatch.profiles.cache.StoreOptions).
+# bundles those build (autobatch.probing._options, autobatch.profiles._cache.StoreOptions).
 FLAT_ENTRY_POINTS = {
-    "autobatch/client/http.py:AutobatchClient.plan",
-    "autobatch/client/http.py:AutobatchClient.plan_world_sizes",
-    "autobatch/planning/planner.py:plan",
-    "autobatch/planning/planner.py:plan_world_sizes",
-    "autobatch/probing/estimator.py:estimate",
-    "autobatch/probing/prober.py:probe",
-    "autobatch/tuning/road.py:autotune",
-    "autobatch/tuning/road.py:autotune_profile",
-    "autobatch/tuning/road.py:tune",
-    "autobatch/training/accumulator.py:Accumulator.__init__",  # Accumulator(...), called by users
+    "autobatch/client/_http.py:AutobatchClient.plan",
+    "autobatch/client/_http.py:AutobatchClient.plan_world_sizes",
+    "autobatch/planning/_planner.py:plan",
+    "autobatch/planning/_planner.py:plan_world_sizes",
+    "autobatch/probing/_estimator.py:estimate",
+    "autobatch/probing/_prober.py:probe",
+    "autobatch/tuning/_road.py:autotune",
+    "autobatch/tuning/_road.py:autotune_profile",
+    "autobatch/tuning/_road.py:tune",
+    "autobatch/training/_accumulator.py:Accumulator.__init__",  # Accumulator(...), called by users
 }
 MAX_PARAMETERS = 10
 

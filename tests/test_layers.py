@@ -57,7 +57,7 @@ def imported_modules(source: str) -> set[str]:
 
 
 def layer_of(module: str) -> str | None:
-    """``autobatch.profiles.cache`` -> ``profiles``; ``service.main`` -> ``service``; None for
+    """``autobatch.profiles._cache`` -> ``profiles``; ``service.main`` -> ``service``; None for
     another package."""
     parts = module.split(".")
     if parts[0] == "service":
@@ -81,10 +81,10 @@ def test_the_walk_finds_an_import_inside_a_function_body() -> None:
         "import os\n"
         "def report(profile):\n"
         "    if profile:\n"
-        "        from autobatch.client.publish import report_profile\n"
+        "        from autobatch.client._publish import report_profile\n"
         "    import autobatch.service_side as s\n"
     )
-    assert imported_modules(source) == {"os", "autobatch.client.publish", "autobatch.service_side"}
+    assert imported_modules(source) == {"os", "autobatch.client._publish", "autobatch.service_side"}
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -122,4 +122,59 @@ def test_only_the_nvml_module_imports_pynvml() -> None:
         for path in sorted(PACKAGE.rglob("*.py"))
         if any(m.split(".")[0] == "pynvml" for m in imported_modules(path.read_text()))
     }
-    assert importers == {"device/nvml.py"}
+    assert importers == {"device/_nvml.py"}
+
+
+SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+PUBLIC_MODULES = {
+    "autobatch/integrations/accelerate.py",
+    "autobatch/integrations/hf.py",
+    "autobatch/integrations/lightning.py",
+}
+"""Documented modules a user imports by name (the drop-ins); every other module inside a
+sub-package is private, its face (``__init__.py``) the way in."""
+
+
+def test_every_module_inside_a_subpackage_is_marked_private() -> None:
+    unmarked = [
+        str(path.relative_to(ROOT))
+        for package in SUBPACKAGES
+        for path in sorted((PACKAGE / package).glob("*.py"))
+        if not path.stem.startswith("_") and str(path.relative_to(ROOT)) not in PUBLIC_MODULES
+    ]
+    assert not unmarked, f"name these _module.py (private) or list them as public: {unmarked}"
+
+
+def private_reach(relative: str, source: str) -> list[str]:
+    """The other sub-packages' private modules that the module at ``relative`` (a path from the
+    repository root) imports in ``source``; its own package's are its to use."""
+    parts = Path(relative).parts
+    own = parts[1] if parts[0] == "autobatch" and len(parts) > 2 else None
+    return sorted(
+        module
+        for module in imported_modules(source)
+        if module.split(".")[0] == "autobatch"
+        and len(module.split(".")) > 2
+        and module.split(".")[1] != own
+        and any(part.startswith("_") for part in module.split(".")[2:])
+    )
+
+
+@pytest.mark.parametrize(
+    "folder", ["autobatch", "service", "bench", "examples"], ids=lambda folder: folder
+)
+def test_no_module_imports_another_subpackages_private_module(folder: str) -> None:
+    offenders = {
+        relative: reach
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if (reach := private_reach(relative := str(path.relative_to(ROOT)), path.read_text()))
+    }
+    assert not offenders, offenders
+
+
+def test_the_private_reach_check_tells_its_own_package_from_another() -> None:
+    body = "def f():\n    from autobatch.device._nvml import read\n"
+    assert private_reach("autobatch/device/_cuda.py", body) == []
+    assert private_reach("autobatch/probing/_prober.py", body) == ["autobatch.device._nvml"]
+    assert private_reach("service/gpus.py", body) == ["autobatch.device._nvml"]
+    assert private_reach("autobatch/tuning/_road.py", "from autobatch.device import x\n") == []

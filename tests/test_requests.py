@@ -121,7 +121,11 @@ def test_every_surface_refuses_safety_margin_1_5_with_the_one_check(
 
     # Every surface goes through autobatch.margin.check_safety_margin: counted where it is
     # looked up at call time (the modules that import it by name are patched too).
-    for module in ("autobatch.probing.options", "autobatch.planning.request", "autobatch.profile"):
+    for module in (
+        "autobatch.probing._options",
+        "autobatch.planning._request",
+        "autobatch.profile",
+    ):
         monkeypatch.setattr(f"{module}.check_safety_margin", counted)
     model, sample, profile = torch.nn.Linear(2, 2), torch.zeros(1, 2), make_profile()
     calls: list[Callable[[], object]] = [

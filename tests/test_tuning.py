@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 import autobatch
 from autobatch import autotune
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import StepFailedError
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.step import TrainingStep
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._step import TrainingStep
 from autobatch.profile import Profile
-from autobatch.profiles.store import ProfileStore
+from autobatch.profiles._store import ProfileStore
 from autobatch.tuning import autotune_profile
 
 

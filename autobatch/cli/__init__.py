@@ -4,7 +4,7 @@ int`` is the entry point."""
 
 from __future__ import annotations
 
-from autobatch.cli.commands import main
-from autobatch.cli.parser import build_parser
+from autobatch.cli._commands import main
+from autobatch.cli._parser import build_parser
 
 __all__ = ["build_parser", "main"]

@@ -10,14 +10,14 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.client.http import (
+from autobatch.client._http import (
     AutobatchClient,
     PlanQuery,
     ProbeStatus,
     ServiceError,
 )
-from autobatch.client.publish import RetryPolicy, publish_profile, report_profile
-from autobatch.client.remote import ServiceProfiles, service_remote
+from autobatch.client._publish import RetryPolicy, publish_profile, report_profile
+from autobatch.client._remote import ServiceProfiles, service_remote
 
 __all__ = [
     "AutobatchClient",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from autobatch.device.budget import (
+from autobatch.device._budget import (
     SHARING_TOLERANCE,
     BudgetReading,
     BudgetSource,
@@ -38,11 +38,11 @@ from autobatch.device.budget import (
     gpu_fraction_reading,
     vgpu_limit_reading,
 )
-from autobatch.device.card_budget import CardBudget, budget_from_labels, budget_from_nvml
-from autobatch.device.node import NODE_NAME_ENV_VARS, node_name
-from autobatch.device.node_labels import LabelError, NodeDevice, read_node_labels
-from autobatch.device.resolve import ParsedDevice, parse_device, resolve_device
-from autobatch.device.types import (
+from autobatch.device._card_budget import CardBudget, budget_from_labels, budget_from_nvml
+from autobatch.device._node import NODE_NAME_ENV_VARS, node_name
+from autobatch.device._node_labels import LabelError, NodeDevice, read_node_labels
+from autobatch.device._resolve import ParsedDevice, parse_device, resolve_device
+from autobatch.device._types import (
     UNKNOWN_MEMORY,
     Capacity,
     Device,
@@ -53,12 +53,13 @@ from autobatch.device.types import (
 )
 
 if TYPE_CHECKING:
-    from autobatch.device.cpu import CpuDevice
-    from autobatch.device.cuda import CudaDevice
-    from autobatch.device.nvml import REASONS, Nvml, default_nvml, list_gpus
-    from autobatch.device.oom import is_oom
-    from autobatch.device.simulated import SimulatedDevice
-    from autobatch.device.visible import NvmlDevice, VisibleDevices, cuda_visible_devices
+    from autobatch.device._cpu import CpuDevice
+    from autobatch.device._cuda import CudaDevice
+    from autobatch.device._live_bytes import LiveBytes
+    from autobatch.device._nvml import REASONS, Nvml, default_nvml, list_gpus
+    from autobatch.device._oom import is_oom
+    from autobatch.device._simulated import SimulatedDevice
+    from autobatch.device._visible import NvmlDevice, VisibleDevices, cuda_visible_devices
 
 __all__ = [
     "NODE_NAME_ENV_VARS",
@@ -74,6 +75,7 @@ __all__ = [
     "Device",
     "GpuInfo",
     "LabelError",
+    "LiveBytes",
     "MemoryBudget",
     "MemoryInfo",
     "MemorySource",
@@ -103,17 +105,18 @@ __all__ = [
 ]
 
 _LAZY_EXPORTS = {
-    "CpuDevice": "autobatch.device.cpu",
-    "CudaDevice": "autobatch.device.cuda",
-    "REASONS": "autobatch.device.nvml",
-    "Nvml": "autobatch.device.nvml",
-    "NvmlDevice": "autobatch.device.visible",
-    "SimulatedDevice": "autobatch.device.simulated",
-    "VisibleDevices": "autobatch.device.visible",
-    "cuda_visible_devices": "autobatch.device.visible",
-    "default_nvml": "autobatch.device.nvml",
-    "is_oom": "autobatch.device.oom",
-    "list_gpus": "autobatch.device.nvml",
+    "CpuDevice": "autobatch.device._cpu",
+    "CudaDevice": "autobatch.device._cuda",
+    "LiveBytes": "autobatch.device._live_bytes",
+    "REASONS": "autobatch.device._nvml",
+    "Nvml": "autobatch.device._nvml",
+    "NvmlDevice": "autobatch.device._visible",
+    "SimulatedDevice": "autobatch.device._simulated",
+    "VisibleDevices": "autobatch.device._visible",
+    "cuda_visible_devices": "autobatch.device._visible",
+    "default_nvml": "autobatch.device._nvml",
+    "is_oom": "autobatch.device._oom",
+    "list_gpus": "autobatch.device._nvml",
 }
 
 if not TYPE_CHECKING:

@@ -12,17 +12,43 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.distributed.consensus import Consensus, LocalConsensus, ProcessGroupConsensus
-from autobatch.distributed.deadline import AgreementDeadline
-from autobatch.distributed.fake_backend import process_groups_faked
-from autobatch.distributed.layout import collective_layout, data_parallel_size
+from autobatch.distributed._consensus import (
+    Consensus,
+    LocalConsensus,
+    ProcessGroupConsensus,
+    process_group_consensus,
+)
+from autobatch.distributed._deadline import AgreementDeadline, Agreements, Default, resolve_deadline
+from autobatch.distributed._fake_backend import process_groups_faked, reset_fsdp2, reshard_fsdp2
+from autobatch.distributed._layout import (
+    FSDP2_LAYOUT,
+    FSDP2_TP_LAYOUT,
+    TENSOR_PARALLEL_LAYOUT,
+    collective_layout,
+    data_parallel_size,
+    resolve_data_parallel,
+)
+from autobatch.distributed._sync import DataParallel, data_parallel, refuse_engine
 
 __all__ = [
+    "FSDP2_LAYOUT",
+    "FSDP2_TP_LAYOUT",
+    "TENSOR_PARALLEL_LAYOUT",
     "AgreementDeadline",
+    "Agreements",
     "Consensus",
+    "DataParallel",
+    "Default",
     "LocalConsensus",
     "ProcessGroupConsensus",
     "collective_layout",
+    "data_parallel",
     "data_parallel_size",
+    "process_group_consensus",
     "process_groups_faked",
+    "refuse_engine",
+    "reset_fsdp2",
+    "reshard_fsdp2",
+    "resolve_data_parallel",
+    "resolve_deadline",
 ]

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.integrations.configs import (
+from autobatch.integrations._configs import (
     ConfigFormat,
     deepspeed_config,
     format_config,

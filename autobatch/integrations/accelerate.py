@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 
 from autobatch.device import Device
 from autobatch.errors import ConfigError
-from autobatch.integrations.dropins import (
+from autobatch.integrations._dropins import (
     SET_BY_FRAMEWORK,
     autotune_arguments,
     check_options,
@@ -38,8 +38,8 @@ from autobatch.integrations.dropins import (
     tune,
     with_epoch,
 )
-from autobatch.planning.planner import Plan
-from autobatch.probing.snapshot import preserved_rng
+from autobatch.planning import Plan
+from autobatch.probing import preserved_rng
 
 __all__ = ["autotune_accelerator"]
 

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from autobatch.device import Device
 from autobatch.errors import ConfigError
 from autobatch.extras import require
-from autobatch.integrations.dropins import (
+from autobatch.integrations._dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
@@ -44,10 +44,8 @@ from autobatch.integrations.dropins import (
     tune,
     with_epoch,
 )
-from autobatch.planning.planner import Plan
-from autobatch.probing.conditions import check_plan_here
-from autobatch.probing.snapshot import preserved_rng
-from autobatch.probing.worst_case import worst_case_sample
+from autobatch.planning import Plan
+from autobatch.probing import check_plan_here, preserved_rng, worst_case_sample
 
 __all__ = ["autotune_trainer", "row_length"]
 
@@ -285,7 +283,7 @@ def _checkpointing(model: torch.nn.Module, args: Any) -> Iterator[None]:
 def _worst_case_sample(trainer: Any, device: torch.device) -> Any:
     """The Trainer's data collator over the longest rows of its train dataset (with the columns
     its dataloader drops already dropped), on ``device``: a
-    :class:`~autobatch.probing.worst_case.WorstCaseSample` (the profile notes the length probed),
+    :class:`~autobatch.probing._worst_case.WorstCaseSample` (the profile notes the length probed),
     or the collated first rows of an iterable dataset."""
     if trainer.train_dataset is None:
         raise ConfigError("the Trainer has no train_dataset; pass train_dataset=... or sample=...")

@@ -30,7 +30,7 @@ import torch
 from autobatch.device import Device
 from autobatch.errors import ConfigError
 from autobatch.extras import needs_extra
-from autobatch.integrations.dropins import (
+from autobatch.integrations._dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
@@ -41,9 +41,8 @@ from autobatch.integrations.dropins import (
     tune,
     with_epoch,
 )
-from autobatch.planning.planner import Plan
-from autobatch.probing.conditions import check_plan_here
-from autobatch.probing.snapshot import preserved_rng
+from autobatch.planning import Plan
+from autobatch.probing import check_plan_here, preserved_rng
 
 with needs_extra("lightning", purpose="autobatch.integrations.lightning"):
     import lightning.pytorch as pl
@@ -87,7 +86,7 @@ class AutobatchFinder(Callback):
             :func:`autobatch.autotune`.
 
     When training starts (``on_train_start``) the plan's conditions are compared with the
-    process's again (:func:`autobatch.probing.conditions.check_plan_here`): a condition that
+    process's again (:func:`autobatch.probing._conditions.check_plan_here`): a condition that
     moves memory and changed since fit start (cuDNN flags, the allocator, the module's dtypes,
     sharding or checkpointing) is a :class:`~autobatch.errors.ConditionsWarning` naming it.
 

@@ -3,6 +3,6 @@ transformers architectures with random weights, or user code (``module:factory``
 
 from __future__ import annotations
 
-from autobatch.models.zoo import BUILTIN_MODELS, ModelSpec, load_model
+from autobatch.models._zoo import BUILTIN_MODELS, ModelSpec, load_model
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "load_model"]

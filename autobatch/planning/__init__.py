@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
-from autobatch.planning.budget import (
+from autobatch.planning._budget import (
     PlanWithTable,
     budget_margin,
     budgeted_plan,
@@ -30,9 +30,10 @@ from autobatch.planning.budget import (
     plan_with_table,
     with_budget,
 )
-from autobatch.planning.epochs import EpochPlan
-from autobatch.planning.limits import PlanSource, stored_profile_source
-from autobatch.planning.planner import (
+from autobatch.planning._epochs import EpochPlan
+from autobatch.planning._limits import PlanSource, stored_profile_source
+from autobatch.planning._lines import fit_memory_model, fit_wide_line
+from autobatch.planning._planner import (
     Plan,
     WorldSizeOption,
     largest_useful_micro_batch_size,
@@ -41,9 +42,9 @@ from autobatch.planning.planner import (
     plan_table,
     plan_world_sizes,
 )
-from autobatch.planning.prediction import Prediction
-from autobatch.planning.request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest, Uneven
-from autobatch.planning.selection import Selection, condition_mismatches, select_profile
+from autobatch.planning._prediction import Prediction
+from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest, Uneven
+from autobatch.planning._selection import Selection, condition_mismatches, select_profile
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
@@ -61,6 +62,8 @@ __all__ = [
     "budgeted_plan",
     "budgeted_table",
     "condition_mismatches",
+    "fit_memory_model",
+    "fit_wide_line",
     "given_budget",
     "largest_useful_micro_batch_size",
     "plan",

@@ -17,30 +17,59 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.probing.batch import BatchSource, batch_tensors
-from autobatch.probing.conditions import read_conditions
-from autobatch.probing.estimator import FakeStep, estimate
-from autobatch.probing.prober import probe
-from autobatch.probing.search import Point, bracket, next_micro_batch_size, trial_budget
-from autobatch.probing.snapshot import resident_tensors
-from autobatch.probing.step import LossFn, TrainingStep, TrainStep
-from autobatch.probing.worst_case import WorstCaseSample, worst_case_sample
+from autobatch.probing._batch import BatchSource, batch_tensors
+from autobatch.probing._compiled import compiled_mode
+from autobatch.probing._conditions import (
+    check_plan_here,
+    live_data_parallel,
+    process_conditions,
+    read_conditions,
+)
+from autobatch.probing._estimator import FakeStep, estimate
+from autobatch.probing._identity import callable_identity
+from autobatch.probing._options import (
+    DEFAULT_LIMIT,
+    OnTrial,
+    ProbeOptions,
+    StepSpec,
+    check_search_arguments,
+)
+from autobatch.probing._placement import model_device
+from autobatch.probing._prober import probe, run_confirmation, run_probe
+from autobatch.probing._search import Point, bracket, next_micro_batch_size, trial_budget
+from autobatch.probing._snapshot import preserved_rng, resident_tensors
+from autobatch.probing._step import LossFn, TrainingStep, TrainStep
+from autobatch.probing._worst_case import WorstCaseSample, worst_case_sample
 
 __all__ = [
+    "DEFAULT_LIMIT",
     "BatchSource",
     "FakeStep",
     "LossFn",
+    "OnTrial",
     "Point",
+    "ProbeOptions",
+    "StepSpec",
     "TrainStep",
     "TrainingStep",
     "WorstCaseSample",
     "batch_tensors",
     "bracket",
+    "callable_identity",
+    "check_plan_here",
+    "check_search_arguments",
+    "compiled_mode",
     "estimate",
+    "live_data_parallel",
+    "model_device",
     "next_micro_batch_size",
+    "preserved_rng",
     "probe",
+    "process_conditions",
     "read_conditions",
     "resident_tensors",
+    "run_confirmation",
+    "run_probe",
     "trial_budget",
     "worst_case_sample",
 ]

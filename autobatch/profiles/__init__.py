@@ -15,9 +15,12 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.profiles.location import parse_location
-from autobatch.profiles.remote import ProfileRemote
-from autobatch.profiles.store import (
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from autobatch.profiles._location import Create, parse_location
+from autobatch.profiles._remote import ProfileRemote
+from autobatch.profiles._store import (
     STORE_ENV_VAR,
     ProfilePage,
     ProfileStore,
@@ -29,12 +32,71 @@ from autobatch.profiles.store import (
 
 __all__ = [
     "STORE_ENV_VAR",
+    "ArrivalPrediction",
+    "Create",
     "ProfilePage",
     "ProfileRemote",
     "ProfileStore",
     "ProfileSummary",
+    "StoreOptions",
     "SummaryPage",
+    "Superseded",
+    "TunedProfile",
+    "agreed_profile",
+    "answers_request",
+    "confirm_on_arrival",
     "default_store_path",
+    "find_prediction",
     "parse_location",
     "profile_id_of",
+    "stored_profiles",
+    "superseded_in",
+    "user_stacklevel",
 ]
+
+if TYPE_CHECKING:
+    from autobatch.profiles._cache import (
+        StoreOptions,
+        Superseded,
+        TunedProfile,
+        agreed_profile,
+        answers_request,
+        superseded_in,
+        user_stacklevel,
+    )
+    from autobatch.profiles._confirmation import (
+        ArrivalPrediction,
+        confirm_on_arrival,
+        find_prediction,
+        stored_profiles,
+    )
+
+# The road's store lane (the cache rule across ranks, confirmation on arrival) needs torch's
+# collectives; it is loaded on first use so that the store, what the service and the CLI
+# import, stays torch-free.
+_LAZY_EXPORTS = {
+    **dict.fromkeys(
+        (
+            "StoreOptions",
+            "Superseded",
+            "TunedProfile",
+            "agreed_profile",
+            "answers_request",
+            "superseded_in",
+            "user_stacklevel",
+        ),
+        "autobatch.profiles._cache",
+    ),
+    **dict.fromkeys(
+        ("ArrivalPrediction", "confirm_on_arrival", "find_prediction", "stored_profiles"),
+        "autobatch.profiles._confirmation",
+    ),
+}
+
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY_EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'autobatch.profiles' has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)

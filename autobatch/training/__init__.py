@@ -20,9 +20,9 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.training.accumulator import Accumulator
-from autobatch.training.micro_step import MicroStep
-from autobatch.training.oom_split import OnOom, SplitEvent
-from autobatch.training.window import StepStats, Window
+from autobatch.training._accumulator import Accumulator
+from autobatch.training._micro_step import MicroStep
+from autobatch.training._oom_split import OnOom, SplitEvent
+from autobatch.training._window import StepStats, Window
 
 __all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]

@@ -13,10 +13,10 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.profiles.cache import TunedProfile
-from autobatch.tuning.lookup import find_profile
-from autobatch.tuning.request import TuneRequest
-from autobatch.tuning.road import (
+from autobatch.profiles import TunedProfile
+from autobatch.tuning._lookup import find_profile
+from autobatch.tuning._request import TuneRequest
+from autobatch.tuning._road import (
     Tuning,
     autotune,
     autotune_profile,
@@ -24,7 +24,7 @@ from autobatch.tuning.road import (
     tune_profile,
     tune_request,
 )
-from autobatch.tuning.split_recording import split_recorder
+from autobatch.tuning._split_recording import split_recorder
 
 __all__ = [
     "TuneRequest",

@@ -14,8 +14,9 @@ import torch
 import autobatch
 import autobatch.device
 from autobatch.cli import main
-from autobatch.device import Capacity, nvml
-from autobatch.device.nvml import Nvml
+from autobatch.device import Capacity
+from autobatch.device import _nvml as nvml
+from autobatch.device._nvml import Nvml
 from autobatch.errors import ConfigError, DeviceUnavailableError
 from autobatch.profiles import ProfileStore
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
@@ -205,7 +206,7 @@ def test_devices_lists_what_nvml_reports(
 def test_devices_lists_a_mig_instance_whose_parent_refuses_queries(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import autobatch.device.nvml as nvml_module
+    import autobatch.device._nvml as nvml_module
     from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
     no_permission = ERROR_CLASSES["NVMLError_NoPermission"]
@@ -313,7 +314,7 @@ def test_profiles_list_tells_an_eval_profile_from_a_training_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # `plan --profile ID` refuses an eval profile: the list must say which is which.
-    from autobatch.profiles.store import ProfileStore
+    from autobatch.profiles._store import ProfileStore
     from tests.planning.test_prediction import issue_profile
 
     store = tmp_path / "s.sqlite3"
@@ -477,7 +478,7 @@ def test_the_data_parallel_size_under_two_names_must_agree(
 
 def test_model_spec_to_moves_the_model_in_place_and_every_sample_tensor() -> None:
     from autobatch.errors import ConfigError
-    from autobatch.models.zoo import ModelSpec
+    from autobatch.models._zoo import ModelSpec
 
     model = torch.nn.Linear(4, 2)
     sample = {"x": torch.randn(1, 4), "meta": {"ids": torch.zeros(1, dtype=torch.long)}, "n": 3}
@@ -556,8 +557,8 @@ def test_a_malformed_input_shape_is_explained_with_an_example(
 def test_plan_refuses_an_eval_profile_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from autobatch.planning.planner import plan
-    from autobatch.profiles.store import ProfileStore
+    from autobatch.planning._planner import plan
+    from autobatch.profiles._store import ProfileStore
     from tests.planning.test_prediction import issue_profile
 
     store = tmp_path / "s.sqlite3"

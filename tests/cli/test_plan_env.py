@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.cli import main
-from autobatch.cli.plan_env import env_variables
+from autobatch.cli._plan_env import env_variables
 from autobatch.planning import plan
 from autobatch.profile import Profile
 from tests.service.test_publish import FlakyServer

@@ -12,12 +12,12 @@ import torch
 
 import autobatch
 from autobatch.cli import build_parser, main
-from autobatch.cli.output import FLAGS
+from autobatch.cli._output import FLAGS
 from autobatch.device import resolve_device
-from autobatch.device.budget import _UNSEEN
+from autobatch.device._budget import _UNSEEN
 from autobatch.errors import ConfigError, DeviceUnavailableError, Remedy
 from autobatch.integrations import deepspeed_config
-from autobatch.models.zoo import load_model
+from autobatch.models._zoo import load_model
 
 
 def cli_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -97,7 +97,7 @@ def test_the_flag_table_names_flags_the_parser_has() -> None:
             if isinstance(action, argparse._SubParsersAction):
                 pending.extend(action.choices.values())
     assert set(FLAGS.values()) <= flags
-    from autobatch.cli.output import flag_wording as _flag_wording
+    from autobatch.cli._output import flag_wording as _flag_wording
 
     assert _flag_wording(Remedy(parameter="capacity_bytes", values=("80GiB",))) == (
         "--capacity 80GiB"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import autobatch
-import autobatch.device.cpu as cpu_module
-import autobatch.device.cuda as cuda_module
+import autobatch.device._cpu as cpu_module
+import autobatch.device._cuda as cuda_module
 from autobatch.device import (
     BudgetReading,
     CpuDevice,
@@ -25,9 +25,9 @@ from autobatch.device import (
     resolve_device,
     vgpu_limit_reading,
 )
-from autobatch.device.budget import SHARING_TOLERANCE, parse_memory_limit
-from autobatch.device.cgroup import cgroup_reading
-from autobatch.device.nvml import Nvml
+from autobatch.device._budget import SHARING_TOLERANCE, parse_memory_limit
+from autobatch.device._cgroup import cgroup_reading
+from autobatch.device._nvml import Nvml
 from autobatch.errors import ConfigError
 from autobatch.planning import given_budget, plan, with_budget
 from autobatch.profile import MemoryModel, Profile, Trial

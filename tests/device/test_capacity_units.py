@@ -8,7 +8,7 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.device import resolve_device
-from autobatch.device.resolve import ParsedDevice, parse_device
+from autobatch.device._resolve import ParsedDevice, parse_device
 from autobatch.errors import ConfigError
 from autobatch.units import MIN_UNITLESS_CAPACITY_BYTES, parse_capacity
 

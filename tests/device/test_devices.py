@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from autobatch.device import ParsedDevice, parse_device, resolve_device
-from autobatch.device import cpu as cpu_module
-from autobatch.device.cpu import CpuDevice
-from autobatch.device.live_bytes import LiveBytes
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device import _cpu as cpu_module
+from autobatch.device._cpu import CpuDevice
+from autobatch.device._live_bytes import LiveBytes
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.probing.prober import probe
+from autobatch.probing._prober import probe
 
 
 def test_live_bytes_counts_each_storage_once_and_forgets_freed_ones() -> None:

@@ -1,4 +1,4 @@
-"""autobatch.device.nvml against a hand-written fake pynvml; the pure CUDA capacity arithmetic."""
+"""autobatch.device._nvml against a hand-written fake pynvml; the pure CUDA capacity arithmetic."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import autobatch.device.nvml as nvml_module
+import autobatch.device._nvml as nvml_module
 from autobatch.device import UNKNOWN_MEMORY, Capacity, MemoryInfo
-from autobatch.device.cuda import CudaDevice, usable_capacity
-from autobatch.device.nvml import REASONS, Nvml
+from autobatch.device._cuda import CudaDevice, usable_capacity
+from autobatch.device._nvml import REASONS, Nvml
 from autobatch.errors import DeviceUnavailableError
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB, MiB
 
@@ -668,9 +668,9 @@ import pynvml
 calls = []
 pynvml.nvmlInit = lambda *args: calls.append("nvmlInit")
 pynvml.nvmlInitWithFlags = lambda *args: calls.append("nvmlInitWithFlags")
-import autobatch, autobatch.device, autobatch.device.nvml, autobatch.device.cuda
-autobatch.device.nvml.default_nvml()
-print(calls, autobatch.device.nvml.default_nvml()._lib)
+import autobatch, autobatch.device, autobatch.device._nvml, autobatch.device._cuda
+autobatch.device._nvml.default_nvml()
+print(calls, autobatch.device._nvml.default_nvml()._lib)
 """
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
@@ -690,7 +690,7 @@ def test_nvml_is_the_only_module_importing_pynvml() -> None:
         for path in (REPO_ROOT / "autobatch").rglob("*.py")
         if re.search(r"^\s*(import pynvml|from pynvml import)", path.read_text(), re.MULTILINE)
     )
-    assert importers == ["autobatch/device/nvml.py"]
+    assert importers == ["autobatch/device/_nvml.py"]
 
 
 # --- initialisation -------------------------------------------------------------------------
@@ -747,7 +747,7 @@ def test_driver_version(reported: str | bytes) -> None:
     assert Nvml(FakePynvml([], driver_version=reported)).driver_version() == "550.54.15"
 
 
-# --- CUDA capacity arithmetic (autobatch.device.cuda) ---------------------------------------
+# --- CUDA capacity arithmetic (autobatch.device._cuda) ---------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autobatch.device.oom import is_oom
+from autobatch.device._oom import is_oom
 
 ALLOCATOR_ASSERT = (
     'NVML_SUCCESS == r INTERNAL ASSERT FAILED at "../c10/cuda/CUDACachingAllocator.cpp":830, '

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from autobatch import autotune, plan_world_sizes, probe
-from autobatch.device.simulated import SimulatedDevice
-from autobatch.distributed.consensus import ProcessGroupConsensus, process_group_consensus
+from autobatch.device._simulated import SimulatedDevice
+from autobatch.distributed._consensus import ProcessGroupConsensus, process_group_consensus
 from autobatch.errors import DistributedError
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.estimator import FakeStep
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._estimator import FakeStep
 from autobatch.profile import Trial
-from autobatch.profiles.store import ProfileStore
+from autobatch.profiles._store import ProfileStore
 from tests.conftest import MODEL_CASES, spawn_and_wait
 from tests.helpers.gloo_exit import join_gloo_group, leave_gloo_worker
 

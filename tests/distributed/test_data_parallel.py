@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import autotune, plan, plan_world_sizes
-from autobatch.distributed.layout import collective_layout, data_parallel_size
+from autobatch.distributed._layout import collective_layout, data_parallel_size
 from autobatch.errors import ConfigError
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import join_gloo_group, leave_gloo_worker

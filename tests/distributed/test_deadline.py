@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autobatch.distributed.deadline import (
+from autobatch.distributed._deadline import (
     DEFAULT_MIN_SECONDS,
     MIN_SECONDS_ENV,
     AgreementDeadline,
@@ -113,7 +113,7 @@ def _probe_worker(rank: int, tmp: str) -> None:
 
 def _loader_worker(rank: int, tmp: str) -> None:
     """Rank 1's loader hangs fetching window 1; rank 0 waits at that window's count."""
-    from autobatch.training.accumulator import Accumulator
+    from autobatch.training._accumulator import Accumulator
 
     join_gloo_group(rank, WORLD_SIZE, f"{tmp}/rendezvous", timeout_s=GROUP_TIMEOUT_S)
     flag = Path(tmp, "rank0-failed")

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autobatch.distributed.consensus import ProcessGroupConsensus, consensus_device
+from autobatch.distributed._consensus import ProcessGroupConsensus, consensus_device
 from autobatch.errors import DistributedError
-from autobatch.probing.parallel import on_cuda_device
+from autobatch.probing._parallel import on_cuda_device
 
 
 def _no_current_device() -> int:

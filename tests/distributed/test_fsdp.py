@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autobatch import autotune, probe
-from autobatch.device.simulated import SimulatedDevice
-from autobatch.distributed.layout import collective_layout
+from autobatch.device._simulated import SimulatedDevice
+from autobatch.distributed._layout import collective_layout
 from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait

@@ -138,7 +138,7 @@ def _one_rank_communicates_alone(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from autobatch.distributed.fake_backend import process_groups_faked
+    from autobatch.distributed._fake_backend import process_groups_faked
 
     mesh = init_device_mesh("cpu", (2,))
     pair = dist.new_group([0, 1])

@@ -1,5 +1,5 @@
 """What a probe's faked process groups
-(:func:`autobatch.distributed.fake_backend.process_groups_faked`)
+(:func:`autobatch.distributed._fake_backend.process_groups_faked`)
 cannot run, on 2 gloo ranks on CPU: a ``train_step`` that needs the other ranks is refused on
 every rank however it reaches torch.distributed, a block inside another leaves the outer one's
 fakes in place, and autotune inside one refuses to agree over nothing. Afterwards every group
@@ -136,7 +136,7 @@ def _refused(rank: int, groups: dict[str, Any]) -> dict[str, Any]:
 
 def _nested(rank: int) -> dict[str, Any]:
     """A faked block inside another, and autotune inside one."""
-    from autobatch.distributed.fake_backend import groups_faked, process_groups_faked
+    from autobatch.distributed._fake_backend import groups_faked, process_groups_faked
 
     result: dict[str, Any] = {}
     with process_groups_faked():

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autobatch.distributed.layout import collective_layout
+from autobatch.distributed._layout import collective_layout
 from autobatch.profile import Trial
 from autobatch.tuning import tune
 from tests.conftest import spawn_and_wait

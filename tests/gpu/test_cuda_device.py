@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from autobatch.device import Device
-from autobatch.device.cuda import CudaDevice
-from autobatch.device.nvml import Nvml
+from autobatch.device._cuda import CudaDevice
+from autobatch.device._nvml import Nvml
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """The probe's fake collectives on a real NCCL group (`pytest -m gpu`; skipped without CUDA).
 
-``autobatch.distributed.fake_backend.process_groups_faked`` swaps every process group's backend for
+``autobatch.distributed._fake_backend.process_groups_faked`` swaps every process group's backend for
 a
 fake one while a probe's step runs and puts the real one back after; the CPU tests pin it on
 gloo only. Here one rank on one GPU checks the same on NCCL: inside, a CUDA all-reduce goes to
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autobatch.distributed.fake_backend import process_groups_faked
+from autobatch.distributed._fake_backend import process_groups_faked
 from autobatch.tuning import tune
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""A hand-written stand-in for nvidia-ml-py's ``pynvml`` module, for ``autobatch.device.nvml``.
+"""A hand-written stand-in for nvidia-ml-py's ``pynvml`` module, for ``autobatch.device._nvml``.
 
 It keeps the real module's names (functions, constants, ``NVMLError_*`` classes built from the
 same error codes) and its behaviour where autobatch depends on it: queries before ``nvmlInit``

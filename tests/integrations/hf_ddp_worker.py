@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from gloo_exit import leave_gloo_worker  # noqa: E402
 from test_hf_integration import make_trainer  # noqa: E402
 
-from autobatch.device.simulated import SimulatedDevice  # noqa: E402
+from autobatch.device._simulated import SimulatedDevice  # noqa: E402
 from autobatch.integrations.hf import autotune_trainer  # noqa: E402
 
 MIB = 2**20

@@ -18,7 +18,7 @@ import lightning.pytorch as pl  # noqa: E402
 from gloo_exit import leave_gloo_worker  # noqa: E402
 from test_lightning_integration import Classifier  # noqa: E402
 
-from autobatch.device.simulated import SimulatedDevice  # noqa: E402
+from autobatch.device._simulated import SimulatedDevice  # noqa: E402
 from autobatch.integrations.lightning import AutobatchFinder  # noqa: E402
 
 MIB = 2**20

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 accelerate = pytest.importorskip("accelerate")
 
-from autobatch.device.simulated import SimulatedDevice  # noqa: E402
+from autobatch.device._simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConfigError  # noqa: E402
 from autobatch.integrations.accelerate import autotune_accelerator  # noqa: E402
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from autobatch.errors import ConfigError
-from autobatch.integrations.configs import (
+from autobatch.integrations._configs import (
     deepspeed_config,
     format_config,
     hf_training_arguments,
     lightning_config,
 )
-from autobatch.planning.planner import Plan, plan
+from autobatch.planning._planner import Plan, plan
 
 # (max micro-batch, effective batch, world size) -> every plan here has equal micro-batches.
 CASES = [(24, 64, 1), (24, 96, 4), (24, 192, 8), (8, 8, 8), (10**6, 10**9, 8), (24, 54, 3)]

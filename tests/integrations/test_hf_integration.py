@@ -21,10 +21,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from autobatch.device.simulated import SimulatedDevice  # noqa: E402
+from autobatch.device._simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConditionsWarning, ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.hf import autotune_trainer, row_length  # noqa: E402
-from autobatch.profiles.store import ProfileStore  # noqa: E402
+from autobatch.profiles._store import ProfileStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20

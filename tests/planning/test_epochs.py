@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from autobatch.errors import ConfigError
-from autobatch.planning.epochs import EpochPlan
-from autobatch.planning.planner import Plan, plan
+from autobatch.planning._epochs import EpochPlan
+from autobatch.planning._planner import Plan, plan
 
 
 def simulate(rows_per_rank: int, sizes: tuple[int, ...], drop_last: bool) -> list[list[int]]:

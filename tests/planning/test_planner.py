@@ -1,4 +1,4 @@
-"""Tests for autobatch.planning.planner: table-driven cases, errors, profiles, step times,
+"""Tests for autobatch.planning._planner: table-driven cases, errors, profiles, step times,
 properties."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning.planner import Plan, WorldSizeOption, plan, plan_world_sizes
-from autobatch.planning.prediction import EXTRAPOLATION_GROWTH, Prediction
+from autobatch.planning._planner import Plan, WorldSizeOption, plan, plan_world_sizes
+from autobatch.planning._prediction import EXTRAPOLATION_GROWTH, Prediction
 from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 
 GIB = 2**30
@@ -758,8 +758,8 @@ def test_planner_and_integrations_import_neither_torch_nor_pynvml() -> None:
         "package = types.ModuleType('autobatch')\n"
         f"package.__path__ = [{str(package_dir)!r}]\n"
         "sys.modules['autobatch'] = package\n"
-        "import autobatch.planning.planner, autobatch.integrations,"
-        " autobatch.profiles.confirmation\n"
+        "import autobatch.planning._planner, autobatch.integrations,"
+        " autobatch.profiles._confirmation\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pynvml')))\n"
     )
     done = subprocess.run(
@@ -786,7 +786,7 @@ def test_astronomical_sizes_plan_at_once(
 
 
 def test_accumulation_steps_are_capped() -> None:
-    from autobatch.planning.planner import MAX_GRADIENT_ACCUMULATION_STEPS
+    from autobatch.planning._planner import MAX_GRADIENT_ACCUMULATION_STEPS
 
     with pytest.raises(NoFeasiblePlanError, match="at most 1048576 accumulation steps"):
         plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS + 1)

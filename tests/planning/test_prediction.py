@@ -13,8 +13,8 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning.planner import Plan, plan, plan_world_sizes
-from autobatch.planning.prediction import (
+from autobatch.planning._planner import Plan, plan, plan_world_sizes
+from autobatch.planning._prediction import (
     EXTRAPOLATION_GROWTH,
     Prediction,
     interpolated_peak_bytes,
@@ -23,7 +23,7 @@ from autobatch.planning.prediction import (
     predict_past,
 )
 from autobatch.profile import MemoryModel, Profile, Trial
-from autobatch.profiles.store import ProfileStore
+from autobatch.profiles._store import ProfileStore
 
 GIB = 2**30
 MIB = 2**20

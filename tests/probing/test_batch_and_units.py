@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autobatch.errors import ConfigError
-from autobatch.probing.batch import BatchSource
+from autobatch.probing._batch import BatchSource
 from autobatch.units import format_bytes, parse_bytes
 
 

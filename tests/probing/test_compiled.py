@@ -20,8 +20,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from autobatch import autotune, estimate, probe
 from autobatch.device import Capacity, PeakMemory
 from autobatch.errors import StepFailedError
-from autobatch.probing.compiled import eager, is_compiled
-from autobatch.profiles.store import ProfileStore
+from autobatch.probing._compiled import eager, is_compiled
+from autobatch.profiles._store import ProfileStore
 
 
 def _mlp() -> torch.nn.Module:

@@ -9,10 +9,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from autobatch.errors import DoesNotFitError
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.estimator import FakeStep, estimate
-from autobatch.probing.snapshot import resident_tensors
-from autobatch.probing.step import TrainingStep
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._estimator import FakeStep, estimate
+from autobatch.probing._snapshot import resident_tensors
+from autobatch.probing._step import TrainingStep
 from tests.conftest import ModelCase
 
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobatch.integrations.dropins import code_identity
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.conditions import read_conditions
-from autobatch.probing.identity import model_fingerprint, module_settings, step_identity
+from autobatch.integrations._dropins import code_identity
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._conditions import read_conditions
+from autobatch.probing._identity import model_fingerprint, module_settings, step_identity
 from autobatch.tuning import autotune_profile
 
 SAMPLE = BatchSource.from_sample((torch.randn(2, 8), torch.randint(0, 3, (2,))))

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError, DoesNotFitError, StepFailedError
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.prober import probe
-from autobatch.probing.step import TrainingStep
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._prober import probe
+from autobatch.probing._step import TrainingStep
 from tests.conftest import ModelCase, exhaustive_max
 
 UNIT = 16384  # float32 elements; one unit = 64 KiB

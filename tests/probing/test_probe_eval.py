@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.integrations.configs import hf_training_arguments
-from autobatch.planning.planner import plan
-from autobatch.probing.prober import probe
+from autobatch.integrations._configs import hf_training_arguments
+from autobatch.planning._planner import plan
+from autobatch.probing._prober import probe
 from autobatch.profile import Profile
 from autobatch.tuning import tune
 from service.schemas import ProfileCreate

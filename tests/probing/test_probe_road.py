@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import probe
-from autobatch.device.cpu import CpuDevice
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._cpu import CpuDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.probing.batch import BatchSource
-from autobatch.probing.estimator import FakeStep, estimate_points
-from autobatch.probing.probe_search import (
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._estimator import FakeStep, estimate_points
+from autobatch.probing._probe_search import (
     ESTIMATE_OVERRUN,
     EXPECTED_FAKE_STEPS,
     FAKE_STEP_SECONDS_PER_TENSOR,
 )
-from autobatch.probing.search import estimate_budget_seconds, growth_sizes
+from autobatch.probing._search import estimate_budget_seconds, growth_sizes
 from autobatch.profile import ProbeTimings, Profile
 
 MIB = 2**20

@@ -11,10 +11,10 @@ import torch
 
 from autobatch import autotune, probe
 from autobatch.cli import main
-from autobatch.device.simulated import SimulatedDevice
-from autobatch.planning.planner import plan
-from autobatch.probing.search import trial_budget
-from autobatch.probing.trials import UNRELIABLE_ESTIMATE
+from autobatch.device._simulated import SimulatedDevice
+from autobatch.planning._planner import plan
+from autobatch.probing._search import trial_budget
+from autobatch.probing._trials import UNRELIABLE_ESTIMATE
 from autobatch.profile import Profile
 from tests.helpers.probe_stubs import ALLOCATOR_ASSERT, LAUNCH_LIMIT, FailsAbove
 
@@ -125,8 +125,8 @@ def test_an_estimate_off_by_5x_is_called_unreliable_and_the_search_still_exact(
 
 def exact_max(model: torch.nn.Module, capacity: int) -> int:
     """Largest n whose real step fits (checked at the answer's neighbours only)."""
-    from autobatch.probing.batch import BatchSource
-    from autobatch.probing.step import TrainingStep
+    from autobatch.probing._batch import BatchSource
+    from autobatch.probing._step import TrainingStep
 
     model.train()
     step = TrainingStep(model, torch.optim.AdamW(model.parameters()))

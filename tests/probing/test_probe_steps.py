@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from autobatch import probe
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.probing.trials import MAX_WARM_UP_CALLS
+from autobatch.probing._trials import MAX_WARM_UP_CALLS
 from tests.probing.test_probe import UNIT, Moments, Toy, assert_same_state, state_of
 
 CAPACITY_BYTES = 100 * UNIT * 4 + UNIT * 2

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autobatch.probing.search import (
+from autobatch.probing._search import (
     Point,
     bracket,
     fit_memory_model,

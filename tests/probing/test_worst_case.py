@@ -13,12 +13,12 @@ from torch import nn
 
 from autobatch import autotune, probe
 from autobatch.cli import build_parser
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
-from autobatch.models.zoo import load_model
-from autobatch.probing.worst_case import worst_case_sample
-from autobatch.profiles.store import ProfileStore
-from autobatch.training.oom_split import SplitEvent
+from autobatch.models._zoo import load_model
+from autobatch.probing._worst_case import worst_case_sample
+from autobatch.profiles._store import ProfileStore
+from autobatch.training._oom_split import SplitEvent
 from autobatch.tuning import split_recorder
 
 Item = dict[str, torch.Tensor]

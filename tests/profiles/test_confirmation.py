@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from autobatch import SimulatedDevice, autotune, plan
 from autobatch.client import ServiceProfiles
-from autobatch.probing.options import ProbeOptions, StepSpec
+from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.profile import Profile, StepIdentity
-from autobatch.profiles.cache import StoreOptions
-from autobatch.profiles.confirmation import find_prediction, stored_profiles
-from autobatch.profiles.store import ProfileStore
+from autobatch.profiles._cache import StoreOptions
+from autobatch.profiles._confirmation import find_prediction, stored_profiles
+from autobatch.profiles._store import ProfileStore
 from autobatch.tuning import autotune_profile, find_profile
 from tests.profiles.test_remote import Shelf
 

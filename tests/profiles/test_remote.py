@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import SimulatedDevice
-from autobatch.distributed.consensus import LocalConsensus
+from autobatch.distributed._consensus import LocalConsensus
 from autobatch.errors import ReportWarning
-from autobatch.probing.options import ProbeOptions, StepSpec
+from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.profile import Profile, StepIdentity
 from autobatch.profiles import ProfileRemote, ProfileStore
-from autobatch.profiles.cache import StoreOptions, agreed_profile
+from autobatch.profiles._cache import StoreOptions, agreed_profile
 from autobatch.tuning import find_profile
 from tests.profiles.test_store import make_profile
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
-from autobatch.profiles import schema
-from autobatch.profiles.location import parse_location, redact
-from autobatch.profiles.store import STORE_SCHEMA_VERSION, ProfileStore, profile_id_of
+from autobatch.profiles import _schema as schema
+from autobatch.profiles._location import parse_location, redact
+from autobatch.profiles._store import STORE_SCHEMA_VERSION, ProfileStore, profile_id_of
 from tests.profiles.test_store import make_profile
 
 # The exact DDL of autobatch's first store (schema version 1), as the old code created it.

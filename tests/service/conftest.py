@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.device.nvml import Nvml
+from autobatch.device._nvml import Nvml
 from service.main import create_app
 from service.settings import Settings
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB

@@ -1,4 +1,4 @@
-"""autobatch.client.http against the real app in-process (httpx transport over TestClient)."""
+"""autobatch.client._http against the real app in-process (httpx transport over TestClient)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.client.http import AutobatchClient, ServiceError
-from autobatch.client.publish import report_profile
+from autobatch.client._http import AutobatchClient, ServiceError
+from autobatch.client._publish import report_profile
 from autobatch.errors import ConfigError, NoFeasiblePlanError, ProfileNotFoundError
 from autobatch.profile import MemoryModel
 from tests.helpers.fake_pynvml import GiB

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.device import SHARING_TOLERANCE
-from autobatch.device.budget import SHARING_MODES, SOURCES
-from autobatch.device.nvml import Nvml
+from autobatch.device._budget import SHARING_MODES, SOURCES
+from autobatch.device._nvml import Nvml
 from autobatch.profile import MemoryModel
 from service.schemas import BudgetSourceName, PlanPublic, SharingModeName
 from tests.helpers.fake_pynvml import FakeGpu, FakePynvml, GiB, MiB
@@ -126,7 +126,7 @@ def test_a_plan_for_a_local_card_says_what_it_could_not_see(client: TestClient) 
     # reads: the budget says so, in a field and a warning, rather than vouching for the card.
     budget = answer(client, request({"cuda_index": 0}))["plan"]["budget"]
     assert budget["unseen_sources"] == ["cuda_runtime"]
-    assert any("HAMi" in w and "gpu_fraction" in w for w in budget["warnings"])
+    assert any("HAMi" in w and "GPU fraction" in w for w in budget["warnings"])
     assert budget["sharing_mode"] == "none" and budget["deciding_source"] == "nvml"
 
 

@@ -1,4 +1,4 @@
-"""Publishing a profile with retries (autobatch.client.publish) against a real local HTTP server
+"""Publishing a profile with retries (autobatch.client._publish) against a real local HTTP server
 that fails its first requests."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 import autobatch
 from autobatch.cli import main as cli_main
 from autobatch.planning import given_budget, with_budget
-from autobatch.planning.planner import Plan
+from autobatch.planning._planner import Plan
 from autobatch.profile import MemoryModel, ProbeTimings, Profile, StepIdentity, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
@@ -1170,7 +1170,7 @@ def test_the_plan_schema_has_every_plan_field(client: TestClient) -> None:
     """A field of Plan missing from the response schema would be dropped from every answer."""
     import dataclasses
 
-    from autobatch.planning.prediction import Prediction
+    from autobatch.planning._prediction import Prediction
     from service.schemas import PlanFields, PredictionFields
 
     assert set(PlanFields.model_fields) == {f.name for f in dataclasses.fields(Plan)}

@@ -165,7 +165,7 @@ def test_autotune_reports_a_new_profile_to_the_service(
         report_to=str(server.base_url),
     )
     items = server.get("/v1/profiles").json()["profiles"]
-    fingerprint = autobatch.probing.identity.model_fingerprint(model)
+    fingerprint = autobatch.probing._identity.model_fingerprint(model)
     matching = [p for p in items if p["profile"]["model_fingerprint"] == fingerprint]
     assert len(matching) == 1
     assert matching[0]["profile"]["recommended_micro_batch_size"] == plan.max_micro_batch_size

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.device.nvml import Nvml
+from autobatch.device._nvml import Nvml
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB, MiB
 from tests.service.conftest import A100_UUID, H100_UUID, two_gpus
 
@@ -314,7 +314,7 @@ def test_a_total_plan_says_what_other_processes_hold(make_app: Callable[..., Fas
 def test_a_probe_child_sees_the_containers_cards_in_the_services_numbering(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import autobatch.device.nvml as nvml_module
+    import autobatch.device._nvml as nvml_module
     from service.jobs import _pin_visible_devices
 
     given = Nvml(FakePynvml(two_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": H100_UUID})

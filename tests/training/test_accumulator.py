@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-import autobatch.training.window as window_module
+import autobatch.training._window as window_module
 from autobatch.errors import ConfigError, SmallMicroBatchNormWarning
-from autobatch.training.accumulator import Accumulator
-from autobatch.training.window import StepStats
+from autobatch.training._accumulator import Accumulator
+from autobatch.training._window import StepStats
 
 F64 = torch.float64
 
@@ -622,7 +622,7 @@ def test_an_optimizer_from_the_deepspeed_package_is_refused() -> None:
 
 
 def test_a_plan_gives_the_steps_and_must_be_for_this_loop() -> None:
-    from autobatch.planning.planner import plan
+    from autobatch.planning._planner import plan
 
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

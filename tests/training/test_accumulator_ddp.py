@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch.training.accumulator import Accumulator
-from autobatch.training.window_agreement import WindowAgreement
+from autobatch.training._accumulator import Accumulator
+from autobatch.training._window_agreement import WindowAgreement
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import leave_gloo_worker
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch.training.accumulator import Accumulator
+from autobatch.training._accumulator import Accumulator
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import leave_gloo_worker
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autobatch.errors import ConfigError
-from autobatch.planning.planner import plan
+from autobatch.planning._planner import plan
 from autobatch.profile import GradientSync
-from autobatch.training.accumulator import Accumulator
+from autobatch.training._accumulator import Accumulator
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import join_gloo_group, leave_gloo_worker
 
@@ -249,8 +249,8 @@ def _window_peak(
     """Peak bytes of the second of two windows of ``acc`` at micro-batch ``size`` (the first
     creates Adam's state, as the probe's warm-up does), on a simulated card large enough that
     nothing is refused: the peak, beside the capacity the plan was made for."""
-    from autobatch.device.simulated import SimulatedDevice
-    from autobatch.probing.snapshot import resident_tensors
+    from autobatch.device._simulated import SimulatedDevice
+    from autobatch.probing._snapshot import resident_tensors
 
     g = torch.Generator().manual_seed(1)
     batches = [
@@ -281,10 +281,10 @@ def _sync_mode_worker(rank: int, tmp: str) -> None:
     import torch.nn.functional as F
 
     from autobatch.device import resolve_device
-    from autobatch.distributed.consensus import ProcessGroupConsensus
+    from autobatch.distributed._consensus import ProcessGroupConsensus
     from autobatch.planning import PlanRequest, plan_request
-    from autobatch.probing.options import ProbeOptions, StepSpec
-    from autobatch.probing.prober import run_probe
+    from autobatch.probing._options import ProbeOptions, StepSpec
+    from autobatch.probing._prober import run_probe
     from autobatch.tuning import tune
 
     join_gloo_group(rank, WORLD_SIZE, f"{tmp}/rendezvous", timeout_s=GROUP_TIMEOUT_S)

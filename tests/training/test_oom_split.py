@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autobatch.device.simulated import SimulatedDevice
+from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError, DoesNotFitError
-from autobatch.training.accumulator import Accumulator
-from autobatch.training.limit_agreement import refuse_collective_forward
-from autobatch.training.oom_split import DEFAULT_OOM_RETRY_WINDOWS, SplitEvent
-from autobatch.training.window import StepStats
+from autobatch.training._accumulator import Accumulator
+from autobatch.training._limit_agreement import refuse_collective_forward
+from autobatch.training._oom_split import DEFAULT_OOM_RETRY_WINDOWS, SplitEvent
+from autobatch.training._window import StepStats
 from tests.training.test_accumulator import RecordingSGD, full_batch_grad, make_data, mse
 
 F64 = torch.float64

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autobatch.errors import SmallMicroBatchNormWarning
-from autobatch.training.accumulator import Accumulator
+from autobatch.training._accumulator import Accumulator
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import leave_gloo_worker
 from tests.training.test_oom_split import HEAVY, GatedModel, fake_oom, mse

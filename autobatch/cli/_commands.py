@@ -1,0 +1,391 @@
+"""The ``autobatch`` command line: parse, call the library, print. No logic of its own.
+
+Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``profiles``
+(list/show/delete), ``serve``; their flags are :mod:`autobatch.cli._parser`'s. Errors print one
+line to stderr and exit non-zero.
+
+Example::
+
+    autobatch tune gpt2 --seq-len 128 --device sim:3GiB --effective-batch-size 256
+    autobatch plan --max-micro-batch-size 24 --effective-batch-size 64 --world-size 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from autobatch.cli._output import (
+    Progress,
+    bytes_or_unknown,
+    flag_wording,
+    input_shapes,
+    print_budget,
+    print_limit_note,
+    print_plan,
+    print_table,
+)
+from autobatch.cli._parser import build_parser, unknown_arguments
+from autobatch.cli._plan_env import remote_plan, write_plan
+from autobatch.errors import AutobatchError, ConfigError
+from autobatch.units import format_bytes
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autobatch`` console script; returns the exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.args = extra
+    elif extra:
+        parser.error(unknown_arguments(parser, extra))  # unknown flags before the command
+    handler: Callable[[argparse.Namespace, TextIO], int] = _COMMANDS[args.command]
+    try:
+        code = handler(args, sys.stdout)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+    except AutobatchError as exc:
+        print(f"autobatch: error: {exc.describe(flag_wording)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("autobatch: interrupted", file=sys.stderr)
+        return 130
+
+
+def _stdout_closed() -> int:
+    """Stop quietly when the reader of stdout has gone (``autobatch ... | head``), as Unix tools do.
+
+    Python flushes stdout again at exit, which would print a second ``BrokenPipeError``; pointing
+    the descriptor at ``/dev/null`` stops that (the recipe in the Python docs, ``signal`` module).
+
+    Returns:
+        141, the status of a Unix tool killed by ``SIGPIPE`` (128 + 13).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13
+
+
+def _output_format(args: argparse.Namespace) -> str:
+    return "json" if getattr(args, "json", False) else str(getattr(args, "format", "text"))
+
+
+def _store(args: argparse.Namespace, *, writing: bool = False) -> Any:
+    """The store ``--store`` (else ``$AUTOBATCH_STORE``, else the default file) names.
+
+    A mistyped location is an error, never a new empty store: reading needs the store to exist,
+    and writing creates its file only in an existing folder, but for the default location's
+    (``~/.cache/autobatch``), which is made when missing.
+    """
+    from autobatch.profiles import STORE_ENV_VAR, Create, ProfileStore
+
+    default = args.store is None and not os.environ.get(STORE_ENV_VAR)
+    create: Create = "never" if not writing else ("folders" if default else "file")
+    return ProfileStore(args.store, create=create)
+
+
+def _devices(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.device import list_gpus
+
+    gpus = list_gpus()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(g) for g in gpus], indent=2), file=out)
+        return 0
+    if not gpus:
+        print("NVML reports no GPUs", file=out)
+    for gpu in gpus:
+        memory = gpu.memory
+        kind = "MIG " if gpu.is_mig else ""
+        cuda = "-" if gpu.cuda_index is None else str(gpu.cuda_index)
+        line = (
+            f"nvml {gpu.nvml_index}  cuda {cuda}  {kind}{gpu.name}  {gpu.uuid}  "
+            f"total {bytes_or_unknown(memory.total_memory_bytes)}  "
+            f"free {bytes_or_unknown(memory.free_memory_bytes)}  "
+            f"used {bytes_or_unknown(memory.used_memory_bytes)}"
+        )
+        if memory.memory_source != "nvml":
+            line += f"  ({memory.memory_source}: {gpu.memory_reason})"
+        if not gpu.given:
+            line += "  (not given to this container)"
+        print(line, file=out)
+    return 0
+
+
+def _amp(args: argparse.Namespace) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or "")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from autobatch.models import load_model
+
+    return load_model(
+        args.model, seq_len=args.seq_len, image_size=args.image_size, input_shape=args.input_shape
+    )
+
+
+def _estimate(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.probing import estimate
+
+    spec = _load(args)
+    profile = estimate(
+        spec.model,
+        spec.sample,
+        capacity_bytes=args.capacity,
+        optimizer=spec.optimizer,
+        loss_fn=spec.loss_fn,
+        amp_dtype=_amp(args),
+        max_micro_batch_size=args.max_micro_batch_size,
+        safety_margin=args.safety_margin,
+    )
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=2), file=out)
+        return 0
+    model_line = profile.memory_model
+    print(f"model            {spec.name} ({input_shapes(profile.input_shape)})", file=out)
+    print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
+    print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
+    print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
+    print_limit_note(profile, out, flag_limit=args.max_micro_batch_size)
+    if model_line is not None:
+        print(
+            f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
+            f"{format_bytes(model_line.bytes_per_sample)} per sample",
+            file=out,
+        )
+    return 0
+
+
+def _tune(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.device import resolve_device
+    from autobatch.tuning import TuneRequest, tune_request
+
+    target = resolve_device(_tune_device(args))
+    spec = _load(args).to(target.torch_device)
+    fmt = _output_format(args)
+    progress = Progress(enabled=fmt == "text")
+    store = None if args.no_store else _store(args, writing=True)
+    try:
+        tuned = tune_request(
+            TuneRequest(
+                model=spec.model,
+                sample=spec.sample,
+                optimizer=spec.optimizer,
+                loss_fn=spec.loss_fn,
+                device=target,
+                gpu_fraction=args.gpu_fraction,
+                amp_dtype=_amp(args),
+                safety_margin=args.safety_margin,
+                max_micro_batch_size=args.max_micro_batch_size,
+                store=store,
+                use_store=not args.no_store,
+                refresh=args.refresh,
+                report_to=args.report_to,
+                on_trial=progress.trial,
+                eval=args.eval,
+                world_size=args.world_size,
+                **_plan_options(args),
+            )
+        )
+    finally:
+        progress.close()
+        if store is not None:
+            store.close()
+    print_plan(
+        tuned.plan,
+        fmt,
+        out,
+        profile=tuned.profile,
+        eval_profile=tuned.eval_profile,
+        flag_limit=args.max_micro_batch_size,
+    )
+    return 0
+
+
+def _tune_device(args: argparse.Namespace) -> str:
+    """``--device``, else where the model would train: ``cuda:0`` with CUDA, else ``cpu``;
+    says which on stderr."""
+    if args.device is not None:
+        return str(args.device)
+    import torch
+
+    device, why = (
+        ("cuda:0", "CUDA is available") if torch.cuda.is_available() else ("cpu", "no CUDA")
+    )
+    print(f"autobatch: tuning on {device} ({why}; --device chooses)", file=sys.stderr)
+    return device
+
+
+def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's flags, as :class:`~autobatch.planning.PlanRequest`'s (and
+    :class:`~autobatch.tuning.TuneRequest`'s) fields."""
+    return {
+        "effective_batch_size": args.effective_batch_size,
+        "multiple_of": args.multiple_of,
+        "max_gradient_accumulation_steps": args.max_gradient_accumulation_steps,
+        "uneven": args.uneven,
+        "allow_inexact": args.allow_inexact,
+    }
+
+
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.planning import (
+        PlanRequest,
+        budgeted_plan,
+        budgeted_table,
+        given_budget,
+        stored_profile_source,
+    )
+
+    if args.model_fingerprint is not None:
+        return _remote_plan(args, out)
+    remote_only = [
+        flag
+        for flag, value in (
+            ("--service", args.service),
+            ("--card", args.card),
+            ("--node", args.node),
+            ("--condition", args.condition),
+        )
+        if value
+    ]
+    if remote_only:
+        raise ConfigError(
+            f"{', '.join(remote_only)} choose among a service's stored profiles: give "
+            "--model-fingerprint (and --service) with them"
+        )
+    limit: Any = args.max_micro_batch_size
+    source = None
+    if args.profile is not None:
+        with _store(args) as store:
+            limit = store.get(args.profile)
+        source = stored_profile_source(limit)
+    elif args.capacity is not None:
+        raise ConfigError("--capacity needs --profile (a measured memory line to scale)")
+    if args.gpu_fraction is not None and args.capacity is None:
+        raise ConfigError(
+            "--gpu-fraction needs --capacity (the card's memory it is a share of) and --profile"
+        )
+    budget = capacity = None
+    if args.capacity is not None:
+        budget = given_budget(args.capacity, gpu_fraction=args.gpu_fraction)
+        capacity = budget.budget_bytes
+    fmt = _output_format(args)
+    if len(args.world_size) == 1:
+        request = PlanRequest(
+            world_size=args.world_size[0], capacity_bytes=capacity, **_plan_options(args)
+        )
+        result = budgeted_plan(limit, request, budget=budget, source=source)
+        if args.env or args.output:
+            write_plan(result.to_dict(), None, args.output, out)
+        else:
+            print_plan(result, fmt, out)
+        return 0
+    if args.env or args.output:
+        raise ConfigError("--env and --output take a single --world-size")
+    if fmt not in ("text", "json"):
+        raise ConfigError(f"--format {fmt} needs a single --world-size")
+    request = PlanRequest(
+        world_sizes=tuple(args.world_size), capacity_bytes=capacity, **_plan_options(args)
+    )
+    print_table(budgeted_table(limit, request, budget=budget, source=source), fmt, out)
+    if fmt == "text" and budget is not None and args.gpu_fraction is not None:
+        print_budget(budget, out)  # after the table, which comes first
+    return 0
+
+
+def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
+    """``plan --model-fingerprint``: the service's plan, as text, JSON or ``--env`` lines."""
+    from autobatch.planning import Plan
+
+    answer = remote_plan(args)
+    if args.env or args.output:
+        write_plan(answer["plan"], answer, args.output, out)
+        return 0
+    fmt = _output_format(args)
+    if fmt == "json":
+        print(json.dumps(answer, indent=2), file=out)
+        return 0
+    print_plan(Plan.from_dict(answer["plan"]), fmt, out)
+    selection = answer.get("selection")
+    if fmt == "text" and selection is not None:
+        print(
+            f"profile                      {selection['profile_id']} ({selection['match']}: "
+            f"measured on {selection['device_name']}, node {selection['node_name'] or '?'})",
+            file=out,
+        )
+        for reason in selection["reasons"]:
+            print(f"note: {reason}", file=out)
+    return 0
+
+
+def _profiles(args: argparse.Namespace, out: TextIO) -> int:
+    with _store(args) as store:
+        if args.action == "list":
+            rows = store.list_profiles()
+            if args.json:
+                data = [{"id": pid, **p.to_dict()} for pid, p in rows]
+                print(json.dumps(data, indent=2), file=out)
+                return 0
+            # MODE: an eval profile (a forward only) is no training profile to plan from.
+            table = [
+                ("ID", "CREATED (UTC)", "DEVICE", "MAX", "MODE", "OPTIMIZER", "INPUT", "MODEL")
+            ]
+            table += [
+                (
+                    pid,
+                    p.created_at[:16].replace("T", " ") or "-",
+                    p.device_name,
+                    str(p.max_micro_batch_size),
+                    p.mode,
+                    p.optimizer or "-",
+                    input_shapes(p.input_shape),
+                    p.model_fingerprint,
+                )
+                for pid, p in rows
+            ]
+            widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+            for row in table:
+                cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+                print("  ".join([*cells, row[-1]]), file=out)
+            return 0
+        if args.action == "show":
+            print(json.dumps(store.get(args.profile_id).to_dict(), indent=2), file=out)
+            return 0
+        if not store.delete(args.profile_id):
+            print(f"autobatch: error: no profile {args.profile_id!r}", file=sys.stderr)
+            return 1
+        print(f"deleted {args.profile_id}", file=out)
+        return 0
+
+
+def _serve(args: argparse.Namespace, out: TextIO) -> int:
+    from autobatch.extras import require
+
+    # service/__init__ requires its extra's modules: a missing one is named, not a traceback.
+    serve_main = require("service.__main__", extra="service", purpose="autobatch serve").main
+    forwarded = list(args.args)
+    if args.store and "--store-path" not in forwarded:
+        forwarded += ["--store-path", args.store]
+    return int(serve_main(forwarded))
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
+    "devices": _devices,
+    "estimate": _estimate,
+    "plan": _plan,
+    "profiles": _profiles,
+    "serve": _serve,
+    "tune": _tune,
+}

@@ -1,0 +1,155 @@
+"""A Plan as the batch settings of DeepSpeed, Hugging Face ``TrainingArguments`` or Lightning.
+
+Imports neither torch nor the frameworks: it only builds dicts (and their JSON). The world size
+itself is set by the launcher (``deepspeed --num_gpus``, ``torchrun --nproc-per-node``, Lightning's
+``devices`` and ``num_nodes``), and must equal ``plan.world_size``.
+
+Example::
+
+    >>> from autobatch.planning._planner import plan
+    >>> p = plan(24, effective_batch_size=64, world_size=2)
+    >>> hf_training_arguments(p)
+    {'per_device_train_batch_size': 16, 'gradient_accumulation_steps': 2}
+    >>> lightning_config(p)["trainer"]
+    {'accumulate_grad_batches': 2}
+
+    transformers.TrainingArguments(output_dir="out", **hf_training_arguments(p))
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from autobatch.errors import ConfigError, Remedy
+from autobatch.planning import Plan
+
+__all__ = [
+    "ConfigFormat",
+    "deepspeed_config",
+    "format_config",
+    "hf_training_arguments",
+    "lightning_config",
+]
+
+ConfigFormat = Literal["json", "deepspeed", "hf", "lightning"]
+_FORMATS: tuple[ConfigFormat, ...] = ("json", "deepspeed", "hf", "lightning")
+
+
+def _require_equal_sizes(plan: Plan, framework: str) -> None:
+    if plan.micro_batch_sizes[0] != plan.micro_batch_sizes[-1]:
+        raise ConfigError(
+            f"{framework} takes one micro-batch size, but this plan has unequal micro-batches "
+            f"({plan.micro_batch_sizes[0]} and {plan.micro_batch_sizes[-1]})",
+            remedies=[
+                Remedy(
+                    parameter="uneven",
+                    values=("never",),
+                    purpose="equal sizes, maybe more accumulation steps",
+                ),
+                Remedy(
+                    purpose="autobatch's Accumulator in the loop, which weights losses by "
+                    "micro-batch size"
+                ),
+            ],
+        )
+
+
+def deepspeed_config(plan: Plan) -> dict[str, int]:
+    """The batch keys of a DeepSpeed config (merge them into yours).
+
+    DeepSpeed checks ``train_batch_size == train_micro_batch_size_per_gpu *
+    gradient_accumulation_steps * world_size`` each time it reads a config, and it reads it
+    before its process group exists too (ZeRO-3's ``zero.Init`` inside ``from_pretrained``
+    under ``HfDeepSpeedConfig``), with a world size of 1. So ``train_batch_size`` is left out:
+    DeepSpeed then sets it to ``m * k * world_size`` itself, which passes that check before the
+    group exists and after, and equals ``plan.effective_batch_size`` once launched on
+    ``plan.world_size`` ranks (as the launcher must: ``deepspeed --num_gpus``).
+
+    Args:
+        plan: a plan with equal micro-batch sizes.
+
+    Returns:
+        ``{"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}``.
+
+    Raises:
+        ConfigError: the plan's micro-batches are of unequal size.
+    """
+    _require_equal_sizes(plan, "DeepSpeed")
+    return {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+    }
+
+
+def hf_training_arguments(plan: Plan) -> dict[str, int]:
+    """Keyword arguments for ``transformers.TrainingArguments`` (or its command-line flags).
+
+    Args:
+        plan: a plan with equal micro-batch sizes.
+
+    Returns:
+        ``{"per_device_train_batch_size": m, "gradient_accumulation_steps": k}``, and
+        ``"per_device_eval_batch_size"`` when the plan knows its ``eval_micro_batch_size``
+        (``autotune(..., eval=True)``).
+
+    Raises:
+        ConfigError: the plan's micro-batches are of unequal size.
+    """
+    _require_equal_sizes(plan, "Hugging Face TrainingArguments")
+    arguments = {
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+    }
+    if plan.eval_micro_batch_size is not None:
+        arguments["per_device_eval_batch_size"] = plan.eval_micro_batch_size
+    return arguments
+
+
+def lightning_config(plan: Plan) -> dict[str, dict[str, int]]:
+    """Lightning settings: the ``Trainer``'s and the training ``DataLoader``'s arguments.
+
+    Args:
+        plan: a plan with equal micro-batch sizes.
+
+    Returns:
+        ``{"trainer": {"accumulate_grad_batches": k}, "dataloader": {"batch_size": m}}``
+        (``batch_size`` is the DataLoader's own name for the micro-batch size).
+
+    Raises:
+        ConfigError: the plan's micro-batches are of unequal size.
+    """
+    _require_equal_sizes(plan, "Lightning")
+    return {
+        "trainer": {"accumulate_grad_batches": plan.gradient_accumulation_steps},
+        "dataloader": {"batch_size": plan.micro_batch_size},
+    }
+
+
+def format_config(plan: Plan, fmt: ConfigFormat) -> str:
+    """The plan as JSON text: the whole plan, or one framework's settings.
+
+    Args:
+        plan: the plan to format.
+        fmt: ``"json"`` (the whole :meth:`Plan.to_dict`), ``"deepspeed"``, ``"hf"`` or
+            ``"lightning"`` (the dicts of the functions above).
+
+    Returns:
+        Indented JSON with sorted keys, without a trailing newline.
+
+    Raises:
+        ConfigError: ``fmt`` is unknown, or a framework format is asked for a plan with unequal
+            micro-batch sizes.
+    """
+    data: dict[str, Any]
+    if fmt == "json":
+        data = plan.to_dict()
+    elif fmt == "deepspeed":
+        data = deepspeed_config(plan)
+    elif fmt == "hf":
+        data = hf_training_arguments(plan)
+    elif fmt == "lightning":
+        data = lightning_config(plan)
+    else:
+        raise ConfigError(f"config format {fmt!r} must be one of {list(_FORMATS)}")
+    return json.dumps(data, indent=2, sort_keys=True)

@@ -1,0 +1,275 @@
+"""The probe's two option bundles, built and checked once at a public entry point and passed down:
+:class:`StepSpec` (what the step is) and :class:`ProbeOptions` (how to probe it).
+
+:func:`autobatch.probe`, :func:`autobatch.estimate` and the tuning road (:mod:`autobatch.tuning`)
+take flat keyword arguments; they build these, and nothing below them checks an argument again.
+
+Example::
+
+    step = StepSpec.build(model, (inputs, targets), loss_fn=F.cross_entropy)
+    options = ProbeOptions.build(step, device=resolve_device("sim:2GiB"))
+    options.device.name, step.identity.model_fingerprint
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autobatch.conditions import Conditions, launcher_data_parallel
+from autobatch.device import Device
+from autobatch.distributed import Consensus, LocalConsensus, collective_layout, data_parallel
+from autobatch.errors import ConfigError
+from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
+from autobatch.probing._batch import BatchSource
+from autobatch.probing._compiled import CompiledMode, compiled_mode
+from autobatch.probing._conditions import read_conditions
+from autobatch.probing._identity import step_identity
+from autobatch.probing._parallel import device_for_layout
+from autobatch.probing._placement import check_placement
+from autobatch.probing._step import LossFn, TrainStep, check_step_arguments
+from autobatch.profile import GradientSync, Mode, StepIdentity, Trial
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "MICRO_STEPS_WITHOUT_SYNC",
+    "OnTrial",
+    "ProbeOptions",
+    "StepSpec",
+    "check_search_arguments",
+    "measured_sync",
+]
+
+DEFAULT_LIMIT = 1 << 16
+"""Largest micro-batch the searches consider unless told otherwise."""
+
+OnTrial = Callable[[Trial], None]
+"""Called after each real trial (a progress display, the service's job log)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepSpec:
+    """What the step is: the model, its micro-batches, and how a batch becomes a training step
+    (docs/quickstart.md, "First runs from Python"). Build it with :meth:`build`."""
+
+    model: torch.nn.Module
+    sample: Any
+    """The user's sample as given (a batch, a callable ``n -> batch``, a WorstCaseSample)."""
+    source: BatchSource
+    """Micro-batches of any size from ``sample``."""
+    optimizer: torch.optim.Optimizer | None
+    """The user's optimizer; None: the probe uses an AdamW of its own."""
+    loss_fn: LossFn | None
+    train_step: TrainStep | None
+    step_includes_update: bool
+    amp_dtype: torch.dtype | None
+    identity: StepIdentity
+    """What a profile of this step is stored under, taken before any step runs (a step that
+    changes state, a call counter say, must not change the key its request looks up)."""
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        sample: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: LossFn | None = None,
+        train_step: TrainStep | None = None,
+        step_includes_update: bool = False,
+        amp_dtype: torch.dtype | None = None,
+    ) -> StepSpec:
+        """Check the step's arguments and the sample, once.
+
+        Raises:
+            ConfigError: a model that is not a Module, an optimizer over other parameters,
+                ``step_includes_update`` without an optimizer, an autocast dtype that is not
+                one, an empty or inconsistent sample (names the value and the fix).
+        """
+        check_step_arguments(
+            model, optimizer, step_includes_update=step_includes_update, amp_dtype=amp_dtype
+        )
+        source = BatchSource.from_sample(sample)
+        identity = step_identity(
+            model,
+            source,
+            optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+        )
+        return cls(
+            model=model,
+            sample=sample,
+            source=source,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_step=train_step,
+            step_includes_update=step_includes_update,
+            amp_dtype=amp_dtype,
+            identity=identity,
+        )
+
+
+def check_search_arguments(max_micro_batch_size: int, safety_margin: float) -> None:
+    """The search's own arguments, checked once per probe or estimate.
+
+    Raises:
+        ConfigError: names the argument and the accepted range.
+    """
+    check_safety_margin(safety_margin)
+    if (
+        isinstance(max_micro_batch_size, bool)
+        or not isinstance(max_micro_batch_size, int)
+        or max_micro_batch_size < 1
+    ):
+        raise ConfigError(f"max_micro_batch_size {max_micro_batch_size!r} must be an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeOptions:
+    """How to probe a step: on which device, within which margin and limit, agreed how across
+    ranks, and what to report. Build it with :meth:`build`."""
+
+    device: Device
+    """The device probed (for a layout that needs it, the one :func:`device_for_layout` gives)."""
+    safety_margin: float
+    """Fraction of the capacity the recommended size keeps free, in [0, 1)."""
+    max_micro_batch_size: int
+    """Largest size tried (>= 1)."""
+    use_estimate: bool
+    """Start from a fake-tensor estimate (False: doubling-then-bisect)."""
+    on_trial: OnTrial | None
+    eval: bool
+    """Probe the evaluation micro-batch instead of the training one."""
+    consensus: Consensus
+    """How the ranks agree (:class:`LocalConsensus` for one process)."""
+    layout: str
+    """The model's collective layout (:func:`collective_layout`), "" for none."""
+    compiled: CompiledMode
+    """How a torch.compile'd model's step is measured (:func:`compiled_mode`)."""
+    conditions: Conditions
+    """The live process's conditions for the step on ``device``, read once before any step runs
+    (:func:`~autobatch.probing._conditions.read_conditions`): what the lookup's key holds and
+    what the profile records (with the optimizer state after its first step)."""
+    gradient_sync: GradientSync = GradientSync()
+    """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the
+    profile."""
+
+    @property
+    def mode(self) -> Mode:
+        return "eval" if self.eval else "train"
+
+    @classmethod
+    def build(
+        cls,
+        step: StepSpec,
+        *,
+        device: Device,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+        max_micro_batch_size: int = DEFAULT_LIMIT,
+        use_estimate: bool = True,
+        on_trial: OnTrial | None = None,
+        eval: bool = False,
+        consensus: Consensus | None = None,
+        data_parallel: tuple[int, str] | None = None,
+    ) -> ProbeOptions:
+        """Check how to probe ``step`` on ``device`` (resolved by the caller), once, and read the
+        conditions it runs under.
+
+        ``data_parallel``: the data-parallel size and its source, as the caller resolved it
+        (:func:`autobatch.distributed._layout.resolve_data_parallel`); None: the ranks probing
+        together, else the launcher's ``WORLD_SIZE``, else one process.
+
+        Raises:
+            ConfigError: a limit or margin no search can use, ``eval=True`` with a train_step
+                that updates by itself, model and sample on another device than ``device``,
+                or a parallel layout that cannot be probed here (see :func:`device_for_layout`).
+        """
+        check_search_arguments(max_micro_batch_size, safety_margin)
+        if eval and step.step_includes_update:
+            raise _eval_of_an_updating_step()
+        check_placement(step.model, step.source, device)
+        layout = collective_layout(step.model)
+        if layout:
+            device = device_for_layout(
+                device, layout, world_size=None if consensus is None else consensus.world_size
+            )
+        ranks = consensus if consensus is not None else LocalConsensus()
+        if data_parallel is None:
+            data_parallel = (
+                (ranks.world_size, "the ranks probing together")
+                if ranks.world_size > 1
+                else launcher_data_parallel(os.environ) or (1, "one process")
+            )
+        return cls(
+            device=device,
+            safety_margin=safety_margin,
+            max_micro_batch_size=max_micro_batch_size,
+            use_estimate=use_estimate,
+            on_trial=on_trial,
+            eval=eval,
+            consensus=ranks,
+            layout=layout,
+            compiled=compiled_mode(step.model, device.type),
+            conditions=read_conditions(
+                step.model,
+                step.optimizer,
+                device_type=device.type,
+                amp_dtype=step.amp_dtype,
+                data_parallel=data_parallel,
+            ),
+            gradient_sync=measured_sync(step, eval=eval),
+        )
+
+    def for_eval(self, step: StepSpec) -> ProbeOptions:
+        """The same options for the evaluation micro-batch.
+
+        Raises:
+            ConfigError: ``step``'s train_step updates by itself (it cannot evaluate).
+        """
+        if step.step_includes_update:
+            raise _eval_of_an_updating_step()
+        return dataclasses.replace(self, eval=True, gradient_sync=measured_sync(step, eval=True))
+
+    def with_limit(self, max_micro_batch_size: int) -> ProbeOptions:
+        """The same options with another limit (checked)."""
+        check_search_arguments(max_micro_batch_size, self.safety_margin)
+        return dataclasses.replace(self, max_micro_batch_size=max_micro_batch_size)
+
+
+MICRO_STEPS_WITHOUT_SYNC = 2
+"""Micro-steps per trial of a DDP or FSDP2 model: the first without the gradient reduction, as
+a loop that reduces once per window runs it, so that the gradients held between micro-steps
+(FSDP2's unsharded ones) are in the measured peak."""
+
+
+def measured_sync(step: StepSpec, *, eval: bool) -> GradientSync:
+    """The gradient-sync mode a probe of ``step`` measures in: for a training step of a DDP
+    or FSDP2 model, two micro-steps, the reduction skipped on the first (as the Accumulator
+    runs a window); no reduction to speak of for an evaluation or a plain model; not recorded
+    for a ``train_step`` that updates by itself (it runs as written)."""
+    parallel = None if eval else data_parallel(step.model, probing=True)
+    if parallel is None:
+        return GradientSync(mode="none")
+    if step.step_includes_update:
+        return GradientSync(mode="", wrapper=parallel.wrapper)
+    return GradientSync(
+        mode="once_per_window",
+        wrapper=parallel.wrapper,
+        num_micro_steps=MICRO_STEPS_WITHOUT_SYNC,
+    )
+
+
+def _eval_of_an_updating_step() -> ConfigError:
+    return ConfigError(
+        "eval=True runs a forward under inference_mode, but a train_step that updates by "
+        "itself (step_includes_update=True) runs backward and steps the optimizer; pass "
+        "an evaluation step that returns the loss (or output), with "
+        "step_includes_update=False"
+    )

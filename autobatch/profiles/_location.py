@@ -1,0 +1,198 @@
+"""Where a profile store lives: one location string for every entry point, never a URL taken for
+a path, and never a password shown.
+
+A location is a SQLite file path, ``":memory:"``, or a URL: ``sqlite:///relative/file``,
+``sqlite:////absolute/file``, ``postgresql://user:password@host:5432/database`` (the driver is
+psycopg 3: ``postgresql+psycopg://`` is the same, ``postgres://`` is accepted as a synonym).
+Anything of the form ``scheme://`` with another scheme is a :class:`~autobatch.errors.ConfigError`
+naming the value and the fix, not a folder called ``scheme:``. Imports no SQLAlchemy.
+
+Example::
+
+    from autobatch.profiles._location import parse_location
+
+    location = parse_location("postgresql://ci:s3cret@db:5432/autobatch")
+    location.display         # 'postgresql://ci:***@db:5432/autobatch'
+    parse_location(None)     # $AUTOBATCH_STORE, else ~/.cache/autobatch/profiles.sqlite3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import urllib.parse
+from typing import Literal
+
+from autobatch.errors import ConfigError, StoreError
+
+__all__ = [
+    "STORE_ENV_VAR",
+    "Create",
+    "StoreLocation",
+    "default_store_path",
+    "parse_location",
+    "prepare_file",
+    "redact",
+]
+
+STORE_ENV_VAR = "AUTOBATCH_STORE"
+"""The one variable every entry point (library, CLI, service) reads for the store's location."""
+
+Create = Literal["folders", "file", "never"]
+"""What opening a SQLite store may create: its file and missing folders, its file in an existing
+folder only, or nothing (the store must exist)."""
+
+MEMORY = ":memory:"
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")  # 2+ letters: never "C://"
+_FIX = "give a file path, ':memory:', sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StoreLocation:
+    """A parsed store location."""
+
+    backend: str
+    """``"sqlite"`` or ``"postgresql"``."""
+    path: pathlib.Path | None
+    """The SQLite file; ``Path(":memory:")`` for an in-memory store; None for PostgreSQL."""
+    url: str = dataclasses.field(repr=False)
+    """The SQLAlchemy URL, password included: give it to a connection, never to a log."""
+    display: str
+    """The location as it may be shown: the path, or the URL with its password as ``***``."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("sqlite", "postgresql"):
+            raise ConfigError(f"unknown store backend {self.backend!r}; {_FIX}")
+
+    @property
+    def in_memory(self) -> bool:
+        """True for a SQLite store kept in memory (gone when closed)."""
+        return self.path is not None and str(self.path) == MEMORY
+
+
+def default_store_path() -> pathlib.Path:
+    """Where the SQLite store lives when no location is given and ``$AUTOBATCH_STORE`` is unset.
+
+    Returns:
+        ``$AUTOBATCH_STORE`` when set, non-empty and not a URL (``~`` expanded), else
+        ``$XDG_CACHE_HOME/autobatch/profiles.sqlite3``, where an unset, empty or relative
+        ``XDG_CACHE_HOME`` means ``~/.cache`` (as the XDG base directory spec says).
+    """
+    explicit = os.environ.get(STORE_ENV_VAR, "")
+    if explicit and not _URL.match(explicit) and explicit != MEMORY:
+        return pathlib.Path(explicit).expanduser()
+    cache_home = os.environ.get("XDG_CACHE_HOME", "")
+    if not cache_home or not os.path.isabs(cache_home):
+        cache_home = str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(cache_home) / "autobatch" / "profiles.sqlite3"
+
+
+def parse_location(location: str | os.PathLike[str] | None) -> StoreLocation:
+    """Parse a store location; None reads ``$AUTOBATCH_STORE`` (then the default file).
+
+    Args:
+        location: a SQLite file path, ``":memory:"``, a ``sqlite://`` or ``postgresql://`` URL,
+            or None.
+
+    Returns:
+        The backend, the file (SQLite) and the URL to connect to.
+
+    Raises:
+        ConfigError: a URL with a scheme other than ``sqlite`` or ``postgresql`` (say
+            ``mysql://``), or a PostgreSQL URL naming a driver other than psycopg.
+    """
+    if location is None:
+        location = os.environ.get(STORE_ENV_VAR, "") or default_store_path()
+    if isinstance(location, os.PathLike):
+        return _sqlite_file(pathlib.Path(location).expanduser())
+    text = location
+    if text == MEMORY:
+        return _sqlite_memory()
+    match = _URL.match(text)
+    if match is None:
+        return _sqlite_file(pathlib.Path(text).expanduser())
+    scheme = match["scheme"].lower()
+    dialect, _, driver = scheme.partition("+")
+    rest = text[match.end() :]
+    if dialect == "sqlite" and driver in ("", "pysqlite"):
+        # sqlite:///relative, sqlite:////absolute (SQLAlchemy's forms); sqlite:// is in memory
+        if rest in ("", "/", "/" + MEMORY):
+            return _sqlite_memory()
+        if not rest.startswith("/"):
+            raise ConfigError(
+                f"store URL {redact(text)!r} names a host; SQLite takes sqlite:///relative/file "
+                "or sqlite:////absolute/file"
+            )
+        return _sqlite_file(pathlib.Path(urllib.parse.unquote(rest[1:])).expanduser())
+    if dialect in ("postgresql", "postgres"):
+        if driver not in ("", "psycopg"):
+            raise ConfigError(
+                f"store URL {redact(text)!r} names the driver {driver!r}; autobatch talks to "
+                "PostgreSQL through psycopg 3: write postgresql://... (or postgresql+psycopg://)"
+            )
+        url = "postgresql+psycopg://" + rest
+        return StoreLocation(
+            backend="postgresql", path=None, url=url, display=redact("postgresql://" + rest)
+        )
+    raise ConfigError(
+        f"unknown store URL scheme {scheme!r} in {redact(text)!r} (from the store argument or "
+        f"${STORE_ENV_VAR}); {_FIX}"
+    )
+
+
+def redact(url: str) -> str:
+    """``url`` with the password of its user info replaced by ``***`` (anything else as is)."""
+    match = _URL.match(url)
+    if match is None:
+        return url
+    rest = url[match.end() :]
+    authority, sep, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{url[: match.end()]}{user}:***@{host}{sep}{tail}"
+
+
+def _sqlite_file(path: pathlib.Path) -> StoreLocation:
+    return StoreLocation(
+        backend="sqlite", path=path, url="sqlite:///" + str(path), display=str(path)
+    )
+
+
+def _sqlite_memory() -> StoreLocation:
+    return StoreLocation(
+        backend="sqlite", path=pathlib.Path(MEMORY), url="sqlite://", display=MEMORY
+    )
+
+
+def prepare_file(path: pathlib.Path, create: Create) -> None:
+    """Check that a SQLite store's file may be opened under ``create``; make its folders when
+    ``create`` is ``"folders"``.
+
+    Raises:
+        ConfigError: ``create`` is not one of the three.
+        StoreError: the file (``"never"``) or its folder (``"file"``) does not exist, or the
+            folders cannot be made.
+    """
+    if create not in ("folders", "file", "never"):
+        raise ConfigError(f"create={create!r} is not one of 'folders', 'file', 'never'")
+    if create == "never" and not path.exists():
+        raise StoreError(
+            f"no profile store at {path}: check the location for a typo; a probe's store is "
+            "created where it first stores a profile"
+        )
+    if create == "file" and not path.parent.is_dir():
+        raise StoreError(
+            f"no folder {path.parent} for the profile store {path}: check the location for a "
+            "typo, or create the folder first"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot create the directory for the profile store {path}: {exc}; "
+            f"set {STORE_ENV_VAR} to a writable location"
+        ) from exc
