@@ -1,7 +1,7 @@
 """The ``autobatch`` command line: parse, call the library, print. No logic of its own.
 
-Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``profiles``
-(list/show/delete), ``serve``; their flags are :mod:`autobatch.cli.parser`'s. Errors print one
+Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``launcher``,
+``profiles`` (list/show/delete), ``serve``; their flags are :mod:`autobatch.cli.parser`'s. Errors print one
 line to stderr and exit non-zero.
 
 Example::
@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from autobatch.cli.launcher import run_launcher
 from autobatch.cli.parser import build_parser
 from autobatch.cli.plan_env import remote_plan, write_plan
 from autobatch.errors import AutobatchError, ConfigError, Remedy
@@ -580,6 +581,7 @@ class _Progress:
 _COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
     "devices": _devices,
     "estimate": _estimate,
+    "launcher": run_launcher,
     "plan": _plan,
     "profiles": _profiles,
     "serve": _serve,

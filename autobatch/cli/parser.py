@@ -259,6 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the export lines to this file (JSON for a .json path) instead of stdout",
     )
 
+    launcher = commands.add_parser(
+        "launcher", help="the ranks the launcher's environment describes (docs/launchers.md)"
+    )
+    launcher.add_argument(
+        "--slurm-task-ranks",
+        choices=("one", "gpus"),
+        default="one",
+        help="a Slurm task is one rank, or starts one per GPU it holds (a TaskProlog, before "
+        "a torchrun per node)",
+    )
+    shown = launcher.add_mutually_exclusive_group()
+    shown.add_argument("--world-size", action="store_true", help="print the world size only")
+    shown.add_argument("--json", action="store_true")
+
     profiles = commands.add_parser("profiles", help="stored profiles")
     actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = actions.add_parser("list")
