@@ -1,8 +1,8 @@
 """The ``autobatch`` command line: parse, call the library, print. No logic of its own.
 
 Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``launcher``,
-``profiles`` (list/show/delete), ``serve``; their flags are :mod:`autobatch.cli.parser`'s. Errors print one
-line to stderr and exit non-zero.
+``profiles`` (list/show/delete), ``serve``; their flags are :mod:`autobatch.cli.parser`'s.
+Errors print one line to stderr and exit non-zero.
 
 Example::
 

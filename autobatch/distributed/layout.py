@@ -112,10 +112,11 @@ def resolve_data_parallel(
     ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
     When none is given: the default group's size under an initialised torch.distributed; before
     the group exists, what the launcher set (torchrun's ``WORLD_SIZE``, Kubeflow's, Slurm's,
-    mpirun's...: :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose parameters live
-    on a DeviceMesh that is not the whole world as one dimension (tensor or 2-D parallelism;
-    HSDP's replicate x shard mesh excepted) is refused, since some of the ranks are then not
-    data-parallel and dividing by all of them would make the effective batch too small.
+    mpirun's...: :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose
+    parameters live on a DeviceMesh that is not the whole world as one dimension (tensor or
+    2-D parallelism; HSDP's replicate x shard mesh excepted) is refused, since some of the
+    ranks are then not data-parallel and dividing by all of them would make the effective batch
+    too small.
 
     Raises:
         ConfigError: the sources disagree, a size is not a positive int, a mesh has more than
