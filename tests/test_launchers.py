@@ -346,3 +346,16 @@ def test_disagreeing_variables_are_refused_by_name(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         launcher_layout(environ, slurm_task_ranks=task_ranks)
+
+
+def test_autotunes_road_reads_kubeflows_ranks_not_its_pods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The road's resolution (no process group yet) takes the pod's 2 ranks, not WORLD_SIZE=1."""
+    import torch
+
+    from autobatch.distributed.layout import resolve_data_parallel
+
+    for name, value in PYTORCHJOB_POD.items():
+        monkeypatch.setenv(name, value)
+    world, source = resolve_data_parallel(torch.nn.Linear(2, 2))
+    assert world == 2
+    assert "WORLD_SIZE=1 counts pods (PyTorchJob), each running 2 ranks" in source
