@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from autobatch.errors import ConfigError
+from autobatch.launchers import SlurmTaskRanks, launcher_layout
 from autobatch.units import format_bytes
 
 __all__ = [
@@ -525,31 +526,26 @@ def normalized_allocator_settings(text: str) -> str:
     return ",".join(sorted(entry for entry in entries if entry))
 
 
-def launcher_data_parallel(environ: Mapping[str, str]) -> tuple[int, str] | None:
+def launcher_data_parallel(
+    environ: Mapping[str, str], *, slurm_task_ranks: SlurmTaskRanks = "one"
+) -> tuple[int, str] | None:
     """The data-parallel size a launcher set in the environment, and where it says so; None when
     no launcher did.
 
-    Reads ``WORLD_SIZE`` (set by torchrun, ``accelerate launch``, the DeepSpeed launcher and
-    Lightning), naming ``RANK`` and ``LOCAL_RANK`` beside it. SLURM's variables are not read: a
-    batch script sees its allocation's task count (``SLURM_NTASKS``) whether it starts one
-    process or one per task, so only a launcher's ``WORLD_SIZE`` says how many ranks train.
+    Reads what each launcher sets (:func:`autobatch.launchers.launcher_layout`, listed in
+    docs/launchers.md): torchrun's and ``accelerate launch``'s ``WORLD_SIZE`` with
+    ``LOCAL_WORLD_SIZE``, the DeepSpeed launcher's, ``mpirun``'s, Kubeflow's ``PET_NNODES`` x
+    ``PET_NPROC_PER_NODE`` (its ``WORLD_SIZE`` counts pods), a Slurm step's tasks (a batch
+    script, before ``srun``, is one process), else a bare ``WORLD_SIZE``.
+
+    Args:
+        environ: the variables, e.g. ``os.environ``.
+        slurm_task_ranks: ``"one"`` inside a task; ``"gpus"`` before a task's command runs, where
+            each task will start one rank per GPU it holds (a TaskProlog).
 
     Raises:
-        ConfigError: ``WORLD_SIZE`` is set but not an int >= 1.
+        ConfigError: a variable is not a count, or two launchers' variables disagree (named,
+            with the fix).
     """
-    raw = environ.get("WORLD_SIZE")
-    if raw is None or not raw.strip():
-        return None
-    try:
-        size = int(raw)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise ConfigError(
-            f"WORLD_SIZE {raw!r} in the environment must be an int >= 1 (the number of ranks a "
-            "launcher such as torchrun starts); unset it, or pass world_size=N"
-        )
-    said = [f"WORLD_SIZE={size}"] + [
-        f"{name}={environ[name]}" for name in ("RANK", "LOCAL_RANK") if name in environ
-    ]
-    return size, f"the launcher's environment ({', '.join(said)})"
+    layout = launcher_layout(environ, slurm_task_ranks=slurm_task_ranks)
+    return None if layout is None else (layout.world_size, layout.source)

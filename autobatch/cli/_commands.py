@@ -1,8 +1,8 @@
 """The ``autobatch`` command line: parse, call the library, print. No logic of its own.
 
-Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``profiles``
-(list/show/delete), ``serve``; their flags are :mod:`autobatch.cli._parser`'s. Errors print one
-line to stderr and exit non-zero.
+Commands: ``devices``, ``estimate``, ``tune`` (probe + plan), ``plan``, ``launcher``,
+``profiles`` (list/show/delete), ``serve``; their flags are :mod:`autobatch.cli._parser`'s.
+Errors print one line to stderr and exit non-zero.
 
 Example::
 
@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from autobatch.cli._launcher import run_launcher
 from autobatch.cli._output import (
     Progress,
     bytes_or_unknown,
@@ -384,6 +385,7 @@ def _serve(args: argparse.Namespace, out: TextIO) -> int:
 _COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
     "devices": _devices,
     "estimate": _estimate,
+    "launcher": run_launcher,
     "plan": _plan,
     "profiles": _profiles,
     "serve": _serve,

@@ -331,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_tune_command(commands)
     _add_plan_command(commands)
+    _add_launcher_command(commands)
     _add_profiles_command(commands)
 
     # The service owns its flags (service.settings); `autobatch serve --help` lists them.
@@ -405,6 +406,23 @@ def _add_plan_command(commands: Any) -> None:
         "--output",
         help="write the export lines to this file (JSON for a .json path) instead of stdout",
     )
+
+
+def _add_launcher_command(commands: Any) -> None:
+    """``launcher``: the ranks the launcher's environment describes."""
+    launcher = commands.add_parser(
+        "launcher", help="the ranks the launcher's environment describes (docs/launchers.md)"
+    )
+    launcher.add_argument(
+        "--slurm-task-ranks",
+        choices=("one", "gpus"),
+        default="one",
+        help="a Slurm task is one rank, or starts one per GPU it holds (a TaskProlog, before "
+        "a torchrun per node)",
+    )
+    shown = launcher.add_mutually_exclusive_group()
+    shown.add_argument("--world-size", action="store_true", help="print the world size only")
+    shown.add_argument("--json", action="store_true", help="print the layout as JSON")
 
 
 def _add_profiles_command(commands: Any) -> None:

@@ -111,11 +111,12 @@ def resolve_data_parallel(
     At most one of ``world_size``, ``data_parallel_size`` and ``process_group`` (the data-parallel
     ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
     When none is given: the default group's size under an initialised torch.distributed; before
-    the group exists, the launcher's ``WORLD_SIZE`` (torchrun sets it before the script runs:
-    :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose parameters live
-    on a DeviceMesh that is not the whole world as one dimension (tensor or 2-D parallelism;
-    HSDP's replicate x shard mesh excepted) is refused, since some of the ranks are then not
-    data-parallel and dividing by all of them would make the effective batch too small.
+    the group exists, what the launcher set (torchrun's ``WORLD_SIZE``, Kubeflow's, Slurm's,
+    mpirun's...: :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose
+    parameters live on a DeviceMesh that is not the whole world as one dimension (tensor or
+    2-D parallelism; HSDP's replicate x shard mesh excepted) is refused, since some of the
+    ranks are then not data-parallel and dividing by all of them would make the effective batch
+    too small.
 
     Raises:
         ConfigError: the sources disagree, a size is not a positive int, a mesh has more than
@@ -144,14 +145,15 @@ def resolve_data_parallel(
     if not (dist.is_available() and dist.is_initialized()):
         if launched is not None:
             return launched
-        return 1, "one process (no launcher's WORLD_SIZE, no process group)"
+        return 1, "one process (no launcher's variables, no process group)"
     world = dist.get_world_size()
     if launched is not None and launched[0] != world:
         raise ConfigError(
             f"{launched[1]} says {launched[0]} ranks, but the default process group has {world}: "
-            "the launcher and torch.distributed disagree on how many ranks train; start the "
-            "process group with the launcher's world size (init_process_group() reads "
-            "WORLD_SIZE), or pass world_size=N"
+            "the launcher and torch.distributed disagree on how many ranks train. If the group "
+            f"is right (a variable that counts something else, such as pods), pass "
+            f"world_size={world}; else start the group with the launcher's world size "
+            "(init_process_group() reads WORLD_SIZE)"
         )
     mesh = _parameter_mesh(model)
     # HSDP's 2-D mesh (replicate x shard) is all data-parallel; any other mesh that is not the

@@ -9,6 +9,7 @@ from autobatch.cli import build_parser
 FLAGS = {
     "": ["--help", "--store", "--version", "-h"],
     "devices": ["--help", "--json", "-h"],
+    "launcher": ["--help", "--json", "--slurm-task-ranks", "--world-size", "-h"],
     "estimate": [
         "--amp",
         "--capacity",

@@ -53,7 +53,7 @@ def parse_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (
             ["tnue", "gpt2"],
             "autobatch: error: argument COMMAND: invalid choice: 'tnue' (choose from 'devices', "
-            "'estimate', 'tune', 'plan', 'profiles', 'serve'); did you mean 'tune'?",
+            "'estimate', 'tune', 'plan', 'launcher', 'profiles', 'serve'); did you mean 'tune'?",
         ),
         ([*PLAN, "96"], "autobatch plan: error: unexpected argument: 96"),
     ],

@@ -365,6 +365,7 @@ def test_training_jobs_init_container_writes_the_plan_the_trainer_sources(tmp_pa
             ["sh", str(DEPLOY / "slurm" / "prolog.sh")],
             env={
                 "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+                "PYTHONPATH": str(ROOT),  # this checkout's autobatch, as the image has it
                 "AUTOBATCH_CENTRAL_URL": url,
                 "AUTOBATCH_API_TOKEN": token,
                 "AUTOBATCH_MODEL_FINGERPRINT": fingerprint,

@@ -1,0 +1,36 @@
+"""``autobatch launcher``: the ranks the launcher's environment describes, printed; the Slurm
+TaskProlog plans with its ``--world-size`` so that the prolog and the library read one rule.
+
+Example::
+
+    autobatch launcher                           # 16 ranks: Slurm job 908: 2 tasks x 8 GPUs ...
+    autobatch launcher --slurm-task-ranks gpus --world-size     # 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import TextIO
+
+from autobatch.launchers import launcher_layout
+
+
+def run_launcher(args: argparse.Namespace, out: TextIO) -> int:
+    """Print this process's launcher layout (no launcher: one process).
+
+    Raises:
+        ConfigError: the launcher's variables disagree (named, with the fix).
+    """
+    layout = launcher_layout(os.environ, slurm_task_ranks=args.slurm_task_ranks)
+    if args.world_size:
+        print(1 if layout is None else layout.world_size, file=out)
+    elif args.json:
+        print(json.dumps(None if layout is None else dataclasses.asdict(layout)), file=out)
+    elif layout is None:
+        print("1 rank: one process (no launcher's variables)", file=out)
+    else:
+        print(f"{layout.world_size} ranks: {layout.source}", file=out)
+    return 0

@@ -1,0 +1,361 @@
+"""The launcher's environment read into a world size and a per-node layout: each launcher the
+docs name (docs/launchers.md), each layout, and each disagreement refused by name. The variables
+are what each launcher sets, per its documentation (the Slurm ones also as a real slurmd sets
+them: tests/service/test_slurm.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autobatch.conditions import launcher_data_parallel
+from autobatch.errors import ConfigError
+from autobatch.launchers import SlurmTaskRanks, launcher_layout
+
+TORCHRUN_2x8_RANK_11 = {
+    "WORLD_SIZE": "16", "RANK": "11", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
+    "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "11", "ROLE_WORLD_SIZE": "16",
+    "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+}  # fmt: skip
+SLURM_STEP = {"SLURM_JOB_ID": "908", "SLURM_STEP_ID": "0"}
+SLURM_PER_GPU_2x8_TASK_9 = {
+    **SLURM_STEP, "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "8",
+    "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2",
+    "SLURM_GPUS_ON_NODE": "8",
+}  # fmt: skip
+SLURM_TORCHRUN_PER_NODE = {
+    **SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_GPUS_ON_NODE": "8",
+}  # fmt: skip
+PYTORCHJOB_POD = {  # one pod, torchrun inside it starts 2 ranks: WORLD_SIZE counts the pod
+    "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
+    "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0",
+}  # fmt: skip
+TRAINJOB_NODE = {
+    "PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2",
+    "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400",
+}  # fmt: skip
+
+# (case, environ, slurm_task_ranks, (world_size, nodes, ranks_per_node, rank, local_rank),
+#  words the source must hold)
+CASES: list[tuple[str, dict[str, str], SlurmTaskRanks, tuple[object, ...], list[str]]] = [
+    ("no launcher", {"HOME": "/root"}, "one", (), []),
+    (
+        "torchrun, 2 nodes x 8",
+        TORCHRUN_2x8_RANK_11,
+        "one",
+        (16, 2, 8, 11, 3),
+        ["torchrun (WORLD_SIZE=16, RANK=11, LOCAL_RANK=3, LOCAL_WORLD_SIZE=8, GROUP_WORLD_SIZE=2)"],
+    ),
+    (
+        "torchrun without GROUP_WORLD_SIZE",
+        {
+            "WORLD_SIZE": "4",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+        },
+        "one",
+        (4, 2, 2, 0, 0),
+        ["torchrun ("],
+    ),  # fmt: skip
+    (
+        "accelerate launch runs torchrun",
+        {**TORCHRUN_2x8_RANK_11, "ACCELERATE_MIXED_PRECISION": "bf16"},
+        "one",
+        (16, 2, 8, 11, 3),
+        ["accelerate launch (torchrun) (WORLD_SIZE=16"],
+    ),
+    (
+        "torchrun per node inside Slurm: torchrun's count, in the job",
+        {**SLURM_TORCHRUN_PER_NODE, **TORCHRUN_2x8_RANK_11},
+        "one",
+        (16, 2, 8, 11, 3),
+        ["torchrun (WORLD_SIZE=16", "in Slurm job 908"],
+    ),
+    (
+        "torchrun in a Kubeflow pod: torchrun's count, not the pod's WORLD_SIZE",
+        {
+            **PYTORCHJOB_POD,
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "LOCAL_RANK": "1",
+            "RANK": "1",
+            "TORCHELASTIC_RUN_ID": "job",
+        },
+        "one",
+        (2, 1, 2, 1, 1),
+        ["torchrun (WORLD_SIZE=2", "in a Kubeflow pod"],
+    ),  # fmt: skip
+    (
+        "Kubeflow PyTorchJob pod before torchrun: WORLD_SIZE counts pods",
+        PYTORCHJOB_POD,
+        "one",
+        (2, 1, 2, None, None),
+        ["Kubeflow, 1 pods x 2 ranks", "WORLD_SIZE=1 counts pods (PyTorchJob)"],
+    ),
+    (
+        "Kubeflow PyTorchJob (newer operator): WORLD_SIZE = pods x nprocPerNode",
+        {**PYTORCHJOB_POD, "PET_NNODES": "2", "WORLD_SIZE": "4"},
+        "one",
+        (4, 2, 2, None, None),
+        [
+            "Kubeflow, 2 pods x 2 ranks (PET_NNODES=2, PET_NPROC_PER_NODE=2, PET_NODE_RANK=0, "
+            "WORLD_SIZE=4)"
+        ],
+    ),  # fmt: skip
+    ("Kubeflow TrainJob node", TRAINJOB_NODE, "one", (32, 4, 8, None, None), ["4 pods x 8"]),
+    (
+        "PyTorchJob, one process per pod (no PET_*)",
+        {"WORLD_SIZE": "3", "RANK": "2", "MASTER_ADDR": "job-master-0"},
+        "one",
+        (3, None, None, 2, None),
+        ["the launcher's environment (WORLD_SIZE=3, RANK=2)"],
+    ),
+    (
+        "DeepSpeed launcher, hostfile of 2 nodes x 4",
+        {
+            "WORLD_SIZE": "8",
+            "RANK": "5",
+            "LOCAL_RANK": "1",
+            "LOCAL_SIZE": "4",
+            "CROSS_RANK": "1",
+            "CROSS_SIZE": "2",
+            "MASTER_ADDR": "worker-0",
+        },
+        "one",
+        (8, 2, 4, 5, 1),
+        ["the DeepSpeed launcher (WORLD_SIZE=8, RANK=5, LOCAL_RANK=1, LOCAL_SIZE=4, CROSS_SIZE=2)"],
+    ),  # fmt: skip
+    (
+        "mpirun (Open MPI)",
+        {
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_RANK": "6",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        },
+        "one",
+        (8, None, 4, 6, 2),
+        ["mpirun (Open MPI) (OMPI_COMM_WORLD_SIZE=8"],
+    ),  # fmt: skip
+    (
+        "mpirun (Open MPI) with the WORLD_SIZE Accelerate copies from it",
+        {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "WORLD_SIZE": "4"},
+        "one",
+        (4, None, None, 1, None),
+        ["mpirun (Open MPI)"],
+    ),
+    (
+        "mpiexec (MPICH / Intel MPI, Hydra)",
+        {"PMI_SIZE": "6", "PMI_RANK": "5", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"},
+        "one",
+        (6, None, 3, 5, 2),
+        ["mpirun (MPICH or Intel MPI) (PMI_SIZE=6, PMI_RANK=5"],
+    ),
+    (
+        "srun --mpi=pmi2 sets PMI_SIZE too: read as Slurm's",
+        {**SLURM_PER_GPU_2x8_TASK_9, "PMI_SIZE": "16", "PMI_RANK": "9"},
+        "one",
+        (16, 2, 8, 9, 1),
+        ["Slurm job 908: 16 tasks, one rank each"],
+    ),
+    (
+        "Slurm, one task per GPU, in a task",
+        SLURM_PER_GPU_2x8_TASK_9,
+        "one",
+        (16, 2, 8, 9, 1),
+        ["Slurm job 908: 16 tasks, one rank each (SLURM_NTASKS=16"],
+    ),
+    (
+        "Slurm, one task per GPU, in its TaskProlog: the same",
+        SLURM_PER_GPU_2x8_TASK_9,
+        "gpus",
+        (16, 2, 8, 9, 1),
+        ["16 tasks, one rank each"],
+    ),
+    (
+        "Slurm, one torchrun per node, in its TaskProlog: nodes x GPUs",
+        SLURM_TORCHRUN_PER_NODE,
+        "gpus",
+        (16, 2, 8, None, None),
+        ["Slurm job 908: 2 tasks x 8 GPUs per task, one rank per GPU"],
+    ),
+    (
+        "Slurm, one task per node with 8 GPUs, in the task: one rank per task",
+        SLURM_TORCHRUN_PER_NODE,
+        "one",
+        (2, 2, 1, 1, 0),
+        ["2 tasks, one rank each (each holds 8 GPUs"],
+    ),
+    (
+        "Slurm, --gpus-per-task=4 (typed), 2 tasks per node",
+        {
+            **SLURM_STEP,
+            "SLURM_NTASKS": "4",
+            "SLURM_TASKS_PER_NODE": "2(x2)",
+            "SLURM_NNODES": "2",
+            "SLURM_GPUS_PER_TASK": "a100:4",
+        },
+        "gpus",
+        (16, 2, 8, None, None),
+        ["4 tasks x 4 GPUs per task"],
+    ),  # fmt: skip
+    (
+        "Slurm, --gpus-per-node, uneven tasks per node read on node 1",
+        {
+            **SLURM_STEP,
+            "SLURM_NTASKS": "3",
+            "SLURM_TASKS_PER_NODE": "2,1",
+            "SLURM_NODEID": "1",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_GPUS_PER_NODE": "4",
+        },
+        "gpus",
+        (12, 2, 4, None, None),
+        ["3 tasks x 4 GPUs per task"],
+    ),  # fmt: skip
+    (
+        "Slurm without GPUs: one rank per task either way",
+        {**SLURM_STEP, "SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "2"},
+        "gpus",
+        (4, None, None, 2, 2),
+        ["4 tasks, one rank each"],
+    ),
+    (
+        "Slurm's batch script, before srun, is one process",
+        {"SLURM_JOB_ID": "908", "SLURM_NTASKS": "8", "SLURM_GPUS_ON_NODE": "8"},
+        "one",
+        (),
+        [],
+    ),
+    (
+        "a batch script's own WORLD_SIZE, one per GPU of Slurm's tasks",
+        {**SLURM_TORCHRUN_PER_NODE, "WORLD_SIZE": "16", "RANK": "8"},
+        "one",
+        (16, 2, None, 8, None),
+        ["WORLD_SIZE=16, one rank per GPU of Slurm job 908"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("environ", "task_ranks", "expected", "words"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_each_launcher_gives_its_world_size_and_layout(
+    environ: dict[str, str],
+    task_ranks: SlurmTaskRanks,
+    expected: tuple[object, ...],
+    words: list[str],
+) -> None:
+    layout = launcher_layout(environ, slurm_task_ranks=task_ranks)
+    if not expected:
+        assert layout is None
+        assert launcher_data_parallel(environ, slurm_task_ranks=task_ranks) is None
+        return
+    assert layout is not None
+    got = (layout.world_size, layout.nodes, layout.ranks_per_node, layout.rank, layout.local_rank)
+    assert got == expected
+    for word in words:
+        assert word in layout.source
+    assert launcher_data_parallel(environ, slurm_task_ranks=task_ranks) == (
+        layout.world_size,
+        layout.source,
+    )
+
+
+REFUSED: list[tuple[str, dict[str, str], SlurmTaskRanks, str]] = [
+    (
+        "Kubeflow: WORLD_SIZE neither the pods nor the ranks",
+        {"WORLD_SIZE": "1", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1"},
+        "one",
+        r"WORLD_SIZE=1 is neither PET_NNODES=2 \(the pods\) nor PET_NNODES x "
+        r"PET_NPROC_PER_NODE=2 \(the ranks\); pass world_size=N",
+    ),
+    (
+        "Kubeflow, elastic range",
+        {"PET_NNODES": "1:4", "PET_NPROC_PER_NODE": "8"},
+        "one",
+        r"PET_NNODES=1:4, PET_NPROC_PER_NODE=8 leave the number of ranks to torchrun's "
+        r"rendezvous .*pass world_size=N",
+    ),
+    (
+        "Kubeflow, nprocPerNode by device type",
+        {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "gpu"},
+        "one",
+        r"PET_NPROC_PER_NODE=gpu leave the number of ranks",
+    ),
+    (
+        "Slurm tasks x GPUs vs WORLD_SIZE",
+        {**SLURM_TORCHRUN_PER_NODE, "WORLD_SIZE": "8"},
+        "gpus",
+        r"WORLD_SIZE=8 disagrees with Slurm job 908: SLURM_NTASKS=2 tasks with 8 GPUs each make "
+        r"2 ranks \(one per task\) or 16 \(one per GPU\), not 8; unset WORLD_SIZE, or pass "
+        r"world_size=N",
+    ),
+    (
+        "Slurm GPUs not shared evenly by the node's tasks",
+        {
+            **SLURM_STEP,
+            "SLURM_NTASKS": "3",
+            "SLURM_NTASKS_PER_NODE": "3",
+            "SLURM_GPUS_ON_NODE": "8",
+        },
+        "gpus",
+        r"Slurm gives this node 8 GPUs .* for 3 tasks, which do not share them evenly.*"
+        r"--gpus-per-task, or pass world_size=N",
+    ),  # fmt: skip
+    (
+        "mpirun vs WORLD_SIZE",
+        {"OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "2"},
+        "one",
+        r"WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 \(mpirun \(Open MPI\)\).*pass world_size=N",
+    ),
+    (
+        "torchrun's own variables disagree",
+        {**TORCHRUN_2x8_RANK_11, "LOCAL_WORLD_SIZE": "4"},
+        "one",
+        r"WORLD_SIZE=16 but GROUP_WORLD_SIZE=2 nodes x LOCAL_WORLD_SIZE=4 = 8",
+    ),
+    (
+        "DeepSpeed: fewer ranks than on this node",
+        {"WORLD_SIZE": "2", "LOCAL_SIZE": "4", "CROSS_SIZE": "1"},
+        "one",
+        r"WORLD_SIZE=2 is less than LOCAL_SIZE=4",
+    ),
+    (
+        "a count that is not one",
+        {**SLURM_STEP, "SLURM_NTASKS": "many"},
+        "one",
+        r"SLURM_NTASKS 'many' in the environment must be an int >= 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("environ", "task_ranks", "message"),
+    [case[1:] for case in REFUSED],
+    ids=[case[0] for case in REFUSED],
+)
+def test_disagreeing_variables_are_refused_by_name(
+    environ: dict[str, str], task_ranks: SlurmTaskRanks, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        launcher_layout(environ, slurm_task_ranks=task_ranks)
+
+
+def test_autotunes_road_reads_kubeflows_ranks_not_its_pods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The road's resolution (no process group yet) takes the pod's 2 ranks, not WORLD_SIZE=1."""
+    import torch
+
+    from autobatch.distributed._layout import resolve_data_parallel
+
+    for name, value in PYTORCHJOB_POD.items():
+        monkeypatch.setenv(name, value)
+    world, source = resolve_data_parallel(torch.nn.Linear(2, 2))
+    assert world == 2
+    assert "WORLD_SIZE=1 counts pods (PyTorchJob), each running 2 ranks" in source
