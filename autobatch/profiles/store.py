@@ -92,8 +92,10 @@ class ProfileStore:
     Args:
         location: a SQLite file, ``":memory:"`` (tests), ``sqlite:///FILE`` or
             ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB``; None means ``$AUTOBATCH_STORE``,
-            else ``~/.cache/autobatch/profiles.sqlite3``. A SQLite file's missing parent
-            directories are created.
+            else ``~/.cache/autobatch/profiles.sqlite3``, or, when this user may not write
+            that, ``$TMPDIR/autobatch-<uid>/`` or memory, with one warning
+            (:mod:`autobatch.profiles.fallback`). A SQLite file's missing parent directories
+            are created.
         timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
             connection) before giving up, in seconds.
 
@@ -110,6 +112,10 @@ class ProfileStore:
         *,
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
     ) -> None:
+        if location is None:  # the default falls back when it cannot be written; nothing else
+            from autobatch.profiles.fallback import default_or_fallback
+
+            location = default_or_fallback()
         self._location: StoreLocation = parse_location(location)
         self.path: pathlib.Path | None = self._location.path
         """The SQLite file (``Path(":memory:")`` in memory); None on PostgreSQL."""
