@@ -7,7 +7,8 @@ splitting, and the agreements that keep DDP ranks in step.
 - ``oom_split``: ``Window.run`` splitting a micro-batch that runs out of memory
   (:class:`SplitEvent`), cutting it with ``pieces``;
 - ``limit_agreement``: under DDP, the ranks agree on the piece-size limit once per micro-step;
-- ``window_agreement``: under DDP, the window agreement carries one rank's error to the others;
+- ``window_agreement``: under DDP, the window agreement carries one rank's error to the others,
+  and stops every rank together where uneven shards run out (:class:`UnevenStop`);
 - ``counting``: how many items a micro-batch counts.
 
 Example::
@@ -22,5 +23,6 @@ from __future__ import annotations
 from autobatch.training.accumulator import Accumulator, StepStats, Window
 from autobatch.training.micro_step import MicroStep
 from autobatch.training.oom_split import OnOom, SplitEvent
+from autobatch.training.window_agreement import UnevenStop
 
-__all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]
+__all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "UnevenStop", "Window"]
