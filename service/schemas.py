@@ -76,6 +76,7 @@ BudgetSourceName = Literal[
     "nvml",
     "cuda_runtime",
     "vgpu_limit",
+    "mps_limit",
     "memory_fraction",
     "gpu_fraction",
     "host",
@@ -87,7 +88,7 @@ BudgetSourceName = Literal[
     "ranks",
 ]
 SharingModeName = Literal[
-    "none", "shared", "virtualised", "fractional", "time_sliced", "container_limited"
+    "none", "shared", "virtualised", "fractional", "time_sliced", "container_limited", "mps"
 ]
 
 
@@ -266,8 +267,8 @@ class MemoryBudgetBase(_Strict):
     sharing_mode: SharingModeName = Field(
         description="'none' when the sources agree within 5%; else 'shared' (others hold "
         "memory), 'virtualised' (a CUDA runtime or vGPU limit below the card), 'fractional' "
-        "(a declared or per-process fraction), 'time_sliced' (device-plugin replicas), "
-        "'container_limited' (a cgroup below the host)."
+        "(a declared or per-process fraction), 'time_sliced' (device-plugin replicas), 'mps' "
+        "(an MPS client's memory limit), 'container_limited' (a cgroup below the host)."
     )
     readings: list[BudgetReadingBase] = Field(min_length=1, max_length=64)
     card_memory_bytes: Bytes = Field(

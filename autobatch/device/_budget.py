@@ -10,17 +10,19 @@ at the boundary and hand the readings to :func:`combine_budget`, the one rule:
 - a reading whose ``total_bytes`` is more than :data:`SHARING_TOLERANCE` (5%) below the largest
   total (the whole device) shows a sharing layer: a CUDA runtime or vGPU limit smaller than the
   card is ``virtualised``, a per-process or declared fraction ``fractional``, device-plugin
-  replicas ``time_sliced``, a cgroup limit below the host ``container_limited``;
+  replicas ``time_sliced``, an MPS client's limit ``mps``, a cgroup limit below the host
+  ``container_limited``;
 - a GPU reading whose free memory is more than 5% below its total shows other processes on it:
   ``shared``;
 - the sharing mode is the deciding source's, else the first one seen, else ``"none"``; each one
   seen adds a warning.
 
 Sources, in the order the devices read them (``docs/devices.md``): a GPU's ``nvml``,
-``cuda_runtime``, ``vgpu_limit``, ``memory_fraction``, ``gpu_fraction``; the CPU's ``host``,
-``cgroup``; a simulated card's ``simulated``, ``gpu_fraction``; the service's ``nvml``,
-``node_labels`` or ``capacity_bytes``, then ``time_slicing``, ``vgpu_limit``, ``gpu_fraction``;
-``ranks`` when ranks agree on the smallest rank's capacity.
+``cuda_runtime``, ``vgpu_limit``, ``mps_limit``, ``memory_fraction``, ``gpu_fraction``; the
+CPU's ``host``, ``cgroup``; a simulated card's ``simulated``, ``gpu_fraction``; the service's
+``nvml``, ``node_labels`` or ``capacity_bytes``, then ``time_slicing`` (``mps_limit`` under the
+device plugin's MPS strategy), ``vgpu_limit``, ``mps_limit``, ``gpu_fraction``; ``ranks`` when
+ranks agree on the smallest rank's capacity.
 
 Example::
 
@@ -61,6 +63,7 @@ BudgetSource = Literal[
     "nvml",
     "cuda_runtime",
     "vgpu_limit",
+    "mps_limit",
     "memory_fraction",
     "gpu_fraction",
     "host",
@@ -75,7 +78,7 @@ BudgetSource = Literal[
 SOURCES: tuple[BudgetSource, ...] = BudgetSource.__args__  # type: ignore[attr-defined]
 
 SharingMode = Literal[
-    "none", "shared", "virtualised", "fractional", "time_sliced", "container_limited"
+    "none", "shared", "virtualised", "fractional", "time_sliced", "container_limited", "mps"
 ]
 """How the device is shared, as the readings show it; ``"none"`` when they agree."""
 SHARING_MODES: tuple[SharingMode, ...] = SharingMode.__args__  # type: ignore[attr-defined]
@@ -87,6 +90,7 @@ SHARING_TOLERANCE = 0.05
 _LIMIT_MODES: dict[str, SharingMode] = {
     "cuda_runtime": "virtualised",
     "vgpu_limit": "virtualised",
+    "mps_limit": "mps",
     "memory_fraction": "fractional",
     "gpu_fraction": "fractional",
     "time_slicing": "time_sliced",
@@ -96,7 +100,7 @@ _LIMIT_MODES: dict[str, SharingMode] = {
 _FREE_SHOWS_SHARING = frozenset({"nvml", "cuda_runtime", "simulated"})
 """GPU readings whose free memory below their total means other processes hold some (a host's
 MemAvailable is always below MemTotal: page tables, the kernel, every other process)."""
-_PER_JOB = frozenset({"memory_fraction", "gpu_fraction", "time_slicing", "ranks"})
+_PER_JOB = frozenset({"memory_fraction", "gpu_fraction", "time_slicing", "mps_limit", "ranks"})
 """Readings of one job's share, left out of the card's memory that ``trials_per_gpu`` divides."""
 _HOST_ONLY = frozenset({"host", "cgroup"})
 

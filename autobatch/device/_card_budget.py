@@ -9,11 +9,13 @@ caller is :func:`autobatch.planning.given_budget`'s.
 
 The readings, in order (:func:`~autobatch.device.combine_budget` takes the smallest):
 
-- from NVML: the card's total or free memory (``memory``), the vGPU limit variable of its
-  ``cuda_index`` in ``environ`` (``CUDA_DEVICE_MEMORY_LIMIT_<i>``), the declared
+- from NVML: the card's total or free memory (``memory``), the vGPU and MPS limit variables
+  of its ``cuda_index`` in ``environ`` (``CUDA_DEVICE_MEMORY_LIMIT_<i>``,
+  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), the declared
   ``gpu_fraction`` of its total;
 - from labels: the card (or MIG slice, :func:`~autobatch.device.read_node_labels`), its share
-  under the device plugin's time-slicing (``1 / replicas``), the declared ``gpu_fraction``.
+  under the device plugin's time-slicing (``1 / replicas``; under its MPS strategy the
+  ``mps_limit`` each client gets), the declared ``gpu_fraction``.
 
 Either way the job's CUDA runtime is out of sight (a sharing layer such as HAMi limits it inside
 the job's container): the budget names it among its ``unseen_sources``, with a warning.
@@ -43,6 +45,7 @@ from autobatch.device._budget import (
     gpu_fraction_reading,
     vgpu_limit_reading,
 )
+from autobatch.device._mps import mps_limit_reading
 from autobatch.device._node_labels import LabelError, read_node_labels
 from autobatch.device._types import GpuInfo, MemorySource
 from autobatch.errors import ConfigError, DeviceUnavailableError
@@ -99,12 +102,12 @@ def budget_from_nvml(
         environ: where the vGPU limit variables are read (the reader's environment).
 
     Returns:
-        The :class:`CardBudget` (readings ``nvml``, then ``vgpu_limit`` and ``gpu_fraction``
-        when set).
+        The :class:`CardBudget` (readings ``nvml``, then ``vgpu_limit``, ``mps_limit`` and
+        ``gpu_fraction`` when set).
 
     Raises:
         DeviceUnavailableError: ``reason="memory_unknown"``: NVML could not read the card's
-            total or free memory, or a vGPU limit variable is not a memory limit (then the
+            total or free memory, or a vGPU or MPS limit variable is not a memory limit (then the
             limit, so the budget, is unknown); ``reason="no_free_memory"``: the memory planned
             for (``memory``) is 0 bytes.
         ConfigError: ``gpu_fraction`` is not in (0, 1].
@@ -131,11 +134,15 @@ def budget_from_nvml(
         )
     ]
     try:
-        limit = None if gpu.cuda_index is None else vgpu_limit_reading(environ, gpu.cuda_index)
+        if gpu.cuda_index is not None:
+            for limit in (
+                vgpu_limit_reading(environ, gpu.cuda_index),
+                mps_limit_reading(environ, cuda_index=gpu.cuda_index, uuid=gpu.uuid),
+            ):
+                if limit is not None:
+                    readings.append(limit)
     except ConfigError as exc:
         raise DeviceUnavailableError(str(exc), reason="memory_unknown") from exc
-    if limit is not None:
-        readings.append(limit)
     if fraction is not None:
         readings.append(gpu_fraction_reading(fraction, total))
     return CardBudget(
@@ -185,7 +192,8 @@ def budget_from_labels(
 
     Returns:
         The :class:`CardBudget` (readings ``node_labels``, then ``time_slicing`` for more than
-        one replica and ``gpu_fraction`` when declared), with the labels' warnings.
+        one replica, ``mps_limit`` instead under the ``mps`` sharing strategy, and
+        ``gpu_fraction`` when declared), with the labels' warnings.
 
     Raises:
         LabelError: a label is missing or unreadable, the MIG slice is not named or unknown
@@ -216,13 +224,17 @@ def budget_from_labels(
     if labelled.replicas > 1:
         share = card // labelled.replicas
         strategy = labelled.sharing_strategy or "time-slicing"
+        # Under its MPS strategy the device plugin limits each client to the share (the limit
+        # a job reads from CUDA_MPS_PINNED_DEVICE_MEM_LIMIT); time-slicing isolates nothing.
+        mps = strategy == "mps"
+        isolation = "each client limited to its share" if mps else "no memory isolation"
         readings.append(
             BudgetReading(
-                source="time_slicing",
+                source="mps_limit" if mps else "time_slicing",
                 total_bytes=share,
                 available_bytes=share,
                 detail=f"the device plugin shares each card among {labelled.replicas} replicas "
-                f"({strategy}, no memory isolation between them): 1/{labelled.replicas} of it",
+                f"({strategy}, {isolation} between them): 1/{labelled.replicas} of it",
             )
         )
     if fraction is not None:

@@ -5,7 +5,8 @@ Capacity is what this process may still take: the smallest of every source it ca
 plus what torch's caching allocator already reserved (:func:`usable_capacity`, a pure function);
 the CUDA runtime's ``torch.cuda.mem_get_info`` likewise (a sharing layer such as HAMi makes it
 report the container's slice, where NVML may report the whole card); a vGPU limit variable
-(``CUDA_DEVICE_MEMORY_LIMIT_<cuda_index>``, else ``CUDA_DEVICE_MEMORY_LIMIT``); the allocator's
+(``CUDA_DEVICE_MEMORY_LIMIT_<cuda_index>``, else ``CUDA_DEVICE_MEMORY_LIMIT``); an MPS client's
+limit (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, :mod:`autobatch.device._mps`); the allocator's
 ``torch.cuda.set_per_process_memory_fraction``; a declared ``gpu_fraction`` of the card. The
 probe compares peak *reserved* bytes with it, since the allocator's cache and its fragmentation
 are what run out.
@@ -38,6 +39,7 @@ from autobatch.device._budget import (
     gpu_fraction_reading,
     vgpu_limit_reading,
 )
+from autobatch.device._mps import mps_limit_reading
 from autobatch.device._nvml import Nvml, default_nvml
 from autobatch.device._types import Capacity, GpuInfo, PeakMemory
 from autobatch.errors import DeviceUnavailableError, Remedy
@@ -86,6 +88,7 @@ def cuda_budget(
     gpu_fraction: float | None,
     environ: Mapping[str, str],
     cuda_index: int,
+    uuid: str | None = None,
 ) -> tuple[MemoryBudget, int, int]:
     """The budget of one CUDA device from what its readers returned (pure; torch is read by the
     caller).
@@ -98,14 +101,15 @@ def cuda_budget(
         torch_reserved_bytes: ``torch.cuda.memory_reserved``: this process's own cache.
         memory_fraction: ``torch.cuda.get_per_process_memory_fraction``.
         gpu_fraction: the declared share of the card, or None.
-        environ: the environment the vGPU limit variables are read from.
+        environ: the environment the vGPU and MPS limit variables are read from.
         cuda_index: the device's CUDA index (the ``_<i>`` of the variables).
+        uuid: the device's NVML UUID, for an MPS limit given by UUID; None when unknown.
 
     Returns:
         ``(budget, total_memory_bytes, foreign_memory_bytes)``.
 
     Raises:
-        ConfigError: a vGPU limit variable that is not a memory limit.
+        ConfigError: a vGPU or MPS limit variable that is not a memory limit.
         DeviceUnavailableError: neither NVML nor the CUDA runtime read the memory.
     """
     readings: list[BudgetReading] = []
@@ -153,6 +157,9 @@ def cuda_budget(
     limit = vgpu_limit_reading(environ, cuda_index)
     if limit is not None:
         readings.append(limit)
+    mps = mps_limit_reading(environ, cuda_index=cuda_index, uuid=uuid)
+    if mps is not None:
+        readings.append(mps)
     if memory_fraction < 1.0:
         readings.append(
             fraction_reading(
@@ -288,6 +295,7 @@ class CudaDevice:
             gpu_fraction=self._gpu_fraction,
             environ=os.environ if self._environ is None else self._environ,
             cuda_index=index,
+            uuid=None if gpu is None else gpu.uuid,
         )
 
     def capacity(self) -> Capacity:

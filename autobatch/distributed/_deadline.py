@@ -13,7 +13,11 @@ agreement's collective carries its own timeout (gloo and NCCL take one per colle
 so a slow step on every rank stretches it (the peers do the same work), while a rank that never
 comes is noticed after ``min_seconds`` (default :data:`DEFAULT_MIN_SECONDS`, or the environment
 variable :data:`MIN_SECONDS_ENV`) or ``step_multiple`` (default :data:`DEFAULT_STEP_MULTIPLE`)
-times this rank's own work, whichever is longer. A party's first agreement (the probe's first,
+times this rank's own work, whichever is longer; never after the process group's own timeout
+(read from its backends): an agreement waits at most that timeout less :func:`group_margin`, so
+that it fails first, naming the late rank, where the group's watchdog would end the job without
+a word (a job's ``init_process_group(timeout=60 s)`` caps the 120 s floor at 55 s). A party's
+first agreement (the probe's first,
 the first of each ``Accumulator.windows()`` loop) follows arbitrary code of the user's (loading a
 model, an evaluation, a checkpoint that rank 0 alone writes), so it keeps the process group's own
 timeout. ``deadline=None`` keeps it for every agreement.
@@ -53,6 +57,8 @@ __all__ = [
     "AgreementDeadline",
     "Agreements",
     "Default",
+    "group_margin",
+    "group_timeout_seconds",
     "resolve_deadline",
 ]
 
@@ -159,11 +165,25 @@ class Agreements:
         device: where the tensors it sends live (the CPU for gloo, a CUDA device for NCCL).
     """
 
-    __slots__ = ("_count", "_key", "_last", "_store", "deadline", "group", "rank", "world_size")
+    __slots__ = (
+        "_count",
+        "_key",
+        "_last",
+        "_store",
+        "cap_seconds",
+        "deadline",
+        "group",
+        "rank",
+        "world_size",
+    )
 
     def __init__(self, group: dist.ProcessGroup | None, deadline: AgreementDeadline | None) -> None:
         self.group = group
         self.deadline = deadline
+        timeout = group_timeout_seconds(group)
+        self.cap_seconds = None if timeout is None else timeout - group_margin(timeout)
+        """The longest an agreement with a deadline waits: the group's timeout less a margin,
+        in seconds; None when the timeout cannot be read."""
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._count = 0
@@ -233,7 +253,8 @@ class Agreements:
                 self._store = None
         if self.deadline is None or self._last is None:
             return None
-        return self.deadline.seconds(time.monotonic() - self._last)
+        seconds = self.deadline.seconds(time.monotonic() - self._last)
+        return seconds if self.cap_seconds is None else min(seconds, self.cap_seconds)
 
     def missing(self) -> list[int] | None:
         """The ranks that have not reached this rank's latest agreement; None when the store
@@ -261,7 +282,7 @@ class Agreements:
         if late is None and self.world_size == 2:
             late = [1 - self.rank]  # of two ranks, the other one
         waited = (
-            f"within {seconds:.0f} s ({_how(self.deadline)})"
+            f"within {seconds:.3g} s ({_how(self.deadline, seconds == self.cap_seconds)})"
             if seconds is not None
             else "before the process group's timeout"
         )
@@ -269,6 +290,11 @@ class Agreements:
             f"This rank stops too. To wait longer, set ${MIN_SECONDS_ENV} or pass "
             "AgreementDeadline(min_seconds=...)"
         )
+        if seconds is not None and seconds == self.cap_seconds:
+            remedy = (
+                "This rank stops too. To wait longer, give the process group a longer timeout "
+                "(init_process_group(timeout=...))"
+            )
         if late == []:  # every rank came: one gave up waiting (its deadline), or died there
             return DistributedError(
                 f"{where} failed on rank {self.rank} after every rank reached it ({first}): "
@@ -284,12 +310,39 @@ class Agreements:
         )
 
 
-def _how(deadline: AgreementDeadline | None) -> str:
+def _how(deadline: AgreementDeadline | None, capped: bool) -> str:
     assert deadline is not None
+    cap = ", capped at the process group's own timeout less a margin" if capped else ""
     return (
         f"the longer of {deadline.min_seconds:g} s and {deadline.step_multiple:g} times this "
-        "rank's own work since the previous agreement"
+        f"rank's own work since the previous agreement{cap}"
     )
+
+
+def group_margin(timeout_seconds: float) -> float:
+    """Seconds an agreement leaves before the group's timeout of ``timeout_seconds``: a tenth
+    of it, at most 5 s (time for this rank to fail first and say which rank was late)."""
+    return min(5.0, timeout_seconds / 10)
+
+
+def group_timeout_seconds(group: dist.ProcessGroup | None) -> float | None:
+    """The timeout of ``group``'s collectives (the ``timeout`` given to ``init_process_group``
+    or ``new_group``, else the backend's default), in seconds: the smallest of its backends'
+    (gloo for the CPU, NCCL for CUDA); None when none can be read.
+
+    Read as ``torch.distributed``'s own ``_set_pg_timeout`` reaches the backends
+    (``ProcessGroup._get_backend(device).options._timeout``): private, so a torch that moves it
+    gives None (no cap), never an error.
+    """
+    try:
+        pg = _process_group(group)
+        timeouts = [
+            pg._get_backend(device).options._timeout.total_seconds() for device in pg._device_types
+        ]
+    except Exception:  # noqa: BLE001 - a cap is a courtesy; the deadline works without one
+        return None
+    positive = [t for t in timeouts if isinstance(t, float) and t > 0]
+    return min(positive) if positive else None
 
 
 def _process_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -83,11 +83,13 @@ def autotune_accelerator(
 
     Raises:
         ConfigError: an option autotune does not take or that this function sets itself; an
-            empty dataloader.
+            empty dataloader; ``split_batches=True`` with more than one process (the loader's
+            batch would be split over them).
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
     """
     check_options(options, caller="autotune_accelerator", owned=SET_BY_FRAMEWORK)
+    _refuse_split_batches(accelerator)
     unwrapped = accelerator.unwrap_model(model)
     inner_optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps one
     sample = _first_batch(dataloader, next(unwrapped.parameters()).device)
@@ -119,6 +121,28 @@ def autotune_accelerator(
             f"their losses by {steps}/j to make it their mean)"
         ),
     )
+
+
+def _refuse_split_batches(accelerator: Any) -> None:
+    """Refuse Accelerate's ``split_batches`` over several processes: the dataloader's batch is
+    then the batch of all processes, each taking its slice, so a loader rebuilt with
+    ``plan.micro_batch_size`` would train ``1 / num_processes`` of the effective batch.
+    (``dispatch_batches`` alone keeps each process's batch the loader's: nothing to refuse.)
+
+    Raises:
+        ConfigError: ``split_batches=True`` with more than one process (names it and the fix).
+    """
+    processes = int(accelerator.num_processes)
+    if processes > 1 and bool(getattr(accelerator, "split_batches", False)):
+        raise ConfigError(
+            "Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True)) splits "
+            f"each dataloader batch over the {processes} processes, so a dataloader of "
+            f"batch_size=plan.micro_batch_size would train 1/{processes} of the effective "
+            "batch; autotune_accelerator plans per-process micro-batches: use "
+            "split_batches=False (the default), or keep it and build the dataloader with "
+            f"batch_size=plan.micro_batch_size * {processes} after planning with "
+            "autobatch.autotune(..., world_size=accelerator.num_processes)"
+        )
 
 
 def _first_batch(dataloader: Any, device: torch.device) -> Any:

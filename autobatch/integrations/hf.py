@@ -85,10 +85,16 @@ def autotune_trainer(
     each condition that moves memory and differs is a
     :class:`~autobatch.errors.ConditionsWarning` naming it.
 
+    Under ``accelerator_config={"split_batches": True}`` the Trainer's dataloader batch is
+    the batch of all ranks, which Accelerate splits among them: ``per_device_train_batch_size``
+    (and the eval one) is then set to the micro-batch times the world size, so each rank still
+    trains ``plan.micro_batch_size`` rows per micro-step.
+
     Returns:
         The Plan applied to ``trainer.args``, with its ``epoch`` (the train dataset's rows per
         epoch: micro-batches and optimizer steps per rank, the last step's effective batch):
-        ``per_device_train_batch_size == plan.micro_batch_size``,
+        ``per_device_train_batch_size == plan.micro_batch_size`` (times the world size under
+        ``split_batches``),
         ``gradient_accumulation_steps == plan.gradient_accumulation_steps``; with the option
         ``eval=True`` (the evaluation forward probed on its own, under
         ``torch.inference_mode``) also
@@ -149,13 +155,16 @@ def autotune_trainer(
             ),
             caller="autotune_trainer",
         )
-    args.per_device_train_batch_size = result.micro_batch_size
+    split = _split_over(args, world_size)
+    args.per_device_train_batch_size = result.micro_batch_size * split
     args.gradient_accumulation_steps = result.gradient_accumulation_steps
     if result.eval_micro_batch_size is not None:
-        args.per_device_eval_batch_size = result.eval_micro_batch_size
+        args.per_device_eval_batch_size = result.eval_micro_batch_size * split
     trainer._train_batch_size = args.train_batch_size  # what train() builds its dataloader with
     total = trainer.get_total_train_batch_size(args)
-    if total != effective_batch_size:
+    # Under split_batches the Trainer counts the loader's batch (already over the ranks) once
+    # per rank, so its total is the effective batch times the ranks.
+    if total != effective_batch_size * split:
         raise ConfigError(
             f"the Trainer now computes a total train batch of {total}, not the effective batch "
             f"{effective_batch_size} planned ({result.micro_batch_size} x "
@@ -201,6 +210,18 @@ def _check_when_training_starts(trainer: Any, plan: Plan, amp_dtype: torch.dtype
         if type(callback).__name__ == PlanConditionsCheck.__name__:
             handler.remove_callback(callback)
     trainer.add_callback(PlanConditionsCheck())
+
+
+def _split_over(args: Any, world_size: int) -> int:
+    """How many ranks one dataloader batch is split over: ``world_size`` under Accelerate's
+    ``split_batches`` (``TrainingArguments(accelerator_config={"split_batches": True})``: the
+    loader's batch is the batch of all ranks, each taking its slice), else 1 (each rank's
+    loader batch is its micro-batch; ``dispatch_batches`` alone keeps that)."""
+    config = getattr(args, "accelerator_config", None)
+    split = config.get("split_batches") if isinstance(config, Mapping) else None
+    if split is None:
+        split = getattr(config, "split_batches", False)
+    return world_size if split else 1
 
 
 def _data_parallel_size(trainer: Any) -> int:

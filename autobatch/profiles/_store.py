@@ -94,7 +94,9 @@ class ProfileStore:
     Args:
         location: a SQLite file, ``":memory:"`` (tests), ``sqlite:///FILE`` or
             ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB``; None means ``$AUTOBATCH_STORE``,
-            else ``~/.cache/autobatch/profiles.sqlite3``.
+            else ``~/.cache/autobatch/profiles.sqlite3``, or, when this user may not write
+            that, ``$TMPDIR/autobatch-<uid>/`` or memory, with one warning
+            (:mod:`autobatch.profiles._fallback`).
         timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
             connection) before giving up, in seconds.
         create: what opening a SQLite file may create, so that a mistyped location is an error
@@ -119,6 +121,10 @@ class ProfileStore:
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
         create: Create = "folders",
     ) -> None:
+        if location is None:  # the default falls back when it cannot be written; nothing else
+            from autobatch.profiles._fallback import default_or_fallback
+
+            location = default_or_fallback()
         self._location: StoreLocation = parse_location(location)
         self.path: pathlib.Path | None = self._location.path
         """The SQLite file (``Path(":memory:")`` in memory); None on PostgreSQL."""

@@ -8,7 +8,8 @@ splitting, and the agreements that keep DDP ranks in step.
 - ``oom_split``: ``Window.run`` splitting a micro-batch that runs out of memory
   (:class:`SplitEvent`), cutting it with ``pieces``;
 - ``limit_agreement``: under DDP, the ranks agree on the piece-size limit once per micro-step;
-- ``window_agreement``: under DDP, the window agreement carries one rank's error to the others;
+- ``window_agreement``: under DDP, the window agreement carries one rank's error to the others,
+  and stops every rank together where uneven shards run out (:class:`UnevenStop`);
 - ``counting``: how many items a micro-batch counts.
 
 Example::
@@ -24,5 +25,6 @@ from autobatch.training._accumulator import Accumulator
 from autobatch.training._micro_step import MicroStep
 from autobatch.training._oom_split import OnOom, SplitEvent
 from autobatch.training._window import StepStats, Window
+from autobatch.training._window_agreement import UnevenStop
 
-__all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]
+__all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "UnevenStop", "Window"]

@@ -69,7 +69,7 @@ from autobatch.training._oom_split import (
     Splitter,
 )
 from autobatch.training._window import Window
-from autobatch.training._window_agreement import Status, WindowAgreement
+from autobatch.training._window_agreement import Status, UnevenStop, WindowAgreement
 
 __all__ = ["SMALL_MICRO_BATCH_FOR_BATCH_NORM", "Accumulator"]
 
@@ -202,6 +202,10 @@ class Accumulator:
                 where="Accumulator",
                 data_parallel=self._data_parallel(),
             )
+        self.uneven_stop: UnevenStop | None = None
+        """Under DDP or FSDP2, where the latest ``windows()`` loop stopped because some rank's
+        micro-batches ran out before the others' (uneven shards), and what it left untrained;
+        None when every rank's ran out together."""
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 
@@ -227,9 +231,11 @@ class Accumulator:
         """Group micro-batches into windows of ``gradient_accumulation_steps``.
 
         Each window is fetched whole before it is yielded; the last one of the iterable may be
-        shorter and is weighted by its real size. Under DDP every rank must yield the same
-        number of windows (``DistributedSampler`` ensures this): the ranks agree once at each
-        window's start (its count all-reduce) and once when the micro-batches run out, and an
+        shorter and is weighted by its real size. Under DDP the ranks agree once at each
+        window's start (its count all-reduce) and once when the micro-batches run out; when
+        some rank's run out before the others' (uneven shards), every rank stops there, after
+        the same optimizer step, and what was left untrained is logged and kept on
+        :attr:`uneven_stop` (``DistributedSampler`` with ``drop_last=True`` evens them). An
         error on one rank (fetching, counting, a check, the previous window's ``step``) is
         taken to that agreement, so every rank raises instead of waiting in it. The optimizer's
         gradients are zeroed (to ``None``) when the loop starts, so nothing left by an earlier
@@ -251,8 +257,7 @@ class Accumulator:
             ConfigError: a window's total count over all ranks is 0; ``count_fn`` returned a
                 negative or non-integer value; the default count found no tensor in a batch;
                 the previous window was not stepped before the next was requested.
-            DistributedError: under DDP, another rank raised an error (see its error); the
-                ranks' micro-batches ran out at different windows (raised on every rank); or
+            DistributedError: under DDP, another rank raised an error (see its error), or
                 this loop goes on after this rank's error was reported to the others.
         """
         iterator = iter(micro_batches)
@@ -262,6 +267,7 @@ class Accumulator:
         if self._parallel is not None:
             self._parallel.drop_pending()
         agreement = self._agreement
+        self.uneven_stop = None
         if agreement is not None:
             agreement.told_at_next = None
             agreement.agreements.restart()  # the loop's first agreement follows the user's code
@@ -293,12 +299,13 @@ class Accumulator:
                 raise
             if not batches:
                 if agreement is not None:
-                    agreement.meet(
+                    left, _ = agreement.meet(
                         0,
                         where=f"the end of the micro-batches after {index} windows",
                         status=Status.EXHAUSTED,
                         window=index,
                     )
+                    self.uneven_stop = agreement.uneven_stop(index, 0, left)
                 return
             local_count = sum(counts)
             empty = False  # whether some rank has a micro-batch counting 0 items
@@ -308,6 +315,9 @@ class Accumulator:
                 global_count, empty = agreement.meet(
                     local_count, where=f"the count agreement of window {index}", empty=0 in counts
                 )
+                self.uneven_stop = agreement.uneven_stop(index, len(batches), global_count)
+                if self.uneven_stop is not None:
+                    return  # another rank ran out: every rank stops after this many steps
             if global_count == 0:
                 raise ConfigError(
                     f"window {index} has a total count of 0 counted items over "

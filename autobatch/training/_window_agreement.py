@@ -15,6 +15,12 @@ synchronised backward (the last micro-step's ``backward``; with ``on_oom="split"
 agreements instead). A rank that fails meets the others at the next window agreement with its
 status and then raises its own error; each of the others raises :class:`DistributedError` there,
 naming the rank and what failed. No rank leaves an agreement alone, so the ranks stay in step.
+
+Uneven shards (a streaming dataset whose ranks hold different numbers of micro-batches): when
+some rank's micro-batches run out at a window's count agreement, every rank stops there, after
+the same optimizer step; the ranks that still had micro-batches leave that window untrained, and
+each rank says what was left (an :class:`UnevenStop`, logged as a WARNING on the ``autobatch``
+logger and kept on the Accumulator's ``uneven_stop``).
 Every agreement but a loop's first has a deadline (:mod:`autobatch.distributed._deadline`): a rank
 that stops answering fails the others within a few window-times, naming it.
 
@@ -27,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from typing import Protocol
@@ -37,7 +44,7 @@ import torch.distributed as dist
 from autobatch.distributed import AgreementDeadline, Agreements
 from autobatch.errors import ConfigError, DistributedError
 
-__all__ = ["AgreeingWindow", "Status", "WindowAgreement"]
+__all__ = ["AgreeingWindow", "Status", "UnevenStop", "WindowAgreement"]
 
 logger = logging.getLogger("autobatch")
 
@@ -64,6 +71,37 @@ _WHAT = {
     Status.STEP: "raised an error in window.step() of window {w}",
     Status.RUN: "raised an error in Window.run of window {w}",
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class UnevenStop:
+    """Where the ranks stopped together because some rank's micro-batches ran out, and what was
+    left untrained."""
+
+    window_index: int
+    """The window no rank trained: every rank made ``window_index`` optimizer steps."""
+    exhausted_ranks: tuple[int, ...]
+    """The ranks whose micro-batches ran out before this window."""
+    rank: int
+    """This rank."""
+    num_untrained_micro_batches: int
+    """This rank's micro-batches fetched for the window and not trained (0 on a rank that ran
+    out); any still in its iterable after them were not fetched."""
+    num_untrained_items: int
+    """Counted items of the window's micro-batches, summed over the ranks that had some."""
+
+    def describe(self) -> str:
+        """The stop in words, with its numbers."""
+        ran_out = ", ".join(str(rank) for rank in self.exhausted_ranks)
+        return (
+            f"rank{'s' if len(self.exhausted_ranks) > 1 else ''} {ran_out} ran out of "
+            f"micro-batches after {self.window_index} window(s): every rank stopped after "
+            f"{self.window_index} optimizer step(s) (uneven shards); rank {self.rank} leaves "
+            f"{self.num_untrained_micro_batches} micro-batch(es) of window {self.window_index} "
+            f"untrained ({self.num_untrained_items} counted items over all ranks), and any after "
+            "them in its iterable; give every rank the same number of micro-batches "
+            "(DistributedSampler, drop_last=True) to train them all"
+        )
 
 
 class AgreeingWindow(Protocol):
@@ -99,7 +137,7 @@ class WindowAgreement:
             process group's own timeout (:mod:`autobatch.distributed._deadline`).
     """
 
-    __slots__ = ("agreements", "group", "model", "rank", "told_at_next", "world_size")
+    __slots__ = ("agreements", "group", "model", "rank", "ran_out", "told_at_next", "world_size")
 
     def __init__(
         self,
@@ -114,6 +152,9 @@ class WindowAgreement:
         self.told_at_next: int | None = None
         """The window whose error this rank told the others at the agreement that starts the
         next window (or ends the loop): the loop cannot go on (``windows()`` resets it)."""
+        self.ran_out: tuple[int, ...] = ()
+        """The ranks whose micro-batches had run out at the latest agreement, when others' had
+        not (the ranks stop together there); empty otherwise."""
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
@@ -142,8 +183,7 @@ class WindowAgreement:
 
         Raises:
             DistributedError: another rank failed (not raised on a rank that failed itself: it
-                raises its own error), or the micro-batches ran out on some ranks and not on
-                others (raised on every rank).
+                raises its own error).
         """
         device = next(self.model.parameters()).device
         values = torch.zeros(self.world_size + 2, dtype=torch.int64, device=device)
@@ -154,6 +194,7 @@ class WindowAgreement:
         self.agreements.all_reduce(values, dist.ReduceOp.SUM, where=where or "an agreement")
         total, num_empty, *slots = values.tolist()
         agreed = int(total), num_empty > 0
+        self.ran_out = ()
         if not any(slots) or status not in (Status.OK, Status.EXHAUSTED):
             return agreed  # all is well, or this rank raises its own error
         reported = [
@@ -166,17 +207,29 @@ class WindowAgreement:
                     f"rank {rank} {what} (see that rank's error); this rank stops too, at "
                     f"{where}, so that no rank waits for it in a collective"
                 )
-        exhausted = [(rank, at) for rank, code, at in reported if code == Status.EXHAUSTED]
+        exhausted = tuple(rank for rank, code, _ in reported if code == Status.EXHAUSTED)
         if len(exhausted) < self.world_size:
-            rank, at = exhausted[0]
-            raise DistributedError(
-                f"rank {rank} ran out of micro-batches after {at} window(s) while "
-                f"{self.world_size - len(exhausted)} rank(s) had another (this rank is at "
-                f"{where}); every rank must yield the same number of windows: give each the "
-                "same number of micro-batches (torch.utils.data.DistributedSampler, with "
-                "drop_last=True if they are uneven)"
-            )
+            self.ran_out = exhausted  # some ranks ran out, others had a window: all stop here
         return agreed
+
+    def uneven_stop(
+        self, window_index: int, num_micro_batches: int, num_items: int
+    ) -> UnevenStop | None:
+        """After the agreement at window ``window_index``'s count (or the end of this rank's
+        micro-batches): the stop, logged, when some ranks ran out there and others had this
+        window (``num_micro_batches`` of this rank's, ``num_items`` counted over all ranks);
+        None when the ranks are even."""
+        if not self.ran_out:
+            return None
+        stop = UnevenStop(
+            window_index=window_index,
+            exhausted_ranks=self.ran_out,
+            rank=self.rank,
+            num_untrained_micro_batches=num_micro_batches,
+            num_untrained_items=num_items,
+        )
+        logger.warning("%s", stop.describe())
+        return stop
 
     # -- an error on this rank: the others learn of it at the next agreement ------------------
 

@@ -569,11 +569,18 @@ def test_the_devices_page_lists_the_gpu_sources_in_the_order_they_are_read() -> 
         torch_reserved_bytes=0,
         memory_fraction=0.5,
         gpu_fraction=0.5,
-        environ={"CUDA_DEVICE_MEMORY_LIMIT": "1g"},
+        environ={"CUDA_DEVICE_MEMORY_LIMIT": "1g", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "2G"},
         cuda_index=0,
     )
     assert table == [reading.source for reading in budget.readings]
-    assert table == ["nvml", "cuda_runtime", "vgpu_limit", "memory_fraction", "gpu_fraction"]
+    assert table == [
+        "nvml",
+        "cuda_runtime",
+        "vgpu_limit",
+        "mps_limit",
+        "memory_fraction",
+        "gpu_fraction",
+    ]
 
 
 def test_without_the_cuda_runtime_nvml_alone_decides_and_the_budget_says_so(

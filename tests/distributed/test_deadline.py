@@ -179,3 +179,62 @@ def test_a_rank_hung_between_windows_fails_the_other_at_the_next_agreement(
     assert late["error"] == "DistributedError", late
     assert "failed on rank 1 after every rank reached it" in late["message"]
     assert "another rank gave up waiting there" in late["message"]
+
+
+SHORT_GROUP_TIMEOUT_S = 5
+
+
+def _short_group_worker(rank: int, tmp: str, floor: str | None) -> None:
+    """A job's own group timeout of 5 s; rank 1 hangs after the first agreement (the one without
+    a deadline), so rank 0 waits at the second with the default deadline (its 120 s floor, or
+    ``floor`` from the environment)."""
+    from autobatch.distributed._deadline import Agreements, group_timeout_seconds
+
+    os.environ.pop(MIN_SECONDS_ENV, None)
+    if floor is not None:
+        os.environ[MIN_SECONDS_ENV] = floor
+    join_gloo_group(rank, WORLD_SIZE, f"{tmp}/rendezvous", timeout_s=SHORT_GROUP_TIMEOUT_S)
+    flag = Path(tmp, "rank0-failed")
+    agreements = Agreements(None, AgreementDeadline())
+    values = torch.ones(1)
+    agreements.all_reduce(values, torch.distributed.ReduceOp.SUM, where="the first agreement")
+    result: dict[str, Any] = {
+        "group_timeout": group_timeout_seconds(None),
+        "cap": agreements.cap_seconds,
+    }
+    if rank == 1:
+        _wait_for(flag)
+    started = time.monotonic()
+    try:
+        agreements.all_reduce(values, torch.distributed.ReduceOp.SUM, where="the second one")
+    except DistributedError as exc:
+        result.update(error=type(exc).__name__, message=str(exc))
+    result["seconds"] = time.monotonic() - started
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        flag.touch()
+    os._exit(0)  # the group is broken by design: no teardown
+
+
+@pytest.mark.slow  # gloo ranks in spawned processes
+@pytest.mark.parametrize(("floor", "waited"), [(None, "4.5"), ("2", "2")])
+def test_an_agreement_never_waits_longer_than_the_process_group_s_own_timeout(
+    tmp_path: Path, floor: str | None, waited: str
+) -> None:
+    # The issue: with the group's timeout at 60 s, rank 0 waited the deadline's 120 s floor;
+    # AUTOBATCH_AGREEMENT_SECONDS still shortens it.
+    spawn_and_wait(_short_group_worker, (str(tmp_path), floor), WORLD_SIZE, timeout_s=180)
+    waiting = json.loads((tmp_path / "rank0.json").read_text())
+    assert (waiting["group_timeout"], waiting["cap"]) == (5.0, 4.5)  # less a tenth
+    assert waiting["error"] == "DistributedError", waiting
+    assert f"rank 1 did not reach the second one within {waited} s" in waiting["message"]
+    capped = "capped at the process group's own timeout" in waiting["message"]
+    assert capped == (floor is None)
+    assert ("init_process_group(timeout=...)" in waiting["message"]) == capped
+    assert waiting["seconds"] < 30, waiting  # not the 120 s floor (2 loaded cores: generous)
+
+
+def test_the_cap_leaves_a_tenth_of_the_group_s_timeout_at_most_5_s() -> None:
+    from autobatch.distributed._deadline import group_margin
+
+    assert [t - group_margin(t) for t in (5.0, 60.0, 1800.0)] == [4.5, 55.0, 1795.0]
