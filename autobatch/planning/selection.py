@@ -319,7 +319,7 @@ def _reasons(
 
 def _basis(num_agreeing: int, smallest: int, largest: int) -> str:
     if num_agreeing == 1:
-        return "the only profile that answers best (no other agrees on card, budget, conditions)"
+        return "the only profile of its rank (no other agrees on card, budget and conditions)"
     return (
         f"the most conservative (smallest recommended, then max micro-batch) of {num_agreeing} "
         f"agreeing profiles: their max micro-batch sizes span {smallest}..{largest}"
