@@ -17,8 +17,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from autobatch.device import card_key
 from autobatch.errors import ConfigError, ProfileNotFoundError
 from autobatch.planning import (
     MAX_GRADIENT_ACCUMULATION_STEPS,
@@ -38,6 +40,8 @@ __all__ = [
     "ANY_CANDIDATES",
     "CARD_CANDIDATES",
     "MAX_ANSWER_MICRO_BATCHES",
+    "NAME_SCAN",
+    "card_profiles",
     "check_table_size",
     "predicted_note",
     "resolve_limit",
@@ -89,10 +93,9 @@ def resolve_limit(
         return profile, body.profile_id, stored_profile_source(profile)
     assert body.model_fingerprint is not None
     found = []
-    if device is not None and device.name:
-        found = store.list_profiles(
-            model_fingerprint=body.model_fingerprint, device_name=device.name, limit=1
-        )
+    key = None if device is None or not device.name else _card_key(device.name)
+    if key is not None:
+        found = card_profiles(store, key, model_fingerprint=body.model_fingerprint, limit=1)[:1]
     found = found or store.list_profiles(model_fingerprint=body.model_fingerprint, limit=1)
     if not found:
         found = _from_central(
@@ -112,78 +115,145 @@ def resolve_limit(
     return profile, profile_id, stored_profile_source(profile)
 
 
-CARD_CANDIDATES = (2, 8, 50)
-"""Profiles of the model on the card asked about read per request (newest first) to find one
-under the conditions asked, in growing pages: the newest 2 (one of them usually answers, and
-every profile read is decoded in full), then 8, then 50; past them, the model's
-newest :data:`ANY_CANDIDATES` of any card."""
+NAME_SCAN = 200
+"""Summaries (indexed columns, nothing decoded) read per request to find the names a card was
+stored under (:func:`card_profiles`): the model's newest, or the store's newest for a card's
+memory."""
+CARD_CANDIDATES = 50
+"""Profiles of the model read per stored name of the card asked about (newest first): the
+agreeing ones among them answer, the most conservative speaking (each is decoded in full).
+Past them, the model's newest :data:`ANY_CANDIDATES` of any card."""
 ANY_CANDIDATES = 200
 
 
+def card_profiles(
+    store: ProfileStore, key: str, *, model_fingerprint: str | None, limit: int
+) -> list[tuple[str, Profile]]:
+    """The stored profiles measured on the card ``key`` (:func:`autobatch.device.card_key`),
+    of one model when given, whatever name form each was stored under: the names among the
+    newest :data:`NAME_SCAN` summaries that are the card, then up to ``limit`` profiles of
+    each name, newest first."""
+    page = store.list_summaries(model_fingerprint=model_fingerprint, limit=NAME_SCAN)
+    names = sorted({s.device_name for s in page.summaries if _card_key(s.device_name) == key})
+    return [
+        found
+        for name in names
+        for found in store.list_profiles(
+            model_fingerprint=model_fingerprint, device_name=name, limit=limit
+        )
+    ]
+
+
 def select(
-    body: PlanCreate, store: ProfileStore, central: CentralProfiles | None
+    body: PlanCreate,
+    store: ProfileStore,
+    central: CentralProfiles | None,
+    device: ResolvedDevice | None,
 ) -> tuple[Profile, str, PlanSource, Selection, int | None]:
     """A plan's profile for ``body.card``/``body.node`` (:mod:`autobatch.planning._selection`):
-    (profile, its id, plan source, the selection, the card's memory in bytes when the plan is
-    predicted for a card other than the profile's, else None).
+    (profile, its id, plan source, the selection, the memory to plan for in bytes when the
+    plan is predicted for a card other than the profile's or scaled to a share of the card,
+    else None). ``device`` (the request's, resolved) is the budget asked.
 
     Raises:
-        Problem: 404 when the store has no training profile of the model; 422 when the card's
-            memory is unknown (no profile of any model measured on it, and no device given).
+        Problem: 404 when no stored training profile of the model may answer; 422 when the
+            card's name names no card, or its memory is unknown (no profile of any model
+            measured on it, and no device given).
     """
     assert body.model_fingerprint is not None
-    wanted = body.conditions or {}
+    mig_profile = None if body.device is None else body.device.mig_profile
     try:
-        chosen = None
-        if body.card is not None and body.node is None:
-            for limit in CARD_CANDIDATES:
-                on_card = store.list_profiles(
-                    model_fingerprint=body.model_fingerprint, device_name=body.card, limit=limit
-                )
-                chosen = select_profile(on_card, card=body.card, node=None, conditions=wanted)
-                if len(on_card) < limit or (chosen is not None and chosen.match != "predicted"):
-                    break
+        key = None if body.card is None else card_key(body.card, mig_profile)
+    except ConfigError as exc:
+        raise Problem(422, "validation", str(exc), field="body.card") from None
+    choose = functools.partial(
+        select_profile,
+        card=body.card,
+        node=body.node,
+        conditions=body.conditions or {},
+        budget_bytes=None if device is None else device.capacity_bytes,
+        mig_profile=mig_profile,
+    )
+    fingerprint = body.model_fingerprint
+    try:
+        chosen, seen = None, []
+        if key is not None:
+            seen = card_profiles(store, key, model_fingerprint=fingerprint, limit=CARD_CANDIDATES)
+            chosen = choose(seen)
         if chosen is None or chosen.match == "predicted":
-            candidates = store.list_profiles(
-                model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES
-            )
-            chosen = select_profile(candidates, card=body.card, node=body.node, conditions=wanted)
-        if chosen is None:
-            fetched = _from_central(store, central, body.model_fingerprint, body.card)
-            chosen = select_profile(fetched, card=body.card, node=body.node, conditions=wanted)
+            newest = store.list_profiles(model_fingerprint=fingerprint, limit=ANY_CANDIDATES)
+            seen = list({pid: p for pid, p in [*seen, *newest]}.items())
+            chosen = choose(seen)
+        if chosen is None and not _trains(seen):  # nothing of the model here: ask central
+            seen = _from_central(store, central, fingerprint, body.card)
+            chosen = choose(seen)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
     if chosen is None:
-        asked = " and ".join(
-            f"{name} {value!r}"
-            for name, value in (("card", body.card), ("node", body.node))
-            if value is not None
-        )
+        raise _none_answers(body, shares=_trains(seen))
+    profile = chosen.profile
+    card_bytes = chosen.budget_bytes
+    if not chosen.same_card and key is not None and device is None:
+        card_bytes = _card_memory(store, key, body.card, profile)
+    return profile, chosen.profile_id, stored_profile_source(profile), chosen, card_bytes
+
+
+def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:
+    """The memory of the card ``key`` in bytes, from any model's profile measured on it.
+
+    Raises:
+        Problem: 422 when no stored profile was measured on it.
+    """
+    on_card = card_profiles(store, key, model_fingerprint=None, limit=1)
+    if not on_card:
         raise Problem(
-            404,
-            "unknown-profile",
+            422,
+            "unknown-card",
+            f"no stored profile (of any model) was measured on card {card!r}, so its memory is "
+            f"unknown and the profile measured on {profile.device_name} cannot be scaled to it: "
+            "give device.capacity_bytes (the card's memory in bytes), or check the card's name "
+            "against GET /v1/profiles' device_name",
+            field="body.card",
+        )
+    return max(found.total_memory_bytes for _, found in on_card)
+
+
+def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
+    """The 404 for a plan no stored profile may answer: none of the model, or (``shares``)
+    only profiles measured under a share of a card, asked for a whole card."""
+    asked = " and ".join(
+        f"{name} {value!r}"
+        for name, value in (("card", body.card), ("node", body.node))
+        if value is not None
+    )
+    if shares:
+        why = (
+            f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
+            f"measured under a share of a card (time-sliced, fractional, virtualised, or with "
+            f"memory held by others), and a share never answers for a whole card ({asked}): "
+            "give device (capacity_bytes, node_labels or gpu_fraction) for the share the job "
+            "gets, or publish a profile measured on the whole card"
+        )
+    else:
+        why = (
             f"no stored training profile has model_fingerprint {body.model_fingerprint!r}, so "
             f"nothing can plan it for {asked}, measured or predicted; publish one (POST "
             "/v1/profiles, autobatch tune --report-to URL, or a probe on a node whose sidecar "
-            "reports here)",
-            field="body.model_fingerprint",
+            "reports here)"
         )
-    profile = chosen.profile
-    card_bytes = None
-    if not chosen.same_card and body.card is not None and body.device is None:
-        on_card = store.list_profiles(device_name=body.card, limit=1)
-        if not on_card:
-            raise Problem(
-                422,
-                "unknown-card",
-                f"no stored profile (of any model) was measured on card {body.card!r}, so its "
-                f"memory is unknown and the profile measured on {profile.device_name} cannot be "
-                "scaled to it: give device.capacity_bytes (the card's memory in bytes), or "
-                "check the card's name against GET /v1/profiles' device_name",
-                field="body.card",
-            )
-        card_bytes = on_card[0][1].total_memory_bytes
-    return profile, chosen.profile_id, stored_profile_source(profile), chosen, card_bytes
+    return Problem(404, "unknown-profile", why, field="body.model_fingerprint")
+
+
+def _trains(found: list[tuple[str, Profile]]) -> bool:
+    return any(profile.mode == "train" for _, profile in found)
+
+
+def _card_key(name: str) -> str | None:
+    """``name``'s card key; None for a name that names no card."""
+    try:
+        return card_key(name)
+    except ConfigError:
+        return None
 
 
 def _from_central(
@@ -211,7 +281,8 @@ def predicted_note(chosen: Selection, body: PlanCreate) -> str:
 
 
 def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
-    """``SelectionPublic``: which stored profile answered, and why it is not ``measured``."""
+    """``SelectionPublic``: which stored profile answered, why it is not ``measured``, and
+    which agreeing profiles it was chosen among."""
     profile = chosen.profile
     card = body.card
     if card is None and chosen.match != "predicted":
@@ -223,6 +294,9 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
         "device_name": profile.device_name,
         "card": card,
         "reasons": list(chosen.reasons),
+        "considered": list(chosen.considered),
+        "max_micro_batch_size_range": list(chosen.max_micro_batch_size_range),
+        "basis": chosen.basis,
     }
 
 

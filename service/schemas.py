@@ -646,6 +646,17 @@ class SelectionPublic(BaseModel):
     device_name: str = Field(description="The card the profile was measured on.")
     card: str | None = Field(description="The card type planned for; null when unknown.")
     reasons: list[str] = Field(description="Why the match is not 'measured'.")
+    considered: list[str] = Field(
+        default_factory=list,
+        description="The ids of the stored profiles that agreed with the chosen one (the same "
+        "card, budget and conditions, and node when asked), in id order: the most conservative "
+        "of them answers, whatever order they were published in.",
+    )
+    max_micro_batch_size_range: list[int] = Field(
+        default_factory=list,
+        description="The smallest and largest max_micro_batch_size among considered.",
+    )
+    basis: str = Field(default="", description="Why the chosen one of them, in words.")
 
 
 class PlanPublic(BaseModel):

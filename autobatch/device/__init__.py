@@ -39,6 +39,7 @@ from autobatch.device._budget import (
     vgpu_limit_reading,
 )
 from autobatch.device._card_budget import CardBudget, budget_from_labels, budget_from_nvml
+from autobatch.device._card_names import card_key, same_card
 from autobatch.device._node import NODE_NAME_ENV_VARS, node_name
 from autobatch.device._node_labels import LabelError, NodeDevice, read_node_labels
 from autobatch.device._resolve import ParsedDevice, parse_device, resolve_device
@@ -89,6 +90,7 @@ __all__ = [
     "VisibleDevices",
     "budget_from_labels",
     "budget_from_nvml",
+    "card_key",
     "check_gpu_fraction",
     "combine_budget",
     "cuda_visible_devices",
@@ -101,6 +103,7 @@ __all__ = [
     "parse_device",
     "read_node_labels",
     "resolve_device",
+    "same_card",
     "vgpu_limit_reading",
 ]
 

@@ -6,9 +6,10 @@ pynvml. :func:`autobatch.device.budget_from_labels` turns the result into a memo
 - ``nvidia.com/gpu.memory`` is documented in MiB, but some GFD versions wrote bytes (a 40 GB card
   read ``42505273344``). No real MiB value exceeds 2**31 (2 PiB), so a larger value can only be
   bytes: it is read as bytes, with a warning in the answer.
-- When the reader's own NVML (the service's sidecar) sees the card the labels describe (same
-  product name) and its total memory differs from the label by more than
-  :data:`NVML_TOLERANCE`, NVML wins, with a warning.
+- When the reader's own NVML (the service's sidecar) sees the card the labels describe (the same
+  product by :func:`autobatch.device.card_key`: GFD writes NVML's spaces as dashes) and its
+  total memory differs from the label by more than :data:`NVML_TOLERANCE`, NVML wins, with a
+  warning.
 - MIG, mixed strategy (``nvidia.com/mig.strategy=mixed``): each slice profile has its own labels,
   ``nvidia.com/mig-<profile>.memory`` (MiB), ``.count`` and friends, while ``nvidia.com/gpu.*``
   describe the parent card. A job on a slice gets the slice's memory, so when the node shows MIG
@@ -40,6 +41,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from autobatch.device._card_names import same_card
 from autobatch.device._types import GpuInfo
 from autobatch.errors import ConfigError
 from autobatch.units import format_bytes
@@ -171,7 +173,7 @@ def read_node_labels(
             for gpu in gpus
             if gpu.is_mig == (mig_profile is not None)
             and gpu.memory.memory_source == "nvml"
-            and _same_product(gpu.name, name)
+            and same_card(gpu.name, name)
         ]
         nvml_bytes = seen[0].memory.total_memory_bytes if seen else None
         if nvml_bytes is not None and abs(capacity - nvml_bytes) > NVML_TOLERANCE * nvml_bytes:
@@ -230,13 +232,3 @@ def _memory_bytes(key: str, value: str) -> tuple[int, list[str]]:
 
 def _field(key: str) -> str:
     return f"node_labels.{key}"
-
-
-def _same_product(nvml_name: str, gfd_name: str) -> bool:
-    """NVML's ``"NVIDIA A100-SXM4-40GB MIG 1g.5gb"`` vs GFD's ``"A100-SXM4-40GB-MIG-1g.5gb"``:
-    GFD writes spaces as dashes and some versions drop the ``NVIDIA`` prefix."""
-
-    def normal(name: str) -> str:
-        return re.sub(r"[\s_]+", "-", name.strip()).lower().removeprefix("nvidia-")
-
-    return normal(nvml_name) == normal(gfd_name)

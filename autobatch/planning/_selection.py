@@ -1,26 +1,46 @@
-"""PURE: which stored profile answers a plan for a card type or a node, and whether it was
-measured there.
+"""PURE: which stored profiles answer a plan for a card type or a node, which one of them
+speaks, and whether it was measured there.
 
 A central service holds profiles that many nodes measured. A scheduler asks for a model on a
-card type (``card``, e.g. ``"NVIDIA H100 80GB HBM3"``) or on a node (``node``), optionally under
-conditions (``{"amp_dtype": "bfloat16"}``). :func:`select_profile` ranks the model's profiles:
+card type (``card``, in any of its usual forms: :func:`autobatch.device.card_key`) or on a node
+(``node``), optionally under conditions (``{"amp_dtype": "bfloat16"}``) and for a budget (the
+memory the job gets, when it is a share of the card). :func:`select_profile` ranks the model's
+training profiles (evaluation profiles never answer a training plan):
 
-1. measured on that node (when ``node`` is given) and card, under the conditions asked;
-2. measured on that card on any node, under the conditions asked;
-3. measured on that card under other conditions;
-4. measured on another card under the conditions asked;
-5. any other profile of the model.
+1. measured on that node (when ``node`` is given) and card, for the budget asked, under the
+   conditions asked;
+2. measured on that card on any node, for the budget asked, under the conditions asked;
+3. measured on that card for the budget asked, under other conditions;
+4. for a share of the card: measured on the whole card, under the conditions asked (then 5:
+   under other conditions), planned for the share's budget;
+6. for a share: measured on the card under a share of another size;
+7. measured on another card (a whole card), under the conditions asked (then 8: any other).
 
-The first two are ``measured`` (``estimated`` for an estimate's profile); the rest answer a plan
-that is ``predicted`` for the card asked about, and say why. Within a rank the newest wins
-(``candidates`` come newest first, as the store lists them). Evaluation profiles never answer a
-training plan. Imports neither torch nor pynvml.
+The budget a profile was measured for: a profile whose memory budget shows a sharing mode
+(time-sliced, fractional, virtualised, memory held by others) or a budget below its card's
+memory by more than :data:`~autobatch.device.SHARING_TOLERANCE` was measured under a share
+(:func:`measured_share`); it never answers for a whole card. Two shares agree when their budgets
+are within that tolerance of each other. A profile without a budget (an estimate, or one written
+before autobatch recorded it) counts as measured on the whole card. The budget asked is the
+request's (``budget_bytes``, a share when below the card's memory by more than the tolerance);
+without one, a node's own profiles say it (a node whose profiles of the card are all shares is a
+share), and a card asked alone is a whole card.
+
+The first two ranks are ``measured`` (``estimated`` for an estimate's profile); the rest answer a
+plan that is ``predicted`` for the card asked about, and say why. When several profiles share the
+best rank (several nodes measured the same thing), the answer does not depend on which was
+published last: the most conservative of them speaks (the smallest recommended micro-batch, then
+the smallest max, then the smallest id), and the selection lists them all with the spread of their
+max micro-batch sizes. From another card, the card whose profiles were measured with the most
+memory speaks (its peaks cover the most sizes), the most conservative of its profiles. Imports
+neither torch nor pynvml.
 
 Example::
 
     chosen = select_profile(store.list_profiles(model_fingerprint=fp, limit=200),
-                            card="NVIDIA H100 80GB HBM3", node=None, conditions={})
-    chosen.match, chosen.reasons     # "predicted", ("measured on NVIDIA A100 ... (node a-1), ...",)
+                            card="NVIDIA-H100-80GB-HBM3", node=None, conditions={})
+    chosen.match, chosen.considered, chosen.max_micro_batch_size_range
+    # "measured", ("3f...", "9a..."), (32, 40)
 """
 
 from __future__ import annotations
@@ -30,15 +50,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from autobatch.conditions import Conditions
+from autobatch.device import SHARING_TOLERANCE, card_key
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile
+from autobatch.units import format_bytes
 
-__all__ = ["CONDITION_NAMES", "Match", "Selection", "condition_mismatches", "select_profile"]
+__all__ = [
+    "CONDITION_NAMES",
+    "Match",
+    "Selection",
+    "condition_mismatches",
+    "measured_bytes",
+    "measured_share",
+    "select_profile",
+]
 
 Match = Literal["measured", "estimated", "predicted"]
 
 CONDITION_NAMES = frozenset(field.name for field in dataclasses.fields(Conditions))
 """The conditions a request may name: :class:`autobatch.conditions.Conditions`' fields."""
+
+_MEASURED_RANKS = 2
+_OTHER_CARD_RANKS = (7, 8)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,19 +83,49 @@ class Selection:
     profile: Profile
     """The chosen profile."""
     match: Match
-    """``"measured"``: measured on the card (and node) asked about under the conditions asked;
-    ``"estimated"``: the same, from an estimate (no real step ran); ``"predicted"``: measured
-    elsewhere or under other conditions, so a plan from it is a prediction for the card asked
-    about."""
+    """``"measured"``: measured on the card (and node) asked about, for the budget and under the
+    conditions asked; ``"estimated"``: the same, from an estimate (no real step ran);
+    ``"predicted"``: measured elsewhere, for another budget or under other conditions, so a plan
+    from it is a prediction for the card asked about."""
     same_card: bool
     """Whether the profile was measured on the card asked about (True when no card is known)."""
     reasons: tuple[str, ...]
     """Why the match is not ``measured`` (empty when it is), e.g. ``"measured on NVIDIA A100
     80GB PCIe (node a-1), not NVIDIA H100 80GB HBM3"``."""
+    considered: tuple[str, ...] = ()
+    """The ids of the profiles that agreed with the chosen one (the same rank: card, budget,
+    conditions, and node when asked), the chosen one included, in id order."""
+    max_micro_batch_size_range: tuple[int, int] = (0, 0)
+    """The smallest and largest ``max_micro_batch_size`` among :attr:`considered`."""
+    basis: str = ""
+    """Why this one of them, in words (the conservative choice and its spread)."""
+    budget_bytes: int | None = None
+    """The share's budget to plan the profile for, in bytes, when it was measured on the whole
+    card and the plan is for a share of it; None to plan it as measured (or for the budget the
+    caller gives)."""
 
     def __post_init__(self) -> None:
         if self.match == "predicted" and not self.reasons:
             raise ConfigError("a predicted selection needs the reasons it is not measured")
+        if self.considered and self.profile_id not in self.considered:
+            raise ConfigError(f"the chosen profile {self.profile_id!r} must be among considered")
+
+
+def measured_bytes(profile: Profile) -> int:
+    """The memory budget ``profile`` was measured under, in bytes: its budget's, else the
+    capacity it recorded."""
+    return profile.capacity_bytes if profile.budget is None else profile.budget.budget_bytes
+
+
+def measured_share(profile: Profile) -> bool:
+    """Whether ``profile`` was measured under a share of its card (module docstring): its GPU
+    memory budget shows a sharing mode, or is below the card's memory by more than
+    :data:`~autobatch.device.SHARING_TOLERANCE`. False without a budget, or on a host."""
+    budget = profile.budget
+    if budget is None or not budget.is_gpu:
+        return False
+    below = budget.budget_bytes < profile.total_memory_bytes * (1 - SHARING_TOLERANCE)
+    return budget.sharing_mode != "none" or below
 
 
 def condition_mismatches(recorded: Conditions, wanted: Mapping[str, Any]) -> list[str]:
@@ -104,62 +167,159 @@ def select_profile(
     card: str | None,
     node: str | None,
     conditions: Mapping[str, Any],
+    budget_bytes: int | None = None,
+    mig_profile: str | None = None,
 ) -> Selection | None:
     """The profile that answers a plan for ``card`` and/or ``node`` (module docstring).
 
     Args:
-        candidates: ``(profile_id, profile)`` pairs of one model, newest first.
-        card: the card type asked about (a profile's ``device_name``), or None.
-        node: the node asked about (a profile's ``node_name``), or None. Without ``card``, the
-            node's card is the one its own profiles of this model were measured on.
+        candidates: ``(profile_id, profile)`` pairs of one model, in any order (the choice does
+            not depend on it).
+        card: the card type asked about, in any form :func:`autobatch.device.card_key` reads,
+            or None. Without it, a node's card is the one its own profiles of this model were
+            measured on (the newest first in ``candidates``).
+        node: the node asked about (a profile's ``node_name``), or None.
         conditions: condition name -> value the plan must hold under (may be empty).
+        budget_bytes: the memory the job gets on the card, in bytes, when the caller knows it
+            (a device given); None for what the node's profiles say, or the whole card.
+        mig_profile: the MIG slice of ``card`` the job gets (e.g. ``"1g.10gb"``), or None.
 
     Returns:
-        The selection; None when no candidate is a training profile.
+        The selection; None when no candidate may answer: none is a training profile, or each
+        was measured under a share of a card and the plan is for a whole card.
 
     Raises:
-        ConfigError: ``conditions`` names something that is not a condition.
+        ConfigError: ``conditions`` names something that is not a condition; ``card`` names no
+            card, or a MIG profile other than ``mig_profile``.
     """
     training = [(pid, p) for pid, p in candidates if p.mode == "train"]
+    condition_mismatches(Conditions(), conditions)  # refuse unknown names, whatever is stored
     if not training:
-        condition_mismatches(Conditions(), conditions)  # still refuse unknown names
         return None
-    if card is None and node is not None:
-        card = next((p.device_name for _, p in training if p.node_name == node), None)
-    best: tuple[int, str, Profile, list[str]] | None = None
+    key = None if card is None else card_key(card, mig_profile)
+    if key is None and node is not None:
+        key = next((_key(p) for _, p in training if p.node_name == node), None)
+    on_card = [p for _, p in training if key is None or _key(p) == key]
+    share = _share_bytes(on_card, node, budget_bytes)
+    ranked: dict[int, list[tuple[str, Profile, list[str]]]] = {}
     for profile_id, profile in training:
         differs = condition_mismatches(profile.conditions, conditions)
-        on_card = card is None or profile.device_name == card
-        on_node = node is None or profile.node_name == node
-        if on_card and not differs:
-            rank = 1 if on_node else 2
-        elif on_card:
-            rank = 3
-        else:
-            rank = 4 if not differs else 5
-        if best is None or rank < best[0]:
-            best = (rank, profile_id, profile, differs)
-        if rank == 1:
-            break
-    assert best is not None
-    rank, profile_id, profile, differs = best
-    where = f"{profile.device_name} (node {profile.node_name or 'unrecorded'})"
-    reasons: list[str] = []
-    if card is not None and profile.device_name != card:
-        reasons.append(f"measured on {where}, not {card}")
-    elif node is not None and card is None and profile.node_name != node:
-        reasons.append(
-            f"measured on {where}; node {node} has no profile of this model, so its card is "
-            "unknown (name it with card)"
-        )
-    reasons.extend(f"measured under other conditions: {phrase}" for phrase in differs)
-    match: Match = "predicted" if rank > 2 or reasons else "measured"
+        rank = _rank(profile, key=key, node=node, share=share, differs=bool(differs))
+        if rank is not None:
+            ranked.setdefault(rank, []).append((profile_id, profile, differs))
+    if not ranked:
+        return None
+    rank = min(ranked)
+    group = ranked[rank]
+    if rank in _OTHER_CARD_RANKS:  # the card measured with the most memory speaks
+        most = max(measured_bytes(p) for _, p, _ in group)
+        speaks = min(_key(p) for _, p, _ in group if measured_bytes(p) == most)
+        group = [entry for entry in group if _key(entry[1]) == speaks]
+    profile_id, profile, differs = min(group, key=_conservative)
+    reasons = _reasons(profile, card=card, key=key, node=node, share=share, differs=differs)
+    match: Match = "predicted" if rank > _MEASURED_RANKS or reasons else "measured"
     if match == "measured" and profile.method == "estimate":
         match = "estimated"
+    maxima = [p.max_micro_batch_size for _, p, _ in group]
     return Selection(
         profile_id=profile_id,
         profile=profile,
         match=match,
-        same_card=card is None or profile.device_name == card,
+        same_card=key is None or _key(profile) == key,
         reasons=tuple(reasons),
+        considered=tuple(sorted(pid for pid, _, _ in group)),
+        max_micro_batch_size_range=(min(maxima), max(maxima)),
+        basis=_basis(len(group), min(maxima), max(maxima)),
+        budget_bytes=share if share is not None and not _measured_for(profile, share) else None,
+    )
+
+
+def _key(profile: Profile) -> str:
+    """The card key of the card ``profile`` was measured on; its raw name when it names none."""
+    try:
+        return card_key(profile.device_name)
+    except ConfigError:
+        return profile.device_name
+
+
+def _share_bytes(on_card: list[Profile], node: str | None, budget_bytes: int | None) -> int | None:
+    """The share's budget the plan is for, in bytes; None for a whole card (module docstring)."""
+    if budget_bytes is not None:
+        card = max((p.total_memory_bytes for p in on_card), default=0)
+        return budget_bytes if budget_bytes < card * (1 - SHARING_TOLERANCE) else None
+    mine = [p for p in on_card if node is not None and p.node_name == node]
+    if mine and all(measured_share(p) for p in mine):
+        return min(measured_bytes(p) for p in mine)
+    return None
+
+
+def _rank(
+    profile: Profile, *, key: str | None, node: str | None, share: int | None, differs: bool
+) -> int | None:
+    """The profile's rank (module docstring); None when it may not answer at all."""
+    is_share = measured_share(profile)
+    if key is not None and _key(profile) != key:
+        return None if is_share else 8 if differs else 7
+    if share is None and is_share:
+        return None  # a share never speaks for a whole card
+    if share is None or _measured_for(profile, share):
+        if differs:
+            return 3
+        return 1 if node is None or profile.node_name == node else 2
+    if not is_share:
+        return 5 if differs else 4
+    return 6
+
+
+def _measured_for(profile: Profile, share_bytes: int) -> bool:
+    """Whether ``profile`` was measured under a share that agrees with ``share_bytes``."""
+    return measured_share(profile) and _agree(measured_bytes(profile), share_bytes)
+
+
+def _agree(first_bytes: int, second_bytes: int) -> bool:
+    """Two shares' budgets agree: within SHARING_TOLERANCE of the larger."""
+    return abs(first_bytes - second_bytes) <= SHARING_TOLERANCE * max(first_bytes, second_bytes)
+
+
+def _conservative(entry: tuple[str, Profile, list[str]]) -> tuple[int, int, str]:
+    profile_id, profile, _ = entry
+    return profile.recommended_micro_batch_size, profile.max_micro_batch_size, profile_id
+
+
+def _reasons(
+    profile: Profile,
+    *,
+    card: str | None,
+    key: str | None,
+    node: str | None,
+    share: int | None,
+    differs: list[str],
+) -> list[str]:
+    """Why a plan from ``profile`` is not measured for what was asked (empty when it is)."""
+    where = f"{profile.device_name} (node {profile.node_name or 'unrecorded'})"
+    reasons: list[str] = []
+    if key is not None and _key(profile) != key:
+        reasons.append(f"measured on {where}, not {card or key}")
+    elif node is not None and card is None and key is None:
+        reasons.append(
+            f"measured on {where}; node {node} has no profile of this model, so its card is "
+            "unknown (name it with card)"
+        )
+    measured = measured_bytes(profile)
+    if share is not None and not _measured_for(profile, share):
+        what = "a share" if measured_share(profile) else "the whole card"
+        reasons.append(
+            f"measured on {what} ({format_bytes(measured)}), planned for a share of "
+            f"{format_bytes(share)}"
+        )
+    reasons.extend(f"measured under other conditions: {phrase}" for phrase in differs)
+    return reasons
+
+
+def _basis(num_agreeing: int, smallest: int, largest: int) -> str:
+    if num_agreeing == 1:
+        return "the only profile of its rank (no other agrees on card, budget and conditions)"
+    return (
+        f"the most conservative (smallest recommended, then max micro-batch) of {num_agreeing} "
+        f"agreeing profiles: their max micro-batch sizes span {smallest}..{largest}"
     )

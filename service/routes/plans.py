@@ -113,7 +113,7 @@ async def create_plan(request: Request) -> Response:
     if body.card is not None or body.node is not None:
         state = service_state(request)  # the store is read off the loop, with a deadline
         limit, profile_id, source, chosen, card_bytes = await store_call(
-            state, select, body, state.store, state.central
+            state, select, body, state.store, state.central, device
         )
         if capacity is None:
             capacity = card_bytes

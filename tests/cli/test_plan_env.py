@@ -165,3 +165,38 @@ def test_tune_report_to_publishes_the_new_profile_through_a_failing_first_try(
     assert len(server.bodies) == 2 and server.bodies[0] == server.bodies[1]
     published = Profile.from_dict(json.loads(server.bodies[1]))
     assert published == Profile.from_dict(json.loads(out)["profile"])
+
+
+def test_a_card_in_node_label_form_plans_from_the_profile_measured_on_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A central service holds the model measured on a whole H100 and, newer, on an L40S: the
+    # card named as GPU feature discovery labels it is the H100, measured (it exited 1 before).
+    from tests.service.serving import serving
+    from tests.service.test_plan_selection import NEWEST_L40S, WHOLE
+
+    with serving(tmp_path) as server:
+        for profile in (WHOLE, NEWEST_L40S):
+            assert server.client.post("/v1/profiles", json=profile.to_dict()).status_code == 201
+        url = f"http://127.0.0.1:{server.port}"
+        code, out, err = run(
+            capsys,
+            "plan",
+            "--service",
+            url,
+            "--model-fingerprint",
+            "fp-gpt2",
+            "--card",
+            "NVIDIA-H100-80GB-HBM3",
+            "--effective-batch-size",
+            "128",
+            "--env",
+        )
+
+    assert (code, err) == (0, "")
+    exported = sourced(out)
+    assert exported["AUTOBATCH_MICRO_BATCH_SIZE"] == "32"
+    assert exported["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    assert exported["AUTOBATCH_PLAN_SOURCE"] == "measured"
+    assert exported["AUTOBATCH_PLAN_CARD"] == "NVIDIA-H100-80GB-HBM3"
+    assert exported["AUTOBATCH_PROFILE_CARD"] == "NVIDIA H100 80GB HBM3"

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from autobatch.conditions import Conditions
+from autobatch.device import BudgetReading, BudgetSource, MemoryBudget, combine_budget
 from autobatch.errors import ConfigError
 from autobatch.planning import condition_mismatches, select_profile
+from autobatch.planning._selection import measured_share
 from autobatch.profile import Profile, StepIdentity, Trial
 
 GIB = 2**30
@@ -36,24 +38,33 @@ def profile(card: str, node: str, conditions: Conditions = BF16, **changes: Any)
     return Profile(**fields, identity=StepIdentity(model_fingerprint="fp"))
 
 
-# Newest first, as the store lists them.
+# Newest first, as the store lists them (the choice does not depend on the order).
 STORE = [
     ("a100-n3-fp16", profile(A100, "n3", FP16)),
-    ("h100-n2-fp16", profile(H100, "n2", FP16)),
+    (
+        "h100-n2-fp16",
+        profile(H100, "n2", FP16, max_micro_batch_size=28, recommended_micro_batch_size=26),
+    ),
     ("h100-n1-bf16", profile(H100, "n1", BF16)),
     ("a100-n4-bf16", profile(A100, "n4", BF16)),
-    ("h100-n0-bf16-old", profile(H100, "n0", BF16)),
+    (
+        "h100-n0-bf16-old",
+        profile(H100, "n0", BF16, max_micro_batch_size=40, recommended_micro_batch_size=36),
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     ("card", "node", "conditions", "profile_id", "match"),
     [
-        # The newest profile of the card under the conditions asked, on any node: measured.
+        # The most conservative profile of the card under the conditions asked, on any node.
         (H100, None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "measured"),
         (H100, None, {"amp_dtype": "float16"}, "h100-n2-fp16", "measured"),
-        # No conditions asked: the card's newest.
+        # No conditions asked: the card's most conservative.
         (H100, None, {}, "h100-n2-fp16", "measured"),
+        # The card in its node-label and catalogue forms is the same card.
+        ("NVIDIA-H100-80GB-HBM3", None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "measured"),
+        ("H100 80GB HBM3", None, {"amp_dtype": "float16"}, "h100-n2-fp16", "measured"),
         # The node's own profile first, even when the card has a newer one elsewhere.
         (H100, "n0", {"amp_dtype": "bfloat16"}, "h100-n0-bf16-old", "measured"),
         # The node has none under these conditions: the card's, on another node, is measured.
@@ -63,21 +74,25 @@ STORE = [
         (None, "n3", {"amp_dtype": "bfloat16"}, "a100-n4-bf16", "measured"),
         # The card only under other conditions: predicted from the card's profile.
         (A100, None, {"amp_dtype": "bfloat16", "optimizer": "x.SGD"}, "a100-n3-fp16", "predicted"),
-        # A card with no profile: the model's newest under the conditions asked, predicted.
-        ("NVIDIA L4", None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "predicted"),
+        # A card with no profile: under the conditions asked, the card measured with the most
+        # memory speaks (a tie here: the first card key), its most conservative profile.
+        ("NVIDIA L4", None, {"amp_dtype": "bfloat16"}, "a100-n4-bf16", "predicted"),
         ("NVIDIA L4", None, {}, "a100-n3-fp16", "predicted"),
-        # An unknown node with no card: predicted, and it says the node's card is unknown.
-        (None, "n9", {}, "a100-n3-fp16", "predicted"),
+        # An unknown node with no card: the model's most conservative, predicted, and it says
+        # the node's card is unknown.
+        (None, "n9", {}, "h100-n2-fp16", "predicted"),
     ],
 )
 def test_select_profile_ranks_card_node_and_conditions(
     card: str | None, node: str | None, conditions: dict[str, Any], profile_id: str, match: str
 ) -> None:
     chosen = select_profile(STORE, card=card, node=node, conditions=conditions)
+    reverse = select_profile(STORE[::-1], card=card, node=node, conditions=conditions)
 
     assert chosen is not None
     assert (chosen.profile_id, chosen.match) == (profile_id, match)
     assert bool(chosen.reasons) == (match == "predicted")
+    assert reverse == chosen
 
 
 def test_predicted_selection_names_where_it_was_measured_and_what_differs() -> None:
@@ -137,3 +152,134 @@ def test_unknown_condition_names_are_refused_with_the_known_names() -> None:
         select_profile(STORE, card=H100, node=None, conditions={"amp": "bf16"})
     with pytest.raises(ConfigError, match="unknown condition"):
         select_profile([], card=H100, node=None, conditions={"amp": "bf16"})
+
+
+def budget(*limits: tuple[BudgetSource, int]) -> MemoryBudget:
+    """A probe's budget on an 80 GiB card, with ``limits`` (source, bytes) below it."""
+    card = BudgetReading(
+        source="nvml", total_bytes=80 * GIB, available_bytes=79 * GIB, free_bytes=79 * GIB
+    )
+    readings = [
+        card,
+        *(BudgetReading(source=s, total_bytes=b, available_bytes=b) for s, b in limits),
+    ]
+    return combine_budget(readings)
+
+
+WHOLE = profile(H100, "node-whole", budget=budget(), capacity_bytes=79 * GIB)
+SHARE = profile(
+    H100,
+    "node-shared",
+    max_micro_batch_size=8,
+    recommended_micro_batch_size=8,
+    trials=(Trial(micro_batch_size=8, fits=True, peak_reserved_bytes=20 * GIB),),
+    budget=budget(("time_slicing", 22 * GIB)),
+    capacity_bytes=22 * GIB,
+)
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["share-last", "whole-last"])
+def test_a_share_never_speaks_for_the_whole_card_whichever_was_published_last(order: int) -> None:
+    published = [("whole", WHOLE), ("share", SHARE)][::order]
+
+    by_card = select_profile(published, card="NVIDIA-H100-80GB-HBM3", node=None, conditions={})
+    by_node = select_profile(published, card=None, node="node-shared", conditions={})
+    other_node = select_profile(published, card=None, node="node-whole", conditions={})
+
+    assert by_card is not None and by_node is not None and other_node is not None
+    assert (by_card.profile_id, by_card.match, by_card.considered) == (
+        "whole",
+        "measured",
+        ("whole",),
+    )
+    assert by_card.budget_bytes is None
+    # The shared node: its own share's profile, measured; the whole card's node: its own.
+    assert (by_node.profile_id, by_node.match, by_node.reasons) == ("share", "measured", ())
+    assert (other_node.profile_id, other_node.match) == ("whole", "measured")
+
+
+def test_a_share_asked_is_answered_by_an_agreeing_share_or_the_whole_card_scaled() -> None:
+    both = [("whole", WHOLE), ("share", SHARE)]
+    # A 22.5 GiB share agrees with the 22 GiB one (within 5%): measured from it.
+    agreeing = select_profile(both, card=H100, node=None, conditions={}, budget_bytes=45 * GIB // 2)
+    assert agreeing is not None
+    assert (agreeing.profile_id, agreeing.match, agreeing.budget_bytes) == (
+        "share",
+        "measured",
+        None,
+    )
+    # A 40 GiB share: no share of that size was measured; the whole card's profile, planned for
+    # the share's budget, predicted.
+    half = select_profile(both, card=H100, node=None, conditions={}, budget_bytes=40 * GIB)
+    assert half is not None
+    assert (half.profile_id, half.match, half.budget_bytes) == ("whole", "predicted", 40 * GIB)
+    assert half.reasons == (
+        "measured on the whole card (79.00 GiB), planned for a share of 40.00 GiB",
+    )
+    # The whole card's memory asked: the whole card's profile, measured.
+    whole = select_profile(both, card=H100, node=None, conditions={}, budget_bytes=80 * GIB)
+    assert whole is not None and (whole.profile_id, whole.match) == ("whole", "measured")
+
+
+def test_only_shares_measured_leaves_a_whole_card_unanswered() -> None:
+    assert select_profile([("share", SHARE)], card=H100, node=None, conditions={}) is None
+    # ... and another card's share predicts nothing either.
+    assert select_profile([("share", SHARE)], card=A100, node=None, conditions={}) is None
+    shared = select_profile(
+        [("share", SHARE)], card=H100, node=None, conditions={}, budget_bytes=22 * GIB
+    )
+    assert shared is not None and shared.match == "measured"
+
+
+@pytest.mark.parametrize(
+    ("limits", "share"),
+    [
+        ((), False),
+        ((("gpu_fraction", 40 * GIB),), True),  # fractional
+        ((("vgpu_limit", 20 * GIB),), True),  # virtualised
+        ((("time_slicing", 22 * GIB),), True),  # time_sliced
+        ((("vgpu_limit", 78 * GIB),), False),  # within 5% of the card
+    ],
+)
+def test_measured_share_reads_the_profiles_budget(
+    limits: tuple[tuple[BudgetSource, int], ...], share: bool
+) -> None:
+    assert measured_share(profile(H100, "n", budget=budget(*limits))) is share
+    assert not measured_share(profile(H100, "n", capacity_bytes=40 * GIB))  # no budget: as ever
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_agreeing_nodes_answer_the_most_conservative_with_the_spread(order: int) -> None:
+    published = [
+        ("p-40", profile(H100, "n1", max_micro_batch_size=40, recommended_micro_batch_size=36)),
+        ("p-32", profile(H100, "n2")),
+        ("p-36", profile(H100, "n3", max_micro_batch_size=36, recommended_micro_batch_size=34)),
+        ("p-a100", profile(A100, "n4", max_micro_batch_size=8, recommended_micro_batch_size=8)),
+    ][::order]
+
+    chosen = select_profile(published, card=H100, node=None, conditions={"amp_dtype": "bfloat16"})
+
+    assert chosen is not None
+    assert (chosen.profile_id, chosen.match) == ("p-32", "measured")
+    assert chosen.considered == ("p-32", "p-36", "p-40")
+    assert chosen.max_micro_batch_size_range == (32, 40)
+    assert chosen.basis == (
+        "the most conservative (smallest recommended, then max micro-batch) of 3 agreeing "
+        "profiles: their max micro-batch sizes span 32..40"
+    )
+
+
+def test_a_mig_slice_is_its_own_card() -> None:
+    whole = ("whole", profile(H100, "n1"))
+    mig = (
+        "mig",
+        profile(f"{H100} MIG 1g.10gb", "n2", total_memory_bytes=10 * GIB, capacity_bytes=10 * GIB),
+    )
+
+    for card, mig_profile in [("NVIDIA-H100-80GB-HBM3-MIG-1g.10gb", None), (H100, "1g.10gb")]:
+        chosen = select_profile(
+            [mig, whole], card=card, node=None, conditions={}, mig_profile=mig_profile
+        )
+        assert chosen is not None and (chosen.profile_id, chosen.match) == ("mig", "measured")
+    chosen = select_profile([mig, whole], card=H100, node=None, conditions={})
+    assert chosen is not None and chosen.profile_id == "whole"

@@ -46,6 +46,9 @@ def test_card_plans_from_any_nodes_profile_measured_on_that_card(client: TestCli
         "device_name": H100,
         "card": H100,
         "reasons": [],
+        "considered": [on_a],
+        "max_micro_batch_size_range": [40, 40],
+        "basis": "the only profile of its rank (no other agrees on card, budget and conditions)",
     }
     assert answer["profile_id"] == on_a
     assert answer["plan"]["micro_batch_size"] == 32  # the profile's recommended 36, 64 = 2 x 32
