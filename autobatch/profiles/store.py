@@ -53,6 +53,7 @@ from autobatch.profiles.location import (
     default_store_path,
     parse_location,
 )
+from autobatch.profiles.outbox import Outbox
 from autobatch.profiles.pages import ProfilePage, ProfileSummary, SummaryPage
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ __all__ = [
     "profile_id_of",
 ]
 
-STORE_SCHEMA_VERSION = 2
+STORE_SCHEMA_VERSION = 3
 """Version of the table layout (``autobatch.profiles.schema.STORE_SCHEMA_VERSION``, repeated
 here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
@@ -97,6 +98,9 @@ class ProfileStore:
             directories are created.
         timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
             connection) before giving up, in seconds.
+        open_later: when the database cannot be reached now (no server, no such database),
+            return anyway and open it on first use: each call raises StoreError until it
+            answers (a service replica that starts before its database).
 
     Raises:
         ConfigError: the location is a URL of another scheme (``mysql://``...).
@@ -110,6 +114,7 @@ class ProfileStore:
         location: str | os.PathLike[str] | None = None,
         *,
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
+        open_later: bool = False,
     ) -> None:
         self._location: StoreLocation = parse_location(location)
         self.path: pathlib.Path | None = self._location.path
@@ -120,7 +125,11 @@ class ProfileStore:
         """``"sqlite"`` or ``"postgresql"``."""
         self.num_unreadable_rows = 0
         """Rows skipped by listings since the store was opened, as they did not decode."""
-        self._db = StoreConnection(self._location, timeout_seconds=timeout_seconds)
+        self._db = StoreConnection(
+            self._location, timeout_seconds=timeout_seconds, open_later=open_later
+        )
+        self.outbox = Outbox(self._db, self.backend)
+        """Profiles waiting for the central service (a node's publisher, ``service.publisher``)."""
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"
@@ -178,6 +187,7 @@ class ProfileStore:
             "profile_json": text,
         }
         with self._db.write("store a profile") as conn:
+            self._lock_profiles(conn)
             statement = insert(self.backend, profiles).values(**row)
             done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
             if done.rowcount == 0:
@@ -286,49 +296,68 @@ class ProfileStore:
         limit: int = 100,
         before: str | None = None,
         max_bytes: int | None = None,
+        after: int | None = None,
     ) -> ProfilePage:
-        """One page of whole profiles, newest first, of bounded size.
+        """One page of whole profiles, of bounded size: newest first, or with ``after`` the
+        ones stored after that cursor, oldest first.
 
         Rows are read a few at a time (a server-side cursor on PostgreSQL), so a page never
         holds more than its profiles.
 
+        Following the store: pass ``after=0``, then each page's ``next_after``. The cursor is
+        ``seq``, which follows commit order on both backends (SQLite serialises writers; on
+        PostgreSQL a writer draws ``seq`` under a transaction-scoped advisory lock held to its
+        commit), so a row that commits later never has a smaller cursor, and a follower misses
+        none however writers' transactions interleave.
+
         Args:
             max_bytes: end the page once the profiles read hold more than this many bytes of
                 JSON (it always holds one); None for no bound.
+            after: a cursor (``0``: from the first profile): the page holds profiles stored
+                after it, oldest first. Not with ``before``.
             others: as :meth:`list_profiles`.
 
         Returns:
-            The page, and the ``before`` that gives the next one.
+            The page, with the ``before`` that gives the next one (newest first), or the
+            ``next_after`` to follow with (oldest first).
 
         Raises:
+            ConfigError: ``after`` is negative or given with ``before``; as :meth:`list_profiles`.
             As :meth:`list_profiles`.
         """
         from autobatch.profiles.schema import profiles
 
+        if after is not None and (after < 0 or before is not None):
+            raise ConfigError(
+                f"after {after!r} must be a cursor >= 0 (0: from the first profile), and is "
+                "not given with before (after follows oldest first, before pages newest first)"
+            )
         query = self._listing(
-            sa_select(profiles.c.id, profiles.c.profile_json),
+            sa_select(profiles.c.seq, profiles.c.id, profiles.c.profile_json),
             model_fingerprint=model_fingerprint,
             device_name=device_name,
             node_name=node_name,
             limit=limit,
+            after=after,
         )
-        rows: list[tuple[str, str]] = []
+        rows: list[tuple[int, str, str]] = []
         num_bytes = 0
         with self._db.read("list profiles") as conn:
             paged = self._paged(conn, query, before)
             streamed = conn.execution_options(stream_results=True, yield_per=16).execute(paged)
-            for profile_id, text in streamed:
-                rows.append((profile_id, text))
+            for seq, profile_id, text in streamed:
+                rows.append((seq, profile_id, text))
                 num_bytes += len(text)
                 if max_bytes is not None and num_bytes > max_bytes:
                     break
             streamed.close()
         full = len(rows) == limit or (max_bytes is not None and num_bytes > max_bytes)
-        found = self._decode_all(rows)
+        found = self._decode_all([(profile_id, text) for _seq, profile_id, text in rows])
         return ProfilePage(
             profiles=tuple(found),
-            next_before=rows[-1][0] if full and rows else None,
+            next_before=rows[-1][1] if full and rows and after is None else None,
             num_skipped=len(rows) - len(found),
+            next_after=None if after is None else (rows[-1][0] if rows else after),
         )
 
     def list_summaries(
@@ -420,6 +449,7 @@ class ProfileStore:
             last_seq = rows[-1].seq
             values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
             with target._db.write("copy profiles in") as conn:
+                target._lock_profiles(conn)
                 statement = insert(target.backend, profiles).values(values)
                 statement = statement.on_conflict_do_nothing(index_elements=["id"])
                 # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
@@ -515,6 +545,7 @@ class ProfileStore:
         device_name: str | None,
         node_name: str | None,
         limit: int,
+        after: int | None = None,
     ) -> sa.Select[Any]:
         from autobatch.profiles.schema import profiles
 
@@ -528,7 +559,19 @@ class ProfileStore:
         ):
             if value is not None:
                 query = query.where(column == value)
+        if after is not None:
+            return query.where(profiles.c.seq > after).order_by(profiles.c.seq).limit(limit)
         return query.order_by(profiles.c.seq.desc()).limit(limit)
+
+    def _lock_profiles(self, conn: sa.Connection) -> None:
+        """On PostgreSQL, take the profiles' insert lock to the end of the transaction, so that
+        the ``seq`` drawn next follows commit order (:meth:`page_profiles`'s ``after``)."""
+        if self.backend == "postgresql":
+            import sqlalchemy as sa
+
+            from autobatch.profiles.schema import PG_PROFILES_LOCK_KEY
+
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(PG_PROFILES_LOCK_KEY)))
 
     def _paged(
         self, conn: sa.Connection, query: sa.Select[Any], before: str | None
