@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
+from autobatch.profiles import job_records
 from autobatch.profiles.connection import StoreConnection
 from autobatch.profiles.location import (
     STORE_ENV_VAR,
@@ -473,30 +474,13 @@ class ProfileStore:
         return done.rowcount > 0
 
     def put_job(self, job_id: str, record: Mapping[str, Any]) -> None:
-        """Keep (or replace) the record of the service's probe job ``job_id``.
-
-        Args:
-            job_id: the job's id.
-            record: its state, JSON-ready.
+        """Keep (or replace) the record of the service's probe job ``job_id`` (``record`` is
+        JSON-ready).
 
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        from autobatch.profiles.engine import insert
-        from autobatch.profiles.schema import probe_jobs
-
-        values = {
-            "id": job_id,
-            "updated_at": datetime.datetime.now(datetime.UTC).isoformat(),
-            "job_json": json.dumps(dict(record), sort_keys=True),
-        }
-        statement = insert(self.backend, probe_jobs).values(**values)
-        statement = statement.on_conflict_do_update(
-            index_elements=["id"],
-            set_={"updated_at": values["updated_at"], "job_json": values["job_json"]},
-        )
-        with self._db.write("store a probe job") as conn:
-            conn.execute(statement)
+        job_records.put_job(self._db, self.backend, job_id, record)
 
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         """The record kept by :meth:`put_job` for ``job_id``; None when there is none.
@@ -504,22 +488,7 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed or unreadable, or the record does not decode.
         """
-        from autobatch.profiles.schema import probe_jobs
-
-        query = sa_select(probe_jobs.c.job_json).where(probe_jobs.c.id == job_id)
-        with self._db.read("read a probe job") as conn:
-            text = conn.execute(query).scalar_one_or_none()
-        if text is None:
-            return None
-        try:
-            record = json.loads(text)
-        except ValueError as exc:
-            raise StoreError(
-                f"cannot read probe job {job_id!r} from {self.location}: {exc}"
-            ) from exc
-        if not isinstance(record, dict):
-            raise StoreError(f"cannot read probe job {job_id!r} from {self.location}: not a record")
-        return record
+        return job_records.get_job(self._db, job_id)
 
     def check_writable(self) -> None:
         """Check that a write would succeed now (for a readiness probe); writes nothing.
