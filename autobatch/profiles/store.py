@@ -187,8 +187,12 @@ class ProfileStore:
             "recommended_micro_batch_size": profile.recommended_micro_batch_size,
             "profile_json": text,
         }
+        from autobatch.profiles.sequence import lock_for_insert, next_sqlite_seq
+
+        if self.backend == "sqlite":
+            row["seq"] = next_sqlite_seq()
         with self._db.write("store a profile") as conn:
-            self._lock_profiles(conn)
+            lock_for_insert(conn, self.backend)
             statement = insert(self.backend, profiles).values(**row)
             done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
             if done.rowcount == 0:
@@ -432,6 +436,7 @@ class ProfileStore:
 
         from autobatch.profiles.engine import insert
         from autobatch.profiles.schema import profiles
+        from autobatch.profiles.sequence import lock_for_insert
 
         if batch_size < 1:
             raise ConfigError(f"batch_size {batch_size} must be >= 1")
@@ -450,7 +455,7 @@ class ProfileStore:
             last_seq = rows[-1].seq
             values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
             with target._db.write("copy profiles in") as conn:
-                target._lock_profiles(conn)
+                lock_for_insert(conn, target.backend)
                 statement = insert(target.backend, profiles).values(values)
                 statement = statement.on_conflict_do_nothing(index_elements=["id"])
                 # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
@@ -468,8 +473,10 @@ class ProfileStore:
         import sqlalchemy as sa
 
         from autobatch.profiles.schema import profiles
+        from autobatch.profiles.sequence import remember_deleted
 
         with self._db.write("delete a profile") as conn:
+            remember_deleted(conn, self.backend, profile_id)
             done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
         return done.rowcount > 0
 
@@ -531,16 +538,6 @@ class ProfileStore:
         if after is not None:
             return query.where(profiles.c.seq > after).order_by(profiles.c.seq).limit(limit)
         return query.order_by(profiles.c.seq.desc()).limit(limit)
-
-    def _lock_profiles(self, conn: sa.Connection) -> None:
-        """On PostgreSQL, take the profiles' insert lock to the end of the transaction, so that
-        the ``seq`` drawn next follows commit order (:meth:`page_profiles`'s ``after``)."""
-        if self.backend == "postgresql":
-            import sqlalchemy as sa
-
-            from autobatch.profiles.schema import PG_PROFILES_LOCK_KEY
-
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(PG_PROFILES_LOCK_KEY)))
 
     def _paged(
         self, conn: sa.Connection, query: sa.Select[Any], before: str | None
