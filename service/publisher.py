@@ -43,11 +43,10 @@ from collections.abc import Callable
 
 import httpx
 
-from autobatch.client.publish import RETRIED_STATUSES, retry_after_seconds
+from autobatch.client import RETRIED_STATUSES, retry_after_seconds
 from autobatch.errors import ConfigError, StoreError
 from autobatch.profile import Profile
-from autobatch.profiles import ProfileStore
-from autobatch.profiles.outbox import OutboxEntry
+from autobatch.profiles import OutboxEntry, ProfileStore
 from service.metrics import Metrics
 
 __all__ = ["OutboxPolicy", "Publisher"]

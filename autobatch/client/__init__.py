@@ -16,10 +16,17 @@ from autobatch.client.http import (
     ProbeStatus,
     ServiceError,
 )
-from autobatch.client.publish import RetryPolicy, publish_profile, report_profile
+from autobatch.client.publish import (
+    RETRIED_STATUSES,
+    RetryPolicy,
+    publish_profile,
+    report_profile,
+    retry_after_seconds,
+)
 from autobatch.client.remote import ServiceProfiles, service_remote
 
 __all__ = [
+    "RETRIED_STATUSES",
     "AutobatchClient",
     "PlanRequest",
     "ProbeStatus",
@@ -28,5 +35,6 @@ __all__ = [
     "ServiceProfiles",
     "publish_profile",
     "report_profile",
+    "retry_after_seconds",
     "service_remote",
 ]

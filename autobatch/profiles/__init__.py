@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 from autobatch.profiles.location import parse_location
+from autobatch.profiles.outbox import OutboxEntry
 from autobatch.profiles.remote import ProfileRemote
 from autobatch.profiles.store import (
     STORE_ENV_VAR,
@@ -29,6 +30,7 @@ from autobatch.profiles.store import (
 
 __all__ = [
     "STORE_ENV_VAR",
+    "OutboxEntry",
     "ProfilePage",
     "ProfileRemote",
     "ProfileStore",
