@@ -110,8 +110,8 @@ class JobManager:
         timeout_seconds: wall time after which a running child is killed, seconds.
         max_queued: waiting jobs allowed per device.
         on_event: called with ``"started"``, ``"failed"``, ``"succeeded"`` or ``"oom"`` (metrics).
-        on_profile: called with each succeeded job's profile (a node's publisher); it must
-            return at once.
+        on_profile: called with each succeeded job's profile before the job reads as succeeded
+            (a node's publisher queues it in its outbox); a StoreError it raises is logged.
     """
 
     def __init__(
@@ -412,6 +412,11 @@ class JobManager:
             changes.update(status="failed", error=str(payload))
         else:
             changes.update(status="failed", error=_describe_exit(exitcode))
+        if changes["status"] == "succeeded":
+            try:
+                self._on_profile(profile)
+            except StoreError as exc:
+                _log.warning("probe job %s: its profile was not queued to publish: %s", job_id, exc)
         with self._lock:
             self._update(job_id, **changes)
             job = self._jobs[job_id]
@@ -420,8 +425,6 @@ class JobManager:
                 "probe job %s (model %r on %s) failed: %s", job_id, job.model, job.device, job.error
             )
         self._on_event("succeeded" if changes["status"] == "succeeded" else "failed")
-        if job.status == "succeeded":
-            self._on_profile(profile)
 
 
 def queue_key(device: str) -> str:

@@ -25,7 +25,7 @@ from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
 from service.protocol import timed_protocol
-from service.publisher import Publisher
+from service.publisher import OutboxPolicy, Publisher
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles, summaries
 from service.settings import Settings
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     """
     settings = settings or Settings()
     registry = load_registry(settings.config_file)
-    store = ProfileStore(settings.store_path)
+    store = ProfileStore(settings.store_path, open_later=True)  # not ready until it answers
     metrics = Metrics()
     publisher = central = None
     if settings.central_url:
@@ -61,7 +61,13 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         publisher = Publisher(
             settings.central_url,
             token=None if token is None else token.get_secret_value(),
-            on_outcome=metrics.publish_outcome,
+            store=store,
+            policy=OutboxPolicy(
+                base_delay_seconds=settings.outbox_base_delay_seconds,
+                max_delay_seconds=settings.outbox_max_delay_seconds,
+                max_rows=settings.outbox_max_rows,
+            ),
+            metrics=metrics,
         )
     jobs = JobManager(
         registry,
@@ -75,10 +81,12 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         jobs.open()
+        if publisher is not None:
+            publisher.open()  # resumes what the outbox holds
         yield
         jobs.close()  # kills running probe children; the store stays open for run()/the caller
         if publisher is not None:
-            publisher.close()
+            publisher.close()  # what waits stays in the outbox
 
     app = FastAPI(
         title="autobatch",

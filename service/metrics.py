@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -102,6 +102,18 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.outbox_waiting = Gauge(
+            "autobatch_outbox_waiting_profiles",
+            "Profiles in a node's outbox, waiting for the central service to acknowledge them",
+            registry=self.registry,
+        )
+        self.outbox_dropped = Counter(
+            "autobatch_outbox_dropped_profiles",
+            "Profiles taken out of a node's outbox unsent, by reason: full (the oldest, beyond "
+            "its bound), missing (deleted from the node's store)",
+            ["reason"],
+            registry=self.registry,
+        )
         self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         for event in ("started", "succeeded", "failed"):
             self.probe_events.labels(event)
@@ -130,7 +142,8 @@ class Metrics:
             self.probe_events.labels(event).inc()
 
     def publish_outcome(self, outcome: str) -> None:
-        """``"published"`` or ``"failed"``: one profile sent to the central service."""
+        """One try of a node's publisher: ``"published"`` (acknowledged), ``"retried"`` (not
+        acknowledged: tried again later) or ``"refused"`` (refused for good: out of the outbox)."""
         self.published.labels(outcome).inc()
 
     def render(self, list_gpus: Callable[[], list[GpuInfo]]) -> bytes:

@@ -434,6 +434,9 @@ class ProfileList(BaseModel):
     profiles: list[ProfilePublic]
     next_before: str | None = None
     """Pass as ``before=`` for the next page; None when this page is the last."""
+    next_after: str | None = None
+    """When asked ``after=`` a cursor: the cursor to ask with next (the same one when nothing
+    was stored since); None otherwise."""
 
 
 class ProfileSummaryPublic(BaseModel):

@@ -67,6 +67,14 @@ class Settings(BaseSettings):
     profile a probe job finds is published to (``service.publisher``); None publishes nothing."""
     central_api_token: SecretStr | None = None
     """The central service's bearer token, when it sets one."""
+    outbox_max_rows: int = Field(default=10_000, ge=1, le=10_000_000)
+    """Node mode: profiles the outbox holds at most; beyond it the oldest are dropped (logged,
+    counted). Each waits until the central service acknowledges it (``service.publisher``)."""
+    outbox_base_delay_seconds: float = Field(default=1.0, gt=0, le=3600)
+    """Node mode: the first wait's upper bound after a failed publish, seconds; it doubles."""
+    outbox_max_delay_seconds: float = Field(default=60.0, gt=0, le=24 * 3600)
+    """Node mode: the longest jittered wait between publishes, seconds (a ``Retry-After`` may
+    ask for longer)."""
 
     @field_validator("api_token")
     @classmethod
@@ -122,6 +130,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--central-api-token",
         help="the central service's bearer token (prefer AUTOBATCH_CENTRAL_API_TOKEN)",
+    )
+    parser.add_argument("--outbox-max-rows", type=int, help="profiles waiting at most (10000)")
+    parser.add_argument(
+        "--outbox-base-delay-seconds", type=float, help="first publish retry bound (1)"
+    )
+    parser.add_argument(
+        "--outbox-max-delay-seconds", type=float, help="longest publish retry wait (60)"
     )
 
 

@@ -328,6 +328,6 @@ def test_service_page_lists_every_serve_flag_and_metric() -> None:
 
     rendered = metrics.Metrics().render(list).decode()
     shown = set(re.findall(r"\bautobatch_\w+", text))
-    assert len(shown) == 6
+    assert len(shown) == 8
     for name in shown:
         assert f"# TYPE {name} " in rendered, name

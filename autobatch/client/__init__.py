@@ -16,10 +16,17 @@ from autobatch.client._http import (
     ProbeStatus,
     ServiceError,
 )
-from autobatch.client._publish import RetryPolicy, publish_profile, report_profile
+from autobatch.client._publish import (
+    RETRIED_STATUSES,
+    RetryPolicy,
+    publish_profile,
+    report_profile,
+    retry_after_seconds,
+)
 from autobatch.client._remote import ServiceProfiles, service_remote
 
 __all__ = [
+    "RETRIED_STATUSES",
     "AutobatchClient",
     "PlanQuery",
     "ProbeStatus",
@@ -28,5 +35,6 @@ __all__ = [
     "ServiceProfiles",
     "publish_profile",
     "report_profile",
+    "retry_after_seconds",
     "service_remote",
 ]

@@ -6,7 +6,10 @@ requests (a replica restarting, a rolling update, a load balancer's 502/503), so
 retried: at most :attr:`RetryPolicy.max_attempts` tries and :attr:`RetryPolicy.max_seconds` in
 all, waiting between them an exponentially growing delay with "full jitter" (a uniform draw in
 ``[0, min(max_delay, base_delay * 2**attempt)]``; AWS Architecture Blog, "Exponential Backoff
-And Jitter", 2015), or the server's ``Retry-After`` when it sends one (RFC 9110 §10.2.3).
+And Jitter", 2015), or the server's ``Retry-After`` when it sends one (RFC 9110 §10.2.3). The
+default's waits are drawn under 2, 4, 8, 16 and 30 s: its 6 tries spread over up to 60 s (30 s
+on average), never past :attr:`RetryPolicy.max_seconds`. A node's sidecar does not use this
+bounded retry: its outbox sends each profile until it is acknowledged (``service.publisher``).
 
 Retried: a connection or timeout error, 408, 425, 429 and any 5xx. Not retried: every other
 answer (a 422 says the profile is invalid and will be every time; a 401 the token is wrong).
@@ -34,7 +37,13 @@ from autobatch.client._problems import raise_for_problem
 from autobatch.errors import ConfigError, ServiceError
 from autobatch.profile import Profile
 
-__all__ = ["RETRIED_STATUSES", "RetryPolicy", "publish_profile", "report_profile"]
+__all__ = [
+    "RETRIED_STATUSES",
+    "RetryPolicy",
+    "publish_profile",
+    "report_profile",
+    "retry_after_seconds",
+]
 
 RETRIED_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 """Answers that may succeed when asked again (and any other 5xx)."""
@@ -48,9 +57,9 @@ class RetryPolicy:
     """Tries in all, >= 1."""
     max_seconds: float = 60.0
     """No try starts after this many seconds from the first, > 0."""
-    base_delay_seconds: float = 0.25
+    base_delay_seconds: float = 2.0
     """The first wait's upper bound, seconds, > 0; it doubles per try."""
-    max_delay_seconds: float = 8.0
+    max_delay_seconds: float = 30.0
     """No wait is longer than this, seconds (a ``Retry-After`` included)."""
     timeout_seconds: float = 10.0
     """Each try's own timeout, seconds."""
@@ -120,7 +129,7 @@ def publish_profile(
                 if status not in RETRIED_STATUSES and status < 500:
                     raise_for_problem(response)
                 failure = f"answered {status} {response.reason_phrase}: {response.text[:200]}"
-                retry_after = _retry_after_seconds(response)
+                retry_after = retry_after_seconds(response)
             if attempt + 1 == policy.max_attempts:
                 break
             wait = policy.delay_seconds(attempt, draw())
@@ -137,7 +146,7 @@ def publish_profile(
     )
 
 
-def _retry_after_seconds(response: httpx.Response) -> float | None:
+def retry_after_seconds(response: httpx.Response) -> float | None:
     """``Retry-After`` in seconds (the delay-seconds form); None when absent or a date."""
     value = response.headers.get("Retry-After", "")
     try:
@@ -171,5 +180,11 @@ def report_profile(
     Raises:
         ConfigError: the server rejected the profile. ServiceError: unreachable, 401, 5xx.
     """
-    policy = RetryPolicy(max_attempts=4, max_seconds=10.0, timeout_seconds=timeout)
+    policy = RetryPolicy(
+        max_attempts=4,
+        max_seconds=10.0,
+        base_delay_seconds=0.5,
+        max_delay_seconds=4.0,
+        timeout_seconds=timeout,
+    )
     return publish_profile(url, profile, token=token, policy=policy, transport=transport)

@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from autobatch.profiles._location import Create, parse_location
+from autobatch.profiles._outbox import OutboxEntry
 from autobatch.profiles._remote import ProfileRemote
 from autobatch.profiles._store import (
     STORE_ENV_VAR,
@@ -34,6 +35,7 @@ __all__ = [
     "STORE_ENV_VAR",
     "ArrivalPrediction",
     "Create",
+    "OutboxEntry",
     "ProfilePage",
     "ProfileRemote",
     "ProfileStore",

@@ -47,7 +47,8 @@ class SummaryPage:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ProfilePage:
-    """One page of :meth:`ProfileStore.page_profiles`, newest first."""
+    """One page of :meth:`ProfileStore.page_profiles`: newest first, or oldest first after a
+    cursor."""
 
     profiles: tuple[tuple[str, Profile], ...]
     """``(profile_id, profile)`` pairs."""
@@ -55,3 +56,6 @@ class ProfilePage:
     """Pass as ``before=`` for the next page; None when this page is the last."""
     num_skipped: int = 0
     """Rows on this page left out because they could not be read (logged)."""
+    next_after: int | None = None
+    """When the page was asked ``after`` a cursor: the cursor to ask with next (the same one
+    when no profile came since); None otherwise."""

@@ -17,7 +17,8 @@ file reads the newer ``user_version`` and refuses it instead of writing to it.
 Versions: 1, the first SQLite layout (``profiles`` with ``seq, id, cache_key, model_fingerprint,
 device_name, created_at, profile_schema_version, profile_json``); 2 adds ``store_meta``,
 ``node_name`` (indexed) and the ``max_micro_batch_size``/``recommended_micro_batch_size`` that
-summaries list without decoding profiles, and ``probe_jobs`` (the service's job records).
+summaries list without decoding profiles, and ``probe_jobs`` (the service's job records); 3 adds
+``outbox`` (a node's profiles waiting to reach the central service, ``service.publisher``).
 
 Example::
 
@@ -43,16 +44,21 @@ __all__ = [
     "STORE_SCHEMA_VERSION",
     "metadata",
     "open_schema",
+    "outbox",
     "probe_jobs",
     "profiles",
     "store_meta",
 ]
 
-STORE_SCHEMA_VERSION = 2
+STORE_SCHEMA_VERSION = 3
 """Version of the table layout this autobatch reads and writes."""
 
 APPLICATION_ID = 0x41744274  # b"AtBt", in a SQLite file's header: marks the file as ours
 _PG_LOCK_KEY = 0x41744274  # pg_advisory_xact_lock key held while creating or migrating
+PG_PROFILES_LOCK_KEY = 0x41744275
+"""pg_advisory_xact_lock key a transaction takes before it inserts profiles: held to its commit,
+it makes ``profiles.seq`` (drawn after it) follow commit order (``ProfileStore.page_profiles``'s
+``after`` cursor)."""
 
 metadata = sa.MetaData()
 
@@ -90,6 +96,20 @@ probe_jobs = sa.Table(
     sa.Column("job_json", sa.Text(), nullable=False),
 )
 """The service's probe jobs, so that a restarted server still answers a known job id."""
+
+outbox = sa.Table(
+    "outbox",
+    metadata,
+    sa.Column("seq", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True),
+    sa.Column("profile_id", sa.Text(), nullable=False, unique=True),
+    sa.Column("enqueued_at", sa.Float(), nullable=False),
+    sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("last_attempt_at", sa.Float(), nullable=True),
+    sa.Column("next_attempt_at", sa.Float(), nullable=False, index=True),
+    sa.Column("last_error", sa.Text(), nullable=False, server_default=""),
+)
+"""A node's profiles not yet acknowledged by the central service (``autobatch.profiles._outbox``);
+times are Unix seconds, as they must survive a restart. ``seq`` orders them (oldest first)."""
 
 _V1_COLUMNS = frozenset(
     {
@@ -134,7 +154,12 @@ def _to_v2(conn: sa.Connection, backend: str) -> None:
         conn.execute(sa.update(profiles).where(profiles.c.seq == seq).values(**values))
 
 
-MIGRATIONS: dict[int, Callable[[sa.Connection, str], None]] = {2: _to_v2}
+def _to_v3(conn: sa.Connection, backend: str) -> None:
+    """Version 2 -> 3: the ``outbox`` table (empty)."""
+    outbox.create(conn)
+
+
+MIGRATIONS: dict[int, Callable[[sa.Connection, str], None]] = {2: _to_v2, 3: _to_v3}
 """``{version: function}``: the function takes a store at ``version - 1`` to ``version``."""
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
+from autobatch.profiles import _job_records as job_records
 from autobatch.profiles._connection import StoreConnection
 from autobatch.profiles._location import (
     STORE_ENV_VAR,
@@ -54,6 +55,7 @@ from autobatch.profiles._location import (
     default_store_path,
     parse_location,
 )
+from autobatch.profiles._outbox import Outbox
 from autobatch.profiles._pages import ProfilePage, ProfileSummary, SummaryPage
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ __all__ = [
     "profile_id_of",
 ]
 
-STORE_SCHEMA_VERSION = 2
+STORE_SCHEMA_VERSION = 3
 """Version of the table layout (``autobatch.profiles._schema.STORE_SCHEMA_VERSION``, repeated
 here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
@@ -104,6 +106,9 @@ class ProfileStore:
             parent directories, ``"file"`` the file in an existing directory only, ``"never"``
             nothing (for reading: the file must exist). A PostgreSQL database must exist in
             every case (its tables are created in it).
+        open_later: when the database cannot be reached now (no server, no such database),
+            return anyway and open it on first use: each call raises StoreError until it
+            answers (a service replica that starts before its database).
 
     Raises:
         ConfigError: the location is a URL of another scheme (``mysql://``...), or ``create``
@@ -120,6 +125,7 @@ class ProfileStore:
         *,
         timeout_seconds: float = _DEFAULT_TIMEOUT_SECONDS,
         create: Create = "folders",
+        open_later: bool = False,
     ) -> None:
         if location is None:  # the default falls back when it cannot be written; nothing else
             from autobatch.profiles._fallback import default_or_fallback
@@ -134,7 +140,11 @@ class ProfileStore:
         """``"sqlite"`` or ``"postgresql"``."""
         self.num_unreadable_rows = 0
         """Rows skipped by listings since the store was opened, as they did not decode."""
-        self._db = StoreConnection(self._location, timeout_seconds=timeout_seconds, create=create)
+        self._db = StoreConnection(
+            self._location, timeout_seconds=timeout_seconds, create=create, open_later=open_later
+        )
+        self.outbox = Outbox(self._db, self.backend)
+        """Profiles waiting for the central service (a node's publisher, ``service.publisher``)."""
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"
@@ -191,7 +201,12 @@ class ProfileStore:
             "recommended_micro_batch_size": profile.recommended_micro_batch_size,
             "profile_json": text,
         }
+        from autobatch.profiles._sequence import lock_for_insert, next_sqlite_seq
+
+        if self.backend == "sqlite":
+            row["seq"] = next_sqlite_seq()
         with self._db.write("store a profile") as conn:
+            lock_for_insert(conn, self.backend)
             statement = insert(self.backend, profiles).values(**row)
             done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
             if done.rowcount == 0:
@@ -300,49 +315,68 @@ class ProfileStore:
         limit: int = 100,
         before: str | None = None,
         max_bytes: int | None = None,
+        after: int | None = None,
     ) -> ProfilePage:
-        """One page of whole profiles, newest first, of bounded size.
+        """One page of whole profiles, of bounded size: newest first, or with ``after`` the
+        ones stored after that cursor, oldest first.
 
         Rows are read a few at a time (a server-side cursor on PostgreSQL), so a page never
         holds more than its profiles.
 
+        Following the store: pass ``after=0``, then each page's ``next_after``. The cursor is
+        ``seq``, which follows commit order on both backends (SQLite serialises writers; on
+        PostgreSQL a writer draws ``seq`` under a transaction-scoped advisory lock held to its
+        commit), so a row that commits later never has a smaller cursor, and a follower misses
+        none however writers' transactions interleave.
+
         Args:
             max_bytes: end the page once the profiles read hold more than this many bytes of
                 JSON (it always holds one); None for no bound.
+            after: a cursor (``0``: from the first profile): the page holds profiles stored
+                after it, oldest first. Not with ``before``.
             others: as :meth:`list_profiles`.
 
         Returns:
-            The page, and the ``before`` that gives the next one.
+            The page, with the ``before`` that gives the next one (newest first), or the
+            ``next_after`` to follow with (oldest first).
 
         Raises:
+            ConfigError: ``after`` is negative or given with ``before``; as :meth:`list_profiles`.
             As :meth:`list_profiles`.
         """
         from autobatch.profiles._schema import profiles
 
+        if after is not None and (after < 0 or before is not None):
+            raise ConfigError(
+                f"after {after!r} must be a cursor >= 0 (0: from the first profile), and is "
+                "not given with before (after follows oldest first, before pages newest first)"
+            )
         query = self._listing(
-            sa_select(profiles.c.id, profiles.c.profile_json),
+            sa_select(profiles.c.seq, profiles.c.id, profiles.c.profile_json),
             model_fingerprint=model_fingerprint,
             device_name=device_name,
             node_name=node_name,
             limit=limit,
+            after=after,
         )
-        rows: list[tuple[str, str]] = []
+        rows: list[tuple[int, str, str]] = []
         num_bytes = 0
         with self._db.read("list profiles") as conn:
             paged = self._paged(conn, query, before)
             streamed = conn.execution_options(stream_results=True, yield_per=16).execute(paged)
-            for profile_id, text in streamed:
-                rows.append((profile_id, text))
+            for seq, profile_id, text in streamed:
+                rows.append((seq, profile_id, text))
                 num_bytes += len(text)
                 if max_bytes is not None and num_bytes > max_bytes:
                     break
             streamed.close()
         full = len(rows) == limit or (max_bytes is not None and num_bytes > max_bytes)
-        found = self._decode_all(rows)
+        found = self._decode_all([(profile_id, text) for _seq, profile_id, text in rows])
         return ProfilePage(
             profiles=tuple(found),
-            next_before=rows[-1][0] if full and rows else None,
+            next_before=rows[-1][1] if full and rows and after is None else None,
             num_skipped=len(rows) - len(found),
+            next_after=None if after is None else (rows[-1][0] if rows else after),
         )
 
     def list_summaries(
@@ -416,6 +450,7 @@ class ProfileStore:
 
         from autobatch.profiles._engine import insert
         from autobatch.profiles._schema import profiles
+        from autobatch.profiles._sequence import lock_for_insert
 
         if batch_size < 1:
             raise ConfigError(f"batch_size {batch_size} must be >= 1")
@@ -434,6 +469,7 @@ class ProfileStore:
             last_seq = rows[-1].seq
             values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
             with target._db.write("copy profiles in") as conn:
+                lock_for_insert(conn, target.backend)
                 statement = insert(target.backend, profiles).values(values)
                 statement = statement.on_conflict_do_nothing(index_elements=["id"])
                 # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
@@ -451,36 +487,21 @@ class ProfileStore:
         import sqlalchemy as sa
 
         from autobatch.profiles._schema import profiles
+        from autobatch.profiles._sequence import remember_deleted
 
         with self._db.write("delete a profile") as conn:
+            remember_deleted(conn, self.backend, profile_id)
             done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
         return done.rowcount > 0
 
     def put_job(self, job_id: str, record: Mapping[str, Any]) -> None:
-        """Keep (or replace) the record of the service's probe job ``job_id``.
-
-        Args:
-            job_id: the job's id.
-            record: its state, JSON-ready.
+        """Keep (or replace) the record of the service's probe job ``job_id`` (``record`` is
+        JSON-ready).
 
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        from autobatch.profiles._engine import insert
-        from autobatch.profiles._schema import probe_jobs
-
-        values = {
-            "id": job_id,
-            "updated_at": datetime.datetime.now(datetime.UTC).isoformat(),
-            "job_json": json.dumps(dict(record), sort_keys=True),
-        }
-        statement = insert(self.backend, probe_jobs).values(**values)
-        statement = statement.on_conflict_do_update(
-            index_elements=["id"],
-            set_={"updated_at": values["updated_at"], "job_json": values["job_json"]},
-        )
-        with self._db.write("store a probe job") as conn:
-            conn.execute(statement)
+        job_records.put_job(self._db, self.backend, job_id, record)
 
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         """The record kept by :meth:`put_job` for ``job_id``; None when there is none.
@@ -488,22 +509,7 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed or unreadable, or the record does not decode.
         """
-        from autobatch.profiles._schema import probe_jobs
-
-        query = sa_select(probe_jobs.c.job_json).where(probe_jobs.c.id == job_id)
-        with self._db.read("read a probe job") as conn:
-            text = conn.execute(query).scalar_one_or_none()
-        if text is None:
-            return None
-        try:
-            record = json.loads(text)
-        except ValueError as exc:
-            raise StoreError(
-                f"cannot read probe job {job_id!r} from {self.location}: {exc}"
-            ) from exc
-        if not isinstance(record, dict):
-            raise StoreError(f"cannot read probe job {job_id!r} from {self.location}: not a record")
-        return record
+        return job_records.get_job(self._db, job_id)
 
     def check_writable(self) -> None:
         """Check that a write would succeed now (for a readiness probe); writes nothing.
@@ -529,6 +535,7 @@ class ProfileStore:
         device_name: str | None,
         node_name: str | None,
         limit: int,
+        after: int | None = None,
     ) -> sa.Select[Any]:
         from autobatch.profiles._schema import profiles
 
@@ -542,6 +549,8 @@ class ProfileStore:
         ):
             if value is not None:
                 query = query.where(column == value)
+        if after is not None:
+            return query.where(profiles.c.seq > after).order_by(profiles.c.seq).limit(limit)
         return query.order_by(profiles.c.seq.desc()).limit(limit)
 
     def _paged(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
+from typing import Annotated
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 
 from autobatch.errors import ProfileNotFoundError
 from autobatch.profile import Profile
@@ -54,14 +55,28 @@ def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> 
     return profile_public(profile_id, profile)
 
 
+FollowCursor = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[0-9]{1,18}$",
+        description="Follow the store: profiles stored after this cursor, oldest first ('0' "
+        "from the first); each page's next_after is the next cursor. Misses none on either "
+        "backend (the cursor follows commit order). Not with before.",
+    ),
+]
+
+
 @router.get("", summary="List stored profiles, newest first", responses=problem_responses(404, 422))
-def list_profiles(state: StateDep, listing: ListingDep) -> ProfileList:
+def list_profiles(state: StateDep, listing: ListingDep, after: FollowCursor = None) -> ProfileList:
     """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
-    request stays bounded however large the profiles. ``next_before`` asks for the next page."""
-    page = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES)
+    request stays bounded however large the profiles. ``next_before`` asks for the next page;
+    with ``after``, ``next_after`` does (oldest first)."""
+    cursor = None if after is None else int(after)
+    page = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES, after=cursor)
     return ProfileList(
         profiles=[profile_public(pid, profile) for pid, profile in page.profiles],
         next_before=page.next_before,
+        next_after=None if page.next_after is None else str(page.next_after),
     )
 
 

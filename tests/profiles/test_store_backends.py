@@ -190,7 +190,7 @@ def test_a_newer_store_is_refused_and_left_untouched(location: str) -> None:
         assert conn.execute(sa.select(schema.profiles)).all() == before
         tables = set(sa.inspect(conn).get_table_names())
     engine.dispose()
-    assert tables == {"profiles", "probe_jobs", "store_meta"}
+    assert tables == {"outbox", "profiles", "probe_jobs", "store_meta"}
 
 
 # -- listings -----------------------------------------------------------------------------------
@@ -262,19 +262,28 @@ def test_summaries_carry_the_indexed_columns(location: str) -> None:
 # -- readiness ----------------------------------------------------------------------------------
 
 
-def test_check_writable_fails_when_the_file_is_deleted_or_replaced(tmp_path: pathlib.Path) -> None:
+def test_a_deleted_or_replaced_file_is_opened_again(tmp_path: pathlib.Path) -> None:
+    """Writes go where every other process (and a restart) will look, not to an unlinked file."""
     path = tmp_path / "profiles.sqlite3"
     with ProfileStore(path) as store:
-        store.check_writable()
+        store.put(make_profile(node_name="before"))
         path.unlink()
-        with pytest.raises(StoreError, match="was deleted after it was opened"):
-            store.check_writable()
-    with ProfileStore(path) as store:
+        store.check_writable()
+        kept = store.put(make_profile(node_name="after"))
+        with ProfileStore(path) as fresh:
+            assert [pid for pid, _ in fresh.list_profiles()] == [kept]
+
         other = tmp_path / "other.sqlite3"
-        with ProfileStore(other):
-            pass
+        with ProfileStore(other) as replacement:
+            replacing = replacement.put(make_profile(node_name="replacement"))
         other.replace(path)
-        with pytest.raises(StoreError, match="was replaced by another file"):
+        assert [pid for pid, _ in store.list_profiles()] == [replacing]
+
+        with sqlite3.connect(other) as foreign:
+            foreign.execute("CREATE TABLE notes (text TEXT)")
+        foreign.close()
+        other.replace(path)
+        with pytest.raises(StoreError, match="not an autobatch profile store"):
             store.check_writable()
 
 

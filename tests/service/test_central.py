@@ -13,28 +13,40 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.client import RetryPolicy
 from autobatch.profile import Profile
-from service.publisher import Publisher
+from autobatch.profiles import ProfileStore
+from service.metrics import Metrics
+from service.publisher import OutboxPolicy, Publisher
 from tests.service.serving import free_port, serving
 from tests.service.test_publish import FlakyServer
 from tests.service.test_service_api import make_profile
 
 
-def test_publisher_sends_each_profile_in_order_and_counts_outcomes(flaky: FlakyServer) -> None:
-    flaky.script = ["503", "ok", "422"]  # the first profile is retried once, the second refused
-    outcomes: list[str] = []
-    policy = RetryPolicy(max_attempts=3, base_delay_seconds=0.01, max_delay_seconds=0.02)
-    publisher = Publisher(flaky.url, token=None, policy=policy, on_outcome=outcomes.append)
+def test_publisher_sends_each_profile_and_counts_outcomes(
+    flaky: FlakyServer, tmp_path: Path
+) -> None:
+    # the first profile is retried, after the others (a failed row waits its backoff; the rest
+    # are not held behind it): node-1 is taken, node-2 refused, node-0 taken on its second try
+    flaky.script = ["503", "ok", "422"]
+    metrics = Metrics()
+    policy = OutboxPolicy(base_delay_seconds=0.01, max_delay_seconds=0.02)
     first, second, third = (make_profile(node_name=f"node-{i}") for i in range(3))
-
-    for profile in (first, second, third):
-        publisher.submit(profile)
-    publisher.close(timeout_seconds=10)
+    with ProfileStore(tmp_path / "node.sqlite3") as store:
+        publisher = Publisher(flaky.url, token=None, store=store, policy=policy, metrics=metrics)
+        for profile in (first, second, third):
+            publisher.submit(profile)
+        publisher.open()
+        deadline = time.monotonic() + 30
+        while store.outbox.count() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        publisher.close(timeout_seconds=10)
+        assert store.outbox.count() == 0
 
     nodes = [Profile.from_dict(json.loads(b)).node_name for b in flaky.bodies]
-    assert nodes == ["node-0", "node-0", "node-1", "node-2"]
-    assert outcomes == ["published", "failed", "published"]
+    assert nodes == ["node-0", "node-1", "node-2", "node-0"]
+    text = metrics.render(list).decode()
+    for outcome, count in (("published", 2), ("retried", 1), ("refused", 1)):
+        assert f'autobatch_profiles_published_total{{outcome="{outcome}"}} {count}.0' in text
 
 
 def _wait(predicate: Any, what: str, timeout: float = 120) -> Any:

@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -18,8 +19,9 @@ from tests.service.test_service_api import make_profile
 
 
 class FlakyHandler(http.server.BaseHTTPRequestHandler):
-    """Fails the first ``script`` answers ("503", "503-retry-after", "reset", "422"), then
-    answers 201 with the body's hash as the id (an idempotent store)."""
+    """Fails the first ``script`` answers ("503", "503-retry-after", "reset", "401", "409",
+    "422"), and every answer while ``down_until``; then answers 201 with the body's hash as
+    the id (an idempotent store)."""
 
     server: FlakyServer
 
@@ -28,14 +30,17 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.bodies.append(body)
             step = self.server.script.pop(0) if self.server.script else "ok"
+            if time.monotonic() < self.server.down_until:
+                step = "503"
         if step == "reset":
             self.close_connection = True
             self.connection.close()
             return
         if step == "ok":
             status, payload = 201, {"id": hashlib.sha256(body).hexdigest()[:16]}
-        elif step == "422":
-            status, payload = 422, {"type": "urn:autobatch:problem:validation", "detail": "bad"}
+        elif step in ("401", "409", "422"):
+            status = int(step)
+            payload = {"type": "urn:autobatch:problem:validation", "detail": "bad"}
         else:
             status, payload = 503, {"type": "urn:autobatch:problem:store-unavailable"}
         data = json.dumps(payload).encode()
@@ -43,7 +48,7 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if step == "503-retry-after":
-            self.send_header("Retry-After", "0.05")
+            self.send_header("Retry-After", self.server.retry_after)
         self.end_headers()
         self.wfile.write(data)
 
@@ -63,11 +68,15 @@ class FlakyHandler(http.server.BaseHTTPRequestHandler):
 class FlakyServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), FlakyHandler)
+    def __init__(self, port: int = 0) -> None:
+        super().__init__(("127.0.0.1", port), FlakyHandler)
         self.lock = threading.Lock()
         self.bodies: list[bytes] = []
         self.script: list[str] = []
+        self.retry_after = "0.05"
+        """The ``Retry-After`` of a "503-retry-after" answer, seconds."""
+        self.down_until = 0.0
+        """Every POST answers 503 until this ``time.monotonic()``."""
 
     @property
     def url(self) -> str:
@@ -128,12 +137,20 @@ def test_a_publish_gives_up_at_its_time_bound_before_sleeping_past_it(flaky: Fla
 
 
 @pytest.mark.parametrize(
-    ("attempt", "draw", "expected"), [(0, 1.0, 0.25), (3, 1.0, 2.0), (10, 1.0, 8.0), (4, 0.0, 0)]
+    ("attempt", "draw", "expected"), [(0, 1.0, 2.0), (3, 1.0, 16.0), (10, 1.0, 30.0), (4, 0.0, 0)]
 )
 def test_delay_is_exponential_capped_and_jittered(
     attempt: int, draw: float, expected: float
 ) -> None:
     assert RetryPolicy().delay_seconds(attempt, draw) == expected
+
+
+def test_the_default_policy_spreads_its_tries_over_its_window() -> None:
+    """6 tries in 60 s: the longest waits between them add up to the window, not a tenth of it."""
+    policy = RetryPolicy()
+    longest = [policy.delay_seconds(attempt, 1.0) for attempt in range(policy.max_attempts - 1)]
+    assert longest == [2.0, 4.0, 8.0, 16.0, 30.0]
+    assert sum(longest) == policy.max_seconds == 60.0
 
 
 def test_retry_policy_refuses_nonsense() -> None:

@@ -1,4 +1,4 @@
-"""The service and its store: ``/readyz`` says when the store file was deleted or swapped, the
+"""The service and its store: it recovers when the store file is deleted or swapped, the
 one store variable, and probe jobs kept in the store across a restart."""
 
 from __future__ import annotations
@@ -12,31 +12,37 @@ import pytest
 from fastapi.testclient import TestClient
 
 from autobatch.profiles import ProfileStore
-from tests.service.test_service_api import wait_for
+from tests.service.test_service_api import make_profile, wait_for
 
 
-def test_readyz_says_when_the_store_file_was_deleted_or_replaced(
+def test_the_service_recovers_when_its_store_file_is_deleted_or_replaced(
     make_app: Callable[..., Any], tmp_path: Path
 ) -> None:
+    """No restart: the file at the store's path is opened again (a new store where it was
+    deleted), so what is written next is where every other process looks."""
     path = tmp_path / "served.sqlite3"
     client = TestClient(make_app(store_path=str(path)))
     assert client.get("/readyz").json()["store_writable"] is True
     path.unlink()
-    gone = client.get("/readyz")
-    assert gone.status_code == 503
-    assert gone.json()["store_writable"] is False
-    assert "was deleted" in gone.json()["store_detail"]
-    assert str(tmp_path) not in gone.text  # no server path in answers
+    assert client.get("/readyz").status_code == 200
+    created = client.post("/v1/profiles", json=make_profile(node_name="after").to_dict())
+    assert created.status_code == 201, created.text
+    with ProfileStore(path) as store:
+        assert [pid for pid, _ in store.list_profiles()] == [created.json()["id"]]
 
-    swapped_path = tmp_path / "swapped.sqlite3"
-    swapped = TestClient(make_app(store_path=str(swapped_path)))
     other = tmp_path / "other.sqlite3"
-    with ProfileStore(other):
-        pass
-    other.replace(swapped_path)
-    answer = swapped.get("/readyz")
+    with ProfileStore(other) as replacement:
+        replacing = replacement.put(make_profile(node_name="replacement"))
+    other.replace(path)
+    listed = client.get("/v1/profiles").json()["profiles"]
+    assert [entry["id"] for entry in listed] == [replacing]
+
+    other.write_bytes(b"not a database at all" * 100)
+    other.replace(path)
+    answer = client.get("/readyz")
     assert answer.status_code == 503
-    assert "replaced by another file" in answer.json()["store_detail"]
+    assert answer.json()["store_writable"] is False
+    assert str(tmp_path) not in answer.text  # no server path in answers
 
 
 def test_the_service_reads_the_one_store_variable(
