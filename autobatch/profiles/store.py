@@ -544,13 +544,15 @@ class ProfileStore:
                 what = "deleted" if now is None else "replaced by another file"
                 raise StoreError(
                     f"the profile store {self.path} was {what} after it was opened: what is "
-                    "written now would be lost; restart the service (it opens the file anew)"
+                    "written now would be lost; restart the service (it opens the file anew)",
+                    reason=f"its file was {what} after it was opened; restart the service",
                 )
             free = free_bytes(self.path)
             if free < MIN_FREE_BYTES:
                 raise StoreError(
                     f"the disk holding the profile store {self.path} is full ({free} bytes "
-                    f"free, under {MIN_FREE_BYTES}): writes would fail; free some space there"
+                    f"free, under {MIN_FREE_BYTES}): writes would fail; free some space there",
+                    reason=f"the disk holding it is full ({free} bytes free): writes would fail",
                 )
         with contextlib.suppress(_Rollback), self._write("check that it is writable") as conn:
             conn.execute(
@@ -569,15 +571,15 @@ class ProfileStore:
 
         import sqlalchemy.exc
 
-        from autobatch.profiles.engine import describe_error
+        from autobatch.profiles.engine import store_error
 
         try:
             yield
         except sqlalchemy.exc.SQLAlchemyError as exc:
             cause = getattr(exc, "orig", None) or exc
-            raise StoreError(describe_error(self._location, doing, cause)) from cause
+            raise store_error(self._location, doing, cause) from cause
         except sqlite3.Error as exc:  # raised by the driver outside SQLAlchemy (_use_wal)
-            raise StoreError(describe_error(self._location, doing, exc)) from exc
+            raise store_error(self._location, doing, exc) from exc
 
     @contextlib.contextmanager
     def _read(self, doing: str) -> Iterator[sa.Connection]:
@@ -598,7 +600,7 @@ class ProfileStore:
 
     def _engine_or_raise(self) -> sa.Engine:
         if self._engine is None:
-            raise StoreError(f"the profile store {self.location} is closed")
+            raise StoreError(f"the profile store {self.location} is closed", reason="it is closed")
         return self._engine
 
     def _listing(
