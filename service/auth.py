@@ -22,9 +22,10 @@ newline) and never printed: errors name the file and line, never the text. A req
 compared with every configured token in constant time (:func:`hmac.compare_digest`), all of them
 every time, so the time taken says nothing about which matched.
 
-Without any token, ``/v1`` is open, as it was: meant for a server on 127.0.0.1. There, a request
-whose ``Host`` is not ``localhost``, ``127.0.0.1`` or ``[::1]`` is refused (403), so that a web
-page whose name was rebound to 127.0.0.1 (DNS rebinding) cannot use the service.
+Without any token, ``/v1`` is open, as it was: meant for a server on 127.0.0.1. There, a ``/v1``
+request that came in on a loopback address and whose ``Host`` is not ``localhost``,
+``127.0.0.1`` or ``[::1]`` (any port) is refused (403), so that a web page whose name was rebound
+to 127.0.0.1 (DNS rebinding) cannot use the service through a browser.
 
 Example::
 

@@ -5,7 +5,8 @@ Pure ASGI (no per-request task or stream wrapping), so it costs microseconds. In
 - on ``/v1`` (after any ``root_path``): 401 unless exactly one ``Authorization: Bearer <token>``
   matches a configured token (``service.auth``: constant time), 403 when its role does not
   allow the route; health and metrics stay open for kubelet probes and scrapers; without
-  tokens, on a loopback connection, 403 unless ``Host`` names loopback (DNS rebinding);
+  tokens, ``/v1`` on a loopback connection answers 403 unless ``Host`` names loopback (DNS
+  rebinding);
 - 413 for a body over ``max_body_bytes``: by ``Content-Length`` alone when it is the only
   framing, else counted while the body is buffered (chunked, or chunked and a length), before
   it is parsed;
@@ -156,6 +157,9 @@ class ServiceMiddleware:
     def _refusal(self, scope: Scope, headers: dict[str, list[str]]) -> ASGIApp | None:
         """The 401 or 403 for a request its token (or, tokenless, its Host) does not allow;
         None to go on, with the token's grant in the scope (``service.auth``)."""
+        path = _route_path(scope)
+        if not _is_api(path):
+            return None
         if not self._tokens:
             host = headers.get("host", [])
             if not is_loopback_server(scope.get("server")) or (
@@ -170,9 +174,6 @@ class ServiceMiddleware:
                 "AUTOBATCH_API_TOKEN (docs/service.md) to serve other names",
                 instance=scope["path"],
             )
-        path = _route_path(scope)
-        if not _is_api(path):
-            return None
         given = headers.get("authorization", [])
         # Exactly one header: with several, servers and proxies disagree on which one counts.
         grant = self._tokens.identify(given[0]) if len(given) == 1 else None
