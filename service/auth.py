@@ -236,7 +236,7 @@ def _grant(role: str, node: str | None, token: str, source: str) -> Grant:
     secret = token.strip()
     if not secret.isprintable() or not secret.isascii() or not secret:
         raise ConfigError(f"{source}: the token is empty or holds characters a header cannot")
-    return Grant(role=role, node=node, source=source, token=secret.encode())  # type: ignore[arg-type]
+    return Grant(role=role, node=node, source=source, token=secret.encode())
 
 
 def is_loopback_server(server: tuple[str, int] | None) -> bool:
