@@ -263,10 +263,15 @@ _PATH = re.compile(r"(?<![\w.:/-])/(?:[^\s/:;,'\"()]+/)*[^\s/:;,'\"()]+")
 """An absolute path (``/var/lib/autobatch/profiles.sqlite3``), not a URL's path or a ratio."""
 
 
+_STORE_URL = re.compile(r"\b(?:postgres(?:ql)?|sqlite)(?:\+\w+)?://\S*?(?=[:;,]?(?:\s|$))")
+"""A store's URL (``postgresql://ci:***@db:5432/fleet``): its user, host and database."""
+
+
 def public_text(text: str) -> str:
-    """``text`` with each absolute path written ``<path>``: the server's files are no business
-    of a client's (the log keeps the whole message)."""
-    return _PATH.sub("<path>", text)
+    """``text`` with each store URL written ``<store>`` and each absolute path ``<path>``: the
+    server's files and database are no business of a client's (the log keeps the whole
+    message)."""
+    return _PATH.sub("<path>", _STORE_URL.sub("<store>", text))
 
 
 def _unknown_field_hint(

@@ -133,3 +133,17 @@ def test_every_503_says_when_to_retry(make_app: Callable[..., FastAPI], tmp_path
     assert str(tmp_path) not in answer.text
     ready = client.get("/readyz")
     assert (ready.status_code, ready.headers["Retry-After"]) == (503, "5")
+
+
+def test_public_text_hides_store_urls_and_paths() -> None:
+    """What a probe job's error and library errors answer: the store's URL (user, host,
+    database) and the server's paths are the log's, not the client's."""
+    from service.problems import public_text
+
+    text = (
+        "profile store postgresql://ci:***@db.internal:5432/fleet: cannot store a profile: x; "
+        "or sqlite:////var/lib/autobatch/p.sqlite3, near /var/lib/autobatch"
+    )
+    assert public_text(text) == (
+        "profile store <store>: cannot store a profile: x; or <store>, near <path>"
+    )
