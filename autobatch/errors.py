@@ -223,7 +223,18 @@ class NoFeasiblePlanError(AutobatchError):
 
 
 class StoreError(AutobatchError):
-    """The profile store cannot be used: corrupt file, newer schema, or not writable."""
+    """The profile store cannot be used: corrupt file, newer schema, or not writable.
+
+    Attributes:
+        reason: what failed, in words that name no location and quote no driver (``"cannot
+            store a profile: the database server cannot be reached or refused the login"``),
+            for answers to clients that may not see the store's address; empty when the
+            message has nothing to say beyond "the store cannot be used".
+    """
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class DistributedError(AutobatchError):

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from autobatch.errors import AutobatchError
+from autobatch.profiles import redact
 from service.problems import validation_reason
-from service.settings import add_serve_arguments, settings_from_args
+from service.settings import SECRET_FIELDS, add_serve_arguments, settings_from_args
 
 __all__ = ["main", "parse_args"]
 
@@ -47,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = str(error["loc"][0]) if error["loc"] else "settings"
             flag, variable = f"--{name.replace('_', '-')}", f"AUTOBATCH_{name.upper()}"
             reason = validation_reason(error)
-            if name != "api_token":  # never echo a secret
+            if name == "store_path":  # a URL's password, masked
+                reason += f" (got {redact(str(error.get('input')))!r})"
+            elif name not in SECRET_FIELDS:  # never echo a secret
                 reason += f" (got {error.get('input')!r})"
             print(f"autobatch serve: {flag} / {variable}: {reason}", file=sys.stderr)
         return 2

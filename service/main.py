@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
 from autobatch.profiles import ProfileStore
+from service.auth import load_tokens, read_token_file
 from service.central import CentralProfiles
 from service.deps import ServiceState
 from service.gpus import GpuMonitor
@@ -45,22 +46,26 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
             pass ``Nvml(FakePynvml(...))``.
 
     Raises:
-        ConfigError: the model registry file is unreadable or invalid.
+        ConfigError: the model registry file is unreadable or invalid; the API tokens file
+            (or the central token's file) is unreadable or invalid (``service.auth``).
         StoreError: the profile store cannot be opened.
     """
     settings = settings or Settings()
     registry = load_registry(settings.config_file)
+    api_token = settings.api_token
+    tokens = load_tokens(
+        api_token=None if api_token is None else api_token.get_secret_value(),
+        tokens_file=settings.api_tokens_file,
+    )
     store = ProfileStore(settings.store_path, open_later=True)  # not ready until it answers
     metrics = Metrics()
     publisher = central = None
     if settings.central_url:
-        token = settings.central_api_token
-        central = CentralProfiles(
-            settings.central_url, token=None if token is None else token.get_secret_value()
-        )
+        central_token = _central_token(settings)
+        central = CentralProfiles(settings.central_url, token=central_token)
         publisher = Publisher(
             settings.central_url,
-            token=None if token is None else token.get_secret_value(),
+            token=central_token,
             store=store,
             policy=OutboxPolicy(
                 base_delay_seconds=settings.outbox_base_delay_seconds,
@@ -102,12 +107,8 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         metrics=metrics,
         central=central,
     )
-    token = settings.api_token
     app.add_middleware(
-        ServiceMiddleware,
-        max_body_bytes=settings.max_body_bytes,
-        metrics=metrics,
-        api_token=None if token is None else token.get_secret_value(),
+        ServiceMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics, tokens=tokens
     )
     for module in (plans, profiles, summaries, probes, devices, health):
         app.include_router(module.router)
@@ -116,10 +117,20 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     return app
 
 
+def _central_token(settings: Settings) -> str | None:
+    """The token for the central service: ``central_api_token``, else its file's (trimmed)."""
+    if settings.central_api_token is not None:
+        return settings.central_api_token.get_secret_value()
+    if settings.central_api_token_file is not None:
+        return read_token_file(settings.central_api_token_file)
+    return None
+
+
 def run(settings: Settings) -> None:
     """Serve until interrupted (``uvicorn.run`` on ``settings.host``/``settings.port``)."""
     app = create_app(settings)
-    if settings.api_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    tokenless = settings.api_token is None and settings.api_tokens_file is None
+    if tokenless and settings.host not in ("127.0.0.1", "localhost", "::1"):
         _log.warning(
             "serving on %s without an API token: anyone who can reach the port can register "
             "and delete profiles and start probe jobs; set AUTOBATCH_API_TOKEN",

@@ -4,8 +4,10 @@ Pure ASGI (no per-request task or stream wrapping), so it adds no task or copy p
 order:
 
 - on ``/v1`` (after any ``root_path``): 401 unless exactly one ``Authorization: Bearer <token>``
-  matches the configured token (compared in constant time); health and metrics stay open for
-  kubelet probes and scrapers;
+  matches a configured token (``service.auth``: constant time), 403 when its role does not
+  allow the route; health and metrics stay open for kubelet probes and scrapers; without
+  tokens, ``/v1`` on a loopback connection answers 403 unless ``Host`` names loopback (DNS
+  rebinding);
 - 413 for a body over ``max_body_bytes``: by ``Content-Length`` alone when it is the only
   framing, else counted while the body is buffered (chunked, or chunked and a length), before
   it is parsed;
@@ -22,18 +24,26 @@ headers. The answers are problem details from ``service.problems``, like every o
 
 Example::
 
-    app.add_middleware(ServiceMiddleware, max_body_bytes=1 << 20, metrics=metrics, api_token=None)
+    app.add_middleware(ServiceMiddleware, max_body_bytes=1 << 20, metrics=metrics, tokens=tokens)
 """
 
 from __future__ import annotations
 
-import secrets
+import hmac
 import time
 from typing import Any
 
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.auth import (
+    GRANT_SCOPE_KEY,
+    Tokens,
+    bearer_value,
+    host_allowed,
+    is_loopback_server,
+    required_role,
+)
 from service.metrics import Metrics
 from service.problems import CLIENT_CLOSED_REQUEST, problem_response
 
@@ -52,10 +62,7 @@ async def _gone() -> Message:
 
 def token_matches(authorization: str | None, expected: bytes) -> bool:
     """Whether an ``Authorization`` header value carries ``Bearer <expected>`` (constant time)."""
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer":
-        given = ""
-    return secrets.compare_digest(given.strip().encode("utf-8", "replace"), expected)
+    return hmac.compare_digest(bearer_value(authorization), expected)
 
 
 def _route_path(scope: Scope) -> str:
@@ -107,15 +114,15 @@ def _is_api(path: str) -> bool:
 
 
 class ServiceMiddleware:
-    """See the module docstring. ``api_token`` None leaves ``/v1`` open."""
+    """See the module docstring. No ``tokens`` leaves ``/v1`` open (Host checked on loopback)."""
 
     def __init__(
-        self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics, api_token: str | None
+        self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics, tokens: Tokens
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
-        self._token = None if api_token is None else api_token.encode()
+        self._tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -147,19 +154,10 @@ class ServiceMiddleware:
         headers: dict[str, list[str]] = {}
         for key, value in scope["headers"]:
             headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
-        token = self._token
-        if token is not None and _is_api(_route_path(scope)):
-            given = headers.get("authorization", [])
-            # Exactly one header: with several, servers and proxies disagree on which one counts.
-            if len(given) != 1 or not token_matches(given[0], token):
-                await problem_response(
-                    401,
-                    "unauthorized",
-                    "missing or wrong bearer token: send one Authorization: Bearer <token>",
-                    instance=scope["path"],
-                    headers={"WWW-Authenticate": "Bearer"},
-                )(scope, receive, send)
-                return None
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return None
         declared = headers.get("content-length", [])
         if len(declared) == 1 and declared[0].isascii() and declared[0].isdigit():
             if int(declared[0]) > self.max_body_bytes:
@@ -194,6 +192,49 @@ class ServiceMiddleware:
             return await receive()
 
         return replay
+
+    def _refusal(self, scope: Scope, headers: dict[str, list[str]]) -> ASGIApp | None:
+        """The 401 or 403 for a request its token (or, tokenless, its Host) does not allow;
+        None to go on, with the token's grant in the scope (``service.auth``)."""
+        path = _route_path(scope)
+        if not _is_api(path):
+            return None
+        if not self._tokens:
+            host = headers.get("host", [])
+            if not is_loopback_server(scope.get("server")) or (
+                len(host) == 1 and host_allowed(host[0])
+            ):
+                return None
+            return problem_response(
+                403,
+                "host-not-allowed",
+                "this server has no API token and answers only requests addressed to "
+                "localhost, 127.0.0.1 or [::1] (a guard against DNS rebinding); set "
+                "AUTOBATCH_API_TOKEN (docs/service.md) to serve other names",
+                instance=scope["path"],
+            )
+        given = headers.get("authorization", [])
+        # Exactly one header: with several, servers and proxies disagree on which one counts.
+        grant = self._tokens.identify(given[0]) if len(given) == 1 else None
+        if grant is None:
+            return problem_response(
+                401,
+                "unauthorized",
+                "missing or wrong bearer token: send one Authorization: Bearer <token>",
+                instance=scope["path"],
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        role = required_role(scope["method"], path)
+        if not grant.allows(role):
+            return problem_response(
+                403,
+                "forbidden",
+                f"{scope['method']} {path} needs a token with the {role} role; this token's "
+                f"role is {grant.describe}",
+                instance=scope["path"],
+            )
+        scope[GRANT_SCOPE_KEY] = grant
+        return None
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         await problem_response(

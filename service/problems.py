@@ -9,7 +9,8 @@ Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigErro
 409; a missing or wrong bearer token 401 and a body over the limit 413 (``service.middleware``);
 a missing or wrong ``Content-Type`` 415 (``service.routing``); :class:`StoreError` and
 :class:`DeviceUnavailableError` 503 (slug ``nvml_timeout`` or ``gpu_lost`` when its ``reason``
-is one of those, with ``Retry-After``); anything else 500 (a bug: logged, and a fuzz test checks
+is one of those; every 503 with ``Retry-After``, and a store's answer without its location or
+the driver's text, which go to the log); anything else 500 (a bug: logged, and a fuzz test checks
 no input reaches it). A client that left before its body ended gets nothing (there is no one to
 answer) and counts as 499, not as an error of the server's.
 
@@ -58,6 +59,7 @@ __all__ = [
     "CLIENT_CLOSED_REQUEST",
     "MAX_LISTED_ERRORS",
     "PROBLEM_MEDIA_TYPE",
+    "RETRY_AFTER_SECONDS",
     "BodyValidationError",
     "FieldReason",
     "Problem",
@@ -66,8 +68,9 @@ __all__ = [
     "install_problem_handlers",
     "listed_errors",
     "problem_response",
-    "public_text",
     "problem_responses",
+    "public_text",
+    "store_reason",
     "unknown_profile",
     "validation_reason",
 ]
@@ -75,6 +78,8 @@ __all__ = [
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 MAX_LISTED_ERRORS = 10
 """Errors an answer lists one by one; the rest are counted by kind."""
+RETRY_AFTER_SECONDS = 5
+"""``Retry-After`` on every 503: the store or the GPUs may answer again in a few seconds."""
 CLIENT_CLOSED_REQUEST = 499
 """The status counted for a client that left before its request was read (nginx's code); never
 sent, there is no one to send it to."""
@@ -84,6 +89,7 @@ _log = logging.getLogger("service")
 _TITLES = {
     400: "Bad Request",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     409: "Conflict",
@@ -139,7 +145,10 @@ def problem_response(
     instance: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """The ``application/problem+json`` response."""
+    """The ``application/problem+json`` response; a 503 always says when to retry
+    (``Retry-After``, :data:`RETRY_AFTER_SECONDS` unless ``headers`` name another)."""
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS), **(headers or {})}
     body = {
         "type": _TYPE_PREFIX + slug,
         "title": _TITLES.get(status, "Error"),
@@ -254,10 +263,15 @@ _PATH = re.compile(r"(?<![\w.:/-])/(?:[^\s/:;,'\"()]+/)*[^\s/:;,'\"()]+")
 """An absolute path (``/var/lib/autobatch/profiles.sqlite3``), not a URL's path or a ratio."""
 
 
+_STORE_URL = re.compile(r"\b(?:postgres(?:ql)?|sqlite)(?:\+\w+)?://\S*?(?=[:;,]?(?:\s|$))")
+"""A store's URL (``postgresql://ci:***@db:5432/fleet``): its user, host and database."""
+
+
 def public_text(text: str) -> str:
-    """``text`` with each absolute path written ``<path>``: the server's files are no business
-    of a client's (the log keeps the whole message)."""
-    return _PATH.sub("<path>", text)
+    """``text`` with each store URL written ``<store>`` and each absolute path ``<path>``: the
+    server's files and database are no business of a client's (the log keeps the whole
+    message)."""
+    return _PATH.sub("<path>", _STORE_URL.sub("<store>", text))
 
 
 def _unknown_field_hint(
@@ -443,11 +457,16 @@ async def _on_library(request: Request, exc: Exception) -> JSONResponse:
         detail = public_text(describe(exc))
         if isinstance(exc, StoreError):
             _log.warning("%s %s: %s", request.method, request.url.path, exc)
+            detail = store_reason(exc) + "; retry later"
     errors = [("body", detail)] if status in (400, 422) else []
-    headers = {"Retry-After": "5"} if slug in _DEVICE_REASON_SLUGS else None
-    return problem_response(
-        status, slug, detail, errors=errors, instance=request.url.path, headers=headers
-    )
+    return problem_response(status, slug, detail, errors=errors, instance=request.url.path)
+
+
+def store_reason(exc: StoreError) -> str:
+    """Why the store failed, as a client may read it: the error's ``reason``, never its message
+    (which names the store's file or database server and quotes the driver)."""
+    why = exc.reason or "it cannot be used now"
+    return f"the profile store failed: {why} (the server's log has the details)"
 
 
 def install_problem_handlers(app: FastAPI) -> None:

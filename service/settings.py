@@ -2,7 +2,7 @@
 
 Example::
 
-    AUTOBATCH_PORT=9000 AUTOBATCH_API_TOKEN=s3cret python -m service --host 0.0.0.0
+    AUTOBATCH_API_TOKENS_FILE=/etc/autobatch/tokens python -m service --host 0.0.0.0
     Settings(port=9000).host     # '127.0.0.1' unless AUTOBATCH_HOST says otherwise
 """
 
@@ -14,7 +14,10 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "add_serve_arguments", "settings_from_args"]
+__all__ = ["SECRET_FIELDS", "Settings", "add_serve_arguments", "settings_from_args"]
+
+SECRET_FIELDS = frozenset({"api_token", "central_api_token"})
+"""Fields whose values are never shown, not even in an error about them."""
 
 
 class Settings(BaseSettings):
@@ -29,14 +32,22 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port; 0 lets the OS choose."""
     store_path: str | None = Field(
-        default=None, validation_alias=AliasChoices("AUTOBATCH_STORE", "AUTOBATCH_STORE_PATH")
+        default=None,
+        validation_alias=AliasChoices("AUTOBATCH_STORE", "AUTOBATCH_STORE_PATH"),
+        repr=False,  # a PostgreSQL URL may hold a password
     )
     """The profile store: a SQLite file, ``":memory:"``, or a ``sqlite:///`` or
     ``postgresql://`` URL. Read from ``AUTOBATCH_STORE``, the variable the library and the CLI
     read too (``AUTOBATCH_STORE_PATH`` is a deprecated alias); None means the XDG cache file."""
     api_token: SecretStr | None = None
-    """When set, every ``/v1`` call needs ``Authorization: Bearer <token>``. An empty token is
-    refused (it would match a request without one): unset it to run without a token."""
+    """An ``admin`` token (``service.auth``): when any token is set, every ``/v1`` call needs
+    ``Authorization: Bearer <token>`` of a role that allows it. Trimmed of surrounding
+    whitespace; an empty token is refused (it would match a request without one): unset it to
+    run without a token."""
+    api_tokens_file: Path | None = None
+    """Tokens with roles (``service.auth``): a file of lines ``ROLE[:NODE] TOKEN`` (``read``,
+    ``publish:NODE``, ``admin``), or a directory of one-token files named ``admin``, ``read``,
+    ``publish.NODE`` (a Kubernetes Secret mounted as files)."""
     config_file: Path | None = None
     """TOML registry of the models that probe jobs may run (see ``service.registry``)."""
     require_gpu: bool = False
@@ -66,7 +77,10 @@ class Settings(BaseSettings):
     """Node mode: the central service (e.g. ``http://autobatch-central:8000``) that every
     profile a probe job finds is published to (``service.publisher``); None publishes nothing."""
     central_api_token: SecretStr | None = None
-    """The central service's bearer token, when it sets one."""
+    """The central service's bearer token, when it sets one (a node's: ``publish`` as this
+    node); trimmed of surrounding whitespace."""
+    central_api_token_file: Path | None = None
+    """A file holding :attr:`central_api_token` (a mounted Secret); read at start."""
     outbox_max_rows: int = Field(default=10_000, ge=1, le=10_000_000)
     """Node mode: profiles the outbox holds at most; beyond it the oldest are dropped (logged,
     counted). Each waits until the central service acknowledges it (``service.publisher``)."""
@@ -84,7 +98,13 @@ class Settings(BaseSettings):
                 "the API token is empty, which would let requests without one through: set a "
                 "token, or unset AUTOBATCH_API_TOKEN / drop --api-token to run without one"
             )
-        return token
+        return None if token is None else SecretStr(token.get_secret_value().strip())
+
+    @field_validator("central_api_token")
+    @classmethod
+    def _trimmed(cls, token: SecretStr | None) -> SecretStr | None:
+        text = None if token is None else token.get_secret_value().strip()
+        return SecretStr(text) if text else None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +119,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-token",
         help="bearer token for /v1 (prefer AUTOBATCH_API_TOKEN: flags show in `ps`)",
+    )
+    parser.add_argument(
+        "--api-tokens-file",
+        type=Path,
+        help="tokens with roles: a file of lines ROLE[:NODE] TOKEN, or a Secret's directory",
     )
     parser.add_argument("--config-file", type=Path, help="TOML registry of probe-able models")
     parser.add_argument(
@@ -137,6 +162,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--outbox-max-delay-seconds", type=float, help="longest publish retry wait (60)"
+    )
+    parser.add_argument(
+        "--central-api-token-file", type=Path, help="a file holding the central service's token"
     )
 
 

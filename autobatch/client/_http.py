@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from autobatch.client._auth import bearer_headers
 from autobatch.client._problems import raise_for_problem
 from autobatch.device import GpuInfo, MemoryInfo
 from autobatch.errors import ConfigError, ServiceError
@@ -144,9 +145,12 @@ class AutobatchClient:
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:8000"``.
-        token: bearer token when the server sets ``AUTOBATCH_API_TOKEN``.
+        token: bearer token when the server sets one (trimmed of surrounding whitespace).
         timeout: seconds per request.
         transport: an httpx transport (tests pass ``httpx.ASGITransport(app)`` or a mock).
+
+    Raises:
+        ConfigError: ``token`` holds a character a header cannot carry (the token not shown).
     """
 
     def __init__(
@@ -157,9 +161,7 @@ class AutobatchClient:
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"Accept": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        headers = {"Accept": "application/json", **bearer_headers(token)}
         self._http = httpx.Client(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )

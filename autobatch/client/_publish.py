@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import httpx
 
+from autobatch.client._auth import bearer_headers
 from autobatch.client._problems import raise_for_problem
 from autobatch.errors import ConfigError, ServiceError
 from autobatch.profile import Profile
@@ -92,7 +93,7 @@ def publish_profile(
     Args:
         url: the service's base URL, e.g. ``"http://autobatch-central:8000"``.
         profile: what to publish.
-        token: bearer token, or None.
+        token: bearer token, or None (trimmed of surrounding whitespace).
         policy: how hard to try; default :class:`RetryPolicy()`.
         transport: an httpx transport (tests).
         sleep: waits between tries (tests pass a recorder).
@@ -102,15 +103,18 @@ def publish_profile(
         The profile's id on the server (the same for every publish of the same profile).
 
     Raises:
-        ConfigError: the server refused the profile (422, 400...): retrying cannot help.
+        ConfigError: the server refused the profile (422, 400...): retrying cannot help; or
+            ``token`` holds a character a header cannot carry (the token is not shown).
         ServiceError: every try failed (the last failure's message, and how many tries), or an
             answer that is not retried (401, 403, 404...).
     """
     policy = policy or RetryPolicy()
     body = json.dumps(profile.to_dict(), separators=(",", ":")).encode()
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+        **bearer_headers(token),
+    }
     start = time.monotonic()
     failure = ""
     with httpx.Client(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from autobatch.profiles._location import Create, parse_location
+from autobatch.profiles._location import Create, parse_location, redact
 from autobatch.profiles._outbox import OutboxEntry
 from autobatch.profiles._remote import ProfileRemote
 from autobatch.profiles._store import (
@@ -51,6 +51,7 @@ __all__ = [
     "find_prediction",
     "parse_location",
     "profile_id_of",
+    "redact",
     "stored_profiles",
     "superseded_in",
     "user_stacklevel",

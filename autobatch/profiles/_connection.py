@@ -185,7 +185,7 @@ class StoreConnection:
 
         import sqlalchemy.exc
 
-        from autobatch.profiles._engine import describe_error
+        from autobatch.profiles._engine import store_error
 
         try:
             yield
@@ -194,9 +194,9 @@ class StoreConnection:
             lost = self.location.backend == "postgresql" and self._unreachable(cause)
             if lost or _missing_table(cause):
                 self._schema_ready = False  # the next call checks (or creates) the schema
-            raise StoreError(describe_error(self.location, doing, cause)) from cause
+            raise store_error(self.location, doing, cause) from cause
         except sqlite3.Error as exc:  # raised by the driver outside SQLAlchemy (use_wal)
-            raise StoreError(describe_error(self.location, doing, exc)) from exc
+            raise store_error(self.location, doing, exc) from exc
 
     @contextlib.contextmanager
     def read(self, doing: str) -> Iterator[sa.Connection]:
@@ -250,7 +250,8 @@ class StoreConnection:
             if free < MIN_FREE_BYTES:
                 raise StoreError(
                     f"the disk holding the profile store {self._file} is full ({free} bytes "
-                    f"free, under {MIN_FREE_BYTES}): writes would fail; free some space there"
+                    f"free, under {MIN_FREE_BYTES}): writes would fail; free some space there",
+                    reason=f"the disk holding it is full ({free} bytes free): writes would fail",
                 )
         for last in (False, True):
             try:
@@ -272,7 +273,7 @@ class StoreConnection:
 
     def _engine_or_raise(self) -> sa.Engine:
         if self._engine is None:
-            raise StoreError(f"the profile store {self.display} is closed")
+            raise StoreError(f"the profile store {self.display} is closed", reason="it is closed")
         return self._engine
 
 

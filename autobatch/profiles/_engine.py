@@ -21,40 +21,60 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from autobatch.profiles._location import STORE_ENV_VAR, StoreLocation
+from autobatch.errors import StoreError
+from autobatch.profiles._location import STORE_ENV_VAR, StoreLocation, password_of
 
-__all__ = ["describe_error", "file_identity", "insert", "make_engine", "use_wal"]
+__all__ = [
+    "describe_error",
+    "file_identity",
+    "insert",
+    "make_engine",
+    "store_error",
+    "use_wal",
+]
 
 
 def describe_error(location: StoreLocation, doing: str, exc: BaseException) -> str:
     """A StoreError message: what failed, on which store, and the fix (no password)."""
     text = " ".join(str(exc).split())  # one line (psycopg's messages span several)
-    password = _password(location.url)
+    password = password_of(location.url)
     if password:
         text = text.replace(password, "***")
-    lowered = text.lower()
+    _reason, fix = _classify(location, text.lower())
+    return f"profile store {location.display}: cannot {doing}: {text}; {fix}"
+
+
+def store_error(location: StoreLocation, doing: str, exc: BaseException) -> StoreError:
+    """The StoreError for ``exc``: :func:`describe_error`'s message, and a ``reason`` that
+    names neither the location nor the driver's text (what a service may answer)."""
+    reason, _fix = _classify(location, str(exc).lower())
+    return StoreError(describe_error(location, doing, exc), reason=f"cannot {doing}: {reason}")
+
+
+def _classify(location: StoreLocation, lowered: str) -> tuple[str, str]:
+    """What went wrong, in words without the location, and the fix, from a driver's message."""
     if "not a database" in lowered or "malformed" in lowered:
-        fix = (
+        return "the store's file is not a valid SQLite database", (
             f"the file is not a valid SQLite database; move it away (or set {STORE_ENV_VAR} "
             "to another location) and autobatch will create a new store"
         )
-    elif "locked" in lowered or "busy" in lowered or "lock timeout" in lowered:
-        fix = "another process holds the store's write lock; retry, or raise the timeout"
-    elif "readonly" in lowered or "read-only" in lowered or "unable to open" in lowered:
-        fix = (
+    if "locked" in lowered or "busy" in lowered or "lock timeout" in lowered:
+        return "another process holds the store's write lock", (
+            "another process holds the store's write lock; retry, or raise the timeout"
+        )
+    if "readonly" in lowered or "read-only" in lowered or "unable to open" in lowered:
+        return "the store cannot be opened for writing", (
             f"check the file's and its directory's permissions, or set {STORE_ENV_VAR} to a "
             "writable file"
         )
-    elif location.backend == "postgresql" and (
+    if location.backend == "postgresql" and (
         "connect" in lowered or "does not exist" in lowered or "authentication" in lowered
     ):
-        fix = (
+        return "the database server cannot be reached or refused the connection", (
             f"check that the PostgreSQL server is up and the database exists, or set "
             f"{STORE_ENV_VAR} to another location"
         )
-    else:
-        fix = f"set {STORE_ENV_VAR} to another location if it persists"
-    return f"profile store {location.display}: cannot {doing}: {text}; {fix}"
+    return "the database failed", f"set {STORE_ENV_VAR} to another location if it persists"
 
 
 def insert(backend: str, table: sa.Table) -> Any:
@@ -65,14 +85,6 @@ def insert(backend: str, table: sa.Table) -> Any:
     from sqlalchemy.dialects import sqlite
 
     return sqlite.insert(table)
-
-
-def _password(url: str) -> str:
-    import urllib.parse
-
-    netloc = urllib.parse.urlsplit(url).netloc
-    userinfo = netloc.rpartition("@")[0]
-    return urllib.parse.unquote(userinfo.partition(":")[2]) if ":" in userinfo else ""
 
 
 def make_engine(location: StoreLocation, *, timeout_seconds: float) -> sa.Engine:

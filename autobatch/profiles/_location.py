@@ -33,6 +33,7 @@ __all__ = [
     "StoreLocation",
     "default_store_path",
     "parse_location",
+    "password_of",
     "prepare_file",
     "redact",
 ]
@@ -46,6 +47,7 @@ folder only, or nothing (the store must exist)."""
 
 MEMORY = ":memory:"
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")  # 2+ letters: never "C://"
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 _FIX = "give a file path, ':memory:', sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB"
 
 
@@ -132,7 +134,7 @@ def parse_location(location: str | os.PathLike[str] | None) -> StoreLocation:
                 f"store URL {redact(text)!r} names the driver {driver!r}; autobatch talks to "
                 "PostgreSQL through psycopg 3: write postgresql://... (or postgresql+psycopg://)"
             )
-        url = "postgresql+psycopg://" + rest
+        url = "postgresql+psycopg://" + _quote_at_signs(rest)
         return StoreLocation(
             backend="postgresql", path=None, url=url, display=redact("postgresql://" + rest)
         )
@@ -143,17 +145,39 @@ def parse_location(location: str | os.PathLike[str] | None) -> StoreLocation:
 
 
 def redact(url: str) -> str:
-    """``url`` with the password of its user info replaced by ``***`` (anything else as is)."""
+    """``url`` with its password as ``***``, whatever the password holds (``/``, ``:``, ``@``,
+    ``?``, base64's ``+/=``), and any ``password=`` query parameter's value too.
+
+    The user info ends at the last ``@`` (a host, port or database name holds none), so a
+    password is masked whole even where a URL parser would split it; an ``@`` in a query value
+    masks more than the password, never less.
+    """
     match = _URL.match(url)
     if match is None:
         return url
-    rest = url[match.end() :]
-    authority, sep, tail = rest.partition("/")
-    userinfo, at, host = authority.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.partition(":")[0]
-    return f"{url[: match.end()]}{user}:***@{host}{sep}{tail}"
+    head, rest = url[: match.end()], url[match.end() :]
+    userinfo, at, tail = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.partition(':')[0]}:***@{tail}"
+    return _QUERY_PASSWORD.sub(r"\1***", head + rest)
+
+
+def password_of(url: str) -> str:
+    """The password in ``url``'s user info (percent-decoded), or ``""``: what to mask in a
+    driver's message."""
+    match = _URL.match(url)
+    userinfo, at, _ = url[match.end() :].rpartition("@") if match else ("", "", "")
+    return urllib.parse.unquote(userinfo.partition(":")[2]) if at and ":" in userinfo else ""
+
+
+def _quote_at_signs(rest: str) -> str:
+    """A URL's text after ``scheme://`` with each ``@`` in its password written ``%40``:
+    SQLAlchemy ends the password at its first ``@`` and would take the rest for the host."""
+    userinfo, at, tail = rest.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    if not (at and colon and "@" in password) or "?" in userinfo:
+        return rest
+    return f"{user}:{password.replace('@', '%40')}@{tail}"
 
 
 def _sqlite_file(path: pathlib.Path) -> StoreLocation:

@@ -11,6 +11,8 @@ costs them at most the NVML timeout once, then answers at once until the driver 
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
@@ -18,11 +20,12 @@ from autobatch.errors import DeviceUnavailableError, StoreError
 from service.deps import StateDep
 from service.gpus import HEALTH_FAILURES
 from service.metrics import CONTENT_TYPE
-from service.problems import Problem, public_text
+from service.problems import RETRY_AFTER_SECONDS, Problem, store_reason
 from service.schemas import GpuProblem, HealthPublic, ReadyPublic
 from service.store_calls import store_call
 
 router = APIRouter(prefix="", tags=["health"])
+_log = logging.getLogger("service")
 
 
 @router.get("/healthz", summary="Liveness: the process answers")
@@ -44,8 +47,9 @@ async def readyz(state: StateDep) -> JSONResponse:
     store_detail = None
     try:
         await store_call(state, store.check_writable)
-    except StoreError as exc:
-        store_detail = public_text(str(exc))  # the store's path stays in the server
+    except StoreError as exc:  # unauthenticated: in words, the location only in the log
+        _log.warning("/readyz: %s", exc)
+        store_detail = store_reason(exc)
     except Problem as exc:  # store-busy: the check did not answer in time
         store_detail = exc.detail
     nvml_reason = nvml_detail = None
@@ -80,7 +84,11 @@ async def readyz(state: StateDep) -> JSONResponse:
         gpu_problems=problems,
         require_gpu=settings.require_gpu,
     )
-    return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+    if ready:
+        return JSONResponse(body.model_dump())
+    return JSONResponse(
+        body.model_dump(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )
 
 
 @router.get(

@@ -28,7 +28,7 @@ router = APIRouter(
     prefix="/v1/probes",
     route_class=JsonBodyRoute,
     tags=["probes"],
-    responses=problem_responses(401),
+    responses=problem_responses(401, 403),
 )
 
 

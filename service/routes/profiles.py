@@ -6,12 +6,13 @@ import dataclasses
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from autobatch.errors import ProfileNotFoundError
 from autobatch.profile import Profile
+from service.auth import GRANT_SCOPE_KEY, Grant
 from service.deps import StateDep
-from service.problems import problem_responses, unknown_profile
+from service.problems import Problem, problem_responses, unknown_profile
 from service.routes.listing import ListingDep
 from service.routing import JsonBodyRoute
 from service.schemas import (
@@ -25,7 +26,7 @@ router = APIRouter(
     prefix="/v1/profiles",
     route_class=JsonBodyRoute,
     tags=["profiles"],
-    responses=problem_responses(401, 503),
+    responses=problem_responses(401, 403, 503),
 )
 
 
@@ -45,8 +46,20 @@ def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
     summary="Register a profile (e.g. from autotune)",
     responses=problem_responses(400, 413, 415, 422),
 )
-def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> ProfilePublic:
-    """Stores the profile under a new id (the ``Location`` header names it)."""
+def create_profile(
+    body: ProfileCreate, state: StateDep, request: Request, response: Response
+) -> ProfilePublic:
+    """Stores the profile under a new id (the ``Location`` header names it). A node's token
+    (``publish`` as a node) stores only profiles of that node: 403 for another's."""
+    grant: Grant | None = request.scope.get(GRANT_SCOPE_KEY)
+    if grant is not None and grant.node is not None and body.node_name != grant.node:
+        raise Problem(
+            403,
+            "wrong-node",
+            f"this token publishes as node {grant.node!r} only, and the profile's node_name "
+            f"is {body.node_name!r}: a node publishes its own profiles (use that node's token)",
+            field="body.node_name",
+        )
     profile = Profile.from_dict(body.model_dump())
     if not profile.created_at:  # the time it reached the service, as a probe would stamp it
         profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())

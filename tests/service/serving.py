@@ -42,7 +42,7 @@ class Server:
         close), seconds; over a bare socket, so the client's own work barely counts."""
         started = time.perf_counter()
         with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             received = b""
             while chunk := sock.recv(4096):
                 received += chunk

@@ -237,6 +237,70 @@ def test_node_daemonset_publishes_to_the_central_service() -> None:
     assert url == f"http://{central['metadata']['name']}:{central['spec']['ports'][0]['port']}"
 
 
+def secret_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, list[str]]:
+    """Each Secret-backed mount of ``container``: its path and the Secrets whose keys it holds."""
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        sources = volume.get("projected", {}).get("sources", [{"secret": volume.get("secret")}])
+        names = [
+            s["secret"].get("name") or s["secret"]["secretName"] for s in sources if s.get("secret")
+        ]
+        if names:
+            mounts[mount["mountPath"]] = names
+    return mounts
+
+
+def test_tokens_reach_each_workload_as_files_with_their_roles(tmp_path: Path) -> None:
+    """The central service reads every role's token from the Secrets; a node's sidecar holds
+    publish-as-itself; the training Job's init container holds read."""
+    from service.auth import load_tokens, read_token_file
+
+    central = pod_spec(kinds(DEPLOY / "central.yaml")["Deployment"])
+    central_env = env_of(autobatch_container(central))
+    assert "AUTOBATCH_API_TOKEN" not in central_env
+    tokens_dir = central_env["AUTOBATCH_API_TOKENS_FILE"]
+    assert secret_files(central, autobatch_container(central)) == {
+        tokens_dir: ["autobatch-tokens", "autobatch-node-tokens"]
+    }
+    node_pod = pod_spec(kinds(DEPLOY / "daemonset.yaml")["DaemonSet"])
+    node = autobatch_container(node_pod)
+    node_env = env_of(node)
+    assert node_env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert "AUTOBATCH_CENTRAL_API_TOKEN" not in node_env
+    (token_path,) = kubelet_expand(
+        [node_env["AUTOBATCH_CENTRAL_API_TOKEN_FILE"]], {"NODE_NAME": "gpu-node-7"}
+    )
+    mount, _, file_name = token_path.rpartition("/")
+    assert secret_files(node_pod, node) == {mount: ["autobatch-node-tokens"]}
+    init = env_of(plan_init_container(kinds(DEPLOY / "training-job.yaml")["Job"]))
+    assert init["AUTOBATCH_API_TOKEN"] == {
+        "secretKeyRef": {"name": "autobatch-tokens", "key": "read"}
+    }
+
+    # The Secrets as the commands in central.yaml make them, written with a trailing newline.
+    secrets = {
+        "autobatch-tokens": {"admin": "adm-1\n", "read": "rd-2\n"},
+        "autobatch-node-tokens": {"publish.gpu-node-7": "pub-7\n", "publish.gpu-node-8": "pub-8\n"},
+    }
+    projected = tmp_path / "central"
+    projected.mkdir()
+    for keys in secrets.values():
+        for key, value in keys.items():
+            (projected / key).write_text(value)
+    tokens = load_tokens(api_token=None, tokens_file=projected)
+    node_token = read_token_file(projected / file_name)  # the file the sidecar reads
+    node_grant = tokens.identify(f"Bearer {node_token}")
+    assert node_grant is not None and (node_grant.role, node_grant.node) == (
+        "publish",
+        "gpu-node-7",
+    )
+    read_key = init["AUTOBATCH_API_TOKEN"]["secretKeyRef"]["key"]
+    read_grant = tokens.identify(f"Bearer {secrets['autobatch-tokens'][read_key]}")
+    assert read_grant is not None and read_grant.role == "read"
+
+
 def plan_init_container(job: dict[str, Any]) -> dict[str, Any]:
     (init,) = [c for c in pod_spec(job)["initContainers"] if c["name"] == "plan"]
     return init

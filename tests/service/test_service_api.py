@@ -710,7 +710,13 @@ def call_asgi(
         "raw_path": path.encode(),
         "root_path": "",
         "query_string": b"",
-        "headers": headers,
+        # HTTP/1.1 requires a Host; a tokenless server on loopback answers only loopback names
+        "headers": headers
+        if any(k == b"host" for k, _ in headers)
+        else [
+            (b"host", b"127.0.0.1"),
+            *headers,
+        ],
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }

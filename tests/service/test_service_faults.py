@@ -142,7 +142,7 @@ def test_partial_headers_are_cut_off_and_healthz_answers_meanwhile(tmp_path: Pat
     """The issue: 600 connections sending partial headers were held open indefinitely."""
     with serving(tmp_path, "--header-timeout-seconds", "3") as server:
         held = [
-            partial_request(server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: 1")
+            partial_request(server.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: 1")
             for _ in range(600)
         ]
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
@@ -163,13 +163,13 @@ def test_the_deadlines_are_per_request_not_per_connection(tmp_path: Path) -> Non
     ) as server:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as kept:
             for _ in range(4):  # one connection, 2.4 s in all
-                kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert read_response(kept).startswith(b"HTTP/1.1 200 ")
                 time.sleep(0.6)
         text = b'{"max_micro_batch_size": 8, "effective_batch_size": 16}'
         sock = partial_request(
             server.port,
-            b"POST /v1/plan HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/plan HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(text)}\r\nConnection: close\r\n\r\n".encode(),
         )
         for i in range(0, len(text), 20):  # 3 pieces over 1.2 s: within the 2 s body deadline
@@ -181,13 +181,13 @@ def test_the_deadlines_are_per_request_not_per_connection(tmp_path: Path) -> Non
 def test_a_body_that_stalls_is_cut_off(tmp_path: Path) -> None:
     with serving(tmp_path, "--body-timeout-seconds", "2") as server:
         head = (
-            b"POST /v1/plan HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/plan HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000\r\n\r\n"
         )
         stalled = [partial_request(server.port, head + b'{"effective_') for _ in range(50)]
         chunked = partial_request(
             server.port,
-            b"POST /v1/probes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/probes HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"mod\r\n',
         )
         assert server.healthz_seconds() < HEALTHZ_BOUND_S
@@ -208,7 +208,8 @@ def test_a_client_that_leaves_mid_body_is_no_500(tmp_path: Path) -> None:
             body = b"400\r\n" + b" " * 1024 + b"\r\n" if b"chunked" in framing else b" " * 1024
             sock = partial_request(
                 server.port,
-                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+                + b"Content-Type: application/json\r\n"
                 + framing
                 + b"\r\n"
                 + body,
