@@ -29,6 +29,7 @@ from service.publisher import Publisher
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles, summaries
 from service.settings import Settings
+from service.store_calls import StoreCalls
 
 __all__ = ["create_app", "run"]
 
@@ -50,7 +51,8 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     """
     settings = settings or Settings()
     registry = load_registry(settings.config_file)
-    store = ProfileStore(settings.store_path)
+    # The database gives up on a statement or lock at the same deadline as the request.
+    store = ProfileStore(settings.store_path, timeout_seconds=settings.store_timeout_seconds)
     metrics = Metrics()
     publisher = central = None
     if settings.central_url:
@@ -77,9 +79,11 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         jobs.open()
         yield
         jobs.close()  # kills running probe children; the store stays open for run()/the caller
+        store_calls.close()
         if publisher is not None:
             publisher.close()
 
+    store_calls = StoreCalls(timeout_seconds=settings.store_timeout_seconds)
     app = FastAPI(
         title="autobatch",
         version=API_VERSION,
@@ -92,6 +96,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
         jobs=jobs,
         metrics=metrics,
+        store_calls=store_calls,
         central=central,
     )
     token = settings.api_token
