@@ -24,7 +24,7 @@ from service.jobs import JobManager
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
-from service.protocol import timed_protocol
+from service.protocol import MAX_HEADER_BYTES, timed_protocol
 from service.publisher import Publisher
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles, summaries
@@ -133,6 +133,8 @@ def run(settings: Settings) -> None:
                 header_timeout_s=settings.header_timeout_seconds,
                 body_timeout_s=settings.body_timeout_seconds,
             ),
+            # the protocol above caps a request's headers; the same cap should h11 ever serve
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
     finally:
         app.state.service.store.close()

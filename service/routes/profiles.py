@@ -1,4 +1,9 @@
-"""``/v1/profiles``: register, list, read and delete stored profiles."""
+"""``/v1/profiles``: register, list, read and delete stored profiles.
+
+Each route's store work runs on the store's threads under the store deadline
+(``service.store_calls``), its answer encoded there too: a frozen database or a locked table
+answers 503 ``store-busy`` in time, and never holds the event loop or the threads other routes
+use."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import dataclasses
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Response
+from pydantic import BaseModel
 
 from autobatch.errors import ProfileNotFoundError
 from autobatch.profile import Profile
@@ -14,11 +20,13 @@ from service.problems import problem_responses, unknown_profile
 from service.routes.listing import ListingDep
 from service.routing import JsonBodyRoute
 from service.schemas import (
+    IdPath,
     ProfileBase,
     ProfileCreate,
     ProfileList,
     ProfilePublic,
 )
+from service.store_calls import store_call
 
 router = APIRouter(
     prefix="/v1/profiles",
@@ -38,39 +46,76 @@ def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
     )
 
 
+def json_response(
+    model: BaseModel, *, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """``model`` as JSON, encoded where it is built: on a store thread, so that a page of
+    large profiles is never converted on the event loop."""
+    return Response(
+        model.model_dump_json(),
+        status_code=status_code,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
 @router.post(
     "",
     status_code=201,
     summary="Register a profile (e.g. from autotune)",
+    response_model=ProfilePublic,
     responses=problem_responses(400, 413, 415, 422),
 )
-def create_profile(body: ProfileCreate, state: StateDep, response: Response) -> ProfilePublic:
+async def create_profile(body: ProfileCreate, state: StateDep) -> Response:
     """Stores the profile under a new id (the ``Location`` header names it)."""
-    profile = Profile.from_dict(body.model_dump())
-    if not profile.created_at:  # the time it reached the service, as a probe would stamp it
-        profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())
-    profile_id = state.store.put(profile)
-    response.headers["Location"] = f"/v1/profiles/{profile_id}"
-    return profile_public(profile_id, profile)
+
+    def create() -> Response:
+        profile = Profile.from_dict(body.model_dump())
+        if not profile.created_at:  # the time it reached the service, as a probe would stamp it
+            profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())
+        profile_id = state.store.put(profile)
+        location = {"Location": f"/v1/profiles/{profile_id}"}
+        return json_response(profile_public(profile_id, profile), status_code=201, headers=location)
+
+    return await store_call(state, create)
 
 
-@router.get("", summary="List stored profiles, newest first", responses=problem_responses(404, 422))
-def list_profiles(state: StateDep, listing: ListingDep) -> ProfileList:
+@router.get(
+    "",
+    summary="List stored profiles, newest first",
+    response_model=ProfileList,
+    responses=problem_responses(404, 422),
+)
+async def list_profiles(state: StateDep, listing: ListingDep) -> Response:
     """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
     request stays bounded however large the profiles. ``next_before`` asks for the next page."""
-    page = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES)
-    return ProfileList(
-        profiles=[profile_public(pid, profile) for pid, profile in page.profiles],
-        next_before=page.next_before,
-    )
+
+    def page() -> Response:
+        found = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES)
+        return json_response(
+            ProfileList(
+                profiles=[profile_public(pid, profile) for pid, profile in found.profiles],
+                next_before=found.next_before,
+            )
+        )
+
+    return await store_call(state, page)
 
 
-@router.get("/{profile_id}", summary="Read a profile", responses=problem_responses(404, 422))
-def get_profile(profile_id: str, state: StateDep) -> ProfilePublic:
-    try:
-        return profile_public(profile_id, state.store.get(profile_id))
-    except ProfileNotFoundError:
-        raise unknown_profile(profile_id, field="path.profile_id") from None
+@router.get(
+    "/{profile_id}",
+    summary="Read a profile",
+    response_model=ProfilePublic,
+    responses=problem_responses(404, 422),
+)
+async def get_profile(profile_id: IdPath, state: StateDep) -> Response:
+    def read() -> Response:
+        try:
+            return json_response(profile_public(profile_id, state.store.get(profile_id)))
+        except ProfileNotFoundError:
+            raise unknown_profile(profile_id, field="path.profile_id") from None
+
+    return await store_call(state, read)
 
 
 @router.delete(
@@ -80,7 +125,7 @@ def get_profile(profile_id: str, state: StateDep) -> ProfilePublic:
     response_class=Response,
     responses=problem_responses(404, 422),
 )
-def delete_profile(profile_id: str, state: StateDep) -> Response:
-    if not state.store.delete(profile_id):
+async def delete_profile(profile_id: IdPath, state: StateDep) -> Response:
+    if not await store_call(state, state.store.delete, profile_id):
         raise unknown_profile(profile_id, field="path.profile_id")
     return Response(status_code=204)
