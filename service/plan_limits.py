@@ -47,8 +47,9 @@ __all__ = [
 
 MAX_ANSWER_MICRO_BATCHES = MAX_GRADIENT_ACCUMULATION_STEPS // 4
 """Micro-batch sizes one answer may list over its plan and ``world_sizes`` table (262,144:
-about 2 MB of JSON at most); below the planner's own bound on one plan
-(``MAX_GRADIENT_ACCUMULATION_STEPS``, 2**20), which a library caller may still plan."""
+about 2 MB of JSON at most; a plan of 100,000 steps, which the CLI plans, is still answered).
+Below the planner's own bound on one plan (``MAX_GRADIENT_ACCUMULATION_STEPS``, 2**20), which
+a library caller may still plan."""
 
 
 def resolve_limit(
