@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
-from autobatch.profiles.storable import unstorable, unstorable_in
+from autobatch.profiles import unstorable, unstorable_in
 from service.registry import DeviceName, SafetyMargin
 
 __all__ = [

@@ -3,7 +3,7 @@ arrival of a plan predicted from another card (``confirmation``), and the protoc
 beyond the store (``remote``; the road passes one down, e.g. the central service). This face
 (torch-free) is the store and that protocol, what the service and the CLI import. The store's
 location is a file, ``:memory:`` or a ``sqlite://``/``postgresql://`` URL (``location``); its
-tables and migrations are in ``schema``.
+tables and migrations are in ``schema``; the text every backend can hold, in ``storable``.
 
 Example::
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from autobatch.profiles.location import parse_location
 from autobatch.profiles.remote import ProfileRemote
+from autobatch.profiles.storable import unstorable, unstorable_in
 from autobatch.profiles.store import (
     STORE_ENV_VAR,
     ProfilePage,
@@ -37,4 +38,6 @@ __all__ = [
     "default_store_path",
     "parse_location",
     "profile_id_of",
+    "unstorable",
+    "unstorable_in",
 ]
