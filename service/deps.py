@@ -26,6 +26,7 @@ from service.gpus import GpuMonitor
 from service.jobs import JobManager
 from service.metrics import Metrics
 from service.settings import Settings
+from service.store_calls import StoreCalls
 
 __all__ = ["ServiceState", "StateDep", "get_state", "service_state"]
 
@@ -40,6 +41,9 @@ class ServiceState:
     """NVML, read off the event loop with a timeout (``service.gpus``)."""
     jobs: JobManager
     metrics: Metrics
+    store_calls: StoreCalls
+    """The store's own threads, each call under ``store_timeout_seconds``
+    (``service.store_calls``)."""
     central: CentralProfiles | None = None
     """Node mode: the central service a plan here falls back to for a model this node's store
     does not hold (``service.central``); None without ``AUTOBATCH_CENTRAL_URL``."""

@@ -25,11 +25,12 @@ from service.jobs import JobManager
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.problems import install_openapi, install_problem_handlers
-from service.protocol import timed_protocol
+from service.protocol import MAX_HEADER_BYTES, timed_protocol
 from service.publisher import OutboxPolicy, Publisher
 from service.registry import load_registry
 from service.routes import devices, health, plans, probes, profiles, summaries
 from service.settings import Settings
+from service.store_calls import StoreCalls
 
 __all__ = ["create_app", "run"]
 
@@ -57,7 +58,11 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         api_token=None if api_token is None else api_token.get_secret_value(),
         tokens_file=settings.api_tokens_file,
     )
-    store = ProfileStore(settings.store_path, open_later=True)  # not ready until it answers
+    # The database gives up on a statement or lock at the same deadline as the request; a
+    # replica whose database is away starts anyway, not ready until it answers.
+    store = ProfileStore(
+        settings.store_path, timeout_seconds=settings.store_timeout_seconds, open_later=True
+    )
     metrics = Metrics()
     publisher = central = None
     if settings.central_url:
@@ -90,9 +95,11 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
             publisher.open()  # resumes what the outbox holds
         yield
         jobs.close()  # kills running probe children; the store stays open for run()/the caller
+        store_calls.close()
         if publisher is not None:
             publisher.close()  # what waits stays in the outbox
 
+    store_calls = StoreCalls(timeout_seconds=settings.store_timeout_seconds)
     app = FastAPI(
         title="autobatch",
         version=API_VERSION,
@@ -105,6 +112,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
         jobs=jobs,
         metrics=metrics,
+        store_calls=store_calls,
         central=central,
     )
     app.add_middleware(
@@ -147,6 +155,8 @@ def run(settings: Settings) -> None:
                 header_timeout_s=settings.header_timeout_seconds,
                 body_timeout_s=settings.body_timeout_seconds,
             ),
+            # the protocol above caps a request's headers; the same cap should h11 ever serve
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
     finally:
         app.state.service.store.close()

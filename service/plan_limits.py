@@ -6,8 +6,8 @@ One job: from a :class:`~service.schemas.PlanCreate`, the limit the planner plan
 fingerprint, from this node's store or the central service's) or, for a card type or a node,
 the profile chosen among a model's stored ones (:func:`select`, by
 :func:`autobatch.planning.select_profile`); the note and the public selection that go with a
-choice; and the cap on the size of an answer with a ``world_sizes`` table
-(:func:`check_table_size`). Store reads block: the route runs these in a worker thread
+choice; and the cap on the size of an answer, its plan and ``world_sizes`` table
+(:func:`check_answer_size`). Store reads block: the route runs these in a worker thread
 (``service.store_calls``).
 
 Example::
@@ -42,16 +42,18 @@ __all__ = [
     "MAX_ANSWER_MICRO_BATCHES",
     "NAME_SCAN",
     "card_profiles",
-    "check_table_size",
+    "check_answer_size",
     "predicted_note",
     "resolve_limit",
     "select",
     "selection_public",
 ]
 
-MAX_ANSWER_MICRO_BATCHES = 4 * MAX_GRADIENT_ACCUMULATION_STEPS
-"""Micro-batch sizes one answer may list over its plan and ``world_sizes`` table (4,194,304:
-about 8 MB of JSON); a single plan may list up to MAX_GRADIENT_ACCUMULATION_STEPS."""
+MAX_ANSWER_MICRO_BATCHES = MAX_GRADIENT_ACCUMULATION_STEPS // 4
+"""Micro-batch sizes one answer may list over its plan and ``world_sizes`` table (262,144:
+about 2 MB of JSON at most; a plan of 100,000 steps, which the CLI plans, is still answered).
+Below the planner's own bound on one plan (``MAX_GRADIENT_ACCUMULATION_STEPS``, 2**20), which
+a library caller may still plan."""
 
 
 def resolve_limit(
@@ -300,16 +302,19 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
     }
 
 
-def check_table_size(body: PlanCreate, result: Plan) -> None:
-    """Refuse a ``world_sizes`` table whose plans would list more than
-    :data:`MAX_ANSWER_MICRO_BATCHES` micro-batch sizes in all, before planning it.
+def check_answer_size(body: PlanCreate, result: Plan) -> None:
+    """Refuse an answer whose plan and ``world_sizes`` table would list more than
+    :data:`MAX_ANSWER_MICRO_BATCHES` micro-batch sizes in all: before the table is planned, and
+    for a plan alone once it is.
 
-    Each plan lists one size per accumulation step (up to 2**20 of them), so 32 world sizes with
-    a micro-batch limit of 1 answered a 200-byte request with 69 MB in 1.9 s. The count is a
-    lower bound: each row has at least ``ceil(E / (W * M))`` steps, ``M`` the plan's limit.
+    Each plan lists one size per accumulation step (up to 2**20 of them), so a short request
+    (an effective batch of 2**20 from a micro-batch limit of 1, over a few world sizes) asked
+    for megabytes of answer. The table's count is a lower bound: each row has at least
+    ``ceil(E / (W * M))`` steps, ``M`` the plan's limit.
 
     Raises:
-        Problem: 422, naming ``world_sizes`` and the fixes.
+        Problem: 422, naming ``world_sizes`` (or ``effective_batch_size`` for a plan alone)
+            and the fixes.
     """
     effective, limit = body.effective_batch_size, result.max_micro_batch_size
     least = result.gradient_accumulation_steps + sum(
@@ -317,12 +322,22 @@ def check_table_size(body: PlanCreate, result: Plan) -> None:
         for world_size in body.world_sizes or ()
         if body.allow_inexact or effective % world_size == 0
     )
-    if least > MAX_ANSWER_MICRO_BATCHES:
+    if least <= MAX_ANSWER_MICRO_BATCHES:
+        return
+    if body.world_sizes is None:
         raise Problem(
             422,
             "validation",
-            f"the plan and world_sizes table would list at least {least} micro-batch sizes (one "
-            f"per accumulation step of each plan; at most {MAX_ANSWER_MICRO_BATCHES} per "
-            "answer): ask fewer world_sizes, or plan from a larger max_micro_batch_size",
-            field="body.world_sizes",
+            f"the plan would list {least} micro-batch sizes (one per accumulation step; at most "
+            f"{MAX_ANSWER_MICRO_BATCHES} per answer): ask a smaller effective_batch_size, or "
+            "plan from a larger max_micro_batch_size",
+            field="body.effective_batch_size",
         )
+    raise Problem(
+        422,
+        "validation",
+        f"the plan and world_sizes table would list at least {least} micro-batch sizes (one "
+        f"per accumulation step of each plan; at most {MAX_ANSWER_MICRO_BATCHES} per "
+        "answer): ask fewer world_sizes, or plan from a larger max_micro_batch_size",
+        field="body.world_sizes",
+    )

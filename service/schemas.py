@@ -1,8 +1,10 @@
 """Request and response bodies (pydantic), in the Base / Create / Public split.
 
 Every number a client sends is bounded (sizes up to ``2**31``, world sizes up to 65536, bytes up
-to ``2**60``), every string is length-limited and valid UTF-8, so bad input is a 4xx problem and
-never reaches the library as something it cannot handle.
+to ``2**60``), every string is length-limited (``MAX_NAME_CHARS``, ``MAX_TEXT_CHARS``) and
+storable on every store backend (no NUL, no lone surrogate: ``autobatch.profiles._storable``), so
+bad input is a 4xx problem, the same on SQLite and PostgreSQL, and never reaches the library as
+something it cannot handle.
 
 Example::
 
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
+from autobatch.profiles import unstorable, unstorable_in
 from service.registry import DeviceName, SafetyMargin
 
 __all__ = [
@@ -27,6 +31,8 @@ __all__ = [
     "GpuProblem",
     "GpuPublic",
     "HealthPublic",
+    "MAX_NAME_CHARS",
+    "MAX_TEXT_CHARS",
     "MemoryBudgetBase",
     "MemoryModelBase",
     "PlanConfigs",
@@ -39,12 +45,14 @@ __all__ = [
     "ProbePublic",
     "ProfileBase",
     "ProfileCreate",
+    "IdPath",
     "ProfileList",
     "ProfilePublic",
     "ReadyPublic",
     "ResolvedDevice",
     "TrialBase",
     "WorldSizeOptionPublic",
+    "storable",
 ]
 
 MAX_SIZE = 2**31
@@ -55,16 +63,50 @@ MAX_ACCUMULATION_STEPS = MAX_GRADIENT_ACCUMULATION_STEPS
 """The planner's own bound (2**20), so the service and ``autobatch plan`` take the same."""
 
 
-def _utf8(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError("must be valid UTF-8 (no lone surrogates)") from exc
+MAX_TEXT_CHARS = 4096
+"""The longest string a request may hold anywhere (a note, an error, a setting's value)."""
+MAX_NAME_CHARS = MAX_TEXT_CHARS // 16
+"""The longest name (a card, a node, a model fingerprint, a dictionary key): 256."""
+
+
+def storable(value: str) -> str:
+    """The one check of every string a request holds: a 422 for text a store backend cannot
+    hold (``autobatch.profiles._storable``), on every backend alike.
+
+    Raises:
+        ValueError: ``value`` holds a NUL or a lone surrogate (pydantic makes it a 422).
+    """
+    why = unstorable(value)
+    if why is not None:
+        raise ValueError(f"the text {why}; remove that character")
     return value
 
 
-Name = Annotated[str, Field(max_length=256), AfterValidator(_utf8)]
-LongText = Annotated[str, Field(max_length=4096), AfterValidator(_utf8)]
+def _storable_json(value: Any) -> Any:
+    why = unstorable_in(value)
+    if why is not None:
+        raise ValueError(f"{why}; remove that character")
+    return value
+
+
+def _distinct(values: list[int]) -> list[int]:
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        raise ValueError(
+            f"lists {', '.join(map(str, repeated))} more than once: each world size is one row "
+            "of the table, give each once"
+        )
+    return values
+
+
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(storable)]
+LongText = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(storable)]
+NonEmptyName = Annotated[
+    str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(storable)
+]
+IdPath = Annotated[str, Path(max_length=64), AfterValidator(storable)]
+"""A profile's or probe job's id in a path: the store's ids are 16 hex digits; anything else is
+simply not stored (404), but never text a backend cannot compare with (422)."""
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
 Count = Annotated[int, Field(ge=0, le=MAX_SIZE)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
@@ -472,20 +514,21 @@ class PlanCreate(_Strict):
     max_micro_batch_size: Size | None = None
     memory_model: MemoryModelBase | None = None
     device: DeviceSpec | None = None
-    card: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+    card: NonEmptyName | None = Field(
         default=None,
         description="Plan for this card type (a profile's device_name, e.g. 'NVIDIA H100 80GB "
         "HBM3'): the newest profile of model_fingerprint measured on it, on any node, under "
         "the conditions asked answers 'measured'; otherwise a profile measured elsewhere "
         "answers 'predicted' (see the answer's selection). Needs model_fingerprint.",
     )
-    node: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+    node: NonEmptyName | None = Field(
         default=None,
         description="Plan for this node (a profile's node_name): its own profile of "
         "model_fingerprint first, then the card's as for card. Needs model_fingerprint.",
     )
-    conditions: dict[str, Any] | None = Field(
+    conditions: Annotated[dict[Name, Any], AfterValidator(_storable_json)] | None = Field(
         default=None,
+        max_length=64,
         description="Conditions the plan must hold under (names of a profile's conditions, "
         "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
         "'predicted'. Needs card or node.",
@@ -497,7 +540,7 @@ class PlanCreate(_Strict):
         description="Data-parallel ranks (the same as world_size; give one): with tensor or "
         "pipeline parallelism, the number of model replicas, not of GPUs.",
     )
-    world_sizes: list[WorldSize] | None = Field(
+    world_sizes: Annotated[list[WorldSize], AfterValidator(_distinct)] | None = Field(
         default=None,
         min_length=1,
         max_length=32,

@@ -3,7 +3,7 @@ arrival of a plan predicted from another card (``confirmation``), and the protoc
 beyond the store (``remote``; the road passes one down, e.g. the central service). This face
 (torch-free) is the store and that protocol, what the service and the CLI import. The store's
 location is a file, ``:memory:`` or a ``sqlite://``/``postgresql://`` URL (``location``); its
-tables and migrations are in ``schema``.
+tables and migrations are in ``schema``; the text every backend can hold, in ``storable``.
 
 Example::
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from autobatch.profiles._location import Create, parse_location, redact
 from autobatch.profiles._outbox import OutboxEntry
 from autobatch.profiles._remote import ProfileRemote
+from autobatch.profiles._storable import unstorable, unstorable_in
 from autobatch.profiles._store import (
     STORE_ENV_VAR,
     ProfilePage,
@@ -54,6 +55,8 @@ __all__ = [
     "redact",
     "stored_profiles",
     "superseded_in",
+    "unstorable",
+    "unstorable_in",
     "user_stacklevel",
 ]
 

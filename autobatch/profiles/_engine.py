@@ -4,7 +4,9 @@ Part of the store (:mod:`autobatch.profiles._store`), split off to keep that mod
 SQLite: one connection per store (used under the store's lock), autocommit at the driver, every
 transaction begun by autobatch (``BEGIN``, or ``BEGIN IMMEDIATE`` for a write, so that a writer
 waits for the lock up front rather than failing at commit), the WAL journal. PostgreSQL: psycopg
-3, a small pool with a liveness check, and lock/statement timeouts from the store's timeout.
+3, a small pool with a liveness check and a short wait for a free connection, and lock/statement
+timeouts from the store's timeout set per transaction (``SET LOCAL``), which hold behind a
+transaction-mode pooler such as PgBouncer.
 
 Example::
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import re
 import shutil
 import time
 from typing import Any
@@ -25,10 +28,12 @@ from autobatch.errors import StoreError
 from autobatch.profiles._location import STORE_ENV_VAR, StoreLocation, password_of
 
 __all__ = [
+    "POOL_WAIT_FRACTION",
     "describe_error",
     "file_identity",
     "insert",
     "make_engine",
+    "pooler_refusal",
     "store_error",
     "use_wal",
 ]
@@ -40,19 +45,23 @@ def describe_error(location: StoreLocation, doing: str, exc: BaseException) -> s
     password = password_of(location.url)
     if password:
         text = text.replace(password, "***")
-    _reason, fix = _classify(location, text.lower())
+    _reason, fix = _classify(location, text)
     return f"profile store {location.display}: cannot {doing}: {text}; {fix}"
 
 
 def store_error(location: StoreLocation, doing: str, exc: BaseException) -> StoreError:
     """The StoreError for ``exc``: :func:`describe_error`'s message, and a ``reason`` that
     names neither the location nor the driver's text (what a service may answer)."""
-    reason, _fix = _classify(location, str(exc).lower())
+    reason, _fix = _classify(location, str(exc))
     return StoreError(describe_error(location, doing, exc), reason=f"cannot {doing}: {reason}")
 
 
-def _classify(location: StoreLocation, lowered: str) -> tuple[str, str]:
+def _classify(location: StoreLocation, text: str) -> tuple[str, str]:
     """What went wrong, in words without the location, and the fix, from a driver's message."""
+    lowered = text.lower()
+    refused = pooler_refusal(text)
+    if refused is not None:
+        return "a connection pooler in front of the database refused a startup parameter", refused
     if "not a database" in lowered or "malformed" in lowered:
         return "the store's file is not a valid SQLite database", (
             f"the file is not a valid SQLite database; move it away (or set {STORE_ENV_VAR} "
@@ -77,6 +86,21 @@ def _classify(location: StoreLocation, lowered: str) -> tuple[str, str]:
     return "the database failed", f"set {STORE_ENV_VAR} to another location if it persists"
 
 
+def pooler_refusal(text: str) -> str | None:
+    """The fix, when a connection pooler in front of PostgreSQL (PgBouncer) refused a startup
+    parameter of the connection (``unsupported startup parameter: options``); else None."""
+    found = re.search(r"unsupported startup parameter:?\s*([\w.]+)", text, re.IGNORECASE)
+    if found is None:
+        return None
+    name = found.group(1)
+    return (
+        f"a connection pooler in front of the database (PgBouncer) refused the startup "
+        f"parameter {name!r}: remove {name!r} from the store's URL, or list it in the "
+        f"pooler's ignore_startup_parameters (autobatch sets its own timeouts per transaction, "
+        f"which a transaction-mode pooler keeps)"
+    )
+
+
 def insert(backend: str, table: sa.Table) -> Any:
     if backend == "postgresql":
         from sqlalchemy.dialects import postgresql
@@ -85,6 +109,17 @@ def insert(backend: str, table: sa.Table) -> Any:
     from sqlalchemy.dialects import sqlite
 
     return sqlite.insert(table)
+
+
+POOL_WAIT_FRACTION = 0.25
+"""A call waits at most this share of the store's timeout for a free PostgreSQL connection:
+long enough to ride out a burst beyond the pool, short enough that the rest of the deadline is
+left for the call itself."""
+
+
+_SET_TIMEOUTS = (
+    "SELECT set_config('statement_timeout', %(ms)s, true), set_config('lock_timeout', %(ms)s, true)"
+)
 
 
 def make_engine(location: StoreLocation, *, timeout_seconds: float) -> sa.Engine:
@@ -97,18 +132,35 @@ def make_engine(location: StoreLocation, *, timeout_seconds: float) -> sa.Engine
         require(
             "psycopg", extra="postgres", purpose=f"the PostgreSQL profile store {location.display}"
         )
-        timeout_ms = max(1, int(timeout_seconds * 1000))
-        return sa.create_engine(
+        engine = sa.create_engine(
             location.url,
             pool_pre_ping=True,
             pool_size=4,
             max_overflow=8,
-            pool_timeout=timeout_seconds,
+            pool_timeout=timeout_seconds * POOL_WAIT_FRACTION,
             connect_args={
                 "connect_timeout": max(1, int(timeout_seconds)),
-                "options": f"-c lock_timeout={timeout_ms} -c statement_timeout={timeout_ms}",
+                # No server-side prepared statements: a transaction-mode pooler (PgBouncer)
+                # hands each transaction to any server connection, where they do not exist.
+                "prepare_threshold": None,
             },
         )
+        timeout_ms = str(max(1, int(timeout_seconds * 1000)))
+
+        @event.listens_for(engine, "begin")
+        def _timeouts(conn: sa.Connection) -> None:
+            # Per transaction, not as a startup parameter (``options=-c ...``): a pooler in
+            # transaction mode refuses or drops those, and shares server connections between
+            # clients; SET LOCAL holds for this transaction on whichever connection runs it.
+            # On the driver's own cursor: the transaction's first statement may have asked
+            # SQLAlchemy for a server-side one (stream_results).
+            cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                cursor.execute(_SET_TIMEOUTS, {"ms": timeout_ms})
+            finally:
+                cursor.close()
+
+        return engine
     # one connection, used under the store's lock by whichever thread holds it
     engine = sa.create_engine(
         location.url,

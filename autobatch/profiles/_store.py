@@ -40,7 +40,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -427,17 +427,26 @@ class ProfileStore:
             num_skipped=skipped,
         )
 
-    def copy_into(self, target: ProfileStore, *, batch_size: int = 500) -> int:
+    def copy_into(
+        self,
+        target: ProfileStore,
+        *,
+        batch_size: int = 500,
+        on_uncopied: Callable[[str, str], None] | None = None,
+    ) -> int:
         """Copy every profile of this store into ``target``, oldest first, ids kept.
 
         How a SQLite store moves to the fleet's PostgreSQL: rows are copied as stored (a
         version-1 row keeps its old id), in batches, each batch one write transaction on
         ``target``. Profiles ``target`` already holds are left as they are, so a copy that was
-        interrupted can simply be run again.
+        interrupted can simply be run again. A row holding text some backend cannot store (a
+        NUL, which SQLite keeps and PostgreSQL refuses: ``autobatch.profiles._storable``) is
+        left out, logged and reported, and the others are copied.
 
         Args:
             target: the store to copy into (another backend or file).
             batch_size: rows per read and per write transaction, >= 1.
+            on_uncopied: called with ``(profile_id, why)`` for each row left out.
 
         Returns:
             The number of profiles that were new to ``target``.
@@ -451,6 +460,7 @@ class ProfileStore:
         from autobatch.profiles._engine import insert
         from autobatch.profiles._schema import profiles
         from autobatch.profiles._sequence import lock_for_insert
+        from autobatch.profiles._storable import unstorable_in
 
         if batch_size < 1:
             raise ConfigError(f"batch_size {batch_size} must be >= 1")
@@ -467,7 +477,18 @@ class ProfileStore:
             if not rows:
                 return num_copied
             last_seq = rows[-1].seq
-            values = [{c.name: getattr(row, c.name) for c in columns} for row in rows]
+            values = []
+            for row in rows:
+                value = {c.name: getattr(row, c.name) for c in columns}
+                why = unstorable_in(value)
+                if why is None:
+                    values.append(value)
+                    continue
+                _log.warning("profile %s not copied to %s: %s", row.id, target.location, why)
+                if on_uncopied is not None:
+                    on_uncopied(row.id, why)
+            if not values:
+                continue
             with target._db.write("copy profiles in") as conn:
                 lock_for_insert(conn, target.backend)
                 statement = insert(target.backend, profiles).values(values)

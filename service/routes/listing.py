@@ -3,8 +3,8 @@ the filters and paging parameters, and the one translation of an unknown ``befor
 
 Example::
 
-    def list_summaries(state: StateDep, listing: ListingDep) -> ProfileSummaryList:
-        page = listing.read(state.store.list_summaries)
+    async def list_summaries(state: StateDep, listing: ListingDep) -> Response:
+        return await store_call(state, lambda: answer(listing.read(state.store.list_summaries)))
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ from collections.abc import Callable
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Query
+from pydantic import AfterValidator
 
 from autobatch.errors import ProfileNotFoundError
 from service.problems import unknown_profile
+from service.schemas import MAX_NAME_CHARS, storable
 
 __all__ = ["Listing", "ListingDep"]
 
 PageT = TypeVar("PageT")
+_STORABLE = AfterValidator(lambda value: value if value is None else storable(value))
+_Filter = Annotated[str | None, Query(max_length=MAX_NAME_CHARS), _STORABLE]
 
 
 class Listing:
@@ -27,11 +31,13 @@ class Listing:
 
     def __init__(
         self,
-        model_fingerprint: Annotated[str | None, Query(max_length=256)] = None,
-        device_name: Annotated[str | None, Query(max_length=256)] = None,
-        node_name: Annotated[str | None, Query(max_length=256)] = None,
+        model_fingerprint: Annotated[
+            str | None, Query(max_length=MAX_NAME_CHARS), _STORABLE
+        ] = None,
+        device_name: Annotated[str | None, Query(max_length=MAX_NAME_CHARS), _STORABLE] = None,
+        node_name: Annotated[str | None, Query(max_length=MAX_NAME_CHARS), _STORABLE] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        before: Annotated[str | None, Query(max_length=64)] = None,
+        before: Annotated[str | None, Query(max_length=64), _STORABLE] = None,
     ) -> None:
         self.model_fingerprint = model_fingerprint
         self.device_name = device_name
@@ -40,7 +46,8 @@ class Listing:
         self.before = before
 
     def read(self, page: Callable[..., PageT], **options: object) -> PageT:
-        """``page(<the filters>, limit=, before=, **options)``: one page from the store.
+        """``page(<the filters>, limit=, before=, **options)``: one page from the store (a
+        blocking call: run it on the store's threads, ``service.store_calls``).
 
         Raises:
             Problem: 404 when ``before`` names no stored profile.

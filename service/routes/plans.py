@@ -28,9 +28,15 @@ imported on this path.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import os
+import weakref
+from collections.abc import Callable
+from typing import Any
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
@@ -48,7 +54,7 @@ from service.deps import service_state
 from service.gpus import GpuMonitor
 from service.plan_configs import plan_configs
 from service.plan_limits import (
-    check_table_size,
+    check_answer_size,
     predicted_note,
     resolve_limit,
     select,
@@ -136,14 +142,68 @@ async def create_plan(request: Request) -> Response:
         safety_margin=None if plain else body.safety_margin,
         capacity_bytes=None if plain else capacity,
     )
+    answer = functools.partial(
+        _answer, body, limit, wanted, budget=budget, source=source, chosen=chosen
+    )
+    public = {"profile_id": profile_id, "device": None if device is None else device.model_dump()}
+    # at most this many micro-batch sizes listed (a micro-batch holds at least one sample)
+    world_sizes = (wanted.world_size, *(wanted.world_sizes or ()))
+    most = sum(body.effective_batch_size // world_size for world_size in world_sizes)
+    if most <= ON_LOOP_MICRO_BATCHES:
+        return answer(public)
+    return await _off_the_loop(answer, public)
+
+
+ON_LOOP_MICRO_BATCHES = 4096
+"""An answer that may list more micro-batch sizes than this (one per accumulation step of its
+plan and of each table row: at most the samples per rank) is planned and encoded off the event
+loop: both grow with that list."""
+
+_PLAN_LIMITERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _off_the_loop(
+    answer: Callable[[dict[str, Any]], Response], public: dict[str, Any]
+) -> Response:
+    """``answer(public)`` in a worker thread, one long plan at a time: the planner holds the GIL
+    while it runs, so one at a time keeps the event loop's share of it."""
+    loop = asyncio.get_running_loop()
+    limiter = _PLAN_LIMITERS.get(loop)
+    if limiter is None:
+        limiter = _PLAN_LIMITERS[loop] = CapacityLimiter(1)
+    return await to_thread.run_sync(answer, public, limiter=limiter)
+
+
+def _answer(
+    body: PlanCreate,
+    limit: int | Profile | MemoryModel,
+    wanted: PlanRequest,
+    public: dict[str, Any],
+    *,
+    budget: MemoryBudget | None,
+    source: PlanSource | None,
+    chosen: Selection | None,
+) -> Response:
+    """The plan, its configs and table, encoded: ``public`` (the profile id and the device
+    already resolved) with them.
+
+    Raises:
+        Problem: 422 when the answer would list more than ``MAX_ANSWER_MICRO_BATCHES``
+            micro-batch sizes (``service.plan_limits.check_answer_size``).
+        ConfigError, NoFeasiblePlanError: as for ``autobatch.plan``.
+    """
     planned = plan_with_table(
         limit,
         wanted,
         budget=budget,
         source=source,
-        check_table=lambda result: check_table_size(body, result),
+        check_table=lambda result: check_answer_size(body, result),
     )
     result = planned.plan
+    if body.world_sizes is None:  # with a table, checked before the table was planned
+        check_answer_size(body, result)
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))
     options_table = None
@@ -157,15 +217,15 @@ async def create_plan(request: Request) -> Response:
     # validating pydantic models of our own output only to dump them again would double the work
     # of the answer on the schedulers' hot path. Tests validate these responses against
     # PlanPublic, and the schema fuzz test checks every response against the OpenAPI.
-    public = {
+    answer = {
         "plan": result,
         "configs": plan_configs(result),
         "world_size_options": options_table,
-        "profile_id": profile_id,
-        "device": None if device is None else device.model_dump(),
+        "profile_id": public["profile_id"],
+        "device": public["device"],
         "selection": None if chosen is None else selection_public(chosen, body),
     }
-    return Response(to_json(public), media_type="application/json")
+    return Response(to_json(answer), media_type="application/json")
 
 
 async def _resolve_device(

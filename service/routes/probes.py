@@ -16,6 +16,7 @@ from service.problems import Problem, problem_responses, public_text
 from service.registry import cuda_index
 from service.routing import JsonBodyRoute
 from service.schemas import (
+    IdPath,
     ProbeCreate,
     ProbeList,
     ProbeProgress,
@@ -23,6 +24,7 @@ from service.schemas import (
     ProfileBase,
     TrialBase,
 )
+from service.store_calls import store_call
 
 router = APIRouter(
     prefix="/v1/probes",
@@ -118,5 +120,7 @@ def list_probes(state: StateDep) -> ProbeList:
     summary="A probe job's status, progress and profile",
     responses=problem_responses(404, 422),
 )
-def get_probe(probe_id: str, state: StateDep) -> ProbePublic:
-    return probe_public(state.jobs.get(probe_id))
+async def get_probe(probe_id: IdPath, state: StateDep) -> ProbePublic:
+    """A job of an earlier run of the server is read from the store: on the store's threads,
+    under the store deadline (``service.store_calls``)."""
+    return probe_public(await store_call(state, state.jobs.get, probe_id))

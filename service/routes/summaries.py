@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from service.deps import StateDep
 from service.problems import problem_responses
 from service.routes.listing import ListingDep
+from service.routes.profiles import json_response
 from service.schemas import ProfileSummaryList, ProfileSummaryPublic
+from service.store_calls import store_call
 
 router = APIRouter(
     prefix="/v1/profile-summaries",
@@ -23,15 +25,23 @@ router = APIRouter(
 @router.get(
     "",
     summary="List summaries of stored profiles, newest first",
+    response_model=ProfileSummaryList,
     responses=problem_responses(404, 422),
 )
-def list_summaries(state: StateDep, listing: ListingDep) -> ProfileSummaryList:
+async def list_summaries(state: StateDep, listing: ListingDep) -> Response:
     """One page of at most ``limit`` summaries (ids, model, card, node, sizes, time), read from
     the store's columns without decoding a profile: a few hundred bytes each, however large the
-    profiles. ``next_before`` asks for the next page; ``GET /v1/profiles/{id}`` the whole one."""
-    page = listing.read(state.store.list_summaries)
-    return ProfileSummaryList(
-        summaries=[ProfileSummaryPublic(**dataclasses.asdict(s)) for s in page.summaries],
-        next_before=page.next_before,
-        num_skipped=page.num_skipped,
-    )
+    profiles. ``next_before`` asks for the next page; ``GET /v1/profiles/{id}`` the whole one.
+    Read on the store's threads under the store deadline (``service.store_calls``)."""
+
+    def page() -> Response:
+        found = listing.read(state.store.list_summaries)
+        return json_response(
+            ProfileSummaryList(
+                summaries=[ProfileSummaryPublic(**dataclasses.asdict(s)) for s in found.summaries],
+                next_before=found.next_before,
+                num_skipped=found.num_skipped,
+            )
+        )
+
+    return await store_call(state, page)

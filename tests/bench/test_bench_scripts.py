@@ -142,3 +142,15 @@ def test_store_publish_counts_every_profile_on_both_backends(postgres_url: str) 
     lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     for backend in ("sqlite", "postgresql"):
         assert "stored 60  lost 0  duplicates 0" in lines[backend], out
+
+
+def test_healthz_under_load_prints_both_phases_and_the_ratio() -> None:
+    out = _run(["bench/healthz_under_load.py", "--samples", "5", "--clients", "2"], timeout_s=180)
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()}
+    for phase in ("idle", "loaded"):
+        samples, median, tail = rows[phase]
+        assert samples == "5" and 0 < float(median) <= float(tail)
+    assert "ratio loaded/idle: p50 " in out and "x, p99 " in out
+    answered = next(line for line in out.splitlines() if line.startswith("costly requests"))
+    assert "plan 200: " in answered and "profile 201: " in answered
+    assert "goal: loaded p99 under 100 ms: " in out

@@ -288,17 +288,44 @@ def test_an_unknown_field_names_the_likely_one_in_a_declared_body_too(client: Te
 
 def test_a_table_too_long_to_answer_is_refused_before_it_is_planned(client: TestClient) -> None:
     # Found by the breaker: 200 bytes asked for 33 plans of 2**20 micro-batches each, and got
-    # 69 MB back after 1.9 s.
-    body = {"max_micro_batch_size": 1, "effective_batch_size": 2**20, "world_sizes": [1] * 32}
+    # 69 MB back after 1.9 s; later 86 bytes (world sizes [1, 1, 1]) got 8.4 MB.
+    from service.plan_limits import MAX_ANSWER_MICRO_BATCHES as CAP
+
+    world_sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    body = {"max_micro_batch_size": 1, "effective_batch_size": CAP, "world_sizes": world_sizes}
     response = client.post("/v1/plan", json=body)
     assert response.status_code == 422, response.text[:200]
     problem = response.json()
     assert problem["errors"][0]["field"] == "body.world_sizes"
-    assert f"at least {33 * 2**20} micro-batch sizes" in problem["detail"]
+    least = CAP + sum(CAP // w for w in world_sizes)
+    assert f"at least {least} micro-batch sizes" in problem["detail"]
+    assert f"at most {CAP} per answer" in problem["detail"]
     assert "ask fewer world_sizes" in problem["detail"]
-    # A long plan alone, and a table that stays under the bound, are still answered.
+    # A plan alone past the cap is refused too, naming the effective batch.
     alone = {"max_micro_batch_size": 1, "effective_batch_size": 2**20}
-    assert len(client.post("/v1/plan", json=alone).json()["plan"]["micro_batch_sizes"]) == 2**20
-    table = {**alone, "world_sizes": [2, 4, 8], "effective_batch_size": 2**19}
+    response = client.post("/v1/plan", json=alone)
+    assert response.status_code == 422, response.text[:200]
+    assert response.json()["errors"][0]["field"] == "body.effective_batch_size"
+    assert "would list 1048576 micro-batch sizes" in response.json()["detail"]
+    # A plan at the cap, and a table that stays under it, are still answered.
+    at_cap = {"max_micro_batch_size": 1, "effective_batch_size": CAP}
+    assert len(client.post("/v1/plan", json=at_cap).json()["plan"]["micro_batch_sizes"]) == CAP
+    table = {**at_cap, "world_sizes": [2, 4, 8], "effective_batch_size": CAP // 2}
     rows = client.post("/v1/plan", json=table).json()["world_size_options"]
-    assert [row["plan"]["gradient_accumulation_steps"] for row in rows] == [2**18, 2**17, 2**16]
+    steps = [row["plan"]["gradient_accumulation_steps"] for row in rows]
+    assert steps == [CAP // 4, CAP // 8, CAP // 16]
+
+
+def test_a_world_size_given_twice_is_refused(client: TestClient) -> None:
+    # Found by the breaker: 86 bytes, world sizes [1, 1, 1], three identical 2**20-step rows.
+    body = {"max_micro_batch_size": 1, "effective_batch_size": 2**20, "world_sizes": [1, 1, 1]}
+    response = client.post("/v1/plan", json=body)
+    assert response.status_code == 422
+    assert response.json()["errors"] == [
+        {
+            "field": "body.world_sizes",
+            "reason": "lists 1 more than once: each world size is one row of the table, give "
+            "each once",
+        }
+    ]
+    assert len(response.content) < 1000
