@@ -9,6 +9,8 @@ the search over splits; ``prediction`` predicts the largest micro-batch past wha
 (measured there, or predicted from another); ``budget`` puts the memory budget a plan was made
 for on it (``fits_now``, ``trials_per_gpu``).
 ``epochs`` is a plan over one epoch of data (:class:`EpochPlan`, ``Plan.with_epoch``).
+``mixed`` plans ranks on different cards: one accumulation count, a micro-batch per rank
+(:func:`plan_mixed_ranks`, :class:`StepLine`).
 This face is what other layers and the service import.
 
 Example::
@@ -24,6 +26,7 @@ from autobatch.planning.budget import given_budget, with_budget
 from autobatch.planning.constraints import PlanConstraints
 from autobatch.planning.epochs import EpochPlan
 from autobatch.planning.limits import DEFAULT_SAFETY_MARGIN, PlanSource, stored_profile_source
+from autobatch.planning.mixed import StepLine, plan_mixed_ranks
 from autobatch.planning.planner import (
     MAX_GRADIENT_ACCUMULATION_STEPS,
     Plan,
@@ -46,12 +49,14 @@ __all__ = [
     "PlanSource",
     "Prediction",
     "Selection",
+    "StepLine",
     "Uneven",
     "WorldSizeOption",
     "condition_mismatches",
     "given_budget",
     "largest_useful_micro_batch_size",
     "plan",
+    "plan_mixed_ranks",
     "plan_within",
     "plan_world_sizes",
     "select_profile",
