@@ -595,6 +595,7 @@ class PlanFields(BaseModel):
     effective_batch_size: int
     requested_effective_batch_size: int
     micro_batch_sizes: list[int]
+    rank_micro_batch_sizes: list[int] | None = None
     exact: bool
     max_micro_batch_size: int
     predicted_peak_memory_bytes: int | None

@@ -9,6 +9,8 @@ the search over splits; ``prediction`` predicts the largest micro-batch past wha
 (measured there, or predicted from another); ``budget`` puts the memory budget a plan was made
 for on it (``fits_now``, ``trials_per_gpu``).
 ``epochs`` is a plan over one epoch of data (:class:`EpochPlan`, ``Plan.with_epoch``).
+``mixed`` plans ranks on different cards: one accumulation count, a micro-batch per rank
+(:func:`plan_mixed_ranks`, :class:`StepLine`).
 This face is what other layers and the service import.
 
 Example::
@@ -32,6 +34,7 @@ from autobatch.planning.budget import (
 )
 from autobatch.planning.epochs import EpochPlan
 from autobatch.planning.limits import PlanSource, stored_profile_source
+from autobatch.planning.mixed import StepLine, plan_mixed_ranks
 from autobatch.planning.planner import (
     Plan,
     WorldSizeOption,
@@ -55,6 +58,7 @@ __all__ = [
     "PlanWithTable",
     "Prediction",
     "Selection",
+    "StepLine",
     "Uneven",
     "WorldSizeOption",
     "budget_margin",
@@ -64,6 +68,7 @@ __all__ = [
     "given_budget",
     "largest_useful_micro_batch_size",
     "plan",
+    "plan_mixed_ranks",
     "plan_request",
     "plan_table",
     "plan_with_table",
