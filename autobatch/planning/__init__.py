@@ -10,7 +10,8 @@ the search over splits; ``prediction`` predicts the largest micro-batch past wha
 for on it (``fits_now``, ``trials_per_gpu``).
 ``epochs`` is a plan over one epoch of data (:class:`EpochPlan`, ``Plan.with_epoch``).
 ``mixed`` plans ranks on different cards: one accumulation count, a micro-batch per rank
-(:func:`plan_mixed_ranks`, :class:`StepLine`).
+(:func:`plan_mixed_ranks`, :class:`StepLine`); ``mixed_limits`` plans them from each rank's
+resolved limit (:class:`RankLimit`, :func:`mixed_plans`, :func:`with_limit`).
 This face is what other layers and the service import.
 
 Example::
@@ -35,6 +36,7 @@ from autobatch.planning.budget import (
 from autobatch.planning.epochs import EpochPlan
 from autobatch.planning.limits import PlanSource, stored_profile_source
 from autobatch.planning.mixed import StepLine, plan_mixed_ranks
+from autobatch.planning.mixed_limits import RankLimit, check_mixed_request, mixed_plans, with_limit
 from autobatch.planning.planner import (
     Plan,
     WorldSizeOption,
@@ -43,6 +45,7 @@ from autobatch.planning.planner import (
     plan_request,
     plan_table,
     plan_world_sizes,
+    resolve_plan_limit,
 )
 from autobatch.planning.prediction import Prediction
 from autobatch.planning.request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest, Uneven
@@ -57,6 +60,7 @@ __all__ = [
     "PlanSource",
     "PlanWithTable",
     "Prediction",
+    "RankLimit",
     "Selection",
     "StepLine",
     "Uneven",
@@ -64,16 +68,20 @@ __all__ = [
     "budget_margin",
     "budgeted_plan",
     "budgeted_table",
+    "check_mixed_request",
     "condition_mismatches",
     "given_budget",
     "largest_useful_micro_batch_size",
+    "mixed_plans",
     "plan",
     "plan_mixed_ranks",
     "plan_request",
     "plan_table",
     "plan_with_table",
     "plan_world_sizes",
+    "resolve_plan_limit",
     "select_profile",
     "stored_profile_source",
     "with_budget",
+    "with_limit",
 ]

@@ -78,6 +78,7 @@ __all__ = [
     "plan_request",
     "plan_table",
     "plan_world_sizes",
+    "resolve_plan_limit",
 ]
 
 
@@ -475,7 +476,7 @@ def plan_request(
             for a reason an argument can fix (as for :func:`plan`).
         NoFeasiblePlanError: as for :func:`plan`.
     """
-    return _measured_in(_plan(_resolve(limit, request, source), request), limit)
+    return _measured_in(_plan(resolve_plan_limit(limit, request, source), request), limit)
 
 
 def plan_table(
@@ -488,7 +489,7 @@ def plan_table(
     Raises:
         ConfigError, NoFeasiblePlanError: as for :func:`plan_world_sizes`.
     """
-    return _table_within(_resolve(limit, request, source), request, limit)
+    return _table_within(resolve_plan_limit(limit, request, source), request, limit)
 
 
 def _measured_in(result: Plan, limit: int | Profile | MemoryModel) -> Plan:
@@ -522,7 +523,7 @@ def _request_in_order(
         raise refused from None
 
 
-def _resolve(
+def resolve_plan_limit(
     limit: int | Profile | MemoryModel, request: PlanRequest, source: PlanSource | None
 ) -> Limit:
     """The limit :func:`plan_request` and :func:`plan_table` plan within
