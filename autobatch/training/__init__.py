@@ -9,7 +9,9 @@ splitting, and the agreements that keep DDP ranks in step.
   (:class:`SplitEvent`), cutting it with ``pieces``;
 - ``limit_agreement``: under DDP, the ranks agree on the piece-size limit once per micro-step;
 - ``window_agreement``: under DDP, the window agreement carries one rank's error to the others;
-- ``counting``: how many items a micro-batch counts.
+- ``counting``: how many items a micro-batch counts;
+- ``sampler``: :class:`MixedBatchSampler`, each rank's share of every global batch (ranks whose
+  micro-batches differ: a mixed plan).
 
 Example::
 
@@ -23,6 +25,16 @@ from __future__ import annotations
 from autobatch.training.accumulator import Accumulator
 from autobatch.training.micro_step import MicroStep
 from autobatch.training.oom_split import OnOom, SplitEvent
+from autobatch.training.sampler import MixedBatchSampler, rank_shares
 from autobatch.training.window import StepStats, Window
 
-__all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "Window"]
+__all__ = [
+    "Accumulator",
+    "MicroStep",
+    "MixedBatchSampler",
+    "OnOom",
+    "SplitEvent",
+    "StepStats",
+    "Window",
+    "rank_shares",
+]
