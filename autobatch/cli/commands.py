@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from autobatch.cli.parser import build_parser
 from autobatch.cli.plan_env import remote_plan, write_plan
+from autobatch.cli.plan_ranks import plan_ranks
 from autobatch.errors import AutobatchError, ConfigError, Remedy
 from autobatch.units import format_bytes
 
@@ -221,6 +222,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
                 report_to=args.report_to,
                 on_trial=progress.trial,
                 eval=args.eval,
+                mixed_ranks=args.mixed_ranks,
                 world_size=args.world_size,
                 **_plan_options(args),
             )
@@ -275,6 +277,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.model_fingerprint is not None:
         return _remote_plan(args, out)
+    if args.rank_max is not None:
+        return plan_ranks(args, out, _output_format(args))
+    if args.rank_seconds_per_sample is not None:
+        raise ConfigError("--rank-seconds-per-sample goes with --rank-max (one per rank)")
     remote_only = [
         flag
         for flag, value in (
@@ -454,6 +460,8 @@ def _print_plan(
         print(f"eval_micro_batch_size        {result.eval_micro_batch_size}", file=out)
     if len(set(result.micro_batch_sizes)) > 1:
         print(f"micro_batch_sizes            {list(result.micro_batch_sizes)}", file=out)
+    if result.rank_micro_batch_sizes is not None:
+        print(f"rank_micro_batch_sizes       {list(result.rank_micro_batch_sizes)}", file=out)
     if not result.exact:
         print(f"requested                    {result.requested_effective_batch_size}", file=out)
     if result.predicted_peak_memory_bytes is not None:
