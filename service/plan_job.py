@@ -124,7 +124,8 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
             f"{MAX_ANSWER_MICRO_BATCHES} per answer); give max_gradient_accumulation_steps",
             field="body.job",
         )
-    groups, first = [], 0
+    groups: list[dict[str, Any]] = []
+    first = 0
     for choice, limit in zip(chosen, limits, strict=True):
         result = with_limit(plans[first], limit, profile=choice.profile)
         if choice.selection.match == "predicted":
@@ -144,7 +145,7 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
     head = groups[0]
     return {
         "plan": head["plan"],
-        "configs": plan_configs(head["plan"]),
+        "configs": plan_configs(plans[0]),  # the frameworks' refusal of a mixed plan
         "world_size_options": None,
         "profile_id": head["profile_id"],
         "device": None,

@@ -97,8 +97,8 @@ async def create_plan(request: Request) -> Response:
     body = await read_json_body(request, PlanCreate)
     if body.job is not None:  # cards and counts: a micro-batch per rank (service.plan_job)
         state = service_state(request)
-        chosen = await store_call(state, select_job, body, state.store, state.central)
-        return Response(to_json(job_answer(body, chosen)), media_type="application/json")
+        cards = await store_call(state, select_job, body, state.store, state.central)
+        return Response(to_json(job_answer(body, cards)), media_type="application/json")
     device = budget = None
     if body.device is not None:
         device, budget = await _resolve_device(
