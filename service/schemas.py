@@ -505,6 +505,15 @@ class ProfileSummaryList(BaseModel):
 # -- plans -------------------------------------------------------------------------------------
 
 
+class JobCards(_Strict):
+    """One kind of card in a job on mixed cards: the card type and how many ranks run on it."""
+
+    card: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        description="The card type (a profile's device_name, e.g. 'NVIDIA L40S')."
+    )
+    count: WorldSize = Field(description="Data-parallel ranks on this card type.")
+
+
 class PlanCreate(_Strict):
     """What to plan: exactly one limit (a stored profile, the newest profile of a model, a plain
     max micro-batch size, or a memory model), an optional device, and the batch to reach."""
@@ -531,7 +540,7 @@ class PlanCreate(_Strict):
         max_length=64,
         description="Conditions the plan must hold under (names of a profile's conditions, "
         "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
-        "'predicted'. Needs card or node.",
+        "'predicted'. Needs card, node or job.",
     )
     effective_batch_size: Size
     world_size: WorldSize = 1
@@ -554,6 +563,17 @@ class PlanCreate(_Strict):
     uneven: Literal["auto", "never", "always"] = "auto"
     allow_inexact: bool = False
     safety_margin: SafetyMargin | None = None
+    job: list[JobCards] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description="A job on mixed cards, e.g. [{'card': 'NVIDIA H100 80GB HBM3', 'count': "
+        "4}, {'card': 'NVIDIA L40S', 'count': 4}]: ranks in this order, a micro-batch per "
+        "rank from each card's profile of model_fingerprint (measured there or predicted, as "
+        "for card) and one gradient_accumulation_steps; the answer's ranks give each card's "
+        "plan. Needs model_fingerprint; not with card, node, device, world_sizes, "
+        "allow_inexact or gpu_fraction.",
+    )
     gpu_fraction: GpuFraction | None = Field(
         default=None,
         description="The share of the device's card the job gets (0 < x <= 1; Ray's "
@@ -579,8 +599,12 @@ class PlanCreate(_Strict):
                 "card and node choose among the stored profiles of a model: give "
                 "model_fingerprint with them"
             )
-        if self.conditions is not None and self.card is None and self.node is None:
-            raise ValueError("conditions need card or node: the card type or node planned for")
+        if self.conditions is not None and self.card is None and self.node is None and not self.job:
+            raise ValueError(
+                "conditions need card or node, or a job: the card types or node planned for"
+            )
+        if self.job is not None:
+            self._check_job(self.job)
         ranks = self.data_parallel_size
         if ranks is not None and self.world_size not in (1, ranks):
             raise ValueError(
@@ -593,6 +617,35 @@ class PlanCreate(_Strict):
                 "give one"
             )
         return self
+
+    def _check_job(self, job: list[JobCards]) -> None:
+        if self.model_fingerprint is None:
+            raise ValueError(
+                "job plans from each card's profiles of a model: give model_fingerprint"
+            )
+        others = [
+            name
+            for name in ("card", "node", "device", "world_sizes", "gpu_fraction")
+            if getattr(self, name) is not None
+        ]
+        if self.allow_inexact:
+            others.append("allow_inexact")
+        if others:
+            raise ValueError(
+                f"job gives each rank's card; {', '.join(others)} do(es) not go with it (a mixed "
+                "plan meets the effective batch exactly or names the nearest reachable ones)"
+            )
+        cards = [entry.card for entry in job]
+        if len(set(cards)) != len(cards):
+            raise ValueError(f"job names a card more than once ({cards}); give each card once")
+        total = sum(entry.count for entry in job)
+        if total > MAX_WORLD_SIZE:
+            raise ValueError(f"job has {total} ranks in all, more than {MAX_WORLD_SIZE}")
+        given = self.data_parallel_size or self.world_size
+        if given not in (1, total):
+            raise ValueError(
+                f"world_size {given} is not the job's {total} ranks; leave it out with job"
+            )
 
     @property
     def declared_fraction(self) -> float | None:
@@ -633,8 +686,12 @@ class EpochFields(BaseModel):
 
 
 class PlanFields(BaseModel):
-    """``autobatch.Plan.to_dict()``: ``sum(micro_batch_sizes) * world_size ==
-    effective_batch_size``."""
+    """``autobatch.Plan.to_dict()``. A uniform plan (``rank_micro_batch_sizes`` null):
+    ``sum(micro_batch_sizes) * world_size == effective_batch_size``. A mixed plan (ranks on
+    different cards, one plan per rank): ``sum(rank_micro_batch_sizes) *
+    gradient_accumulation_steps == effective_batch_size``, with ``world_size`` sizes in rank
+    order, and this rank's ``micro_batch_sizes`` are ``gradient_accumulation_steps`` equal
+    micro-batches of ``micro_batch_size``, its own entry of ``rank_micro_batch_sizes``."""
 
     micro_batch_size: int
     gradient_accumulation_steps: int
@@ -642,6 +699,7 @@ class PlanFields(BaseModel):
     effective_batch_size: int
     requested_effective_batch_size: int
     micro_batch_sizes: list[int]
+    rank_micro_batch_sizes: list[int] | None = None
     exact: bool
     max_micro_batch_size: int
     predicted_peak_memory_bytes: int | None
@@ -664,7 +722,8 @@ class PlanFields(BaseModel):
 
 class PlanConfigs(BaseModel):
     """Ready settings for the frameworks; null with a ``reason`` when the plan's micro-batches
-    are of unequal size (which those frameworks cannot express)."""
+    are of unequal size, or differ by rank (a mixed plan), which those frameworks cannot
+    express."""
 
     deepspeed: dict[str, int] | None
     hf_training_arguments: dict[str, int] | None
@@ -705,6 +764,18 @@ class SelectionPublic(BaseModel):
     basis: str = Field(default="", description="Why the chosen one of them, in words.")
 
 
+class RankGroupPublic(BaseModel):
+    """The ranks of one card of a ``job``: their plan (one mixed plan's, this card's micro-batch)
+    and the profile it came from."""
+
+    card: str
+    count: int
+    first_rank: int = Field(description="The first of this card's ranks (they are consecutive).")
+    plan: PlanFields
+    profile_id: str
+    selection: SelectionPublic
+
+
 class PlanPublic(BaseModel):
     plan: PlanFields
     configs: PlanConfigs
@@ -712,6 +783,11 @@ class PlanPublic(BaseModel):
     profile_id: str | None = None
     device: ResolvedDevice | None = None
     selection: SelectionPublic | None = None
+    ranks: list[RankGroupPublic] | None = Field(
+        default=None,
+        description="For a job: each card's ranks and plan, in rank order; plan, profile_id "
+        "and selection above are rank 0's.",
+    )
 
 
 # -- probes ------------------------------------------------------------------------------------

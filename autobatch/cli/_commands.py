@@ -33,6 +33,7 @@ from autobatch.cli._output import (
 )
 from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
+from autobatch.cli._plan_ranks import plan_ranks
 from autobatch.errors import AutobatchError, ConfigError
 from autobatch.units import format_bytes
 
@@ -195,6 +196,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
                 report_to=args.report_to,
                 on_trial=progress.trial,
                 eval=args.eval,
+                mixed_ranks=args.mixed_ranks,
                 world_size=args.world_size,
                 **_plan_options(args),
             )
@@ -251,6 +253,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.model_fingerprint is not None:
         return _remote_plan(args, out)
+    if args.rank_max is not None:
+        return plan_ranks(args, out, _output_format(args))
+    if args.rank_seconds_per_sample is not None:
+        raise ConfigError("--rank-seconds-per-sample goes with --rank-max (one per rank)")
     remote_only = [
         flag
         for flag, value in (

@@ -178,6 +178,8 @@ def print_plan(
         print(f"eval_micro_batch_size        {result.eval_micro_batch_size}", file=out)
     if len(set(result.micro_batch_sizes)) > 1:
         print(f"micro_batch_sizes            {list(result.micro_batch_sizes)}", file=out)
+    if result.rank_micro_batch_sizes is not None:
+        print(f"rank_micro_batch_sizes       {list(result.rank_micro_batch_sizes)}", file=out)
     if not result.exact:
         print(f"requested                    {result.requested_effective_batch_size}", file=out)
     if result.predicted_peak_memory_bytes is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -189,6 +190,16 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{value} must be in (0, 1]: the share of the card the job gets, e.g. 0.5"
         )
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{value} must be finite seconds >= 0, e.g. 0.004")
     return value
 
 
@@ -366,6 +377,12 @@ def _add_tune_command(commands: Any) -> None:
         action="store_true",
         help="also probe the evaluation micro-batch (forward under inference_mode, eval mode)",
     )
+    tune.add_argument(
+        "--mixed-ranks",
+        action="store_true",
+        help="a micro-batch per rank (cards of different memory or speed); run it on every "
+        "rank under a launcher (torchrun): each probes its own card",
+    )
 
 
 def _add_plan_command(commands: Any) -> None:
@@ -375,12 +392,27 @@ def _add_plan_command(commands: Any) -> None:
     source.add_argument(
         "--max-micro-batch-size", type=_positive_int, help="the largest micro-batch that fits"
     )
+    source.add_argument(
+        "--rank-max",
+        type=_positive_int,
+        action="append",
+        metavar="N",
+        help="one rank's largest micro-batch, once per rank in rank order (ranks on mixed "
+        "cards): a micro-batch per rank",
+    )
     source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
     source.add_argument(
         "--model-fingerprint",
         help="plan from a service's stored profiles of this model (with --service)",
     )
     _add_plan_args(plan, world_sizes=True)
+    plan.add_argument(
+        "--rank-seconds-per-sample",
+        type=_seconds,
+        action="append",
+        metavar="SECONDS",
+        help="with --rank-max: one rank's step seconds per sample, once per rank in rank order",
+    )
     plan.add_argument("--capacity", type=_bytes, help="another device's capacity, with --profile")
     _add_fraction_arg(plan, extra=" (--capacity)")
     plan.add_argument(

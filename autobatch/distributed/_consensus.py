@@ -107,6 +107,10 @@ class LocalConsensus:
         """``work()``: this process is rank 0."""
         return work()
 
+    def on_every_rank(self, work: Callable[[], T], doing: str) -> list[T]:
+        """``[work()]``: one rank."""
+        return [work()]
+
 
 class ProcessGroupConsensus:
     """Consensus between the ranks of a torch.distributed process group.
@@ -250,6 +254,48 @@ class ProcessGroupConsensus:
         if isinstance(received, _Failure):
             raise DistributedError(f"rank 0 failed while {doing}: {received.message}")
         return cast(T, received)
+
+    def on_every_rank(self, work: Callable[[], T], doing: str) -> list[T]:
+        """Run ``work`` on every rank; every rank's result (picklable), in rank order, on every
+        rank. Each rank's work may take its own time (its own probe): the gather waits as the
+        first agreement does.
+
+        Args:
+            work: what each rank does (e.g. probe its own card).
+            doing: what it is, for the other ranks' error message (e.g. "probing its own card").
+
+        Raises:
+            DistributedError: on the other ranks, when ``work`` raised on some rank (which
+                raises the original exception); names the lowest such rank and its error.
+        """
+        try:
+            result: object = work()
+        except Exception as exc:
+            self.gather_objects(_Failure(f"{type(exc).__name__}: {exc}"))
+            raise
+        gathered = self.gather_objects(result)
+        for rank, received in enumerate(gathered):
+            if isinstance(received, _Failure):
+                raise DistributedError(f"rank {rank} failed while {doing}: {received.message}")
+        return cast(list[T], gathered)
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank (two all-reduces: the
+        pickles' lengths, then their bytes, each rank filling its own row).
+
+        Raises:
+            DistributedError: a peer did not answer within the deadline (names it).
+        """
+        data = pickle.dumps(obj)
+        lengths = torch.zeros(self._world_size, dtype=torch.int64, device=self._device)
+        lengths[self._rank] = len(data)
+        self._agreements.all_reduce(lengths, dist.ReduceOp.SUM, where=self._where())
+        sizes = [int(n) for n in lengths.tolist()]
+        rows = torch.zeros(self._world_size, max(sizes), dtype=torch.int64, device=self._device)
+        rows[self._rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._agreements.all_reduce(rows, dist.ReduceOp.SUM, where=self._where())
+        table = rows.cpu().to(torch.uint8).numpy()
+        return [pickle.loads(table[r, : sizes[r]].tobytes()) for r in range(self._world_size)]
 
 
 class _Failure:

@@ -37,6 +37,15 @@ _FORMATS: tuple[ConfigFormat, ...] = ("json", "deepspeed", "hf", "lightning")
 
 
 def _require_equal_sizes(plan: Plan, framework: str) -> None:
+    if plan.rank_micro_batch_sizes is not None:
+        raise ConfigError(
+            f"{framework} takes one micro-batch size for every rank and averages the ranks' "
+            f"gradients with equal weights, but this is a mixed plan (a micro-batch per rank: "
+            f"{list(plan.rank_micro_batch_sizes)}), whose effective batch and gradient it would "
+            "get wrong; run the mixed plan with autobatch's Accumulator and MixedBatchSampler "
+            "(autobatch.training), or plan without mixed_ranks (every rank at the smallest "
+            "card's micro-batch)"
+        )
     if plan.micro_batch_sizes[0] != plan.micro_batch_sizes[-1]:
         raise ConfigError(
             f"{framework} takes one micro-batch size, but this plan has unequal micro-batches "
@@ -73,7 +82,8 @@ def deepspeed_config(plan: Plan) -> dict[str, int]:
         ``{"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}``.
 
     Raises:
-        ConfigError: the plan's micro-batches are of unequal size.
+        ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
+            micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "DeepSpeed")
     return {
@@ -94,7 +104,8 @@ def hf_training_arguments(plan: Plan) -> dict[str, int]:
         (``autotune(..., eval=True)``).
 
     Raises:
-        ConfigError: the plan's micro-batches are of unequal size.
+        ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
+            micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "Hugging Face TrainingArguments")
     arguments = {
@@ -117,7 +128,8 @@ def lightning_config(plan: Plan) -> dict[str, dict[str, int]]:
         (``batch_size`` is the DataLoader's own name for the micro-batch size).
 
     Raises:
-        ConfigError: the plan's micro-batches are of unequal size.
+        ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
+            micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "Lightning")
     return {
@@ -139,7 +151,7 @@ def format_config(plan: Plan, fmt: ConfigFormat) -> str:
 
     Raises:
         ConfigError: ``fmt`` is unknown, or a framework format is asked for a plan with unequal
-            micro-batch sizes.
+            micro-batch sizes or for a mixed plan.
     """
     data: dict[str, Any]
     if fmt == "json":

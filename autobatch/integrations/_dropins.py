@@ -56,6 +56,13 @@ SET_BY_FRAMEWORK = frozenset(
 STEP_ARGUMENTS = frozenset({"loss_fn", "train_step", "step_includes_update"})
 """How a sample becomes a step: the drop-ins that run the framework's own step set these too."""
 
+_FRAMEWORKS = {
+    "AutobatchFinder": "Lightning",
+    "autotune_trainer": "the Hugging Face Trainer",
+    "autotune_accelerator": "Accelerate",
+}
+"""Each drop-in's framework, by the drop-in's name, for what the framework cannot run."""
+
 _NEVER_OFFERED = frozenset({"allow_inexact", "uneven"})
 """Planner remedies no drop-in takes: it keeps the effective batch exact, one micro-batch size."""
 
@@ -67,7 +74,8 @@ def check_options(
     sets itself from the framework (``owned``: the model, the world size...).
 
     Raises:
-        ConfigError: names the option and what to do instead.
+        ConfigError: names the option and what to do instead; ``mixed_ranks=True``, which no
+            framework behind a drop-in can run (a micro-batch per rank), names the framework.
     """
     accepted = set(inspect.signature(autotune).parameters) - owned
     for name in options:
@@ -82,6 +90,16 @@ def check_options(
                 f"{caller} got an unknown probe option {name!r}; the options are "
                 f"{sorted(accepted)} (see autobatch.autotune)"
             )
+    if options.get("mixed_ranks"):
+        framework = _FRAMEWORKS.get(caller, "the framework")
+        raise ConfigError(
+            f"{caller} cannot run mixed_ranks=True: {framework} gives every rank one "
+            "micro-batch size (one DataLoader batch size, a sampler of equal shares) and "
+            "averages the ranks' gradients with equal weights, so a micro-batch per rank would "
+            "change the effective batch and the gradient; run a mixed plan in your own loop "
+            "(autobatch.autotune(mixed_ranks=True), autobatch.training.MixedBatchSampler and "
+            "the Accumulator), or leave mixed_ranks unset"
+        )
 
 
 def code_identity(function: Callable[..., Any]) -> str:

@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -77,6 +78,7 @@ __all__ = [
     "plan_request",
     "plan_table",
     "plan_world_sizes",
+    "resolve_plan_limit",
 ]
 
 
@@ -84,7 +86,12 @@ __all__ = [
 class Plan:
     """How to reach an effective batch: micro-batch sizes per rank, accumulation steps, ranks.
 
-    Invariant: ``sum(micro_batch_sizes) * world_size == effective_batch_size``.
+    Invariant, uniform plan (``rank_micro_batch_sizes`` None): ``sum(micro_batch_sizes) *
+    world_size == effective_batch_size``. Mixed plan (one per rank, from
+    :func:`~autobatch.planning.plan_mixed_ranks`): ``sum(rank_micro_batch_sizes) *
+    gradient_accumulation_steps == effective_batch_size``, with ``world_size`` rank sizes, and
+    this rank's ``micro_batch_sizes`` are ``gradient_accumulation_steps`` equal micro-batches of
+    ``micro_batch_size``, one of ``rank_micro_batch_sizes``.
     """
 
     micro_batch_size: int
@@ -100,6 +107,11 @@ class Plan:
     micro_batch_sizes: tuple[int, ...]
     """Size of each accumulation step's micro-batch, larger first; unequal (by exactly 1) only when
     asked for or needed, and then each loss must be weighted by its sample count."""
+    rank_micro_batch_sizes: tuple[int, ...] | None = None
+    """Every rank's micro-batch, in rank order, for a mixed plan (ranks on cards of different
+    capacity or speed; this rank's is ``micro_batch_size``): each rank's loss must then be
+    weighted by its share of the effective batch; None for the uniform plan (every rank runs
+    ``micro_batch_sizes``)."""
     exact: bool
     """True when ``effective_batch_size == requested_effective_batch_size``."""
     max_micro_batch_size: int
@@ -157,7 +169,9 @@ class Plan:
                 f"plan has {len(sizes)} micro_batch_sizes but gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps}; give one size per accumulation step"
             )
-        if sum(sizes) * self.world_size != self.effective_batch_size:
+        if self.rank_micro_batch_sizes is not None:
+            _check_rank_sizes(self)
+        elif sum(sizes) * self.world_size != self.effective_batch_size:
             raise ConfigError(
                 f"plan breaks the batch invariant: sum(micro_batch_sizes) {sum(sizes)} * "
                 f"world_size {self.world_size} != effective_batch_size {self.effective_batch_size}"
@@ -197,6 +211,12 @@ class Plan:
         """``E = m x k x dp`` in words: ``"effective_batch_size 64 = 16 (micro_batch_size) x 2
         (gradient_accumulation_steps) x 2 (data-parallel ranks)"``. Every plan for more than
         one rank has it among its ``notes``."""
+        if self.rank_micro_batch_sizes is not None:
+            return _rank_formula(
+                self.rank_micro_batch_sizes,
+                self.gradient_accumulation_steps,
+                self.effective_batch_size,
+            )
         return _formula(self.micro_batch_sizes, self.effective_batch_size, self.world_size)
 
     def with_epoch(self, data: Any, *, drop_last: bool = False) -> Plan:
@@ -212,8 +232,14 @@ class Plan:
                 micro-batch.
 
         Raises:
-            ConfigError: see :func:`autobatch.planning._epochs.epoch_plan`.
+            ConfigError: see :func:`autobatch.planning._epochs.epoch_plan`; or a mixed plan
+                (its ranks read different numbers of rows, which the epoch plan does not model).
         """
+        if self.rank_micro_batch_sizes is not None:
+            raise ConfigError(
+                "with_epoch plans uniform ranks only: the ranks of a mixed plan read different "
+                "numbers of rows per micro-step (rank_micro_batch_sizes)"
+            )
         epoch = epoch_plan(self.micro_batch_sizes, self.world_size, data, drop_last=drop_last)
         notes = self.notes
         if not epoch.fills_every_step:
@@ -224,6 +250,8 @@ class Plan:
         """A JSON-ready dict (tuples become lists)."""
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         data["micro_batch_sizes"] = list(self.micro_batch_sizes)
+        ranks = self.rank_micro_batch_sizes
+        data["rank_micro_batch_sizes"] = None if ranks is None else list(ranks)
         data["notes"] = list(self.notes)
         data["prediction"] = None if self.prediction is None else self.prediction.to_dict()
         data["budget"] = None if self.budget is None else self.budget.to_dict()
@@ -247,6 +275,8 @@ class Plan:
         try:
             fields = dict(data)
             fields["micro_batch_sizes"] = tuple(data["micro_batch_sizes"])
+            ranks = data.get("rank_micro_batch_sizes")
+            fields["rank_micro_batch_sizes"] = None if ranks is None else tuple(ranks)
             fields["notes"] = tuple(data.get("notes", ()))
             prediction = data.get("prediction")
             fields["prediction"] = None if prediction is None else Prediction.from_dict(prediction)
@@ -276,6 +306,43 @@ def _formula(sizes: tuple[int, ...], effective: int, world_size: int) -> str:
         f"effective_batch_size {effective} = {sum(sizes)} (micro_batch_sizes summed over "
         f"{len(sizes)} gradient_accumulation_steps: {num_larger} of {sizes[0]}, "
         f"{len(sizes) - num_larger} of {sizes[-1]}) x {world_size} (data-parallel ranks)"
+    )
+
+
+def _check_rank_sizes(plan: Plan) -> None:
+    """A mixed plan's invariant (see :class:`Plan`).
+
+    Raises:
+        ConfigError: the rank sizes break it.
+    """
+    ranks, steps = plan.rank_micro_batch_sizes or (), plan.gradient_accumulation_steps
+    if len(ranks) != plan.world_size or min(ranks, default=0) < 1:
+        raise ConfigError(
+            f"rank_micro_batch_sizes needs world_size {plan.world_size} sizes >= 1, got "
+            f"{len(ranks)} with the smallest {min(ranks, default=None)}"
+        )
+    if sum(ranks) * steps != plan.effective_batch_size:
+        raise ConfigError(
+            f"plan breaks the batch invariant: sum(rank_micro_batch_sizes) {sum(ranks)} * "
+            f"gradient_accumulation_steps {steps} != effective_batch_size "
+            f"{plan.effective_batch_size}"
+        )
+    sizes = plan.micro_batch_sizes
+    if sizes[0] != sizes[-1] or plan.micro_batch_size not in ranks:
+        raise ConfigError(
+            f"a mixed plan's micro_batch_sizes {list(sizes[:4])} must be equal and one of "
+            "rank_micro_batch_sizes (this rank's micro_batch_size)"
+        )
+
+
+def _rank_formula(ranks: tuple[int, ...], steps: int, effective: int) -> str:
+    """:meth:`Plan.formula` for a mixed plan: ``"effective_batch_size 96 = 48 (micro_batch_size
+    summed over 2 ranks: 1 of 32, 1 of 16) x 2 (gradient_accumulation_steps)"``."""
+    counts = collections.Counter(ranks)
+    parts = ", ".join(f"{counts[size]} of {size}" for size in sorted(counts, reverse=True))
+    return (
+        f"effective_batch_size {effective} = {sum(ranks)} (micro_batch_size summed over "
+        f"{len(ranks)} ranks: {parts}) x {steps} (gradient_accumulation_steps)"
     )
 
 
@@ -409,7 +476,7 @@ def plan_request(
             for a reason an argument can fix (as for :func:`plan`).
         NoFeasiblePlanError: as for :func:`plan`.
     """
-    return _measured_in(_plan(_resolve(limit, request, source), request), limit)
+    return _measured_in(_plan(resolve_plan_limit(limit, request, source), request), limit)
 
 
 def plan_table(
@@ -422,7 +489,7 @@ def plan_table(
     Raises:
         ConfigError, NoFeasiblePlanError: as for :func:`plan_world_sizes`.
     """
-    return _table_within(_resolve(limit, request, source), request, limit)
+    return _table_within(resolve_plan_limit(limit, request, source), request, limit)
 
 
 def _measured_in(result: Plan, limit: int | Profile | MemoryModel) -> Plan:
@@ -456,7 +523,7 @@ def _request_in_order(
         raise refused from None
 
 
-def _resolve(
+def resolve_plan_limit(
     limit: int | Profile | MemoryModel, request: PlanRequest, source: PlanSource | None
 ) -> Limit:
     """The limit :func:`plan_request` and :func:`plan_table` plan within

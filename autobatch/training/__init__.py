@@ -10,7 +10,9 @@ splitting, and the agreements that keep DDP ranks in step.
 - ``limit_agreement``: under DDP, the ranks agree on the piece-size limit once per micro-step;
 - ``window_agreement``: under DDP, the window agreement carries one rank's error to the others,
   and stops every rank together where uneven shards run out (:class:`UnevenStop`);
-- ``counting``: how many items a micro-batch counts.
+- ``counting``: how many items a micro-batch counts;
+- ``sampler``: :class:`MixedBatchSampler`, each rank's share of every global batch (ranks whose
+  micro-batches differ: a mixed plan).
 
 Example::
 
@@ -24,7 +26,18 @@ from __future__ import annotations
 from autobatch.training._accumulator import Accumulator
 from autobatch.training._micro_step import MicroStep
 from autobatch.training._oom_split import OnOom, SplitEvent
+from autobatch.training._sampler import MixedBatchSampler, rank_shares
 from autobatch.training._window import StepStats, Window
 from autobatch.training._window_agreement import UnevenStop
 
-__all__ = ["Accumulator", "MicroStep", "OnOom", "SplitEvent", "StepStats", "UnevenStop", "Window"]
+__all__ = [
+    "Accumulator",
+    "MicroStep",
+    "MixedBatchSampler",
+    "OnOom",
+    "SplitEvent",
+    "StepStats",
+    "UnevenStop",
+    "Window",
+    "rank_shares",
+]

@@ -52,7 +52,9 @@ def check_plan(
     Raises:
         ConfigError: not a Plan; ``gradient_accumulation_steps`` given and not the plan's; a
             plan for another world size than DDP's or FSDP2's ranks (without either, the world
-            size is :func:`autobatch.probing.check_plan_here`'s to check); or, for a loop
+            size is :func:`autobatch.probing.check_plan_here`'s to check); a mixed
+            plan of another rank (its ``micro_batch_size`` is not this rank's entry of
+            ``rank_micro_batch_sizes``); or, for a loop
             that skips the gradient reduction between micro-steps (DDP or FSDP2 with more than
             one), a plan measured in another gradient-sync mode or with another wrapper.
     """
@@ -74,6 +76,17 @@ def check_plan(
             f"an effective batch of {plan.effective_batch_size // plan.world_size * world_size}, "
             f"not {plan.effective_batch_size}; plan for world_size={world_size}"
         )
+    sizes = plan.rank_micro_batch_sizes
+    if sizes is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank(parallel.group)
+        if sizes[rank] != plan.micro_batch_size:
+            raise ConfigError(
+                f"the mixed plan gives rank {rank} (this one) micro-batches of {sizes[rank]}, "
+                f"but this plan is a rank's of micro_batch_size {plan.micro_batch_size}; pass "
+                "each rank its own plan (autotune(mixed_ranks=True) returns it on each rank)"
+            )
     if steps == 1:
         return steps
     measured = plan.gradient_sync

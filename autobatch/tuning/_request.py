@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.device import Device
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
-from autobatch.planning import PlanRequest, Uneven
+from autobatch.planning import PlanRequest, Uneven, check_mixed_request
 from autobatch.probing import DEFAULT_LIMIT, LossFn, OnTrial, TrainStep, check_search_arguments
 from autobatch.profiles import ProfileStore
 
@@ -114,6 +114,13 @@ class TuneRequest:
     """As :attr:`autobatch.planning.PlanRequest.uneven`."""
     allow_inexact: bool = False
     """As :attr:`autobatch.planning.PlanRequest.allow_inexact`."""
+    mixed_ranks: bool = False
+    """Plan a micro-batch per rank (ranks on cards of different memory or speed): under
+    torch.distributed each rank probes its own card alone, the ranks share their limits and
+    step lines, and each gets its own plan of the same mixed plan
+    (:func:`~autobatch.planning.plan_mixed_ranks`; ``rank_micro_batch_sizes`` lists every
+    rank's). False: the ranks agree on the micro-batch that fits on every one. Not with
+    ``allow_inexact``."""
 
     plan: PlanRequest | None = dataclasses.field(init=False, default=None)
     """The plan part, built and checked from the fields above (for one rank until the road
@@ -130,4 +137,6 @@ class TuneRequest:
             uneven=self.uneven,
             allow_inexact=self.allow_inexact,
         )
+        if self.mixed_ranks:
+            check_mixed_request(plan)
         object.__setattr__(self, "plan", plan)

@@ -40,18 +40,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from autobatch.client import service_remote
 from autobatch.device import Device, MemoryBudget, resolve_device
 from autobatch.distributed import (
+    LocalConsensus,
     process_group_consensus,
     resolve_data_parallel,
 )
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import (
+    Limit,
     Plan,
+    PlanRequest,
+    RankLimit,
     Uneven,
+    budget_margin,
     budgeted_plan,
     largest_useful_micro_batch_size,
+    mixed_plans,
     plan_request,
+    resolve_plan_limit,
     stored_profile_source,
+    with_budget,
+    with_limit,
 )
 from autobatch.probing import (
     DEFAULT_LIMIT,
@@ -119,6 +128,7 @@ def autotune(
     max_gradient_accumulation_steps: int | None = None,
     uneven: Uneven = "auto",
     allow_inexact: bool = False,
+    mixed_ranks: bool = False,
     store: ProfileStore | str | os.PathLike[str] | None = None,
     use_store: bool = True,
     refresh: bool = False,
@@ -145,6 +155,15 @@ def autotune(
             always the whole default group (a micro-batch must fit on every rank).
         multiple_of, max_gradient_accumulation_steps, uneven, allow_inexact: planner constraints,
             see :func:`autobatch.plan`.
+        mixed_ranks: ranks on cards of different memory or speed: under torch.distributed each
+            rank probes its own card alone, the ranks share their limits and step times, and
+            each returns its own plan of one mixed plan
+            (:func:`autobatch.planning.plan_mixed_ranks`): ``micro_batch_size`` its own,
+            ``rank_micro_batch_sizes`` every rank's, one ``gradient_accumulation_steps``. Feed
+            each rank its share of every global batch
+            (:class:`autobatch.training.MixedBatchSampler`); the Accumulator weights the ranks'
+            losses by the rows they trained. Not with ``allow_inexact``; ``world_size`` must be
+            the default group's.
         store: a ProfileStore or a path; None means the default store
             (``$AUTOBATCH_STORE`` or ``~/.cache/autobatch/profiles.sqlite3``).
         use_store: False skips the store (no read, no write).
@@ -193,6 +212,7 @@ def autotune(
             max_gradient_accumulation_steps=max_gradient_accumulation_steps,
             uneven=uneven,
             allow_inexact=allow_inexact,
+            mixed_ranks=mixed_ranks,
             store=store,
             use_store=use_store,
             refresh=refresh,
@@ -224,6 +244,7 @@ def tune(
     max_gradient_accumulation_steps: int | None = None,
     uneven: Uneven = "auto",
     allow_inexact: bool = False,
+    mixed_ranks: bool = False,
     store: ProfileStore | str | os.PathLike[str] | None = None,
     use_store: bool = True,
     refresh: bool = False,
@@ -256,6 +277,7 @@ def tune(
             max_gradient_accumulation_steps=max_gradient_accumulation_steps,
             uneven=uneven,
             allow_inexact=allow_inexact,
+            mixed_ranks=mixed_ranks,
             store=store,
             use_store=use_store,
             refresh=refresh,
@@ -290,6 +312,8 @@ def tune_request(request: TuneRequest) -> Tuning:
         process_group=request.process_group,
     )
     wanted = dataclasses.replace(request.plan, world_size=world_size)
+    if request.mixed_ranks:
+        return _tune_mixed(request, wanted, (world_size, world_source))
     # Fail before probing when no micro-batch the probe could find makes a plan.
     plan_request(request.max_micro_batch_size, wanted)
     step, options = _bundles(
@@ -320,6 +344,64 @@ def tune_request(request: TuneRequest) -> Tuning:
     return Tuning(
         plan=result, profile=found.profile, profile_id=found.profile_id, eval_profile=evaluation
     )
+
+
+def _tune_mixed(
+    request: TuneRequest, wanted: PlanRequest, data_parallel: tuple[int, str]
+) -> Tuning:
+    """:func:`tune_request` with ``mixed_ranks``: this rank probes its own device alone (its own
+    profile, through the store as one process would), the ranks share each one's limit and
+    step line (:class:`~autobatch.planning.RankLimit`), every rank computes the same mixed plan
+    (:func:`~autobatch.planning.mixed_plans`) and returns its own rank's, completed with its
+    own limit, memory budget and notes.
+
+    Raises:
+        ConfigError: more than one data-parallel rank without torch.distributed (no ranks to
+            share limits with), or data-parallel ranks that are not the default group's;
+            otherwise as :func:`autotune`.
+        DistributedError: another rank failed while probing its own card (it raises why).
+    """
+    world_size, world_source = data_parallel
+    distributed = dist.is_available() and dist.is_initialized()
+    group_size = dist.get_world_size() if distributed else 1
+    if world_size != group_size:
+        why = "" if distributed else ": torch.distributed is not initialised"
+        raise ConfigError(
+            f"mixed_ranks=True plans one micro-batch per rank of the default process group "
+            f"({group_size} rank(s){why}), but the plan is for {world_size} data-parallel "
+            f"rank(s) ({world_source}); call "
+            "autotune on every rank after init_process_group, with no other world_size, or plan "
+            "from known per-rank maxima with autobatch.planning.plan_mixed_ranks"
+        )
+    # Fail before probing when no micro-batches the probes could find make a plan.
+    mixed_plans([RankLimit(max_micro_batch_size=request.max_micro_batch_size)] * world_size, wanted)
+    # The most one rank can take: the effective batch less the least the others take.
+    useful = wanted.effective_batch_size - (world_size - 1) * wanted.multiple_of
+    step, options = _bundles(
+        request,
+        max_micro_batch_size=max(1, min(request.max_micro_batch_size, useful)),
+        data_parallel=data_parallel,
+        eval=False,
+        alone=True,
+    )
+    storing = _storing(request)
+    own: list[tuple[TunedProfile, Limit]] = []
+
+    def probe_own() -> RankLimit:
+        found = find_profile(step, options, storing)
+        source = stored_profile_source(found.profile) if found.cached else None
+        own.append((found, resolve_plan_limit(found.profile, wanted, source)))
+        return RankLimit.of(own[0][1])
+
+    gathered = process_group_consensus(options.device.torch_device) or LocalConsensus()
+    shared = gathered.on_every_rank(probe_own, "probing its own card for a mixed plan")
+    found, limit = own[0]
+    result = with_limit(mixed_plans(shared, wanted)[gathered.rank], limit, profile=found.profile)
+    budget = _plan_budget(options, found.profile)
+    if budget is not None:
+        result = with_budget(result, budget, safety_margin=budget_margin(found.profile, wanted))
+    result = _with_notes(result, found, options, world_size, world_source)
+    return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
 
 
 def _with_notes(
@@ -444,12 +526,14 @@ def _bundles(
     max_micro_batch_size: int,
     eval: bool,
     data_parallel: tuple[int, str] | None = None,
+    alone: bool = False,
 ) -> tuple[StepSpec, ProbeOptions]:
     """The step and the probe options of ``request`` (:meth:`StepSpec.build`,
     :meth:`ProbeOptions.build` with the live conditions), probing up to ``max_micro_batch_size``
     the training step or (``eval``) the evaluation;
     under torch.distributed the options agree through the default process group (every rank
-    must call this)."""
+    must call this), unless ``alone``: this rank probes its own device by itself (a mixed
+    plan)."""
     model = request.model
     step = StepSpec.build(
         model,
@@ -466,7 +550,7 @@ def _bundles(
     options = ProbeOptions.build(
         step,
         device=target,
-        consensus=process_group_consensus(target.torch_device),
+        consensus=LocalConsensus() if alone else process_group_consensus(target.torch_device),
         safety_margin=request.safety_margin,
         max_micro_batch_size=max_micro_batch_size,
         use_estimate=request.use_estimate,

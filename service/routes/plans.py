@@ -6,7 +6,9 @@ device, when given, is a local GPU (``cuda_index``/``uuid``, read from NVML), a 
 or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB, a MIG slice's
 ``nvidia.com/mig-<profile>.memory`` with ``mig_profile``; see
 :func:`autobatch.device.read_node_labels`).
-``world_sizes`` adds a table over candidate world sizes (``planner.plan_world_sizes``).
+``world_sizes`` adds a table over candidate world sizes (``planner.plan_world_sizes``). A
+``job`` of cards and counts gets a micro-batch per rank from each card's profile
+(:mod:`service.plan_job`).
 
 A local GPU is one of the cards this container was given (``NVIDIA_VISIBLE_DEVICES``, then
 ``CUDA_VISIBLE_DEVICES``; ``cuda_index`` is CUDA's number in that set), read through
@@ -53,6 +55,7 @@ from autobatch.profile import MemoryModel, Profile
 from service.deps import service_state
 from service.gpus import GpuMonitor
 from service.plan_configs import plan_configs
+from service.plan_job import job_answer, select_job
 from service.plan_limits import (
     check_answer_size,
     predicted_note,
@@ -98,6 +101,10 @@ async def create_plan(request: Request) -> Response:
     # rather than through FastAPI's body parameter and a dependency (service.routing), and the
     # state only when it needs a GPU or the store.
     body = await read_json_body(request, PlanCreate)
+    if body.job is not None:  # cards and counts: a micro-batch per rank (service.plan_job)
+        state = service_state(request)
+        cards = await store_call(state, select_job, body, state.store, state.central)
+        return Response(to_json(job_answer(body, cards)), media_type="application/json")
     device = budget = None
     if body.device is not None:
         device, budget = await _resolve_device(
@@ -224,6 +231,7 @@ def _answer(
         "profile_id": public["profile_id"],
         "device": public["device"],
         "selection": None if chosen is None else selection_public(chosen, body),
+        "ranks": None,
     }
     return Response(to_json(answer), media_type="application/json")
 

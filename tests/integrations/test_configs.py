@@ -15,6 +15,7 @@ from autobatch.integrations._configs import (
     hf_training_arguments,
     lightning_config,
 )
+from autobatch.planning import plan_mixed_ranks
 from autobatch.planning._planner import Plan, plan
 
 # (max micro-batch, effective batch, world size) -> every plan here has equal micro-batches.
@@ -154,6 +155,30 @@ def test_unequal_micro_batches_cannot_be_expressed(convert: object, framework: s
         match=re.escape(f"{framework} takes one micro-batch size") + r".*uneven='never'",
     ):
         convert(result)
+
+
+@pytest.mark.parametrize(
+    ("convert", "framework"),
+    [
+        (deepspeed_config, "DeepSpeed"),
+        (hf_training_arguments, "Hugging Face TrainingArguments"),
+        (lightning_config, "Lightning"),
+    ],
+)
+def test_a_mixed_plan_is_refused_by_name(convert: object, framework: str) -> None:
+    # DeepSpeed's train_batch_size = micro x k x world_size would be 2 x 48 x 1 = 96 here on
+    # rank 0, 2 x 20 x 2 = 80 on rank 1, and its equal-weight gradient average wrong on both.
+    result = plan_mixed_ranks([48, 20], effective_batch_size=96)[1]
+    assert callable(convert)
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"{framework} takes one micro-batch size for every rank")
+        + r".*a mixed plan \(a micro-batch per rank: \[34, 14\]\).*MixedBatchSampler",
+    ):
+        convert(result)
+    with pytest.raises(ConfigError, match="this is a mixed plan"):
+        format_config(result, "deepspeed")
+    assert json.loads(format_config(result, "json"))["rank_micro_batch_sizes"] == [34, 14]
 
 
 @pytest.mark.parametrize(

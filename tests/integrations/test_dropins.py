@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from autobatch.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,3 +25,25 @@ def test_the_integrations_package_imports_no_torch_and_no_framework() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert done.stdout.split() == ["[]"]
+
+
+@pytest.mark.parametrize(
+    ("caller", "framework"),
+    [
+        ("AutobatchFinder", "Lightning"),
+        ("autotune_trainer", "the Hugging Face Trainer"),
+        ("autotune_accelerator", "Accelerate"),
+    ],
+)
+def test_mixed_ranks_is_refused_by_each_drop_in_naming_its_framework(
+    caller: str, framework: str
+) -> None:
+    from autobatch.integrations._dropins import check_options
+
+    check_options({"mixed_ranks": False}, caller=caller)  # the option is known, and off
+    with pytest.raises(
+        ConfigError,
+        match=rf"{caller} cannot run mixed_ranks=True: {framework} gives every rank one "
+        r"micro-batch size.*MixedBatchSampler",
+    ):
+        check_options({"mixed_ranks": True}, caller=caller)

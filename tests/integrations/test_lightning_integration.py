@@ -193,6 +193,7 @@ def test_dataloader_that_ignores_the_attribute_is_refused() -> None:
         ({"uneven": "auto"}, "sets 'uneven' itself"),
         ({"safety_marjin": 0.1}, "unknown probe option 'safety_marjin'"),
         ({"eval": True}, "eval=True.*training_step only.*val_dataloader"),
+        ({"mixed_ranks": True}, "AutobatchFinder cannot run mixed_ranks=True: Lightning"),
     ],
 )
 def test_options_the_finder_owns_or_does_not_know_are_refused(

@@ -1,0 +1,154 @@
+"""``POST /v1/plan`` for a job on mixed cards (``job``: cards and counts): each card's profile of
+the model, chosen as for ``card`` (:func:`service.plan_limits.select`: measured on that card, or
+predicted for it), its limit, one mixed plan over every rank
+(:func:`autobatch.planning.mixed_plans`), and each card's plan from it
+(:func:`autobatch.planning.with_limit`). The store is read in a worker thread
+(:func:`select_job`); the rest is arithmetic (:func:`job_answer`).
+
+Example::
+
+    selected = await store_call(state, select_job, body, state.store, state.central)
+    public = job_answer(body, selected)    # PlanPublic's fields, ranks included
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from autobatch.planning import (
+    PlanRequest,
+    PlanSource,
+    RankLimit,
+    Selection,
+    mixed_plans,
+    resolve_plan_limit,
+    with_limit,
+)
+from autobatch.profile import Profile
+from autobatch.profiles import ProfileStore
+from service.central import CentralProfiles
+from service.plan_configs import plan_configs
+from service.plan_limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, select, selection_public
+from service.problems import Problem
+from service.schemas import JobCards, PlanCreate
+
+__all__ = ["CardChoice", "job_answer", "select_job"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CardChoice:
+    """One card of the job and the stored profile that answers for it."""
+
+    entry: JobCards
+    body: PlanCreate
+    """The request as a plan for this card alone (``card`` set), for the selection's wording."""
+    profile: Profile
+    profile_id: str
+    source: PlanSource
+    selection: Selection
+    card_bytes: int | None
+    """The card's memory when the plan is predicted from a profile of another card."""
+
+
+def select_job(
+    body: PlanCreate, store: ProfileStore, central: CentralProfiles | None
+) -> list[CardChoice]:
+    """Each card's profile, in the job's order (store reads: run in a worker thread).
+
+    Raises:
+        Problem: as :func:`service.plan_limits.select`, its field naming the job's entry.
+    """
+    assert body.job is not None
+    chosen = []
+    for index, entry in enumerate(body.job):
+        alone = body.model_copy(update={"card": entry.card, "job": None})
+        try:
+            profile, profile_id, source, selection, card_bytes = select(alone, store, central, None)
+        except Problem as exc:
+            if exc.field == "body.card":
+                exc.field = f"body.job.{index}.card"
+            raise
+        chosen.append(
+            CardChoice(
+                entry=entry,
+                body=alone,
+                profile=profile,
+                profile_id=profile_id,
+                source=source,
+                selection=selection,
+                card_bytes=card_bytes,
+            )
+        )
+    return chosen
+
+
+def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
+    """``PlanPublic``'s fields for the job: rank 0's plan, configs (refused for a mixed plan),
+    profile and selection, and ``ranks``: each card's.
+
+    Raises:
+        ConfigError, NoFeasiblePlanError: the planner's (the nearest reachable effective
+            batches named).
+        Problem: 422 when the answer would list more than
+            :data:`~service.plan_limits.MAX_ANSWER_MICRO_BATCHES` sizes.
+    """
+    world_size = sum(choice.entry.count for choice in chosen)
+    request = PlanRequest(
+        effective_batch_size=body.effective_batch_size,
+        world_size=world_size,
+        multiple_of=body.multiple_of,
+        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
+        safety_margin=body.safety_margin,
+    )
+    limits = [
+        resolve_plan_limit(
+            choice.profile,
+            dataclasses.replace(request, capacity_bytes=choice.card_bytes),
+            choice.source,
+        )
+        for choice in chosen
+    ]
+    ranks = [
+        RankLimit.of(limit)
+        for choice, limit in zip(chosen, limits, strict=True)
+        for _ in range(choice.entry.count)
+    ]
+    plans = mixed_plans(ranks, request)
+    listed = (plans[0].gradient_accumulation_steps + world_size) * (len(chosen) + 1)
+    if listed > MAX_ANSWER_MICRO_BATCHES:
+        raise Problem(
+            422,
+            "validation",
+            f"the job's plans would list {listed} micro-batch sizes (at most "
+            f"{MAX_ANSWER_MICRO_BATCHES} per answer); give max_gradient_accumulation_steps",
+            field="body.job",
+        )
+    groups: list[dict[str, Any]] = []
+    first = 0
+    for choice, limit in zip(chosen, limits, strict=True):
+        result = with_limit(plans[first], limit, profile=choice.profile)
+        if choice.selection.match == "predicted":
+            note = predicted_note(choice.selection, choice.body)
+            result = dataclasses.replace(result, notes=(*result.notes, note))
+        groups.append(
+            {
+                "card": choice.entry.card,
+                "count": choice.entry.count,
+                "first_rank": first,
+                "plan": result,
+                "profile_id": choice.profile_id,
+                "selection": selection_public(choice.selection, choice.body),
+            }
+        )
+        first += choice.entry.count
+    head = groups[0]
+    return {
+        "plan": head["plan"],
+        "configs": plan_configs(plans[0]),  # the frameworks' refusal of a mixed plan
+        "world_size_options": None,
+        "profile_id": head["profile_id"],
+        "device": None,
+        "selection": head["selection"],
+        "ranks": groups,
+    }
