@@ -1,39 +1,48 @@
 """How many OOMs a search for the largest micro-batch needs when nothing predicts the failure:
-autobatch's search beside a model of Lightning's binsearch and the best search that keeps
-autobatch's trial budget, all pure (no model, no device), in one run.
+autobatch's search beside a model of Lightning's binsearch and the best searches that keep a
+budget of real steps, all pure (no model, no device), in one run per limit.
 
 The failure threshold ``t`` (the largest size that fits) is drawn log-uniform on ``1 .. limit``
 (``t`` with weight ``log((t + 1) / t)``: a max of 3 is as likely as one of 3,000 on a scale of
 decades). Each search gets the outcome of every size it tries (fits when ``size <= t``) and must
-end knowing ``t`` exactly. Rows, each the weighted mean (and the worst) over every ``t``:
+end knowing ``t`` exactly. Every real step is counted: autobatch's warm-up (at 1) and the chosen
+size's second step included. Rows, each over every ``t`` (means weighted):
 
 - ``autobatch, estimate contradicted``: the estimate's peaks say every size fits, so its first
   trial is the limit, which fails (``oom-above-37`` in ``probe_vs_peers.py`` is one such ``t``);
-  then autobatch's search from what ran (``autobatch.probing._search.next_micro_batch_size``).
-- ``autobatch, no estimate``: the search from the warm-up alone (growth steps, then from what ran).
+  then autobatch's search from what ran (``autobatch.probing.next_micro_batch_size``).
+- ``autobatch, no estimate``: the search from the warm-up alone (growth steps, the line's jump,
+  then from what ran): the road a GPU takes, where real steps are cheaper than fake ones.
 - ``Lightning binsearch (model)``: ``BatchSizeFinder(mode="binsearch")``'s loop as Lightning 2.x
   writes it (``_run_binary_scaling``: start at 2, double while it fits, then halve the bracket),
   without its ``max_trials`` cap of 25 (no ``t`` here needs that many).
-- ``best within budget, after the failed limit``: the least mean OOMs any search can reach once
-  the limit has failed, with the trials autobatch's budget has left
-  (``trial_budget(limit) - 1``), by dynamic programming over brackets ``(lo, hi)`` and trials left.
-- ``best within budget, from scratch``: the same from the warm-up alone (no limit trial).
 
-The last two rows are bounds, not searches: no policy that keeps the budget does better on
-average over this prior. They say how much of the gap to Lightning is the estimate's failed limit
-trial (which the estimate buys its 4-step, 1-OOM road with on well-behaved models) and how much
-is the trial budget (Lightning takes up to ``2 * log2(t)`` trials; the budget is
-``ceil(log2(limit)) + 3``).
+Columns beside Lightning (``dbl``, its OOMs on the same ``t``): the largest excess
+``OOMs(t) - dbl(t)`` over every ``t``, and how many ``t`` exceed ``dbl(t) + 2``.
+
+Then bounds, by dynamic programming over brackets ``(lo, hi)`` and trials left (cubic in the
+limit, so only up to ``--dp-max``), for two budgets of real steps: ``ceil(log2(limit)) + 3``
+(issue 39's bar) and ``ceil(log2(limit)) + 5`` (autobatch's stated worst case), each from the
+warm-up alone (``from scratch``) and after the estimate's failed limit trial:
+
+- ``least mean OOMs``: no search within that budget has fewer on average over this prior;
+- ``least worst excess``: no search within that budget keeps ``OOMs(t) - dbl(t)`` lower on every
+  ``t``.
+
+A bound above Lightning's mean (or a least worst excess above 2) says that no search, autobatch's
+or any other, can meet that bar within that budget: the bar is out of reach there, not a tuning
+away.
 
 Usage::
 
-    .venv/bin/python bench/search_bounds.py              # limit 256 (the DP takes a few seconds)
-    .venv/bin/python bench/search_bounds.py --limit 512
+    .venv/bin/python bench/search_bounds.py                    # limits 256, 4096, 20000
+    .venv/bin/python bench/search_bounds.py --limits 512 --dp-max 512
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -52,11 +61,12 @@ _TINY = MemoryModel(fixed_bytes=1_000, bytes_per_sample=1)
 _CAPACITY_BYTES = 10**12
 
 Search = Callable[[int, int], tuple[int, int]]
-"""``search(t, limit) -> (trials, failures)``, the warm-up aside."""
+"""``search(t, limit) -> (real steps, failures)``."""
 
 
 def autobatch_search(*, estimate: bool) -> Search:
-    """autobatch's search on threshold ``t``; with ``estimate``, the limit is tried first."""
+    """autobatch's search on threshold ``t``; with ``estimate``, the limit is tried first. Its
+    real steps: the warm-up, every search trial, and the chosen size's second step."""
 
     def run(t: int, limit: int) -> tuple[int, int]:
         points = [Point(micro_batch_size=1, fits=True, warm_up=True)]
@@ -75,8 +85,7 @@ def autobatch_search(*, estimate: bool) -> Search:
                 points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior
             )
         assert bracket(points)[0] == t, (t, [p.micro_batch_size for p in points])
-        tried = [p for p in points if not p.warm_up]
-        return len(tried), sum(not p.fits for p in tried)
+        return len(points) + 1, sum(not p.fits for p in points)
 
     return run
 
@@ -140,55 +149,192 @@ def best_mean_failures(limit: int, trials: int, *, limit_failed: bool) -> float:
     return float(previous[1, top - 1])
 
 
-def weighted(search: Search, limit: int) -> tuple[float, float, int, int]:
-    """``(mean trials, mean failures, worst trials, worst failures)`` over ``t`` in 1..limit."""
-    total = trials_sum = failures_sum = 0.0
-    worst_trials = worst_failures = 0
+def least_worst_excess(limit: int, trials: int, *, limit_failed: bool) -> int:
+    """The least ``max_t (failures(t) - lightning(t))`` of any search that ends within ``trials``
+    trials (the limit's failed trial counted in the failures when ``limit_failed``).
+
+    ``G[k][lo][d]``: with ``k`` trials left, ``lo`` fitting and ``lo + d`` failing, the least
+    worst excess of the failures still to come over Lightning's on ``lo .. lo + d - 1``.
+    """
+    top = limit if limit_failed else limit + 1
+    lightning = np.array([0] + [lightning_binsearch(t, limit)[1] for t in range(1, top)] + [0])
+    never = 10**6
+    previous = np.full((top + 1, top + 1), never, dtype=np.int64)
+    previous[:top, 1] = -lightning[:top]  # a bracket of one size: known
+    for _ in range(trials):
+        current = np.full((top + 1, top + 1), never, dtype=np.int64)
+        current[:top, 1] = -lightning[:top]
+        for d in range(2, top):
+            lo = np.arange(1, top - d + 1)
+            j = np.arange(1, d)
+            fit = previous[lo[:, None] + j, d - j]
+            fail = 1 + previous[lo[:, None], j]
+            current[lo, d] = np.maximum(fit, fail).min(axis=1)
+        previous = current
+    return int(previous[1, top - 1]) + int(limit_failed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Summary:
+    """One search over every threshold ``1..limit``."""
+
+    mean_steps: float
+    worst_steps: int
+    mean_failures: float
+    worst_failures: int
+    worst_excess: int
+    """Largest ``failures(t) - lightning(t)``."""
+    over_two: int
+    """Thresholds where ``failures(t) > lightning(t) + 2``."""
+
+
+def summarize(search: Search, limit: int) -> Summary:
+    """``search`` over every ``t`` in ``1..limit``, weighted log-uniform, beside Lightning."""
+    total = steps_sum = failures_sum = 0.0
+    worst_steps = worst_failures = over_two = 0
+    worst_excess = -limit
     for t in range(1, limit + 1):
         weight = math.log((t + 1) / t)
-        trials, failures = search(t, limit)
+        steps, failures = search(t, limit)
+        excess = failures - lightning_binsearch(t, limit)[1]
         total += weight
-        trials_sum += weight * trials
+        steps_sum += weight * steps
         failures_sum += weight * failures
-        worst_trials = max(worst_trials, trials)
+        worst_steps = max(worst_steps, steps)
         worst_failures = max(worst_failures, failures)
-    return trials_sum / total, failures_sum / total, worst_trials, worst_failures
+        worst_excess = max(worst_excess, excess)
+        over_two += excess > 2
+    return Summary(
+        mean_steps=steps_sum / total,
+        worst_steps=worst_steps,
+        mean_failures=failures_sum / total,
+        worst_failures=worst_failures,
+        worst_excess=worst_excess,
+        over_two=over_two,
+    )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=256, help="largest size (default 256)")
-    limit = parser.parse_args().limit
-    if not 4 <= limit <= 1024:
-        parser.error(f"--limit {limit} must be in 4..1024 (the DP is cubic in it)")
-    budget = trial_budget(limit)
-    rows: list[tuple[str, str, str, str, str]] = []
+def weighted(search: Search, limit: int) -> tuple[float, float, int, int]:
+    """``(mean steps, mean failures, worst steps, worst failures)`` over ``t`` in 1..limit."""
+    summary = summarize(search, limit)
+    return (
+        summary.mean_steps,
+        summary.mean_failures,
+        summary.worst_steps,
+        summary.worst_failures,
+    )
+
+
+def bound_rows(limit: int) -> list[tuple[str, ...]]:
+    """The DP bounds for the two budgets of real steps, from scratch and after the failed limit.
+
+    Real steps besides the search's trials: the warm-up and the second step (2), and the limit's
+    failed trial after the estimate (1 more).
+    """
+    rows: list[tuple[str, ...]] = []
+    bits = (limit - 1).bit_length()
+    for extra in (3, 5):
+        steps = bits + extra
+        scratch = steps - 2
+        after = steps - 3
+        rows.append(
+            (
+                f"best within {steps} real steps, from scratch",
+                "",
+                str(steps),
+                f"{best_mean_failures(limit, scratch, limit_failed=False):.2f}",
+                "",
+                str(least_worst_excess(limit, scratch, limit_failed=False)),
+                "",
+            )
+        )
+        rows.append(
+            (
+                f"best within {steps} real steps, after the failed limit",
+                "",
+                str(steps),
+                f"{1.0 + best_mean_failures(limit, after, limit_failed=True):.2f}",
+                "",
+                str(least_worst_excess(limit, after, limit_failed=True)),
+                "",
+            )
+        )
+    return rows
+
+
+def table(limit: int, *, dp: bool) -> str:
+    """The rows for one limit, as aligned text."""
+    rows: list[tuple[str, ...]] = []
     for name, search in (
         ("autobatch, estimate contradicted", autobatch_search(estimate=True)),
         ("autobatch, no estimate", autobatch_search(estimate=False)),
         ("Lightning binsearch (model)", lightning_binsearch),
     ):
-        trials, failures, worst_trials, worst_failures = weighted(search, limit)
+        s = summarize(search, limit)
         rows.append(
-            (name, f"{trials:.2f}", str(worst_trials), f"{failures:.2f}", str(worst_failures))
+            (
+                name,
+                f"{s.mean_steps:.2f}",
+                str(s.worst_steps),
+                f"{s.mean_failures:.2f}",
+                str(s.worst_failures),
+                f"{s.worst_excess:+d}",
+                str(s.over_two),
+            )
         )
-    after = 1.0 + best_mean_failures(limit, budget - 1, limit_failed=True)
-    scratch = best_mean_failures(limit, budget, limit_failed=False)
-    rows.append(("best within budget, after the failed limit", "", str(budget), f"{after:.2f}", ""))
-    rows.append(("best within budget, from scratch", "", str(budget), f"{scratch:.2f}", ""))
-    print(
-        f"limit {limit}, thresholds log-uniform on 1..{limit}, trial budget {budget} "
-        "(warm-up aside)"
+    if dp:
+        rows.extend(bound_rows(limit))
+    header = (
+        "search",
+        "mean steps",
+        "worst steps",
+        "mean OOMs",
+        "worst OOMs",
+        "worst OOMs - dbl",
+        "t over dbl + 2",
     )
-    header = ("search", "mean trials", "worst trials", "mean OOMs", "worst OOMs")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(5)]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"limit {limit}: thresholds log-uniform on 1..{limit}; real steps counted (autobatch: "
+        f"warm-up and second step included); issue 39's bar {(limit - 1).bit_length() + 3}, "
+        f"autobatch's stated worst case {trial_budget(limit) + 2}"
+    ]
     for row in [header, *rows]:
-        print(
+        lines.append(
             "  ".join(
                 cell.ljust(w) if i == 0 else cell.rjust(w)
                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))
             )
         )
+    if not dp:
+        lines.append("(bounds not computed: the DP is cubic in the limit; --dp-max takes <= 1024)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--limits",
+        type=int,
+        nargs="+",
+        default=[256, 4096, 20_000],
+        help="largest sizes (default 256 4096 20000)",
+    )
+    parser.add_argument(
+        "--dp-max",
+        type=int,
+        default=256,
+        help="largest limit the bounds are computed for (default 256; 512 takes a minute)",
+    )
+    args = parser.parse_args()
+    for limit in args.limits:
+        if not 4 <= limit <= 1 << 16:
+            parser.error(f"--limits {limit} must be in 4..65536")
+    if not 4 <= args.dp_max <= 1024:
+        parser.error(f"--dp-max {args.dp_max} must be in 4..1024 (the DP is cubic in it)")
+    for limit in args.limits:
+        print(table(limit, dp=limit <= args.dp_max))
+        print()
 
 
 if __name__ == "__main__":

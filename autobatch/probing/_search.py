@@ -25,7 +25,12 @@ safeguards, on integers), otherwise the search bisects the bracket:
   bracket) until, whatever its outcome, bisection could still finish within the budget; so for
   any failure pattern that is monotone in the size, the search ends at the exact max within the
   budget, whatever the peaks say (a model trusted blindly once crept 20000, 19999, 19998, ...
-  down to a threshold the peaks did not predict);
+  down to a threshold the peaks did not predict). Counting every real step the probe runs (one
+  warm-up, and the chosen size's second step), the worst case is ``ceil(log2(limit)) + 5``.
+  Two fewer would leave one spare trial, and then no search has fewer failures than doubling
+  on log-uniform thresholds, even from scratch (``bench/search_bounds.py``'s bounds), while the
+  estimate's 4-step road (the predicted size, one above it, the second step) needs one more,
+  and the road without an estimate (4, then 16, where two peaks give a line) one more again;
 - **the model must not be contradicted**: a model that predicts the failed ``hi`` fits (the failure
   came earlier than the peaks say: workspaces, fragmentation, launch limits, an estimate off by
   any factor) could only creep below ``hi``, one size per trial; the search goes on from what
@@ -49,6 +54,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from autobatch.errors import ConfigError
 from autobatch.planning import fit_memory_model, fit_wide_line
 from autobatch.profile import MemoryModel
 
@@ -115,9 +121,23 @@ def trial_budget(limit: int) -> int:
     ``ceil(log2(limit)) + 3``.
 
     Plain bisection after a warm-up at size 1 needs ``ceil(log2(limit))``; the three spare trials
-    are what guided sizes may spend.
+    are what guided sizes may spend. Counting every real step the probe runs (the warm-up and the
+    chosen size's second step included), the worst case is ``ceil(log2(limit)) + 5``.
+
+    Raises:
+        ConfigError: ``limit`` is not an int >= 1.
     """
+    _check_limit(limit)
     return (limit - 1).bit_length() + 3
+
+
+def _check_limit(limit: int) -> None:
+    """Raises ConfigError unless ``limit`` (the largest size worth trying) is an int >= 1."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(
+            f"limit {limit!r} must be an int >= 1 (the largest micro-batch size worth trying, "
+            "e.g. max_micro_batch_size=65536)"
+        )
 
 
 def growth_sizes(limit: int) -> tuple[int, ...]:
@@ -171,7 +191,11 @@ def next_micro_batch_size(
     Returns:
         A size in ``(lo, hi)`` (or ``(lo, limit]`` without an upper bound), never one already tried;
         None when ``hi == lo + 1``, when ``lo`` reached ``limit``, or when size 1 did not fit.
+
+    Raises:
+        ConfigError: ``limit`` is not an int >= 1.
     """
+    _check_limit(limit)
     lo, hi = bracket(points)
     top = limit + 1 if hi is None else min(hi, limit + 1)  # sizes above limit count as failed
     if lo >= top - 1:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autobatch.errors import ConfigError
 from autobatch.probing._search import (
     Point,
     bracket,
@@ -86,6 +87,16 @@ def test_flat_peaks_spend_the_spare_trials_on_growth_then_bisect() -> None:
     assert sizes[4] == 65537 - 2**15
     assert bracket(points)[0] == 290
     assert len(points) - 1 <= trial_budget(65536) == 19
+
+
+@pytest.mark.parametrize("limit", [0, -3, 2.5, True])
+def test_a_limit_below_one_is_refused_naming_the_value_and_the_range(limit: object) -> None:
+    points = [Point(micro_batch_size=1, fits=True, warm_up=True)]
+    with pytest.raises(ConfigError, match=rf"limit {limit!r} must be an int >= 1"):
+        next_micro_batch_size(points, capacity_bytes=10**9, limit=limit, prior=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=rf"limit {limit!r} must be an int >= 1"):
+        trial_budget(limit)  # type: ignore[arg-type]
+    assert trial_budget(1) == 3 and trial_budget(20_000) == 18
 
 
 def test_stops_at_the_limit_and_never_below_one() -> None:
