@@ -104,7 +104,7 @@ _EXPORTS: dict[str, str] = {
     "ServiceError": "autobatch.errors",
     "StepFailedError": "autobatch.errors",
     "StoreError": "autobatch.errors",
-    "Plan": "autobatch.planning._planner",
+    "Plan": "autobatch.planning._plan",
     "PlanRequest": "autobatch.planning._request",
     "TuneRequest": "autobatch.tuning",
     "plan": "autobatch.live",

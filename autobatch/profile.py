@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError
 from autobatch.margin import check_safety_margin
+from autobatch.timings import ProbeTimings
 
 if TYPE_CHECKING:
     from autobatch.device import MemoryBudget
@@ -306,90 +307,6 @@ class GradientSync:
         )
 
 
-Clock = Literal["wall", "simulated"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ProbeTimings:
-    """Where a probe's time went, in seconds, read from the device's clock
-    (:meth:`autobatch.device.Device.clock`).
-
-    On a real device the clock is the wall clock; on a
-    :class:`~autobatch.device.SimulatedDevice` given ``step_seconds`` each real step counts that
-    many simulated seconds instead of the time it took on the CPU (``clock="simulated"``), so
-    tests and benchmarks can put the probe where real steps are cheap (a GPU) or dear (a CPU).
-    """
-
-    total_seconds: float
-    """The whole search: capacity, estimate, real trials and their clean-ups."""
-    estimate_seconds: float = 0.0
-    """The fake-tensor estimate in all (the fake copy of model and optimizer, every fake step);
-    0 when it did not run."""
-    fake_step_seconds: tuple[float, ...] = ()
-    """Each fake step of the estimate, in order (its warm-up step first)."""
-    trial_seconds: tuple[float, ...] = ()
-    """Each real trial, in the order of :attr:`Profile.trials` (warm-up and second steps
-    included, failed steps too), without the clean-up after a failure."""
-    cleanup_seconds: tuple[float, ...] = ()
-    """The clean-up after each real trial (gradients dropped, ``gc.collect()``, the allocator
-    cache emptied), in the order of :attr:`Profile.trials`; 0 where the step fitted."""
-    clock: Clock = "wall"
-    """``"wall"``: seconds as they passed; ``"simulated"``: real steps counted at a simulated
-    device's ``step_seconds``."""
-
-    def __post_init__(self) -> None:
-        if len(self.cleanup_seconds) != len(self.trial_seconds):
-            raise ConfigError(
-                f"timings: {len(self.cleanup_seconds)} clean-up times for "
-                f"{len(self.trial_seconds)} trials; give one per trial (0 where none ran)"
-            )
-        values = (
-            self.total_seconds,
-            self.estimate_seconds,
-            *self.fake_step_seconds,
-            *self.trial_seconds,
-            *self.cleanup_seconds,
-        )
-        if any(v < 0 for v in values):
-            raise ConfigError(f"timings: seconds must be >= 0, got {min(values)}")
-
-    @property
-    def real_seconds(self) -> float:
-        """The real trials and their clean-ups."""
-        return sum(self.trial_seconds) + sum(self.cleanup_seconds)
-
-    def describe(self) -> str:
-        """One line, e.g. ``"3.1 s: estimate 2.0 s (6 fake steps), 4 real trials 1.0 s, clean-up
-        after 1 failure 0.1 s"``."""
-        parts = []
-        if self.fake_step_seconds or self.estimate_seconds:
-            fake = _counted(len(self.fake_step_seconds), "fake step")
-            parts.append(f"estimate {self.estimate_seconds:.3g} s ({fake})")
-        parts.append(
-            f"{_counted(len(self.trial_seconds), 'real trial')} {sum(self.trial_seconds):.3g} s"
-        )
-        cleanups = [c for c in self.cleanup_seconds if c > 0]
-        if cleanups:
-            parts.append(
-                f"clean-up after {_counted(len(cleanups), 'failure')} {sum(cleanups):.3g} s"
-            )
-        clock = " (simulated clock)" if self.clock == "simulated" else ""
-        return f"{self.total_seconds:.3g} s{clock}: " + ", ".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> ProbeTimings | None:
-        """None for a profile that did not record them (written before, or an estimate)."""
-        if data is None:
-            return None
-        fields = dict(data)
-        for key in ("fake_step_seconds", "trial_seconds", "cleanup_seconds"):
-            fields[key] = tuple(fields.get(key, ()))
-        return cls(**fields)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     """What one probe (or estimate) found for one model, input, optimizer and device.
@@ -635,11 +552,6 @@ class Profile:
             return cls(**fields)
         except (TypeError, AttributeError, ValueError) as exc:
             raise ConfigError(f"not a valid profile: {exc}") from exc
-
-
-def _counted(count: int, noun: str) -> str:
-    """``"1 failure"``, ``"3 failures"``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _stop_kind_of_v1(data: Mapping[str, Any]) -> StopKind:

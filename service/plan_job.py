@@ -30,8 +30,8 @@ from autobatch.profiles import ProfileStore
 from service.central import CentralProfiles
 from service.plan_configs import plan_configs
 from service.plan_limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, select, selection_public
+from service.plan_schemas import JobCards, PlanCreate
 from service.problems import Problem
-from service.schemas import JobCards, PlanCreate
 
 __all__ = ["CardChoice", "job_answer", "select_job"]
 

@@ -1,7 +1,7 @@
 """Which stored profile (or number, or memory line) answers a ``POST /v1/plan``, and the
 answer's parts that come from that choice.
 
-One job: from a :class:`~service.schemas.PlanCreate`, the limit the planner plans within
+One job: from a :class:`~service.plan_schemas.PlanCreate`, the limit the planner plans within
 (:func:`resolve_limit`: a plain max micro-batch size, a memory model, a profile by id or by
 fingerprint, from this node's store or the central service's) or, for a card type or a node,
 the profile chosen among a model's stored ones (:func:`select`, by
@@ -33,8 +33,9 @@ from autobatch.planning import (
 from autobatch.profile import MemoryModel, Profile
 from autobatch.profiles import ProfileStore
 from service.central import CentralProfiles
+from service.plan_schemas import PlanCreate
 from service.problems import Problem, unknown_profile
-from service.schemas import PlanCreate, ResolvedDevice
+from service.schemas import ResolvedDevice
 
 __all__ = [
     "ANY_CANDIDATES",

@@ -178,7 +178,7 @@ def test_type_checkers_see_the_exports_and_flag_misspellings(tmp_path: Path) -> 
     )
     assert 'Module "autobatch" has no attribute "Planner"' in done.stdout, done.stdout
     assert 'no attribute "plan_world_size"' in done.stdout
-    assert 'Revealed type is "autobatch.planning._planner.Plan"' in done.stdout
+    assert 'Revealed type is "autobatch.planning._plan.Plan"' in done.stdout
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

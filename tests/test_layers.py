@@ -15,7 +15,7 @@ PACKAGE = ROOT / "autobatch"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "errors extras launchers margin units",
+        "errors extras launchers margin timings units",
         "device",
         "conditions profile",
         "distributed",

@@ -43,9 +43,8 @@ from autobatch.planning._mixed_limits import (
     mixed_plans,
     with_limit,
 )
+from autobatch.planning._plan import Plan, WorldSizeOption
 from autobatch.planning._planner import (
-    Plan,
-    WorldSizeOption,
     largest_useful_micro_batch_size,
     plan,
     plan_request,

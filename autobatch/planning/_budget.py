@@ -32,7 +32,8 @@ from autobatch.device import (
 )
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning._limits import PlanSource
-from autobatch.planning._planner import Plan, WorldSizeOption, plan_request, plan_table
+from autobatch.planning._plan import Plan, WorldSizeOption
+from autobatch.planning._planner import plan_request, plan_table
 from autobatch.planning._request import PlanRequest
 from autobatch.profile import MemoryModel, Profile
 

@@ -155,34 +155,9 @@ def resolve_limit(
     if isinstance(limit, MemoryModel):
         return _model_limit(limit, capacity_bytes, safety_margin, step_time, source or "given")
     if not isinstance(limit, Profile):
-        require_int("max micro-batch size (limit)", limit, 1)
-        if capacity_bytes is not None or safety_margin is not None:
-            raise ConfigError(
-                "capacity_bytes and safety_margin need a Profile or a MemoryModel; "
-                f"limit is a plain max micro-batch size {limit}"
-            )
-        return Limit(
-            max_micro_batch_size=limit,
-            source=source or "given",
-            capacity_bytes=None,
-            peak_bytes=lambda _: None,
-            step_time=step_time,
-            notes=(),
-        )
+        return _plain_limit(limit, capacity_bytes, safety_margin, step_time, source)
     profile = limit
-    if profile.mode == "eval":
-        raise ConfigError(
-            "the profile measured evaluation (mode 'eval': a forward under inference_mode), not "
-            "a training step; plan from a training profile, and use this one's "
-            "recommended_micro_batch_size as the evaluation micro-batch",
-            remedies=[Remedy(parameter="eval", values=(False,), purpose="a training profile")],
-        )
-    if profile.method == "estimate" and source in ("measured", "cached"):
-        raise ConfigError(
-            f"source {source!r} claims real trials, but the profile is an estimate (method "
-            "'estimate': no step ran); pass source='estimated' or leave it unset"
-        )
-    base: PlanSource = source or ("estimated" if profile.method == "estimate" else "measured")
+    base = _profile_source(profile, source)
     model = profile.memory_model
     margin = profile.safety_margin if safety_margin is None else safety_margin
     peaks = measured_peaks(profile.trials)
@@ -196,25 +171,7 @@ def resolve_limit(
     if capacity_bytes is not None:
         # Step times measured on the profiled device say nothing reliable about another one.
         return _profile_limit(profile, peaks, capacity_bytes, margin, base, step_time)
-    notes: tuple[str, ...] = ()
-    if margin == profile.safety_margin:
-        limit_size = profile.recommended_micro_batch_size
-    elif model is None and len(peaks) < 2:
-        raise ConfigError(
-            f"safety_margin {margin} differs from the profile's {profile.safety_margin}, but the "
-            "profile has no memory model to re-derive the micro-batch; leave safety_margin unset"
-        )
-    else:
-        budget_bytes = int(profile.capacity_bytes * (1 - margin))
-        limit_size = limit_within(peaks, budget_bytes)
-        if not limit_size:
-            limit_size, _ = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
-        limit_size = min(profile.max_micro_batch_size, limit_size)
-        needed = peak_bytes(1)
-        if needed is None:  # no stored line: the peaks (two sizes at least) start above 1
-            needed = peaks[min(peaks)]
-        _require_fits(limit_size, needed, budget_bytes, profile.capacity_bytes, margin)
-        notes = (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
+    limit_size, notes = _limit_at_margin(profile, peaks, margin, peak_bytes(1))
     failed = failure_limit(profile, int(profile.capacity_bytes * (1 - margin)))
     if failed is not None and failed[0] < limit_size:
         if failed[0] < 1:
@@ -230,6 +187,74 @@ def resolve_limit(
         step_time=step_time,
         notes=notes,
     )
+
+
+def _plain_limit(
+    limit: int,
+    capacity_bytes: int | None,
+    safety_margin: float | None,
+    step_time: StepTimes | None,
+    source: PlanSource | None,
+) -> Limit:
+    """A plain max micro-batch size as the limit: no memory to scale, nothing to re-derive."""
+    require_int("max micro-batch size (limit)", limit, 1)
+    if capacity_bytes is not None or safety_margin is not None:
+        raise ConfigError(
+            "capacity_bytes and safety_margin need a Profile or a MemoryModel; "
+            f"limit is a plain max micro-batch size {limit}"
+        )
+    return Limit(
+        max_micro_batch_size=limit,
+        source=source or "given",
+        capacity_bytes=None,
+        peak_bytes=lambda _: None,
+        step_time=step_time,
+        notes=(),
+    )
+
+
+def _profile_source(profile: Profile, source: PlanSource | None) -> PlanSource:
+    """Where a plan from ``profile`` says its limit came from; refuses an evaluation profile,
+    and a ``source`` that claims real trials for an estimate."""
+    if profile.mode == "eval":
+        raise ConfigError(
+            "the profile measured evaluation (mode 'eval': a forward under inference_mode), not "
+            "a training step; plan from a training profile, and use this one's "
+            "recommended_micro_batch_size as the evaluation micro-batch",
+            remedies=[Remedy(parameter="eval", values=(False,), purpose="a training profile")],
+        )
+    if profile.method == "estimate" and source in ("measured", "cached"):
+        raise ConfigError(
+            f"source {source!r} claims real trials, but the profile is an estimate (method "
+            "'estimate': no step ran); pass source='estimated' or leave it unset"
+        )
+    return source or ("estimated" if profile.method == "estimate" else "measured")
+
+
+def _limit_at_margin(
+    profile: Profile, peaks: Mapping[int, int], margin: float, peak_at_one: int | None
+) -> tuple[int, tuple[str, ...]]:
+    """The profile's micro-batch limit on its own device under ``margin``: its recommended size
+    at its own margin, else re-derived from its peaks (or its line), with the note saying so.
+    ``peak_at_one``: the peak bytes at micro-batch 1, None when unknown."""
+    if margin == profile.safety_margin:
+        return profile.recommended_micro_batch_size, ()
+    model = profile.memory_model
+    if model is None and len(peaks) < 2:
+        raise ConfigError(
+            f"safety_margin {margin} differs from the profile's {profile.safety_margin}, but the "
+            "profile has no memory model to re-derive the micro-batch; leave safety_margin unset"
+        )
+    budget_bytes = int(profile.capacity_bytes * (1 - margin))
+    limit_size = limit_within(peaks, budget_bytes)
+    if not limit_size:
+        limit_size, _ = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
+    limit_size = min(profile.max_micro_batch_size, limit_size)
+    needed = peak_at_one
+    if needed is None:  # no stored line: the peaks (two sizes at least) start above 1
+        needed = peaks[min(peaks)]
+    _require_fits(limit_size, needed, budget_bytes, profile.capacity_bytes, margin)
+    return limit_size, (f"max micro-batch {limit_size} re-derived for safety_margin {margin}",)
 
 
 def _profile_step_times(profile: Profile) -> StepTimes | None:
@@ -320,32 +345,7 @@ def _profile_limit(
             f"the profile has no measured peaks and no memory model, so it cannot predict the "
             f"micro-batch for capacity_bytes {capacity_bytes}; probe on that device instead"
         )
-    if within:
-        size, prediction = predict_past(
-            peaks,
-            budget_bytes=budget_bytes,
-            stored=model,
-            largest_measured_micro_batch_size=profile.max_micro_batch_size,
-        )
-    elif peaks:
-        size, prediction = predict_below(peaks, budget_bytes=budget_bytes, stored=model)
-    else:  # only the stored line: the profile's largest fitting size is the measured edge
-        assert model is not None
-        if model.peak_bytes(profile.max_micro_batch_size) <= budget_bytes:
-            size, prediction = predict_past(
-                peaks,
-                budget_bytes=budget_bytes,
-                stored=model,
-                largest_measured_micro_batch_size=profile.max_micro_batch_size,
-            )
-        else:
-            size, prediction = predict_below(
-                peaks,
-                budget_bytes=budget_bytes,
-                stored=model,
-                largest_measured_micro_batch_size=profile.max_micro_batch_size,
-            )
-            size = min(size, profile.max_micro_batch_size)
+    size, prediction = _predicted_size(profile, peaks, budget_bytes, fits_measured=bool(within))
     fixed, per_sample = prediction.fixed_bytes, prediction.bytes_per_sample
     if floor_limit is not None:
         size = min(size, floor_limit)
@@ -380,6 +380,37 @@ def _profile_limit(
         notes=(prediction.describe(size), *_failure_note(failed, size)),
         prediction=prediction,
     )
+
+
+def _predicted_size(
+    profile: Profile, peaks: Mapping[int, int], budget_bytes: int, *, fits_measured: bool
+) -> tuple[int, Prediction]:
+    """The largest size the profile's line puts under ``budget_bytes`` for another capacity:
+    past the measured sizes when some measured size fits (``fits_measured``), below them when
+    none does; with only the stored line, past or below the profile's largest fitting size."""
+    model = profile.memory_model
+    largest = profile.max_micro_batch_size
+    if fits_measured:
+        return predict_past(
+            peaks,
+            budget_bytes=budget_bytes,
+            stored=model,
+            largest_measured_micro_batch_size=largest,
+        )
+    if peaks:
+        return predict_below(peaks, budget_bytes=budget_bytes, stored=model)
+    assert model is not None  # the caller refused a profile with neither
+    if model.peak_bytes(largest) <= budget_bytes:
+        return predict_past(
+            peaks,
+            budget_bytes=budget_bytes,
+            stored=model,
+            largest_measured_micro_batch_size=largest,
+        )
+    size, prediction = predict_below(
+        peaks, budget_bytes=budget_bytes, stored=model, largest_measured_micro_batch_size=largest
+    )
+    return min(size, largest), prediction
 
 
 def failure_limit(profile: Profile, budget_bytes: int) -> tuple[int, str] | None:

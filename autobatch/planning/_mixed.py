@@ -53,7 +53,7 @@ from collections.abc import Mapping, Sequence
 
 from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
 from autobatch.planning._limits import require_int
-from autobatch.planning._planner import Plan
+from autobatch.planning._plan import Plan
 from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS
 
 __all__ = ["StepLine", "plan_mixed_ranks"]

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from autobatch.errors import ConfigError
 from autobatch.planning._limits import Limit, require_int
 from autobatch.planning._mixed import StepLine, plan_mixed_ranks
-from autobatch.planning._planner import Plan
+from autobatch.planning._plan import Plan
 from autobatch.planning._request import PlanRequest
 from autobatch.profile import Profile
 

@@ -455,46 +455,11 @@ class ProfileStore:
             ConfigError: ``batch_size`` is below 1.
             StoreError: either store is closed, unreadable or not writable.
         """
-        import sqlalchemy as sa
+        from autobatch.profiles._copying import copy_rows
 
-        from autobatch.profiles._engine import insert
-        from autobatch.profiles._schema import profiles
-        from autobatch.profiles._sequence import lock_for_insert
-        from autobatch.profiles._storable import unstorable_in
-
-        if batch_size < 1:
-            raise ConfigError(f"batch_size {batch_size} must be >= 1")
-        columns = [column for column in profiles.columns if column.name != "seq"]
-        last_seq, num_copied = -1, 0
-        while True:
-            with self._db.read("read profiles to copy") as conn:
-                rows = conn.execute(
-                    sa.select(profiles.c.seq, *columns)
-                    .where(profiles.c.seq > last_seq)
-                    .order_by(profiles.c.seq)
-                    .limit(batch_size)
-                ).all()
-            if not rows:
-                return num_copied
-            last_seq = rows[-1].seq
-            values = []
-            for row in rows:
-                value = {c.name: getattr(row, c.name) for c in columns}
-                why = unstorable_in(value)
-                if why is None:
-                    values.append(value)
-                    continue
-                _log.warning("profile %s not copied to %s: %s", row.id, target.location, why)
-                if on_uncopied is not None:
-                    on_uncopied(row.id, why)
-            if not values:
-                continue
-            with target._db.write("copy profiles in") as conn:
-                lock_for_insert(conn, target.backend)
-                statement = insert(target.backend, profiles).values(values)
-                statement = statement.on_conflict_do_nothing(index_elements=["id"])
-                # rows inserted, counted by RETURNING (a multi-row rowcount is not portable)
-                num_copied += len(conn.execute(statement.returning(profiles.c.id)).all())
+        return copy_rows(
+            self._db, target._db, target, batch_size=batch_size, on_uncopied=on_uncopied
+        )
 
     def delete(self, profile_id: str) -> bool:
         """Remove the profile stored under ``profile_id``.

@@ -63,14 +63,10 @@ from service.plan_limits import (
     select,
     selection_public,
 )
+from service.plan_schemas import PlanCreate, PlanPublic
 from service.problems import Problem, problem_responses
 from service.routing import JsonBodyRoute, json_body_openapi, read_json_body
-from service.schemas import (
-    DeviceSpec,
-    PlanCreate,
-    PlanPublic,
-    ResolvedDevice,
-)
+from service.schemas import DeviceSpec, ResolvedDevice
 from service.store_calls import store_call
 from service.wording import field_wording
 

@@ -21,8 +21,8 @@ from autobatch.planning._planner import Plan
 from autobatch.profile import MemoryModel, ProbeTimings, Profile, StepIdentity, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
+from service.plan_schemas import PlanPublic
 from service.routing import is_json_media_type
-from service.schemas import PlanPublic
 from tests.helpers.fake_pynvml import GiB, MiB
 from tests.service.conftest import A100_UUID, H100_UUID, no_nvml
 
@@ -1129,7 +1129,7 @@ def test_openapi_documents_problems(client: TestClient) -> None:
 def test_openapi_documents_the_plan_body_in_every_app(make_app: Callable[..., FastAPI]) -> None:
     """POST /v1/plan reads its own body; its schema still sits in components, with the nested
     models, in each app built from the shared router (the route's openapi_extra is not edited)."""
-    from service.schemas import PlanCreate
+    from service.plan_schemas import PlanCreate
 
     for _ in range(2):
         schema = TestClient(make_app()).get("/openapi.json").json()
@@ -1177,7 +1177,7 @@ def test_the_plan_schema_has_every_plan_field(client: TestClient) -> None:
     import dataclasses
 
     from autobatch.planning._prediction import Prediction
-    from service.schemas import PlanFields, PredictionFields
+    from service.plan_schemas import PlanFields, PredictionFields
 
     assert set(PlanFields.model_fields) == {f.name for f in dataclasses.fields(Plan)}
     assert set(PredictionFields.model_fields) == {f.name for f in dataclasses.fields(Prediction)}
