@@ -34,6 +34,7 @@ __all__ = [
     "check_options",
     "code_identity",
     "dataset_rows",
+    "refuse_deepspeed",
     "tune",
     "with_epoch",
 ]
@@ -239,3 +240,27 @@ def dataset_rows(dataset: object) -> int | None:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def refuse_deepspeed(managed: bool, *, caller: str, where: str) -> None:
+    """Refuse a run whose micro-batch DeepSpeed's own config sets: under DeepSpeed the engine
+    takes ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` and
+    ``train_batch_size`` from its config, not from the dataloader or the framework, so a plan
+    applied to the loader would not be the batch that trains.
+
+    Args:
+        managed: whether DeepSpeed runs the step (the framework's own reading).
+        caller: the drop-in, for the message.
+        where: how the run turned DeepSpeed on, e.g. ``"Accelerator(deepspeed_plugin=...)"``.
+
+    Raises:
+        ConfigError: ``managed``, naming DeepSpeed's keys and the fix.
+    """
+    if managed:
+        raise ConfigError(
+            f"{caller} plans the dataloader's micro-batch, but under DeepSpeed ({where}) the "
+            "engine's config sets it (train_micro_batch_size_per_gpu, "
+            "gradient_accumulation_steps, train_batch_size): plan with autobatch.autotune "
+            "and write the plan into DeepSpeed's config with "
+            "autobatch.integrations.deepspeed_config(plan)"
+        )

@@ -35,6 +35,7 @@ from autobatch.integrations._dropins import (
     autotune_arguments,
     check_options,
     dataset_rows,
+    refuse_deepspeed,
     tune,
     with_epoch,
 )
@@ -84,12 +85,18 @@ def autotune_accelerator(
     Raises:
         ConfigError: an option autotune does not take or that this function sets itself; an
             empty dataloader; ``split_batches=True`` with more than one process (the loader's
-            batch would be split over them).
+            batch would be split over them); DeepSpeed running the step (its config sets the
+            micro-batch).
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
     """
     check_options(options, caller="autotune_accelerator", owned=SET_BY_FRAMEWORK)
     _refuse_split_batches(accelerator)
+    refuse_deepspeed(
+        getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None,
+        caller="autotune_accelerator",
+        where="Accelerator(deepspeed_plugin=...) or accelerate config",
+    )
     unwrapped = accelerator.unwrap_model(model)
     inner_optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps one
     sample = _first_batch(dataloader, next(unwrapped.parameters()).device)

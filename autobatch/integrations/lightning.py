@@ -38,6 +38,7 @@ from autobatch.integrations._dropins import (
     check_options,
     code_identity,
     dataset_rows,
+    refuse_deepspeed,
     tune,
     with_epoch,
 )
@@ -197,6 +198,12 @@ def _tune(
     options: dict[str, Any],
 ) -> Plan:
     """Probe, plan and apply (what :class:`AutobatchFinder` does at fit start); see there."""
+    refuse_deepspeed(
+        # By name: importing Lightning's DeepSpeedStrategy needs deepspeed installed.
+        any(kind.__name__ == "DeepSpeedStrategy" for kind in type(trainer.strategy).__mro__),
+        caller="AutobatchFinder",
+        where="Trainer(strategy='deepspeed...')",
+    )
     optimizers = trainer.optimizers
     if len(optimizers) != 1:
         raise ConfigError(

@@ -47,3 +47,37 @@ def test_mixed_ranks_is_refused_by_each_drop_in_naming_its_framework(
         r"micro-batch size.*MixedBatchSampler",
     ):
         check_options({"mixed_ranks": True}, caller=caller)
+
+
+def test_the_drop_ins_refuse_a_step_deepspeed_runs_by_name() -> None:
+    # Under DeepSpeed the engine's config sets the micro-batch, not the loader: a plan applied to
+    # the loader would not be the batch that trains, so both drop-ins refuse it, naming the keys.
+    from types import SimpleNamespace
+
+    import torch
+
+    from autobatch.integrations.accelerate import autotune_accelerator
+    from autobatch.integrations.lightning import _tune
+
+    accelerator = SimpleNamespace(
+        num_processes=1, split_batches=False, state=SimpleNamespace(deepspeed_plugin=object())
+    )
+    with pytest.raises(ConfigError, match=r"under DeepSpeed \(Accelerator\(deepspeed_plugin"):
+        autotune_accelerator(accelerator, torch.nn.Linear(2, 2), [], effective_batch_size=8)
+
+    class DeepSpeedStrategy:  # Lightning's class, by name (its import needs deepspeed)
+        pass
+
+    class TunedStrategy(DeepSpeedStrategy):
+        pass
+
+    trainer = SimpleNamespace(strategy=TunedStrategy(), optimizers=[], world_size=1)
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        _tune(
+            trainer,
+            torch.nn.Linear(2, 2),
+            effective_batch_size=8,
+            device=None,
+            batch_arg_name="batch_size",
+            options={},
+        )
