@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from autobatch.device import BudgetSource, SharingMode
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
 from autobatch.profiles import unstorable, unstorable_in
@@ -109,24 +110,9 @@ PositiveBytes = Annotated[int, Field(ge=1, le=MAX_BYTES)]
 WorldSize = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 GpuFraction = Annotated[float, Field(gt=0, le=1)]
-BudgetSourceName = Literal[
-    "nvml",
-    "cuda_runtime",
-    "vgpu_limit",
-    "mps_limit",
-    "memory_fraction",
-    "gpu_fraction",
-    "host",
-    "cgroup",
-    "simulated",
-    "capacity_bytes",
-    "node_labels",
-    "time_slicing",
-    "ranks",
-]
-SharingModeName = Literal[
-    "none", "shared", "virtualised", "fractional", "time_sliced", "container_limited", "mps"
-]
+BudgetSourceName = BudgetSource
+"""The library's budget sources, one list (the answer's schema names them)."""
+SharingModeName = SharingMode
 
 
 class Strict(BaseModel):
