@@ -218,37 +218,7 @@ def run_models(plan: list[tuple[Any, int]], args: argparse.Namespace) -> None:
 
 def run_patterns(patterns: tuple[Pattern, ...]) -> None:
     """The failure patterns: every tool on a fresh card, beside the true max, then the goals."""
-    rows: list[dict[str, Any]] = []
-    for pattern in patterns:
-        print(f"{pattern.name} ...", file=sys.stderr, flush=True)
-        reference = true_max(pattern, pattern.device())
-        ours, profile = run_autobatch(
-            pattern.case, pattern.device(), max_micro_batch_size=pattern.limit
-        )
-        counted = sum(1 for t in profile.trials if not t.warm_up and not t.repeat)
-        row: dict[str, Any] = {
-            "pattern": pattern,
-            "true_max": reference,
-            "autobatch": ours,
-            "search_trials": counted,
-            "bound": math.ceil(math.log2(pattern.limit)) + 3,
-        }
-        row["autobatch_fails"] = sum(1 for t in profile.trials if not t.fits)
-        row["real_steps"] = len(profile.trials)  # the warm-up and the second step included
-        row["lightning"] = _peer(
-            "lightning",
-            functools.partial(run_lightning, pattern.case, pattern.device(), accelerator="cpu"),
-        )
-        row["accelerate"] = _peer(
-            "accelerate",
-            functools.partial(
-                run_accelerate,
-                pattern.case,
-                pattern.device(),
-                starting_micro_batch_size=2 * max(reference, 1),
-            ),
-        )
-        rows.append(row)
+    rows = [_pattern_row(pattern) for pattern in patterns]
     print()
     print(
         "Failure patterns the peaks do not predict (simulated card, real steps); true max = "
@@ -257,6 +227,44 @@ def run_patterns(patterns: tuple[Pattern, ...]) -> None:
     )
     print(format_patterns(rows))
     print()
+    _print_pattern_goals(rows)
+
+
+def _pattern_row(pattern: Pattern) -> dict[str, Any]:
+    """Every tool on a fresh card of ``pattern``, beside its true max."""
+    print(f"{pattern.name} ...", file=sys.stderr, flush=True)
+    reference = true_max(pattern, pattern.device())
+    ours, profile = run_autobatch(
+        pattern.case, pattern.device(), max_micro_batch_size=pattern.limit
+    )
+    counted = sum(1 for t in profile.trials if not t.warm_up and not t.repeat)
+    row: dict[str, Any] = {
+        "pattern": pattern,
+        "true_max": reference,
+        "autobatch": ours,
+        "search_trials": counted,
+        "bound": math.ceil(math.log2(pattern.limit)) + 3,
+    }
+    row["autobatch_fails"] = sum(1 for t in profile.trials if not t.fits)
+    row["real_steps"] = len(profile.trials)  # the warm-up and the second step included
+    row["lightning"] = _peer(
+        "lightning",
+        functools.partial(run_lightning, pattern.case, pattern.device(), accelerator="cpu"),
+    )
+    row["accelerate"] = _peer(
+        "accelerate",
+        functools.partial(
+            run_accelerate,
+            pattern.case,
+            pattern.device(),
+            starting_micro_batch_size=2 * max(reference, 1),
+        ),
+    )
+    return row
+
+
+def _print_pattern_goals(rows: list[dict[str, Any]]) -> None:
+    """The failure patterns' goals, each MET or MISSED."""
     worst = max(rows, key=lambda r: r["search_trials"] - r["bound"])
     exact = all(r["autobatch"].micro_batch_size == r["true_max"] for r in rows)
     within = all(r["search_trials"] <= r["bound"] for r in rows)
@@ -320,52 +328,7 @@ def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace
     _, warm_case, warm_capacity, _ = cases[0]  # first steps in a process pay one-time costs
     run_bisection(warm_case, SimulatedDevice(capacity_bytes=warm_capacity), limit=64)
     for name, case, capacity, limit in cases:
-        runs: dict[str, dict[str, Any]] = {}
-        for regime, step_seconds in REGIMES.items():
-            print(f"{name} @ {regime} ...", file=sys.stderr, flush=True)
-            timed: dict[str, Any] = {}
-            bisection = _timed(
-                timed,
-                "bisection",
-                capacity,
-                step_seconds,
-                lambda card, case=case, limit=limit: run_bisection(case, card, limit=limit),
-            )
-            ours = _timed(
-                timed,
-                "autobatch",
-                capacity,
-                step_seconds,
-                lambda card, case=case, limit=limit: run_autobatch(
-                    case, card, max_micro_batch_size=limit
-                ),
-            )
-            timed["profile"] = ours[1]
-            _timed(
-                timed,
-                "lightning",
-                capacity,
-                step_seconds,
-                lambda card, case=case: _peer(
-                    "lightning", functools.partial(run_lightning, case, card, accelerator="cpu")
-                ),
-            )
-            begin = (
-                2 * max(bisection.micro_batch_size, 1)
-                if args.accelerate_start == "2x"
-                else int(args.accelerate_start)
-            )
-            _timed(
-                timed,
-                "accelerate",
-                capacity,
-                step_seconds,
-                lambda card, case=case, begin=begin: _peer(
-                    "accelerate",
-                    functools.partial(run_accelerate, case, card, starting_micro_batch_size=begin),
-                ),
-            )
-            runs[regime] = timed
+        runs = _regime_runs(name, case, capacity, limit, args)
         estimated = runs["cpu"]["profile"]
         cpu_total = runs["cpu"]["autobatch"][1]  # the estimate's road, re-priced per regime
         for regime, step_seconds in REGIMES.items():
@@ -373,6 +336,65 @@ def run_regimes(cases: list[tuple[str, Any, int, int]], args: argparse.Namespace
             if estimated.method == "probe":  # the cpu run took the estimate's road: re-priced
                 road = cpu_total + estimated.num_trials * (step_seconds - REGIMES["cpu"])
             rows.append({"name": name, "regime": regime, "road": road, **runs[regime]})
+    _print_regimes(rows)
+
+
+def _regime_runs(
+    name: str, case: Any, capacity: int, limit: int, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Each tool on a fresh card per regime: ``runs[regime][tool]`` is (result, seconds on the
+    card's clock), ``runs[regime]["profile"]`` autobatch's profile."""
+    runs: dict[str, dict[str, Any]] = {}
+    for regime, step_seconds in REGIMES.items():
+        print(f"{name} @ {regime} ...", file=sys.stderr, flush=True)
+        timed: dict[str, Any] = {}
+        bisection = _timed(
+            timed,
+            "bisection",
+            capacity,
+            step_seconds,
+            lambda card, case=case, limit=limit: run_bisection(case, card, limit=limit),
+        )
+        ours = _timed(
+            timed,
+            "autobatch",
+            capacity,
+            step_seconds,
+            lambda card, case=case, limit=limit: run_autobatch(
+                case, card, max_micro_batch_size=limit
+            ),
+        )
+        timed["profile"] = ours[1]
+        _timed(
+            timed,
+            "lightning",
+            capacity,
+            step_seconds,
+            lambda card, case=case: _peer(
+                "lightning", functools.partial(run_lightning, case, card, accelerator="cpu")
+            ),
+        )
+        begin = (
+            2 * max(bisection.micro_batch_size, 1)
+            if args.accelerate_start == "2x"
+            else int(args.accelerate_start)
+        )
+        _timed(
+            timed,
+            "accelerate",
+            capacity,
+            step_seconds,
+            lambda card, case=case, begin=begin: _peer(
+                "accelerate",
+                functools.partial(run_accelerate, case, card, starting_micro_batch_size=begin),
+            ),
+        )
+        runs[regime] = timed
+    return runs
+
+
+def _print_regimes(rows: list[dict[str, Any]]) -> None:
+    """The wall-time table by regime, then its goals, each MET or MISSED."""
     print()
     print(
         "Wall time by regime (simulated card: a real step counts gpu 5 ms, cpu 100 ms on the "

@@ -309,55 +309,60 @@ def main(argv: list[str] | None = None) -> int:
                 for tally, endpoint in zip(tallies, ENDPOINTS, strict=True):
                     server = endpoint[1]
                     tally.run(servers[server], ports[server], endpoint, per_round, concurrency)
-            results = [tally.summary() for tally in tallies]
-            for (name, *_), result in zip(ENDPOINTS, results, strict=True):
-                print(
-                    f"{concurrency:>4} {name:>15} {result['rps']:>8.0f} "
-                    f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {result['cpu_us']:>18.0f}"
-                )
-            plan = results[0]
-            for (name, *_), empty_result, empty_tally in zip(
-                ENDPOINTS[1:3], results[1:3], tallies[1:3], strict=True
-            ):
-                p99_ratio = plan["p99_ms"] / empty_result["p99_ms"]
-                cpu = empty_result["cpu_us"]
-                cpu_ratio = plan["cpu_us"] / cpu if cpu else float("nan")
-                print(
-                    f"{'':>4} plan/{name}: p99 {p99_ratio:.2f}x "
-                    f"({'met' if p99_ratio <= P99_GOAL else 'MISSED'}: <= {P99_GOAL}x), "
-                    f"server CPU per request {cpu_ratio:.2f}x "
-                    f"({'met' if cpu_ratio <= CPU_GOAL else 'MISSED'}: <= {CPU_GOAL}x)"
-                )
-                # At high concurrency one stall of the shared machine delays every request in
-                # flight at once, so a pooled p99 can be one event: the rounds' own ratios,
-                # each plan round beside the baseline round run right after it, show the spread.
-                paired = sorted(
-                    a / b
-                    for a, b in zip(tallies[0].round_p99s, empty_tally.round_p99s, strict=True)
-                )
-                print(
-                    f"{'':>4} {'':>{len(name) + 6}} p99 ratio round by round: median "
-                    f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x "
-                    f"over {len(paired)} rounds"
-                )
-            node, card = results[3], results[4]
-            card_ratio = card["p99_ms"] / node["p99_ms"]
-            cpu_ratio = card["cpu_us"] / node["cpu_us"] if node["cpu_us"] else float("nan")
-            paired = sorted(
-                a / b for a, b in zip(tallies[4].round_p99s, tallies[3].round_p99s, strict=True)
-            )
-            print(
-                f"{'':>4} plan (card)/plan (node): p99 {card['p99_ms']:.2f} ms / "
-                f"{node['p99_ms']:.2f} ms = {card_ratio:.2f}x "
-                f"({'met' if card_ratio <= CARD_P99_GOAL else 'MISSED'}: <= {CARD_P99_GOAL}x), "
-                f"server CPU per request {cpu_ratio:.2f}x; round by round: median "
-                f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x"
-            )
+            report_level(concurrency, tallies)
     finally:
         for server in servers:
             server.terminate()
             server.wait(timeout=30)
     return 0
+
+
+def report_level(concurrency: int, tallies: list[Tally]) -> None:
+    """One concurrency level's rows (each endpoint), then plan's ratios to the baselines and
+    the card plan's to the node plan, each against its goal."""
+    results = [tally.summary() for tally in tallies]
+    for (name, *_), result in zip(ENDPOINTS, results, strict=True):
+        print(
+            f"{concurrency:>4} {name:>15} {result['rps']:>8.0f} "
+            f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {result['cpu_us']:>18.0f}"
+        )
+    plan = results[0]
+    for (name, *_), empty_result, empty_tally in zip(
+        ENDPOINTS[1:3], results[1:3], tallies[1:3], strict=True
+    ):
+        p99_ratio = plan["p99_ms"] / empty_result["p99_ms"]
+        cpu = empty_result["cpu_us"]
+        cpu_ratio = plan["cpu_us"] / cpu if cpu else float("nan")
+        print(
+            f"{'':>4} plan/{name}: p99 {p99_ratio:.2f}x "
+            f"({'met' if p99_ratio <= P99_GOAL else 'MISSED'}: <= {P99_GOAL}x), "
+            f"server CPU per request {cpu_ratio:.2f}x "
+            f"({'met' if cpu_ratio <= CPU_GOAL else 'MISSED'}: <= {CPU_GOAL}x)"
+        )
+        # At high concurrency one stall of the shared machine delays every request in
+        # flight at once, so a pooled p99 can be one event: the rounds' own ratios,
+        # each plan round beside the baseline round run right after it, show the spread.
+        paired = sorted(
+            a / b for a, b in zip(tallies[0].round_p99s, empty_tally.round_p99s, strict=True)
+        )
+        print(
+            f"{'':>4} {'':>{len(name) + 6}} p99 ratio round by round: median "
+            f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x "
+            f"over {len(paired)} rounds"
+        )
+    node, card = results[3], results[4]
+    card_ratio = card["p99_ms"] / node["p99_ms"]
+    cpu_ratio = card["cpu_us"] / node["cpu_us"] if node["cpu_us"] else float("nan")
+    paired = sorted(
+        a / b for a, b in zip(tallies[4].round_p99s, tallies[3].round_p99s, strict=True)
+    )
+    print(
+        f"{'':>4} plan (card)/plan (node): p99 {card['p99_ms']:.2f} ms / "
+        f"{node['p99_ms']:.2f} ms = {card_ratio:.2f}x "
+        f"({'met' if card_ratio <= CARD_P99_GOAL else 'MISSED'}: <= {CARD_P99_GOAL}x), "
+        f"server CPU per request {cpu_ratio:.2f}x; round by round: median "
+        f"{statistics.median(paired):.2f}x, {paired[0]:.2f}x to {paired[-1]:.2f}x"
+    )
 
 
 if __name__ == "__main__":
