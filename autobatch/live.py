@@ -73,6 +73,8 @@ _CHECKED_HERE = """
 
 
 def _changes_here(result: Plan, *, for_this_card: bool, world_size_given: bool) -> list[str]:
+    # torch-bound: read only in a process that has loaded torch; importing this module stays
+    # torch-free
     from autobatch.probing import live_data_parallel, process_conditions
 
     live = process_conditions(data_parallel=live_data_parallel())

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from autobatch.conditions import Conditions
+from autobatch.device import MemoryBudget
 from autobatch.errors import ConfigError
 from autobatch.margin import check_safety_margin
 from autobatch.timings import ProbeTimings
@@ -540,8 +541,6 @@ class Profile:
             fields["notes"] = tuple(data.get("notes", ()))
             budget = data.get("budget")
             if budget is not None:
-                from autobatch.device import MemoryBudget
-
                 fields["budget"] = MemoryBudget.from_dict(budget)
             fields["conditions"] = Conditions.from_dict(data.get("conditions"))
             fields["gradient_sync"] = GradientSync.from_dict(data.get("gradient_sync"))

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from autobatch.errors import AutobatchError
 from autobatch.profiles import redact
+from service.main import run
 from service.problems import validation_reason
 from service.settings import SECRET_FIELDS, add_serve_arguments, settings_from_args
 
@@ -40,8 +41,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         settings = settings_from_args(args)
-        from service.main import run
-
         run(settings)
     except ValidationError as exc:
         for error in exc.errors():

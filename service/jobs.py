@@ -38,7 +38,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from autobatch.errors import ConfigError, StoreError
+from autobatch.device import cuda_visible_devices, default_nvml, resolve_device
+from autobatch.errors import ConfigError, DeviceUnavailableError, StoreError
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
 from service.children import die_with_parent, kill_group
@@ -476,9 +477,6 @@ def _pin_visible_devices() -> None:
     """Make this child's ``cuda:N`` the service's ``cuda_index`` N: CUDA_VISIBLE_DEVICES set to
     the UUIDs of the device set the container was given, in CUDA's order (a privileged pod's
     CUDA would otherwise number every card on the node). Left alone without NVML."""
-    from autobatch.device import cuda_visible_devices, default_nvml
-    from autobatch.errors import DeviceUnavailableError
-
     try:
         _devices, resolved = default_nvml().visible()
     except DeviceUnavailableError:
@@ -491,8 +489,7 @@ def _tune(
 ) -> dict[str, Any]:
     """Through the library's one road (:func:`autobatch.tuning.tune_profile`): a stored
     profile that still answers, unless ``refresh``; else a probe, stored by the road."""
-    from autobatch.device import resolve_device
-    from autobatch.tuning import TuneRequest, tune_profile
+    from autobatch.tuning import TuneRequest, tune_profile  # torch: only the probe child loads it
 
     if cuda_index(device) is not None:
         _pin_visible_devices()
@@ -524,7 +521,7 @@ def _registered_model(entry: ModelEntry) -> Any:
     import torch
     import torch.nn.functional as F
 
-    from autobatch.models import ModelSpec
+    from autobatch.models import ModelSpec  # torch: only the probe child loads it
 
     module_name, _, function_name = entry.factory.partition(":")
     try:

@@ -34,7 +34,18 @@ from autobatch.cli._output import (
 from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
+from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError
+from autobatch.extras import require
+from autobatch.planning import (
+    Plan,
+    PlanRequest,
+    budgeted_plan,
+    budgeted_table,
+    given_budget,
+    stored_profile_source,
+)
+from autobatch.profiles import STORE_ENV_VAR, Create, ProfileStore
 from autobatch.units import format_bytes
 
 __all__ = ["build_parser", "main"]
@@ -89,16 +100,12 @@ def _store(args: argparse.Namespace, *, writing: bool = False) -> Any:
     and writing creates its file only in an existing folder, but for the default location's
     (``~/.cache/autobatch``), which is made when missing.
     """
-    from autobatch.profiles import STORE_ENV_VAR, Create, ProfileStore
-
     default = args.store is None and not os.environ.get(STORE_ENV_VAR)
     create: Create = "never" if not writing else ("folders" if default else "file")
     return ProfileStore(args.store, create=create)
 
 
 def _devices(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.device import list_gpus
-
     gpus = list_gpus()
     if args.json:
         print(json.dumps([dataclasses.asdict(g) for g in gpus], indent=2), file=out)
@@ -130,6 +137,7 @@ def _amp(args: argparse.Namespace) -> Any:
 
 
 def _load(args: argparse.Namespace) -> Any:
+    # torch-bound: only the commands that run a step load torch
     from autobatch.models import load_model
 
     return load_model(
@@ -138,6 +146,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace, out: TextIO) -> int:
+    # torch-bound: only the commands that run a step load torch
     from autobatch.probing import estimate
 
     spec = _load(args)
@@ -170,6 +179,8 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _tune(args: argparse.Namespace, out: TextIO) -> int:
+    # The road is torch-bound: only the commands that run a step load torch. resolve_device is
+    # read from the device face when called, where tests replace it.
     from autobatch.device import resolve_device
     from autobatch.tuning import TuneRequest, tune_request
 
@@ -243,14 +254,6 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.planning import (
-        PlanRequest,
-        budgeted_plan,
-        budgeted_table,
-        given_budget,
-        stored_profile_source,
-    )
-
     if args.model_fingerprint is not None:
         return _remote_plan(args, out)
     if args.rank_max is not None:
@@ -314,8 +317,6 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 
 def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
     """``plan --model-fingerprint``: the service's plan, as text, JSON or ``--env`` lines."""
-    from autobatch.planning import Plan
-
     answer = remote_plan(args)
     if args.env or args.output:
         write_plan(answer["plan"], answer, args.output, out)
@@ -378,8 +379,6 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _serve(args: argparse.Namespace, out: TextIO) -> int:
-    from autobatch.extras import require
-
     # service/__init__ requires its extra's modules: a missing one is named, not a traceback.
     serve_main = require("service.__main__", extra="service", purpose="autobatch serve").main
     forwarded = list(args.args)

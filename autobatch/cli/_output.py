@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from autobatch.errors import Remedy
+from autobatch.integrations import format_config
 from autobatch.units import format_bytes
 
 AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
@@ -137,8 +138,6 @@ def print_plan(
     eval_profile: Any = None,
     flag_limit: int = 0,
 ) -> None:
-    from autobatch.integrations import format_config
-
     if fmt == "json":
         data = {"plan": result.to_dict()}
         if profile is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autobatch.errors import ConfigError
+from autobatch.planning import PlanRequest
 
 __all__ = ["CENTRAL_URL_ENV_VAR", "env_variables", "remote_plan", "write_plan"]
 
@@ -56,8 +57,7 @@ def remote_plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     if len(args.world_size) != 1:
         raise ConfigError("a plan from a service takes a single --world-size")
-    from autobatch.client import AutobatchClient, PlanQuery
-    from autobatch.planning import PlanRequest
+    from autobatch.client import AutobatchClient, PlanQuery  # httpx: only a remote plan needs it
 
     conditions = dict(args.condition) if args.condition else None
     query = PlanQuery(

@@ -16,6 +16,8 @@ import json
 from typing import TextIO
 
 from autobatch.errors import ConfigError
+from autobatch.integrations import format_config
+from autobatch.planning import plan_mixed_ranks
 
 __all__ = ["plan_ranks"]
 
@@ -44,9 +46,6 @@ def plan_ranks(args: argparse.Namespace, out: TextIO, fmt: str) -> int:
             another number of ranks; the planner's errors (NoFeasiblePlanError with the nearest
             reachable effective batches).
     """
-    from autobatch.integrations import format_config
-    from autobatch.planning import plan_mixed_ranks
-
     maxima = list(args.rank_max)
     given = [flag for flag, name in _LOCAL_ONLY if name and getattr(args, name, None)]
     if args.uneven != "auto":

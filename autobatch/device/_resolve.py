@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from autobatch.device._budget import check_gpu_fraction
 from autobatch.device._types import Device
 from autobatch.errors import ConfigError
+from autobatch.units import parse_capacity
 
 if TYPE_CHECKING:
     import torch
@@ -57,8 +58,6 @@ def parse_device(text: str) -> ParsedDevice:
         )
     kind, sep, rest = text.strip().partition(":")
     if kind == "sim":
-        from autobatch.units import parse_capacity
-
         if not rest.strip():
             raise ConfigError(f"device {text!r}: give the simulated capacity, e.g. 'sim:2GiB'")
         return ParsedDevice(type="sim", capacity_bytes=parse_capacity(rest.strip(), prefix="sim:"))
@@ -111,6 +110,7 @@ def resolve_device(
         spec = str(default) if default is not None else "cpu"
     parsed = parse_device(spec)
     if parsed.type == "sim":
+        # Each device's module is torch-bound: it loads when its kind is asked for.
         from autobatch.device._simulated import SimulatedDevice
 
         assert parsed.capacity_bytes is not None

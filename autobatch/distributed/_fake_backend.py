@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autobatch.distributed._sync import drop_unsharded_gradients
 from autobatch.errors import DistributedError, PeerObjectError
 
 __all__ = [
@@ -201,8 +202,6 @@ def reset_fsdp2(model: torch.nn.Module) -> None:
     it reshards every parameter group and clears the step's trackers, so the next step runs;
     and the unsharded gradients an earlier micro-step without the reduction left are dropped."""
     from torch.distributed.fsdp import FSDPModule
-
-    from autobatch.distributed._sync import drop_unsharded_gradients
 
     drop_unsharded_gradients(model)
     for module in model.modules():

@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autobatch.conditions import launcher_data_parallel
+from autobatch.errors import ConfigError
+
 __all__ = [
     "FSDP1_LAYOUT",
     "FSDP2_LAYOUT",
@@ -123,9 +126,6 @@ def resolve_data_parallel(
             one dimension, the data-parallel ranks cannot be told apart, or the launcher's
             ``WORLD_SIZE`` is not the default group's size (names the fix).
     """
-    from autobatch.conditions import launcher_data_parallel
-    from autobatch.errors import ConfigError
-
     given: dict[str, int] = {}
     for name, value in (("world_size", world_size), ("data_parallel_size", data_parallel_size)):
         if value is None:
@@ -172,8 +172,6 @@ def resolve_data_parallel(
 
 
 def _group_size(group: dist.ProcessGroup | DeviceMesh) -> int:
-    from autobatch.errors import ConfigError
-
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ConfigError(

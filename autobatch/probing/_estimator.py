@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autobatch.conditions import Conditions
 from autobatch.device import LiveBytes
-from autobatch.errors import ConfigError, EstimateUnavailableError
+from autobatch.errors import ConfigError, DoesNotFitError, EstimateUnavailableError, Remedy
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._compiled import eager, is_compiled
@@ -48,6 +48,7 @@ from autobatch.probing._search import (
 from autobatch.probing._snapshot import preserved_rng, resident_tensors
 from autobatch.probing._step import LossFn, TrainingStep, TrainStep
 from autobatch.profile import Profile, StepIdentity, Trial
+from autobatch.units import format_bytes
 
 __all__ = [
     "FakeStep",
@@ -377,9 +378,6 @@ def run_estimate(
     Raises:
         DoesNotFitError: not even micro-batch 1 fits in ``capacity_bytes``.
     """
-    from autobatch.errors import DoesNotFitError, Remedy
-    from autobatch.units import format_bytes
-
     started = time.perf_counter()
     points = estimate_points(
         fake, capacity_bytes=capacity_bytes, max_micro_batch_size=max_micro_batch_size

@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import torch
 
-from autobatch.device import Device
+from autobatch.device import Device, SimulatedDevice
 from autobatch.distributed import (
     FSDP2_LAYOUT,
     FSDP2_TP_LAYOUT,
@@ -82,8 +82,6 @@ def device_for_layout(device: Device, layout: str, *, world_size: int | None) ->
             FSDP1's per-step state cannot be reset after such a step (names the alternatives).
     """
     import torch.distributed as dist
-
-    from autobatch.device import SimulatedDevice
 
     if world_size is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

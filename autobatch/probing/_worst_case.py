@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
+from autobatch.device import is_oom
 from autobatch.errors import ConfigError
 
 __all__ = ["WorstCaseSample", "worst_case_sample"]
@@ -167,8 +168,6 @@ def _check_collate(sample: WorstCaseSample) -> None:
     Raises:
         ConfigError: ``collate_fn`` raised on them (an out-of-memory error propagates).
     """
-    from autobatch.device import is_oom
-
     try:
         sample(len(sample.items))
     except Exception as exc:

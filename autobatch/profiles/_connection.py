@@ -34,6 +34,10 @@ from typing import TYPE_CHECKING, Any
 from autobatch.errors import StoreError
 from autobatch.profiles._location import Create, StoreLocation, prepare_file
 
+# _engine and _schema import SQLAlchemy: the functions here import them when
+# called, so that importing the store (``from autobatch import ProfileStore``) stays
+# SQLAlchemy-free.
+
 if TYPE_CHECKING:
     import sqlalchemy as sa
 

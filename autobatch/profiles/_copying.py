@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING
 
 from autobatch.errors import ConfigError
 from autobatch.profiles._connection import StoreConnection
+from autobatch.profiles._storable import unstorable_in
+
+# _engine, _schema and _sequence import SQLAlchemy: the functions here import them when
+# called, so that importing the store (``from autobatch import ProfileStore``) stays
+# SQLAlchemy-free.
 
 if TYPE_CHECKING:
     from autobatch.profiles._store import ProfileStore
@@ -43,7 +48,6 @@ def copy_rows(
     from autobatch.profiles._engine import insert
     from autobatch.profiles._schema import profiles
     from autobatch.profiles._sequence import lock_for_insert
-    from autobatch.profiles._storable import unstorable_in
 
     if batch_size < 1:
         raise ConfigError(f"batch_size {batch_size} must be >= 1")

@@ -25,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from autobatch.errors import StoreError
+from autobatch.extras import require
 from autobatch.profiles._location import STORE_ENV_VAR, StoreLocation, password_of
 
 __all__ = [
@@ -126,8 +127,6 @@ def make_engine(location: StoreLocation, *, timeout_seconds: float) -> sa.Engine
     from sqlalchemy import event, pool
 
     if location.backend == "postgresql":
-        from autobatch.extras import require
-
         # SQLAlchemy imports the driver inside create_engine; a missing one is named here.
         require(
             "psycopg", extra="postgres", purpose=f"the PostgreSQL profile store {location.display}"

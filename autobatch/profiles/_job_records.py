@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import StoreError
 
+# _engine and _schema import SQLAlchemy: the functions here import them when
+# called, so that importing the store (``from autobatch import ProfileStore``) stays
+# SQLAlchemy-free.
+
 if TYPE_CHECKING:
     from autobatch.profiles._connection import StoreConnection
 

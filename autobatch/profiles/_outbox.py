@@ -22,6 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError
 
+# _engine and _schema import SQLAlchemy: the functions here import them when
+# called, so that importing the store (``from autobatch import ProfileStore``) stays
+# SQLAlchemy-free.
+
 if TYPE_CHECKING:
     from autobatch.profiles._connection import StoreConnection
 

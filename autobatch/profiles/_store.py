@@ -48,6 +48,8 @@ from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 from autobatch.profiles import _job_records as job_records
 from autobatch.profiles._connection import StoreConnection
+from autobatch.profiles._copying import copy_rows
+from autobatch.profiles._fallback import default_or_fallback
 from autobatch.profiles._location import (
     STORE_ENV_VAR,
     Create,
@@ -57,6 +59,10 @@ from autobatch.profiles._location import (
 )
 from autobatch.profiles._outbox import Outbox
 from autobatch.profiles._pages import ProfilePage, ProfileSummary, SummaryPage
+
+# _engine, _schema and _sequence import SQLAlchemy: the functions here import them when
+# called, so that importing the store (``from autobatch import ProfileStore``) stays
+# SQLAlchemy-free.
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -128,8 +134,6 @@ class ProfileStore:
         open_later: bool = False,
     ) -> None:
         if location is None:  # the default falls back when it cannot be written; nothing else
-            from autobatch.profiles._fallback import default_or_fallback
-
             location = default_or_fallback()
         self._location: StoreLocation = parse_location(location)
         self.path: pathlib.Path | None = self._location.path
@@ -455,8 +459,6 @@ class ProfileStore:
             ConfigError: ``batch_size`` is below 1.
             StoreError: either store is closed, unreadable or not writable.
         """
-        from autobatch.profiles._copying import copy_rows
-
         return copy_rows(
             self._db, target._db, target, batch_size=batch_size, on_uncopied=on_uncopied
         )
