@@ -25,7 +25,7 @@ Target: the helper adds < 2% to an optimizer step's time (the ``mlp`` and ``gpt2
 
 ``Window.run`` is timed too, with ``on_oom="raise"`` and ``on_oom="split"`` (nothing runs out of
 memory here), and the ``split / raise`` paired ratio is the cost of being ready to split
-(issue 14's target: < 2%).
+(the target: < 2%).
 
 Usage::
 
@@ -50,7 +50,7 @@ from autobatch.training import Accumulator, OnOom
 
 GRADIENT_ACCUMULATION_STEPS = 4
 MAX_GRAD_NORM = 1.0
-TARGET_RATIO = 1.02  # issue 6: the helper adds < 2% to an optimizer step's time
+TARGET_RATIO = 1.02  # the goal: the helper adds < 2% to an optimizer step's time
 
 
 @dataclass(frozen=True)

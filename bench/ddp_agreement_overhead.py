@@ -53,7 +53,7 @@ def _epoch(
 ) -> None:
     last = len(data) // GRADIENT_ACCUMULATION_STEPS - 1
     for window in acc.windows(data):
-        if not agreed:  # as before: no agreement before the synchronised backward
+        if not agreed:  # the baseline: no agreement before the synchronised backward
             window._state.agrees = window._state.sync_due = False
         for micro in window:
             with micro.sync_context():
@@ -61,7 +61,7 @@ def _epoch(
                 micro.backward(nn.functional.mse_loss(model(x), y))
         window.step()
         if not agreed and window.index == last:
-            break  # as before: no agreement when the micro-batches run out
+            break  # the baseline: no agreement when the micro-batches run out
 
 
 def _worker(rank: int, store: str, repetitions: int, windows: int) -> None:

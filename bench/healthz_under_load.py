@@ -10,7 +10,7 @@ keep-alive connection, back to back. ``/healthz`` is timed on a fresh connection
 socket (connect, send, read to the close), first with the server idle, then under the load.
 
 Prints p50 and p99 of each phase and their ratio, the costly requests answered by status, and
-whether the loaded p99 is within the goal (issue 36: ``/healthz`` under 100 ms, the liveness
+whether the loaded p99 is within the goal (``/healthz`` under 100 ms, the liveness
 probe's timeout being 1 s).
 
 Example::

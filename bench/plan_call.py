@@ -9,10 +9,11 @@ folder (``before``, default the planner before ``PlanConstraints``: the position
 ``_resolve``, ``SplitRules``). The two alternate, round by round, so a shift in the machine's
 speed hits both alike; the ratio is the median of the rounds' paired ratios ``now / before``.
 
-What it decides (issue 22): the planner once took its ten options positionally and kept a
-non-frozen ``Limit`` and ``SplitRules`` "for microseconds". Where a change costs under about
-1 µs per call, on a route that costs about 100 µs, the plain (keyword, frozen) version stays;
-``--before`` a commit that makes one such change alone measures it.
+What it decides: whether the plain form (keyword options, frozen ``Limit`` and ``SplitRules``)
+costs anything beside positional options and mutable objects kept "for microseconds". Where a
+change costs under about 1 µs per call, on a route that costs about 100 µs, the plain
+(keyword, frozen) version stays; ``--before`` a commit that makes one such change alone
+measures it.
 
 Usage::
 

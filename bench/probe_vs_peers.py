@@ -18,19 +18,19 @@ exhaustive max, and >= 5x fewer training steps than Lightning's binsearch.
 Then failure patterns the measured peaks do not predict (``bench/_patterns.py``): an OOM above a
 size while the peaks stay tiny, a launch limit ("invalid configuration argument", not an OOM),
 and an estimate off by 5x either way. Each tool searches on a fresh simulated card; the true max
-is a bisection over real steps. Goals (issue 10): autobatch finds the true max exactly in every
+is a bisection over real steps. Goals: autobatch finds the true max exactly in every
 pattern, within ``ceil(log2(limit)) + 3`` search trials (its warm-up and the chosen size's second
 step aside).
 
-Goals (issue 27), on every failure pattern: autobatch's failures no more than the best peer's
+Goals on every failure pattern: autobatch's failures no more than the best peer's
 (among the peers that found the true max: a smaller answer in fewer trials is not a better
-search), its search trials no more than the best such peer's trials plus 2. Goals (issue 39):
+search), its search trials no more than the best such peer's trials plus 2; and
 its failures no more than Lightning's plus 2, and every real step counted (the warm-up and the
 second step included) within ``ceil(log2(limit)) + 3``; printed beside the stated worst case,
 ``ceil(log2(limit)) + 5``. ``bench/search_bounds.py`` shows, by dynamic programming over every
 threshold, why the first budget is out of reach for any search.
 
-Then wall time in two regimes (issue 27), on simulated cards whose real steps count a set time on
+Then wall time in two regimes, on simulated cards whose real steps count a set time on
 the device's clock (``SimulatedDevice(step_seconds=...)``; the fake-tensor estimate and every
 tool's own overhead count as they pass): ``gpu``, a real step much cheaper than a fake one
 (5 ms; a fake step of the benchmark's models costs 12 to 180 ms here), and ``cpu``, dearer

@@ -22,8 +22,8 @@ Columns beside Lightning (``dbl``, its OOMs on the same ``t``): the largest exce
 
 Then bounds, by dynamic programming over brackets ``(lo, hi)`` and trials left (cubic in the
 limit, so only up to ``--dp-max``), for two budgets of real steps: ``ceil(log2(limit)) + 3``
-(issue 39's bar) and ``ceil(log2(limit)) + 5`` (autobatch's stated worst case), each from the
-warm-up alone (``from scratch``) and after the estimate's failed limit trial:
+(the bar the probe is held to) and ``ceil(log2(limit)) + 5`` (autobatch's stated worst case),
+each from the warm-up alone (``from scratch``) and after the estimate's failed limit trial:
 
 - ``least mean OOMs``: no search within that budget has fewer on average over this prior;
 - ``least worst excess``: no search within that budget keeps ``OOMs(t) - dbl(t)`` lower on every

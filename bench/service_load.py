@@ -25,12 +25,12 @@ shared with the client, the steadiest of the three), then the ratios measured si
 this one run, with the p99 ratio of each round beside its neighbour (median and range) to show
 how much of a pooled p99 is one stall of the shared machine.
 
-Goals (issue 11), per concurrency level: the plan route's p99 latency within 1.5x of the empty
+Goals, per concurrency level: the plan route's p99 latency within 1.5x of the empty
 route's, and its server CPU time per request within 2x; checked against each baseline. An
 absolute p99 target is not used: on a shared 2-core machine the empty route alone varies from
 run to run (17-24 ms at concurrency 32).
 
-Central mode (issue 28): two more rows plan from the store, as a fleet's service does. The
+Central mode: two more rows plan from the store, as a fleet's service does. The
 store (in memory, in the service's process) holds :data:`FLEET_NODES` nodes' profiles of one
 model on each of three cards, the asked card's oldest and its newest under other conditions,
 and other models' profiles beside them. ``plan (node)`` is the per-node route (``POST /v1/plan``

@@ -8,7 +8,7 @@ Roles, each allowing what the one before it does:
 - ``admin``: everything, ``DELETE`` and starting probe jobs included.
 
 Tokens are configured (``service.settings``) by ``AUTOBATCH_API_TOKEN`` (one ``admin`` token,
-as before roles) and by ``AUTOBATCH_API_TOKENS_FILE``, which names either
+for a deployment without roles) and by ``AUTOBATCH_API_TOKENS_FILE``, which names either
 
 - a file of lines ``ROLE[:NODE] TOKEN`` (``read``, ``publish:gpu-node-7``, ``admin``), blank
   lines and lines starting with ``#`` ignored; or

@@ -213,7 +213,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     A probe runs ``gc.collect()`` before every trial (``Device.release``), and a full collection
     walks every one of them, which outweighs a small probe's own steps. Objects the tests create
-    are collected as before.
+    are collected as usual.
     """
     gc.collect()
     gc.freeze()

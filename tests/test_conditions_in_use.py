@@ -332,8 +332,8 @@ def test_a_bf16_refusal_never_suggests_the_amp_dtype_already_set() -> None:
 
 
 def test_repeated_tuning_of_a_tiny_model_gives_one_answer() -> None:
-    # The E=256 case: one warm-up and timings taken once on a loaded machine once chose
-    # 1 x 256; now a split is chosen by throughput only on timings that settle it.
+    # E=256: one warm-up and timings taken once on a loaded machine could choose 1 x 256; a
+    # split is chosen by throughput only on timings that settle it.
     model = torch.nn.Linear(8, 2)
     sample = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
     answers = {

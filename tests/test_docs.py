@@ -304,7 +304,7 @@ def test_every_autobatch_name_shown_is_public(page: Path) -> None:
 def test_resolve_refuses_what_is_gone_or_private() -> None:
     with pytest.raises(AssertionError, match="'deepspeed_config' is not in"):
         _resolve("autobatch.deepspeed_config")
-    importlib.import_module("autobatch.device._visible")  # now an attribute of the package
+    importlib.import_module("autobatch.device._visible")  # an attribute of the package from here on
     with pytest.raises(AssertionError, match="autobatch.device._visible is a private module"):
         _resolve("autobatch.device._visible.resolve_visible")
     assert _resolve("autobatch.integrations.deepspeed_config") is not None

@@ -1,4 +1,4 @@
-"""The tuning road and the CLI on a declared fraction of a card (issue 23): two trials sharing a
+"""The tuning road and the CLI on a declared fraction of a card: two trials sharing a
 card each plan for their share, the plan and the CLI's output say which source decided and how
 the card is shared, and a scheduler learns how many such trials fit on one card."""
 

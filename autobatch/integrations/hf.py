@@ -10,7 +10,7 @@ sequence parallel sizes, times ``n_gpu`` under DataParallel). Under torch.distri
 every rank probes its own device and the ranks agree.
 
 There is no ``TrainerCallback`` form: a callback's first hook in training (``on_train_begin``)
-runs after the Trainer has built its train dataloader at the old batch size.
+runs after the Trainer has built its train dataloader at the batch size in its arguments.
 
 Example::
 

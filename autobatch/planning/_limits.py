@@ -419,8 +419,8 @@ def failure_limit(profile: Profile, budget_bytes: int) -> tuple[int, str] | None
 
     A size that ran out of memory peaked above the capacity it was tried at (the profile's
     ``capacity_bytes``), so no plan whose budget is no larger than that capacity may use it or
-    anything larger, whatever the measured peaks or a line through them say (issue 23: a line
-    through gentle peaks predicted 32 where 11, 12, 24 and 47 ran out of memory). A failure other
+    anything larger, whatever the measured peaks or a line through them say (a line through
+    gentle peaks can predict 32 where 11, 12, 24 and 47 ran out of memory). A failure other
     than memory (``failed_micro_batch_size``: a kernel's launch limit, say) does not move with
     the memory, so it bounds a plan for any budget; its note is the profile's ``failure_note``.
 

@@ -203,7 +203,7 @@ def _request_in_order(
     """The :class:`PlanRequest` of ``fields``; when refused, the error in the planner's order:
     the options and what resolves the limit first, then the limit itself, then the batch sizes
     and world sizes. So a request wrong in its limit and in ``effective_batch_size`` or
-    ``world_size`` is told of the limit, as it always was; only this error path checks twice."""
+    ``world_size`` is told of the limit first; only this error path checks twice."""
     try:
         return PlanRequest(**fields)
     except ConfigError as refused:

@@ -53,7 +53,7 @@ of ever larger blocks). Relative to the line's per-sample bytes ``b * n``, a ter
 is ``(c / b) * n``, i.e. proportional to ``n`` (a second-order term the fit cannot see; on
 the hazards of extrapolating a fitted line past its data see e.g. Montgomery, Peck and Vining,
 *Introduction to Linear Regression Analysis*). The value 1/8 is a policy, not a bound, calibrated on
-issue 12's case (a ``0.0004 * n**2`` term that appears only above ``n = 32``, probed up to 16,
+a step with a ``0.0004 * n**2`` term that appears only above ``n = 32``, probed up to 16,
 planned for a card 20 times larger, default 5% safety margin): the true limit there is 180;
 growth 0.10 plans 182 (out of memory), 0.11 plans 177, 1/8 plans 169. A term larger still can
 beat any margin, which is why a predicted plan is confirmed by one real trial on arrival

@@ -123,7 +123,8 @@ def _check_options(request: PlanRequest) -> None:
     if most is not None:
         require_int("max_gradient_accumulation_steps", most, 1)
         if most > MAX_GRADIENT_ACCUMULATION_STEPS:
-            # Once clamped silently: the error then named a bound the caller had not set.
+            # Refused, not clamped: a clamped value would leave a later error naming a bound the
+            # caller had not set.
             raise ConfigError(
                 f"max_gradient_accumulation_steps {most} is more than the planner plans (at "
                 f"most {MAX_GRADIENT_ACCUMULATION_STEPS} accumulation steps)",

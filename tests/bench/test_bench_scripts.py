@@ -68,8 +68,8 @@ def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
     assert "medians | autobatch:" in out
     assert out.count("target ") == 4
     # one failure pattern the peaks do not predict, its six goals (the bound in search trials,
-    # every real step counted within issue 39's bar and within the stated worst case, the exact
-    # max, against Lightning + 2 (issue 39), against the best peer), and the wall time in both
+    # every real step counted within ceil(log2(limit)) + 3 and within the stated worst case, the
+    # exact max, against Lightning + 2, against the best peer), and the wall time in both
     # regimes with its two goals
     assert "oom-above-37" in out and out.count("goal ") == 8
     regimes = [line.split() for line in out.splitlines() if line.split()[1:2] in (["gpu"], ["cpu"])]
@@ -87,7 +87,7 @@ def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
 def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
     out = _run(
         # Enough requests that each server's CPU time spans several /proc clock ticks (10 ms):
-        # with 60 the trivial server's once read 0.
+        # with 60 the trivial server's can read 0.
         ["bench/service_load.py", "--requests", "600", "--rounds", "2", "--concurrency", "1", "4"],
         timeout_s=180,
     )

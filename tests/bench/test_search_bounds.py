@@ -1,7 +1,7 @@
 """``bench/search_bounds.py``: its Lightning model matches what the real finder did on the bench's
 pattern, its dynamic programmes are true lower bounds (no search that keeps the budget does
 better, autobatch's included) with values that can be worked by hand, and the bounds that show
-issue 39's bar out of reach within ``ceil(log2(limit)) + 3`` real steps."""
+``ceil(log2(limit)) + 3`` real steps, every one counted, out of reach."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_no_search_within_the_budget_beats_the_bounds(limit: int) -> None:
 def test_within_log2_plus_3_real_steps_no_search_has_fewer_ooms_than_doubling(
     limit: int, lightning_mean: float
 ) -> None:
-    # Issue 39's bar: every real step counted, at most ceil(log2(limit)) + 3, with fewer OOMs
+    # The bar: every real step counted, at most ceil(log2(limit)) + 3, with fewer OOMs
     # than doubling on average. The warm-up and the second step leave ceil(log2(limit)) + 1
     # search trials: even from scratch the least mean is above Lightning's (2.50 at 64, 3.16 at
     # 256), and after the estimate's failed limit no search stays within doubling + 2 on every

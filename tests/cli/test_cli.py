@@ -399,7 +399,7 @@ class OtherCard:
 def test_tune_puts_model_and_sample_on_a_device_other_than_the_cpu(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``autobatch tune ... --device cuda:0`` once left the loaded model on the CPU."""
+    """``autobatch tune ... --device cuda:0`` moves the loaded model to the device it resolves."""
     asked: list[str] = []
 
     def resolve(spec: Any, **kwargs: Any) -> Any:

@@ -94,7 +94,7 @@ def test_the_library_opens_as_told(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=f"^no folder {deep.parent} for the profile store"):
         ProfileStore(deep, create="file")
     assert list(tmp_path.iterdir()) == []
-    ProfileStore(deep).close()  # the default, as before: folders and file
+    ProfileStore(deep).close()  # the default: folders and file
     assert deep.is_file()
     ProfileStore(deep, create="never").close()
     with pytest.raises(ValueError, match="create='sometimes' is not one of"):

@@ -1,4 +1,4 @@
-"""The memory a job really has (issue 23): the combination rule as a table, each reader against a
+"""The memory a job really has: the combination rule as a table, each reader against a
 fake (an environment mapping, a cgroup file tree, a fake pynvml and ``mem_get_info``), and the
 devices and plans built on them."""
 

@@ -1,4 +1,4 @@
-"""The budget of a card named from outside the job (issue 23's budgets, built in device/): one
+"""The budget of a card named from outside the job (built in device/): one
 NVML reading of a local GPU, or a node's GPU feature discovery labels; pure, no service."""
 
 from __future__ import annotations

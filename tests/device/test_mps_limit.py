@@ -1,4 +1,4 @@
-"""An MPS client's memory limit joins the budget (issue 37): ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+"""An MPS client's memory limit joins the budget: ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
 in each of its forms decides a budget that NVML alone put at the whole card."""
 
 from __future__ import annotations

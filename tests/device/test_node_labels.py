@@ -1,5 +1,5 @@
 """GPU feature discovery labels read into bytes: MiB or bytes, NVML over a wrong label, MIG slices,
-replicas (issue 12); pure, no service."""
+replicas; pure, no service."""
 
 from __future__ import annotations
 

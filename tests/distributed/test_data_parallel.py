@@ -128,8 +128,8 @@ def test_without_torch_distributed_the_data_parallel_size_is_what_is_said() -> N
 
 
 def test_every_plan_for_more_than_one_rank_notes_the_formula_once() -> None:
-    """The planner notes E = m x k x dp itself, so the CLI, the service and autotune (each of
-    which used to add it) cannot drop or repeat it."""
+    """The planner notes E = m x k x dp itself, so the CLI, the service and autotune cannot
+    drop or repeat it."""
     one = plan(24, effective_batch_size=64)
     assert not any("data-parallel ranks" in note for note in one.notes)
     four = plan(24, effective_batch_size=64, world_size=4)

@@ -1,6 +1,6 @@
 """A deadline for the ranks' agreements: a rank that stops answering (here: hung inside a probe's
 trial, or in its data loader between two windows of the Accumulator) fails the other within a
-few seconds, naming it, where it used to wait out the process group's whole timeout (60 s here,
+few seconds, naming it, rather than waiting out the process group's whole timeout (60 s here,
 10 to 30 minutes by default). 2 gloo ranks on CPU."""
 
 from __future__ import annotations

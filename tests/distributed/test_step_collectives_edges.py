@@ -234,8 +234,8 @@ def test_a_step_needing_the_other_ranks_is_refused_however_it_reaches_torch(
 def test_a_faked_block_inside_another_and_autotune_inside_one(tmp_path: Path) -> None:
     ranks = _run(tmp_path, "nested")
     for rank, result in enumerate(ranks):
-        # The inner block left the outer one's fakes in place (it used to raise
-        # DistributedError "could not give process group '' its own cpu backend (fake) back").
+        # The inner block left the outer one's fakes in place (no DistributedError "could not
+        # give process group '' its own cpu backend (fake) back").
         assert result["after_inner"] == [float(rank + 1), True]
         assert result["faked_after"] is False
         # autotune inside a faked block refuses to agree over nothing, naming the fix.

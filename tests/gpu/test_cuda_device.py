@@ -102,7 +102,7 @@ def test_release_returns_the_cache_and_resets_the_peak(device: CudaDevice) -> No
 
 
 def test_the_budget_names_every_source_and_a_vgpu_limit_decides() -> None:
-    # Issue 23 on a real card: NVML and the CUDA runtime agree on an idle card, and a vGPU limit
+    # The budget on a real card: NVML and the CUDA runtime agree on an idle card, and a vGPU limit
     # variable (HAMi-core's units) decides below them.
     torch.cuda.empty_cache()
     alone = CudaDevice(cuda_index=0, environ={}).capacity().budget

@@ -80,7 +80,7 @@ def test_deepspeed_config_passes_deepspeeds_batch_rule_before_and_after_its_proc
 
 
 def test_a_pinned_train_batch_size_fails_deepspeeds_check_before_its_process_group() -> None:
-    # What deepspeed_config used to emit, read by DeepSpeed with world size 1 (before
+    # A config with train_batch_size pinned, read by DeepSpeed with world size 1 (before
     # init_process_group) for a plan of 1 x 8 on 2 ranks: the job died there.
     result = make_plan(1, 16, 2)
     pinned = {"train_batch_size": 16, **deepspeed_config(result)}

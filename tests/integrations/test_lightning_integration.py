@@ -116,7 +116,7 @@ def test_finder_sets_exact_sizes_and_the_trainer_trains_at_them() -> None:
     assert trainer.global_step == 2
     assert module.seen == [plan.micro_batch_size] * (2 * plan.gradient_accumulation_steps)
     # The fake-tensor estimate ran (metric updates off there): a few trials; doubling takes 11.
-    # 10 in all under the search's rules (issues 10, 18, 27): the warm-up at 1, eight search
+    # 10 in all under the search's rules: the warm-up at 1, eight search
     # trials (the estimate's 52 runs out of memory, its line is contradicted so the search goes
     # on from what ran: 7, the geometric middle of 1 and 52, then 19; within 4x it splits at a
     # third from what fitted: 30, 37; bisection once under 16 sizes apart: 44; the line gives 50,
@@ -367,8 +367,8 @@ def linear_trainer(*callbacks: Any, max_epochs: int = 1) -> Any:
 def test_the_epochs_short_last_step_is_the_exact_mean_of_its_samples() -> None:
     # 22 rows, 4 x 4 planned: an epoch is 4 micro-batches of 4 (one step), then one of 4 and a
     # partial one of 2 (a step of 6 samples). Lightning divides each loss by 4, so that step
-    # used to apply (mean(b5) + mean(b6)) / 4: half the weight of its micro-batches, and the
-    # partial one weighted as a whole one.
+    # would apply (mean(b5) + mean(b6)) / 4 unweighted: half the weight of its micro-batches,
+    # and the partial one weighted as a whole one.
     inputs = -torch.arange(1, 23, dtype=torch.float64).unsqueeze(1) * 3
     module = Linear1(inputs)
     finder = AutobatchFinder(16, device="sim:64MiB", use_store=False, max_micro_batch_size=4)

@@ -1,4 +1,4 @@
-"""Accelerate's ``split_batches`` (issue 37): the dataloader's batch is the batch of all ranks,
+"""Accelerate's ``split_batches``: the dataloader's batch is the batch of all ranks,
 split among them. ``autotune_trainer`` plans for it (each rank trains the plan's micro-batch, so
 the rows per optimizer step are the effective batch asked, not half of it on 2 ranks);
 ``autotune_accelerator``, which leaves the dataloader to the user, refuses it by name. 2 gloo

@@ -58,7 +58,7 @@ def test_epoch_numbers_match_a_simulated_epoch(
 
 def test_an_epoch_shorter_than_one_step_says_every_step_falls_short() -> None:
     # Lightning with 125 rows, E = 256 as 8 x 32 on one rank: the one step of each epoch sees
-    # 125 samples, and the plan used to claim 256 with no steps per epoch at all.
+    # 125 samples, not the 256 of a full step, and the plan says so.
     p = plan(8, effective_batch_size=256).with_epoch(125)
     assert p.epoch == EpochPlan(
         num_rows_per_rank=125,

@@ -1,5 +1,5 @@
 """No plan at or above a size that failed in its own profile at a capacity no larger than the one
-planned for; predictions stay below the smallest such failure (issue 23)."""
+planned for; predictions stay below the smallest such failure."""
 
 from __future__ import annotations
 

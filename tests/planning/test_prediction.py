@@ -1,5 +1,5 @@
 """Plans past the largest measured micro-batch say ``predicted``, keep a growing margin, and refuse
-lines that cannot be trusted (issue 12); ``plan(..., source=...)`` and memory lines (issue 17)."""
+lines that cannot be trusted; ``plan(..., source=...)`` and memory lines."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from autobatch.profiles._store import ProfileStore
 
 GIB = 2**30
 MIB = 2**20
-UNIT = 8 * MIB  # issue 12's unit of memory
+UNIT = 8 * MIB  # the unit of memory of the step below
 
 
 def issue_peak_bytes(micro_batch_size: int) -> int:
@@ -76,7 +76,7 @@ def test_issue_12_plan_for_a_larger_card_is_predicted_and_does_not_oom() -> None
 
     assert result.source == "predicted"
     assert result.max_micro_batch_size == 169
-    assert issue_peak_bytes(result.max_micro_batch_size) <= capacity  # the old 276 peaked at 47
+    assert issue_peak_bytes(result.max_micro_batch_size) <= capacity  # 276 would peak at 47
     assert result.prediction is not None
     assert result.prediction.largest_measured_micro_batch_size == 16
     assert result.prediction.num_fit_points == 2
@@ -222,7 +222,7 @@ def test_a_smaller_card_from_the_stored_line_alone_names_the_largest_size_that_r
     assert "largest measured             16 (predicted below it: the profile's stored line" in out
 
 
-# -- who says where the limit came from (issue 17) ------------------------------------------------
+# -- who says where the limit came from -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("source", ["measured", "cached"])

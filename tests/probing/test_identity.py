@@ -76,7 +76,7 @@ def key(model: torch.nn.Module | None = None, source: BatchSource = SAMPLE, **st
 
 def test_two_instances_of_a_step_class_with_equal_settings_share_a_key() -> None:
     first, second = ScaledStep(2.0), ScaledStep(2.0)
-    assert repr(first) != repr(second)  # the address the key used to hold
+    assert repr(first) != repr(second)  # an address, which the key leaves out
     assert key(train_step=first) == key(train_step=second)
     assert key(train_step=SlottedStep(0.1)) == key(train_step=SlottedStep(0.1))
 

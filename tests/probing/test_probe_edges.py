@@ -244,7 +244,7 @@ def test_a_train_step_that_calls_backward_itself_gets_a_hint() -> None:
         )
 
 
-# -- models and samples that used to fail ----------------------------------------------------
+# -- models and samples with an edge of their own -------------------------------------------
 
 
 def test_batchnorm1d_model_is_probed_from_two_samples() -> None:

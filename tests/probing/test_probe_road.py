@@ -1,4 +1,4 @@
-"""The probe's road by cost (issue 27): the estimate runs only where it saves more real-step time
+"""The probe's road by cost: the estimate runs only where it saves more real-step time
 than it costs, and the profile records where the time went. The simulated device's clock counts
 each real step at ``step_seconds``, so both regimes are exact here, not timed."""
 

@@ -1,4 +1,4 @@
-"""The probe on cards where the peaks do not predict the failures (issue 10): thresholds, launch
+"""The probe on cards where the peaks do not predict the failures: thresholds, launch
 limits, the allocator's own assertion, an estimate off by 5x, sizes no plan can use."""
 
 from __future__ import annotations

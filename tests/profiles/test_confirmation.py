@@ -1,4 +1,4 @@
-"""Confirm on arrival (issue 12): a plan predicted for this card is tried once before it is used."""
+"""Confirm on arrival: a plan predicted for this card is tried once before it is used."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_a_predicted_plan_is_confirmed_by_one_real_trial_then_reads_as_measured(
     arrived = autotune(mlp(), SAMPLE, effective_batch_size=4096, **kwargs)
 
     # The warm-up step that creates AdamW's state, then one trial at the predicted size, which
-    # runs a second consecutive step as every chosen size does (issue 18).
+    # runs a second consecutive step as every chosen size does.
     assert step.real_calls == 3
     assert arrived.source == "measured"
     assert arrived.max_micro_batch_size == predicted.max_micro_batch_size

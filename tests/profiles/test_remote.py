@@ -1,4 +1,4 @@
-"""The store layer's remote (issue 34): profiles beyond the local store come from, and go to,
+"""The store layer's remote: profiles beyond the local store come from, and go to,
 whatever :class:`~autobatch.profiles.ProfileRemote` the road passes down; the store layer knows
 nothing of HTTP. A hand-written fake stands in for the central service."""
 

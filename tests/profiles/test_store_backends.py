@@ -17,7 +17,7 @@ from autobatch.profiles._location import parse_location, redact
 from autobatch.profiles._store import STORE_SCHEMA_VERSION, ProfileStore, profile_id_of
 from tests.profiles.test_store import make_profile
 
-# The exact DDL of autobatch's first store (schema version 1), as the old code created it.
+# The exact DDL of autobatch's first store (schema version 1).
 OLD_DDL = (
     """
     CREATE TABLE profiles (
@@ -48,7 +48,7 @@ def location(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
 
 
 def _old_store(path: pathlib.Path, rows: list[tuple[str, str]]) -> None:
-    """A version-1 file holding ``rows`` of ``(id, profile_json)``, as the old code wrote it."""
+    """A version-1 file holding ``rows`` of ``(id, profile_json)``."""
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
         for statement in OLD_DDL:
             conn.execute(statement)

@@ -1,4 +1,4 @@
-"""A default store location that cannot be written falls back (issue 37): a non-root user with
+"""A default store location that cannot be written falls back: a non-root user with
 HOME=/ (OpenShift's arbitrary uid) plans through every road, with one warning each; a location
 given explicitly that cannot be opened stays an error naming it."""
 

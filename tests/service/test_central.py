@@ -132,7 +132,7 @@ def test_a_probe_on_a_node_answers_a_plan_by_card_at_the_central_service(
             assert by_card_b.status_code == 200, by_card_b.text
             assert by_card_b.json()["selection"]["match"] == "measured"
             assert by_card_b.json()["selection"]["node_name"] == profile.node_name
-            # It kept a copy: the profile now answers from node B's own store.
+            # It kept a copy: the profile answers from node B's own store.
             kept = node_b.client.get(f"/v1/profiles/{plan_b.json()['profile_id']}")
             assert Profile.from_dict(kept.json()["profile"]) == profile
 

@@ -179,8 +179,8 @@ def test_training_pod_sidecar_shares_the_pods_gpus_and_picks_none() -> None:
 
 
 def test_a_root_owned_host_path_is_refused() -> None:
-    """What the old DaemonSet did (uid 10001 on a DirectoryOrCreate hostPath, nothing handing
-    it over): the server cannot open its store and the pod crash-loops."""
+    """A DaemonSet without the init container (uid 10001 on a DirectoryOrCreate hostPath, nothing
+    handing it over): the server cannot open its store and the pod crash-loops."""
     pod = pod_spec(kinds(DEPLOY / "daemonset.yaml")["DaemonSet"])
     pod.pop("initContainers")
     with pytest.raises(AssertionError, match="stays root-owned"):

@@ -1,4 +1,4 @@
-"""GPU feature discovery labels through ``POST /v1/plan`` (issue 12): MiB or bytes, NVML over a
+"""GPU feature discovery labels through ``POST /v1/plan``: MiB or bytes, NVML over a
 wrong label, MIG slices; the reading itself is tested in tests/device/test_node_labels.py."""
 
 from __future__ import annotations

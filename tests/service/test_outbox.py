@@ -68,8 +68,8 @@ def store(tmp_path: Path) -> Iterator[ProfileStore]:
 def test_profiles_probed_while_central_is_down_arrive_when_it_is_back(
     store: ProfileStore,
 ) -> None:
-    """Central refuses connections for longer than the old bounded retry lasted (6 tries in
-    2.5-3.4 s): nothing is given up."""
+    """Central refuses connections for longer than a bounded retry of 6 tries would last (2.5-3.4
+    s): nothing is given up."""
     port, metrics = free_port(), Metrics()
     url = f"http://127.0.0.1:{port}"
     publisher = Publisher(url, token=None, store=store, policy=FAST, metrics=metrics)
@@ -84,7 +84,7 @@ def test_profiles_probed_while_central_is_down_arrive_when_it_is_back(
                 sum(entry.attempts for entry in store.outbox.entries()) > 12
                 and time.monotonic() - started > 4.0
             ),
-            "tries beyond the old retry window",
+            "tries beyond a 6-try retry window",
         )
         assert store.outbox.count() == 4
         with _central(port) as central:

@@ -1,4 +1,4 @@
-"""``POST /v1/plan`` plans for the memory a job really has (issue 23): a declared gpu_fraction,
+"""``POST /v1/plan`` plans for the memory a job really has: a declared gpu_fraction,
 a vGPU limit variable, time-sliced cards, a card others use; every answer names its deciding
 source and sharing mode, says what it could not see, whether the plan fits now, and how many such
 plans fit on one card."""

@@ -96,8 +96,8 @@ def test_an_accumulation_bound_the_planner_takes_is_taken_by_both(
 def test_an_accumulation_bound_past_the_planner_s_is_refused_by_both(
     client: TestClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Once clamped silently to 2**20 by the planner (the error then spoke of a bound the user
-    had not set): now refused, naming the largest."""
+    """Refused, naming the largest, rather than clamped to 2**20 (a later error would speak of a
+    bound the user had not set)."""
     steps = MAX_GRADIENT_ACCUMULATION_STEPS + 1
     response = client.post(
         "/v1/plan",

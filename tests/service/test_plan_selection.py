@@ -1,4 +1,4 @@
-"""Which profile speaks for a card (issue 35): two nodes publish the same model on one H100, a
+"""Which profile speaks for a card: two nodes publish the same model on one H100, a
 whole card and a time-sliced 22 GiB share, beside a newer L40S profile; POST /v1/plan answers
 the same whatever the publish order, for the card in any of its name forms, on SQLite and on
 PostgreSQL."""

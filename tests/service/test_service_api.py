@@ -438,7 +438,7 @@ def test_the_answer_carries_the_library_plans_as_their_to_dict(client: TestClien
 def test_the_same_stored_profile_reads_the_same_source_by_cli_and_by_service(
     make_app: Callable[..., FastAPI], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Issue 17: `autobatch plan --profile ID` said measured, POST /v1/plan said cached.
+    # `autobatch plan --profile ID` and POST /v1/plan name the same source for one profile.
     store_path = str(tmp_path / "shared.sqlite3")
     client = TestClient(make_app(store_path=store_path))
     profile_id = client.post("/v1/profiles", json=make_profile().to_dict()).json()["id"]

@@ -118,7 +118,7 @@ def test_copy_into_copies_what_it_can_and_reports_the_rest(
     tmp_path: Path, postgres_url: str
 ) -> None:
     """A SQLite store holding a NUL (stored before the service refused it) moves to
-    PostgreSQL: 23 of 24 rows are copied and the 24th reported, where the copy used to stop."""
+    PostgreSQL: 23 of 24 rows are copied and the 24th reported; the copy does not stop at it."""
     path = tmp_path / "old.sqlite3"
     with ProfileStore(path) as source:
         ids = [source.put(make_profile(num_steps=n + 1)) for n in range(24)]

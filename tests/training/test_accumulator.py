@@ -597,7 +597,7 @@ class FakeDeepSpeedEngine(nn.Module):
 
 
 def test_an_engine_that_owns_accumulation_is_refused_as_the_optimizer() -> None:
-    # Passed as the optimizer, the engine used to be stepped once per window and update once
+    # Passed as the optimizer, the engine would be stepped once per window and update once
     # per 4 of them: 1 update in 16 micro-batches, silently.
     model = make_model()
     engine = FakeDeepSpeedEngine(model, gas=4)

@@ -183,7 +183,7 @@ def _run(tmp_path: Path, case: str) -> list[dict[str, Any]]:
 def test_ddp_a_count_fn_error_on_one_rank_makes_every_rank_raise(
     tmp_path: Path, case: str, error: str, message: str
 ) -> None:
-    # Rank 1's count_fn fails for window 1; rank 0 used to wait in window 1's count all-reduce.
+    # Rank 1's count_fn fails for window 1; rank 0 does not wait in window 1's count all-reduce.
     ranks = _run(tmp_path, case)
     assert ranks[1]["error"] == error
     assert message in ranks[1]["message"]
@@ -202,7 +202,7 @@ def test_ddp_a_backward_config_error_on_one_rank_makes_every_rank_raise(
 ) -> None:
     # A "mean" loss over 0 counted items on rank 1 only. On a micro-step before the last (rank 0
     # runs on, and its forward passes broadcast the buffer) the error is kept until the
-    # agreement before the synchronised backward; rank 0 used to wait in DDP's all-reduce.
+    # agreement before the synchronised backward, so rank 0 does not wait in DDP's all-reduce.
     ranks = _run(tmp_path, case)
     window, micro = CASES[case].split("/")
     assert ranks[1]["error"] == "ConfigError"
@@ -221,8 +221,8 @@ def test_ddp_a_backward_config_error_on_one_rank_makes_every_rank_raise(
 def test_ddp_an_optimizer_step_error_on_one_rank_makes_every_rank_raise(
     tmp_path: Path, case: str, where: str
 ) -> None:
-    # Rank 1's window.step() fails after the gradient all-reduce; rank 0 used to wait in the next
-    # window's count all-reduce (or, after the last window, go on alone).
+    # Rank 1's window.step() fails after the gradient all-reduce; rank 0 neither waits in the next
+    # window's count all-reduce nor, after the last window, goes on alone.
     ranks = _run(tmp_path, case)
     window = int(CASES[case].split("/")[0])
     assert ranks[1]["error"] == "RuntimeError"
@@ -238,9 +238,9 @@ def test_ddp_an_optimizer_step_error_on_one_rank_makes_every_rank_raise(
 
 @pytest.mark.slow
 def test_ddp_ranks_with_different_numbers_of_windows_stop_together(tmp_path: Path) -> None:
-    # Rank 1's micro-batches run out after window 0 while rank 0 has a window 1: rank 0 used to
-    # wait in window 1's count all-reduce; then every rank raised (issue 37: an agreed stop,
-    # tested in test_accumulator_ddp_uneven.py).
+    # Rank 1's micro-batches run out after window 0 while rank 0 has a window 1: rank 0 does not
+    # wait in window 1's count all-reduce, and both stop after window 0 without an error (the
+    # agreed stop, in detail in test_accumulator_ddp_uneven.py).
     ranks = _run(tmp_path, "uneven")
     for outcome in ranks:
         assert "error" not in outcome, outcome

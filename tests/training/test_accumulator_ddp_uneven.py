@@ -1,4 +1,4 @@
-"""Uneven streaming shards under DDP (issue 37): when one rank's micro-batches run out, every
+"""Uneven streaming shards under DDP: when one rank's micro-batches run out, every
 rank stops after the same optimizer step, with the same weights, and says what it left untrained;
 no rank raises and none waits. 2 gloo processes on the CPU."""
 

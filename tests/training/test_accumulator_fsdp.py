@@ -308,7 +308,7 @@ def _sync_mode_worker(rank: int, tmp: str) -> None:
         result["notes"] = list(tuned.profile.notes)
         acc = Accumulator(model, optimizer, plan=tuned.plan)
         result["peak"] = _window_peak(model, optimizer, acc, tuned.plan.micro_batch_size)
-        # The same probe measured as it used to be: one micro-step per trial, reduced.
+        # The same probe measured the other way: one micro-step per trial, reduced.
         step = StepSpec.build(model, sample, optimizer=optimizer, loss_fn=F.cross_entropy)
         options = ProbeOptions.build(
             step, device=resolve_device(CAPACITY), consensus=ProcessGroupConsensus()
@@ -336,8 +336,8 @@ def test_the_plan_measured_in_the_loops_sync_mode_fits_the_loop_and_another_is_r
     tmp_path: Path,
 ) -> None:
     # A loop that skips FSDP2's reduce-scatter holds the whole model's unsharded gradients
-    # between micro-steps; a probe of one micro-step (how it used to measure) planned a
-    # micro-batch that goes over the card in such a loop.
+    # between micro-steps; a probe of one reduced micro-step plans a micro-batch that
+    # goes over the card in such a loop.
     spawn_and_wait(_sync_mode_worker, (str(tmp_path),), WORLD_SIZE, timeout_s=420)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     for result in ranks:

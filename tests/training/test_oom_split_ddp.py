@@ -317,9 +317,9 @@ def test_ddp_a_loss_of_that_communicates_is_refused_on_every_rank_before_a_split
     tmp_path: Path,
 ) -> None:
     # loss_of all-reduces the loss for a log line, and rank 1 runs out of memory inside it (in
-    # the forward, before that all-reduce) on its first micro-batch. Splitting there used to run
+    # the forward, before that all-reduce) on its first micro-batch. Splitting there would run
     # rank 1's pieces, each with an all-reduce rank 0 never issues: rank 0, whose all-reduce
-    # paired with rank 1's first piece's, went on alone. The collective is seen at loss_of's
+    # paired with rank 1's first piece's, would go on alone. The collective is seen at loss_of's
     # first call on each rank, and both raise.
     ranks = _run_one_rank_case(tmp_path, "communicating_loss")
     for outcome in ranks:
@@ -336,9 +336,9 @@ def test_ddp_a_loss_of_that_communicates_is_refused_on_every_rank_before_a_split
 def test_ddp_a_last_piece_that_counts_nothing_is_not_run_and_the_gradient_is_global(
     tmp_path: Path,
 ) -> None:
-    # Rank 1's last micro-batch runs out of memory whole; its halves count 4 and 0 items. The
-    # half that counts nothing used to run as the synchronised piece, with a mean over 0 items:
-    # a ConfigError on rank 1 after the ranks agreed, rank 0 left in the all-reduce. The last
+    # Rank 1's last micro-batch runs out of memory whole; its halves count 4 and 0 items. Run as
+    # the synchronised piece, the half that counts nothing would take a mean over 0 items: a
+    # ConfigError on rank 1 after the ranks agreed, rank 0 left in the all-reduce. The last
     # counted piece synchronises instead, and the half that counts nothing adds nothing.
     ranks = _run_one_rank_case(tmp_path, "final_piece_counts_nothing")
     assert "error" not in ranks[0] and "error" not in ranks[1]
@@ -389,8 +389,8 @@ def test_ddp_a_split_callback_that_raises_on_rank_0_leaves_no_rank_waiting(
     # store written on rank 0 only, as split_recorder does) raises. At the first micro-step the
     # error is agreed on at the next agreement; at the last one the callback runs after the
     # synchronised backward, so rank 1 is not left in its all-reduce, and learns of the error
-    # at the Accumulator's next agreement (here the end of the micro-batches; rank 1 used to go
-    # on alone, and wait in the next window's count all-reduce).
+    # at the Accumulator's next agreement (here the end of the micro-batches), rather than going
+    # on alone to wait in the next window's count all-reduce.
     ranks = _run_one_rank_case(tmp_path, case)
     assert ranks[0]["error"] == "RuntimeError"
     assert ranks[0]["message"] == "attempt to write a readonly database"
