@@ -210,3 +210,43 @@ def test_a_profile_budget_takes_the_profile_margin_unless_the_request_gives_one(
         assert result.budget is not None and result.predicted_peak_memory_bytes is not None
         expected = int(8 * GIB * (1 - margin)) // result.predicted_peak_memory_bytes
         assert result.budget.trials_per_gpu == expected
+
+
+def test_each_planning_surface_checks_each_range_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autobatch.client import PlanQuery
+    from autobatch.client._http import _query
+    from autobatch.planning import RankLimit, plan_mixed_ranks
+    from autobatch.planning._limits import require_int
+
+    seen: list[str] = []
+
+    def counted(name: str, value: object, minimum: int) -> None:
+        seen.append(name)
+        require_int(name, value, minimum)
+
+    for module in ("_limits", "_request", "_mixed", "_mixed_limits", "_selection"):
+        monkeypatch.setattr(f"autobatch.planning.{module}.require_int", counted, raising=False)
+    once = ["multiple_of", "effective_batch_size", "world_size"]
+    limit = "max micro-batch size (limit)"  # where a plan is made, not where it is asked for
+    calls: list[tuple[Callable[[], object], list[str]]] = [
+        (lambda: autobatch.plan(24, effective_batch_size=64, world_size=2), [*once, limit]),
+        (
+            lambda: plan_request(24, PlanRequest(effective_batch_size=64, world_size=2)),
+            [*once, limit],
+        ),
+        (lambda: _query(64, None, {"world_size": 2, "max_micro_batch_size": 24}), once),
+        (
+            lambda: PlanQuery(
+                plan=PlanRequest(effective_batch_size=64, world_size=2), max_micro_batch_size=24
+            ),
+            once,
+        ),
+    ]
+    for call, expected in calls:
+        seen.clear()
+        call()
+        assert sorted(seen) == sorted(expected), seen
+    ranks = [RankLimit(max_micro_batch_size=48), RankLimit(max_micro_batch_size=20)]
+    seen.clear()
+    plan_mixed_ranks(ranks, PlanRequest(effective_batch_size=96, world_size=2))
+    assert sorted(seen) == sorted(once)  # the request's checks alone
