@@ -38,8 +38,8 @@ if TYPE_CHECKING:
         StepFailedError,
         StoreError,
     )
-    from autobatch.live import plan
-    from autobatch.planning import Plan, PlanRequest, plan_world_sizes
+    from autobatch.live import plan, plan_world_sizes
+    from autobatch.planning import Plan, PlanRequest
     from autobatch.probing import estimate, probe, worst_case_sample
     from autobatch.profile import Profile
     from autobatch.profiles import ProfileStore
@@ -108,7 +108,7 @@ _EXPORTS: dict[str, str] = {
     "PlanRequest": "autobatch.planning",
     "TuneRequest": "autobatch.tuning",
     "plan": "autobatch.live",
-    "plan_world_sizes": "autobatch.planning",
+    "plan_world_sizes": "autobatch.live",
     "estimate": "autobatch.probing",
     "probe": "autobatch.probing",
     "worst_case_sample": "autobatch.probing",

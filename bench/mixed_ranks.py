@@ -34,7 +34,7 @@ from collections.abc import Sequence
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autobatch.planning import StepLine, plan, plan_mixed_ranks
+from autobatch.planning import PlanRequest, RankLimit, StepLine, plan_mixed_ranks, plan_request
 
 GiB = 2**30
 _FIXED_BYTES, _BYTES_PER_SAMPLE, _MARGIN = 16 * GiB, 5 * GiB // 4, 0.05
@@ -104,18 +104,21 @@ def brute_force(cards: Sequence[Card], effective: int) -> tuple[int, tuple[int, 
 
 def compare(mix: str, cards: Sequence[Card], effective: int) -> Row:
     """The three plans for ``cards`` and ``effective``, each with its time per optimizer step."""
+    ranks = [
+        RankLimit(max_micro_batch_size=card.max_micro_batch_size, step_line=card.line)
+        for card in cards
+    ]
     plans = plan_mixed_ranks(
-        [card.max_micro_batch_size for card in cards],
-        effective_batch_size=effective,
-        step_lines=[card.line for card in cards],
+        ranks, PlanRequest(effective_batch_size=effective, world_size=len(cards))
     )
     steps, sizes = plans[0].gradient_accumulation_steps, plans[0].rank_micro_batch_sizes or ()
     smallest = min(card.max_micro_batch_size for card in cards)
     # Every micro-step takes the slowest card's time, given as exact step times: the uniform
     # planner then takes more steps when they are faster, as the mixed one does.
     slowest = {m: max(card.line.seconds(m) for card in cards) for m in range(1, smallest + 1)}
-    uniform = plan(
-        smallest, effective_batch_size=effective, world_size=len(cards), step_seconds=slowest
+    uniform = plan_request(
+        smallest,
+        PlanRequest(effective_batch_size=effective, world_size=len(cards), step_seconds=slowest),
     )
     uniform_seconds = sum(
         step_seconds(cards, 1, [size] * len(cards)) for size in uniform.micro_batch_sizes

@@ -1,8 +1,8 @@
 """``POST /v1/plan`` for a job on mixed cards (``job``: cards and counts): each card's profile of
 the model, chosen as for ``card`` (:func:`service.plan_limits.select`: measured on that card, or
 predicted for it), its limit, one mixed plan over every rank
-(:func:`autobatch.planning.mixed_plans`), and each card's plan from it
-(:func:`autobatch.planning.with_limit`). The store is read in a worker thread
+(:func:`autobatch.planning.plan_mixed_ranks`), each card's plan completed with its own
+limit. The store is read in a worker thread
 (:func:`select_job`); the rest is arithmetic (:func:`job_answer`).
 
 Example::
@@ -21,9 +21,7 @@ from autobatch.planning import (
     PlanSource,
     RankLimit,
     Selection,
-    mixed_plans,
-    resolve_plan_limit,
-    with_limit,
+    plan_mixed_ranks,
 )
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
@@ -101,20 +99,21 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
         max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
         safety_margin=body.safety_margin,
     )
-    limits = [
-        resolve_plan_limit(
+    cards = [
+        RankLimit.of(
             choice.profile,
             dataclasses.replace(request, capacity_bytes=choice.card_bytes),
-            choice.source,
+            source=choice.source,
         )
         for choice in chosen
     ]
+    # Each card's first rank holds the card's limit, which completes its plan.
     ranks = [
-        RankLimit.of(limit)
-        for choice, limit in zip(chosen, limits, strict=True)
-        for _ in range(choice.entry.count)
+        card if index == 0 else card.shared()
+        for choice, card in zip(chosen, cards, strict=True)
+        for index in range(choice.entry.count)
     ]
-    plans = mixed_plans(ranks, request)
+    plans = plan_mixed_ranks(ranks, request)
     listed = (plans[0].gradient_accumulation_steps + world_size) * (len(chosen) + 1)
     if listed > MAX_ANSWER_MICRO_BATCHES:
         raise Problem(
@@ -126,8 +125,8 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
         )
     groups: list[dict[str, Any]] = []
     first = 0
-    for choice, limit in zip(chosen, limits, strict=True):
-        result = with_limit(plans[first], limit, profile=choice.profile)
+    for choice in chosen:
+        result = plans[first]
         if choice.selection.match == "predicted":
             note = predicted_note(choice.selection, choice.body)
             result = dataclasses.replace(result, notes=(*result.notes, note))

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import autobatch
 from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConditionsWarning, ConfigError, DoesNotFitError
-from autobatch.planning import plan as plan_for_another_process
+from tests.planning.test_planner import plan as plan_for_another_process
 
 SAMPLE = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
 

@@ -14,7 +14,7 @@ from autobatch.errors import (
     python_wording,
     with_remedies,
 )
-from autobatch.planning._planner import plan
+from tests.planning.test_planner import plan
 
 INEXACT = Remedy(parameter="allow_inexact", values=(True,), purpose="plan the nearest")
 

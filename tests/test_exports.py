@@ -219,10 +219,6 @@ def test_import_does_not_initialise_nvml_or_cuda() -> None:
 # Public entry points take flat keyword arguments; everything below them takes the option
 # bundles those build (autobatch.probing._options, autobatch.profiles._cache.StoreOptions).
 FLAT_ENTRY_POINTS = {
-    "autobatch/client/_http.py:AutobatchClient.plan",
-    "autobatch/client/_http.py:AutobatchClient.plan_world_sizes",
-    "autobatch/planning/_planner.py:plan",
-    "autobatch/planning/_planner.py:plan_world_sizes",
     "autobatch/probing/_estimator.py:estimate",
     "autobatch/probing/_prober.py:probe",
     "autobatch/tuning/_road.py:autotune",

@@ -15,14 +15,7 @@ from autobatch import PlanRequest, TuneRequest
 from autobatch.cli import main
 from autobatch.errors import ConfigError, python_wording
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
-from autobatch.planning import (
-    budgeted_plan,
-    budgeted_table,
-    given_budget,
-    plan_request,
-    plan_table,
-    plan_with_table,
-)
+from autobatch.planning import given_budget, plan_request, plan_table
 from autobatch.profile import MemoryModel
 from autobatch.tuning import autotune_profile, tune_request
 from tests.planning.test_planner import make_profile
@@ -169,7 +162,7 @@ def test_the_service_refuses_safety_margin_1_5_with_the_library_words() -> None:
 # -- the plan -> budget -> table sequence --------------------------------------------------------
 
 
-def test_plan_with_table_plans_then_budgets_then_tables() -> None:
+def test_the_entries_plan_then_budget_then_table() -> None:
     budget = given_budget(16 * GIB, gpu_fraction=0.5)
     line = MemoryModel(fixed_bytes=GIB, bytes_per_sample=100 * 2**20)
     request = PlanRequest(
@@ -178,45 +171,82 @@ def test_plan_with_table_plans_then_budgets_then_tables() -> None:
         world_sizes=(1, 2, 3),
         capacity_bytes=budget.budget_bytes,
     )
-    checked: list[int] = []
-    planned = plan_with_table(
-        line, request, budget=budget, check_table=lambda p: checked.append(p.micro_batch_size)
-    )
+    planned = plan_request(line, request, budget=budget)
     # A memory line keeps the default margin: 8 GiB * 0.95 holds 1 GiB + 67 * 100 MiB.
-    assert planned.plan.max_micro_batch_size == 67
-    assert (planned.plan.micro_batch_size, planned.plan.gradient_accumulation_steps) == (64, 2)
-    assert checked == [64]  # the table is checked after the plan, before it is made
-    assert planned.plan == budgeted_plan(line, request, budget=budget)
-    assert planned.world_size_options == budgeted_table(line, request, budget=budget)
-    assert planned.plan.budget is not None
-    peak = planned.plan.predicted_peak_memory_bytes
+    assert planned.max_micro_batch_size == 67
+    assert (planned.micro_batch_size, planned.gradient_accumulation_steps) == (64, 2)
+    assert planned.budget is not None
+    peak = planned.predicted_peak_memory_bytes
     assert peak == GIB + 64 * 100 * 2**20
     # trials_per_gpu divides the whole card (16 GiB less the 5% margin) by the peak.
-    assert planned.plan.budget.trials_per_gpu == int(16 * GIB * 0.95) // peak == 2
-    rows = planned.world_size_options
-    assert rows is not None
+    assert planned.budget.trials_per_gpu == int(16 * GIB * 0.95) // peak == 2
+    rows = plan_table(line, request, budget=budget)
     assert [row.world_size for row in rows] == [1, 2, 3]
-    assert rows[1].plan == planned.plan
+    assert rows[1].plan == planned
     assert rows[2].plan is None and "not a multiple of world_size 3" in rows[2].reason
     assert rows[0].plan is not None and rows[0].plan.budget is not None
+    # Without a budget, the same plans with none on them.
+    bare = plan_request(line, request)
+    assert bare.budget is None and bare.micro_batch_size == planned.micro_batch_size
+    assert [row.plan and row.plan.budget for row in plan_table(line, request)] == [None] * 3
 
 
-def test_plan_with_table_without_world_sizes_or_budget_is_the_plain_plan() -> None:
+def test_without_world_sizes_or_budget_the_entries_are_the_plain_plan() -> None:
     request = PlanRequest(effective_batch_size=64)
-    planned = plan_with_table(24, request, check_table=lambda p: pytest.fail("no table"))
-    assert planned.world_size_options is None
-    assert planned.plan == autobatch.plan(24, effective_batch_size=64)
-    assert planned.plan.budget is None
+    assert plan_table(24, request) == []
+    planned = plan_request(24, request)
+    assert planned == autobatch.plan(24, effective_batch_size=64)
+    assert planned.budget is None
 
 
 def test_a_profile_budget_takes_the_profile_margin_unless_the_request_gives_one() -> None:
     budget = given_budget(8 * GIB)
     profile = make_profile(safety_margin=0.2, recommended_micro_batch_size=54)
-    own = budgeted_plan(profile, PlanRequest(effective_batch_size=64), budget=budget)
-    given = budgeted_plan(
+    own = plan_request(profile, PlanRequest(effective_batch_size=64), budget=budget)
+    given = plan_request(
         profile, PlanRequest(effective_batch_size=64, safety_margin=0.05), budget=budget
     )
     for result, margin in ((own, 0.2), (given, 0.05)):
         assert result.budget is not None and result.predicted_peak_memory_bytes is not None
         expected = int(8 * GIB * (1 - margin)) // result.predicted_peak_memory_bytes
         assert result.budget.trials_per_gpu == expected
+
+
+def test_each_planning_surface_checks_each_range_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autobatch.client import PlanQuery
+    from autobatch.client._http import _query
+    from autobatch.planning import RankLimit, plan_mixed_ranks
+    from autobatch.planning._limits import require_int
+
+    seen: list[str] = []
+
+    def counted(name: str, value: object, minimum: int) -> None:
+        seen.append(name)
+        require_int(name, value, minimum)
+
+    for module in ("_limits", "_request", "_mixed", "_mixed_limits", "_selection"):
+        monkeypatch.setattr(f"autobatch.planning.{module}.require_int", counted, raising=False)
+    once = ["multiple_of", "effective_batch_size", "world_size"]
+    limit = "max micro-batch size (limit)"  # where a plan is made, not where it is asked for
+    calls: list[tuple[Callable[[], object], list[str]]] = [
+        (lambda: autobatch.plan(24, effective_batch_size=64, world_size=2), [*once, limit]),
+        (
+            lambda: plan_request(24, PlanRequest(effective_batch_size=64, world_size=2)),
+            [*once, limit],
+        ),
+        (lambda: _query(64, None, {"world_size": 2, "max_micro_batch_size": 24}), once),
+        (
+            lambda: PlanQuery(
+                plan=PlanRequest(effective_batch_size=64, world_size=2), max_micro_batch_size=24
+            ),
+            once,
+        ),
+    ]
+    for call, expected in calls:
+        seen.clear()
+        call()
+        assert sorted(seen) == sorted(expected), seen
+    ranks = [RankLimit(max_micro_batch_size=48), RankLimit(max_micro_batch_size=20)]
+    seen.clear()
+    plan_mixed_ranks(ranks, PlanRequest(effective_batch_size=96, world_size=2))
+    assert sorted(seen) == sorted(once)  # the request's checks alone

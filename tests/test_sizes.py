@@ -42,12 +42,9 @@ WIDE_FUNCTIONS: set[str] = {
     "autobatch/tuning/_road.py:autotune",
     "autobatch/tuning/_road.py:tune",
     "autobatch/tuning/_road.py:autotune_profile",
-    # autobatch.probe's public keywords (the DESIGN's probe contract), and the client's plan
-    # queries, one keyword per HTTP field of POST /v1/plan: flat keyword functions the house
-    # keeps as the public convenience until each builds its request from one declaration.
+    # autobatch.probe's public keywords (the DESIGN's probe contract): a flat keyword function
+    # the house keeps as the public convenience until it builds its request from one declaration.
     "autobatch/probing/_prober.py:probe",
-    "autobatch/client/_http.py:AutobatchClient.plan",
-    "autobatch/client/_http.py:AutobatchClient.plan_world_sizes",
 }
 """Functions still over ``MAX_PARAMETERS`` parameters, by path and qualified name."""
 

@@ -40,9 +40,9 @@ from autobatch.extras import require
 from autobatch.planning import (
     Plan,
     PlanRequest,
-    budgeted_plan,
-    budgeted_table,
     given_budget,
+    plan_request,
+    plan_table,
     stored_profile_source,
 )
 from autobatch.profiles import STORE_ENV_VAR, Create, ProfileStore
@@ -296,7 +296,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         request = PlanRequest(
             world_size=args.world_size[0], capacity_bytes=capacity, **_plan_options(args)
         )
-        result = budgeted_plan(limit, request, budget=budget, source=source)
+        result = plan_request(limit, request, budget=budget, source=source)
         if args.env or args.output:
             write_plan(result.to_dict(), None, args.output, out)
         else:
@@ -309,7 +309,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     request = PlanRequest(
         world_sizes=tuple(args.world_size), capacity_bytes=capacity, **_plan_options(args)
     )
-    print_table(budgeted_table(limit, request, budget=budget, source=source), fmt, out)
+    print_table(plan_table(limit, request, budget=budget, source=source), fmt, out)
     if fmt == "text" and budget is not None and args.gpu_fraction is not None:
         print_budget(budget, out)  # after the table, which comes first
     return 0

@@ -250,7 +250,7 @@ class Progress:
 
 
 def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
-    """A world-size table (:func:`autobatch.planning.budgeted_table`'s rows) as JSON, or as
+    """A world-size table (:func:`autobatch.planning.plan_table`'s rows) as JSON, or as
     text: one row per world size, its micro-batch sizes, accumulation steps and a note (the time
     per effective batch, a predicted limit, or why no plan)."""
     if fmt == "json":

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from autobatch.errors import ConfigError
 from autobatch.integrations import format_config
-from autobatch.planning import plan_mixed_ranks
+from autobatch.planning import PlanRequest, RankLimit, StepLine, plan_mixed_ranks
 
 __all__ = ["plan_ranks"]
 
@@ -66,13 +66,20 @@ def plan_ranks(args: argparse.Namespace, out: TextIO, fmt: str) -> int:
             f"{len(seconds)} --rank-seconds-per-sample for {len(maxima)} --rank-max: give one "
             "per rank, in rank order, or none"
         )
-    plans = plan_mixed_ranks(
-        maxima,
+    ranks = [
+        RankLimit(
+            max_micro_batch_size=maximum,
+            step_line=None if seconds is None else StepLine(per_sample_seconds=seconds[index]),
+        )
+        for index, maximum in enumerate(maxima)
+    ]
+    request = PlanRequest(
         effective_batch_size=args.effective_batch_size,
-        step_lines=seconds,
+        world_size=len(ranks),
         multiple_of=args.multiple_of,
         max_gradient_accumulation_steps=args.max_gradient_accumulation_steps,
     )
+    plans = plan_mixed_ranks(ranks, request)
     if fmt == "json":
         print(json.dumps({"ranks": [p.to_dict() for p in plans]}, indent=2), file=out)
         return 0

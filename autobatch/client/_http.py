@@ -23,7 +23,7 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import httpx
 
@@ -31,10 +31,18 @@ from autobatch.client._auth import bearer_headers
 from autobatch.client._problems import raise_for_problem
 from autobatch.device import GpuInfo, MemoryInfo
 from autobatch.errors import ConfigError, ServiceError
-from autobatch.planning import Plan, PlanRequest, Uneven, WorldSizeOption
+from autobatch.planning import Plan, PlanOptions, PlanRequest, SplitOptions, WorldSizeOption
 from autobatch.profile import MemoryModel, Profile
 
-__all__ = ["AutobatchClient", "PlanQuery", "ProbeStatus", "ServiceError"]
+__all__ = [
+    "AutobatchClient",
+    "PlanQuery",
+    "PlanQueryOptions",
+    "ProbeStatus",
+    "QueryOptions",
+    "ServiceError",
+    "TableQueryOptions",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,6 +148,54 @@ class PlanQuery:
         return body
 
 
+class QueryOptions(TypedDict, total=False):
+    """:class:`PlanQuery`'s fields besides ``plan``: where the limit comes from and the device
+    (a test keeps the two equal)."""
+
+    profile_id: str | None
+    model_fingerprint: str | None
+    max_micro_batch_size: int | None
+    memory_model: MemoryModel | None
+    cuda_index: int | None
+    uuid: str | None
+    node_labels: Mapping[str, str] | None
+    mig_profile: str | None
+    gpu_fraction: float | None
+    card: str | None
+    node: str | None
+    conditions: Mapping[str, Any] | None
+
+
+class PlanQueryOptions(QueryOptions, PlanOptions, total=False):
+    """The keyword options of :meth:`AutobatchClient.plan`: :class:`QueryOptions` and the plan's
+    (:class:`~autobatch.planning.PlanOptions`)."""
+
+
+class TableQueryOptions(QueryOptions, SplitOptions, total=False):
+    """The keyword options of :meth:`AutobatchClient.plan_world_sizes`: :class:`QueryOptions`
+    and the plan's without ``world_size`` (:class:`~autobatch.planning.SplitOptions`)."""
+
+
+def _query(
+    effective_batch_size: int,
+    world_sizes: Sequence[int] | None,
+    options: PlanQueryOptions | TableQueryOptions,
+) -> PlanQuery:
+    """The :class:`PlanQuery` of the client's keyword options: the plan's fields into its
+    :class:`~autobatch.planning.PlanRequest`, the rest beside it. With ``world_sizes`` the
+    primary plan is made at ``min(world_sizes)``.
+
+    Raises:
+        ConfigError: a field is invalid (named with its value).
+    """
+    fields: dict[str, Any] = dict(options)
+    query = {name: fields.pop(name) for name in QueryOptions.__optional_keys__ if name in fields}
+    if world_sizes is not None:
+        fields.update(world_size=min(world_sizes), world_sizes=tuple(world_sizes))
+    plan = PlanRequest(effective_batch_size=effective_batch_size, **fields)
+    return PlanQuery(plan=plan, **query)
+
+
 class AutobatchClient:
     """Calls one autobatch service.
 
@@ -194,63 +250,28 @@ class AutobatchClient:
 
     # -- plans -------------------------------------------------------------------------------
 
-    def plan(
-        self,
-        *,
-        effective_batch_size: int,
-        world_size: int = 1,
-        profile_id: str | None = None,
-        model_fingerprint: str | None = None,
-        max_micro_batch_size: int | None = None,
-        memory_model: MemoryModel | None = None,
-        cuda_index: int | None = None,
-        uuid: str | None = None,
-        capacity_bytes: int | None = None,
-        node_labels: Mapping[str, str] | None = None,
-        mig_profile: str | None = None,
-        multiple_of: int = 1,
-        max_gradient_accumulation_steps: int | None = None,
-        uneven: Uneven = "auto",
-        allow_inexact: bool = False,
-        safety_margin: float | None = None,
-        gpu_fraction: float | None = None,
-    ) -> Plan:
-        """``POST /v1/plan``: the plan for ``world_size`` ranks. Give exactly one limit
-        (``profile_id``, ``model_fingerprint``, ``max_micro_batch_size`` or ``memory_model``) and
-        at most one device (``cuda_index``, ``uuid``, ``capacity_bytes`` or ``node_labels``,
-        with ``mig_profile`` for the MIG slice the job gets on a labelled MIG node), with
-        ``gpu_fraction`` the share of that device's card the job gets (0.5: two jobs on one
-        card). A plan past the profile's largest measured size has ``source == "predicted"`` and
-        its ``prediction``; a plan for a device has its memory ``budget`` (the deciding source,
-        the sharing mode, ``fits_now``, ``trials_per_gpu``).
+    def plan(self, *, effective_batch_size: int, **options: Unpack[PlanQueryOptions]) -> Plan:
+        """``POST /v1/plan``: the plan for ``world_size`` ranks, of the :class:`PlanQuery` the
+        keywords build (:class:`PlanQueryOptions`: the
+        :class:`~autobatch.planning.PlanRequest` fields and :class:`PlanQuery`'s own). Give
+        exactly one limit (``profile_id``, ``model_fingerprint``, ``max_micro_batch_size`` or
+        ``memory_model``) and at most one device (``cuda_index``, ``uuid``, ``capacity_bytes``
+        or ``node_labels``, with ``mig_profile`` for the MIG slice the job gets on a labelled
+        MIG node), with ``gpu_fraction`` the share of that device's card the job gets (0.5: two
+        jobs on one card). A plan past the profile's largest measured size has
+        ``source == "predicted"`` and its ``prediction``; a plan for a device has its memory
+        ``budget`` (the deciding source, the sharing mode, ``fits_now``, ``trials_per_gpu``).
+        For the whole answer of a :class:`PlanQuery`, call :meth:`plan_answer`.
 
         Raises:
-            ConfigError: the server rejected the request (the message names the field).
+            ConfigError: a field is invalid (``step_seconds`` included: the service plans from
+                its profiles' timings), or the server rejected the request (the message names
+                the field).
             NoFeasiblePlanError: no split meets the constraints.
             ProfileNotFoundError: no such profile (or none for the fingerprint).
             DeviceUnavailableError, StoreError, ServiceError: see the module docstring.
         """
-        query = PlanQuery(
-            plan=PlanRequest(
-                effective_batch_size=effective_batch_size,
-                world_size=world_size,
-                multiple_of=multiple_of,
-                max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-                uneven=uneven,
-                allow_inexact=allow_inexact,
-                safety_margin=safety_margin,
-                capacity_bytes=capacity_bytes,
-            ),
-            profile_id=profile_id,
-            model_fingerprint=model_fingerprint,
-            max_micro_batch_size=max_micro_batch_size,
-            memory_model=memory_model,
-            cuda_index=cuda_index,
-            uuid=uuid,
-            node_labels=node_labels,
-            mig_profile=mig_profile,
-            gpu_fraction=gpu_fraction,
-        )
+        query = _query(effective_batch_size, None, options)
         return Plan.from_dict(self._post_plan(query)["plan"])
 
     def plan_world_sizes(
@@ -258,46 +279,12 @@ class AutobatchClient:
         *,
         effective_batch_size: int,
         world_sizes: Sequence[int],
-        profile_id: str | None = None,
-        model_fingerprint: str | None = None,
-        max_micro_batch_size: int | None = None,
-        memory_model: MemoryModel | None = None,
-        cuda_index: int | None = None,
-        uuid: str | None = None,
-        capacity_bytes: int | None = None,
-        node_labels: Mapping[str, str] | None = None,
-        mig_profile: str | None = None,
-        multiple_of: int = 1,
-        max_gradient_accumulation_steps: int | None = None,
-        uneven: Uneven = "auto",
-        allow_inexact: bool = False,
-        safety_margin: float | None = None,
-        gpu_fraction: float | None = None,
+        **options: Unpack[TableQueryOptions],
     ) -> list[WorldSizeOption]:
-        """The plan at each of ``world_sizes`` (a scheduler choosing N GPUs); arguments and
-        errors as for :meth:`plan`. The primary plan is made at ``min(world_sizes)``."""
-        query = PlanQuery(
-            plan=PlanRequest(
-                effective_batch_size=effective_batch_size,
-                world_size=min(world_sizes),
-                world_sizes=tuple(world_sizes),
-                multiple_of=multiple_of,
-                max_gradient_accumulation_steps=max_gradient_accumulation_steps,
-                uneven=uneven,
-                allow_inexact=allow_inexact,
-                safety_margin=safety_margin,
-                capacity_bytes=capacity_bytes,
-            ),
-            profile_id=profile_id,
-            model_fingerprint=model_fingerprint,
-            max_micro_batch_size=max_micro_batch_size,
-            memory_model=memory_model,
-            cuda_index=cuda_index,
-            uuid=uuid,
-            node_labels=node_labels,
-            mig_profile=mig_profile,
-            gpu_fraction=gpu_fraction,
-        )
+        """The plan at each of ``world_sizes`` (a scheduler choosing N GPUs); options
+        (:class:`TableQueryOptions`) and errors as for :meth:`plan`. The primary plan is made at
+        ``min(world_sizes)``."""
+        query = _query(effective_batch_size, world_sizes, options)
         return [
             WorldSizeOption(
                 world_size=row["world_size"],

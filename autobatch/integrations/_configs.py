@@ -6,8 +6,8 @@ itself is set by the launcher (``deepspeed --num_gpus``, ``torchrun --nproc-per-
 
 Example::
 
-    >>> from autobatch.planning._planner import plan
-    >>> p = plan(24, effective_batch_size=64, world_size=2)
+    >>> from autobatch.planning import PlanRequest, plan_request
+    >>> p = plan_request(24, PlanRequest(effective_batch_size=64, world_size=2))
     >>> hf_training_arguments(p)
     {'per_device_train_batch_size': 16, 'gradient_accumulation_steps': 2}
     >>> lightning_config(p)["trainer"]

@@ -6,21 +6,19 @@ this plan fit on one card (``trials_per_gpu``, for a scheduler placing fractiona
 build the budget of a size given by a caller (the CLI's ``--capacity``, the service's
 ``device.capacity_bytes``) with a declared ``gpu_fraction``.
 
-The sequence plan -> budget -> world-size table lives here, once (:func:`budgeted_plan`,
-:func:`budgeted_table`, :func:`plan_with_table`): the CLI's ``plan``, ``POST /v1/plan`` and the
-tuning road call it.
+The planning entries (:mod:`autobatch.planning._entries`) put a budget given to them on their
+plans with :func:`with_budget`.
 
 Example::
 
     budget = given_budget(24 * 2**30, gpu_fraction=0.5)      # 12 GiB, decided by gpu_fraction
     request = PlanRequest(effective_batch_size=64, capacity_bytes=budget.budget_bytes)
-    budgeted_plan(profile, request, budget=budget).budget.trials_per_gpu   # e.g. 2
+    plan_request(profile, request, budget=budget).budget.trials_per_gpu   # e.g. 2
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from autobatch.device import (
     BudgetReading,
@@ -31,21 +29,11 @@ from autobatch.device import (
     fraction_reading,
 )
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
-from autobatch.planning._limits import PlanSource
-from autobatch.planning._plan import Plan, WorldSizeOption
-from autobatch.planning._planner import plan_request, plan_table
+from autobatch.planning._plan import Plan
 from autobatch.planning._request import PlanRequest
 from autobatch.profile import MemoryModel, Profile
 
-__all__ = [
-    "PlanWithTable",
-    "budget_margin",
-    "budgeted_plan",
-    "budgeted_table",
-    "given_budget",
-    "plan_with_table",
-    "with_budget",
-]
+__all__ = ["budget_margin", "given_budget", "with_budget"]
 
 
 def with_budget(result: Plan, budget: MemoryBudget, *, safety_margin: float) -> Plan:
@@ -86,17 +74,6 @@ def given_budget(
     return combine_budget(readings)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PlanWithTable:
-    """What :func:`plan_with_table` gives: the plan at the request's world size and, with
-    ``world_sizes``, the table; both with the budget on them when one was given."""
-
-    plan: Plan
-    """The plan at ``request.world_size``."""
-    world_size_options: list[WorldSizeOption] | None
-    """One row per ``request.world_sizes``; None when the request has none."""
-
-
 def budget_margin(limit: int | Profile | MemoryModel, request: PlanRequest) -> float:
     """The safety margin a plan's budget is completed with (``trials_per_gpu``): the request's,
     else the profile's own, else :data:`~autobatch.margin.DEFAULT_SAFETY_MARGIN`, as the
@@ -104,74 +81,3 @@ def budget_margin(limit: int | Profile | MemoryModel, request: PlanRequest) -> f
     if request.safety_margin is not None:
         return request.safety_margin
     return limit.safety_margin if isinstance(limit, Profile) else DEFAULT_SAFETY_MARGIN
-
-
-def budgeted_plan(
-    limit: int | Profile | MemoryModel,
-    request: PlanRequest,
-    *,
-    budget: MemoryBudget | None = None,
-    source: PlanSource | None = None,
-) -> Plan:
-    """:func:`~autobatch.planning.plan_request`, with ``budget`` on the plan (when given).
-
-    Raises:
-        ConfigError, NoFeasiblePlanError: as for :func:`autobatch.plan`.
-    """
-    result = plan_request(limit, request, source=source)
-    if budget is None:
-        return result
-    return with_budget(result, budget, safety_margin=budget_margin(limit, request))
-
-
-def budgeted_table(
-    limit: int | Profile | MemoryModel,
-    request: PlanRequest,
-    *,
-    budget: MemoryBudget | None = None,
-    source: PlanSource | None = None,
-) -> list[WorldSizeOption]:
-    """:func:`~autobatch.planning.plan_table`, with ``budget`` on every row's plan (when given).
-
-    Raises:
-        ConfigError, NoFeasiblePlanError: as for :func:`autobatch.plan_world_sizes`.
-    """
-    rows = plan_table(limit, request, source=source)
-    if budget is None:
-        return rows
-    margin = budget_margin(limit, request)
-    return [
-        dataclasses.replace(row, plan=with_budget(row.plan, budget, safety_margin=margin))
-        if row.plan is not None
-        else row
-        for row in rows
-    ]
-
-
-def plan_with_table(
-    limit: int | Profile | MemoryModel,
-    request: PlanRequest,
-    *,
-    budget: MemoryBudget | None = None,
-    source: PlanSource | None = None,
-    check_table: Callable[[Plan], None] | None = None,
-) -> PlanWithTable:
-    """The plan at ``request.world_size`` and, with ``request.world_sizes``, the table, each with
-    ``budget`` on it: plan, then budget, then table.
-
-    Args:
-        limit, request, budget, source: as for :func:`budgeted_plan`.
-        check_table: called with the plan before the table is planned (the service refuses a
-            table whose answer would be too large to send), raising to refuse it.
-
-    Raises:
-        ConfigError, NoFeasiblePlanError: as for :func:`autobatch.plan`; whatever
-            ``check_table`` raises.
-    """
-    result = budgeted_plan(limit, request, budget=budget, source=source)
-    if request.world_sizes is None:
-        return PlanWithTable(plan=result, world_size_options=None)
-    if check_table is not None:
-        check_table(result)
-    rows = budgeted_table(limit, request, budget=budget, source=source)
-    return PlanWithTable(plan=result, world_size_options=rows)

@@ -13,8 +13,9 @@ schedules can be set from it.
 
 Example::
 
-    >>> from autobatch.planning._planner import plan
-    >>> p = plan(8, effective_batch_size=256).with_epoch(125)   # 125 rows, 8 x 32
+    >>> from autobatch.planning import PlanRequest, plan_request
+    >>> request = PlanRequest(effective_batch_size=256)
+    >>> p = plan_request(8, request).with_epoch(125)   # 125 rows, 8 x 32
     >>> p.epoch.num_optimizer_steps, p.epoch.last_effective_batch_size
     (1, 125)
 """

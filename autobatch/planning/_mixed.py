@@ -2,7 +2,7 @@
 
 Each rank ``r`` brings the largest micro-batch its own probe found, ``M_r``, and optionally a
 line of its step time, ``seconds_r(m) = fixed_r + per_sample_r * m`` (:class:`StepLine`; a
-profile's timed trials give one with :meth:`StepLine.fit`). :func:`plan_mixed_ranks` gives every
+profile's timed trials give one with :meth:`StepLine.fit`). :func:`split_ranks` gives every
 rank the same ``gradient_accumulation_steps`` ``k`` and its own micro-batch ``m_r <= M_r`` (a
 multiple of ``multiple_of``, at least one multiple) with ``k * sum(m_r) == effective_batch_size``
 exactly, or refuses naming the nearest effective batches that can be met.
@@ -37,9 +37,12 @@ level than the relaxation), so they are solved in order of their bound until the
 the best time: exact, and usually one or two solves. Every cost compares as the same float
 expression (:meth:`StepLine.seconds`, or one rounding of ``m / M_r``), so ties are exact ties.
 
+The public entry, which takes each rank's limit and the request, is
+:func:`autobatch.planning.plan_mixed_ranks`.
+
 Example::
 
-    plans = plan_mixed_ranks([48, 20], effective_batch_size=96)
+    plans = split_ranks([48, 20], None, PlanRequest(effective_batch_size=96, world_size=2))
     plans[0].rank_micro_batch_sizes, plans[0].gradient_accumulation_steps    # (34, 14), 2
 """
 
@@ -54,9 +57,9 @@ from collections.abc import Mapping, Sequence
 from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
 from autobatch.planning._limits import require_int
 from autobatch.planning._plan import Plan
-from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS
+from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest
 
-__all__ = ["StepLine", "plan_mixed_ranks"]
+__all__ = ["StepLine", "split_ranks"]
 
 _TIE = 1e-9
 """Relative difference in time per optimizer step below which two ``k`` tie (fewer wins)."""
@@ -232,27 +235,18 @@ def _reverse_order(rank: _Rank, unit: int) -> tuple[float, int, int, int]:
     return -rank.value(unit), rank.max_micro_batch_size, -rank.index, -unit
 
 
-def plan_mixed_ranks(
-    max_micro_batch_sizes: Sequence[int],
-    *,
-    effective_batch_size: int,
-    step_lines: Sequence[StepLine | float] | None = None,
-    multiple_of: int = 1,
-    max_gradient_accumulation_steps: int | None = None,
+def split_ranks(
+    maxima: Sequence[int], lines: Sequence[StepLine] | None, request: PlanRequest
 ) -> tuple[Plan, ...]:
-    """Plan one ``gradient_accumulation_steps`` for every rank and a micro-batch per rank.
+    """One ``gradient_accumulation_steps`` for every rank and a micro-batch per rank.
 
     Args:
-        max_micro_batch_sizes: each rank's largest micro-batch (its own probe's), in rank order,
-            ints >= 1; their number is the world size.
-        effective_batch_size: samples per optimizer step over all ranks, >= the world size; met
-            exactly: ``gradient_accumulation_steps * sum(rank_micro_batch_sizes)``.
-        step_lines: each rank's step time (a :class:`StepLine`, or a float: seconds per sample
-            with no fixed part), in rank order; None plans by memory alone (fewest accumulation
-            steps, micro-batches in proportion to the maxima).
-        multiple_of: every micro-batch is a multiple of this (e.g. 8 for tensor cores).
-        max_gradient_accumulation_steps: upper bound on accumulation steps; None for the
-            planner's own (:data:`~autobatch.planning.MAX_GRADIENT_ACCUMULATION_STEPS`).
+        maxima: each rank's largest micro-batch, in rank order, ints >= 1 (one per rank of
+            ``request.world_size``).
+        lines: each rank's step time, in rank order; None plans by memory alone (fewest
+            accumulation steps, micro-batches in proportion to the maxima).
+        request: the effective batch (met exactly), ``multiple_of`` and
+            ``max_gradient_accumulation_steps``, checked by the request.
 
     Returns:
         One :class:`~autobatch.planning.Plan` per rank, in rank order: the same
@@ -263,20 +257,12 @@ def plan_mixed_ranks(
         lines, when its step is also no slower at every size).
 
     Raises:
-        ConfigError: an argument is invalid (named with its value): an empty or non-list of
-            maxima, a maximum that is not an int >= 1, step lines of another length or with
-            negative seconds, ``effective_batch_size`` below the world size.
         NoFeasiblePlanError: ``multiple_of`` exceeds a rank's maximum, or no ``k`` and split meet
             ``effective_batch_size`` exactly; the message and the remedies name the nearest
             effective batch sizes that can be met, below and above.
     """
-    maxima, lines, steps = _checked(
-        max_micro_batch_sizes,
-        effective_batch_size,
-        step_lines,
-        multiple_of,
-        max_gradient_accumulation_steps,
-    )
+    effective_batch_size, multiple_of = request.effective_batch_size, request.multiple_of
+    steps = request.max_steps
     for index, maximum in enumerate(maxima):
         if maximum < multiple_of:
             raise NoFeasiblePlanError(
@@ -298,59 +284,6 @@ def plan_mixed_ranks(
         chosen, units = _fastest(ranks, relaxation, effective_batch_size, multiple_of, candidates)
     sizes = tuple(unit * multiple_of for unit in units)
     return _plans(ranks, sizes, chosen, effective_batch_size, timed=lines is not None)
-
-
-def _checked(
-    maxima: Sequence[int],
-    effective: int,
-    lines: Sequence[StepLine | float] | None,
-    multiple_of: int,
-    max_steps: int | None,
-) -> tuple[list[int], list[StepLine] | None, int]:
-    """The arguments checked: the maxima, the step lines, the most accumulation steps.
-
-    Raises:
-        ConfigError: as for :func:`plan_mixed_ranks`.
-    """
-    if isinstance(maxima, str) or not isinstance(maxima, Sequence) or not maxima:
-        raise ConfigError(
-            f"max_micro_batch_sizes {maxima!r} must be a non-empty list of ints, one per rank "
-            "in rank order, e.g. [48, 48, 20, 20]"
-        )
-    for index, maximum in enumerate(maxima):
-        require_int(f"max_micro_batch_sizes[{index}]", maximum, 1)
-    require_int("effective_batch_size", effective, 1)
-    require_int("multiple_of", multiple_of, 1)
-    if max_steps is not None:
-        require_int("max_gradient_accumulation_steps", max_steps, 1)
-        if max_steps > MAX_GRADIENT_ACCUMULATION_STEPS:
-            raise ConfigError(
-                f"max_gradient_accumulation_steps {max_steps} is more than the planner plans "
-                f"(at most {MAX_GRADIENT_ACCUMULATION_STEPS} accumulation steps)",
-                remedies=(
-                    Remedy(
-                        parameter="max_gradient_accumulation_steps",
-                        values=(MAX_GRADIENT_ACCUMULATION_STEPS,),
-                    ),
-                ),
-            )
-    if effective < len(maxima):
-        raise ConfigError(
-            f"effective_batch_size {effective} is less than the {len(maxima)} ranks: every rank "
-            f"needs a sample; use effective_batch_size >= {len(maxima)}"
-        )
-    checked = None
-    if lines is not None:
-        if isinstance(lines, str) or not isinstance(lines, Sequence) or len(lines) != len(maxima):
-            raise ConfigError(
-                f"step_lines {lines!r} must list one StepLine (or seconds per sample) per rank, "
-                f"{len(maxima)} in all, in rank order"
-            )
-        checked = [
-            line if isinstance(line, StepLine) else StepLine(per_sample_seconds=line)
-            for line in lines
-        ]
-    return list(maxima), checked, max_steps or MAX_GRADIENT_ACCUMULATION_STEPS
 
 
 def _feasible_steps(ranks: Sequence[_Rank], effective: int, step: int, max_steps: int) -> list[int]:

@@ -1,123 +1,114 @@
-"""PURE: a mixed plan (:func:`~autobatch.planning.plan_mixed_ranks`) from each rank's resolved
-limit, and each rank's plan completed with what its own limit knows.
+"""PURE: each rank's limit for a mixed plan (:class:`RankLimit`), and each rank's plan completed
+with what its own limit knows.
 
 The ranks of a job on mixed cards each resolve their own limit (a profile measured on their own
-card, or one predicted for it: :func:`~autobatch.planning._limits.resolve_limit`). What the plan
-needs of every rank is small and plain (:class:`RankLimit`: its largest micro-batch and its step
-line), so ranks can share it (``autotune(mixed_ranks=True)`` all-gathers it, the service builds
-one per card); each rank's plan then gets its own peak bytes, capacity, source and prediction
-back from its own limit (:func:`with_limit`).
+card, or one predicted for it: :meth:`RankLimit.of`). What the mixed plan needs of every rank is
+small and plain (its largest micro-batch and its step line), so ranks can share it
+(``autotune(mixed_ranks=True)`` all-gathers :meth:`RankLimit.shared`, the service builds one per
+card); the process that resolved a rank's limit holds it too, and that rank's plan gets its own
+peak bytes, capacity, source and prediction back from it (:func:`completed`).
 
 Example::
 
-    limits = [resolve_limit(p, capacity_bytes=None, safety_margin=None, step_seconds=None,
-                            source="cached") for p in (profile_80gb, profile_40gb)]
-    plans = mixed_plans([RankLimit.of(limit) for limit in limits], request)
-    with_limit(plans[1], limits[1]).predicted_peak_memory_bytes
+    request = PlanRequest(effective_batch_size=96, world_size=2)
+    ranks = [RankLimit.of(p, request, source="cached") for p in (profile_80gb, profile_40gb)]
+    plan_mixed_ranks(ranks, request)[1].predicted_peak_memory_bytes
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from autobatch.errors import ConfigError
-from autobatch.planning._limits import Limit, require_int
-from autobatch.planning._mixed import StepLine, plan_mixed_ranks
+from autobatch.device import MemoryBudget
+from autobatch.planning._budget import budget_margin, with_budget
+from autobatch.planning._limits import Limit, PlanSource, require_int
+from autobatch.planning._mixed import StepLine
 from autobatch.planning._plan import Plan
+from autobatch.planning._planner import resolve_plan_limit
 from autobatch.planning._request import PlanRequest
-from autobatch.profile import Profile
+from autobatch.profile import MemoryModel, Profile
 
-__all__ = ["RankLimit", "check_mixed_request", "mixed_plans", "with_limit"]
+__all__ = ["RankLimit", "completed"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Own:
+    """A rank's resolved limit and what it was resolved from, in the process that resolved it."""
+
+    limit: Limit
+    planned_from: int | Profile | MemoryModel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RankLimit:
-    """What a mixed plan needs of one rank: plain numbers, picklable, to share between ranks."""
+    """What a mixed plan needs of one rank: its largest micro-batch and its step line.
+
+    Built from plain numbers (a rank known by them alone: another process's, the CLI's
+    ``--rank-max``), or by :meth:`of` from the rank's own limit, which it then also holds (not
+    compared, not shared) to complete that rank's plan.
+    """
 
     max_micro_batch_size: int
     """The largest micro-batch this rank may run (its own limit), >= 1."""
     step_line: StepLine | None = None
     """This rank's step time by micro-batch size; None without two sizes timed."""
+    _own: _Own | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         require_int("max_micro_batch_size", self.max_micro_batch_size, 1)
 
     @classmethod
-    def of(cls, limit: Limit) -> RankLimit:
-        """A resolved limit's max and its step line: :meth:`StepLine.fit` through the mean
-        timing of each size its profile's fitting trials timed (the warm-up left out, as
-        :attr:`~autobatch.planning._limits.Limit.step_time` holds them); no line for a limit
-        with fewer than two sizes timed, or with step times given rather than measured."""
-        timings = None if limit.step_time is None else limit.step_time.timings
+    def of(
+        cls,
+        limit: int | Profile | MemoryModel,
+        request: PlanRequest,
+        *,
+        source: PlanSource | None = None,
+    ) -> RankLimit:
+        """This rank's limit: ``limit`` resolved for ``request`` (its ``capacity_bytes`` and
+        ``safety_margin``: this rank's card), and the step line :meth:`StepLine.fit` draws
+        through the mean timing of each size the profile's fitting trials timed (the warm-up
+        left out); no line with fewer than two sizes timed.
+
+        Args:
+            limit: as for :func:`~autobatch.planning.plan_request`.
+            request: what to plan for on this rank's card.
+            source: as for :func:`~autobatch.planning.plan_request`.
+
+        Raises:
+            ConfigError, NoFeasiblePlanError: the limit cannot be resolved (as for
+                :func:`~autobatch.planning.plan_request`).
+        """
+        resolved = resolve_plan_limit(limit, request, source)
+        timings = None if resolved.step_time is None else resolved.step_time.timings
         line = None
         if timings is not None and len(timings) >= 2:
             line = StepLine.fit({size: sum(t) / len(t) for size, t in timings.items()})
-        return cls(max_micro_batch_size=limit.max_micro_batch_size, step_line=line)
+        rank = cls(max_micro_batch_size=resolved.max_micro_batch_size, step_line=line)
+        object.__setattr__(rank, "_own", _Own(resolved, limit))
+        return rank
+
+    def shared(self) -> RankLimit:
+        """The numbers other ranks need, without this process's own limit (which does not
+        pickle): what ranks exchange."""
+        return RankLimit(max_micro_batch_size=self.max_micro_batch_size, step_line=self.step_line)
 
 
-def check_mixed_request(request: PlanRequest) -> None:
-    """Refuse what a mixed plan does not do, by name: an inexact effective batch, a table of
-    world sizes, or step times given for one card.
-
-    Raises:
-        ConfigError: names the option and the fix.
-    """
-    refused = (
-        (
-            "allow_inexact",
-            request.allow_inexact,
-            "it meets the effective batch exactly or names the nearest reachable ones",
-        ),
-        ("world_sizes", request.world_sizes is not None, "its world size is its ranks'"),
-        (
-            "step_seconds",
-            request.step_seconds is not None,
-            "each rank's step times are its own profile's",
-        ),
-    )
-    for name, given, why in refused:
-        if given:
-            raise ConfigError(
-                f"{name} does not go with a mixed plan (a micro-batch per rank): {why}; leave "
-                f"{name} unset"
-            )
-
-
-def mixed_plans(ranks: Sequence[RankLimit], request: PlanRequest) -> tuple[Plan, ...]:
-    """One plan per rank (:func:`~autobatch.planning.plan_mixed_ranks`) for ``request``'s
-    effective batch, ``multiple_of`` and ``max_gradient_accumulation_steps``; planned by time
-    when every rank has a step line, else by memory alone.
-
-    Raises:
-        ConfigError: ``request`` asks for what a mixed plan does not do
-            (:func:`check_mixed_request`), or its ``world_size`` is not ``len(ranks)``.
-        NoFeasiblePlanError: as for :func:`~autobatch.planning.plan_mixed_ranks`.
-    """
-    check_mixed_request(request)
-    if request.world_size != len(ranks):
-        raise ConfigError(
-            f"world_size {request.world_size} is not the number of ranks planned, {len(ranks)}; "
-            "give one limit per data-parallel rank"
-        )
-    lines = [rank.step_line for rank in ranks]
-    return plan_mixed_ranks(
-        [rank.max_micro_batch_size for rank in ranks],
-        effective_batch_size=request.effective_batch_size,
-        step_lines=None if None in lines else lines,  # type: ignore[arg-type]
-        multiple_of=request.multiple_of,
-        max_gradient_accumulation_steps=request.max_gradient_accumulation_steps,
-    )
-
-
-def with_limit(plan: Plan, limit: Limit, *, profile: Profile | None = None) -> Plan:
-    """``plan`` (one rank's, from :func:`mixed_plans`) with what ``limit`` (that rank's own)
-    says of it: the predicted peak bytes at its micro-batch, the capacity and headroom, the
-    source (``predicted`` with its prediction, when the limit is one), the conditions, the
-    limit's notes first, and the gradient-sync mode of ``profile`` (the limit's, if any)."""
+def completed(
+    plan: Plan, rank: RankLimit, request: PlanRequest, budget: MemoryBudget | None
+) -> Plan:
+    """``plan`` (``rank``'s, of a mixed plan) with what ``rank``'s own limit says of it, when
+    this process resolved it (:meth:`RankLimit.of`): the predicted peak bytes at its
+    micro-batch, the capacity and headroom, the source (``predicted`` with its prediction, when
+    the limit is one), the conditions, the limit's notes first, the gradient-sync mode of its
+    profile, and ``budget`` on it. A rank known by its numbers alone keeps ``plan``."""
+    own = rank._own
+    if own is None:
+        return plan
+    limit, planned_from = own.limit, own.planned_from
     peak = limit.peak_bytes(plan.micro_batch_size)
     capacity = limit.capacity_bytes
-    return dataclasses.replace(
+    result = dataclasses.replace(
         plan,
         predicted_peak_memory_bytes=peak,
         capacity_bytes=capacity,
@@ -126,5 +117,10 @@ def with_limit(plan: Plan, limit: Limit, *, profile: Profile | None = None) -> P
         prediction=limit.prediction,
         conditions=limit.conditions,
         notes=(*limit.notes, *plan.notes),
-        gradient_sync=plan.gradient_sync if profile is None else profile.gradient_sync,
+        gradient_sync=(
+            planned_from.gradient_sync if isinstance(planned_from, Profile) else plan.gradient_sync
+        ),
     )
+    if budget is None:
+        return result
+    return with_budget(result, budget, safety_margin=budget_margin(planned_from, request))

@@ -2,11 +2,12 @@
 
 The one request object of planning: the effective batch, the ranks, the options every split
 must meet, the memory to plan for and the step times. :func:`autobatch.plan` and
-:func:`autobatch.plan_world_sizes` build it from their flat keyword arguments; the CLI, the
-service and the tuning road build it themselves and hand it to
-:func:`~autobatch.planning.plan_request`, :func:`~autobatch.planning.plan_table` or
-:func:`~autobatch.planning.budgeted_plan`, which do not check it again. Imports neither torch nor
-pynvml.
+:func:`autobatch.plan_world_sizes` build it from their keyword arguments
+(:meth:`PlanRequest.for_limit`), whose options are declared once here (:class:`SplitOptions`,
+:class:`PlanOptions`); the CLI, the service and the tuning road build it themselves. Each
+planning entry takes it whole (:func:`~autobatch.planning.plan_request`,
+:func:`~autobatch.planning.plan_table`, :func:`~autobatch.planning.plan_mixed_ranks`) and does
+not check it again. Imports neither torch nor pynvml.
 
 Example::
 
@@ -19,13 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal, TypedDict
 
 from autobatch.errors import ConfigError, Remedy
 from autobatch.margin import check_safety_margin
-from autobatch.planning._limits import check_step_seconds, require_int
+from autobatch.planning._limits import PlanSource, check_step_seconds, require_int, resolve_limit
+from autobatch.profile import MemoryModel, Profile
 
-__all__ = ["MAX_GRADIENT_ACCUMULATION_STEPS", "PlanRequest", "Uneven"]
+__all__ = [
+    "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "PlanOptions",
+    "PlanRequest",
+    "SplitOptions",
+    "Uneven",
+]
 
 Uneven = Literal["auto", "never", "always"]
 _UNEVEN: tuple[Uneven, ...] = ("auto", "never", "always")
@@ -34,6 +42,28 @@ MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 20
 """No plan has more accumulation steps than this (1,048,576), whatever the caller allows: a Plan
 lists one size per step, and a larger count is a mistake (a micro-batch limit of 1 for a
 billion-sample batch) rather than a training run. Also bounds the planner's own work."""
+
+
+class SplitOptions(TypedDict, total=False):
+    """The options of a plan besides its effective batch and its ranks: the keyword options of
+    :func:`autobatch.plan_world_sizes` and the client's plan calls, each a :class:`PlanRequest`
+    field of the same name and meaning (a test keeps the two equal)."""
+
+    multiple_of: int
+    max_gradient_accumulation_steps: int | None
+    uneven: Uneven
+    allow_inexact: bool
+    safety_margin: float | None
+    capacity_bytes: int | None
+    step_seconds: Mapping[int, float] | None
+
+
+class PlanOptions(SplitOptions, total=False):
+    """:class:`SplitOptions` and the plan's ``world_size``: the keyword options of
+    :func:`autobatch.plan` (whose check against this process needs to know whether
+    ``world_size`` was given)."""
+
+    world_size: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,7 +112,8 @@ class PlanRequest:
     taken as exact; None: the profile's fitting trials, for the device they ran on."""
     world_sizes: tuple[int, ...] | None = None
     """Candidate numbers of ranks for a table (:func:`~autobatch.planning.plan_table`), e.g.
-    ``(1, 2, 4, 8)``, rows in this order; None for no table."""
+    ``(1, 2, 4, 8)``, rows in this order; None for no table. ``world_size`` is not used by the
+    table."""
 
     def __post_init__(self) -> None:
         _check_options(self)
@@ -104,6 +135,71 @@ class PlanRequest:
         if self.world_sizes is not None:
             object.__setattr__(self, "world_sizes", _checked_world_sizes(self.world_sizes))
 
+    @classmethod
+    def for_limit(
+        cls,
+        limit: int | Profile | MemoryModel,
+        *,
+        source: PlanSource | None = None,
+        **fields: Any,
+    ) -> PlanRequest:
+        """The request of ``fields``, for a plan within ``limit``; when refused, the error in
+        the planner's order: the options and what resolves the limit first, then the limit
+        itself, then the batch sizes and world sizes. So a call wrong in its limit and in
+        ``effective_batch_size`` or ``world_size`` is told of the limit. Only this error path
+        checks twice.
+
+        Raises:
+            ConfigError: a field is invalid (as on construction), or ``limit`` or ``source`` is
+                (as for :func:`~autobatch.planning.plan_request`).
+            NoFeasiblePlanError: the model does not fit at micro-batch 1 in
+                ``capacity_bytes``, when a field is invalid too.
+        """
+        try:
+            return cls(**fields)
+        except ConfigError as refused:
+            # The same request with batch sizes that always pass: raises if the limit's
+            # refusal comes first.
+            fine = cls(
+                **{**fields, "effective_batch_size": 1, "world_size": 1, "world_sizes": None}
+            )
+            resolve_limit(
+                limit,
+                capacity_bytes=fine.capacity_bytes,
+                safety_margin=fine.safety_margin,
+                step_seconds=fine.step_seconds,
+                source=source,
+            )
+            raise refused from None
+
+    def check_mixed_ranks(self) -> None:
+        """Refuse what a mixed plan (:func:`~autobatch.planning.plan_mixed_ranks`) does not do,
+        by name: an inexact effective batch, a table of world sizes, or step times given for
+        one card.
+
+        Raises:
+            ConfigError: names the option and the fix.
+        """
+        refused = (
+            (
+                "allow_inexact",
+                self.allow_inexact,
+                "it meets the effective batch exactly or names the nearest reachable ones",
+            ),
+            ("world_sizes", self.world_sizes is not None, "its world size is its ranks'"),
+            (
+                "step_seconds",
+                self.step_seconds is not None,
+                "each rank's step times are its own profile's",
+            ),
+        )
+        for name, given, why in refused:
+            if given:
+                raise ConfigError(
+                    f"{name} does not go with a mixed plan (a micro-batch per rank): {why}; "
+                    f"leave {name} unset"
+                )
+
     @property
     def max_steps(self) -> int:
         """The most accumulation steps a plan may take: ``max_gradient_accumulation_steps``, or
@@ -123,8 +219,7 @@ def _check_options(request: PlanRequest) -> None:
     if most is not None:
         require_int("max_gradient_accumulation_steps", most, 1)
         if most > MAX_GRADIENT_ACCUMULATION_STEPS:
-            # Refused, not clamped: a clamped value would leave a later error naming a bound the
-            # caller had not set.
+            # Refused rather than clamped, so no error names a bound the caller did not set.
             raise ConfigError(
                 f"max_gradient_accumulation_steps {most} is more than the planner plans (at "
                 f"most {MAX_GRADIENT_ACCUMULATION_STEPS} accumulation steps)",

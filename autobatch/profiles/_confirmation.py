@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 
 from autobatch.conditions import Conditions, condition_changes
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning import Prediction, plan
+from autobatch.planning import PlanRequest, Prediction, plan_request
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
 from autobatch.profiles._store import ProfileStore
 
@@ -107,13 +107,10 @@ def find_prediction(
         if conditions is not None and condition_changes(profile.conditions, conditions):
             continue
         try:
-            result = plan(
-                profile,
-                effective_batch_size=1,
-                capacity_bytes=capacity_bytes,
-                safety_margin=safety_margin,
-                source="cached",
+            wanted = PlanRequest(
+                effective_batch_size=1, capacity_bytes=capacity_bytes, safety_margin=safety_margin
             )
+            result = plan_request(profile, wanted, source="cached")
         except (ConfigError, NoFeasiblePlanError):
             continue  # this profile cannot predict here; an older one might
         if result.prediction is None or result.source != "predicted":

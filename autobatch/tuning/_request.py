@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.device import Device
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
-from autobatch.planning import PlanRequest, Uneven, check_mixed_request
+from autobatch.planning import PlanRequest, Uneven
 from autobatch.probing import DEFAULT_LIMIT, LossFn, OnTrial, TrainStep, check_search_arguments
 from autobatch.profiles import ProfileStore
 
@@ -138,5 +138,5 @@ class TuneRequest:
             allow_inexact=self.allow_inexact,
         )
         if self.mixed_ranks:
-            check_mixed_request(plan)
+            plan.check_mixed_ranks()
         object.__setattr__(self, "plan", plan)

@@ -47,20 +47,14 @@ from autobatch.distributed import (
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import (
-    Limit,
     Plan,
     PlanRequest,
     RankLimit,
     Uneven,
-    budget_margin,
-    budgeted_plan,
     largest_useful_micro_batch_size,
-    mixed_plans,
+    plan_mixed_ranks,
     plan_request,
-    resolve_plan_limit,
     stored_profile_source,
-    with_budget,
-    with_limit,
 )
 from autobatch.probing import (
     DEFAULT_LIMIT,
@@ -292,7 +286,7 @@ def tune_request(request: TuneRequest) -> Tuning:
     """The road for one :class:`~autobatch.tuning.TuneRequest` with an
     ``effective_batch_size``: resolve the ranks, check that some plan is possible before
     probing, find the profile (:func:`find_profile`), plan from it with this device's memory
-    budget (:func:`autobatch.planning.budgeted_plan`), and probe the evaluation micro-batch
+    budget (:func:`autobatch.planning.plan_request`), and probe the evaluation micro-batch
     when asked. :func:`autotune`, :func:`tune`, the CLI's ``tune`` and the drop-ins call this.
 
     Raises:
@@ -330,7 +324,7 @@ def tune_request(request: TuneRequest) -> Tuning:
     found = find_profile(step, options, storing)
     source = stored_profile_source(found.profile) if found.cached else None
     budget = _plan_budget(options, found.profile)
-    result = budgeted_plan(found.profile, wanted, budget=budget, source=source)
+    result = plan_request(found.profile, wanted, budget=budget, source=source)
     if result.budget is not None:
         for warning in result.budget.warnings:
             logger.warning("memory budget %s: %s", result.budget.describe(), warning)
@@ -352,8 +346,8 @@ def _tune_mixed(
     """:func:`tune_request` with ``mixed_ranks``: this rank probes its own device alone (its own
     profile, through the store as one process would), the ranks share each one's limit and
     step line (:class:`~autobatch.planning.RankLimit`), every rank computes the same mixed plan
-    (:func:`~autobatch.planning.mixed_plans`) and returns its own rank's, completed with its
-    own limit, memory budget and notes.
+    (:func:`~autobatch.planning.plan_mixed_ranks`) and returns its own rank's, completed with
+    its own limit, memory budget and notes.
 
     Raises:
         ConfigError: more than one data-parallel rank without torch.distributed (no ranks to
@@ -374,7 +368,9 @@ def _tune_mixed(
             "from known per-rank maxima with autobatch.planning.plan_mixed_ranks"
         )
     # Fail before probing when no micro-batches the probes could find make a plan.
-    mixed_plans([RankLimit(max_micro_batch_size=request.max_micro_batch_size)] * world_size, wanted)
+    plan_mixed_ranks(
+        [RankLimit(max_micro_batch_size=request.max_micro_batch_size)] * world_size, wanted
+    )
     # The most one rank can take: the effective batch less the least the others take.
     useful = wanted.effective_batch_size - (world_size - 1) * wanted.multiple_of
     step, options = _bundles(
@@ -385,21 +381,20 @@ def _tune_mixed(
         alone=True,
     )
     storing = _storing(request)
-    own: list[tuple[TunedProfile, Limit]] = []
+    own: list[tuple[TunedProfile, RankLimit]] = []
 
     def probe_own() -> RankLimit:
         found = find_profile(step, options, storing)
         source = stored_profile_source(found.profile) if found.cached else None
-        own.append((found, resolve_plan_limit(found.profile, wanted, source)))
-        return RankLimit.of(own[0][1])
+        own.append((found, RankLimit.of(found.profile, wanted, source=source)))
+        return own[0][1].shared()
 
     gathered = process_group_consensus(options.device.torch_device) or LocalConsensus()
-    shared = gathered.on_every_rank(probe_own, "probing its own card for a mixed plan")
-    found, limit = own[0]
-    result = with_limit(mixed_plans(shared, wanted)[gathered.rank], limit, profile=found.profile)
+    ranks = list(gathered.on_every_rank(probe_own, "probing its own card for a mixed plan"))
+    found, mine = own[0]
+    ranks[gathered.rank] = mine  # with its own limit, which completes this rank's plan
     budget = _plan_budget(options, found.profile)
-    if budget is not None:
-        result = with_budget(result, budget, safety_margin=budget_margin(found.profile, wanted))
+    result = plan_mixed_ranks(ranks, wanted, budget=budget)[gathered.rank]
     result = _with_notes(result, found, options, world_size, world_source)
     return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
 

@@ -6,7 +6,7 @@ device, when given, is a local GPU (``cuda_index``/``uuid``, read from NVML), a 
 or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB, a MIG slice's
 ``nvidia.com/mig-<profile>.memory`` with ``mig_profile``; see
 :func:`autobatch.device.read_node_labels`).
-``world_sizes`` adds a table over candidate world sizes (``planner.plan_world_sizes``). A
+``world_sizes`` adds a table over candidate world sizes (``planning.plan_table``). A
 ``job`` of cards and counts gets a micro-batch per rank from each card's profile
 (:mod:`service.plan_job`).
 
@@ -50,7 +50,14 @@ from autobatch.device import (
     budget_from_nvml,
 )
 from autobatch.errors import DeviceUnavailableError
-from autobatch.planning import PlanRequest, PlanSource, Selection, given_budget, plan_with_table
+from autobatch.planning import (
+    PlanRequest,
+    PlanSource,
+    Selection,
+    given_budget,
+    plan_request,
+    plan_table,
+)
 from autobatch.profile import MemoryModel, Profile
 from service.deps import service_state
 from service.gpus import GpuMonitor
@@ -197,23 +204,15 @@ def _answer(
             micro-batch sizes (``service.plan_limits.check_answer_size``).
         ConfigError, NoFeasiblePlanError: as for ``autobatch.plan``.
     """
-    planned = plan_with_table(
-        limit,
-        wanted,
-        budget=budget,
-        source=source,
-        check_table=lambda result: check_answer_size(body, result),
-    )
-    result = planned.plan
-    if body.world_sizes is None:  # with a table, checked before the table was planned
-        check_answer_size(body, result)
+    result = plan_request(limit, wanted, budget=budget, source=source)
+    check_answer_size(body, result)  # before a table is planned
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))
     options_table = None
-    if planned.world_size_options is not None:
+    if wanted.world_sizes is not None:
         options_table = [
             {"world_size": row.world_size, "plan": row.plan, "reason": row.describe(field_wording)}
-            for row in planned.world_size_options
+            for row in plan_table(limit, wanted, budget=budget, source=source)
         ]
     # PlanPublic's shape, serialized by pydantic-core in one call, Plans included: it writes a
     # dataclass as its fields, which is Plan.to_dict() (a test keeps the two equal). Building and

@@ -557,8 +557,8 @@ def test_a_malformed_input_shape_is_explained_with_an_example(
 def test_plan_refuses_an_eval_profile_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from autobatch.planning._planner import plan
     from autobatch.profiles._store import ProfileStore
+    from tests.planning.test_planner import plan
     from tests.planning.test_prediction import issue_profile
 
     store = tmp_path / "s.sqlite3"

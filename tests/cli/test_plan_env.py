@@ -12,8 +12,8 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.cli._plan_env import env_variables
-from autobatch.planning import plan
 from autobatch.profile import Profile
+from tests.planning.test_planner import plan
 from tests.service.test_publish import FlakyServer
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from autobatch.planning import StepLine, plan_mixed_ranks
+from autobatch.planning import StepLine
 from tests.cli.test_cli import run
+from tests.planning.test_mixed import mixed
 
 RANKS = ["--rank-max", "48", "--rank-max", "17"]
 
@@ -38,10 +39,10 @@ def test_rank_max_with_speeds_as_json(capsys: pytest.CaptureFixture[str]) -> Non
     )
     assert code == 0, err
     ranks = json.loads(out)["ranks"]
-    want = plan_mixed_ranks([48, 17], effective_batch_size=96, step_lines=[0.004, 0.0065])
+    lines = [StepLine(per_sample_seconds=0.004), StepLine(per_sample_seconds=0.0065)]
+    want = mixed([48, 17], effective_batch_size=96, step_lines=lines)
     assert [r["micro_batch_size"] for r in ranks] == [p.micro_batch_size for p in want]
     assert ranks[0]["rank_micro_batch_sizes"] == list(want[0].rank_micro_batch_sizes or ())
-    lines = [StepLine(per_sample_seconds=0.004), StepLine(per_sample_seconds=0.0065)]
     slowest = max(line.seconds(r["micro_batch_size"]) for line, r in zip(lines, ranks, strict=True))
     assert ranks[0]["predicted_seconds_per_effective_batch"] == pytest.approx(
         want[0].gradient_accumulation_steps * slowest

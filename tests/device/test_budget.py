@@ -29,7 +29,7 @@ from autobatch.device._budget import SHARING_TOLERANCE, parse_memory_limit
 from autobatch.device._cgroup import cgroup_reading
 from autobatch.device._nvml import Nvml
 from autobatch.errors import ConfigError
-from autobatch.planning import given_budget, plan, with_budget
+from autobatch.planning import PlanRequest, given_budget, plan_request
 from autobatch.profile import MemoryModel, Profile, Trial
 from tests.helpers.fake_pynvml import FakeGpu, FakePynvml, GiB, MiB
 
@@ -491,11 +491,8 @@ def test_a_sharing_layer_s_3_gib_decides_where_nvml_says_10(
     assert [x.source for x in budget.readings] == ["nvml", "cuda_runtime"]
     assert [x.available_bytes for x in budget.readings] == [10 * GiB, 3 * GiB]
 
-    planned = with_budget(
-        plan(ten_gib_profile(), effective_batch_size=64, capacity_bytes=capacity.capacity_bytes),
-        budget,
-        safety_margin=0.05,
-    )
+    wanted = PlanRequest(effective_batch_size=64, capacity_bytes=capacity.capacity_bytes)
+    planned = plan_request(ten_gib_profile(), wanted, budget=budget)
     assert planned.predicted_peak_memory_bytes is not None
     assert planned.predicted_peak_memory_bytes <= 3 * GiB * 0.95
     assert planned.micro_batch_size < 32

@@ -15,8 +15,9 @@ from autobatch.integrations._configs import (
     hf_training_arguments,
     lightning_config,
 )
-from autobatch.planning import plan_mixed_ranks
-from autobatch.planning._planner import Plan, plan
+from autobatch.planning import Plan
+from tests.planning.test_mixed import mixed
+from tests.planning.test_planner import plan
 
 # (max micro-batch, effective batch, world size) -> every plan here has equal micro-batches.
 CASES = [(24, 64, 1), (24, 96, 4), (24, 192, 8), (8, 8, 8), (10**6, 10**9, 8), (24, 54, 3)]
@@ -168,7 +169,7 @@ def test_unequal_micro_batches_cannot_be_expressed(convert: object, framework: s
 def test_a_mixed_plan_is_refused_by_name(convert: object, framework: str) -> None:
     # DeepSpeed's train_batch_size = micro x k x world_size would be 2 x 48 x 1 = 96 here on
     # rank 0, 2 x 20 x 2 = 80 on rank 1, and its equal-weight gradient average wrong on both.
-    result = plan_mixed_ranks([48, 20], effective_batch_size=96)[1]
+    result = mixed([48, 20], effective_batch_size=96)[1]
     assert callable(convert)
     with pytest.raises(
         ConfigError,

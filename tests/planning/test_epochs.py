@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from autobatch.errors import ConfigError
+from autobatch.planning import Plan
 from autobatch.planning._epochs import EpochPlan
-from autobatch.planning._planner import Plan, plan
+from tests.planning.test_planner import plan
 
 
 def simulate(rows_per_rank: int, sizes: tuple[int, ...], drop_last: bool) -> list[list[int]]:

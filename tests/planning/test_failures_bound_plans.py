@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from autobatch.planning import plan, plan_world_sizes
 from autobatch.profile import MemoryModel, Profile, Trial
+from tests.planning.test_planner import plan, plan_world_sizes
 
 GIB = 2**30
 

@@ -1,21 +1,46 @@
 """``plan_mixed_ranks``: one accumulation count, a micro-batch per rank, the effective batch met
-exactly, against brute force over every split on small cases; and the mixed Plan's invariant."""
+exactly, against brute force over every split on small cases; what it refuses (and what it
+leaves to the request); and the mixed Plan's invariant."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning import Plan, StepLine, plan, plan_mixed_ranks
+from autobatch.planning import Plan, PlanRequest, RankLimit, StepLine, plan_mixed_ranks
+from tests.planning.test_planner import plan
 
 # Two simulated cards: a fast one with twice the memory, a slower one.
 FAST = StepLine(fixed_seconds=0.03, per_sample_seconds=0.004)
 SLOW = StepLine(fixed_seconds=0.05, per_sample_seconds=0.0065)
+
+
+def mixed(
+    maxima: Sequence[int],
+    *,
+    effective_batch_size: int,
+    step_lines: Sequence[StepLine] | None = None,
+    multiple_of: int = 1,
+    max_gradient_accumulation_steps: int | None = None,
+) -> tuple[Plan, ...]:
+    """:func:`plan_mixed_ranks` for ranks known by their maxima (and step lines)."""
+    lines = [None] * len(maxima) if step_lines is None else step_lines
+    ranks = [
+        RankLimit(max_micro_batch_size=maximum, step_line=line)
+        for maximum, line in zip(maxima, lines, strict=True)
+    ]
+    request = PlanRequest(
+        effective_batch_size=effective_batch_size,
+        world_size=len(ranks),
+        multiple_of=multiple_of,
+        max_gradient_accumulation_steps=max_gradient_accumulation_steps,
+    )
+    return plan_mixed_ranks(ranks, request)
 
 
 def brute_force(
@@ -107,7 +132,7 @@ def test_every_rank_plan_meets_the_effective_batch_exactly(
     steps: int,
     sizes: tuple[int, ...],
 ) -> None:
-    plans = plan_mixed_ranks(
+    plans = mixed(
         maxima,
         effective_batch_size=effective,
         step_lines=lines,
@@ -124,10 +149,10 @@ def test_more_steps_win_when_they_balance_the_ranks() -> None:
     # One step must put 11 on the second rank (0.054 s); two of (4, 4) take 2 x 0.026 s, four
     # of (2, 2) 4 x 0.018 s. Memory alone keeps the fewest steps.
     lines = [StepLine(fixed_seconds=0.01, per_sample_seconds=0.004)] * 2
-    timed = plan_mixed_ranks([5, 11], effective_batch_size=16, step_lines=lines)
+    timed = mixed([5, 11], effective_batch_size=16, step_lines=lines)
     assert check_plans(timed, [5, 11], 16) == (2, (4, 4))
     assert timed[0].predicted_seconds_per_effective_batch == pytest.approx(2 * 0.026)
-    fewest = plan_mixed_ranks([5, 11], effective_batch_size=16)
+    fewest = mixed([5, 11], effective_batch_size=16)
     assert check_plans(fewest, [5, 11], 16) == (1, (5, 11))
     assert fewest[0].predicted_seconds_per_effective_batch is None
 
@@ -190,9 +215,9 @@ def test_the_plan_is_as_good_as_the_best_split_by_brute_force(
     if best is None:
         refusal = "nearest reachable effective_batch_size|multiple_of .* exceeds rank"
         with pytest.raises(NoFeasiblePlanError, match=refusal):
-            plan_mixed_ranks(maxima, **arguments)  # type: ignore[arg-type]
+            mixed(maxima, **arguments)  # type: ignore[arg-type]
         return
-    plans = plan_mixed_ranks(maxima, **arguments)  # type: ignore[arg-type]
+    plans = mixed(maxima, **arguments)  # type: ignore[arg-type]
     steps, sizes = check_plans(plans, maxima, effective, multiple_of, max_steps)
     if lines is None:
         shares = max(s / m for s, m in zip(sizes, maxima, strict=True))
@@ -214,7 +239,7 @@ def test_larger_cards_get_larger_micro_batches(seed: int, timed: bool) -> None:
         lines = [FAST if m >= 40 else SLOW for m in maxima] if timed else None
         effective = rng.randint(world, 3 * sum(maxima))
         try:
-            plans = plan_mixed_ranks(maxima, effective_batch_size=effective, step_lines=lines)
+            plans = mixed(maxima, effective_batch_size=effective, step_lines=lines)
         except NoFeasiblePlanError:
             continue
         _, sizes = check_plans(plans, maxima, effective)
@@ -233,8 +258,8 @@ def test_a_thousand_ranks_and_a_million_samples_plan_exactly() -> None:
         for _ in maxima
     ]
     for effective in (2**20, 720_720):
-        check_plans(plan_mixed_ranks(maxima, effective_batch_size=effective), maxima, effective)
-        timed = plan_mixed_ranks(maxima, effective_batch_size=effective, step_lines=lines)
+        check_plans(mixed(maxima, effective_batch_size=effective), maxima, effective)
+        timed = mixed(maxima, effective_batch_size=effective, step_lines=lines)
         steps, sizes = check_plans(timed, maxima, effective)
         # no rank can take a sample from the slowest one and finish earlier than it does now
         slowest = max(line.seconds(s) for line, s in zip(lines, sizes, strict=True))
@@ -266,14 +291,14 @@ def test_a_refusal_names_the_nearest_batches_that_can_be_met(
 ) -> None:
     if effective < len(maxima):
         with pytest.raises(ConfigError, match=f"effective_batch_size {effective} is less than"):
-            plan_mixed_ranks(maxima, effective_batch_size=effective)
+            mixed(maxima, effective_batch_size=effective)
         return
     with pytest.raises(
         NoFeasiblePlanError,
         match=f"reaches effective_batch_size {effective} on {len(maxima)} ranks.*"
         f"nearest reachable effective_batch_size: {below} below, {above} above",
     ) as caught:
-        plan_mixed_ranks(
+        mixed(
             maxima,
             effective_batch_size=effective,
             multiple_of=multiple_of,
@@ -284,7 +309,7 @@ def test_a_refusal_names_the_nearest_batches_that_can_be_met(
     assert caught.value.remedies[0].values == nearest
     for value in nearest:  # each one named can be met
         check_plans(
-            plan_mixed_ranks(
+            mixed(
                 maxima,
                 effective_batch_size=value,
                 multiple_of=multiple_of,
@@ -298,33 +323,62 @@ def test_a_refusal_names_the_nearest_batches_that_can_be_met(
 
 def test_multiple_of_above_a_rank_max_is_refused_by_rank() -> None:
     with pytest.raises(NoFeasiblePlanError, match="multiple_of 8 exceeds rank 1's max .* 6"):
-        plan_mixed_ranks([48, 6], effective_batch_size=96, multiple_of=8)
+        mixed([48, 6], effective_batch_size=96, multiple_of=8)
 
 
-BAD = [
-    ([], {}, "max_micro_batch_sizes \\[\\] must be a non-empty list of ints"),
-    (48, {}, "max_micro_batch_sizes 48 must be a non-empty list"),
-    ("48", {}, "max_micro_batch_sizes '48' must be a non-empty list"),
-    ([48, 0], {}, "max_micro_batch_sizes\\[1\\] 0 must be an int >= 1"),
-    ([48, True], {}, "max_micro_batch_sizes\\[1\\] True must be an int >= 1"),
-    ([48, 2.5], {}, "max_micro_batch_sizes\\[1\\] 2.5 must be an int >= 1"),
-    ([48], {"effective_batch_size": 0}, "effective_batch_size 0 must be an int >= 1"),
-    ([48], {"multiple_of": 0}, "multiple_of 0 must be an int >= 1"),
-    ([48], {"max_gradient_accumulation_steps": 0}, "max_gradient_accumulation_steps 0 must"),
-    ([48], {"max_gradient_accumulation_steps": 2**21}, "is more than the planner plans"),
-    ([48, 20], {"step_lines": [FAST]}, "step_lines .* must list one StepLine .* 2 in all"),
-    ([48, 20], {"step_lines": [FAST, -0.1]}, "per_sample_seconds -0.1 must be finite seconds"),
-    ([48], {"step_lines": [float("nan")]}, "per_sample_seconds nan must be finite seconds >= 0"),
-]
-
-
-@pytest.mark.parametrize(("maxima", "overrides", "message"), BAD)
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: RankLimit(max_micro_batch_size=0), "max_micro_batch_size 0 must be an int >= 1"),
+        (lambda: RankLimit(max_micro_batch_size=True), "max_micro_batch_size True must be"),
+        (lambda: RankLimit(max_micro_batch_size=2.5), "max_micro_batch_size 2.5 must be"),
+        (
+            lambda: plan_mixed_ranks([], PlanRequest(effective_batch_size=64)),
+            "world_size 1 is not the number of ranks planned, 0",
+        ),
+        (
+            lambda: plan_mixed_ranks(
+                [RankLimit(max_micro_batch_size=48)] * 2, PlanRequest(effective_batch_size=64)
+            ),
+            "world_size 1 is not the number of ranks planned, 2",
+        ),
+        (lambda: mixed([48], effective_batch_size=0), "effective_batch_size 0 must be an int"),
+        (lambda: mixed([48, 20], effective_batch_size=1), "effective_batch_size 1 is less than"),
+        (lambda: mixed([48], effective_batch_size=64, multiple_of=0), "multiple_of 0 must be"),
+        (
+            lambda: mixed([48], effective_batch_size=64, max_gradient_accumulation_steps=2**21),
+            "is more than the planner plans",
+        ),
+        (
+            lambda: mixed(
+                [48], effective_batch_size=64, step_lines=[StepLine(per_sample_seconds=-1)]
+            ),
+            "per_sample_seconds -1 must be finite seconds",
+        ),
+    ],
+)
 def test_bad_input_is_a_config_error_naming_the_value(
-    maxima: object, overrides: dict[str, object], message: str
+    build: Callable[[], object], message: str
 ) -> None:
-    arguments: dict[str, object] = {"effective_batch_size": 64, **overrides}
     with pytest.raises(ConfigError, match=message):
-        plan_mixed_ranks(maxima, **arguments)  # type: ignore[arg-type]
+        build()
+
+
+def test_the_ranks_entry_checks_nothing_the_request_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    request = PlanRequest(effective_batch_size=96, world_size=2, multiple_of=2)
+    ranks = [RankLimit(max_micro_batch_size=48), RankLimit(max_micro_batch_size=20)]
+    checked: list[str] = []
+
+    def counted(name: str, value: object, minimum: int) -> None:
+        checked.append(name)
+
+    for module in ("_limits", "_request", "_mixed", "_mixed_limits"):
+        monkeypatch.setattr(f"autobatch.planning.{module}.require_int", counted, raising=False)
+    plans = plan_mixed_ranks(ranks, request)
+    assert checked == []
+    assert plans[0].rank_micro_batch_sizes == (34, 14)
 
 
 @pytest.mark.parametrize(
@@ -370,7 +424,7 @@ def test_a_step_line_needs_two_timed_sizes(timings: dict[int, float], message: s
 
 def test_a_mixed_plan_round_trips_and_states_its_invariant() -> None:
     lines = [FAST, FAST, SLOW, SLOW]
-    plans = plan_mixed_ranks([48, 48, 20, 20], effective_batch_size=256, step_lines=lines)
+    plans = mixed([48, 48, 20, 20], effective_batch_size=256, step_lines=lines)
     for one in plans:
         data = json.loads(json.dumps(one.to_dict()))
         assert data["rank_micro_batch_sizes"] == list(one.rank_micro_batch_sizes or ())
@@ -404,7 +458,7 @@ def test_a_mixed_plan_round_trips_and_states_its_invariant() -> None:
 def test_a_plan_that_breaks_the_mixed_invariant_is_refused(
     change: dict[str, object], message: str
 ) -> None:
-    data = plan_mixed_ranks([48, 48, 20, 20], effective_batch_size=256)[0].to_dict()
+    data = mixed([48, 48, 20, 20], effective_batch_size=256)[0].to_dict()
     data.update({key: list(v) if isinstance(v, tuple) else v for key, v in change.items()})
     data["requested_effective_batch_size"] = data["effective_batch_size"]
     with pytest.raises(ConfigError, match=message):
@@ -412,6 +466,6 @@ def test_a_plan_that_breaks_the_mixed_invariant_is_refused(
 
 
 def test_an_epoch_is_planned_for_uniform_ranks_only() -> None:
-    mixed = plan_mixed_ranks([48, 20], effective_batch_size=96)[0]
+    first = mixed([48, 20], effective_batch_size=96)[0]
     with pytest.raises(ConfigError, match="with_epoch plans uniform ranks only"):
-        mixed.with_epoch(1000)
+        first.with_epoch(1000)

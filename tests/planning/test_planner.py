@@ -1,5 +1,5 @@
-"""Tests for autobatch.planning._planner: table-driven cases, errors, profiles, step times,
-properties."""
+"""Tests for the planner (autobatch.planning's plan_request and plan_table, through the keyword
+fields autobatch.plan takes): table-driven cases, errors, profiles, step times, properties."""
 
 from __future__ import annotations
 
@@ -16,13 +16,37 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning._planner import Plan, WorldSizeOption, plan, plan_world_sizes
+from autobatch.planning import (
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    Plan,
+    PlanRequest,
+    PlanSource,
+    WorldSizeOption,
+    plan_request,
+    plan_table,
+)
 from autobatch.planning._prediction import EXTRAPOLATION_GROWTH, Prediction
 from autobatch.profile import MemoryModel, Profile, StepIdentity, Trial
 
 GIB = 2**30
 MIB = 2**20
 LARGEST_PRIME_BELOW_1E9 = 999_999_937
+
+
+def plan(
+    limit: int | Profile | MemoryModel, *, source: PlanSource | None = None, **fields: Any
+) -> Plan:
+    """The pure planner from keyword fields: :func:`autobatch.plan` without its check of this
+    process (the request built as it builds it, errors in its order)."""
+    request = PlanRequest.for_limit(limit, source=source, **fields)
+    return plan_request(limit, request, source=source)
+
+
+def plan_world_sizes(
+    limit: int | Profile | MemoryModel, *, source: PlanSource | None = None, **fields: Any
+) -> list[WorldSizeOption]:
+    """:func:`autobatch.plan_world_sizes` from keyword fields, as :func:`plan`."""
+    return plan_table(limit, PlanRequest.for_limit(limit, source=source, **fields), source=source)
 
 
 def assert_invariant(result: Plan, *, max_micro_batch_size: int, multiple_of: int = 1) -> None:
@@ -786,8 +810,6 @@ def test_astronomical_sizes_plan_at_once(
 
 
 def test_accumulation_steps_are_capped() -> None:
-    from autobatch.planning._planner import MAX_GRADIENT_ACCUMULATION_STEPS
-
     with pytest.raises(NoFeasiblePlanError, match="at most 1048576 accumulation steps"):
         plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS + 1)
     result = plan(1, effective_batch_size=MAX_GRADIENT_ACCUMULATION_STEPS)

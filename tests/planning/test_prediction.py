@@ -13,7 +13,7 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning._planner import Plan, plan, plan_world_sizes
+from autobatch.planning import Plan
 from autobatch.planning._prediction import (
     EXTRAPOLATION_GROWTH,
     Prediction,
@@ -24,6 +24,7 @@ from autobatch.planning._prediction import (
 )
 from autobatch.profile import MemoryModel, Profile, Trial
 from autobatch.profiles._store import ProfileStore
+from tests.planning.test_planner import plan, plan_world_sizes
 
 GIB = 2**30
 MIB = 2**20

@@ -12,11 +12,11 @@ import torch
 from autobatch import autotune, probe
 from autobatch.cli import main
 from autobatch.device._simulated import SimulatedDevice
-from autobatch.planning._planner import plan
 from autobatch.probing._search import trial_budget
 from autobatch.probing._trials import UNRELIABLE_ESTIMATE
 from autobatch.profile import Profile
 from tests.helpers.probe_stubs import ALLOCATOR_ASSERT, LAUNCH_LIMIT, FailsAbove
+from tests.planning.test_planner import plan
 
 SAMPLE = torch.randn(2, 64)
 

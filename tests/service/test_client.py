@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import httpx
@@ -200,3 +201,59 @@ def test_report_profile_is_what_autotune_report_to_calls(make_app: Callable[...,
     profile = make_profile()
     profile_id = report_profile("http://testserver", profile, transport=transport_for(app))
     assert app.state.service.store.get(profile_id) == profile
+
+
+def test_the_keyword_options_are_the_query_and_request_fields() -> None:
+    import dataclasses
+
+    from autobatch.client import PlanQuery
+    from autobatch.client._http import PlanQueryOptions, QueryOptions, TableQueryOptions
+    from autobatch.planning import PlanOptions, PlanRequest, SplitOptions
+
+    query_fields = {field.name for field in dataclasses.fields(PlanQuery)} - {"plan"}
+    assert set(QueryOptions.__optional_keys__) == query_fields
+    request_fields = {field.name for field in dataclasses.fields(PlanRequest)}
+    plan_keywords = set(PlanQueryOptions.__optional_keys__) | {"effective_batch_size"}
+    assert plan_keywords == query_fields | request_fields - {"world_sizes"}
+    table_keywords = set(TableQueryOptions.__optional_keys__) | {"effective_batch_size"}
+    assert table_keywords | {"world_sizes"} == query_fields | request_fields - {"world_size"}
+    assert set(PlanOptions.__optional_keys__) - set(SplitOptions.__optional_keys__) == {
+        "world_size"
+    }
+
+
+def test_the_keyword_calls_post_the_query_they_build() -> None:
+    from autobatch.client import PlanQuery
+    from autobatch.planning import PlanRequest, plan_request
+
+    sent: list[dict[str, object]] = []
+    planned = plan_request(24, PlanRequest(effective_batch_size=96, world_size=2))
+    answer = {"plan": planned.to_dict(), "world_size_options": []}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=answer)
+
+    with AutobatchClient("http://x", transport=httpx.MockTransport(handler)) as client:
+        client.plan(
+            max_micro_batch_size=24,
+            effective_batch_size=96,
+            world_size=2,
+            card="H100",
+            gpu_fraction=0.5,
+        )
+        client.plan_world_sizes(profile_id="p", effective_batch_size=96, world_sizes=[4, 2])
+        with pytest.raises(ConfigError, match="step_seconds is not sent to the service"):
+            client.plan(profile_id="p", effective_batch_size=8, step_seconds={1: 0.1, 2: 0.2})
+    one = PlanQuery(
+        plan=PlanRequest(effective_batch_size=96, world_size=2),
+        max_micro_batch_size=24,
+        card="H100",
+        gpu_fraction=0.5,
+    )
+    table = PlanQuery(
+        plan=PlanRequest(effective_batch_size=96, world_size=2, world_sizes=(4, 2)),
+        profile_id="p",
+    )
+    assert sent == [one.to_json(), table.to_json()]
+    assert sent[1]["world_size"] == 2  # the primary plan at the smallest world size

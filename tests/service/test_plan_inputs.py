@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from autobatch.cli import main as cli_main
-from autobatch.planning._planner import MAX_GRADIENT_ACCUMULATION_STEPS
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 
 JSON = {"Content-Type": "application/json"}
 

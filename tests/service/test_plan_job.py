@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autobatch.planning import plan_mixed_ranks
 from autobatch.profile import MemoryModel, Trial
 from service.plan_schemas import PlanPublic
 from tests.helpers.fake_pynvml import GiB
+from tests.planning.test_mixed import mixed
 from tests.service.test_plan_card import publish
 from tests.service.test_service_api import fields, make_profile, problem
 
@@ -57,7 +57,7 @@ def test_a_job_of_two_cards_gets_a_micro_batch_per_rank(client: TestClient) -> N
 
     answer = plan_job(client)
 
-    expected = plan_mixed_ranks([144] * 4 + [80] * 4, effective_batch_size=1024)
+    expected = mixed([144] * 4 + [80] * 4, effective_batch_size=1024)
     sizes = list(expected[0].rank_micro_batch_sizes or ())
     h100, l40s = answer["ranks"]
     assert (h100["card"], h100["count"], h100["first_rank"]) == (H100, 4, 0)

@@ -16,8 +16,7 @@ from pydantic import ValidationError
 
 import autobatch
 from autobatch.cli import main as cli_main
-from autobatch.planning import given_budget, with_budget
-from autobatch.planning._planner import Plan
+from autobatch.planning import Plan, PlanRequest, given_budget, plan_request, plan_table
 from autobatch.profile import MemoryModel, ProbeTimings, Profile, StepIdentity, Trial
 from service.jobs import queue_key
 from service.middleware import token_matches
@@ -421,16 +420,14 @@ def test_the_answer_carries_the_library_plans_as_their_to_dict(client: TestClien
     ).json()
     # ...and the memory budget the device gave, completed for each plan's peak.
     budget = given_budget(80 * GiB)
-    margin = profile.safety_margin
-    expected = autobatch.plan(profile, world_size=2, source="cached", **request)
-    expected = with_budget(expected, budget, safety_margin=margin)
+    wanted = PlanRequest(world_size=2, world_sizes=(1, 2, 5), **request)
+    expected = plan_request(profile, wanted, budget=budget, source="cached")
     assert expected.prediction is not None and len(expected.notes) >= 2  # the fields that nest
     assert expected.budget is not None and expected.budget.trials_per_gpu  # it nests too
     assert body["plan"] == expected.to_dict()
-    rows = autobatch.plan_world_sizes(profile, world_sizes=[1, 2, 5], source="cached", **request)
+    rows = plan_table(profile, wanted, budget=budget, source="cached")
     assert [row["plan"] for row in body["world_size_options"]] == [
-        None if row.plan is None else with_budget(row.plan, budget, safety_margin=margin).to_dict()
-        for row in rows
+        None if row.plan is None else row.plan.to_dict() for row in rows
     ]
     assert body["world_size_options"][2]["plan"] is None  # 288 is not a multiple of 5
 

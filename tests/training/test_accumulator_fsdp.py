@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autobatch.errors import ConfigError
-from autobatch.planning._planner import plan
 from autobatch.profile import GradientSync
 from autobatch.training._accumulator import Accumulator
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import join_gloo_group, leave_gloo_worker
+from tests.planning.test_planner import plan
 
 WORLD_SIZE = 2
 GROUP_TIMEOUT_S = 60

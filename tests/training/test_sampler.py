@@ -8,8 +8,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from autobatch.errors import ConfigError
-from autobatch.planning import plan, plan_mixed_ranks
 from autobatch.training import MixedBatchSampler, rank_shares
+from tests.planning.test_mixed import mixed
+from tests.planning.test_planner import plan
 
 
 def test_rank_shares_cut_each_micro_step_in_rank_order() -> None:
@@ -40,7 +41,7 @@ def test_rank_shares_refuse_bad_input(sizes: list[int], steps: int, rank: int, m
 def test_every_row_of_a_global_batch_goes_to_exactly_one_rank(
     maxima: list[int], effective: int, num_rows: int, drop_last: bool
 ) -> None:
-    plans = plan_mixed_ranks(maxima, effective_batch_size=effective)
+    plans = mixed(maxima, effective_batch_size=effective)
     steps = plans[0].gradient_accumulation_steps
     if drop_last and num_rows < effective:
         with pytest.raises(ConfigError, match="the epoch would be empty"):
@@ -75,7 +76,7 @@ def test_every_row_of_a_global_batch_goes_to_exactly_one_rank(
 
 
 def test_the_order_is_seeded_by_epoch_and_the_same_on_every_rank() -> None:
-    plans = plan_mixed_ranks([48, 17], effective_batch_size=96)
+    plans = mixed([48, 17], effective_batch_size=96)
     first = MixedBatchSampler.from_plan(192, plans[0], rank=0, seed=1)
     again = MixedBatchSampler.from_plan(192, plans[0], rank=0, seed=1)
     assert list(first) == list(again)
