@@ -17,20 +17,25 @@ from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
 from autobatch.profiles import ProfileStore
-from service.auth import load_tokens, read_token_file
-from service.central import CentralProfiles
+from service import health
 from service.deps import ServiceState
-from service.gpus import GpuMonitor
-from service.jobs import JobManager
-from service.metrics import Metrics
-from service.middleware import ServiceMiddleware
-from service.problems import install_openapi, install_problem_handlers
-from service.protocol import MAX_HEADER_BYTES, timed_protocol
-from service.publisher import OutboxPolicy, Publisher
-from service.registry import load_registry
-from service.routes import devices, health, plans, probes, profiles, summaries
-from service.settings import Settings
-from service.store_calls import StoreCalls
+from service.devices import routes as devices
+from service.devices.gpus import GpuMonitor
+from service.fleet.central import CentralProfiles
+from service.fleet.publisher import OutboxPolicy, Publisher
+from service.plans import routes as plans
+from service.probes import routes as probes
+from service.probes.registry import load_registry
+from service.probes.runs import JobManager
+from service.profiles import routes as profiles
+from service.profiles import summaries
+from service.web.auth import load_tokens, read_token_file
+from service.web.metrics import Metrics
+from service.web.middleware import ServiceMiddleware
+from service.web.problems import install_openapi, install_problem_handlers
+from service.web.protocol import MAX_HEADER_BYTES, timed_protocol
+from service.web.settings import Settings
+from service.web.store_calls import StoreCalls
 
 __all__ = ["create_app", "run"]
 
@@ -48,7 +53,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
 
     Raises:
         ConfigError: the model registry file is unreadable or invalid; the API tokens file
-            (or the central token's file) is unreadable or invalid (``service.auth``).
+            (or the central token's file) is unreadable or invalid (``service.web.auth``).
         StoreError: the profile store cannot be opened.
     """
     settings = settings or Settings()

@@ -176,5 +176,5 @@ def test_the_private_reach_check_tells_its_own_package_from_another() -> None:
     body = "def f():\n    from autobatch.device._nvml import read\n"
     assert private_reach("autobatch/device/_cuda.py", body) == []
     assert private_reach("autobatch/probing/_prober.py", body) == ["autobatch.device._nvml"]
-    assert private_reach("service/gpus.py", body) == ["autobatch.device._nvml"]
+    assert private_reach("service/devices/gpus.py", body) == ["autobatch.device._nvml"]
     assert private_reach("autobatch/tuning/_road.py", "from autobatch.device import x\n") == []

@@ -17,7 +17,7 @@ from autobatch.planning._planner import plan
 from autobatch.probing._prober import probe
 from autobatch.profile import Profile
 from autobatch.tuning import tune
-from service.schemas import ProfileCreate
+from service.web.schemas import ProfileCreate
 from tests.probing.test_probe import UNIT, Moments, Toy, assert_same_state, state_of
 from tests.probing.test_probe_steps import CAPACITY_BYTES
 

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
-from service.metrics import Metrics
-from service.publisher import OutboxPolicy, Publisher
+from service.fleet.publisher import OutboxPolicy, Publisher
+from service.web.metrics import Metrics
 from tests.service.serving import free_port, serving
 from tests.service.test_publish import FlakyServer
 from tests.service.test_service_api import make_profile

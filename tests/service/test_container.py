@@ -24,7 +24,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from service.__main__ import parse_args
-from service.settings import settings_from_args
+from service.web.settings import settings_from_args
 from tests.service.test_service_api import make_profile
 from tests.service.test_service_e2e import free_port
 

@@ -289,7 +289,7 @@ def test_an_unknown_field_names_the_likely_one_in_a_declared_body_too(client: Te
 def test_a_table_too_long_to_answer_is_refused_before_it_is_planned(client: TestClient) -> None:
     # Found by the breaker: 200 bytes asked for 33 plans of 2**20 micro-batches each, and got
     # 69 MB back after 1.9 s; later 86 bytes (world sizes [1, 1, 1]) got 8.4 MB.
-    from service.plan_limits import MAX_ANSWER_MICRO_BATCHES as CAP
+    from service.plans.limits import MAX_ANSWER_MICRO_BATCHES as CAP
 
     world_sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     body = {"max_micro_batch_size": 1, "effective_batch_size": CAP, "world_sizes": world_sizes}

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from autobatch.planning import plan_mixed_ranks
 from autobatch.profile import MemoryModel, Trial
-from service.plan_schemas import PlanPublic
+from service.plans.schemas import PlanPublic
 from tests.helpers.fake_pynvml import GiB
 from tests.service.test_plan_card import publish
 from tests.service.test_service_api import fields, make_profile, problem

@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import negative_data_rejection, positive_
 
 from autobatch.profile import MemoryModel
 from service.main import create_app
-from service.settings import Settings
+from service.web.settings import Settings
 from tests.service.conftest import fake_gpus
 from tests.service.test_service_api import make_profile
 

@@ -315,7 +315,7 @@ def test_a_probe_child_sees_the_containers_cards_in_the_services_numbering(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import autobatch.device._nvml as nvml_module
-    from service.jobs import _pin_visible_devices
+    from service.probes.runs import _pin_visible_devices
 
     given = Nvml(FakePynvml(two_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": H100_UUID})
     monkeypatch.setattr(nvml_module, "_default_nvml", given)

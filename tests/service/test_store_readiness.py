@@ -48,7 +48,7 @@ def test_the_service_recovers_when_its_store_file_is_deleted_or_replaced(
 def test_the_service_reads_the_one_store_variable(
     make_app: Callable[..., Any], tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from service.settings import Settings
+    from service.web.settings import Settings
 
     monkeypatch.setenv("AUTOBATCH_STORE", "postgresql://ci:s3cret@127.0.0.1:5432/fleet")
     assert Settings().store_path == "postgresql://ci:s3cret@127.0.0.1:5432/fleet"

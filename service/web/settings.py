@@ -40,16 +40,16 @@ class Settings(BaseSettings):
     ``postgresql://`` URL. Read from ``AUTOBATCH_STORE``, the variable the library and the CLI
     read too (``AUTOBATCH_STORE_PATH`` is a deprecated alias); None means the XDG cache file."""
     api_token: SecretStr | None = None
-    """An ``admin`` token (``service.auth``): when any token is set, every ``/v1`` call needs
+    """An ``admin`` token (``service.web.auth``): when any token is set, every ``/v1`` call needs
     ``Authorization: Bearer <token>`` of a role that allows it. Trimmed of surrounding
     whitespace; an empty token is refused (it would match a request without one): unset it to
     run without a token."""
     api_tokens_file: Path | None = None
-    """Tokens with roles (``service.auth``): a file of lines ``ROLE[:NODE] TOKEN`` (``read``,
+    """Tokens with roles (``service.web.auth``): a file of lines ``ROLE[:NODE] TOKEN`` (``read``,
     ``publish:NODE``, ``admin``), or a directory of one-token files named ``admin``, ``read``,
     ``publish.NODE`` (a Kubernetes Secret mounted as files)."""
     config_file: Path | None = None
-    """TOML registry of the models that probe jobs may run (see ``service.registry``)."""
+    """TOML registry of the models that probe jobs may run (see ``service.probes.registry``)."""
     require_gpu: bool = False
     """``/readyz`` answers 503 while NVML lists no GPU."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     store_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
     """The longest a request waits for the profile store (a write lock held by another process,
     a slow database server); beyond it the request answers 503 ``store-busy`` and ``/readyz``
-    says not ready. Store calls run off the event loop (``service.store_calls``)."""
+    says not ready. Store calls run off the event loop (``service.web.store_calls``)."""
     nvml_timeout_seconds: float = Field(default=2.0, gt=0, le=600)
     """The longest a request waits for NVML; beyond it a device-dependent request answers 503
     ``nvml_timeout`` (a hung driver never blocks the service)."""
@@ -75,7 +75,8 @@ class Settings(BaseSettings):
     """uvicorn's log level."""
     central_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
     """Node mode: the central service (e.g. ``http://autobatch-central:8000``) that every
-    profile a probe job finds is published to (``service.publisher``); None publishes nothing."""
+    profile a probe job finds is published to (``service.fleet.publisher``); None publishes
+    nothing."""
     central_api_token: SecretStr | None = None
     """The central service's bearer token, when it sets one (a node's: ``publish`` as this
     node); trimmed of surrounding whitespace."""
@@ -83,7 +84,7 @@ class Settings(BaseSettings):
     """A file holding :attr:`central_api_token` (a mounted Secret); read at start."""
     outbox_max_rows: int = Field(default=10_000, ge=1, le=10_000_000)
     """Node mode: profiles the outbox holds at most; beyond it the oldest are dropped (logged,
-    counted). Each waits until the central service acknowledges it (``service.publisher``)."""
+    counted). Each waits until the central service acknowledges it (``service.fleet.publisher``)."""
     outbox_base_delay_seconds: float = Field(default=1.0, gt=0, le=3600)
     """Node mode: the first wait's upper bound after a failed publish, seconds; it doubles."""
     outbox_max_delay_seconds: float = Field(default=60.0, gt=0, le=24 * 3600)

@@ -1,7 +1,7 @@
 """``/v1/probes``: probe jobs of models registered in the server's config file.
 
 One job runs at a time per device; later ones wait in a FIFO queue (``max_queued_probes`` per
-device); a submission beyond that gets 409. See ``service.jobs``.
+device); a submission beyond that gets 409. See ``service.probes.runs``.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from fastapi import APIRouter, Response
 
 from autobatch.errors import DeviceUnavailableError
 from service.deps import StateDep
-from service.gpus import HEALTH_FAILURES, GpuMonitor
-from service.jobs import Job, UnknownModelError
-from service.problems import Problem, problem_responses, public_text
-from service.registry import cuda_index
-from service.routing import JsonBodyRoute
-from service.schemas import (
+from service.devices.gpus import HEALTH_FAILURES, GpuMonitor
+from service.probes.registry import cuda_index
+from service.probes.runs import Job, UnknownModelError
+from service.web.problems import Problem, problem_responses, public_text
+from service.web.routing import JsonBodyRoute
+from service.web.schemas import (
     IdPath,
     ProbeCreate,
     ProbeList,
@@ -24,7 +24,7 @@ from service.schemas import (
     ProfileBase,
     TrialBase,
 )
-from service.store_calls import store_call
+from service.web.store_calls import store_call
 
 router = APIRouter(
     prefix="/v1/probes",
@@ -122,5 +122,5 @@ def list_probes(state: StateDep) -> ProbeList:
 )
 async def get_probe(probe_id: IdPath, state: StateDep) -> ProbePublic:
     """A job of an earlier run of the server is read from the store: on the store's threads,
-    under the store deadline (``service.store_calls``)."""
+    under the store deadline (``service.web.store_calls``)."""
     return probe_public(await store_call(state, state.jobs.get, probe_id))

@@ -12,7 +12,7 @@ imported there, never in the server), reports each trial through a queue, and se
 profile with its id in the store (the child writes the store's file, which SQLite lets processes
 share; the server stores what the child did not). A child that exceeds the timeout is killed; a
 child that crashes or is killed from outside marks its job failed; the server carries on with the
-next job. A child dies with the server, even one killed by SIGKILL (``service.children``).
+next job. A child dies with the server, even one killed by SIGKILL (``service.probes.children``).
 
 Example::
 
@@ -41,9 +41,9 @@ from typing import Any, Literal
 from autobatch.errors import ConfigError, StoreError
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
-from service.children import die_with_parent, kill_group
-from service.registry import ModelEntry, Registry, cuda_index
-from service.wording import describe
+from service.probes.children import die_with_parent, kill_group
+from service.probes.registry import ModelEntry, Registry, cuda_index
+from service.web.wording import describe
 
 __all__ = [
     "Job",
@@ -54,7 +54,7 @@ __all__ = [
     "UnknownModelError",
 ]
 
-_log = logging.getLogger("service.jobs")
+_log = logging.getLogger("service.probes.runs")
 
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 _POLL_SECONDS = 0.1
@@ -459,7 +459,7 @@ def _child_main(
 ) -> None:
     """The child process: build the registered model and sample, tune, report. Imports torch.
     Dies with the server (``parent_pid``), and leads its own process group
-    (:func:`service.children.die_with_parent`)."""
+    (:func:`service.probes.children.die_with_parent`)."""
     die_with_parent(parent_pid)
     try:
         entry = ModelEntry.model_validate(entry_data)

@@ -1,7 +1,7 @@
 """``/v1/profiles``: register, list, read and delete stored profiles.
 
 Each route's store work runs on the store's threads under the store deadline
-(``service.store_calls``), its answer encoded there too: a frozen database or a locked table
+(``service.web.store_calls``), its answer encoded there too: a frozen database or a locked table
 answers 503 ``store-busy`` in time, and never holds the event loop or the threads other routes
 use."""
 
@@ -16,19 +16,19 @@ from pydantic import BaseModel
 
 from autobatch.errors import ProfileNotFoundError
 from autobatch.profile import Profile
-from service.auth import GRANT_SCOPE_KEY, Grant
 from service.deps import StateDep
-from service.problems import Problem, problem_responses, unknown_profile
-from service.routes.listing import ListingDep
-from service.routing import JsonBodyRoute
-from service.schemas import (
+from service.profiles.listing import ListingDep
+from service.web.auth import GRANT_SCOPE_KEY, Grant
+from service.web.problems import Problem, problem_responses, unknown_profile
+from service.web.routing import JsonBodyRoute
+from service.web.schemas import (
     IdPath,
     ProfileBase,
     ProfileCreate,
     ProfileList,
     ProfilePublic,
 )
-from service.store_calls import store_call
+from service.web.store_calls import store_call
 
 router = APIRouter(
     prefix="/v1/profiles",

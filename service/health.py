@@ -1,12 +1,12 @@
 """``/healthz`` (alive), ``/readyz`` (store writable, NVML state), ``/metrics`` (Prometheus).
 
-``/readyz`` checks the store in a worker thread with a deadline (``service.store_calls``): a store
-locked by another process, or a database server that hangs, makes it answer "not ready" within
+``/readyz`` checks the store in a worker thread with a deadline (``service.web.store_calls``): a
+store locked by another process, or a database server that hangs, makes it answer "not ready" within
 ``store_timeout_seconds``, never a frozen event loop.
 
 These stay open when an API token is set, for kubelet probes and scrapers. ``/healthz`` never
-touches NVML; ``/readyz`` and ``/metrics`` read it through ``service.gpus``, so a hung driver
-costs them at most the NVML timeout once, then answers at once until the driver recovers.
+touches NVML; ``/readyz`` and ``/metrics`` read it through ``service.devices.gpus``, so a hung
+driver costs them at most the NVML timeout once, then answers at once until the driver recovers.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from fastapi.responses import JSONResponse
 
 from autobatch.errors import DeviceUnavailableError, StoreError
 from service.deps import StateDep
-from service.gpus import HEALTH_FAILURES
-from service.metrics import CONTENT_TYPE
-from service.problems import RETRY_AFTER_SECONDS, Problem, store_reason
-from service.schemas import GpuProblem, HealthPublic, ReadyPublic
-from service.store_calls import store_call
+from service.devices.gpus import HEALTH_FAILURES
+from service.web.metrics import CONTENT_TYPE
+from service.web.problems import RETRY_AFTER_SECONDS, Problem, store_reason
+from service.web.schemas import GpuProblem, HealthPublic, ReadyPublic
+from service.web.store_calls import store_call
 
 router = APIRouter(prefix="", tags=["health"])
 _log = logging.getLogger("service")

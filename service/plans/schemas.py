@@ -2,7 +2,7 @@
 the device, the job's cards, the planner's options) and the answer (:class:`PlanPublic`: the
 plan, the frameworks' configs, the world-size table, the selection, each rank group's plan).
 
-The shared field types (sizes, names, devices, budgets) are :mod:`service.schemas`'.
+The shared field types (sizes, names, devices, budgets) are :mod:`service.web.schemas`'.
 
 Example::
 
@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from service.registry import SafetyMargin
-from service.schemas import (
+from service.probes.registry import SafetyMargin
+from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
     MAX_WORLD_SIZE,
     ConditionsFields,

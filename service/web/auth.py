@@ -7,7 +7,7 @@ Roles, each allowing what the one before it does:
   ``node_name`` is that node (a node cannot publish under another's name: 403 naming it);
 - ``admin``: everything, ``DELETE`` and starting probe jobs included.
 
-Tokens are configured (``service.settings``) by ``AUTOBATCH_API_TOKEN`` (one ``admin`` token,
+Tokens are configured (``service.web.settings``) by ``AUTOBATCH_API_TOKEN`` (one ``admin`` token,
 as before roles) and by ``AUTOBATCH_API_TOKENS_FILE``, which names either
 
 - a file of lines ``ROLE[:NODE] TOKEN`` (``read``, ``publish:gpu-node-7``, ``admin``), blank

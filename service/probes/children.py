@@ -1,7 +1,7 @@
 """Probe children that die with the server: no probe outlives the process that started it.
 
-A probe job's child (``service.jobs``) calls :func:`die_with_parent` first thing. It then leads
-its own process group, so the server kills the child and anything it started (compile workers,
+A probe job's child (``service.probes.runs``) calls :func:`die_with_parent` first thing. It then
+leads its own process group, so the server kills the child and anything it started (compile workers,
 say) at once with :func:`kill_group`, and a Ctrl-C at the server's terminal reaches the server
 only, which then stops its children itself. And it gets SIGKILL the moment the server dies, even
 by SIGKILL or the OOM killer, when nothing of the server's runs to clean up: Linux's parent-death
@@ -9,8 +9,8 @@ signal (``prctl(PR_SET_PDEATHSIG)``), elsewhere a thread that polls the parent's
 whose server died before it got there exits at once.
 
 Linux sends the parent-death signal when the *thread* that started the child ends, not only the
-process: ``service.jobs`` starts each child from the worker thread that waits for it, which ends
-only after the child has.
+process: ``service.probes.runs`` starts each child from the worker thread that waits for it, which
+ends only after the child has.
 
 Example::
 

@@ -22,7 +22,7 @@ from autobatch.device import BudgetSource, SharingMode
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import PROFILE_SCHEMA_VERSION
 from autobatch.profiles import unstorable, unstorable_in
-from service.registry import DeviceName, SafetyMargin
+from service.probes.registry import DeviceName, SafetyMargin
 
 __all__ = [
     "BudgetReadingBase",

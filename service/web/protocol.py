@@ -8,7 +8,7 @@ likes, and a few hundred such hold the server. Here each request has two:
 - its headers within ``header_timeout_s`` of its first byte (or of the connection, for its first
   request): else the connection is closed, after ``408 Request Timeout`` when part of them came;
 - its body within ``body_timeout_s`` of the headers' end: else the connection is closed, and the
-  route that waits for the body sees the client gone (``service.problems`` answers nothing and
+  route that waits for the body sees the client gone (``service.web.problems`` answers nothing and
   counts a 499, as for any client that leaves mid-body).
 
 And a request's headers hold at most ``MAX_HEADER_BYTES`` (request line included): past that the

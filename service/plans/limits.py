@@ -1,14 +1,14 @@
 """Which stored profile (or number, or memory line) answers a ``POST /v1/plan``, and the
 answer's parts that come from that choice.
 
-One job: from a :class:`~service.plan_schemas.PlanCreate`, the limit the planner plans within
+One job: from a :class:`~service.plans.schemas.PlanCreate`, the limit the planner plans within
 (:func:`resolve_limit`: a plain max micro-batch size, a memory model, a profile by id or by
 fingerprint, from this node's store or the central service's) or, for a card type or a node,
 the profile chosen among a model's stored ones (:func:`select`, by
 :func:`autobatch.planning.select_profile`); the note and the public selection that go with a
 choice; and the cap on the size of an answer, its plan and ``world_sizes`` table
 (:func:`check_answer_size`). Store reads block: the route runs these in a worker thread
-(``service.store_calls``).
+(``service.web.store_calls``).
 
 Example::
 
@@ -32,10 +32,10 @@ from autobatch.planning import (
 )
 from autobatch.profile import MemoryModel, Profile
 from autobatch.profiles import ProfileStore
-from service.central import CentralProfiles
-from service.plan_schemas import PlanCreate
-from service.problems import Problem, unknown_profile
-from service.schemas import ResolvedDevice
+from service.fleet.central import CentralProfiles
+from service.plans.schemas import PlanCreate
+from service.web.problems import Problem, unknown_profile
+from service.web.schemas import ResolvedDevice
 
 __all__ = [
     "ANY_CANDIDATES",
@@ -263,7 +263,7 @@ def _from_central(
     store: ProfileStore, central: CentralProfiles | None, model_fingerprint: str, card: str | None
 ) -> list[tuple[str, Profile]]:
     """Node mode, for a model this node's store does not hold: the central service's profile
-    of it for ``card`` (:mod:`service.central`), kept in this node's store; empty without a
+    of it for ``card`` (:mod:`service.fleet.central`), kept in this node's store; empty without a
     central service, or when it holds none or does not answer."""
     if central is None:
         return []

@@ -2,7 +2,7 @@
 answers here too.
 
 A node's sidecar keeps its own store, and publishes what it measures to the central service
-(:mod:`service.publisher`). When a plan here names a model the node's store does not hold, and
+(:mod:`service.fleet.publisher`). When a plan here names a model the node's store does not hold, and
 ``AUTOBATCH_CENTRAL_URL`` is set, the sidecar asks the central service which profile of that
 model answers for this card (``POST /v1/plan`` with ``card``: its selection rule, measured or
 predicted), reads that profile (``GET /v1/profiles/{id}``), keeps a copy in its own store and
@@ -10,7 +10,7 @@ plans from it. The copy keeps its node name, so a plan from it still says where 
 
 A central service that does not answer in ``timeout_seconds`` (or answers a problem) is not an
 error here: the sidecar answers from what it holds, as it would without a central service.
-Called in the store's worker thread (``service.store_calls``), never on the event loop.
+Called in the store's worker thread (``service.web.store_calls``), never on the event loop.
 
 Example::
 
@@ -29,7 +29,7 @@ from autobatch.profile import Profile
 
 __all__ = ["CentralProfiles"]
 
-_log = logging.getLogger("service.central")
+_log = logging.getLogger("service.fleet.central")
 
 
 class CentralProfiles:

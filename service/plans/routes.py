@@ -8,11 +8,11 @@ or Kubernetes GPU feature discovery labels (``nvidia.com/gpu.memory`` in MiB, a 
 :func:`autobatch.device.read_node_labels`).
 ``world_sizes`` adds a table over candidate world sizes (``planner.plan_world_sizes``). A
 ``job`` of cards and counts gets a micro-batch per rank from each card's profile
-(:mod:`service.plan_job`).
+(:mod:`service.plans.job`).
 
 A local GPU is one of the cards this container was given (``NVIDIA_VISIBLE_DEVICES``, then
 ``CUDA_VISIBLE_DEVICES``; ``cuda_index`` is CUDA's number in that set), read through
-``service.gpus``: off the event loop, 503 ``nvml_timeout``/``gpu_lost`` rather than a wait.
+``service.devices.gpus``: off the event loop, 503 ``nvml_timeout``/``gpu_lost`` rather than a wait.
 
 The device's memory is a budget (``autobatch.device.MemoryBudget``, on the plan as
 ``plan.budget``): the device's own memory (NVML's total or free, the labels' card, or the size
@@ -24,7 +24,7 @@ and a warning). ``fits_now`` says whether the plan fits what is free now, and
 ``trials_per_gpu`` how many such jobs fit on one card.
 
 Pure arithmetic after one store lookup (in a worker thread with a deadline,
-``service.store_calls``) and one (cached) NVML reading at most: no torch is
+``service.web.store_calls``) and one (cached) NVML reading at most: no torch is
 imported on this path.
 """
 
@@ -53,22 +53,22 @@ from autobatch.errors import DeviceUnavailableError
 from autobatch.planning import PlanRequest, PlanSource, Selection, given_budget, plan_with_table
 from autobatch.profile import MemoryModel, Profile
 from service.deps import service_state
-from service.gpus import GpuMonitor
-from service.plan_configs import plan_configs
-from service.plan_job import job_answer, select_job
-from service.plan_limits import (
+from service.devices.gpus import GpuMonitor
+from service.plans.configs import plan_configs
+from service.plans.job import job_answer, select_job
+from service.plans.limits import (
     check_answer_size,
     predicted_note,
     resolve_limit,
     select,
     selection_public,
 )
-from service.plan_schemas import PlanCreate, PlanPublic
-from service.problems import Problem, problem_responses
-from service.routing import JsonBodyRoute, json_body_openapi, read_json_body
-from service.schemas import DeviceSpec, ResolvedDevice
-from service.store_calls import store_call
-from service.wording import field_wording
+from service.plans.schemas import PlanCreate, PlanPublic
+from service.web.problems import Problem, problem_responses
+from service.web.routing import JsonBodyRoute, json_body_openapi, read_json_body
+from service.web.schemas import DeviceSpec, ResolvedDevice
+from service.web.store_calls import store_call
+from service.web.wording import field_wording
 
 router = APIRouter(
     prefix="/v1/plan",
@@ -94,10 +94,10 @@ async def create_plan(request: Request) -> Response:
     says how far and from which line).
     """
     # Schedulers call this route in a loop: it reads its own body (a PlanCreate) and state
-    # rather than through FastAPI's body parameter and a dependency (service.routing), and the
+    # rather than through FastAPI's body parameter and a dependency (service.web.routing), and the
     # state only when it needs a GPU or the store.
     body = await read_json_body(request, PlanCreate)
-    if body.job is not None:  # cards and counts: a micro-batch per rank (service.plan_job)
+    if body.job is not None:  # cards and counts: a micro-batch per rank (service.plans.job)
         state = service_state(request)
         cards = await store_call(state, select_job, body, state.store, state.central)
         return Response(to_json(job_answer(body, cards)), media_type="application/json")
@@ -194,7 +194,7 @@ def _answer(
 
     Raises:
         Problem: 422 when the answer would list more than ``MAX_ANSWER_MICRO_BATCHES``
-            micro-batch sizes (``service.plan_limits.check_answer_size``).
+            micro-batch sizes (``service.plans.limits.check_answer_size``).
         ConfigError, NoFeasiblePlanError: as for ``autobatch.plan``.
     """
     planned = plan_with_table(

@@ -9,11 +9,11 @@ import dataclasses
 from fastapi import APIRouter, Response
 
 from service.deps import StateDep
-from service.problems import problem_responses
-from service.routes.listing import ListingDep
-from service.routes.profiles import json_response
-from service.schemas import ProfileSummaryList, ProfileSummaryPublic
-from service.store_calls import store_call
+from service.profiles.listing import ListingDep
+from service.profiles.routes import json_response
+from service.web.problems import problem_responses
+from service.web.schemas import ProfileSummaryList, ProfileSummaryPublic
+from service.web.store_calls import store_call
 
 router = APIRouter(
     prefix="/v1/profile-summaries",
@@ -32,7 +32,7 @@ async def list_summaries(state: StateDep, listing: ListingDep) -> Response:
     """One page of at most ``limit`` summaries (ids, model, card, node, sizes, time), read from
     the store's columns without decoding a profile: a few hundred bytes each, however large the
     profiles. ``next_before`` asks for the next page; ``GET /v1/profiles/{id}`` the whole one.
-    Read on the store's threads under the store deadline (``service.store_calls``)."""
+    Read on the store's threads under the store deadline (``service.web.store_calls``)."""
 
     def page() -> Response:
         found = listing.read(state.store.list_summaries)

@@ -17,7 +17,7 @@ dictionary lookups (``bench/service_load.py`` measures it).
 
 Large bodies never hold the event loop (over ``LARGE_BODY_BYTES``): ``read_json_body`` parses
 and validates them in a worker thread, and a body with more fields its model does not declare
-than an answer lists (``service.problems.MAX_LISTED_ERRORS``) is refused from a walk over the
+than an answer lists (``service.web.problems.MAX_LISTED_ERRORS``) is refused from a walk over the
 parsed JSON, before pydantic reports each one (a "did you mean" hint per unknown field grows
 the work and the answer with the body, so a few megabytes of unknown fields would hold the loop
 for seconds). ``JsonBodyRoute`` does the same walk, in a
@@ -53,7 +53,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 
-from service.problems import MAX_LISTED_ERRORS, BodyValidationError, Problem, listed_errors
+from service.web.problems import MAX_LISTED_ERRORS, BodyValidationError, Problem, listed_errors
 
 __all__ = [
     "LARGE_BODY_BYTES",
@@ -164,7 +164,7 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
     Raises:
         Problem: 415, the ``Content-Type`` is not JSON.
         RequestValidationError: malformed JSON (answered 400 ``malformed-json``) or an empty body;
-            :class:`service.problems.BodyValidationError`, one that ``model`` rejects (422
+            :class:`service.web.problems.BodyValidationError`, one that ``model`` rejects (422
             ``validation``, fields as ``body.<field>``).
         HTTPException: 400, a body that is not text (invalid UTF-8, say).
     """
@@ -328,7 +328,7 @@ def _json_loads(raw: bytes) -> Any:
 
 def json_body_openapi(model: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` documenting a required JSON body of ``model`` for a route that reads it
-    with :func:`read_json_body`; ``service.problems.install_openapi`` moves the schema and its
+    with :func:`read_json_body`; ``service.web.problems.install_openapi`` moves the schema and its
     nested models to ``components``, as FastAPI places a declared body's."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

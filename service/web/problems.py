@@ -6,8 +6,8 @@ list of ``{"field": "body.device.capacity_bytes", "reason": "..."}``.
 
 Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigError` and
 :class:`NoFeasiblePlanError` 422; unknown profile, model, job or route 404; a full probe queue
-409; a missing or wrong bearer token 401 and a body over the limit 413 (``service.middleware``);
-a missing or wrong ``Content-Type`` 415 (``service.routing``); :class:`StoreError` and
+409; a missing or wrong bearer token 401 and a body over the limit 413 (``service.web.middleware``);
+a missing or wrong ``Content-Type`` 415 (``service.web.routing``); :class:`StoreError` and
 :class:`DeviceUnavailableError` 503 (slug ``nvml_timeout`` or ``gpu_lost`` when its ``reason``
 is one of those; every 503 with ``Retry-After``, and a store's answer without its location or
 the driver's text, which go to the log); anything else 500 (a bug: logged, and a fuzz test checks
@@ -52,8 +52,8 @@ from autobatch.errors import (
     ProfileNotFoundError,
     StoreError,
 )
-from service.jobs import QueueFullError, UnknownJobError, UnknownModelError
-from service.wording import describe
+from service.probes.runs import QueueFullError, UnknownJobError, UnknownModelError
+from service.web.wording import describe
 
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
@@ -196,7 +196,7 @@ def validation_reason(error: Any) -> str:
 
 def _reason(error: Any) -> str:
     """:func:`validation_reason`, with the fix for an empty body (FastAPI and
-    ``service.routing`` both call it a missing field named ``body``) and for a whole float where
+    ``service.web.routing`` both call it a missing field named ``body``) and for a whole float where
     an int belongs."""
     if error.get("type") == "missing" and tuple(error["loc"]) == ("body",):
         return "the request body is empty; send a JSON object (the schema is in /openapi.json)"
@@ -218,7 +218,7 @@ def _json_kind(value: object) -> str:
 
 
 class BodyValidationError(RequestValidationError):
-    """A body a route read itself (``service.routing.read_json_body``) failed validation as
+    """A body a route read itself (``service.web.routing.read_json_body``) failed validation as
     ``body_model``; the validation handler names an unknown field by that model, as it does by
     a declared body's. ``errors`` are those to list; ``unlisted`` counts the others by pydantic
     error type."""
@@ -362,7 +362,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
 def _unreadable_body(exc: StarletteHTTPException) -> str | None:
     """Why a body json.loads could not read was refused, with the fix; None for other errors.
 
-    FastAPI (a declared body) and ``service.routing`` (a route reading its own) answer such a
+    FastAPI (a declared body) and ``service.web.routing`` (a route reading its own) answer such a
     body with a bare 400 "There was an error parsing the body", its cause chained."""
     cause = exc.__cause__
     if exc.status_code != 400:
@@ -534,7 +534,7 @@ def install_openapi(app: FastAPI) -> None:
 
 
 def _reference_request_schema(operation: dict[str, Any], components: dict[str, Any]) -> None:
-    """A JSON body documented inline (``service.routing.json_body_openapi``, for a route that
+    """A JSON body documented inline (``service.web.routing.json_body_openapi``, for a route that
     reads its own body) goes to ``components`` with its nested models, and the operation refers
     to it by name: where FastAPI puts a declared body parameter's model. Copies, never edits,
     the route's ``openapi_extra``, which every app built from the same router shares."""

@@ -1,5 +1,5 @@
 """``POST /v1/plan`` for a job on mixed cards (``job``: cards and counts): each card's profile of
-the model, chosen as for ``card`` (:func:`service.plan_limits.select`: measured on that card, or
+the model, chosen as for ``card`` (:func:`service.plans.limits.select`: measured on that card, or
 predicted for it), its limit, one mixed plan over every rank
 (:func:`autobatch.planning.mixed_plans`), and each card's plan from it
 (:func:`autobatch.planning.with_limit`). The store is read in a worker thread
@@ -27,11 +27,11 @@ from autobatch.planning import (
 )
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
-from service.central import CentralProfiles
-from service.plan_configs import plan_configs
-from service.plan_limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, select, selection_public
-from service.plan_schemas import JobCards, PlanCreate
-from service.problems import Problem
+from service.fleet.central import CentralProfiles
+from service.plans.configs import plan_configs
+from service.plans.limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, select, selection_public
+from service.plans.schemas import JobCards, PlanCreate
+from service.web.problems import Problem
 
 __all__ = ["CardChoice", "job_answer", "select_job"]
 
@@ -57,7 +57,7 @@ def select_job(
     """Each card's profile, in the job's order (store reads: run in a worker thread).
 
     Raises:
-        Problem: as :func:`service.plan_limits.select`, its field naming the job's entry.
+        Problem: as :func:`service.plans.limits.select`, its field naming the job's entry.
     """
     assert body.job is not None
     chosen = []
@@ -91,7 +91,7 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
         ConfigError, NoFeasiblePlanError: the planner's (the nearest reachable effective
             batches named).
         Problem: 422 when the answer would list more than
-            :data:`~service.plan_limits.MAX_ANSWER_MICRO_BATCHES` sizes.
+            :data:`~service.plans.limits.MAX_ANSWER_MICRO_BATCHES` sizes.
     """
     world_size = sum(choice.entry.count for choice in chosen)
     request = PlanRequest(

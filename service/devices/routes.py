@@ -6,10 +6,10 @@ from fastapi import APIRouter
 
 from autobatch.errors import DeviceUnavailableError
 from service.deps import StateDep
-from service.gpus import Reading
-from service.problems import problem_responses
-from service.routing import JsonBodyRoute
-from service.schemas import DeviceList, GpuPublic
+from service.devices.gpus import Reading
+from service.web.problems import problem_responses
+from service.web.routing import JsonBodyRoute
+from service.web.schemas import DeviceList, GpuPublic
 
 router = APIRouter(
     prefix="/v1/devices",

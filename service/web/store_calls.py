@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from service.problems import Problem
+from service.web.problems import Problem
 
 if TYPE_CHECKING:
     from service.deps import ServiceState

@@ -18,7 +18,7 @@ stay in the store, and a sender started again resumes from them.
   fixes: those are retried, so nothing is lost meanwhile.
 - **Bound**: at most ``max_rows`` rows wait; entering one more drops the oldest, logged (which
   profile, since when, how many tries, the last error) and counted.
-- **Metrics** (``service.metrics``): ``autobatch_outbox_waiting_profiles`` (gauge),
+- **Metrics** (``service.web.metrics``): ``autobatch_outbox_waiting_profiles`` (gauge),
   ``autobatch_profiles_published_total{outcome="published"|"retried"|"refused"}`` and
   ``autobatch_outbox_dropped_profiles_total{reason="full"|"missing"}``.
 - **Shutdown** stops the sender; what waits stays in the outbox for the next start.
@@ -47,11 +47,11 @@ from autobatch.client import RETRIED_STATUSES, retry_after_seconds
 from autobatch.errors import ConfigError, StoreError
 from autobatch.profile import Profile
 from autobatch.profiles import OutboxEntry, ProfileStore
-from service.metrics import Metrics
+from service.web.metrics import Metrics
 
 __all__ = ["OutboxPolicy", "Publisher"]
 
-_log = logging.getLogger("service.publisher")
+_log = logging.getLogger("service.fleet.publisher")
 
 RETRIED_CLIENT_ERRORS = frozenset({401, 403, 404, 408, 425, 429})
 """4xx answers that do not say the profile is wrong: retried, never a reason to drop it."""

@@ -16,8 +16,8 @@ from fastapi import Depends, Query
 from pydantic import AfterValidator
 
 from autobatch.errors import ProfileNotFoundError
-from service.problems import unknown_profile
-from service.schemas import MAX_NAME_CHARS, storable
+from service.web.problems import unknown_profile
+from service.web.schemas import MAX_NAME_CHARS, storable
 
 __all__ = ["Listing", "ListingDep"]
 
@@ -47,7 +47,7 @@ class Listing:
 
     def read(self, page: Callable[..., PageT], **options: object) -> PageT:
         """``page(<the filters>, limit=, before=, **options)``: one page from the store (a
-        blocking call: run it on the store's threads, ``service.store_calls``).
+        blocking call: run it on the store's threads, ``service.web.store_calls``).
 
         Raises:
             Problem: 404 when ``before`` names no stored profile.

@@ -4,7 +4,7 @@ Pure ASGI (no per-request task or stream wrapping), so it adds no task or copy p
 order:
 
 - on ``/v1`` (after any ``root_path``): 401 unless exactly one ``Authorization: Bearer <token>``
-  matches a configured token (``service.auth``: constant time), 403 when its role does not
+  matches a configured token (``service.web.auth``: constant time), 403 when its role does not
   allow the route; health and metrics stay open for kubelet probes and scrapers; without
   tokens, ``/v1`` on a loopback connection answers 403 unless ``Host`` names loopback (DNS
   rebinding);
@@ -18,9 +18,9 @@ order:
 
 These checks live here rather than in FastAPI dependencies: a dependency is resolved per request
 on every route, on the hot path of every scheduler's call, and these need nothing but the
-headers. The answers are problem details from ``service.problems``, like every other error.
+headers. The answers are problem details from ``service.web.problems``, like every other error.
 (The JSON ``Content-Type`` check needs the matched route, so it is
-``service.routing.JsonBodyRoute``.)
+``service.web.routing.JsonBodyRoute``.)
 
 Example::
 
@@ -36,7 +36,7 @@ from typing import Any
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.auth import (
+from service.web.auth import (
     GRANT_SCOPE_KEY,
     Tokens,
     bearer_value,
@@ -44,8 +44,8 @@ from service.auth import (
     is_loopback_server,
     required_role,
 )
-from service.metrics import Metrics
-from service.problems import CLIENT_CLOSED_REQUEST, problem_response
+from service.web.metrics import Metrics
+from service.web.problems import CLIENT_CLOSED_REQUEST, problem_response
 
 __all__ = ["ServiceMiddleware", "token_matches"]
 
@@ -195,7 +195,7 @@ class ServiceMiddleware:
 
     def _refusal(self, scope: Scope, headers: dict[str, list[str]]) -> ASGIApp | None:
         """The 401 or 403 for a request its token (or, tokenless, its Host) does not allow;
-        None to go on, with the token's grant in the scope (``service.auth``)."""
+        None to go on, with the token's grant in the scope (``service.web.auth``)."""
         path = _route_path(scope)
         if not _is_api(path):
             return None
