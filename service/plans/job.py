@@ -1,8 +1,7 @@
 """``POST /v1/plan`` for a job on mixed cards (``job``: cards and counts): each card's profile of
 the model, chosen as for ``card`` (:func:`service.plans.limits.select`: measured on that card, or
-predicted for it), its limit, one mixed plan over every rank
-(:func:`autobatch.planning.mixed_plans`), and each card's plan from it
-(:func:`autobatch.planning.with_limit`). The store is read in a worker thread
+predicted for it), one mixed plan over every rank and each card's plan from it
+(:func:`service.plans.planner.plan_job`). The store is read in a worker thread
 (:func:`select_job`); the rest is arithmetic (:func:`job_answer`).
 
 Example::
@@ -16,20 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autobatch.planning import (
-    PlanRequest,
-    PlanSource,
-    RankLimit,
-    Selection,
-    mixed_plans,
-    resolve_plan_limit,
-    with_limit,
-)
+from autobatch.planning import PlanSource, Selection
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
 from service.fleet.central import CentralProfiles
 from service.plans.configs import plan_configs
 from service.plans.limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, select, selection_public
+from service.plans.planner import JobCard, plan_job
 from service.plans.schemas import JobCards, PlanCreate
 from service.web.problems import Problem
 
@@ -94,28 +86,19 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
             :data:`~service.plans.limits.MAX_ANSWER_MICRO_BATCHES` sizes.
     """
     world_size = sum(choice.entry.count for choice in chosen)
-    request = PlanRequest(
-        effective_batch_size=body.effective_batch_size,
-        world_size=world_size,
-        multiple_of=body.multiple_of,
-        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
-        safety_margin=body.safety_margin,
+    first_plan, card_plans = plan_job(
+        body,
+        [
+            JobCard(
+                count=choice.entry.count,
+                profile=choice.profile,
+                source=choice.source,
+                card_bytes=choice.card_bytes,
+            )
+            for choice in chosen
+        ],
     )
-    limits = [
-        resolve_plan_limit(
-            choice.profile,
-            dataclasses.replace(request, capacity_bytes=choice.card_bytes),
-            choice.source,
-        )
-        for choice in chosen
-    ]
-    ranks = [
-        RankLimit.of(limit)
-        for choice, limit in zip(chosen, limits, strict=True)
-        for _ in range(choice.entry.count)
-    ]
-    plans = mixed_plans(ranks, request)
-    listed = (plans[0].gradient_accumulation_steps + world_size) * (len(chosen) + 1)
+    listed = (first_plan.gradient_accumulation_steps + world_size) * (len(chosen) + 1)
     if listed > MAX_ANSWER_MICRO_BATCHES:
         raise Problem(
             422,
@@ -126,8 +109,7 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
         )
     groups: list[dict[str, Any]] = []
     first = 0
-    for choice, limit in zip(chosen, limits, strict=True):
-        result = with_limit(plans[first], limit, profile=choice.profile)
+    for choice, result in zip(chosen, card_plans, strict=True):
         if choice.selection.match == "predicted":
             note = predicted_note(choice.selection, choice.body)
             result = dataclasses.replace(result, notes=(*result.notes, note))
@@ -145,7 +127,7 @@ def job_answer(body: PlanCreate, chosen: list[CardChoice]) -> dict[str, Any]:
     head = groups[0]
     return {
         "plan": head["plan"],
-        "configs": plan_configs(plans[0]),  # the frameworks' refusal of a mixed plan
+        "configs": plan_configs(first_plan),  # the frameworks' refusal of a mixed plan
         "world_size_options": None,
         "profile_id": head["profile_id"],
         "device": None,

@@ -5,7 +5,7 @@ One job: from a :class:`~service.plans.schemas.PlanCreate`, the limit the planne
 (:func:`resolve_limit`: a plain max micro-batch size, a memory model, a profile by id or by
 fingerprint, from this node's store or the central service's) or, for a card type or a node,
 the profile chosen among a model's stored ones (:func:`select`, by
-:func:`autobatch.planning.select_profile`); the note and the public selection that go with a
+:func:`service.plans.planner.chooser`); the note and the public selection that go with a
 choice; and the cap on the size of an answer, its plan and ``world_sizes`` table
 (:func:`check_answer_size`). Store reads block: the route runs these in a worker thread
 (``service.web.store_calls``).
@@ -17,22 +17,15 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from autobatch.device import card_key
 from autobatch.errors import ConfigError, ProfileNotFoundError
-from autobatch.planning import (
-    MAX_GRADIENT_ACCUMULATION_STEPS,
-    Plan,
-    PlanSource,
-    Selection,
-    select_profile,
-    stored_profile_source,
-)
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
 from autobatch.profile import MemoryModel, Profile
 from autobatch.profiles import ProfileStore
 from service.fleet.central import CentralProfiles
+from service.plans.planner import chooser, source_of
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem, unknown_profile
 from service.web.schemas import ResolvedDevice
@@ -93,7 +86,7 @@ def resolve_limit(
             profile = store.get(body.profile_id)
         except ProfileNotFoundError:
             raise unknown_profile(body.profile_id, field="body.profile_id") from None
-        return profile, body.profile_id, stored_profile_source(profile)
+        return profile, body.profile_id, source_of(profile)
     assert body.model_fingerprint is not None
     found = []
     key = None if device is None or not device.name else _card_key(device.name)
@@ -115,7 +108,7 @@ def resolve_limit(
             field="body.model_fingerprint",
         )
     profile_id, profile = found[0]
-    return profile, profile_id, stored_profile_source(profile)
+    return profile, profile_id, source_of(profile)
 
 
 NAME_SCAN = 200
@@ -169,14 +162,8 @@ def select(
         key = None if body.card is None else card_key(body.card, mig_profile)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.card") from None
-    choose = functools.partial(
-        select_profile,
-        card=body.card,
-        node=body.node,
-        conditions=body.conditions or {},
-        budget_bytes=None if device is None else device.capacity_bytes,
-        mig_profile=mig_profile,
-    )
+    budget_bytes = None if device is None else device.capacity_bytes
+    choose = chooser(body, budget_bytes=budget_bytes, mig_profile=mig_profile)
     fingerprint = body.model_fingerprint
     try:
         chosen, seen = None, []
@@ -198,7 +185,7 @@ def select(
     card_bytes = chosen.budget_bytes
     if not chosen.same_card and key is not None and device is None:
         card_bytes = _card_memory(store, key, body.card, profile)
-    return profile, chosen.profile_id, stored_profile_source(profile), chosen, card_bytes
+    return profile, chosen.profile_id, source_of(profile), chosen, card_bytes
 
 
 def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:
