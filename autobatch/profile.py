@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError
 from autobatch.margin import check_safety_margin
-from autobatch.timings import ProbeTimings
+from autobatch.timings import Clock, ProbeTimings
 
 if TYPE_CHECKING:
     from autobatch.device import MemoryBudget
@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIRMATION_STOP_REASON",
     "PROFILE_SCHEMA_VERSION",
+    "Clock",
+    "Compiled",
     "GradientSync",
     "MemoryModel",
+    "Method",
+    "Mode",
     "ProbeTimings",
     "Profile",
     "StepIdentity",

@@ -12,17 +12,44 @@ driver costs them at most the NVML timeout once, then answers at once until the 
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from autobatch.errors import DeviceUnavailableError, StoreError
 from service.deps import StateDep
 from service.devices.gpus import HEALTH_FAILURES
 from service.web.metrics import CONTENT_TYPE
 from service.web.problems import RETRY_AFTER_SECONDS, Problem, store_reason
-from service.web.schemas import GpuProblem, HealthPublic, ReadyPublic
 from service.web.store_calls import store_call
+
+
+class HealthPublic(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class GpuProblem(BaseModel):
+    uuid: str
+    reason: str = Field(description="'nvml_timeout' or 'gpu_lost'.")
+    detail: str
+
+
+class ReadyPublic(BaseModel):
+    ready: bool
+    store_writable: bool
+    store_detail: str | None
+    nvml_available: bool
+    num_gpus: int = Field(description="GPUs given to this container that answered.")
+    nvml_reason: str | None = Field(description="A stable code when NVML is not usable.")
+    nvml_detail: str | None
+    gpu_problems: list[GpuProblem] = Field(
+        description="Given GPUs that cannot be read now (a hung driver, a lost GPU); any makes "
+        "the service not ready."
+    )
+    require_gpu: bool
+
 
 router = APIRouter(prefix="", tags=["health"])
 _log = logging.getLogger("service")

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from service.probes.registry import SafetyMargin
+from autobatch.planning import PlanSource, Uneven
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
     MAX_WORLD_SIZE,
@@ -29,6 +29,7 @@ from service.web.schemas import (
     Name,
     NonEmptyName,
     ResolvedDevice,
+    SafetyMargin,
     Size,
     Strict,
     WorldSize,
@@ -105,7 +106,7 @@ class PlanCreate(Strict):
     max_gradient_accumulation_steps: int | None = Field(
         default=None, ge=1, le=MAX_ACCUMULATION_STEPS
     )
-    uneven: Literal["auto", "never", "always"] = "auto"
+    uneven: Uneven = "auto"
     allow_inexact: bool = False
     safety_margin: SafetyMargin | None = None
     job: list[JobCards] | None = Field(
@@ -252,7 +253,7 @@ class PlanFields(BaseModel):
     headroom_bytes: int | None
     predicted_seconds_per_effective_batch: float | None
     eval_micro_batch_size: int | None = None
-    source: Literal["measured", "cached", "estimated", "given", "predicted"]
+    source: PlanSource
     prediction: PredictionFields | None = None
     notes: list[str]
     budget: MemoryBudgetBase | None = Field(

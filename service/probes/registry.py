@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -49,58 +48,11 @@ from pydantic import (
 
 from autobatch.device import parse_device
 from autobatch.errors import ConfigError
-from autobatch.margin import (
-    DEFAULT_SAFETY_MARGIN,
-    MAX_SAFETY_MARGIN,
-    MIN_SAFETY_MARGIN,
-    check_safety_margin,
-)
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import largest_useful_micro_batch_size
+from service.web.schemas import DeviceName, SafetyMargin
 
-__all__ = ["DeviceName", "InputSpec", "ModelEntry", "Registry", "SafetyMargin", "load_registry"]
-
-
-def check_device(device: str) -> str:
-    """A device string the library understands (:func:`autobatch.device.parse_device`, the one
-    parser), for pydantic fields; raises ``ValueError`` naming the accepted forms."""
-    try:
-        parse_device(device)
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-    return device
-
-
-DeviceName = Annotated[
-    str,
-    Field(
-        max_length=64,
-        description="'cuda:N', 'cpu' or 'sim:SIZE' (a simulated card, e.g. 'sim:16GiB')",
-        examples=["cuda:0", "cpu", "sim:16GiB"],
-    ),
-    AfterValidator(check_device),
-]
-"""A device a probe may run on, checked by the library's parser."""
-
-
-def check_margin(value: float) -> float:
-    """A safety margin the library accepts (:func:`autobatch.margin.check_safety_margin`, the one
-    check of its range), for pydantic fields; raises ``ValueError`` with the library's words."""
-    try:
-        return check_safety_margin(value)
-    except ConfigError as exc:
-        raise ValueError(exc.message) from None
-
-
-SafetyMargin = Annotated[
-    float,
-    Field(
-        description="Fraction of the device's capacity kept free, in [0, 1)",
-        # The schema states the library's range; the check is the library's (check_margin).
-        json_schema_extra={"minimum": MIN_SAFETY_MARGIN, "exclusiveMaximum": MAX_SAFETY_MARGIN},
-    ),
-    AfterValidator(check_margin),
-]
-"""A safety margin, checked by the library."""
+__all__ = ["InputSpec", "ModelEntry", "Registry", "cuda_index", "load_registry"]
 
 
 def cuda_index(device: str) -> int | None:

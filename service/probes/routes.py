@@ -13,17 +13,10 @@ from service.deps import StateDep
 from service.devices.gpus import HEALTH_FAILURES, GpuMonitor
 from service.probes.registry import cuda_index
 from service.probes.runs import Job, UnknownModelError
+from service.probes.schemas import ProbeCreate, ProbeList, ProbeProgress, ProbePublic
 from service.web.problems import Problem, problem_responses, public_text
 from service.web.routing import JsonBodyRoute
-from service.web.schemas import (
-    IdPath,
-    ProbeCreate,
-    ProbeList,
-    ProbeProgress,
-    ProbePublic,
-    ProfileBase,
-    TrialBase,
-)
+from service.web.schemas import IdPath, ProfileBase, TrialBase
 from service.web.store_calls import store_call
 
 router = APIRouter(

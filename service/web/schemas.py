@@ -13,39 +13,50 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from autobatch.device import BudgetSource, SharingMode
+from autobatch.device import (
+    MAX_GPU_FRACTION,
+    MIN_GPU_FRACTION,
+    BudgetSource,
+    CardMemory,
+    CardSource,
+    MemorySource,
+    SharingMode,
+    parse_device,
+)
+from autobatch.errors import ConfigError
+from autobatch.margin import MAX_SAFETY_MARGIN, MIN_SAFETY_MARGIN, check_safety_margin
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
-from autobatch.profile import PROFILE_SCHEMA_VERSION
+from autobatch.profile import (
+    PROFILE_SCHEMA_VERSION,
+    Clock,
+    Compiled,
+    Method,
+    Mode,
+    StopKind,
+    SyncMode,
+)
 from autobatch.profiles import unstorable, unstorable_in
-from service.probes.registry import DeviceName, SafetyMargin
 
 __all__ = [
     "BudgetReadingBase",
     "ConditionsFields",
     "DeviceList",
     "DeviceSpec",
-    "GpuProblem",
     "GpuPublic",
-    "HealthPublic",
     "MAX_NAME_CHARS",
     "MAX_TEXT_CHARS",
     "MemoryBudgetBase",
     "MemoryModelBase",
-    "ProbeCreate",
-    "ProbeList",
-    "ProbeProgress",
-    "ProbePublic",
     "ProfileBase",
     "ProfileCreate",
     "IdPath",
     "ProfileList",
     "ProfilePublic",
-    "ReadyPublic",
     "ResolvedDevice",
     "TrialBase",
     "storable",
@@ -109,10 +120,53 @@ Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 PositiveBytes = Annotated[int, Field(ge=1, le=MAX_BYTES)]
 WorldSize = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
 Id = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-GpuFraction = Annotated[float, Field(gt=0, le=1)]
+GpuFraction = Annotated[float, Field(gt=MIN_GPU_FRACTION, le=MAX_GPU_FRACTION)]
 BudgetSourceName = BudgetSource
 """The library's budget sources, one list (the answer's schema names them)."""
 SharingModeName = SharingMode
+
+
+def check_device(device: str) -> str:
+    """A device string the library understands (:func:`autobatch.device.parse_device`, the one
+    parser), for pydantic fields; raises ``ValueError`` naming the accepted forms."""
+    try:
+        parse_device(device)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return device
+
+
+DeviceName = Annotated[
+    str,
+    Field(
+        max_length=64,
+        description="'cuda:N', 'cpu' or 'sim:SIZE' (a simulated card, e.g. 'sim:16GiB')",
+        examples=["cuda:0", "cpu", "sim:16GiB"],
+    ),
+    AfterValidator(check_device),
+]
+"""A device a probe may run on, checked by the library's parser."""
+
+
+def check_margin(value: float) -> float:
+    """A safety margin the library accepts (:func:`autobatch.margin.check_safety_margin`, the one
+    check of its range), for pydantic fields; raises ``ValueError`` with the library's words."""
+    try:
+        return check_safety_margin(value)
+    except ConfigError as exc:
+        raise ValueError(exc.message) from None
+
+
+SafetyMargin = Annotated[
+    float,
+    Field(
+        description="Fraction of the device's capacity kept free, in [0, 1)",
+        # The schema states the library's range; the check is the library's (check_margin).
+        json_schema_extra={"minimum": MIN_SAFETY_MARGIN, "exclusiveMaximum": MAX_SAFETY_MARGIN},
+    ),
+    AfterValidator(check_margin),
+]
+"""A safety margin, checked by the library."""
 
 
 class Strict(BaseModel):
@@ -141,7 +195,7 @@ class DeviceSpec(Strict):
         description="With node_labels on a MIG node: the slice the job gets, e.g. '1g.5gb'; "
         "the plan is for the slice's memory, not the card's.",
     )
-    memory: Literal["total", "free"] = Field(
+    memory: CardMemory = Field(
         default="total",
         description="For a local GPU: plan for its total memory (the job will own it) or what "
         "is free now.",
@@ -175,7 +229,7 @@ class DeviceSpec(Strict):
 class ResolvedDevice(BaseModel):
     """The device a plan was made for."""
 
-    source: Literal["nvml", "capacity_bytes", "node_labels"]
+    source: CardSource
     capacity_bytes: int = Field(
         description="What the plan was made for: the memory budget, the smallest of its sources "
         "(plan.budget lists them)."
@@ -229,7 +283,7 @@ class GpuPublic(BaseModel):
     used_includes_reserved: bool = Field(
         description="'used' counts the driver's reserve (NVML's v1 memory API)."
     )
-    memory_source: Literal["nvml", "cuda_runtime", "host", "unknown"]
+    memory_source: MemorySource
     unified_memory: bool
     is_mig: bool
     parent_uuid: str
@@ -369,7 +423,7 @@ class ConditionsFields(Strict):
 class GradientSyncFields(Strict):
     """``autobatch.profile.GradientSync``: the gradient-sync mode a profile was measured in."""
 
-    mode: Literal["", "none", "once_per_window"] = ""
+    mode: SyncMode = ""
     wrapper: Name = ""
     num_micro_steps: int = Field(default=1, ge=1, le=1000)
 
@@ -385,7 +439,7 @@ class ProbeTimingsFields(Strict):
     fake_step_seconds: list[Seconds] = Field(default_factory=list, max_length=10000)
     trial_seconds: list[Seconds] = Field(default_factory=list, max_length=10000)
     cleanup_seconds: list[Seconds] = Field(default_factory=list, max_length=10000)
-    clock: Literal["wall", "simulated"] = "wall"
+    clock: Clock = "wall"
 
 
 class ProfileBase(Strict):
@@ -394,7 +448,7 @@ class ProfileBase(Strict):
     max_micro_batch_size: Size
     recommended_micro_batch_size: Size
     safety_margin: SafetyMargin
-    method: Literal["estimate", "probe", "doubling"]
+    method: Method
     trials: list[TrialBase] = Field(max_length=10000)
     num_steps: Count
     device_name: Name
@@ -403,7 +457,7 @@ class ProfileBase(Strict):
     capacity_bytes: Bytes
     foreign_memory_bytes: Bytes = 0
     memory_model: MemoryModelBase | None = None
-    stop_kind: Literal["boundary", "limit", "failure"] | None = Field(
+    stop_kind: StopKind | None = Field(
         default=None,
         description="Why the search stopped: the next size did not fit, the limit was reached, "
         "or a non-OOM failure (schema version 1 profiles leave it out; it is then derived).",
@@ -422,8 +476,8 @@ class ProfileBase(Strict):
     model_fingerprint: Name = ""
     step_fingerprint: Name = ""
     failed_micro_batch_size: Count = 0
-    mode: Literal["train", "eval"] = "train"
-    compiled: Literal["", "measured", "confirmed"] = ""
+    mode: Mode = "train"
+    compiled: Compiled = ""
     backend_flags: dict[Name, LongText] = Field(default_factory=dict, max_length=1000)
     created_at: Name = ""
     schema_version: int = Field(default=PROFILE_SCHEMA_VERSION, ge=1, le=PROFILE_SCHEMA_VERSION)
@@ -484,77 +538,3 @@ class ProfileSummaryList(BaseModel):
 
 
 # -- plans -------------------------------------------------------------------------------------
-
-
-# -- probes ------------------------------------------------------------------------------------
-
-
-class ProbeCreate(Strict):
-    """A probe of a model registered in the server's config file (never code named here)."""
-
-    model: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
-    device: DeviceName | None = Field(
-        default=None, description="Override the registered device, e.g. 'cuda:1'."
-    )
-    refresh: bool = Field(
-        default=False,
-        description="Probe even when a stored profile of this model on this device still "
-        "answers (by default such a job finishes at once with that profile).",
-    )
-
-
-class ProbeProgress(BaseModel):
-    num_trials: int
-    num_ooms: int
-    largest_fitting_micro_batch_size: int
-    last_trial: TrialBase | None
-
-
-class ProbePublic(BaseModel):
-    id: str
-    model: str
-    device: str
-    status: Literal["queued", "running", "succeeded", "failed"]
-    created_at: str
-    started_at: str | None
-    finished_at: str | None
-    queue_position: int | None
-    child_pid: int | None
-    progress: ProbeProgress
-    cached: bool
-    """True when the job answered from the store without running a step."""
-    profile_id: str | None
-    profile: ProfileBase | None
-    error: str
-
-
-class ProbeList(BaseModel):
-    probes: list[ProbePublic]
-
-
-# -- health ------------------------------------------------------------------------------------
-
-
-class HealthPublic(BaseModel):
-    status: Literal["ok"] = "ok"
-
-
-class GpuProblem(BaseModel):
-    uuid: str
-    reason: str = Field(description="'nvml_timeout' or 'gpu_lost'.")
-    detail: str
-
-
-class ReadyPublic(BaseModel):
-    ready: bool
-    store_writable: bool
-    store_detail: str | None
-    nvml_available: bool
-    num_gpus: int = Field(description="GPUs given to this container that answered.")
-    nvml_reason: str | None = Field(description="A stable code when NVML is not usable.")
-    nvml_detail: str | None
-    gpu_problems: list[GpuProblem] = Field(
-        description="Given GPUs that cannot be read now (a hung driver, a lost GPU); any makes "
-        "the service not ready."
-    )
-    require_gpu: bool
