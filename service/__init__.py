@@ -1,4 +1,4 @@
-"""autobatch's HTTP service: plans, profiles, probe jobs and GPU inventory, as a JSON API.
+"""autobatch's HTTP service: plans, profiles, probe runs and GPU inventory, as a JSON API.
 
 The service only parses, calls the library and serialises; the logic lives in ``autobatch``.
 

@@ -23,7 +23,7 @@ from fastapi import Depends, Request
 from autobatch.profiles import ProfileStore
 from service.devices.gpus import GpuMonitor
 from service.fleet.central import CentralProfiles
-from service.probes.runs import JobManager
+from service.probes.runs import ProbeRuns
 from service.web.metrics import Metrics
 from service.web.settings import Settings
 from service.web.store_calls import StoreCalls
@@ -39,7 +39,7 @@ class ServiceState:
     store: ProfileStore
     gpus: GpuMonitor
     """NVML, read off the event loop with a timeout (``service.devices.gpus``)."""
-    jobs: JobManager
+    runs: ProbeRuns
     metrics: Metrics
     store_calls: StoreCalls
     """The store's own threads, each call under ``store_timeout_seconds``

@@ -26,7 +26,7 @@ from service.fleet.publisher import OutboxPolicy, Publisher
 from service.plans import routes as plans
 from service.probes import routes as probes
 from service.probes.registry import load_registry
-from service.probes.runs import JobManager
+from service.probes.runs import ProbeRuns
 from service.profiles import routes as profiles
 from service.profiles import summaries
 from service.web.auth import load_tokens, read_token_file
@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
             ),
             metrics=metrics,
         )
-    jobs = JobManager(
+    runs = ProbeRuns(
         registry,
         store,
         timeout_seconds=settings.probe_timeout_seconds,
@@ -95,11 +95,11 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        jobs.open()
+        runs.open()
         if publisher is not None:
             publisher.open()  # resumes what the outbox holds
         yield
-        jobs.close()  # kills running probe children; the store stays open for run()/the caller
+        runs.close()  # kills running probe children; the store stays open for run()/the caller
         store_calls.close()
         if publisher is not None:
             publisher.close()  # what waits stays in the outbox
@@ -108,14 +108,14 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     app = FastAPI(
         title="autobatch",
         version=API_VERSION,
-        description="Micro-batch and accumulation plans, profiles, probe jobs and GPU inventory.",
+        description="Micro-batch and accumulation plans, profiles, probe runs and GPU inventory.",
         lifespan=lifespan,
     )
     app.state.service = ServiceState(
         settings=settings,
         store=store,
         gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
-        jobs=jobs,
+        runs=runs,
         metrics=metrics,
         store_calls=store_calls,
         central=central,
@@ -125,7 +125,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     )
     for module in (plans, profiles, summaries, probes, devices, health):
         app.include_router(module.router)
-    install_problem_handlers(app)
+    install_problem_handlers(app, feature_errors=probes.PROBE_RUN_ERRORS)
     install_openapi(app)
     return app
 
@@ -146,7 +146,7 @@ def run(settings: Settings) -> None:
     if tokenless and settings.host not in ("127.0.0.1", "localhost", "::1"):
         _log.warning(
             "serving on %s without an API token: anyone who can reach the port can register "
-            "and delete profiles and start probe jobs; set AUTOBATCH_API_TOKEN",
+            "and delete profiles and start probe runs; set AUTOBATCH_API_TOKEN",
             settings.host,
         )
     try:

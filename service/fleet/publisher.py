@@ -1,8 +1,8 @@
-"""A node sidecar's publisher: every profile its probe jobs store reaches the central service.
+"""A node sidecar's publisher: every profile its probe runs store reaches the central service.
 
 Set ``AUTOBATCH_CENTRAL_URL`` (``--central-url``) on a node's sidecar and each succeeded probe
-job's profile enters the node's outbox (:mod:`autobatch.profiles._outbox`, a table of the node's
-own store) as the job finishes. One background thread sends what the outbox holds to the central
+run's profile enters the node's outbox (:mod:`autobatch.profiles._outbox`, a table of the node's
+own store) as the run finishes. One background thread sends what the outbox holds to the central
 service's ``/v1/profiles``, oldest due first, until the central service acknowledges it (any 2xx,
 or 409: it already holds it), across outages of any length and restarts of either side: the rows
 stay in the store, and a sender started again resumes from them.

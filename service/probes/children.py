@@ -1,6 +1,6 @@
 """Probe children that die with the server: no probe outlives the process that started it.
 
-A probe job's child (``service.probes.runs``) calls :func:`die_with_parent` first thing. It then
+A probe run's child (``service.probes.runs``) calls :func:`die_with_parent` first thing. It then
 leads its own process group, so the server kills the child and anything it started (compile workers,
 say) at once with :func:`kill_group`, and a Ctrl-C at the server's terminal reaches the server
 only, which then stops its children itself. And it gets SIGKILL the moment the server dies, even

@@ -1,8 +1,8 @@
-"""The server's model registry: the only models a probe job may run, read from a TOML file.
+"""The server's model registry: the only models a probe run may run, read from a TOML file.
 
 A request names a registered model; it never names code. Each entry gives a factory
 (``module:function``, called with no arguments, returning a ``torch.nn.Module``), the input spec of
-one sample, and the device to probe on. Factories run only inside the probe job's child process.
+one sample, and the device to probe on. Factories run only inside the probe run's child process.
 
 Example file::
 

@@ -1,6 +1,6 @@
-"""``/v1/probes``: probe jobs of models registered in the server's config file.
+"""``/v1/probes``: probe runs of models registered in the server's config file.
 
-One job runs at a time per device; later ones wait in a FIFO queue (``max_queued_probes`` per
+One run runs at a time per device; later ones wait in a FIFO queue (``max_queued_probes`` per
 device); a submission beyond that gets 409. See ``service.probes.runs``.
 """
 
@@ -12,12 +12,20 @@ from autobatch.errors import DeviceUnavailableError
 from service.deps import StateDep
 from service.devices.gpus import HEALTH_FAILURES, GpuMonitor
 from service.probes.registry import cuda_index
-from service.probes.runs import Job, UnknownModelError
+from service.probes.runs import ProbeRun, QueueFullError, UnknownModelError, UnknownProbeRunError
 from service.probes.schemas import ProbeCreate, ProbeList, ProbeProgress, ProbePublic
 from service.web.problems import Problem, problem_responses, public_text
 from service.web.routing import JsonBodyRoute
 from service.web.schemas import IdPath, ProfileBase, TrialBase
 from service.web.store_calls import store_call
+
+PROBE_RUN_ERRORS = (
+    (UnknownModelError, 404, "unknown-model"),
+    (UnknownProbeRunError, 404, "unknown-job"),
+    (QueueFullError, 409, "queue-full"),
+)
+"""What a probe run's errors answer, wherever they are raised (``install_problem_handlers``).
+The slug ``unknown-job`` is the API's word, kept for the clients that switch on it."""
 
 router = APIRouter(
     prefix="/v1/probes",
@@ -27,59 +35,59 @@ router = APIRouter(
 )
 
 
-def probe_public(job: Job) -> ProbePublic:
+def probe_public(run: ProbeRun) -> ProbePublic:
     return ProbePublic(
-        id=job.id,
-        model=job.model,
-        device=job.device,
-        status=job.status,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
-        queue_position=job.queue_position,
-        child_pid=job.child_pid,
+        id=run.id,
+        model=run.model,
+        device=run.device,
+        status=run.status,
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        queue_position=run.queue_position,
+        child_pid=run.child_pid,
         progress=ProbeProgress(
-            num_trials=job.num_trials,
-            num_ooms=job.num_ooms,
-            largest_fitting_micro_batch_size=job.largest_fitting_micro_batch_size,
+            num_trials=run.num_trials,
+            num_ooms=run.num_ooms,
+            largest_fitting_micro_batch_size=run.largest_fitting_micro_batch_size,
             last_trial=None
-            if job.last_trial is None
-            else TrialBase.model_validate(job.last_trial, strict=False),
+            if run.last_trial is None
+            else TrialBase.model_validate(run.last_trial, strict=False),
         ),
-        cached=job.cached,
-        profile_id=job.profile_id,
+        cached=run.cached,
+        profile_id=run.profile_id,
         profile=None
-        if job.profile is None
-        else ProfileBase.model_validate(job.profile, strict=False),
-        error=public_text(job.error),
+        if run.profile is None
+        else ProfileBase.model_validate(run.profile, strict=False),
+        error=public_text(run.error),
     )
 
 
 @router.post(
     "",
     status_code=202,
-    summary="Start a probe job for a registered model",
+    summary="Start a probe run for a registered model",
     responses=problem_responses(400, 404, 409, 413, 415, 422),
 )
 async def start_probe(body: ProbeCreate, state: StateDep, response: Response) -> ProbePublic:
-    """Queues the job and returns at once (``Location`` names it). A stored profile of the model
-    on the device that still answers is the job's result, without a step, unless ``refresh``.
+    """Queues the run and returns at once (``Location`` names it). A stored profile of the model
+    on the device that still answers is the run's result, without a step, unless ``refresh``.
     404 for a model not in the server's registry; 422 for a CUDA device this node does not have;
     409 when the device's queue is full."""
-    entry = state.jobs.registry.models.get(body.model)
+    entry = state.runs.registry.models.get(body.model)
     if entry is not None:
         await _check_cuda_device(body.device or entry.device, state.gpus, body.device is None)
     try:
-        job = state.jobs.submit(body.model, device=body.device, refresh=body.refresh)
+        run = state.runs.submit(body.model, device=body.device, refresh=body.refresh)
     except UnknownModelError as exc:
         raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
-    response.headers["Location"] = f"/v1/probes/{job.id}"
-    return probe_public(job)
+    response.headers["Location"] = f"/v1/probes/{run.id}"
+    return probe_public(run)
 
 
 async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool) -> None:
-    """422 now, rather than a job failing seconds later, for ``cuda:N`` with no such GPU in the
-    device set this container was given (the job's child sees the same numbering)."""
+    """422 now, rather than a run failing seconds later, for ``cuda:N`` with no such GPU in the
+    device set this container was given (the run's child sees the same numbering)."""
     index = cuda_index(device)
     if index is None:
         return
@@ -103,17 +111,17 @@ async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool)
     )
 
 
-@router.get("", summary="List probe jobs, newest first")
+@router.get("", summary="List probe runs, newest first")
 def list_probes(state: StateDep) -> ProbeList:
-    return ProbeList(probes=[probe_public(job) for job in state.jobs.list_jobs()])
+    return ProbeList(probes=[probe_public(run) for run in state.runs.list_runs()])
 
 
 @router.get(
     "/{probe_id}",
-    summary="A probe job's status, progress and profile",
+    summary="A probe run's status, progress and profile",
     responses=problem_responses(404, 422),
 )
 async def get_probe(probe_id: IdPath, state: StateDep) -> ProbePublic:
-    """A job of an earlier run of the server is read from the store: on the store's threads,
+    """A run of an earlier run of the server is read from the store: on the store's threads,
     under the store deadline (``service.web.store_calls``)."""
-    return probe_public(await store_call(state, state.jobs.get, probe_id))
+    return probe_public(await store_call(state, state.runs.get, probe_id))

@@ -1,24 +1,24 @@
-"""Probe jobs: each tunes a registered model in its own child process, through the library's
+"""Probe runs: each tunes a registered model in its own child process, through the library's
 one road (:func:`autobatch.tuning.autotune_profile`): a stored profile that still answers is the
-result, unless the job asks for ``refresh``; otherwise the child probes and stores the profile.
+result, unless the run asks for ``refresh``; otherwise the child probes and stores the profile.
 
 Scheduling, per GPU (``"cuda:0"``) and one for the host (``cpu`` and every ``sim:SIZE``, see
-:func:`queue_key`): one job runs at a time; later jobs wait in a first-in, first-out queue of at
-most ``max_queued`` jobs, and a submission beyond that raises :class:`QueueFullError` (HTTP
-409). Jobs on different GPUs run in parallel.
+:func:`queue_key`): one run at a time; later runs wait in a first-in, first-out queue of at
+most ``max_queued`` runs, and a submission beyond that raises :class:`QueueFullError` (HTTP
+409). Runs on different GPUs run in parallel.
 
-A job's child is started with the ``spawn`` method (no state inherited from the server; torch is
+A run's child is started with the ``spawn`` method (no state inherited from the server; torch is
 imported there, never in the server), reports each trial through a queue, and sends back the
 profile with its id in the store (the child writes the store's file, which SQLite lets processes
 share; the server stores what the child did not). A child that exceeds the timeout is killed; a
-child that crashes or is killed from outside marks its job failed; the server carries on with the
-next job. A child dies with the server, even one killed by SIGKILL (``service.probes.children``).
+child that crashes or is killed from outside marks its run failed; the server carries on with the
+next run. A child dies with the server, even one killed by SIGKILL (``service.probes.children``).
 
 Example::
 
-    jobs = JobManager(registry, store, timeout_seconds=600, max_queued=8)
-    job = jobs.submit("tiny-mlp")
-    jobs.get(job.id).status          # "queued", "running", "succeeded" or "failed"
+    runs = ProbeRuns(registry, store, timeout_seconds=600, max_queued=8)
+    run = runs.submit("tiny-mlp")
+    runs.get(run.id).status          # "queued", "running", "succeeded" or "failed"
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ from service.probes.registry import ModelEntry, Registry, cuda_index
 from service.web.wording import describe
 
 __all__ = [
-    "Job",
-    "JobManager",
-    "JobStatus",
+    "ProbeRun",
+    "ProbeRuns",
+    "ProbeRunStatus",
     "QueueFullError",
-    "UnknownJobError",
+    "UnknownProbeRunError",
     "UnknownModelError",
 ]
 
 _log = logging.getLogger("service.probes.runs")
 
-JobStatus = Literal["queued", "running", "succeeded", "failed"]
+ProbeRunStatus = Literal["queued", "running", "succeeded", "failed"]
 _POLL_SECONDS = 0.1
 _MAX_FINISHED_JOBS = 1000
 
@@ -65,29 +65,29 @@ class UnknownModelError(LookupError):
     """The model name is not in the server's registry."""
 
 
-class UnknownJobError(LookupError):
-    """No job has this id."""
+class UnknownProbeRunError(LookupError):
+    """No run has this id."""
 
 
 class QueueFullError(RuntimeError):
-    """The device's queue already holds ``max_queued`` waiting jobs."""
+    """The device's queue already holds ``max_queued`` waiting runs."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """A snapshot of one probe job."""
+class ProbeRun:
+    """A snapshot of one probe run."""
 
     id: str
     model: str
     device: str
-    status: JobStatus
+    status: ProbeRunStatus
     created_at: str
     started_at: str | None = None
     finished_at: str | None = None
     queue_position: int | None = None
-    """Jobs ahead of this one on its device while queued (0: next); None otherwise."""
+    """Runs ahead of this one on its device while queued (0: next); None otherwise."""
     child_pid: int | None = None
-    """The child process's pid while running (kill it to abort the job)."""
+    """The child process's pid while running (kill it to abort the run)."""
     num_trials: int = 0
     num_ooms: int = 0
     largest_fitting_micro_batch_size: int = 0
@@ -95,22 +95,22 @@ class Job:
     refresh: bool = False
     """Probe even when the store has a profile that answers."""
     cached: bool = False
-    """True when the job answered from the store (no step ran)."""
+    """True when the run answered from the store (no step ran)."""
     profile_id: str | None = None
     profile: dict[str, Any] | None = None
     error: str = ""
 
 
-class JobManager:
-    """Queues, runs and remembers probe jobs; thread-safe.
+class ProbeRuns:
+    """Queues, runs and remembers probe runs; thread-safe.
 
     Args:
         registry: the models that may be probed.
         store: where resulting profiles are kept.
         timeout_seconds: wall time after which a running child is killed, seconds.
-        max_queued: waiting jobs allowed per device.
+        max_queued: waiting runs allowed per device.
         on_event: called with ``"started"``, ``"failed"``, ``"succeeded"`` or ``"oom"`` (metrics).
-        on_profile: called with each succeeded job's profile before the job reads as succeeded
+        on_profile: called with each succeeded run's profile before the run reads as succeeded
             (a node's publisher queues it in its outbox); a StoreError it raises is logged.
     """
 
@@ -131,7 +131,7 @@ class JobManager:
         self._on_event = on_event or (lambda _event: None)
         self._on_profile = on_profile or (lambda _profile: None)
         self._lock = threading.Condition()
-        self._jobs: dict[str, Job] = {}
+        self._runs: dict[str, ProbeRun] = {}
         self._queues: dict[str, collections.deque[str]] = {}
         self._workers: dict[str, threading.Thread] = {}
         self._children: dict[str, multiprocessing.process.BaseProcess] = {}
@@ -140,16 +140,16 @@ class JobManager:
         self._records: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._recorder: threading.Thread | None = None
 
-    def submit(self, model: str, *, device: str | None = None, refresh: bool = False) -> Job:
+    def submit(self, model: str, *, device: str | None = None, refresh: bool = False) -> ProbeRun:
         """Queue a probe of the registered ``model`` on ``device`` (default: the entry's).
 
         A stored profile of the same model, input and device that still answers (see
-        :func:`autobatch.tuning.autotune_profile`) is the job's result, without a step, unless
+        :func:`autobatch.tuning.autotune_profile`) is the run's result, without a step, unless
         ``refresh``.
 
         Raises:
             UnknownModelError: ``model`` is not registered.
-            QueueFullError: the device already has ``max_queued`` jobs waiting.
+            QueueFullError: the device already has ``max_queued`` runs waiting.
         """
         entry = self.registry.models.get(model)
         if entry is None:
@@ -166,10 +166,10 @@ class JobManager:
             waiting = self._queues.setdefault(key, collections.deque())
             if len(waiting) >= self._max_queued:
                 raise QueueFullError(
-                    f"{len(waiting)} probe job(s) already wait for {key} (the limit); retry "
+                    f"{len(waiting)} probe run(s) already wait for {key} (the limit); retry "
                     "when one finishes"
                 )
-            job = Job(
+            run = ProbeRun(
                 id=uuid.uuid4().hex[:16],
                 model=model,
                 device=target,
@@ -177,9 +177,9 @@ class JobManager:
                 created_at=_now(),
                 refresh=refresh,
             )
-            self._jobs[job.id] = job
-            self._record(job.id)
-            waiting.append(job.id)
+            self._runs[run.id] = run
+            self._record(run.id)
+            waiting.append(run.id)
             self._forget_old()
             worker = self._workers.get(key)
             if worker is None or not worker.is_alive():
@@ -189,51 +189,51 @@ class JobManager:
                 self._workers[key] = worker
                 worker.start()
             self._lock.notify_all()
-            return self._snapshot(job.id)
+            return self._snapshot(run.id)
 
-    def get(self, job_id: str) -> Job:
-        """The job's current state; a job of an earlier run of the server (a restart) is read
+    def get(self, run_id: str) -> ProbeRun:
+        """The run's current state; a run from before the server restarted is read
         from the store, and one it left unfinished reads as failed.
 
         Raises:
-            UnknownJobError: no job has this id (or it finished long ago and was forgotten).
+            UnknownProbeRunError: no run has this id (or it finished long ago and was forgotten).
             StoreError: the store cannot be read.
         """
         with self._lock:
-            if job_id in self._jobs:
-                return self._snapshot(job_id)
-        record = self._store.get_job(job_id)
+            if run_id in self._runs:
+                return self._snapshot(run_id)
+        record = self._store.get_job(run_id)
         if record is None:
-            raise UnknownJobError(f"no probe job with id {job_id!r}")
-        fields = {k: v for k, v in record.items() if k in Job.__dataclass_fields__}
-        job = Job(**{**fields, "queue_position": None, "child_pid": None})
-        if job.status in ("queued", "running"):
-            job = dataclasses.replace(
-                job,
+            raise UnknownProbeRunError(f"no probe run with id {run_id!r}")
+        fields = {k: v for k, v in record.items() if k in ProbeRun.__dataclass_fields__}
+        run = ProbeRun(**{**fields, "queue_position": None, "child_pid": None})
+        if run.status in ("queued", "running"):
+            run = dataclasses.replace(
+                run,
                 status="failed",
-                error=f"the server restarted while the job was {job.status}; submit it again",
+                error=f"the server restarted while the run was {run.status}; submit it again",
             )
-        return job
+        return run
 
-    def list_jobs(self) -> list[Job]:
-        """Every remembered job, newest first."""
+    def list_runs(self) -> list[ProbeRun]:
+        """Every remembered run, newest first."""
         with self._lock:
-            return [self._snapshot(job_id) for job_id in reversed(self._jobs)]
+            return [self._snapshot(run_id) for run_id in reversed(self._runs)]
 
     def open(self) -> None:
-        """Accept jobs again after :meth:`close` (an app's lifespan may run more than once)."""
+        """Accept runs again after :meth:`close` (an app's lifespan may run more than once)."""
         with self._lock:
             self._closed = False
 
     def close(self) -> None:
-        """Kill running children and stop the workers (queued jobs are marked failed)."""
+        """Kill running children and stop the workers (queued runs are marked failed)."""
         with self._lock:
             self._closed = True
             children = list(self._children.values())
             for waiting in self._queues.values():
-                for job_id in waiting:
+                for run_id in waiting:
                     self._update(
-                        job_id, status="failed", error="the server shut down", finished_at=_now()
+                        run_id, status="failed", error="the server shut down", finished_at=_now()
                     )
                 waiting.clear()
             self._lock.notify_all()
@@ -248,27 +248,27 @@ class JobManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _snapshot(self, job_id: str) -> Job:
-        job = self._jobs[job_id]
-        if job.status == "queued":
-            waiting = self._queues.get(queue_key(job.device), collections.deque())
-            position = list(waiting).index(job_id) if job_id in waiting else 0
-            return dataclasses.replace(job, queue_position=position)
-        return job
+    def _snapshot(self, run_id: str) -> ProbeRun:
+        run = self._runs[run_id]
+        if run.status == "queued":
+            waiting = self._queues.get(queue_key(run.device), collections.deque())
+            position = list(waiting).index(run_id) if run_id in waiting else 0
+            return dataclasses.replace(run, queue_position=position)
+        return run
 
-    def _update(self, job_id: str, **changes: Any) -> None:
-        self._jobs[job_id] = dataclasses.replace(self._jobs[job_id], **changes)
+    def _update(self, run_id: str, **changes: Any) -> None:
+        self._runs[run_id] = dataclasses.replace(self._runs[run_id], **changes)
         if "status" in changes:
-            self._record(job_id)
+            self._record(run_id)
 
-    def _record(self, job_id: str) -> None:
-        """Hand the job's state to the recorder thread, which keeps it in the store (so a
+    def _record(self, run_id: str) -> None:
+        """Hand the run's state to the recorder thread, which keeps it in the store (so a
         restarted server still answers the id); never waits on the store (the caller may be
         on the event loop, and holds the lock)."""
-        self._records.put(dataclasses.asdict(self._jobs[job_id]))
+        self._records.put(dataclasses.asdict(self._runs[run_id]))
         if self._recorder is None or not self._recorder.is_alive():
             self._recorder = threading.Thread(
-                target=self._write_records, name="probe-job-records", daemon=True
+                target=self._write_records, name="probe-run-records", daemon=True
             )
             self._recorder.start()
 
@@ -276,13 +276,13 @@ class JobManager:
         while (record := self._records.get()) is not None:
             try:
                 self._store.put_job(record["id"], record)
-            except StoreError as exc:  # the job runs on; only a restart would lose it
-                _log.warning("probe job %s not recorded in the store: %s", record["id"], exc)
+            except StoreError as exc:  # the run runs on; only a restart would lose it
+                _log.warning("probe run %s not recorded in the store: %s", record["id"], exc)
 
     def _forget_old(self) -> None:
-        finished = [j for j, job in self._jobs.items() if job.status in ("succeeded", "failed")]
-        for job_id in finished[: max(0, len(finished) - _MAX_FINISHED_JOBS)]:
-            del self._jobs[job_id]
+        finished = [j for j, run in self._runs.items() if run.status in ("succeeded", "failed")]
+        for run_id in finished[: max(0, len(finished) - _MAX_FINISHED_JOBS)]:
+            del self._runs[run_id]
 
     def _work(self, key: str) -> None:
         while True:
@@ -292,15 +292,15 @@ class JobManager:
                     self._lock.wait()
                 if self._closed:
                     return
-                job_id = waiting.popleft()
-                job = self._jobs[job_id]
-                entry = self.registry.models[job.model]
+                run_id = waiting.popleft()
+                run = self._runs[run_id]
+                entry = self.registry.models[run.model]
             try:
-                self._run(job_id, entry, job.device, job.refresh)
+                self._run(run_id, entry, run.device, run.refresh)
             except Exception as exc:  # a bug here must not stop the device's queue
                 with self._lock:
                     self._update(
-                        job_id,
+                        run_id,
                         status="failed",
                         finished_at=_now(),
                         error=f"internal error: {type(exc).__name__}: {exc}",
@@ -309,27 +309,27 @@ class JobManager:
 
     def _store_path(self) -> str | None:
         """The store's location for the child (a file or a URL); None for an in-memory store
-        (the child cannot share it: each job then probes, and the parent stores the result)."""
+        (the child cannot share it: each run then probes, and the parent stores the result)."""
         return self._store.shared_location()
 
-    def _run(self, job_id: str, entry: ModelEntry, device: str, refresh: bool) -> None:
+    def _run(self, run_id: str, entry: ModelEntry, device: str, refresh: bool) -> None:
         messages = self._context.Queue()
         child = self._context.Process(
             target=_child_main,
             args=(entry.model_dump(), device, self._store_path(), refresh, messages, os.getpid()),
-            name=f"autobatch-probe-{job_id}",
+            name=f"autobatch-probe-{run_id}",
             daemon=True,
         )
         with self._lock:
             if self._closed:
                 self._update(
-                    job_id, status="failed", error="the server shut down", finished_at=_now()
+                    run_id, status="failed", error="the server shut down", finished_at=_now()
                 )
                 return
             child.start()
-            self._children[job_id] = child
+            self._children[run_id] = child
             # "running" and the pid appear together: a client that sees one can use the other.
-            self._update(job_id, status="running", started_at=_now(), child_pid=child.pid)
+            self._update(run_id, status="running", started_at=_now(), child_pid=child.pid)
         self._on_event("started")
         deadline = time.monotonic() + self._timeout_seconds
         outcome: tuple[str, Any] | None = None
@@ -352,7 +352,7 @@ class JobManager:
                     outcome = ("error", f"lost the child's report: {type(exc).__name__}: {exc}")
                     continue
                 if kind == "trial":
-                    self._record_trial(job_id, payload)
+                    self._record_trial(run_id, payload)
                 else:
                     outcome = (kind, payload)
             child.join(timeout=10)
@@ -361,9 +361,9 @@ class JobManager:
                 child.join(timeout=10)
         finally:
             with self._lock:
-                self._children.pop(job_id, None)
+                self._children.pop(run_id, None)
             messages.close()
-        self._finish(job_id, outcome, child.exitcode)
+        self._finish(run_id, outcome, child.exitcode)
 
     @staticmethod
     def _drain(messages: Any) -> tuple[str, Any] | None:
@@ -375,23 +375,23 @@ class JobManager:
         except Exception:
             return None
 
-    def _record_trial(self, job_id: str, trial: dict[str, Any]) -> None:
+    def _record_trial(self, run_id: str, trial: dict[str, Any]) -> None:
         if trial.get("oom"):
             self._on_event("oom")
         with self._lock:
-            job = self._jobs[job_id]
-            largest = job.largest_fitting_micro_batch_size
+            run = self._runs[run_id]
+            largest = run.largest_fitting_micro_batch_size
             if trial.get("fits") and not trial.get("warm_up"):
                 largest = max(largest, int(trial["micro_batch_size"]))
             self._update(
-                job_id,
-                num_trials=job.num_trials + 1,
-                num_ooms=job.num_ooms + bool(trial.get("oom")),
+                run_id,
+                num_trials=run.num_trials + 1,
+                num_ooms=run.num_ooms + bool(trial.get("oom")),
                 largest_fitting_micro_batch_size=largest,
                 last_trial=trial,
             )
 
-    def _finish(self, job_id: str, outcome: tuple[str, Any], exitcode: int | None) -> None:
+    def _finish(self, run_id: str, outcome: tuple[str, Any], exitcode: int | None) -> None:
         kind, payload = outcome
         changes: dict[str, Any] = {"finished_at": _now(), "child_pid": None}
         if kind == "profile":
@@ -399,7 +399,7 @@ class JobManager:
                 profile = Profile.from_dict(payload["profile"])
                 # The road stored it (or found it stored); a profile it does not store (cut
                 # short by a non-OOM failure, or an in-memory store) is kept here, so every
-                # job's result has an id to plan from.
+                # run's result has an id to plan from.
                 changes.update(
                     status="succeeded",
                     profile=profile.to_dict(),
@@ -416,19 +416,19 @@ class JobManager:
             try:
                 self._on_profile(profile)
             except StoreError as exc:
-                _log.warning("probe job %s: its profile was not queued to publish: %s", job_id, exc)
+                _log.warning("probe run %s: its profile was not queued to publish: %s", run_id, exc)
         with self._lock:
-            self._update(job_id, **changes)
-            job = self._jobs[job_id]
-        if job.status == "failed":
+            self._update(run_id, **changes)
+            run = self._runs[run_id]
+        if run.status == "failed":
             _log.warning(
-                "probe job %s (model %r on %s) failed: %s", job_id, job.model, job.device, job.error
+                "probe run %s (model %r on %s) failed: %s", run_id, run.model, run.device, run.error
             )
         self._on_event("succeeded" if changes["status"] == "succeeded" else "failed")
 
 
 def queue_key(device: str) -> str:
-    """The queue a device's jobs wait in: one per CUDA index (``"cuda:01"`` is ``"cuda:1"``),
+    """The queue a device's runs wait in: one per CUDA index (``"cuda:01"`` is ``"cuda:1"``),
     and one for the host, shared by ``cpu`` and every ``sim:SIZE`` (they all run on the CPU, and
     two at once would slow each other's trials)."""
     index = cuda_index(device)

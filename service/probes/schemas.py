@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from service.probes.runs import JobStatus as ProbeRunStatus
+from service.probes.runs import ProbeRunStatus as ProbeRunStatus
 from service.web.schemas import DeviceName, ProfileBase, Strict, TrialBase
 
 __all__ = ["ProbeCreate", "ProbeList", "ProbeProgress", "ProbePublic"]

@@ -2,10 +2,10 @@
 
 Roles, each allowing what the one before it does:
 
-- ``read``: plans (``POST /v1/plan``), every ``GET`` (profiles, listings, devices, probe jobs);
+- ``read``: plans (``POST /v1/plan``), every ``GET`` (profiles, listings, devices, probe runs);
 - ``publish`` as one node: ``read``, and ``POST /v1/profiles`` for profiles whose
   ``node_name`` is that node (a node cannot publish under another's name: 403 naming it);
-- ``admin``: everything, ``DELETE`` and starting probe jobs included.
+- ``admin``: everything, ``DELETE`` and starting probe runs included.
 
 Tokens are configured (``service.web.settings``) by ``AUTOBATCH_API_TOKEN`` (one ``admin`` token,
 as before roles) and by ``AUTOBATCH_API_TOKENS_FILE``, which names either
@@ -141,7 +141,7 @@ def required_role(method: str, route_path: str) -> Role:
         return "read"
     if method == "POST" and route_path.rstrip("/") == "/v1/profiles":
         return "publish"
-    return "admin"  # DELETE, starting probe jobs, and whatever comes next
+    return "admin"  # DELETE, starting probe runs, and whatever comes next
 
 
 def load_tokens(*, api_token: str | None, tokens_file: Path | None) -> Tokens:

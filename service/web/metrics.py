@@ -1,4 +1,4 @@
-"""Prometheus metrics of one app: requests and latency, probe jobs, OOMs, GPU memory.
+"""Prometheus metrics of one app: requests and latency, probe runs, OOMs, GPU memory.
 
 Each app has its own registry (several apps may live in one process, as in tests). GPU memory
 gauges are read from NVML at scrape time; without NVML they are simply absent.
@@ -87,13 +87,13 @@ class Metrics:
         )
         self.probe_events = Counter(
             "autobatch_probe_jobs",
-            "Probe jobs by event: started, succeeded, failed",
+            "Probe runs by event: started, succeeded, failed",
             ["event"],
             registry=self.registry,
         )
         self.ooms = Counter(
             "autobatch_probe_ooms",
-            "Out-of-memory trials caught by probe jobs",
+            "Out-of-memory trials caught by probe runs",
             registry=self.registry,
         )
         self.published = Counter(

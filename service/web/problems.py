@@ -5,7 +5,7 @@ URI a client can switch on), ``title``, ``status``, ``detail`` and, for bad inpu
 list of ``{"field": "body.device.capacity_bytes", "reason": "..."}``.
 
 Mapping: malformed JSON 400; validation 422 (the field path); :class:`ConfigError` and
-:class:`NoFeasiblePlanError` 422; unknown profile, model, job or route 404; a full probe queue
+:class:`NoFeasiblePlanError` 422; unknown profile, model, probe run or route 404; a full probe queue
 409; a missing or wrong bearer token 401 and a body over the limit 413 (``service.web.middleware``);
 a missing or wrong ``Content-Type`` 415 (``service.web.routing``); :class:`StoreError` and
 :class:`DeviceUnavailableError` 503 (slug ``nvml_timeout`` or ``gpu_lost`` when its ``reason``
@@ -52,7 +52,6 @@ from autobatch.errors import (
     ProfileNotFoundError,
     StoreError,
 )
-from service.probes.runs import QueueFullError, UnknownJobError, UnknownModelError
 from service.web.wording import describe
 
 __all__ = [
@@ -160,19 +159,21 @@ def problem_response(
     return JSONResponse(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
 
 
-def _library_problem(exc: Exception) -> tuple[int, str]:
-    """Status and slug of a library or job error; (500, "internal") for anything else."""
-    table: tuple[tuple[type[Exception], int, str], ...] = (
-        (ProfileNotFoundError, 404, "unknown-profile"),
-        (StoreError, 503, "store-unavailable"),
-        (DeviceUnavailableError, 503, "device-unavailable"),
-        (NoFeasiblePlanError, 422, "no-feasible-plan"),
-        (ConfigError, 422, "invalid-config"),
-        (AutobatchError, 422, "autobatch-error"),
-        (UnknownModelError, 404, "unknown-model"),
-        (UnknownJobError, 404, "unknown-job"),
-        (QueueFullError, 409, "queue-full"),
-    )
+ErrorStatuses = Sequence[tuple[type[Exception], int, str]]
+"""Exception classes with the status and slug each answers, the first that matches deciding."""
+
+_LIBRARY_STATUSES: ErrorStatuses = (
+    (ProfileNotFoundError, 404, "unknown-profile"),
+    (StoreError, 503, "store-unavailable"),
+    (DeviceUnavailableError, 503, "device-unavailable"),
+    (NoFeasiblePlanError, 422, "no-feasible-plan"),
+    (ConfigError, 422, "invalid-config"),
+    (AutobatchError, 422, "autobatch-error"),
+)
+
+
+def _library_problem(exc: Exception, table: ErrorStatuses) -> tuple[int, str]:
+    """Status and slug of a library or feature error; (500, "internal") for anything else."""
     if isinstance(exc, DeviceUnavailableError) and exc.reason in _DEVICE_REASON_SLUGS:
         return 503, exc.reason
     for cls, status, slug in table:
@@ -445,10 +446,10 @@ async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _on_library(request: Request, exc: Exception) -> JSONResponse:
+async def _on_library(request: Request, exc: Exception, table: ErrorStatuses) -> JSONResponse:
     if isinstance(exc, ProfileNotFoundError):
         return await _on_problem(request, unknown_profile(exc.profile_id, field="body"))
-    status, slug = _library_problem(exc)
+    status, slug = _library_problem(exc, table)
     if status == 500:
         _log.exception("unhandled error on %s %s", request.method, request.url.path)
         detail = "internal error; see the server log"
@@ -469,14 +470,26 @@ def store_reason(exc: StoreError) -> str:
     return f"the profile store failed: {why} (the server's log has the details)"
 
 
-def install_problem_handlers(app: FastAPI) -> None:
-    """Register every exception handler of the service on ``app``."""
+def install_problem_handlers(app: FastAPI, *, feature_errors: ErrorStatuses = ()) -> None:
+    """Register every exception handler of the service on ``app``.
+
+    Args:
+        app: the service.
+        feature_errors: the features' own exceptions (a probe run's, say) and what each
+            answers, after the library's.
+    """
+    table = (*_LIBRARY_STATUSES, *feature_errors)
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return await _on_library(request, exc, table)
+
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(ClientDisconnect, _on_disconnect)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Problem, _on_problem)
-    for cls in (AutobatchError, UnknownModelError, UnknownJobError, QueueFullError, Exception):
-        app.add_exception_handler(cls, _on_library)
+    handled: list[type[Exception]] = [AutobatchError, *(cls for cls, _, _ in feature_errors)]
+    for cls in (*handled, Exception):
+        app.add_exception_handler(cls, on_error)
 
 
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -112,7 +112,7 @@ NonEmptyName = Annotated[
     str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(storable)
 ]
 IdPath = Annotated[str, Path(max_length=64), AfterValidator(storable)]
-"""A profile's or probe job's id in a path: the store's ids are 16 hex digits; anything else is
+"""A profile's or probe run's id in a path: the store's ids are 16 hex digits; anything else is
 simply not stored (404), but never text a backend cannot compare with (422)."""
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
 Count = Annotated[int, Field(ge=0, le=MAX_SIZE)]

@@ -49,15 +49,15 @@ class Settings(BaseSettings):
     ``publish:NODE``, ``admin``), or a directory of one-token files named ``admin``, ``read``,
     ``publish.NODE`` (a Kubernetes Secret mounted as files)."""
     config_file: Path | None = None
-    """TOML registry of the models that probe jobs may run (see ``service.probes.registry``)."""
+    """TOML registry of the models that probe runs may run (see ``service.probes.registry``)."""
     require_gpu: bool = False
     """``/readyz`` answers 503 while NVML lists no GPU."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     """Largest request body accepted, in bytes; larger ones get 413."""
     probe_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
-    """A probe job's child is killed, and the job marked failed, after this many seconds."""
+    """A probe run's child is killed, and the run marked failed, after this many seconds."""
     max_queued_probes: int = Field(default=8, ge=0, le=1024)
-    """Jobs that may wait per device behind the running one; one more gets 409."""
+    """Probe runs that may wait per device behind the running one; one more gets 409."""
     store_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
     """The longest a request waits for the profile store (a write lock held by another process,
     a slow database server); beyond it the request answers 503 ``store-busy`` and ``/readyz``
@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     """uvicorn's log level."""
     central_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
     """Node mode: the central service (e.g. ``http://autobatch-central:8000``) that every
-    profile a probe job finds is published to (``service.fleet.publisher``); None publishes
+    profile a probe run finds is published to (``service.fleet.publisher``); None publishes
     nothing."""
     central_api_token: SecretStr | None = None
     """The central service's bearer token, when it sets one (a node's: ``publish`` as this
@@ -134,8 +134,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="/readyz answers 503 while NVML lists no GPU",
     )
     parser.add_argument("--max-body-bytes", type=int, help="largest request body, bytes")
-    parser.add_argument("--probe-timeout-seconds", type=float, help="probe job time limit")
-    parser.add_argument("--max-queued-probes", type=int, help="waiting jobs per device")
+    parser.add_argument("--probe-timeout-seconds", type=float, help="probe run time limit")
+    parser.add_argument("--max-queued-probes", type=int, help="waiting probe runs per device")
     parser.add_argument(
         "--store-timeout-seconds", type=float, help="longest wait for the profile store (5)"
     )

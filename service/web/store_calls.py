@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 STORE_THREADS = 8
 """Threads that run store calls, per service: fewer than a PostgreSQL store's pool holds
-(``autobatch.profiles._engine``), so that requests never wait on the pool itself and probe jobs
+(``autobatch.profiles._engine``), so that requests never wait on the pool itself and probe runs
 writing their profiles still find a connection; calls beyond them queue, within their deadline."""
 
 _Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]

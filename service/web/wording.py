@@ -2,7 +2,7 @@
 
 The library names a remedy by its Python argument (:class:`autobatch.errors.Remedy`); a client of
 the service sets a JSON field instead, so ``allow_inexact=True`` reads ``"allow_inexact": true``.
-The one place the service words remedies: problem details, probe job errors and plan tables.
+The one place the service words remedies: problem details, probe run errors and plan tables.
 
 Example::
 

@@ -62,7 +62,7 @@ def make_app(tmp_path: Path) -> Iterator[Callable[..., FastAPI]]:
 
     yield make
     for app in apps:
-        app.state.service.jobs.close()
+        app.state.service.runs.close()
         app.state.service.store.close()
 
 

@@ -101,7 +101,7 @@ def test_the_image_torch_is_the_one_ci_tests_and_the_floor_is_it() -> None:
 
 
 def test_the_image_pins_every_runtime_dependency_within_pyproject() -> None:
-    """Core, [service] and [models] (probe jobs of Hugging Face models import transformers):
+    """Core, [service] and [models] (probe runs of Hugging Face models import transformers):
     each pinned, and each pin one pyproject admits."""
     extras = PYPROJECT["project"]["optional-dependencies"]
     wanted = [

@@ -37,7 +37,7 @@ from autobatch.profile import (
     StopKind,
     SyncMode,
 )
-from service.probes.runs import JobStatus as ProbeRunStatus
+from service.probes.runs import ProbeRunStatus as ProbeRunStatus
 
 MATCH = typing.get_type_hints(Selection)["match"]
 """``Selection.match``'s type (the planning layer's face does not name it)."""

@@ -279,7 +279,7 @@ def test_an_unknown_field_names_the_likely_one(
 
 
 def test_an_unknown_field_names_the_likely_one_in_a_declared_body_too(client: TestClient) -> None:
-    """Routes whose body FastAPI reads (a probe job's) word it as the plan route does."""
+    """Routes whose body FastAPI reads (a probe run's) word it as the plan route does."""
     response = client.post("/v1/probes", json={"modle": "tiny-mlp"})
     assert response.status_code == 422
     reasons = {e["field"]: e["reason"] for e in response.json()["errors"]}

@@ -1021,15 +1021,15 @@ def test_queue_key_is_one_per_gpu_and_one_for_the_host(device: str, key: str) ->
 def test_a_running_probe_always_shows_its_child_pid(
     make_app: Callable[..., FastAPI], registry_file: Path
 ) -> None:
-    # Polled without pause: the child takes ~1 s to spawn, so a job marked "running" before
+    # Polled without pause: the child takes ~1 s to spawn, so a run marked "running" before
     # its pid was known would be seen here (it was, once, in CI).
     app = make_app(config_file=registry_file, probe_timeout_seconds=2)
-    jobs = app.state.service.jobs
-    job = jobs.submit("slow-mlp")
+    runs = app.state.service.runs
+    run = runs.submit("slow-mlp")
     seen: list[tuple[str, int | None]] = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        current = jobs.get(job.id)
+        current = runs.get(run.id)
         seen.append((current.status, current.child_pid))
         if current.status in ("succeeded", "failed"):
             break

@@ -38,7 +38,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
 @pytest.fixture(scope="module", autouse=True)
 def _close_app() -> Iterator[None]:
     yield
-    _APP.state.service.jobs.close()
+    _APP.state.service.runs.close()
     _APP.state.service.store.close()
     shutil.rmtree(_STORE_DIR, ignore_errors=True)
 

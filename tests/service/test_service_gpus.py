@@ -308,7 +308,7 @@ def test_a_total_plan_says_what_other_processes_hold(make_app: Callable[..., Fas
     assert (idle["memory_held_by_others_bytes"], idle["note"]) == (0, None)
 
 
-# -- probe jobs --------------------------------------------------------------------------------
+# -- probe runs --------------------------------------------------------------------------------
 
 
 def test_a_probe_child_sees_the_containers_cards_in_the_services_numbering(

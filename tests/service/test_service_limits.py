@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from service.probes.routes import probe_public
-from service.probes.runs import Job
+from service.probes.runs import ProbeRun
 from service.web import problems
 from service.web.problems import MAX_LISTED_ERRORS, public_text
 from tests.service.test_service_api import make_profile, problem
@@ -156,7 +156,7 @@ def test_answers_carry_no_server_path(make_app: Callable[..., FastAPI], tmp_path
 
 
 def test_a_probe_jobs_error_carries_no_server_path() -> None:
-    job = Job(
+    job = ProbeRun(
         id="ab12",
         model="tiny-mlp",
         device="cpu",
