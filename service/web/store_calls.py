@@ -24,16 +24,13 @@ import functools
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
 from service.web.problems import Problem
 
-if TYPE_CHECKING:
-    from service.deps import ServiceState
-
-__all__ = ["STORE_THREADS", "StoreCalls", "store_busy", "store_call"]
+__all__ = ["STORE_THREADS", "HasStoreCalls", "StoreCalls", "store_busy", "store_call"]
 
 T = TypeVar("T")
 
@@ -117,7 +114,14 @@ def store_busy(timeout_seconds: float) -> Problem:
     )
 
 
-async def store_call(state: ServiceState, function: Callable[..., T], *args: object) -> T:
+class HasStoreCalls(Protocol):
+    """What :func:`store_call` needs of the app's state (``service.deps.ServiceState``)."""
+
+    @property
+    def store_calls(self) -> StoreCalls: ...
+
+
+async def store_call(state: HasStoreCalls, function: Callable[..., T], *args: object) -> T:
     """``function(*args)`` on the service's store threads (``state.store_calls``), given at
     most ``store_timeout_seconds``.
 
