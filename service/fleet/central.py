@@ -2,11 +2,12 @@
 answers here too.
 
 A node's sidecar keeps its own store, and publishes what it measures to the central service
-(:mod:`service.fleet.publisher`). When a plan here names a model the node's store does not hold, and
-``AUTOBATCH_CENTRAL_URL`` is set, the sidecar asks the central service which profile of that
-model answers for this card (``POST /v1/plan`` with ``card``: its selection rule, measured or
-predicted), reads that profile (``GET /v1/profiles/{id}``), keeps a copy in its own store and
-plans from it. The copy keeps its node name, so a plan from it still says where it was measured.
+(:mod:`service.fleet.publisher`). When a plan here names a model the node's store does not hold,
+and ``AUTOBATCH_CENTRAL_URL`` is set, the sidecar reads the central service's newest profiles of
+that model (``GET /v1/profiles``: one request, a model and a count, no plan), chooses among them
+by the same selection rule as a plan by card (:mod:`service.plans.limits`), keeps a copy of the
+chosen one in its own store and plans from it. The copy keeps its node name, so a plan from it
+still says where it was measured.
 
 A central service that does not answer in ``timeout_seconds`` (or answers a problem) is not an
 error here: the sidecar answers from what it holds, as it would without a central service.
@@ -15,16 +16,15 @@ Called in the store's worker thread (``service.web.store_calls``), never on the 
 Example::
 
     central = CentralProfiles("http://autobatch-central:8000", token=None)
-    found = central.fetch("9f2c...", card="NVIDIA H100 80GB HBM3")   # (id, Profile) or None
+    found = central.profiles_of("9f2c...", limit=200)   # [(id, Profile)], newest first
 """
 
 from __future__ import annotations
 
 import logging
 
-from autobatch.client import AutobatchClient, PlanQuery
-from autobatch.errors import AutobatchError, ProfileNotFoundError
-from autobatch.planning import PlanRequest
+from autobatch.client import AutobatchClient
+from autobatch.errors import AutobatchError
 from autobatch.profile import Profile
 
 __all__ = ["CentralProfiles"]
@@ -38,7 +38,7 @@ class CentralProfiles:
     Args:
         url: the central service's base URL.
         token: its bearer token, or None.
-        timeout_seconds: the longest each of the two requests may take, in seconds.
+        timeout_seconds: the longest a request may take, in seconds.
     """
 
     def __init__(self, url: str, *, token: str | None, timeout_seconds: float = 2.0) -> None:
@@ -46,25 +46,17 @@ class CentralProfiles:
         self._token = token
         self._timeout_seconds = timeout_seconds
 
-    def fetch(self, model_fingerprint: str, *, card: str | None) -> tuple[str, Profile] | None:
-        """The central service's profile of ``model_fingerprint`` for ``card`` (any card when
-        None): ``(profile_id, profile)``, or None when it holds none or cannot be reached."""
-        query = PlanQuery(
-            plan=PlanRequest(effective_batch_size=1), model_fingerprint=model_fingerprint, card=card
-        )
+    def profiles_of(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
+        """The central service's newest ``limit`` profiles of ``model_fingerprint``, as
+        ``(profile_id, profile)`` newest first; empty when it holds none or cannot be reached
+        (logged)."""
         try:
             with AutobatchClient(
                 self.url, token=self._token, timeout=self._timeout_seconds
             ) as client:
-                answer = client.plan_answer(query)
-                profile_id = answer.get("profile_id")
-                if not isinstance(profile_id, str):
-                    return None
-                return profile_id, client.get_profile(profile_id)
-        except ProfileNotFoundError:
-            return None
+                return client.list_profiles(model_fingerprint=model_fingerprint, limit=limit)
         except AutobatchError as exc:
             _log.warning(
                 "the central service %s gave no profile of %s: %s", self.url, model_fingerprint, exc
             )
-            return None
+            return []

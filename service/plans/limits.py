@@ -25,7 +25,7 @@ from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource
 from autobatch.profile import MemoryModel, Profile
 from autobatch.profiles import ProfileStore
 from service.fleet.central import CentralProfiles
-from service.plans.planner import chooser, source_of
+from service.plans.planner import card_chooser, chooser, source_of
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem, unknown_profile
 from service.web.schemas import ResolvedDevice
@@ -249,15 +249,22 @@ def _card_key(name: str) -> str | None:
 def _from_central(
     store: ProfileStore, central: CentralProfiles | None, model_fingerprint: str, card: str | None
 ) -> list[tuple[str, Profile]]:
-    """Node mode, for a model this node's store does not hold: the central service's profile
-    of it for ``card`` (:mod:`service.fleet.central`), kept in this node's store; empty without a
-    central service, or when it holds none or does not answer."""
+    """Node mode, for a model this node's store does not hold: the profile of it chosen for
+    ``card`` (the newest when None) among the central service's newest :data:`ANY_CANDIDATES`
+    (:mod:`service.fleet.central`), kept in this node's store; empty without a central service,
+    or when it does not answer or none of its profiles answers for the card."""
     if central is None:
         return []
-    fetched = central.fetch(model_fingerprint, card=card)
-    if fetched is None:
+    found = central.profiles_of(model_fingerprint, limit=ANY_CANDIDATES)
+    if card is not None and found:
+        try:
+            chosen = card_chooser(card)(found)
+        except ConfigError:  # a name that names no card: none answers for it
+            chosen = None
+        found = [] if chosen is None else [(chosen.profile_id, chosen.profile)]
+    if not found:
         return []
-    _central_id, profile = fetched
+    _central_id, profile = found[0]
     return [(store.put(profile), profile)]
 
 

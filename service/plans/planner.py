@@ -38,6 +38,7 @@ from service.plans.schemas import PlanCreate
 __all__ = [
     "Chooser",
     "JobCard",
+    "card_chooser",
     "chooser",
     "declared_budget",
     "plan_and_table",
@@ -156,6 +157,12 @@ def chooser(body: PlanCreate, *, budget_bytes: int | None, mig_profile: str | No
         budget_bytes=budget_bytes,
         mig_profile=mig_profile,
     )
+
+
+def card_chooser(card: str | None) -> Chooser:
+    """The planner's choice of a profile for ``card`` alone (no node, conditions or budget):
+    the choice a node makes among a central service's profiles of a model."""
+    return functools.partial(select_profile, card=card, node=None, conditions={})
 
 
 def source_of(profile: Profile) -> PlanSource:
