@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from autobatch.errors import DeviceUnavailableError, StoreError
-from service.deps import StateDep
+from service.deps import ServiceState, StateDep
 from service.devices.gpus import HEALTH_FAILURES
 from service.web.metrics import CONTENT_TYPE
 from service.web.problems import RETRY_AFTER_SECONDS, Problem, store_reason
@@ -70,10 +70,20 @@ async def healthz() -> HealthPublic:
 async def readyz(state: StateDep) -> JSONResponse:
     """Not ready when the store is not writable, when a GPU given to this container cannot be
     read now (``nvml_timeout``, ``gpu_lost``), or with ``require_gpu`` when none answers."""
-    store, settings = state.store, state.settings
+    body = await readiness(state)
+    if body.ready:
+        return JSONResponse(body.model_dump())
+    return JSONResponse(
+        body.model_dump(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )
+
+
+async def readiness(state: ServiceState) -> ReadyPublic:
+    """The store's and the GPUs' state now: the store checked on its threads under its
+    deadline, NVML read through the monitor (never on the event loop)."""
     store_detail = None
     try:
-        await store_call(state, store.check_writable)
+        await store_call(state, state.store.check_writable)
     except StoreError as exc:  # unauthenticated: in words, the location only in the log
         _log.warning("/readyz: %s", exc)
         store_detail = store_reason(exc)
@@ -99,9 +109,9 @@ async def readyz(state: StateDep) -> JSONResponse:
                 )
             elif gpu.cuda_index is not None:
                 num_gpus += 1
-    ready = store_detail is None and not problems and (not settings.require_gpu or num_gpus > 0)
-    body = ReadyPublic(
-        ready=ready,
+    require_gpu = state.settings.require_gpu
+    return ReadyPublic(
+        ready=store_detail is None and not problems and (not require_gpu or num_gpus > 0),
         store_writable=store_detail is None,
         store_detail=store_detail,
         nvml_available=nvml_reason is None,
@@ -109,12 +119,7 @@ async def readyz(state: StateDep) -> JSONResponse:
         nvml_reason=nvml_reason,
         nvml_detail=nvml_detail,
         gpu_problems=problems,
-        require_gpu=settings.require_gpu,
-    )
-    if ready:
-        return JSONResponse(body.model_dump())
-    return JSONResponse(
-        body.model_dump(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        require_gpu=require_gpu,
     )
 
 

@@ -185,8 +185,8 @@ SERVICE_LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
         "service.web",
-        "service.devices.gpus service.fleet service.probes.registry service.probes.children "
-        "service.probes.runs service.probes.schemas",
+        "service.devices",
+        "service.fleet service.probes",
         "service.deps",
         "service.plans service.profiles service.probes.routes service.devices.routes "
         "service.health",
@@ -194,8 +194,8 @@ SERVICE_LAYERS: tuple[frozenset[str], ...] = tuple(
     )
 )
 """The service's own layers, bottom first, by module or package: the HTTP plumbing every
-feature shares; the long-lived objects of the features (the GPU monitor, the fleet's clients,
-the probe runs); the app's state that holds them; each feature's work and routes; the app. A
+feature shares; the long-lived objects of the features (the GPU monitor, then the fleet's
+clients and the probe runs, which may read the GPUs); the app's state that holds them; each feature's work and routes; the app. A
 module imports its own row and the rows below, and a feature (``plans``, ``profiles``,
 ``probes``, ``devices``, ``fleet``) imports another feature only from a row below its own."""
 
@@ -204,8 +204,8 @@ FEATURES = frozenset({"plans", "profiles", "probes", "devices", "fleet"})
 
 
 def service_row(module: str) -> str:
-    """The table's entry for ``module``: its longest prefix there (``service.plans.routes`` ->
-    ``service.plans``); ``service`` itself for the package's face."""
+    """The table's entry for ``module``: its longest prefix there (``service.plans.answers`` ->
+    ``service.plans``, ``service.probes.routes`` itself); ``service`` for the package's face."""
     parts = module.split(".")
     for end in range(len(parts), 0, -1):
         if (prefix := ".".join(parts[:end])) in SERVICE_RANK:

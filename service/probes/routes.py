@@ -1,6 +1,6 @@
 """``/v1/probes``: probe runs of models registered in the server's config file.
 
-One run runs at a time per device; later ones wait in a FIFO queue (``max_queued_probes`` per
+One run at a time per device; later ones wait in a FIFO queue (``max_queued_probes`` per
 device); a submission beyond that gets 409. See ``service.probes.runs``.
 """
 
@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from autobatch.errors import DeviceUnavailableError
 from service.deps import StateDep
-from service.devices.gpus import HEALTH_FAILURES, GpuMonitor
-from service.probes.registry import cuda_index
 from service.probes.runs import ProbeRun, QueueFullError, UnknownModelError, UnknownProbeRunError
 from service.probes.schemas import ProbeCreate, ProbeList, ProbeProgress, ProbePublic
-from service.web.problems import Problem, problem_responses, public_text
+from service.probes.starting import start_run
+from service.web.problems import problem_responses, public_text
 from service.web.routing import JsonBodyRoute
 from service.web.schemas import IdPath, ProfileBase, TrialBase
 from service.web.store_calls import store_call
@@ -74,41 +72,9 @@ async def start_probe(body: ProbeCreate, state: StateDep, response: Response) ->
     on the device that still answers is the run's result, without a step, unless ``refresh``.
     404 for a model not in the server's registry; 422 for a CUDA device this node does not have;
     409 when the device's queue is full."""
-    entry = state.runs.registry.models.get(body.model)
-    if entry is not None:
-        await _check_cuda_device(body.device or entry.device, state.gpus, body.device is None)
-    try:
-        run = state.runs.submit(body.model, device=body.device, refresh=body.refresh)
-    except UnknownModelError as exc:
-        raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
+    run = await start_run(body, state.runs, state.gpus)
     response.headers["Location"] = f"/v1/probes/{run.id}"
     return probe_public(run)
-
-
-async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool) -> None:
-    """422 now, rather than a run failing seconds later, for ``cuda:N`` with no such GPU in the
-    device set this container was given (the run's child sees the same numbering)."""
-    index = cuda_index(device)
-    if index is None:
-        return
-    try:
-        inventory = await gpus.inventory()
-        visible = sorted(d.cuda_index for d in inventory.devices if d.cuda_index is not None)
-    except DeviceUnavailableError as exc:
-        if exc.reason in HEALTH_FAILURES:
-            raise  # NVML hangs or lost a GPU: 503, not "no such device"
-        reason = f"this node has no usable GPU ({exc})"
-    else:
-        if index in visible:
-            return
-        reason = f"this node has no GPU with CUDA index {index} (visible: {visible or 'none'})"
-    where = "the registry's device for this model" if from_registry else "device"
-    raise Problem(
-        422,
-        "unknown-device",
-        f'{where} {device!r}: {reason}; give a device this node has, e.g. "sim:16GiB"',
-        field="body.model" if from_registry else "body.device",
-    )
 
 
 @router.get("", summary="List probe runs, newest first")
@@ -122,6 +88,6 @@ def list_probes(state: StateDep) -> ProbeList:
     responses=problem_responses(404, 422),
 )
 async def get_probe(probe_id: IdPath, state: StateDep) -> ProbePublic:
-    """A run of an earlier run of the server is read from the store: on the store's threads,
+    """A run from before the server restarted is read from the store: on the store's threads,
     under the store deadline (``service.web.store_calls``)."""
     return probe_public(await store_call(state, state.runs.get, probe_id))
