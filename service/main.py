@@ -29,7 +29,7 @@ from service.probes.registry import load_registry
 from service.probes.runs import ProbeRuns
 from service.profiles import routes as profiles
 from service.profiles import summaries
-from service.web.auth import load_tokens, read_token_file
+from service.web.auth import central_token_of, load_tokens
 from service.web.metrics import Metrics
 from service.web.middleware import ServiceMiddleware
 from service.web.problems import install_openapi, install_problem_handlers
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     metrics = Metrics()
     publisher = central = None
     if settings.central_url:
-        central_token = _central_token(settings)
+        central_token = central_token_of(settings)
         central = CentralProfiles(settings.central_url, token=central_token)
         publisher = Publisher(
             settings.central_url,
@@ -128,15 +128,6 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     install_problem_handlers(app, feature_errors=probes.PROBE_RUN_ERRORS)
     install_openapi(app)
     return app
-
-
-def _central_token(settings: Settings) -> str | None:
-    """The token for the central service: ``central_api_token``, else its file's (trimmed)."""
-    if settings.central_api_token is not None:
-        return settings.central_api_token.get_secret_value()
-    if settings.central_api_token_file is not None:
-        return read_token_file(settings.central_api_token_file)
-    return None
 
 
 def run(settings: Settings) -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from autobatch.errors import ConfigError
+from service.web.settings import Settings
 
 __all__ = [
     "GRANT_SCOPE_KEY",
@@ -51,6 +52,7 @@ __all__ = [
     "Role",
     "Tokens",
     "bearer_value",
+    "central_token_of",
     "host_allowed",
     "is_loopback_server",
     "load_tokens",
@@ -259,3 +261,17 @@ def host_allowed(host: str | None) -> bool:
     elif name.count(":") == 1:
         name = name.partition(":")[0]
     return name in _LOOPBACK_NAMES
+
+
+def central_token_of(settings: Settings) -> str | None:
+    """The token for the central service: ``central_api_token``, else its file's (trimmed);
+    None when neither is set.
+
+    Raises:
+        ConfigError: the token file is unreadable or holds no single token.
+    """
+    if settings.central_api_token is not None:
+        return settings.central_api_token.get_secret_value()
+    if settings.central_api_token_file is not None:
+        return read_token_file(settings.central_api_token_file)
+    return None
