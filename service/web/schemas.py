@@ -1,4 +1,7 @@
-"""Request and response bodies (pydantic), in the Base / Create / Public split.
+"""The schemas every feature shares (pydantic): the bounded field types (sizes, bytes, names, a
+device, a safety margin, a gpu_fraction), a device and its budget, and a profile's blocks, in the
+Base / Create / Public split. Each feature's own bodies live with it (``service.plans.schemas``,
+``service.probes.schemas``).
 
 Every number a client sends is bounded (sizes up to ``2**31``, world sizes up to 65536, bytes up
 to ``2**60``), every string is length-limited (``MAX_NAME_CHARS``, ``MAX_TEXT_CHARS``) and
@@ -8,7 +11,8 @@ something it cannot handle.
 
 Example::
 
-    PlanCreate(max_micro_batch_size=24, effective_batch_size=64).model_dump(exclude_none=True)
+    class ProbeCreate(Strict):
+        device: DeviceName | None = None     # checked by the library's parser
 """
 
 from __future__ import annotations
