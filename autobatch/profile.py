@@ -21,7 +21,7 @@ from autobatch.conditions import Conditions
 from autobatch.device import MemoryBudget
 from autobatch.errors import ConfigError
 from autobatch.margin import check_safety_margin
-from autobatch.timings import ProbeTimings
+from autobatch.timings import Clock, ProbeTimings
 
 if TYPE_CHECKING:
     from autobatch.device import MemoryBudget
@@ -29,8 +29,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIRMATION_STOP_REASON",
     "PROFILE_SCHEMA_VERSION",
+    "Clock",
+    "Compiled",
     "GradientSync",
     "MemoryModel",
+    "Method",
+    "Mode",
     "ProbeTimings",
     "Profile",
     "StepIdentity",

@@ -2,7 +2,7 @@
 an idle baseline, in one run against a real ``autobatch serve`` on loopback.
 
 The costly requests, each the largest of its kind that is not refused: a plan whose answer lists
-the most micro-batch sizes an answer may (``service.plan_limits.MAX_ANSWER_MICRO_BATCHES``: a
+the most micro-batch sizes an answer may (``service.plans.limits.MAX_ANSWER_MICRO_BATCHES``: a
 plan and one table row of 2**17 steps each), and a profile as large as the body limit takes
 (about 0.9 MiB of notes), stored and read back. The clients run in a child process of their
 own (so that their work is not this process's, which times ``/healthz``), each on its own

@@ -140,8 +140,8 @@ def service_app() -> Any:
     """The service's app (in-memory store) with an empty route right after ``POST /v1/plan``,
     in its router (``POST /v1/plan/bench-empty``)."""
     from service.main import create_app
-    from service.routes import plans
-    from service.settings import Settings
+    from service.plans import routes as plans
+    from service.web.settings import Settings
 
     app = create_app(Settings(store_path=":memory:"))
     for profile in fleet_profiles():

@@ -1,11 +1,11 @@
-"""autobatch's HTTP service: plans, profiles, probe jobs and GPU inventory, as a JSON API.
+"""autobatch's HTTP service: plans, profiles, probe runs and GPU inventory, as a JSON API.
 
 The service only parses, calls the library and serialises; the logic lives in ``autobatch``.
 
 Example::
 
     from service.main import create_app, run
-    from service.settings import Settings
+    from service.web.settings import Settings
 
     run(Settings(port=8080, config_file="models.toml"))     # what `autobatch serve` does
     app = create_app(Settings(store_path=":memory:"))       # for TestClient or another ASGI server

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from autobatch.errors import AutobatchError
 from autobatch.profiles import redact
 from service.main import run
-from service.problems import validation_reason
-from service.settings import SECRET_FIELDS, add_serve_arguments, settings_from_args
+from service.web.problems import validation_reason
+from service.web.settings import SECRET_FIELDS, add_serve_arguments, settings_from_args
 
 __all__ = ["main", "parse_args"]
 

@@ -21,12 +21,12 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from autobatch.profiles import ProfileStore
-from service.central import CentralProfiles
-from service.gpus import GpuMonitor
-from service.jobs import JobManager
-from service.metrics import Metrics
-from service.settings import Settings
-from service.store_calls import StoreCalls
+from service.devices.gpus import GpuMonitor
+from service.fleet.central import CentralProfiles
+from service.probes.runs import ProbeRuns
+from service.web.metrics import Metrics
+from service.web.settings import Settings
+from service.web.store_calls import StoreCalls
 
 __all__ = ["ServiceState", "StateDep", "get_state", "service_state"]
 
@@ -38,15 +38,15 @@ class ServiceState:
     settings: Settings
     store: ProfileStore
     gpus: GpuMonitor
-    """NVML, read off the event loop with a timeout (``service.gpus``)."""
-    jobs: JobManager
+    """NVML, read off the event loop with a timeout (``service.devices.gpus``)."""
+    runs: ProbeRuns
     metrics: Metrics
     store_calls: StoreCalls
     """The store's own threads, each call under ``store_timeout_seconds``
-    (``service.store_calls``)."""
+    (``service.web.store_calls``)."""
     central: CentralProfiles | None = None
     """Node mode: the central service a plan here falls back to for a model this node's store
-    does not hold (``service.central``); None without ``AUTOBATCH_CENTRAL_URL``."""
+    does not hold (``service.fleet.central``); None without ``AUTOBATCH_CENTRAL_URL``."""
 
 
 def service_state(request: Request) -> ServiceState:

@@ -17,20 +17,25 @@ from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
 from autobatch.profiles import ProfileStore
-from service.auth import load_tokens, read_token_file
-from service.central import CentralProfiles
+from service import health
 from service.deps import ServiceState
-from service.gpus import GpuMonitor
-from service.jobs import JobManager
-from service.metrics import Metrics
-from service.middleware import ServiceMiddleware
-from service.problems import install_openapi, install_problem_handlers
-from service.protocol import MAX_HEADER_BYTES, timed_protocol
-from service.publisher import OutboxPolicy, Publisher
-from service.registry import load_registry
-from service.routes import devices, health, plans, probes, profiles, summaries
-from service.settings import Settings
-from service.store_calls import StoreCalls
+from service.devices import routes as devices
+from service.devices.gpus import GpuMonitor
+from service.fleet.central import CentralProfiles
+from service.fleet.publisher import OutboxPolicy, Publisher
+from service.plans import routes as plans
+from service.probes import routes as probes
+from service.probes.registry import load_registry
+from service.probes.runs import ProbeRuns
+from service.profiles import routes as profiles
+from service.profiles import summaries
+from service.web.auth import central_token_of, load_tokens
+from service.web.metrics import Metrics
+from service.web.middleware import ServiceMiddleware
+from service.web.problems import install_openapi, install_problem_handlers
+from service.web.protocol import MAX_HEADER_BYTES, timed_protocol
+from service.web.settings import Settings
+from service.web.store_calls import StoreCalls
 
 __all__ = ["create_app", "run"]
 
@@ -48,7 +53,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
 
     Raises:
         ConfigError: the model registry file is unreadable or invalid; the API tokens file
-            (or the central token's file) is unreadable or invalid (``service.auth``).
+            (or the central token's file) is unreadable or invalid (``service.web.auth``).
         StoreError: the profile store cannot be opened.
     """
     settings = settings or Settings()
@@ -66,7 +71,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     metrics = Metrics()
     publisher = central = None
     if settings.central_url:
-        central_token = _central_token(settings)
+        central_token = central_token_of(settings)
         central = CentralProfiles(settings.central_url, token=central_token)
         publisher = Publisher(
             settings.central_url,
@@ -79,7 +84,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
             ),
             metrics=metrics,
         )
-    jobs = JobManager(
+    runs = ProbeRuns(
         registry,
         store,
         timeout_seconds=settings.probe_timeout_seconds,
@@ -90,11 +95,11 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        jobs.open()
+        runs.open()
         if publisher is not None:
             publisher.open()  # resumes what the outbox holds
         yield
-        jobs.close()  # kills running probe children; the store stays open for run()/the caller
+        runs.close()  # kills running probe children; the store stays open for run()/the caller
         store_calls.close()
         if publisher is not None:
             publisher.close()  # what waits stays in the outbox
@@ -103,14 +108,14 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     app = FastAPI(
         title="autobatch",
         version=API_VERSION,
-        description="Micro-batch and accumulation plans, profiles, probe jobs and GPU inventory.",
+        description="Micro-batch and accumulation plans, profiles, probe runs and GPU inventory.",
         lifespan=lifespan,
     )
     app.state.service = ServiceState(
         settings=settings,
         store=store,
         gpus=GpuMonitor(nvml or default_nvml(), timeout_s=settings.nvml_timeout_seconds),
-        jobs=jobs,
+        runs=runs,
         metrics=metrics,
         store_calls=store_calls,
         central=central,
@@ -120,18 +125,9 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     )
     for module in (plans, profiles, summaries, probes, devices, health):
         app.include_router(module.router)
-    install_problem_handlers(app)
+    install_problem_handlers(app, feature_errors=probes.PROBE_RUN_ERRORS)
     install_openapi(app)
     return app
-
-
-def _central_token(settings: Settings) -> str | None:
-    """The token for the central service: ``central_api_token``, else its file's (trimmed)."""
-    if settings.central_api_token is not None:
-        return settings.central_api_token.get_secret_value()
-    if settings.central_api_token_file is not None:
-        return read_token_file(settings.central_api_token_file)
-    return None
 
 
 def run(settings: Settings) -> None:
@@ -141,7 +137,7 @@ def run(settings: Settings) -> None:
     if tokenless and settings.host not in ("127.0.0.1", "localhost", "::1"):
         _log.warning(
             "serving on %s without an API token: anyone who can reach the port can register "
-            "and delete profiles and start probe jobs; set AUTOBATCH_API_TOKEN",
+            "and delete profiles and start probe runs; set AUTOBATCH_API_TOKEN",
             settings.host,
         )
     try:

@@ -320,8 +320,8 @@ def test_service_page_lists_every_nvml_reason_code() -> None:
 
 
 def test_service_page_lists_every_serve_flag_and_metric() -> None:
-    settings = pytest.importorskip("service.settings")
-    metrics = pytest.importorskip("service.metrics")
+    settings = pytest.importorskip("service.web.settings")
+    metrics = pytest.importorskip("service.web.metrics")
     text = (DOCS / "service.md").read_text()
     flags = set(re.findall(r"^\| `(--[\w-]+)` \|", text, flags=re.MULTILINE))
     assert flags == {"--" + name.replace("_", "-") for name in settings.Settings.model_fields}

@@ -387,5 +387,95 @@ def test_the_private_reach_check_tells_its_own_package_from_another() -> None:
     body = "def f():\n    from autobatch.device._nvml import read\n"
     assert private_reach("autobatch/device/_cuda.py", body) == []
     assert private_reach("autobatch/probing/_prober.py", body) == ["autobatch.device._nvml"]
-    assert private_reach("service/gpus.py", body) == ["autobatch.device._nvml"]
+    assert private_reach("service/devices/gpus.py", body) == ["autobatch.device._nvml"]
     assert private_reach("autobatch/tuning/_road.py", "from autobatch.device import x\n") == []
+
+
+SERVICE = ROOT / "service"
+SERVICE_LAYERS: tuple[frozenset[str], ...] = tuple(
+    frozenset(names.split())
+    for names in (
+        "service.web",
+        "service.devices",
+        "service.fleet service.probes",
+        "service.deps",
+        "service.plans service.profiles service.probes.routes service.devices.routes "
+        "service.health",
+        "service service.main service.__main__",
+    )
+)
+"""The service's own layers, bottom first, by module or package: the HTTP plumbing every
+feature shares; the long-lived objects of the features (the GPU monitor, then the fleet's
+clients and the probe runs, which may read the GPUs); the app's state that holds them; each
+feature's work and routes; the app. A module imports its own row and the rows below, and a
+feature (``plans``, ``profiles``, ``probes``, ``devices``, ``fleet``) imports another feature
+only from a row below its own."""
+
+SERVICE_RANK = {name: rank for rank, names in enumerate(SERVICE_LAYERS) for name in names}
+FEATURES = frozenset({"plans", "profiles", "probes", "devices", "fleet"})
+
+
+def service_row(module: str) -> str:
+    """The table's entry for ``module``: its longest prefix there (``service.plans.answers`` ->
+    ``service.plans``, ``service.probes.routes`` itself); ``service`` for the package's face."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if (prefix := ".".join(parts[:end])) in SERVICE_RANK:
+            return prefix
+    raise AssertionError(f"{module} is in no row of SERVICE_LAYERS")
+
+
+def service_module(path: Path) -> str:
+    """``service/plans/routes.py`` -> ``service.plans.routes``; a package's face is its name."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def service_violations(module: str, source: str) -> list[str]:
+    """The imports in ``source`` (the module ``module`` of the service) that reach a row above
+    its own, or another feature's module in the same row."""
+    own = service_row(module)
+    feature = module.split(".")[1] if module.count(".") else None
+    found = []
+    for target in sorted(imported_modules(source)):
+        if target.split(".")[0] != "service":
+            continue
+        row = service_row(target)
+        other = target.split(".")[1] if target.count(".") else None
+        if SERVICE_RANK[row] > SERVICE_RANK[own]:
+            found.append(f"{target} (above)")
+        elif (
+            SERVICE_RANK[row] == SERVICE_RANK[own]
+            and feature in FEATURES
+            and other in FEATURES
+            and other != feature
+        ):
+            found.append(f"{target} (another feature)")
+    return found
+
+
+SERVICE_MODULES = sorted(SERVICE.rglob("*.py"))
+
+
+def test_the_service_table_places_every_module() -> None:
+    for path in SERVICE_MODULES:
+        service_row(service_module(path))
+    packages = {p.parent.name for p in SERVICE.glob("*/__init__.py")}
+    assert packages == FEATURES | {"web"}
+
+
+@pytest.mark.parametrize("path", SERVICE_MODULES, ids=lambda p: str(p.relative_to(SERVICE)))
+def test_no_service_module_imports_a_row_above_or_another_features_beside_it(path: Path) -> None:
+    module = service_module(path)
+    assert service_violations(module, path.read_text()) == [], module
+
+
+def test_the_service_check_fails_on_planted_imports() -> None:
+    assert service_violations("service.web.store_calls", "from service.deps import X\n") == [
+        "service.deps (above)"
+    ]
+    assert service_violations(
+        "service.plans.answers", "def f():\n    from service.profiles.routes import x\n"
+    ) == ["service.profiles.routes (another feature)"]
+    assert service_violations("service.plans.limits", "import service.fleet.central\n") == []
+    assert service_violations("service.main", "from service.plans import routes\n") == []

@@ -142,9 +142,9 @@ def test_every_surface_refuses_safety_margin_1_5_with_the_one_check(
 def test_the_service_refuses_safety_margin_1_5_with_the_library_words() -> None:
     from pydantic import ValidationError
 
-    from service.plan_schemas import PlanCreate
-    from service.registry import ModelEntry
-    from service.schemas import ProfileCreate
+    from service.plans.schemas import PlanCreate
+    from service.probes.registry import ModelEntry
+    from service.web.schemas import ProfileCreate
 
     body = {"profile_id": "ab12", "effective_batch_size": 8, "safety_margin": 1.5}
     profile = {**json.loads(json.dumps(make_profile().to_dict())), "safety_margin": 1.5}

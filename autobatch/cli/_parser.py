@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launcher_command(commands)
     _add_profiles_command(commands)
 
-    # The service owns its flags (service.settings); `autobatch serve --help` lists them.
+    # The service owns its flags (service.web.settings); `autobatch serve --help` lists them.
     serve = commands.add_parser(
         "serve", help="run the HTTP service (see serve --help)", add_help=False
     )

@@ -9,7 +9,7 @@ all, waiting between them an exponentially growing delay with "full jitter" (a u
 And Jitter", 2015), or the server's ``Retry-After`` when it sends one (RFC 9110 §10.2.3). The
 default's waits are drawn under 2, 4, 8, 16 and 30 s: its 6 tries spread over up to 60 s (30 s
 on average), never past :attr:`RetryPolicy.max_seconds`. A node's sidecar does not use this
-bounded retry: its outbox sends each profile until it is acknowledged (``service.publisher``).
+bounded retry: its outbox sends each profile until it is acknowledged (``service.fleet.publisher``).
 
 Retried: a connection or timeout error, 408, 425, 429 and any 5xx. Not retried: every other
 answer (a 422 says the profile is invalid and will be every time; a 401 the token is wrong).

@@ -27,6 +27,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from autobatch.device._budget import (
+    MAX_GPU_FRACTION,
+    MIN_GPU_FRACTION,
     SHARING_TOLERANCE,
     BudgetReading,
     BudgetSource,
@@ -38,7 +40,13 @@ from autobatch.device._budget import (
     gpu_fraction_reading,
     vgpu_limit_reading,
 )
-from autobatch.device._card_budget import CardBudget, budget_from_labels, budget_from_nvml
+from autobatch.device._card_budget import (
+    CardBudget,
+    CardMemory,
+    CardSource,
+    budget_from_labels,
+    budget_from_nvml,
+)
 from autobatch.device._card_names import card_key, same_card
 from autobatch.device._node import NODE_NAME_ENV_VARS, node_name
 from autobatch.device._node_labels import LabelError, NodeDevice, read_node_labels
@@ -63,6 +71,8 @@ if TYPE_CHECKING:
     from autobatch.device._visible import NvmlDevice, VisibleDevices, cuda_visible_devices
 
 __all__ = [
+    "MAX_GPU_FRACTION",
+    "MIN_GPU_FRACTION",
     "NODE_NAME_ENV_VARS",
     "REASONS",
     "SHARING_TOLERANCE",
@@ -71,6 +81,8 @@ __all__ = [
     "BudgetSource",
     "Capacity",
     "CardBudget",
+    "CardMemory",
+    "CardSource",
     "CpuDevice",
     "CudaDevice",
     "Device",

@@ -46,6 +46,8 @@ from autobatch.errors import ConfigError
 from autobatch.units import format_bytes
 
 __all__ = [
+    "MAX_GPU_FRACTION",
+    "MIN_GPU_FRACTION",
     "SHARING_TOLERANCE",
     "BudgetReading",
     "BudgetSource",
@@ -82,6 +84,11 @@ SharingMode = Literal[
 ]
 """How the device is shared, as the readings show it; ``"none"`` when they agree."""
 SHARING_MODES: tuple[SharingMode, ...] = SharingMode.__args__  # type: ignore[attr-defined]
+
+MIN_GPU_FRACTION = 0.0
+"""A declared ``gpu_fraction`` is above this (exclusive): a share of no memory plans nothing."""
+MAX_GPU_FRACTION = 1.0
+"""A declared ``gpu_fraction`` is at most this (inclusive): the whole card."""
 
 SHARING_TOLERANCE = 0.05
 """Readings may disagree by this fraction of the device's total before a sharing mode is set
@@ -344,7 +351,7 @@ def check_gpu_fraction(value: object) -> float | None:
         isinstance(value, bool)
         or not isinstance(value, int | float)
         or not math.isfinite(value)
-        or not 0 < value <= 1
+        or not MIN_GPU_FRACTION < value <= MAX_GPU_FRACTION
     ):
         raise ConfigError(
             f"gpu_fraction {value!r} must be a number in (0, 1]: the share of the card this job "

@@ -51,7 +51,13 @@ from autobatch.device._types import GpuInfo, MemorySource
 from autobatch.errors import ConfigError, DeviceUnavailableError
 from autobatch.units import format_bytes
 
-__all__ = ["CardBudget", "budget_from_labels", "budget_from_nvml"]
+__all__ = ["CardBudget", "CardMemory", "CardSource", "budget_from_labels", "budget_from_nvml"]
+
+CardSource = Literal["nvml", "node_labels", "capacity_bytes"]
+"""What named a card: a local GPU's NVML reading, node labels, or a size given."""
+CardMemory = Literal["total", "free"]
+"""Which of a local GPU's NVML numbers a plan is for: its total memory (the job will own the
+card) or what is free now."""
 
 _UNSEEN = ("cuda_runtime",)
 """A card read from outside the job never sees the job's CUDA runtime."""
@@ -63,7 +69,7 @@ class CardBudget:
 
     budget: MemoryBudget
     """Every reading and the smallest of them (``budget.budget_bytes``)."""
-    source: Literal["nvml", "node_labels", "capacity_bytes"]
+    source: CardSource
     """What named the card: a local GPU's NVML reading, node labels, or a size given."""
     name: str | None = None
     """NVML's or GFD's product name (``-MIG-<profile>`` appended for a labelled slice)."""
@@ -88,7 +94,7 @@ class CardBudget:
 def budget_from_nvml(
     gpu: GpuInfo,
     *,
-    memory: Literal["total", "free"],
+    memory: CardMemory,
     gpu_fraction: float | None,
     environ: Mapping[str, str],
 ) -> CardBudget:

@@ -2,10 +2,10 @@
 acknowledged, with when each was tried and when it is tried next.
 
 The rows live in the node's own store (table ``outbox``, :mod:`autobatch.profiles._schema`), so a
-restart of the node loses none: the sender (``service.publisher``) resumes from them. A row names
-a stored profile by id; the profile's JSON is read from ``profiles`` when it is sent. The outbox
-is bounded: :meth:`Outbox.enqueue` drops the oldest rows beyond ``max_rows`` in the same
-transaction, and returns them so the caller can say what it dropped. Times are Unix seconds.
+restart of the node loses none: the sender (``service.fleet.publisher``) resumes from them. A
+row names a stored profile by id; the profile's JSON is read from ``profiles`` when it is sent.
+The outbox is bounded: :meth:`Outbox.enqueue` drops the oldest rows beyond ``max_rows`` in the
+same transaction, and returns them so the caller can say what it dropped. Times are Unix seconds.
 Imports neither torch nor pynvml; SQLAlchemy is imported on first use.
 
 Example::

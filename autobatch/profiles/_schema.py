@@ -18,7 +18,7 @@ Versions: 1, the first SQLite layout (``profiles`` with ``seq, id, cache_key, mo
 device_name, created_at, profile_schema_version, profile_json``); 2 adds ``store_meta``,
 ``node_name`` (indexed) and the ``max_micro_batch_size``/``recommended_micro_batch_size`` that
 summaries list without decoding profiles, and ``probe_jobs`` (the service's job records); 3 adds
-``outbox`` (a node's profiles waiting to reach the central service, ``service.publisher``).
+``outbox`` (a node's profiles waiting to reach the central service, ``service.fleet.publisher``).
 
 Example::
 

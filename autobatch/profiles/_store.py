@@ -148,7 +148,8 @@ class ProfileStore:
             self._location, timeout_seconds=timeout_seconds, create=create, open_later=open_later
         )
         self.outbox = Outbox(self._db, self.backend)
-        """Profiles waiting for the central service (a node's publisher, ``service.publisher``)."""
+        """Profiles waiting for the central service (a node's publisher,
+        ``service.fleet.publisher``)."""
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"

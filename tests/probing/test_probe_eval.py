@@ -16,7 +16,7 @@ from autobatch.integrations._configs import hf_training_arguments
 from autobatch.probing._prober import probe
 from autobatch.profile import Profile
 from autobatch.tuning import tune
-from service.schemas import ProfileCreate
+from service.web.schemas import ProfileCreate
 from tests.planning.test_planner import plan
 from tests.probing.test_probe import UNIT, Moments, Toy, assert_same_state, state_of
 from tests.probing.test_probe_steps import CAPACITY_BYTES

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from autobatch.device._nvml import Nvml
 from service.main import create_app
-from service.settings import Settings
+from service.web.settings import Settings
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 from tests.service.models import REGISTRY_TOML
 
@@ -62,7 +62,7 @@ def make_app(tmp_path: Path) -> Iterator[Callable[..., FastAPI]]:
 
     yield make
     for app in apps:
-        app.state.service.jobs.close()
+        app.state.service.runs.close()
         app.state.service.store.close()
 
 

@@ -1,4 +1,4 @@
-"""Node mode feeding a central service: a node's sidecar publishes what its probe jobs find, and
+"""Node mode feeding a central service: a node's sidecar publishes what its probe runs find, and
 the central service plans from it by card type."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
-from service.metrics import Metrics
-from service.publisher import OutboxPolicy, Publisher
+from service.fleet.publisher import OutboxPolicy, Publisher
+from service.web.metrics import Metrics
 from tests.service.serving import free_port, serving
 from tests.service.test_publish import FlakyServer
 from tests.service.test_service_api import make_profile
@@ -80,7 +80,7 @@ def test_a_probe_on_a_node_answers_a_plan_by_card_at_the_central_service(
                     in ("succeeded", "failed")
                     else None
                 ),
-                "the probe job",
+                "the probe run",
             )
             assert done["status"] == "succeeded", done["error"]
             profile = Profile.from_dict(done["profile"])

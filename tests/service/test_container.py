@@ -24,7 +24,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from service.__main__ import parse_args
-from service.settings import settings_from_args
+from service.web.settings import settings_from_args
 from tests.service.test_service_api import make_profile
 from tests.service.test_service_e2e import free_port
 
@@ -101,7 +101,7 @@ def test_the_image_torch_is_the_one_ci_tests_and_the_floor_is_it() -> None:
 
 
 def test_the_image_pins_every_runtime_dependency_within_pyproject() -> None:
-    """Core, [service] and [models] (probe jobs of Hugging Face models import transformers):
+    """Core, [service] and [models] (probe runs of Hugging Face models import transformers):
     each pinned, and each pin one pyproject admits."""
     extras = PYPROJECT["project"]["optional-dependencies"]
     wanted = [

@@ -23,8 +23,8 @@ import yaml
 from autobatch.client import publish_profile
 from autobatch.conditions import Conditions
 from service.__main__ import parse_args
-from service.registry import load_registry
-from service.settings import settings_from_args
+from service.probes.registry import load_registry
+from service.web.settings import settings_from_args
 from tests.service.serving import free_port
 from tests.service.test_container import image_env, instruction
 from tests.service.test_service_api import make_profile
@@ -255,7 +255,7 @@ def secret_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, li
 def test_tokens_reach_each_workload_as_files_with_their_roles(tmp_path: Path) -> None:
     """The central service reads every role's token from the Secrets; a node's sidecar holds
     publish-as-itself; the training Job's init container holds read."""
-    from service.auth import load_tokens, read_token_file
+    from service.web.auth import load_tokens, read_token_file
 
     central = pod_spec(kinds(DEPLOY / "central.yaml")["Deployment"])
     central_env = env_of(autobatch_container(central))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.protocol import MAX_HEADER_BYTES
+from service.web.protocol import MAX_HEADER_BYTES
 from tests.service.serving import serving
 
 pytestmark = pytest.mark.slow

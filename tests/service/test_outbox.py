@@ -18,8 +18,8 @@ import pytest
 
 from autobatch.profile import Profile
 from autobatch.profiles import ProfileStore
-from service.metrics import Metrics
-from service.publisher import OutboxPolicy, Publisher
+from service.fleet.publisher import OutboxPolicy, Publisher
+from service.web.metrics import Metrics
 from tests.service.serving import free_port, serving
 from tests.service.test_publish import FlakyServer
 from tests.service.test_service_api import make_profile
@@ -125,7 +125,7 @@ def test_a_full_outbox_drops_its_oldest_and_says_so(
     profiles = [make_profile(node_name=f"node-{index}") for index in range(5)]
     ids = [store.put(profile) for profile in profiles]
 
-    with caplog.at_level(logging.WARNING, logger="service.publisher"):
+    with caplog.at_level(logging.WARNING, logger="service.fleet.publisher"):
         for profile in profiles:
             publisher.submit(profile)
 
@@ -171,7 +171,7 @@ def test_refused_for_good_is_taken_out_while_a_bad_token_is_retried(
     publisher = Publisher(flaky.url, token=None, store=store, policy=FAST, metrics=metrics)
     publisher.submit(first)
     publisher.submit(second)
-    with caplog.at_level(logging.WARNING, logger="service.publisher"):
+    with caplog.at_level(logging.WARNING, logger="service.fleet.publisher"):
         publisher.open()
         try:
             _wait(lambda: store.outbox.count() == 0, "the outbox to empty")

@@ -16,8 +16,8 @@ from autobatch.device import SHARING_TOLERANCE
 from autobatch.device._budget import SHARING_MODES, SOURCES
 from autobatch.device._nvml import Nvml
 from autobatch.profile import MemoryModel
-from service.plan_schemas import PlanPublic
-from service.schemas import BudgetSourceName, SharingModeName
+from service.plans.schemas import PlanPublic
+from service.web.schemas import BudgetSourceName, SharingModeName
 from tests.helpers.fake_pynvml import FakeGpu, FakePynvml, GiB, MiB
 
 # A step of 2 GiB plus 0.5 GiB a sample, as a caller's memory line.

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from autobatch.conditions import Conditions
 from autobatch.profile import Profile
-from service.plan_schemas import PlanPublic
+from service.plans.schemas import PlanPublic
 from tests.helpers.fake_pynvml import GiB
 from tests.service.test_service_api import make_profile, problem
 

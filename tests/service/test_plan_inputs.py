@@ -279,7 +279,7 @@ def test_an_unknown_field_names_the_likely_one(
 
 
 def test_an_unknown_field_names_the_likely_one_in_a_declared_body_too(client: TestClient) -> None:
-    """Routes whose body FastAPI reads (a probe job's) word it as the plan route does."""
+    """Routes whose body FastAPI reads (a probe run's) word it as the plan route does."""
     response = client.post("/v1/probes", json={"modle": "tiny-mlp"})
     assert response.status_code == 422
     reasons = {e["field"]: e["reason"] for e in response.json()["errors"]}
@@ -289,7 +289,7 @@ def test_an_unknown_field_names_the_likely_one_in_a_declared_body_too(client: Te
 def test_a_table_too_long_to_answer_is_refused_before_it_is_planned(client: TestClient) -> None:
     # Found by the breaker: 200 bytes asked for 33 plans of 2**20 micro-batches each, and got
     # 69 MB back after 1.9 s; later 86 bytes (world sizes [1, 1, 1]) got 8.4 MB.
-    from service.plan_limits import MAX_ANSWER_MICRO_BATCHES as CAP
+    from service.plans.limits import MAX_ANSWER_MICRO_BATCHES as CAP
 
     world_sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     body = {"max_micro_batch_size": 1, "effective_batch_size": CAP, "world_sizes": world_sizes}

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from autobatch.profile import MemoryModel, Trial
-from service.plan_schemas import PlanPublic
+from service.plans.schemas import PlanPublic
 from tests.helpers.fake_pynvml import GiB
 from tests.planning.test_mixed import mixed
 from tests.service.test_plan_card import publish

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from autobatch.device import BudgetReading, BudgetSource, MemoryBudget, combine_budget
 from autobatch.profile import Profile, Trial
-from service.plan_schemas import PlanPublic
+from service.plans.schemas import PlanPublic
 from tests.helpers.fake_pynvml import GiB
 from tests.service.conftest import no_nvml
 from tests.service.test_service_api import make_profile, problem

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.routes.profiles import PAGE_BYTES
+from service.profiles.routes import PAGE_BYTES
 from tests.profiles.test_store import make_profile
 
 NUM_PROFILES = 300

@@ -1,5 +1,5 @@
-"""Roles per token (``service.auth``): who may plan, publish as which node, delete; on SQLite and
-PostgreSQL. Tokens trimmed on the server and in every client; the Host check of a tokenless
+"""Roles per token (``service.web.auth``): who may plan, publish as which node, delete; on SQLite
+and PostgreSQL. Tokens trimmed on the server and in every client; the Host check of a tokenless
 loopback server."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from autobatch.client import AutobatchClient, publish_profile
 from autobatch.errors import ConfigError
 from autobatch.profile import Profile, Trial
-from service.auth import Tokens, host_allowed, load_tokens, parse_token_lines, required_role
+from service.web.auth import Tokens, host_allowed, load_tokens, parse_token_lines, required_role
 from tests.helpers.fake_pynvml import GiB
 from tests.service.serving import serving
 from tests.service.test_client import transport_for
@@ -247,7 +247,7 @@ def test_tokens_never_show_in_settings_or_errors(
     make_app: Callable[..., FastAPI], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from service.__main__ import main
-    from service.settings import Settings
+    from service.web.settings import Settings
 
     settings = Settings(
         api_token="adm-s3cret",

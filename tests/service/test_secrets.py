@@ -170,9 +170,9 @@ def test_every_503_says_when_to_retry(make_app: Callable[..., FastAPI], tmp_path
 
 
 def test_public_text_hides_store_urls_and_paths() -> None:
-    """What a probe job's error and library errors answer: the store's URL (user, host,
+    """What a probe run's error and library errors answer: the store's URL (user, host,
     database) and the server's paths are the log's, not the client's."""
-    from service.problems import public_text
+    from service.web.problems import public_text
 
     text = (
         "profile store postgresql://ci:***@db.internal:5432/fleet: cannot store a profile: x; "

@@ -18,10 +18,10 @@ import autobatch
 from autobatch.cli import main as cli_main
 from autobatch.planning import Plan, PlanRequest, given_budget, plan_request, plan_table
 from autobatch.profile import MemoryModel, ProbeTimings, Profile, StepIdentity, Trial
-from service.jobs import queue_key
-from service.middleware import token_matches
-from service.plan_schemas import PlanPublic
-from service.routing import is_json_media_type
+from service.plans.schemas import PlanPublic
+from service.probes.runs import queue_key
+from service.web.middleware import token_matches
+from service.web.routing import is_json_media_type
 from tests.helpers.fake_pynvml import GiB, MiB
 from tests.service.conftest import A100_UUID, H100_UUID, no_nvml
 
@@ -609,7 +609,7 @@ def test_plan_malformed_json_is_400(client: TestClient) -> None:
 def test_plan_body_that_is_not_a_json_object_is_a_problem(
     client: TestClient, content: bytes, status: int, slug: str, detail: str
 ) -> None:
-    """The route reads its own body (service.routing.read_json_body) and answers as FastAPI
+    """The route reads its own body (service.web.routing.read_json_body) and answers as FastAPI
     answers for a declared body: empty, not an object, not text, nested past the limit."""
     response = client.post(
         "/v1/plan", content=content, headers={"Content-Type": "application/json"}
@@ -1018,15 +1018,15 @@ def test_queue_key_is_one_per_gpu_and_one_for_the_host(device: str, key: str) ->
 def test_a_running_probe_always_shows_its_child_pid(
     make_app: Callable[..., FastAPI], registry_file: Path
 ) -> None:
-    # Polled without pause: the child takes ~1 s to spawn, so a job marked "running" before
+    # Polled without pause: the child takes ~1 s to spawn, so a run marked "running" before
     # its pid was known would be seen here (it was, once, in CI).
     app = make_app(config_file=registry_file, probe_timeout_seconds=2)
-    jobs = app.state.service.jobs
-    job = jobs.submit("slow-mlp")
+    runs = app.state.service.runs
+    run = runs.submit("slow-mlp")
     seen: list[tuple[str, int | None]] = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        current = jobs.get(job.id)
+        current = runs.get(run.id)
         seen.append((current.status, current.child_pid))
         if current.status in ("succeeded", "failed"):
             break
@@ -1126,7 +1126,7 @@ def test_openapi_documents_problems(client: TestClient) -> None:
 def test_openapi_documents_the_plan_body_in_every_app(make_app: Callable[..., FastAPI]) -> None:
     """POST /v1/plan reads its own body; its schema still sits in components, with the nested
     models, in each app built from the shared router (the route's openapi_extra is not edited)."""
-    from service.plan_schemas import PlanCreate
+    from service.plans.schemas import PlanCreate
 
     for _ in range(2):
         schema = TestClient(make_app()).get("/openapi.json").json()
@@ -1141,7 +1141,7 @@ def test_openapi_documents_the_plan_body_in_every_app(make_app: Callable[..., Fa
 
 def test_the_profile_schema_has_every_profile_field() -> None:
     """The service must accept whatever autobatch.Profile.to_dict() produces (no drift)."""
-    from service.schemas import (
+    from service.web.schemas import (
         BudgetReadingBase,
         MemoryBudgetBase,
         ProbeTimingsFields,
@@ -1174,7 +1174,7 @@ def test_the_plan_schema_has_every_plan_field(client: TestClient) -> None:
     import dataclasses
 
     from autobatch.planning._prediction import Prediction
-    from service.plan_schemas import PlanFields, PredictionFields
+    from service.plans.schemas import PlanFields, PredictionFields
 
     assert set(PlanFields.model_fields) == {f.name for f in dataclasses.fields(Plan)}
     assert set(PredictionFields.model_fields) == {f.name for f in dataclasses.fields(Prediction)}

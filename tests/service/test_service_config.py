@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.errors import ConfigError
-from service.registry import load_registry
+from service.probes.registry import load_registry
 from tests.service.models import REGISTRY_TOML
 
 
@@ -81,7 +81,7 @@ def test_missing_registry_file(tmp_path: Path) -> None:
 def test_the_example_registry_loads() -> None:
     from pathlib import Path
 
-    from service.registry import load_registry
+    from service.probes.registry import load_registry
 
     registry = load_registry(Path(__file__).resolve().parents[2] / "examples" / "models.toml")
     assert sorted(registry.models) == ["gpt2-512", "tiny-mlp"]

@@ -1,4 +1,4 @@
-"""The real server (``autobatch serve``) on a loopback port: a probe job of a registered model on
+"""The real server (``autobatch serve``) on a loopback port: a probe run of a registered model on
 the simulated device, a job whose child is killed, and ``autotune(report_to=...)``."""
 
 from __future__ import annotations

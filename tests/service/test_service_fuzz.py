@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import negative_data_rejection, positive_
 
 from autobatch.profile import MemoryModel
 from service.main import create_app
-from service.settings import Settings
+from service.web.settings import Settings
 from tests.service.conftest import fake_gpus
 from tests.service.test_service_api import make_profile
 
@@ -38,7 +38,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
 @pytest.fixture(scope="module", autouse=True)
 def _close_app() -> Iterator[None]:
     yield
-    _APP.state.service.jobs.close()
+    _APP.state.service.runs.close()
     _APP.state.service.store.close()
     shutil.rmtree(_STORE_DIR, ignore_errors=True)
 

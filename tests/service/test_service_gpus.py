@@ -308,14 +308,14 @@ def test_a_total_plan_says_what_other_processes_hold(make_app: Callable[..., Fas
     assert (idle["memory_held_by_others_bytes"], idle["note"]) == (0, None)
 
 
-# -- probe jobs --------------------------------------------------------------------------------
+# -- probe runs --------------------------------------------------------------------------------
 
 
 def test_a_probe_child_sees_the_containers_cards_in_the_services_numbering(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import autobatch.device._nvml as nvml_module
-    from service.jobs import _pin_visible_devices
+    from service.probes.runs import _pin_visible_devices
 
     given = Nvml(FakePynvml(two_gpus()), environ={"NVIDIA_VISIBLE_DEVICES": H100_UUID})
     monkeypatch.setattr(nvml_module, "_default_nvml", given)

@@ -16,10 +16,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service import problems
-from service.jobs import Job
-from service.problems import MAX_LISTED_ERRORS, public_text
-from service.routes.probes import probe_public
+from service.probes.routes import probe_public
+from service.probes.runs import ProbeRun
+from service.web import problems
+from service.web.problems import MAX_LISTED_ERRORS, public_text
 from tests.service.test_service_api import make_profile, problem
 
 FLOOD_FIELDS = 38_000
@@ -156,7 +156,7 @@ def test_answers_carry_no_server_path(make_app: Callable[..., FastAPI], tmp_path
 
 
 def test_a_probe_jobs_error_carries_no_server_path() -> None:
-    job = Job(
+    job = ProbeRun(
         id="ab12",
         model="tiny-mlp",
         device="cpu",

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.profile import Profile
-from service.store_calls import STORE_THREADS, StoreCalls
+from service.web.store_calls import STORE_THREADS, StoreCalls
 from tests.profiles.test_store import make_profile
 
 DEADLINE_S = 1.0

@@ -67,7 +67,7 @@ def _readyz_beside_healthz(app: FastAPI) -> tuple[httpx.Response, int]:
 
 
 def test_store_timeout_is_a_setting_with_a_flag() -> None:
-    from service.settings import Settings
+    from service.web.settings import Settings
 
     assert Settings().store_timeout_seconds == 5.0
     with pytest.raises(ValueError, match="store_timeout_seconds"):

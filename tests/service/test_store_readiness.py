@@ -1,5 +1,5 @@
 """The service and its store: it recovers when the store file is deleted or swapped, the
-one store variable, and probe jobs kept in the store across a restart."""
+one store variable, and probe runs kept in the store across a restart."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_the_service_recovers_when_its_store_file_is_deleted_or_replaced(
 def test_the_service_reads_the_one_store_variable(
     make_app: Callable[..., Any], tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from service.settings import Settings
+    from service.web.settings import Settings
 
     monkeypatch.setenv("AUTOBATCH_STORE", "postgresql://ci:s3cret@127.0.0.1:5432/fleet")
     assert Settings().store_path == "postgresql://ci:s3cret@127.0.0.1:5432/fleet"
@@ -67,7 +67,7 @@ def test_a_known_job_id_still_answers_after_a_restart(
     job_id = client.post("/v1/probes", json={"model": "tiny-mlp"}).json()["id"]
     done = wait_for(client, job_id, {"succeeded", "failed"})
     assert done["status"] == "succeeded", done["error"]
-    first.state.service.jobs.close()  # the server stops: its records are written
+    first.state.service.runs.close()  # the server stops: its records are written
     first.state.service.store.close()
     again = TestClient(make_app(config_file=registry_file, store_path=store_path))
     answer = again.get(f"/v1/probes/{job_id}")
@@ -77,7 +77,7 @@ def test_a_known_job_id_still_answers_after_a_restart(
     assert again.get("/v1/probes/ffffffffffffffff").status_code == 404
 
 
-def test_a_job_a_restart_cut_short_reads_as_failed(
+def test_a_probe_run_a_restart_cut_short_reads_as_failed(
     make_app: Callable[..., Any], tmp_path: Path
 ) -> None:
     store_path = str(tmp_path / "jobs.sqlite3")
@@ -96,7 +96,7 @@ def test_a_job_a_restart_cut_short_reads_as_failed(
     client = TestClient(make_app(store_path=store_path))
     answer = client.get("/v1/probes/0123456789abcdef").json()
     assert answer["status"] == "failed"
-    assert "restarted while the job was running" in answer["error"]
+    assert "restarted while the run was running" in answer["error"]
 
 
 @pytest.fixture

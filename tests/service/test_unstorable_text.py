@@ -99,7 +99,7 @@ def test_a_nul_anywhere_in_a_request_is_a_422_on_every_backend(
 
 
 def test_strings_are_capped_from_one_constant(make_app: Callable[..., FastAPI]) -> None:
-    from service.schemas import MAX_NAME_CHARS, MAX_TEXT_CHARS
+    from service.web.schemas import MAX_NAME_CHARS, MAX_TEXT_CHARS
 
     client = TestClient(make_app())
     long_name = _profile(node_name="n" * (MAX_NAME_CHARS + 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autobatch.errors import ConfigError, Remedy
-from service.wording import describe, field_wording
+from service.web.wording import describe, field_wording
 
 
 @pytest.mark.parametrize(

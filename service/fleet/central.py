@@ -1,0 +1,62 @@
+"""A node sidecar's read-through to the central service: a profile another node measured
+answers here too.
+
+A node's sidecar keeps its own store, and publishes what it measures to the central service
+(:mod:`service.fleet.publisher`). When a plan here names a model the node's store does not hold,
+and ``AUTOBATCH_CENTRAL_URL`` is set, the sidecar reads the central service's newest profiles of
+that model (``GET /v1/profiles``: one request, a model and a count, no plan), chooses among them
+by the same selection rule as a plan by card (:mod:`service.plans.limits`), keeps a copy of the
+chosen one in its own store and plans from it. The copy keeps its node name, so a plan from it
+still says where it was measured.
+
+A central service that does not answer in ``timeout_seconds`` (or answers a problem) is not an
+error here: the sidecar answers from what it holds, as it would without a central service.
+Called in the store's worker thread (``service.web.store_calls``), never on the event loop.
+
+Example::
+
+    central = CentralProfiles("http://autobatch-central:8000", token=None)
+    found = central.profiles_of("9f2c...", limit=200)   # [(id, Profile)], newest first
+"""
+
+from __future__ import annotations
+
+import logging
+
+from autobatch.client import AutobatchClient
+from autobatch.errors import AutobatchError
+from autobatch.profile import Profile
+
+__all__ = ["CentralProfiles"]
+
+_log = logging.getLogger("service.fleet.central")
+
+
+class CentralProfiles:
+    """Reads profiles from the central service at ``url``.
+
+    Args:
+        url: the central service's base URL.
+        token: its bearer token, or None.
+        timeout_seconds: the longest a request may take, in seconds.
+    """
+
+    def __init__(self, url: str, *, token: str | None, timeout_seconds: float = 2.0) -> None:
+        self.url = url
+        self._token = token
+        self._timeout_seconds = timeout_seconds
+
+    def profiles_of(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
+        """The central service's newest ``limit`` profiles of ``model_fingerprint``, as
+        ``(profile_id, profile)`` newest first; empty when it holds none or cannot be reached
+        (logged)."""
+        try:
+            with AutobatchClient(
+                self.url, token=self._token, timeout=self._timeout_seconds
+            ) as client:
+                return client.list_profiles(model_fingerprint=model_fingerprint, limit=limit)
+        except AutobatchError as exc:
+            _log.warning(
+                "the central service %s gave no profile of %s: %s", self.url, model_fingerprint, exc
+            )
+            return []

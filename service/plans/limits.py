@@ -1,0 +1,338 @@
+"""Which stored profile (or number, or memory line) answers a ``POST /v1/plan``, and the
+answer's parts that come from that choice.
+
+One job: from a :class:`~service.plans.schemas.PlanCreate`, the limit the planner plans within
+(:func:`resolve_limit`: a plain max micro-batch size, a memory model, a profile by id or by
+fingerprint, from this node's store or the central service's) or, for a card type or a node,
+the profile chosen among a model's stored ones (:func:`select`, by
+:func:`service.plans.planner.chooser`); the note and the public selection that go with a
+choice; and the cap on the size of an answer, its plan and ``world_sizes`` table
+(:func:`check_answer_size`). Store reads block: the route runs these in a worker thread
+(``service.web.store_calls``).
+
+Example::
+
+    limit, profile_id, source = resolve_limit(body, state.store, state.central, device)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autobatch.device import card_key
+from autobatch.errors import ConfigError, ProfileNotFoundError
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
+from autobatch.profile import MemoryModel, Profile
+from autobatch.profiles import ProfileStore
+from service.fleet.central import CentralProfiles
+from service.plans.planner import card_chooser, chooser, source_of
+from service.plans.schemas import PlanCreate
+from service.web.problems import Problem, unknown_profile
+from service.web.schemas import ResolvedDevice
+
+__all__ = [
+    "ANY_CANDIDATES",
+    "CARD_CANDIDATES",
+    "MAX_ANSWER_MICRO_BATCHES",
+    "NAME_SCAN",
+    "card_profiles",
+    "check_answer_size",
+    "predicted_note",
+    "resolve_limit",
+    "select",
+    "selection_public",
+]
+
+MAX_ANSWER_MICRO_BATCHES = MAX_GRADIENT_ACCUMULATION_STEPS // 4
+"""Micro-batch sizes one answer may list over its plan and ``world_sizes`` table (262,144:
+about 2 MB of JSON at most; a plan of 100,000 steps, which the CLI plans, is still answered).
+Below the planner's own bound on one plan (``MAX_GRADIENT_ACCUMULATION_STEPS``, 2**20), which
+a library caller may still plan."""
+
+
+def resolve_limit(
+    body: PlanCreate,
+    store: ProfileStore | None,
+    central: CentralProfiles | None,
+    device: ResolvedDevice | None,
+) -> tuple[int | Profile | MemoryModel, str | None, PlanSource | None]:
+    """(limit for the planner, profile id used, plan source to report or None for the
+    planner's default). ``store`` is read for a ``profile_id`` or ``model_fingerprint`` (None:
+    the body names neither), ``central`` after it for a fingerprint this store lacks.
+
+    Raises:
+        Problem: 422 for a limit that does not go with the device or margin asked; 404 for a
+            profile that is not stored.
+    """
+    if body.max_micro_batch_size is not None:
+        if device is not None or body.safety_margin is not None:
+            raise Problem(
+                422,
+                "validation",
+                "a plain max_micro_batch_size takes no device or safety_margin; to plan for a "
+                "device's memory give a profile_id, model_fingerprint or memory_model",
+                field="body.device" if device is not None else "body.safety_margin",
+            )
+        return body.max_micro_batch_size, None, None
+    if body.memory_model is not None:
+        if device is None:
+            raise Problem(
+                422, "validation", "a memory_model needs a device to plan for", field="body.device"
+            )
+        return MemoryModel(**body.memory_model.model_dump()), None, None
+    assert store is not None  # the body names a stored profile
+    if body.profile_id is not None:
+        try:
+            profile = store.get(body.profile_id)
+        except ProfileNotFoundError:
+            raise unknown_profile(body.profile_id, field="body.profile_id") from None
+        return profile, body.profile_id, source_of(profile)
+    assert body.model_fingerprint is not None
+    found = []
+    key = None if device is None or not device.name else _card_key(device.name)
+    if key is not None:
+        found = card_profiles(store, key, model_fingerprint=body.model_fingerprint, limit=1)[:1]
+    found = found or store.list_profiles(model_fingerprint=body.model_fingerprint, limit=1)
+    if not found:
+        found = _from_central(
+            store, central, body.model_fingerprint, None if device is None else device.name
+        )
+    if not found:
+        raise Problem(
+            404,
+            "unknown-profile",
+            f"no stored profile has model_fingerprint {body.model_fingerprint!r} (the hash in a "
+            "profile's model_fingerprint field, as GET /v1/profiles and a finished probe job "
+            "show it; not a registry model name); register one with POST /v1/profiles or run "
+            "a probe",
+            field="body.model_fingerprint",
+        )
+    profile_id, profile = found[0]
+    return profile, profile_id, source_of(profile)
+
+
+NAME_SCAN = 200
+"""Summaries (indexed columns, nothing decoded) read per request to find the names a card was
+stored under (:func:`card_profiles`): the model's newest, or the store's newest for a card's
+memory."""
+CARD_CANDIDATES = 50
+"""Profiles of the model read per stored name of the card asked about (newest first): the
+agreeing ones among them answer, the most conservative speaking (each is decoded in full).
+Past them, the model's newest :data:`ANY_CANDIDATES` of any card."""
+ANY_CANDIDATES = 200
+
+
+def card_profiles(
+    store: ProfileStore, key: str, *, model_fingerprint: str | None, limit: int
+) -> list[tuple[str, Profile]]:
+    """The stored profiles measured on the card ``key`` (:func:`autobatch.device.card_key`),
+    of one model when given, whatever name form each was stored under: the names among the
+    newest :data:`NAME_SCAN` summaries that are the card, then up to ``limit`` profiles of
+    each name, newest first."""
+    page = store.list_summaries(model_fingerprint=model_fingerprint, limit=NAME_SCAN)
+    names = sorted({s.device_name for s in page.summaries if _card_key(s.device_name) == key})
+    return [
+        found
+        for name in names
+        for found in store.list_profiles(
+            model_fingerprint=model_fingerprint, device_name=name, limit=limit
+        )
+    ]
+
+
+def select(
+    body: PlanCreate,
+    store: ProfileStore,
+    central: CentralProfiles | None,
+    device: ResolvedDevice | None,
+) -> tuple[Profile, str, PlanSource, Selection, int | None]:
+    """A plan's profile for ``body.card``/``body.node`` (:mod:`autobatch.planning._selection`):
+    (profile, its id, plan source, the selection, the memory to plan for in bytes when the
+    plan is predicted for a card other than the profile's or scaled to a share of the card,
+    else None). ``device`` (the request's, resolved) is the budget asked.
+
+    Raises:
+        Problem: 404 when no stored training profile of the model may answer; 422 when the
+            card's name names no card, or its memory is unknown (no profile of any model
+            measured on it, and no device given).
+    """
+    assert body.model_fingerprint is not None
+    mig_profile = None if body.device is None else body.device.mig_profile
+    try:
+        key = None if body.card is None else card_key(body.card, mig_profile)
+    except ConfigError as exc:
+        raise Problem(422, "validation", str(exc), field="body.card") from None
+    budget_bytes = None if device is None else device.capacity_bytes
+    choose = chooser(body, budget_bytes=budget_bytes, mig_profile=mig_profile)
+    fingerprint = body.model_fingerprint
+    try:
+        chosen, seen = None, []
+        if key is not None:
+            seen = card_profiles(store, key, model_fingerprint=fingerprint, limit=CARD_CANDIDATES)
+            chosen = choose(seen)
+        if chosen is None or chosen.match == "predicted":
+            newest = store.list_profiles(model_fingerprint=fingerprint, limit=ANY_CANDIDATES)
+            seen = list({pid: p for pid, p in [*seen, *newest]}.items())
+            chosen = choose(seen)
+        if chosen is None and not _trains(seen):  # nothing of the model here: ask central
+            seen = _from_central(store, central, fingerprint, body.card)
+            chosen = choose(seen)
+    except ConfigError as exc:
+        raise Problem(422, "validation", str(exc), field="body.conditions") from None
+    if chosen is None:
+        raise _none_answers(body, shares=_trains(seen))
+    profile = chosen.profile
+    card_bytes = chosen.budget_bytes
+    if not chosen.same_card and key is not None and device is None:
+        card_bytes = _card_memory(store, key, body.card, profile)
+    return profile, chosen.profile_id, source_of(profile), chosen, card_bytes
+
+
+def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:
+    """The memory of the card ``key`` in bytes, from any model's profile measured on it.
+
+    Raises:
+        Problem: 422 when no stored profile was measured on it.
+    """
+    on_card = card_profiles(store, key, model_fingerprint=None, limit=1)
+    if not on_card:
+        raise Problem(
+            422,
+            "unknown-card",
+            f"no stored profile (of any model) was measured on card {card!r}, so its memory is "
+            f"unknown and the profile measured on {profile.device_name} cannot be scaled to it: "
+            "give device.capacity_bytes (the card's memory in bytes), or check the card's name "
+            "against GET /v1/profiles' device_name",
+            field="body.card",
+        )
+    return max(found.total_memory_bytes for _, found in on_card)
+
+
+def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
+    """The 404 for a plan no stored profile may answer: none of the model, or (``shares``)
+    only profiles measured under a share of a card, asked for a whole card."""
+    asked = " and ".join(
+        f"{name} {value!r}"
+        for name, value in (("card", body.card), ("node", body.node))
+        if value is not None
+    )
+    if shares:
+        why = (
+            f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
+            f"measured under a share of a card (time-sliced, fractional, virtualised, or with "
+            f"memory held by others), and a share never answers for a whole card ({asked}): "
+            "give device (capacity_bytes, node_labels or gpu_fraction) for the share the job "
+            "gets, or publish a profile measured on the whole card"
+        )
+    else:
+        why = (
+            f"no stored training profile has model_fingerprint {body.model_fingerprint!r}, so "
+            f"nothing can plan it for {asked}, measured or predicted; publish one (POST "
+            "/v1/profiles, autobatch tune --report-to URL, or a probe on a node whose sidecar "
+            "reports here)"
+        )
+    return Problem(404, "unknown-profile", why, field="body.model_fingerprint")
+
+
+def _trains(found: list[tuple[str, Profile]]) -> bool:
+    return any(profile.mode == "train" for _, profile in found)
+
+
+def _card_key(name: str) -> str | None:
+    """``name``'s card key; None for a name that names no card."""
+    try:
+        return card_key(name)
+    except ConfigError:
+        return None
+
+
+def _from_central(
+    store: ProfileStore, central: CentralProfiles | None, model_fingerprint: str, card: str | None
+) -> list[tuple[str, Profile]]:
+    """Node mode, for a model this node's store does not hold: the profile of it chosen for
+    ``card`` (the newest when None) among the central service's newest :data:`ANY_CANDIDATES`
+    (:mod:`service.fleet.central`), kept in this node's store; empty without a central service,
+    or when it does not answer or none of its profiles answers for the card."""
+    if central is None:
+        return []
+    found = central.profiles_of(model_fingerprint, limit=ANY_CANDIDATES)
+    if card is not None and found:
+        try:
+            chosen = card_chooser(card)(found)
+        except ConfigError:  # a name that names no card: none answers for it
+            chosen = None
+        found = [] if chosen is None else [(chosen.profile_id, chosen.profile)]
+    if not found:
+        return []
+    _central_id, profile = found[0]
+    return [(store.put(profile), profile)]
+
+
+def predicted_note(chosen: Selection, body: PlanCreate) -> str:
+    """The note of a plan from a profile measured elsewhere (``match`` ``"predicted"``)."""
+    target = body.card or (f"node {body.node}" if body.node else "the card asked about")
+    return (
+        f"predicted for {target}, not measured there: planned from profile {chosen.profile_id} "
+        f"({'; '.join(chosen.reasons)}); one real trial on that card confirms it"
+    )
+
+
+def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
+    """``SelectionPublic``: which stored profile answered, why it is not ``measured``, and
+    which agreeing profiles it was chosen among."""
+    profile = chosen.profile
+    card = body.card
+    if card is None and chosen.match != "predicted":
+        card = profile.device_name
+    return {
+        "match": chosen.match,
+        "profile_id": chosen.profile_id,
+        "node_name": profile.node_name,
+        "device_name": profile.device_name,
+        "card": card,
+        "reasons": list(chosen.reasons),
+        "considered": list(chosen.considered),
+        "max_micro_batch_size_range": list(chosen.max_micro_batch_size_range),
+        "basis": chosen.basis,
+    }
+
+
+def check_answer_size(body: PlanCreate, result: Plan) -> None:
+    """Refuse an answer whose plan and ``world_sizes`` table would list more than
+    :data:`MAX_ANSWER_MICRO_BATCHES` micro-batch sizes in all: before the table is planned, and
+    for a plan alone once it is.
+
+    Each plan lists one size per accumulation step (up to 2**20 of them), so a short request
+    (an effective batch of 2**20 from a micro-batch limit of 1, over a few world sizes) asked
+    for megabytes of answer. The table's count is a lower bound: each row has at least
+    ``ceil(E / (W * M))`` steps, ``M`` the plan's limit.
+
+    Raises:
+        Problem: 422, naming ``world_sizes`` (or ``effective_batch_size`` for a plan alone)
+            and the fixes.
+    """
+    effective, limit = body.effective_batch_size, result.max_micro_batch_size
+    least = result.gradient_accumulation_steps + sum(
+        -(-effective // (world_size * limit))
+        for world_size in body.world_sizes or ()
+        if body.allow_inexact or effective % world_size == 0
+    )
+    if least <= MAX_ANSWER_MICRO_BATCHES:
+        return
+    if body.world_sizes is None:
+        raise Problem(
+            422,
+            "validation",
+            f"the plan would list {least} micro-batch sizes (one per accumulation step; at most "
+            f"{MAX_ANSWER_MICRO_BATCHES} per answer): ask a smaller effective_batch_size, or "
+            "plan from a larger max_micro_batch_size",
+            field="body.effective_batch_size",
+        )
+    raise Problem(
+        422,
+        "validation",
+        f"the plan and world_sizes table would list at least {least} micro-batch sizes (one "
+        f"per accumulation step of each plan; at most {MAX_ANSWER_MICRO_BATCHES} per "
+        "answer): ask fewer world_sizes, or plan from a larger max_micro_batch_size",
+        field="body.world_sizes",
+    )

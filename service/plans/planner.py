@@ -1,0 +1,187 @@
+"""The plans feature's one door into :mod:`autobatch.planning`: every planner call the service
+makes is a function here, each taking the request's body (a
+:class:`~service.plans.schemas.PlanCreate`) rather than the planner's own arguments.
+
+Pure: numbers in, plans out (no store, no NVML); the callers read the store and the GPU first.
+
+Example::
+
+    planned = plan_and_table(body, limit, capacity_bytes=80 * 2**30, budget=None, source=None)
+    planned.plan.micro_batch_size
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+from autobatch.device import MemoryBudget
+from autobatch.planning import (
+    Plan,
+    PlanRequest,
+    PlanSource,
+    RankLimit,
+    Selection,
+    WorldSizeOption,
+    given_budget,
+    plan_mixed_ranks,
+    plan_request,
+    plan_table,
+    select_profile,
+    stored_profile_source,
+)
+from autobatch.profile import MemoryModel, Profile
+from service.plans.schemas import PlanCreate
+
+__all__ = [
+    "Chooser",
+    "JobCard",
+    "Planned",
+    "card_chooser",
+    "chooser",
+    "declared_budget",
+    "plan_and_table",
+    "plan_job",
+    "source_of",
+]
+
+Chooser = Callable[[Sequence[tuple[str, Profile]]], Selection | None]
+"""The planner's choice among ``(profile id, profile)`` candidates for one request's card, node
+and conditions (:func:`chooser`); None when none may answer."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Planned:
+    """A plan and, when the request asked for one, its table over world sizes."""
+
+    plan: Plan
+    world_size_options: list[WorldSizeOption] | None
+
+
+def plan_and_table(
+    body: PlanCreate,
+    limit: int | Profile | MemoryModel,
+    *,
+    capacity_bytes: int | None,
+    budget: MemoryBudget | None,
+    source: PlanSource | None,
+    check_table: Callable[[Plan], None] | None = None,
+) -> Planned:
+    """The plan at the body's data-parallel size and, with ``world_sizes``, the table.
+
+    Args:
+        body: the request.
+        limit: a plain max micro-batch size, a stored profile or a memory model.
+        capacity_bytes: the device's memory in bytes (None: no device); a plain limit plans
+            with neither capacity nor margin.
+        budget: the device's memory budget, shown on the plan.
+        source: the limit's source to report; None for the planner's default.
+        check_table: called on the plan before the table is planned (a size cap).
+
+    Raises:
+        ConfigError, NoFeasiblePlanError: the planner's, as for ``autobatch.plan``.
+    """
+    plain = isinstance(limit, int)
+    request = PlanRequest(
+        effective_batch_size=body.effective_batch_size,
+        world_size=body.data_parallel_ranks,
+        world_sizes=None if body.world_sizes is None else tuple(body.world_sizes),
+        multiple_of=body.multiple_of,
+        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
+        uneven=body.uneven,
+        allow_inexact=body.allow_inexact,
+        safety_margin=None if plain else body.safety_margin,
+        capacity_bytes=None if plain else capacity_bytes,
+    )
+    result = plan_request(limit, request, budget=budget, source=source)
+    if request.world_sizes is None:
+        return Planned(plan=result, world_size_options=None)
+    if check_table is not None:
+        check_table(result)
+    table = plan_table(limit, request, budget=budget, source=source)
+    return Planned(plan=result, world_size_options=table)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class JobCard:
+    """One entry of a job of cards, as the planner needs it."""
+
+    count: int
+    """Data-parallel ranks on this card."""
+    profile: Profile
+    source: PlanSource
+    card_bytes: int | None
+    """The card's memory in bytes when it is not the profile's own; None otherwise."""
+
+
+def plan_job(body: PlanCreate, cards: Sequence[JobCard]) -> tuple[Plan, list[Plan]]:
+    """A job of mixed cards: rank 0's plan as the planner gives it (the frameworks' configs
+    are built from it) and one plan per card, in ``cards``' order, with that card's own limit
+    on it (its predicted peak, capacity, source and notes).
+
+    Raises:
+        ConfigError, NoFeasiblePlanError: the planner's (the nearest reachable effective
+            batches named).
+    """
+    request = PlanRequest(
+        effective_batch_size=body.effective_batch_size,
+        world_size=sum(card.count for card in cards),
+        multiple_of=body.multiple_of,
+        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
+        safety_margin=body.safety_margin,
+    )
+    limits = [
+        RankLimit.of(
+            card.profile,
+            dataclasses.replace(request, capacity_bytes=card.card_bytes),
+            source=card.source,
+        )
+        for card in cards
+    ]
+    # Each card's first rank holds the card's own limit, which completes that card's plan.
+    ranks = [
+        limit if index == 0 else limit.shared()
+        for card, limit in zip(cards, limits, strict=True)
+        for index in range(card.count)
+    ]
+    plans = plan_mixed_ranks(ranks, request)
+    groups: list[Plan] = []
+    first = 0
+    for card in cards:
+        groups.append(plans[first])
+        first += card.count
+    return plans[0], groups
+
+
+def declared_budget(capacity_bytes: int, *, gpu_fraction: float | None) -> MemoryBudget:
+    """The budget of a device given by its size in bytes, at the declared ``gpu_fraction``.
+
+    Raises:
+        ConfigError: a fraction outside (0, 1].
+    """
+    return given_budget(capacity_bytes, gpu_fraction=gpu_fraction)
+
+
+def chooser(body: PlanCreate, *, budget_bytes: int | None, mig_profile: str | None) -> Chooser:
+    """The planner's choice of a profile for the body's card, node and conditions, with the
+    budget asked in bytes (None: no device)."""
+    return functools.partial(
+        select_profile,
+        card=body.card,
+        node=body.node,
+        conditions=body.conditions or {},
+        budget_bytes=budget_bytes,
+        mig_profile=mig_profile,
+    )
+
+
+def card_chooser(card: str | None) -> Chooser:
+    """The planner's choice of a profile for ``card`` alone (no node, conditions or budget):
+    the choice a node makes among a central service's profiles of a model."""
+    return functools.partial(select_profile, card=card, node=None, conditions={})
+
+
+def source_of(profile: Profile) -> PlanSource:
+    """The source a plan from a stored ``profile`` reports (``cached`` or ``estimated``)."""
+    return stored_profile_source(profile)

@@ -1,0 +1,336 @@
+"""Pydantic schemas of ``POST /v1/plan``: the request (:class:`PlanCreate`: the limit's source,
+the device, the job's cards, the planner's options) and the answer (:class:`PlanPublic`: the
+plan, the frameworks' configs, the world-size table, the selection, each rank group's plan).
+
+The shared field types (sizes, names, devices, budgets) are :mod:`service.web.schemas`'.
+
+Example::
+
+    PlanCreate.model_validate({"effective_batch_size": 1024, "max_micro_batch_size": 32})
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, Field, model_validator
+
+from autobatch.planning import PlanSource, Uneven
+from service.web.schemas import (
+    MAX_ACCUMULATION_STEPS,
+    MAX_WORLD_SIZE,
+    ConditionsFields,
+    DeviceSpec,
+    GpuFraction,
+    GradientSyncFields,
+    Id,
+    MemoryBudgetBase,
+    MemoryModelBase,
+    Name,
+    NonEmptyName,
+    ResolvedDevice,
+    SafetyMargin,
+    Size,
+    Strict,
+    WorldSize,
+    distinct,
+    storable_json,
+)
+
+__all__ = [
+    "EpochFields",
+    "JobCards",
+    "PlanConfigs",
+    "PlanCreate",
+    "PlanFields",
+    "PlanPublic",
+    "PredictionFields",
+    "RankGroupPublic",
+    "SelectionPublic",
+    "WorldSizeOptionPublic",
+]
+
+
+class JobCards(Strict):
+    """One kind of card in a job on mixed cards: the card type and how many ranks run on it."""
+
+    card: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        description="The card type (a profile's device_name, e.g. 'NVIDIA L40S')."
+    )
+    count: WorldSize = Field(description="Data-parallel ranks on this card type.")
+
+
+class PlanCreate(Strict):
+    """What to plan: exactly one limit (a stored profile, the newest profile of a model, a plain
+    max micro-batch size, or a memory model), an optional device, and the batch to reach."""
+
+    profile_id: Id | None = None
+    model_fingerprint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
+    max_micro_batch_size: Size | None = None
+    memory_model: MemoryModelBase | None = None
+    device: DeviceSpec | None = None
+    card: NonEmptyName | None = Field(
+        default=None,
+        description="Plan for this card type (a profile's device_name, e.g. 'NVIDIA H100 80GB "
+        "HBM3'): the newest profile of model_fingerprint measured on it, on any node, under "
+        "the conditions asked answers 'measured'; otherwise a profile measured elsewhere "
+        "answers 'predicted' (see the answer's selection). Needs model_fingerprint.",
+    )
+    node: NonEmptyName | None = Field(
+        default=None,
+        description="Plan for this node (a profile's node_name): its own profile of "
+        "model_fingerprint first, then the card's as for card. Needs model_fingerprint.",
+    )
+    conditions: Annotated[dict[Name, Any], AfterValidator(storable_json)] | None = Field(
+        default=None,
+        max_length=64,
+        description="Conditions the plan must hold under (names of a profile's conditions, "
+        "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
+        "'predicted'. Needs card, node or job.",
+    )
+    effective_batch_size: Size
+    world_size: WorldSize = 1
+    data_parallel_size: WorldSize | None = Field(
+        default=None,
+        description="Data-parallel ranks (the same as world_size; give one): with tensor or "
+        "pipeline parallelism, the number of model replicas, not of GPUs.",
+    )
+    world_sizes: Annotated[list[WorldSize], AfterValidator(distinct)] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="Also plan at each of these world sizes (e.g. [1, 2, 4, 8]): the answer's "
+        "world_size_options table.",
+    )
+    multiple_of: int = Field(default=1, ge=1, le=2**20)
+    max_gradient_accumulation_steps: int | None = Field(
+        default=None, ge=1, le=MAX_ACCUMULATION_STEPS
+    )
+    uneven: Uneven = "auto"
+    allow_inexact: bool = False
+    safety_margin: SafetyMargin | None = None
+    job: list[JobCards] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description="A job on mixed cards, e.g. [{'card': 'NVIDIA H100 80GB HBM3', 'count': "
+        "4}, {'card': 'NVIDIA L40S', 'count': 4}]: ranks in this order, a micro-batch per "
+        "rank from each card's profile of model_fingerprint (measured there or predicted, as "
+        "for card) and one gradient_accumulation_steps; the answer's ranks give each card's "
+        "plan. Needs model_fingerprint; not with card, node, device, world_sizes, "
+        "allow_inexact or gpu_fraction.",
+    )
+    gpu_fraction: GpuFraction | None = Field(
+        default=None,
+        description="The share of the device's card the job gets (0 < x <= 1; Ray's "
+        "num_gpus=0.5 is 0.5), e.g. two trials on one card: the plan is for that share of its "
+        "memory, and plan.budget.trials_per_gpu says how many such jobs fit on a card. Needs a "
+        "device.",
+    )
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> PlanCreate:
+        given = [
+            name
+            for name in ("profile_id", "model_fingerprint", "max_micro_batch_size", "memory_model")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of profile_id, model_fingerprint, max_micro_batch_size, "
+                "memory_model; got " + (", ".join(given) or "none")
+            )
+        if (self.card is not None or self.node is not None) and self.model_fingerprint is None:
+            raise ValueError(
+                "card and node choose among the stored profiles of a model: give "
+                "model_fingerprint with them"
+            )
+        if self.conditions is not None and self.card is None and self.node is None and not self.job:
+            raise ValueError(
+                "conditions need card or node, or a job: the card types or node planned for"
+            )
+        if self.job is not None:
+            self._check_job(self.job)
+        ranks = self.data_parallel_size
+        if ranks is not None and self.world_size not in (1, ranks):
+            raise ValueError(
+                f"world_size {self.world_size} and data_parallel_size {ranks} disagree; give one"
+            )
+        inner = None if self.device is None else self.device.gpu_fraction
+        if self.gpu_fraction is not None and inner is not None and inner != self.gpu_fraction:
+            raise ValueError(
+                f"gpu_fraction {self.gpu_fraction} and device.gpu_fraction {inner} disagree; "
+                "give one"
+            )
+        return self
+
+    def _check_job(self, job: list[JobCards]) -> None:
+        if self.model_fingerprint is None:
+            raise ValueError(
+                "job plans from each card's profiles of a model: give model_fingerprint"
+            )
+        others = [
+            name
+            for name in ("card", "node", "device", "world_sizes", "gpu_fraction")
+            if getattr(self, name) is not None
+        ]
+        if self.allow_inexact:
+            others.append("allow_inexact")
+        if others:
+            raise ValueError(
+                f"job gives each rank's card; {', '.join(others)} do(es) not go with it (a mixed "
+                "plan meets the effective batch exactly or names the nearest reachable ones)"
+            )
+        cards = [entry.card for entry in job]
+        if len(set(cards)) != len(cards):
+            raise ValueError(f"job names a card more than once ({cards}); give each card once")
+        total = sum(entry.count for entry in job)
+        if total > MAX_WORLD_SIZE:
+            raise ValueError(f"job has {total} ranks in all, more than {MAX_WORLD_SIZE}")
+        given = self.data_parallel_size or self.world_size
+        if given not in (1, total):
+            raise ValueError(
+                f"world_size {given} is not the job's {total} ranks; leave it out with job"
+            )
+
+    @property
+    def declared_fraction(self) -> float | None:
+        """``gpu_fraction``, or ``device.gpu_fraction``; None when neither is given."""
+        if self.gpu_fraction is not None or self.device is None:
+            return self.gpu_fraction
+        return self.device.gpu_fraction
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """``data_parallel_size`` when given, else ``world_size``."""
+        return self.world_size if self.data_parallel_size is None else self.data_parallel_size
+
+
+class PredictionFields(BaseModel):
+    """``autobatch.planning._prediction.Prediction``: how a limit past the largest measured
+    micro-batch
+    was predicted."""
+
+    largest_measured_micro_batch_size: int
+    num_fit_points: int
+    fit_residual_bytes: int
+    fixed_bytes: int
+    bytes_per_sample: int
+    margin: float
+
+
+class EpochFields(BaseModel):
+    """``autobatch.planning._epochs.EpochPlan``: one epoch of data under a plan, per rank."""
+
+    num_rows_per_rank: int
+    drop_last: bool
+    num_micro_batches_per_rank: int
+    num_optimizer_steps: int
+    num_full_steps: int
+    last_step_micro_batches: int
+    last_effective_batch_size: int
+
+
+class PlanFields(BaseModel):
+    """``autobatch.Plan.to_dict()``. A uniform plan (``rank_micro_batch_sizes`` null):
+    ``sum(micro_batch_sizes) * world_size == effective_batch_size``. A mixed plan (ranks on
+    different cards, one plan per rank): ``sum(rank_micro_batch_sizes) *
+    gradient_accumulation_steps == effective_batch_size``, with ``world_size`` sizes in rank
+    order, and this rank's ``micro_batch_sizes`` are ``gradient_accumulation_steps`` equal
+    micro-batches of ``micro_batch_size``, its own entry of ``rank_micro_batch_sizes``."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    effective_batch_size: int
+    requested_effective_batch_size: int
+    micro_batch_sizes: list[int]
+    rank_micro_batch_sizes: list[int] | None = None
+    exact: bool
+    max_micro_batch_size: int
+    predicted_peak_memory_bytes: int | None
+    capacity_bytes: int | None
+    headroom_bytes: int | None
+    predicted_seconds_per_effective_batch: float | None
+    eval_micro_batch_size: int | None = None
+    source: PlanSource
+    prediction: PredictionFields | None = None
+    notes: list[str]
+    budget: MemoryBudgetBase | None = Field(
+        default=None,
+        description="The memory the job really has on the device planned for: every source, "
+        "the deciding one, the sharing mode, fits_now and trials_per_gpu; null without a device.",
+    )
+    conditions: ConditionsFields | None = None
+    gradient_sync: GradientSyncFields | None = None
+    epoch: EpochFields | None = None
+
+
+class PlanConfigs(BaseModel):
+    """Ready settings for the frameworks; null with a ``reason`` when the plan's micro-batches
+    are of unequal size, or differ by rank (a mixed plan), which those frameworks cannot
+    express."""
+
+    deepspeed: dict[str, int] | None
+    hf_training_arguments: dict[str, int] | None
+    lightning: dict[str, dict[str, int]] | None
+    reason: str | None = None
+
+
+class WorldSizeOptionPublic(BaseModel):
+    world_size: int
+    plan: PlanFields | None
+    reason: str
+
+
+class SelectionPublic(BaseModel):
+    """Which stored profile answered a plan for a card or a node
+    (``autobatch.planning._selection.Selection``)."""
+
+    match: Literal["measured", "estimated", "predicted"] = Field(
+        description="'measured': a profile measured on the card (and node) asked about under "
+        "the conditions asked; 'estimated': the same from an estimate; 'predicted': measured "
+        "elsewhere or under other conditions, so the plan is a prediction for that card."
+    )
+    profile_id: str
+    node_name: str = Field(description="Where the profile was measured ('' if unrecorded).")
+    device_name: str = Field(description="The card the profile was measured on.")
+    card: str | None = Field(description="The card type planned for; null when unknown.")
+    reasons: list[str] = Field(description="Why the match is not 'measured'.")
+    considered: list[str] = Field(
+        default_factory=list,
+        description="The ids of the stored profiles that agreed with the chosen one (the same "
+        "card, budget and conditions, and node when asked), in id order: the most conservative "
+        "of them answers, whatever order they were published in.",
+    )
+    max_micro_batch_size_range: list[int] = Field(
+        default_factory=list,
+        description="The smallest and largest max_micro_batch_size among considered.",
+    )
+    basis: str = Field(default="", description="Why the chosen one of them, in words.")
+
+
+class RankGroupPublic(BaseModel):
+    """The ranks of one card of a ``job``: their plan (one mixed plan's, this card's micro-batch)
+    and the profile it came from."""
+
+    card: str
+    count: int
+    first_rank: int = Field(description="The first of this card's ranks (they are consecutive).")
+    plan: PlanFields
+    profile_id: str
+    selection: SelectionPublic
+
+
+class PlanPublic(BaseModel):
+    plan: PlanFields
+    configs: PlanConfigs
+    world_size_options: list[WorldSizeOptionPublic] | None = None
+    profile_id: str | None = None
+    device: ResolvedDevice | None = None
+    selection: SelectionPublic | None = None
+    ranks: list[RankGroupPublic] | None = Field(
+        default=None,
+        description="For a job: each card's ranks and plan, in rank order; plan, profile_id "
+        "and selection above are rank 0's.",
+    )

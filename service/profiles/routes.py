@@ -1,0 +1,159 @@
+"""``/v1/profiles``: register, list, read and delete stored profiles.
+
+Each route's store work runs on the store's threads under the store deadline
+(``service.web.store_calls``), its answer encoded there too: a frozen database or a locked table
+answers 503 ``store-busy`` in time, and never holds the event loop or the threads other routes
+use."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel
+
+from autobatch.errors import ProfileNotFoundError
+from autobatch.profile import Profile
+from service.deps import StateDep
+from service.profiles.listing import ListingDep
+from service.web.auth import GRANT_SCOPE_KEY, Grant
+from service.web.problems import Problem, problem_responses, unknown_profile
+from service.web.routing import JsonBodyRoute
+from service.web.schemas import (
+    IdPath,
+    ProfileBase,
+    ProfileCreate,
+    ProfileList,
+    ProfilePublic,
+)
+from service.web.store_calls import store_call
+
+router = APIRouter(
+    prefix="/v1/profiles",
+    route_class=JsonBodyRoute,
+    tags=["profiles"],
+    responses=problem_responses(401, 403, 503),
+)
+
+
+PAGE_BYTES = 8 << 20
+"""A listing page ends once its profiles hold this many bytes of stored JSON (one at least)."""
+
+
+def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
+    return ProfilePublic(
+        id=profile_id, profile=ProfileBase.model_validate(profile.to_dict(), strict=False)
+    )
+
+
+def json_response(
+    model: BaseModel, *, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """``model`` as JSON, encoded where it is built: on a store thread, so that a page of
+    large profiles is never converted on the event loop."""
+    return Response(
+        model.model_dump_json(),
+        status_code=status_code,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+@router.post(
+    "",
+    status_code=201,
+    summary="Register a profile (e.g. from autotune)",
+    response_model=ProfilePublic,
+    responses=problem_responses(400, 413, 415, 422),
+)
+async def create_profile(body: ProfileCreate, state: StateDep, request: Request) -> Response:
+    """Stores the profile under a new id (the ``Location`` header names it). A node's token
+    (``publish`` as a node) stores only profiles of that node: 403 for another's."""
+    grant: Grant | None = request.scope.get(GRANT_SCOPE_KEY)
+    if grant is not None and grant.node is not None and body.node_name != grant.node:
+        raise Problem(
+            403,
+            "wrong-node",
+            f"this token publishes as node {grant.node!r} only, and the profile's node_name "
+            f"is {body.node_name!r}: a node publishes its own profiles (use that node's token)",
+            field="body.node_name",
+        )
+
+    def create() -> Response:
+        profile = Profile.from_dict(body.model_dump())
+        if not profile.created_at:  # the time it reached the service, as a probe would stamp it
+            profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())
+        profile_id = state.store.put(profile)
+        location = {"Location": f"/v1/profiles/{profile_id}"}
+        return json_response(profile_public(profile_id, profile), status_code=201, headers=location)
+
+    return await store_call(state, create)
+
+
+FollowCursor = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[0-9]{1,18}$",
+        description="Follow the store: profiles stored after this cursor, oldest first ('0' "
+        "from the first); each page's next_after is the next cursor. Misses none on either "
+        "backend (the cursor follows commit order). Not with before.",
+    ),
+]
+
+
+@router.get(
+    "",
+    summary="List stored profiles, newest first",
+    response_model=ProfileList,
+    responses=problem_responses(404, 422),
+)
+async def list_profiles(
+    state: StateDep, listing: ListingDep, after: FollowCursor = None
+) -> Response:
+    """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
+    request stays bounded however large the profiles. ``next_before`` asks for the next page;
+    with ``after``, ``next_after`` does (oldest first)."""
+    cursor = None if after is None else int(after)
+
+    def page() -> Response:
+        found = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES, after=cursor)
+        return json_response(
+            ProfileList(
+                profiles=[profile_public(pid, profile) for pid, profile in found.profiles],
+                next_before=found.next_before,
+                next_after=None if found.next_after is None else str(found.next_after),
+            )
+        )
+
+    return await store_call(state, page)
+
+
+@router.get(
+    "/{profile_id}",
+    summary="Read a profile",
+    response_model=ProfilePublic,
+    responses=problem_responses(404, 422),
+)
+async def get_profile(profile_id: IdPath, state: StateDep) -> Response:
+    def read() -> Response:
+        try:
+            return json_response(profile_public(profile_id, state.store.get(profile_id)))
+        except ProfileNotFoundError:
+            raise unknown_profile(profile_id, field="path.profile_id") from None
+
+    return await store_call(state, read)
+
+
+@router.delete(
+    "/{profile_id}",
+    status_code=204,
+    summary="Delete a profile",
+    response_class=Response,
+    responses=problem_responses(404, 422),
+)
+async def delete_profile(profile_id: IdPath, state: StateDep) -> Response:
+    if not await store_call(state, state.store.delete, profile_id):
+        raise unknown_profile(profile_id, field="path.profile_id")
+    return Response(status_code=204)

@@ -1,1 +1,0 @@
-"""One ``APIRouter`` per resource: plans, profiles, probes, devices, health."""

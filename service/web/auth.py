@@ -1,0 +1,277 @@
+"""Who may do what: bearer tokens, each with a role, and the Host check of a tokenless server.
+
+Roles, each allowing what the one before it does:
+
+- ``read``: plans (``POST /v1/plan``), every ``GET`` (profiles, listings, devices, probe runs);
+- ``publish`` as one node: ``read``, and ``POST /v1/profiles`` for profiles whose
+  ``node_name`` is that node (a node cannot publish under another's name: 403 naming it);
+- ``admin``: everything, ``DELETE`` and starting probe runs included.
+
+Tokens are configured (``service.web.settings``) by ``AUTOBATCH_API_TOKEN`` (one ``admin`` token,
+for a deployment without roles) and by ``AUTOBATCH_API_TOKENS_FILE``, which names either
+
+- a file of lines ``ROLE[:NODE] TOKEN`` (``read``, ``publish:gpu-node-7``, ``admin``), blank
+  lines and lines starting with ``#`` ignored; or
+- a directory, such as a Kubernetes Secret mounted as files: each file is one token (its text,
+  trimmed) and its name the role: ``admin``, ``read``, ``publish.NODE``; ``read.LABEL`` and
+  ``admin.LABEL`` tell several tokens of a role apart. Names starting with ``.`` (Kubernetes'
+  ``..data``) are skipped.
+
+Every token is trimmed of surrounding whitespace (a Secret written with ``echo`` ends in a
+newline) and never printed: errors name the file and line, never the text. A request's token is
+compared with every configured token in constant time (:func:`hmac.compare_digest`), all of them
+every time, so the time taken says nothing about which matched.
+
+Without any token, ``/v1`` is open, as it was: meant for a server on 127.0.0.1. There, a ``/v1``
+request that came in on a loopback address and whose ``Host`` is not ``localhost``,
+``127.0.0.1`` or ``[::1]`` (any port) is refused (403), so that a web page whose name was rebound
+to 127.0.0.1 (DNS rebinding) cannot use the service through a browser.
+
+Example::
+
+    tokens = load_tokens(api_token=None, tokens_file=Path("/etc/autobatch/tokens"))
+    grant = tokens.identify("Bearer 6f1c...")   # Grant(role='publish', node='gpu-node-7', ...)
+    grant.allows(required_role("POST", "/v1/profiles"))   # True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import ipaddress
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, get_args
+
+from autobatch.errors import ConfigError
+from service.web.settings import Settings
+
+__all__ = [
+    "GRANT_SCOPE_KEY",
+    "Grant",
+    "Role",
+    "Tokens",
+    "bearer_value",
+    "central_token_of",
+    "host_allowed",
+    "is_loopback_server",
+    "load_tokens",
+    "parse_token_lines",
+    "read_token_directory",
+    "read_token_file",
+    "required_role",
+]
+
+Role = Literal["read", "publish", "admin"]
+ROLES: tuple[Role, ...] = get_args(Role)
+"""In order: each role may do what those before it may."""
+GRANT_SCOPE_KEY = "autobatch.grant"
+"""Where the middleware leaves the request's :class:`Grant` in the ASGI scope."""
+_FORMAT = "lines ROLE[:NODE] TOKEN, ROLE one of read, publish:NODE, admin"
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grant:
+    """One configured token and what it may do."""
+
+    role: Role
+    node: str | None
+    """The node a ``publish`` token publishes as; None for the other roles."""
+    source: str
+    """Where it was configured (``"/etc/autobatch/tokens line 3"``), for the log."""
+    token: bytes = dataclasses.field(repr=False)
+
+    def allows(self, role: Role) -> bool:
+        """Whether this grant may do what ``role`` may."""
+        return ROLES.index(self.role) >= ROLES.index(role)
+
+    @property
+    def describe(self) -> str:
+        """``"read"``, ``"publish as node gpu-node-7"`` or ``"admin"``."""
+        return f"publish as node {self.node!r}" if self.node is not None else self.role
+
+
+class Tokens:
+    """The configured tokens; empty means ``/v1`` is open (tokenless).
+
+    Raises:
+        ConfigError: the same token is configured twice (both places named, not the token).
+    """
+
+    def __init__(self, grants: Sequence[Grant]) -> None:
+        seen: dict[bytes, Grant] = {}
+        for grant in grants:
+            if grant.token in seen:
+                raise ConfigError(
+                    f"the same API token is configured twice ({seen[grant.token].source} and "
+                    f"{grant.source}): give each role and node its own token"
+                )
+            seen[grant.token] = grant
+        self._grants = tuple(grants)
+
+    def __bool__(self) -> bool:
+        return bool(self._grants)
+
+    def __repr__(self) -> str:
+        return f"Tokens({', '.join(grant.describe for grant in self._grants)})"
+
+    def identify(self, authorization: str | None) -> Grant | None:
+        """The grant of the token an ``Authorization: Bearer <token>`` value carries, or None.
+
+        Compares with every configured token, in constant time each, whatever matched."""
+        presented = bearer_value(authorization)
+        found = None
+        for grant in self._grants:
+            if hmac.compare_digest(presented, grant.token) and presented:
+                found = grant
+        return found
+
+
+def bearer_value(authorization: str | None) -> bytes:
+    """The token an ``Authorization`` value carries after ``Bearer`` (trimmed); empty when
+    it carries none."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return given.strip().encode("utf-8", "replace") if scheme.lower() == "bearer" else b""
+
+
+def required_role(method: str, route_path: str) -> Role:
+    """The role a ``/v1`` request needs, from its method and path (before its body is read)."""
+    if method in ("GET", "HEAD", "OPTIONS"):
+        return "read"
+    if method == "POST" and route_path.rstrip("/") == "/v1/plan":
+        return "read"
+    if method == "POST" and route_path.rstrip("/") == "/v1/profiles":
+        return "publish"
+    return "admin"  # DELETE, starting probe runs, and whatever comes next
+
+
+def load_tokens(*, api_token: str | None, tokens_file: Path | None) -> Tokens:
+    """The tokens the settings configure: ``api_token`` as ``admin``, and ``tokens_file``'s.
+
+    Raises:
+        ConfigError: the file or directory is unreadable, a line or file name is not a role,
+            a token is empty, or a token is configured twice.
+    """
+    grants: list[Grant] = []
+    if api_token is not None:
+        grants.append(_grant("admin", None, api_token, "AUTOBATCH_API_TOKEN"))
+    if tokens_file is not None:
+        if tokens_file.is_dir():
+            grants += read_token_directory(tokens_file)
+        else:
+            grants += parse_token_lines(_read(tokens_file), source=str(tokens_file))
+    return Tokens(grants)
+
+
+def parse_token_lines(text: str, *, source: str) -> list[Grant]:
+    """The grants of a tokens file's ``text`` (module docstring).
+
+    Raises:
+        ConfigError: a line is not ``ROLE[:NODE] TOKEN`` (named by line, never quoted).
+    """
+    grants = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        where = f"{source} line {number}"
+        if len(words) != 2:
+            raise ConfigError(f"{where}: expected two words, a role and a token ({_FORMAT})")
+        role, _, node = words[0].partition(":")
+        grants.append(_grant(role, node if ":" in words[0] else None, words[1], where))
+    return grants
+
+
+def read_token_directory(directory: Path) -> list[Grant]:
+    """The grants of a directory of one-token files named ``ROLE[.LABEL]`` (module docstring).
+
+    Raises:
+        ConfigError: a file's name is not a role, or its token is empty or several words.
+    """
+    grants = []
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        role, dot, label = path.name.partition(".")
+        node = label if role == "publish" and dot else None
+        if role == "publish" and not dot:
+            node = ""  # refused by _grant: a publish token needs its node
+        grants.append(_grant(role, node, read_token_file(path), str(path)))
+    return grants
+
+
+def read_token_file(path: Path) -> str:
+    """The one token a file holds, trimmed (a Secret written with ``echo`` ends in a newline).
+
+    Raises:
+        ConfigError: the file is unreadable, empty, or holds more than one word.
+    """
+    words = _read(path).split()
+    if len(words) != 1:
+        raise ConfigError(
+            f"token file {path} holds {'no token' if not words else 'several words'}; "
+            "write one token, e.g. `openssl rand -hex 32 > FILE`"
+        )
+    return words[0]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # the message, never the file's bytes
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cannot read the API tokens from {path}: {why}") from None
+
+
+def _grant(role: str, node: str | None, token: str, source: str) -> Grant:
+    """A checked :class:`Grant` (never quoting the token, or a word that may be one)."""
+    if role not in ROLES:
+        raise ConfigError(f"{source}: the role is not one of {', '.join(ROLES)} ({_FORMAT})")
+    if (role == "publish") != (node is not None):
+        raise ConfigError(
+            f"{source}: a publish token names its node (publish:NODE, or a file publish.NODE) "
+            "and only a publish token does"
+        )
+    if node is not None and not node.strip():
+        raise ConfigError(f"{source}: the node of a publish token is empty")
+    secret = token.strip()
+    if not secret.isprintable() or not secret.isascii() or not secret:
+        raise ConfigError(f"{source}: the token is empty or holds characters a header cannot")
+    return Grant(role=role, node=node, source=source, token=secret.encode())
+
+
+def is_loopback_server(server: tuple[str, int] | None) -> bool:
+    """Whether the connection arrived on a loopback address (the ASGI scope's ``server``)."""
+    if server is None:
+        return False
+    try:
+        return ipaddress.ip_address(server[0]).is_loopback
+    except ValueError:
+        return server[0] == "localhost"
+
+
+def host_allowed(host: str | None) -> bool:
+    """Whether a ``Host`` header names this machine's loopback (with or without a port)."""
+    if host is None:
+        return False
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name.partition("]")[0] + "]"
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return name in _LOOPBACK_NAMES
+
+
+def central_token_of(settings: Settings) -> str | None:
+    """The token for the central service: ``central_api_token``, else its file's (trimmed);
+    None when neither is set.
+
+    Raises:
+        ConfigError: the token file is unreadable or holds no single token.
+    """
+    if settings.central_api_token is not None:
+        return settings.central_api_token.get_secret_value()
+    if settings.central_api_token_file is not None:
+        return read_token_file(settings.central_api_token_file)
+    return None
