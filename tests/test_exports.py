@@ -217,7 +217,7 @@ def test_import_does_not_initialise_nvml_or_cuda() -> None:
 
 
 # Public entry points take flat keyword arguments; everything below them takes the option
-# bundles those build (autobatch.probing._options, autobatch.profiles._cache.StoreOptions).
+# bundles those build (autobatch.probing._options, autobatch.tuning._cache.StoreOptions).
 FLAT_ENTRY_POINTS = {
     "autobatch/client/_http.py:AutobatchClient.plan",
     "autobatch/client/_http.py:AutobatchClient.plan_world_sizes",

@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.profiles import TunedProfile
+from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile
 from autobatch.tuning._request import TuneRequest
 from autobatch.tuning._road import (

@@ -5,7 +5,7 @@ torch version is answered from the store without running a step (``refresh=True`
 When the store has no profile for this card but it (or the service at ``report_to``) has one of
 the same step on another card, whose plan for this card would be ``predicted``, one real trial at
 the predicted size confirms it instead of a probe; a failed confirmation probes and says so
-(:mod:`autobatch.profiles._confirmation`; single process only: under torch.distributed the ranks
+(:mod:`autobatch.tuning._confirmation`; single process only: under torch.distributed the ranks
 probe).
 
 Under an initialised torch.distributed process group every rank probes its own device and the
@@ -72,11 +72,8 @@ from autobatch.probing import (
     model_device,
 )
 from autobatch.profile import Profile
-from autobatch.profiles import (
-    ProfileStore,
-    StoreOptions,
-    TunedProfile,
-)
+from autobatch.profiles import ProfileStore
+from autobatch.tuning._cache import StoreOptions, TunedProfile
 from autobatch.tuning._lookup import find_profile, why_probed_again
 from autobatch.tuning._request import TuneRequest
 
