@@ -217,7 +217,7 @@ def test_import_does_not_initialise_nvml_or_cuda() -> None:
 
 
 # Public entry points take flat keyword arguments; everything below them takes the option
-# bundles those build (autobatch.probing._options, autobatch.tuning._cache.StoreOptions).
+# bundles those build (autobatch.probing._options, autobatch.tuning.TuneRequest).
 FLAT_ENTRY_POINTS = {
     "autobatch/client/_http.py:AutobatchClient.plan",
     "autobatch/client/_http.py:AutobatchClient.plan_world_sizes",
@@ -225,9 +225,9 @@ FLAT_ENTRY_POINTS = {
     "autobatch/planning/_planner.py:plan_world_sizes",
     "autobatch/probing/_estimator.py:estimate",
     "autobatch/probing/_prober.py:probe",
-    "autobatch/tuning/_road.py:autotune",
-    "autobatch/tuning/_road.py:autotune_profile",
-    "autobatch/tuning/_road.py:tune",
+    # The tuning options' one builder: autotune, tune and autotune_profile take **options
+    # declared once (TuneOptions, ProfileOptions) and call it.
+    "autobatch/tuning/_request.py:TuneRequest.build",
     "autobatch/training/_accumulator.py:Accumulator.__init__",  # Accumulator(...), called by users
 }
 MAX_PARAMETERS = 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -23,11 +24,13 @@ from autobatch.planning import (
     plan_table,
     plan_with_table,
 )
+from autobatch.probing import check_search_arguments
 from autobatch.profile import MemoryModel
-from autobatch.tuning import autotune_profile, tune_request
+from autobatch.tuning import ProfileOptions, TuneOptions, autotune_profile, tune_request
 from tests.planning.test_planner import make_profile
 
 GIB = 2**30
+TINY = ["tests.service.models:tiny_mlp", "--input-shape", "32"]
 MARGIN_REFUSED = "safety_margin 1.5 must be a number in [0, 1), e.g. 0.05"
 """check_safety_margin's words for 1.5: every surface says the same."""
 
@@ -90,23 +93,89 @@ def test_a_tune_request_refuses_each_bad_value_naming_it_and_the_fix(
     changes: dict[str, Any], words: str
 ) -> None:
     with pytest.raises(ConfigError) as refused:
-        TuneRequest(model=torch.nn.Linear(2, 2), sample=torch.zeros(1, 2), **changes)
+        TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), **changes)
     assert words in refused.value.describe(python_wording)
 
 
 def test_a_tune_request_holds_its_plan_part_checked_and_none_without_a_batch() -> None:
     model, sample = torch.nn.Linear(2, 2), torch.zeros(1, 2)
-    request = TuneRequest(model=model, sample=sample, effective_batch_size=96, multiple_of=8)
+    request = TuneRequest.build(model, sample, effective_batch_size=96, multiple_of=8)
     assert request.plan == PlanRequest(effective_batch_size=96, multiple_of=8)
-    assert request.safety_margin == DEFAULT_SAFETY_MARGIN == 0.05
-    assert TuneRequest(model=model, sample=sample).plan is None
+    assert request.probe.safety_margin == DEFAULT_SAFETY_MARGIN == 0.05
+    assert request.step.model is model
+    assert TuneRequest.build(model, sample).plan is None
     with pytest.raises(ConfigError, match="needs effective_batch_size; for the profile alone"):
-        tune_request(TuneRequest(model=model, sample=sample))
+        tune_request(TuneRequest.build(model, sample))
+
+
+def test_a_tune_request_is_built_for_the_launchers_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The data-parallel size is resolved when the request is built: the plan part holds the
+    # truth, and the probe's conditions say where it came from.
+    for name, value in {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    request = TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96)
+    assert request.plan is not None and request.plan.world_size == 4
+    assert request.probe.conditions.data_parallel_size == 4
+    assert "WORLD_SIZE=4" in request.probe.conditions.data_parallel_source
+    given = TuneRequest.build(
+        torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96, world_size=2
+    )
+    assert given.plan is not None and given.plan.world_size == 2
+
+
+def test_the_option_declarations_are_what_the_builder_takes() -> None:
+    # One declaration per entry: TuneOptions (autotune, tune) and ProfileOptions
+    # (autotune_profile) name exactly the keywords TuneRequest.build accepts, besides the
+    # model, the sample and effective_batch_size.
+    built = inspect.signature(TuneRequest.build).parameters
+    keywords = {n for n, p in built.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    tune_keys, profile_keys = set(TuneOptions.__annotations__), set(ProfileOptions.__annotations__)
+    assert keywords == tune_keys | profile_keys | {"effective_batch_size"}
+    assert tune_keys - profile_keys == {
+        "world_size",
+        "data_parallel_size",
+        "process_group",
+        "multiple_of",
+        "max_gradient_accumulation_steps",
+        "uneven",
+        "allow_inexact",
+        "mixed_ranks",
+    }
+    assert profile_keys - tune_keys == {"use_estimate"}
+    assert len(tune_keys) + 3 == 26  # model, sample, effective_batch_size and the options
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (
+            lambda m, s: autobatch.autotune(m, s, effective_batch_size=8, use_estimate=False),
+            "autotune() got an unexpected keyword argument 'use_estimate'",
+        ),
+        (
+            lambda m, s: autobatch.tune(m, s, effective_batch_size=8, batch_size=4),
+            "tune() got an unexpected keyword argument 'batch_size'",
+        ),
+        (
+            lambda m, s: autotune_profile(m, s, effective_batch_size=8),
+            "autotune_profile() got an unexpected keyword argument 'effective_batch_size'",
+        ),
+        (
+            lambda m, s: autobatch.autotune(m, s, world_size=2),
+            "missing 1 required keyword-only argument: 'effective_batch_size'",
+        ),
+    ],
+)
+def test_the_keyword_functions_refuse_an_undeclared_keyword_as_python_does(
+    call: Callable[[torch.nn.Module, torch.Tensor], object], words: str
+) -> None:
+    with pytest.raises(TypeError, match=re.escape(words)):
+        call(torch.nn.Linear(2, 2), torch.zeros(1, 2))
 
 
 def _cli_words(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    with pytest.raises(SystemExit):
-        main(list(argv))
+    # The parser only parses: the range is the library's check, shown as the CLI's error.
+    assert main(list(argv)) == 1
     return capsys.readouterr().err
 
 
@@ -137,13 +206,67 @@ def test_every_surface_refuses_safety_margin_1_5_with_the_one_check(
         ),
         lambda: make_profile(safety_margin=1.5),
     ]
-    for call in calls:
+    for index, call in enumerate(calls):
         seen.clear()
         with pytest.raises(ConfigError, match=re.escape(MARGIN_REFUSED)):
             call()
         assert seen and set(seen) == {1.5}
-    assert MARGIN_REFUSED in _cli_words(capsys, "tune", "mlp", "--safety-margin", "1.5")
-    assert MARGIN_REFUSED in _cli_words(capsys, "estimate", "mlp", "--safety-margin", "1.5")
+        if index < 2:  # the tuning road: checked once, where the request is built
+            assert seen == [1.5]
+    for command in ("tune", "estimate"):
+        seen.clear()
+        argv = [command, *TINY, "--safety-margin", "1.5"]
+        extra = ["--effective-batch-size", "8", "--no-store", "--device", "sim:1GiB"]
+        extra = extra if command == "tune" else ["--capacity", "1GiB"]
+        assert MARGIN_REFUSED in _cli_words(capsys, *argv, *extra)
+        assert seen == [1.5]  # the parser parses; the library checks
+
+
+def test_each_road_checks_the_margin_and_the_search_cap_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[object, object]] = []
+
+    def counted(max_micro_batch_size: int, safety_margin: float) -> None:
+        seen.append((max_micro_batch_size, safety_margin))
+        check_search_arguments(max_micro_batch_size, safety_margin)
+
+    for module in ("autobatch.probing._options", "autobatch.probing._estimator"):
+        monkeypatch.setattr(f"{module}.check_search_arguments", counted)
+    model, sample = torch.nn.Linear(4, 2), torch.zeros(1, 4)
+    options: dict[str, Any] = {
+        "device": "sim:64MiB",
+        "use_store": False,
+        "loss_fn": lambda out: out.float().pow(2).mean(),
+    }
+    roads: list[Callable[[], object]] = [
+        lambda: autobatch.autotune(model, sample, effective_batch_size=8, **options),
+        lambda: autotune_profile(model, sample, max_micro_batch_size=64, **options),
+        lambda: main(
+            [
+                "tune",
+                *TINY,
+                "--effective-batch-size",
+                "8",
+                "--json",
+                "--no-store",
+                "--device",
+                "sim:256MiB",
+                "--max-micro-batch-size",
+                "64",
+            ]
+        ),
+    ]
+    for road in roads:
+        seen.clear()
+        road()
+        assert len(seen) == 1, seen
+    capsys.readouterr()
+    seen.clear()
+    refused = ["--effective-batch-size", "8", "--no-store", "--max-micro-batch-size", "0"]
+    words = _cli_words(capsys, "tune", *TINY, "--device", "sim:64MiB", *refused)
+    assert "max_micro_batch_size 0 must be an int >= 1" in words
+    assert seen == [(0, DEFAULT_SAFETY_MARGIN)]
 
 
 def test_the_service_refuses_safety_margin_1_5_with_the_library_words() -> None:

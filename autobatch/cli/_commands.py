@@ -180,9 +180,9 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     store = None if args.no_store else _store(args, writing=True)
     try:
         tuned = tune_request(
-            TuneRequest(
-                model=spec.model,
-                sample=spec.sample,
+            TuneRequest.build(
+                spec.model,
+                spec.sample,
                 optimizer=spec.optimizer,
                 loss_fn=spec.loss_fn,
                 device=target,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile
-from autobatch.tuning._request import TuneRequest
+from autobatch.tuning._request import ProfileOptions, TuneOptions, TuneRequest
 from autobatch.tuning._road import (
     Tuning,
     autotune,
@@ -27,6 +27,8 @@ from autobatch.tuning._road import (
 from autobatch.tuning._split_recording import split_recorder
 
 __all__ = [
+    "ProfileOptions",
+    "TuneOptions",
     "TuneRequest",
     "TunedProfile",
     "Tuning",
