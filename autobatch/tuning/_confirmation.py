@@ -13,8 +13,8 @@ remote gets it too) and the plan is ``measured``. When the trial runs out of mem
 does not keep the safety margin free, a normal probe runs instead, and the
 profile's notes and the ``autobatch`` logger say so.
 
-Imports no torch: the trial is the caller's
-(:func:`autobatch.probing._prober.confirm_micro_batch_size`).
+The trial is the caller's (:func:`autobatch.probing._prober.confirm_micro_batch_size`); the
+plan for this card comes from :func:`autobatch.tuning._planned.plan_at_capacity`.
 
 Example::
 
@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterable
 
 from autobatch.conditions import Conditions, condition_changes
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning import Prediction, plan
+from autobatch.planning import Prediction
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
 from autobatch.profiles import ProfileStore
+from autobatch.tuning._planned import plan_at_capacity
 
 __all__ = [
     "ArrivalPrediction",
@@ -107,13 +108,7 @@ def find_prediction(
         if conditions is not None and condition_changes(profile.conditions, conditions):
             continue
         try:
-            result = plan(
-                profile,
-                effective_batch_size=1,
-                capacity_bytes=capacity_bytes,
-                safety_margin=safety_margin,
-                source="cached",
-            )
+            result = plan_at_capacity(profile, capacity_bytes, safety_margin=safety_margin)
         except (ConfigError, NoFeasiblePlanError):
             continue  # this profile cannot predict here; an older one might
         if result.prediction is None or result.source != "predicted":

@@ -1,6 +1,7 @@
 """The tuning road's calls into :mod:`autobatch.planning`, all in one place: whether some plan is
-possible before probing, the largest micro-batch worth a trial, and the plan from a profile (one
-process, or one rank of a mixed plan).
+possible before probing, the largest micro-batch worth a trial, the plan from a profile (one
+process, or one rank of a mixed plan), and what a profile from another card plans for this
+card's capacity (confirmation on arrival).
 
 Example::
 
@@ -22,6 +23,7 @@ from autobatch.planning import (
     budgeted_plan,
     largest_useful_micro_batch_size,
     mixed_plans,
+    plan,
     plan_request,
     resolve_plan_limit,
     stored_profile_source,
@@ -35,6 +37,7 @@ __all__ = [
     "check_possible",
     "mixed_rank_plan",
     "mixed_useful_cap",
+    "plan_at_capacity",
     "plan_from",
     "rank_limit",
     "useful_cap",
@@ -115,3 +118,20 @@ def mixed_rank_plan(
     if budget is not None:
         result = with_budget(result, budget, safety_margin=budget_margin(profile, wanted))
     return result
+
+
+def plan_at_capacity(profile: Profile, capacity_bytes: int, *, safety_margin: float) -> Plan:
+    """What a stored ``profile`` (another card's) plans within ``capacity_bytes`` at
+    ``safety_margin``: its ``max_micro_batch_size`` and, past the sizes that really ran there,
+    ``source == "predicted"`` with its prediction.
+
+    Raises:
+        ConfigError, NoFeasiblePlanError: the profile cannot plan within ``capacity_bytes``.
+    """
+    return plan(
+        profile,
+        effective_batch_size=1,
+        capacity_bytes=capacity_bytes,
+        safety_margin=safety_margin,
+        source="cached",
+    )
