@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -343,3 +345,33 @@ def test_a_profile_budget_takes_the_profile_margin_unless_the_request_gives_one(
         assert result.budget is not None and result.predicted_peak_memory_bytes is not None
         expected = int(8 * GIB * (1 - margin)) // result.predicted_peak_memory_bytes
         assert result.budget.trials_per_gpu == expected
+
+
+def test_every_surface_builds_the_tune_request_through_the_one_builder() -> None:
+    # The library's keyword functions, the CLI's tune, the drop-ins and the service's probe
+    # jobs all call TuneRequest.build; nothing constructs the request field by field.
+    root = Path(__file__).resolve().parents[1]
+    builders: set[str] = set()
+    by_hand: list[str] = []
+    for path in sorted([*(root / "autobatch").rglob("*.py"), *(root / "service").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            called = node.func
+            where = str(path.relative_to(root))
+            if isinstance(called, ast.Name) and called.id == "TuneRequest":
+                by_hand.append(where)
+            elif (
+                isinstance(called, ast.Attribute)
+                and called.attr == "build"
+                and isinstance(called.value, ast.Name)
+                and called.value.id == "TuneRequest"
+            ):
+                builders.add(where)
+    assert by_hand == []
+    assert builders == {
+        "autobatch/cli/_commands.py",
+        "autobatch/integrations/_dropins.py",
+        "autobatch/tuning/_road.py",
+        "service/jobs.py",
+    }
