@@ -53,7 +53,7 @@ block reads as "not recorded"; a version 1 ``stop_kind`` is derived from ``stop_
 
 CONFIRMATION_STOP_REASON = "confirmation: "
 """How the ``stop_reason`` of a profile confirming on arrival begins: one real trial at a
-micro-batch predicted from another card's profile (:mod:`autobatch.profiles._confirmation`)."""
+micro-batch predicted from another card's profile (:mod:`autobatch.tuning._confirmation`)."""
 
 Method = Literal["estimate", "probe", "doubling"]
 StopKind = Literal["boundary", "limit", "failure"]

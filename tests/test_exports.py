@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,59 +213,3 @@ def test_import_does_not_initialise_nvml_or_cuda() -> None:
         "print(torch.cuda.is_initialized(), 'autobatch.device._nvml' in sys.modules)"
     )
     assert out.split() == ["False", "False"]
-
-
-# Public entry points take flat keyword arguments; everything below them takes the option
-# bundles those build (autobatch.probing._options, autobatch.profiles._cache.StoreOptions).
-FLAT_ENTRY_POINTS = {
-    "autobatch/probing/_estimator.py:estimate",
-    "autobatch/probing/_prober.py:probe",
-    "autobatch/tuning/_road.py:autotune",
-    "autobatch/tuning/_road.py:autotune_profile",
-    "autobatch/tuning/_road.py:tune",
-    "autobatch/training/_accumulator.py:Accumulator.__init__",  # Accumulator(...), called by users
-}
-MAX_PARAMETERS = 10
-
-
-def _num_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    arguments = function.args
-    names = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
-    count = len(names) + bool(arguments.vararg) + bool(arguments.kwarg)
-    return count - (bool(names) and names[0].arg in ("self", "cls"))
-
-
-def _qualified_functions(
-    node: ast.AST, prefix: str = ""
-) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """Every function under ``node`` by its qualified name (``Class.method``, a nested function
-    under its parents), so that two methods of one name in one file are both seen."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            name = f"{prefix}{child.name}"
-            if not isinstance(child, ast.ClassDef):
-                yield name, child
-            yield from _qualified_functions(child, f"{name}.")
-        else:
-            yield from _qualified_functions(child, prefix)
-
-
-def test_qualified_names_tell_methods_and_nested_functions_apart() -> None:
-    tree = ast.parse(
-        "class A:\n    def __init__(self): pass\n"
-        "class B:\n    def __init__(self):\n        def inner(): pass\n"
-        "if True:\n    def f(): pass\n"
-    )
-    names = [name for name, _ in _qualified_functions(tree)]
-    assert names == ["A.__init__", "B.__init__", "B.__init__.inner", "f"]
-
-
-def test_only_public_entry_points_take_many_parameters() -> None:
-    counts = {
-        f"{path.relative_to(ROOT)}:{name}": _num_parameters(node)
-        for folder in ("autobatch", "service")
-        for path in sorted((ROOT / folder).rglob("*.py"))
-        for name, node in _qualified_functions(ast.parse(path.read_text()))
-    }
-    too_many = {name: n for name, n in counts.items() if n > MAX_PARAMETERS}
-    assert set(too_many) == FLAT_ENTRY_POINTS, too_many

@@ -14,6 +14,8 @@ reported.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -242,6 +244,28 @@ def test_the_store_layer_knows_nothing_of_http_or_the_service() -> None:
         if layer_of(module) in ("client", "service", "cli", "tuning") or module == "httpx"
     }
     assert not offenders, sorted(offenders)
+
+
+def test_the_store_layer_is_storage_only_and_imports_no_torch() -> None:
+    # The cross-rank cache policy needs torch's collectives: it lives on the tuning road, so
+    # the store (what the service and the CLI's plan import) loads without torch.
+    reaching = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in sorted((PACKAGE / "profiles").rglob("*.py"))
+        for module in imported_modules(path.read_text())
+        if layer_of(module) in ("distributed", "probing", "training")
+    }
+    assert not reaching, sorted(reaching)
+    code = "import sys, autobatch.profiles; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "False"
 
 
 def test_only_the_nvml_module_imports_pynvml() -> None:

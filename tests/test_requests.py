@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,11 +19,19 @@ from autobatch.cli import main
 from autobatch.errors import ConfigError, python_wording
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.planning import given_budget, plan_request, plan_table
+from autobatch.probing import check_search_arguments
 from autobatch.profile import MemoryModel
-from autobatch.tuning import autotune_profile, tune_request
+from autobatch.tuning import (
+    BuildOptions,
+    ProfileOptions,
+    TuneOptions,
+    autotune_profile,
+    tune_request,
+)
 from tests.planning.test_planner import make_profile
 
 GIB = 2**30
+TINY = ["tests.service.models:tiny_mlp", "--input-shape", "32"]
 MARGIN_REFUSED = "safety_margin 1.5 must be a number in [0, 1), e.g. 0.05"
 """check_safety_margin's words for 1.5: every surface says the same."""
 
@@ -83,23 +94,93 @@ def test_a_tune_request_refuses_each_bad_value_naming_it_and_the_fix(
     changes: dict[str, Any], words: str
 ) -> None:
     with pytest.raises(ConfigError) as refused:
-        TuneRequest(model=torch.nn.Linear(2, 2), sample=torch.zeros(1, 2), **changes)
+        TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), **changes)
     assert words in refused.value.describe(python_wording)
 
 
 def test_a_tune_request_holds_its_plan_part_checked_and_none_without_a_batch() -> None:
     model, sample = torch.nn.Linear(2, 2), torch.zeros(1, 2)
-    request = TuneRequest(model=model, sample=sample, effective_batch_size=96, multiple_of=8)
+    request = TuneRequest.build(model, sample, effective_batch_size=96, multiple_of=8)
     assert request.plan == PlanRequest(effective_batch_size=96, multiple_of=8)
-    assert request.safety_margin == DEFAULT_SAFETY_MARGIN == 0.05
-    assert TuneRequest(model=model, sample=sample).plan is None
+    assert request.probe.safety_margin == DEFAULT_SAFETY_MARGIN == 0.05
+    assert request.step.model is model
+    assert TuneRequest.build(model, sample).plan is None
     with pytest.raises(ConfigError, match="needs effective_batch_size; for the profile alone"):
-        tune_request(TuneRequest(model=model, sample=sample))
+        tune_request(TuneRequest.build(model, sample))
+
+
+def test_a_tune_request_is_built_for_the_launchers_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The data-parallel size is resolved when the request is built: the plan part holds the
+    # truth, and the probe's conditions say where it came from.
+    for name, value in {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    request = TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96)
+    assert request.plan is not None and request.plan.world_size == 4
+    assert request.probe.conditions.data_parallel_size == 4
+    assert "WORLD_SIZE=4" in request.probe.conditions.data_parallel_source
+    given = TuneRequest.build(
+        torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96, world_size=2
+    )
+    assert given.plan is not None and given.plan.world_size == 2
+
+
+def test_the_option_declarations_are_what_the_builder_takes() -> None:
+    # One declaration per entry: TuneOptions (autotune, tune) and ProfileOptions
+    # (autotune_profile) name exactly the keywords TuneRequest.build accepts, besides the
+    # model, the sample and effective_batch_size.
+    built = inspect.signature(TuneRequest.build).parameters
+    keywords = {n for n, p in built.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords == {"effective_batch_size"}
+    assert built["options"].kind is inspect.Parameter.VAR_KEYWORD
+    tune_keys, profile_keys = set(TuneOptions.__annotations__), set(ProfileOptions.__annotations__)
+    assert set(BuildOptions.__annotations__) == tune_keys | profile_keys
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batch_size'"):
+        TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), batch_size=4)  # type: ignore[call-arg]
+    assert tune_keys - profile_keys == {
+        "world_size",
+        "data_parallel_size",
+        "process_group",
+        "multiple_of",
+        "max_gradient_accumulation_steps",
+        "uneven",
+        "allow_inexact",
+        "mixed_ranks",
+    }
+    assert profile_keys - tune_keys == {"use_estimate"}
+    assert len(tune_keys) + 3 == 26  # model, sample, effective_batch_size and the options
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (
+            lambda m, s: autobatch.autotune(m, s, effective_batch_size=8, use_estimate=False),
+            "autotune() got an unexpected keyword argument 'use_estimate'",
+        ),
+        (
+            lambda m, s: autobatch.tune(m, s, effective_batch_size=8, batch_size=4),
+            "tune() got an unexpected keyword argument 'batch_size'",
+        ),
+        (
+            lambda m, s: autotune_profile(m, s, effective_batch_size=8),
+            "autotune_profile() got an unexpected keyword argument 'effective_batch_size'",
+        ),
+        (
+            lambda m, s: autobatch.autotune(m, s, world_size=2),
+            "missing 1 required keyword-only argument: 'effective_batch_size'",
+        ),
+    ],
+)
+def test_the_keyword_functions_refuse_an_undeclared_keyword_as_python_does(
+    call: Callable[[torch.nn.Module, torch.Tensor], object], words: str
+) -> None:
+    with pytest.raises(TypeError, match=re.escape(words)):
+        call(torch.nn.Linear(2, 2), torch.zeros(1, 2))
 
 
 def _cli_words(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    with pytest.raises(SystemExit):
-        main(list(argv))
+    # The parser only parses: the range is the library's check, shown as the CLI's error.
+    assert main(list(argv)) == 1
     return capsys.readouterr().err
 
 
@@ -130,13 +211,67 @@ def test_every_surface_refuses_safety_margin_1_5_with_the_one_check(
         ),
         lambda: make_profile(safety_margin=1.5),
     ]
-    for call in calls:
+    for index, call in enumerate(calls):
         seen.clear()
         with pytest.raises(ConfigError, match=re.escape(MARGIN_REFUSED)):
             call()
         assert seen and set(seen) == {1.5}
-    assert MARGIN_REFUSED in _cli_words(capsys, "tune", "mlp", "--safety-margin", "1.5")
-    assert MARGIN_REFUSED in _cli_words(capsys, "estimate", "mlp", "--safety-margin", "1.5")
+        if index < 2:  # the tuning road: checked once, where the request is built
+            assert seen == [1.5]
+    for command in ("tune", "estimate"):
+        seen.clear()
+        argv = [command, *TINY, "--safety-margin", "1.5"]
+        extra = ["--effective-batch-size", "8", "--no-store", "--device", "sim:1GiB"]
+        extra = extra if command == "tune" else ["--capacity", "1GiB"]
+        assert f"argument --safety-margin: {MARGIN_REFUSED}" in _cli_words(capsys, *argv, *extra)
+        assert seen == [1.5]  # the parser parses; the library checks
+
+
+def test_each_road_checks_the_margin_and_the_search_cap_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[object, object]] = []
+
+    def counted(max_micro_batch_size: int, safety_margin: float) -> None:
+        seen.append((max_micro_batch_size, safety_margin))
+        check_search_arguments(max_micro_batch_size, safety_margin)
+
+    for module in ("autobatch.probing._options", "autobatch.probing._estimator"):
+        monkeypatch.setattr(f"{module}.check_search_arguments", counted)
+    model, sample = torch.nn.Linear(4, 2), torch.zeros(1, 4)
+    options: dict[str, Any] = {
+        "device": "sim:64MiB",
+        "use_store": False,
+        "loss_fn": lambda out: out.float().pow(2).mean(),
+    }
+    roads: list[Callable[[], object]] = [
+        lambda: autobatch.autotune(model, sample, effective_batch_size=8, **options),
+        lambda: autotune_profile(model, sample, max_micro_batch_size=64, **options),
+        lambda: main(
+            [
+                "tune",
+                *TINY,
+                "--effective-batch-size",
+                "8",
+                "--json",
+                "--no-store",
+                "--device",
+                "sim:256MiB",
+                "--max-micro-batch-size",
+                "64",
+            ]
+        ),
+    ]
+    for road in roads:
+        seen.clear()
+        road()
+        assert len(seen) == 1, seen
+    capsys.readouterr()
+    seen.clear()
+    refused = ["--effective-batch-size", "8", "--no-store", "--max-micro-batch-size", "0"]
+    words = _cli_words(capsys, "tune", *TINY, "--device", "sim:64MiB", *refused)
+    assert "argument --max-micro-batch-size: max_micro_batch_size 0 must be an int >= 1" in words
+    assert seen == [(0, DEFAULT_SAFETY_MARGIN)]
 
 
 def test_the_service_refuses_safety_margin_1_5_with_the_library_words() -> None:
@@ -250,3 +385,33 @@ def test_each_planning_surface_checks_each_range_once(monkeypatch: pytest.Monkey
     seen.clear()
     plan_mixed_ranks(ranks, PlanRequest(effective_batch_size=96, world_size=2))
     assert sorted(seen) == sorted(once)  # the request's checks alone
+
+
+def test_every_surface_builds_the_tune_request_through_the_one_builder() -> None:
+    # The library's keyword functions, the CLI's tune, the drop-ins and the service's probe
+    # jobs all call TuneRequest.build; nothing constructs the request field by field.
+    root = Path(__file__).resolve().parents[1]
+    builders: set[str] = set()
+    by_hand: list[str] = []
+    for path in sorted([*(root / "autobatch").rglob("*.py"), *(root / "service").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            called = node.func
+            where = str(path.relative_to(root))
+            if isinstance(called, ast.Name) and called.id == "TuneRequest":
+                by_hand.append(where)
+            elif (
+                isinstance(called, ast.Attribute)
+                and called.attr == "build"
+                and isinstance(called.value, ast.Name)
+                and called.value.id == "TuneRequest"
+            ):
+                builders.add(where)
+    assert by_hand == []
+    assert builders == {
+        "autobatch/cli/_commands.py",
+        "autobatch/integrations/_dropins.py",
+        "autobatch/tuning/_road.py",
+        "service/probes/runs.py",
+    }

@@ -60,9 +60,9 @@ def test_several_ranks_without_a_process_group_are_refused() -> None:
 
 def test_an_inexact_mixed_plan_is_refused_when_the_request_is_built() -> None:
     with pytest.raises(ConfigError, match="allow_inexact does not go with a mixed plan"):
-        TuneRequest(
-            model=_model(),
-            sample=torch.randn(4, 16),
+        TuneRequest.build(
+            _model(),
+            torch.randn(4, 16),
             effective_batch_size=96,
             allow_inexact=True,
             mixed_ranks=True,

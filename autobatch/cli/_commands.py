@@ -67,11 +67,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except AutobatchError as exc:
-        print(f"autobatch: error: {exc.describe(flag_wording)}", file=sys.stderr)
+        given = sys.argv[1:] if argv is None else argv
+        words = _flag_spelling(exc.describe(flag_wording), given)
+        print(f"autobatch: error: {words}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
+
+
+def _flag_spelling(words: str, argv: Sequence[str]) -> str:
+    """The library's refusal of a value the user gave as a flag, led by that flag as argparse
+    leads its own: ``argument --safety-margin: safety_margin 1.5 must be ...``. The parser
+    only parses; the range is the library's one check."""
+    name = words.split(" ", 1)[0]
+    flag = "--" + name.replace("_", "-")
+    if name.isidentifier() and any(a == flag or a.startswith(f"{flag}=") for a in argv):
+        return f"argument {flag}: {words}"
+    return words
 
 
 def _stdout_closed() -> int:
@@ -191,9 +204,9 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     store = None if args.no_store else _store(args, writing=True)
     try:
         tuned = tune_request(
-            TuneRequest(
-                model=spec.model,
-                sample=spec.sample,
+            TuneRequest.build(
+                spec.model,
+                spec.sample,
                 optimizer=spec.optimizer,
                 loss_fn=spec.loss_fn,
                 device=target,

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
 from autobatch.errors import ConfigError
-from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
+from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.units import parse_capacity
 
 __all__ = ["FORMATS", "build_parser", "unknown_arguments"]
@@ -132,15 +132,7 @@ def unknown_arguments(parser: argparse.ArgumentParser, extras: Sequence[str]) ->
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        if text.isdigit():  # past Python's int_max_str_digits
-            raise argparse.ArgumentTypeError(
-                f"the number given has {len(text)} digits, more than Python reads "
-                f"({sys.get_int_max_str_digits()}); give a smaller one"
-            ) from None
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
@@ -170,15 +162,26 @@ def _shape(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _margin(text: str) -> float:
+def _number(text: str) -> float:
+    """A number, parsed only: its range is the library's one check (the request's), whose
+    error the CLI shows in flag spelling."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _whole_number(text: str) -> int:
+    """A whole number, parsed only: its range is the library's one check (the request's)."""
     try:
-        return check_safety_margin(value)  # the library's one check of the range
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
+        return int(text)
+    except ValueError:
+        if text.isdigit():  # past Python's int_max_str_digits
+            raise argparse.ArgumentTypeError(
+                f"the number given has {len(text)} digits, more than Python reads "
+                f"({sys.get_int_max_str_digits()}); give a smaller one"
+            ) from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
 
 def _fraction(text: str) -> float:
@@ -232,12 +235,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--safety-margin",
-        type=_margin,
+        type=_number,
         default=DEFAULT_SAFETY_MARGIN,
         help=f"capacity kept free (default {DEFAULT_SAFETY_MARGIN})",
     )
     parser.add_argument(
-        "--max-micro-batch-size", type=_positive_int, default=1 << 16, help="largest size tried"
+        "--max-micro-batch-size", type=_whole_number, default=1 << 16, help="largest size tried"
     )
 
 
@@ -288,9 +291,9 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             dest="world_size",
             action=_OneSpelling,
             type=_positive_int,
-            default=1,
+            default=None,
             help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
-            "parallelism)",
+            "parallelism); default: the launcher's (torchrun's WORLD_SIZE, Slurm's...), else 1",
         )
     parser.add_argument(
         "--multiple-of",

@@ -82,7 +82,7 @@ class Consensus(Protocol):
 
 class LocalConsensus:
     """The consensus of a single process: every value is already agreed, and this process is
-    rank 0 (so the store lane of :mod:`autobatch.profiles._cache` is the same for one rank and
+    rank 0 (so the store lane of :mod:`autobatch.tuning._cache` is the same for one rank and
     many)."""
 
     @property

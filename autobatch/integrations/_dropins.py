@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,7 +26,7 @@ from autobatch.device import Device
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning import Plan
 from autobatch.probing import callable_identity
-from autobatch.tuning import TuneRequest, autotune, tune_request
+from autobatch.tuning import TuneOptions, TuneRequest, tune_request
 
 __all__ = [
     "FrameworkStep",
@@ -78,7 +77,7 @@ def check_options(
         ConfigError: names the option and what to do instead; ``mixed_ranks=True``, which no
             framework behind a drop-in can run (a micro-batch per rank), names the framework.
     """
-    accepted = set(inspect.signature(autotune).parameters) - owned
+    accepted = {"model", "sample", "effective_batch_size", *TuneOptions.__annotations__} - owned
     for name in options:
         if name in owned:
             raise ConfigError(
@@ -184,9 +183,9 @@ def tune(
             NoFeasiblePlanError, StoreError, DistributedError: see :func:`autobatch.autotune`.
     """
     try:
-        request = TuneRequest(
-            model=model,
-            sample=sample,
+        request = TuneRequest.build(
+            model,
+            sample,
             effective_batch_size=effective_batch_size,
             world_size=world_size,
             uneven="never",  # a framework takes one micro-batch size

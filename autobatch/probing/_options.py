@@ -1,8 +1,9 @@
 """The probe's two option bundles, built and checked once at a public entry point and passed down:
 :class:`StepSpec` (what the step is) and :class:`ProbeOptions` (how to probe it).
 
-:func:`autobatch.probe`, :func:`autobatch.estimate` and the tuning road (:mod:`autobatch.tuning`)
-take flat keyword arguments; they build these, and nothing below them checks an argument again.
+:func:`autobatch.probe` and :func:`autobatch.estimate` build these from their flat keyword
+arguments, and the tuning road's :meth:`autobatch.tuning.TuneRequest.build` nests them in its
+request (``step``, ``probe``); nothing below them checks an argument again.
 
 Example::
 

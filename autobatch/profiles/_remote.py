@@ -1,8 +1,8 @@
 """Where profiles come from and go to beyond the local store: the :class:`ProfileRemote` protocol.
 
 The store layer asks a remote for profiles of a step measured on other cards (to predict a plan
-for this card, :mod:`autobatch.profiles._confirmation`) and hands it every newly measured profile
-(:func:`autobatch.profiles._cache.agreed_profile`). It never knows how: the road
+for this card, :mod:`autobatch.tuning._confirmation`) and hands it every newly measured profile
+(:func:`autobatch.tuning._cache.agreed_profile`). It never knows how: the road
 (:mod:`autobatch.tuning`) builds the remote and passes it down, e.g. the central autobatch
 service over HTTP (:class:`autobatch.client.ServiceProfiles`, built from ``report_to``). Neither
 method raises: without the remote, a card is probed as usual and the profile stays local.

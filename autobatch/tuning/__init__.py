@@ -13,9 +13,9 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.profiles import TunedProfile
+from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile
-from autobatch.tuning._request import TuneRequest
+from autobatch.tuning._request import BuildOptions, ProfileOptions, TuneOptions, TuneRequest
 from autobatch.tuning._road import (
     Tuning,
     autotune,
@@ -27,6 +27,9 @@ from autobatch.tuning._road import (
 from autobatch.tuning._split_recording import split_recorder
 
 __all__ = [
+    "BuildOptions",
+    "ProfileOptions",
+    "TuneOptions",
     "TuneRequest",
     "TunedProfile",
     "Tuning",

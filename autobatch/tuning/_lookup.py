@@ -22,20 +22,21 @@ from autobatch.distributed import (
 from autobatch.errors import ConditionsWarning
 from autobatch.probing import ProbeOptions, StepSpec, run_confirmation, run_probe
 from autobatch.profile import Profile
-from autobatch.profiles import (
-    ArrivalPrediction,
-    ProfileRemote,
-    ProfileStore,
+from autobatch.profiles import ProfileRemote, ProfileStore
+from autobatch.tuning._cache import (
     StoreOptions,
     Superseded,
     TunedProfile,
     agreed_profile,
     answers_request,
+    superseded_in,
+    user_stacklevel,
+)
+from autobatch.tuning._confirmation import (
+    ArrivalPrediction,
     confirm_on_arrival,
     find_prediction,
     stored_profiles,
-    superseded_in,
-    user_stacklevel,
 )
 
 __all__ = ["find_profile", "why_probed_again"]
@@ -44,7 +45,7 @@ logger = logging.getLogger("autobatch")
 
 
 def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -> TunedProfile:
-    """The road's one store lane (:func:`autobatch.profiles._cache.agreed_profile`) for this step
+    """The road's one store lane (:func:`autobatch.tuning._cache.agreed_profile`) for this step
     and these options: a stored profile that answers, else a prediction confirmed on this card
     (one process only), else a probe.
 
@@ -135,7 +136,7 @@ def _prediction_here(
     remote: ProfileRemote | None,
 ) -> ArrivalPrediction | None:
     """A plan predicted for this card from a profile of the same step on another card: from the
-    store, else from ``remote`` (:mod:`autobatch.profiles._confirmation`)."""
+    store, else from ``remote`` (:mod:`autobatch.tuning._confirmation`)."""
     where: dict[str, Any] = {
         "device_name": options.device.name,
         "total_memory_bytes": total_memory_bytes,

@@ -495,9 +495,9 @@ def _tune(
         _pin_visible_devices()
     target = resolve_device(device)
     spec = _registered_model(entry).to(target.torch_device)
-    request = TuneRequest(
-        model=spec.model,
-        sample=spec.sample,
+    request = TuneRequest.build(
+        spec.model,
+        spec.sample,
         loss_fn=spec.loss_fn,
         device=target,
         safety_margin=entry.safety_margin,

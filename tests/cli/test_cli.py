@@ -591,3 +591,29 @@ def test_tune_text_shows_where_the_probe_s_time_went(capsys: pytest.CaptureFixtu
     # the tiny model's steps cost milliseconds, less than the estimate would save.
     assert "(simulated clock)" not in line and "real trials" in line, line
     assert line.startswith("probe time       ") and " s: " in line, line
+
+
+TORCHRUN = {
+    "WORLD_SIZE": "4",
+    "RANK": "1",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_WORLD_SIZE": "2",
+}
+"""torchrun's variables for rank 1 of 4 (2 nodes x 2), before any process group exists."""
+
+
+def test_tune_under_torchrun_plans_for_the_launchers_ranks(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    argv = ["tune", *TINY, "--device", "sim:4MiB", "--effective-batch-size", "64", "--no-store"]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["world_size"] == 4  # read from the launcher, as autotune(world_size=None) does
+    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] * 4 == 64
+    code, out, err = run(capsys, *argv, "--json", "--world-size", "1")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["world_size"] == 1  # a given size wins

@@ -17,8 +17,8 @@ from autobatch.errors import ReportWarning
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.profile import Profile, StepIdentity
 from autobatch.profiles import ProfileRemote, ProfileStore
-from autobatch.profiles._cache import StoreOptions, agreed_profile
 from autobatch.tuning import find_profile
+from autobatch.tuning._cache import StoreOptions, agreed_profile
 from tests.profiles.test_store import make_profile
 
 

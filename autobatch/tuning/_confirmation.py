@@ -3,7 +3,7 @@
 A predicted plan (``plan.source == "predicted"``) is a pure function of a stored profile and a
 capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
 card it runs on, it looks in the store, then in the remote the road passed down
-(:class:`~autobatch.profiles._remote.ProfileRemote`; with ``report_to``, the service), for a
+(:class:`~autobatch.profiles.ProfileRemote`; with ``report_to``, the service), for a
 profile of the *same step* (the same :class:`~autobatch.profile.StepIdentity`: model, step,
 input, dtypes, optimizer, torch; and the same conditions, :mod:`autobatch.conditions`) probed on
 another card, and plans from it for this card's capacity. When that plan is predicted (past the
@@ -13,8 +13,8 @@ remote gets it too) and the plan is ``measured``. When the trial runs out of mem
 does not keep the safety margin free, a normal probe runs instead, and the
 profile's notes and the ``autobatch`` logger say so.
 
-Imports no torch: the trial is the caller's
-(:func:`autobatch.probing._prober.confirm_micro_batch_size`).
+The trial is the caller's (:func:`autobatch.probing._prober.confirm_micro_batch_size`); the
+plan for this card comes from :func:`autobatch.tuning._planned.plan_at_capacity`.
 
 Example::
 
@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterable
 
 from autobatch.conditions import Conditions, condition_changes
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning import PlanRequest, Prediction, plan_request
+from autobatch.planning import Prediction
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
-from autobatch.profiles._store import ProfileStore
+from autobatch.profiles import ProfileStore
+from autobatch.tuning._planned import plan_at_capacity
 
 __all__ = [
     "ArrivalPrediction",
@@ -78,7 +79,7 @@ def find_prediction(
 
     Args:
         candidates: ``(id, profile)`` pairs, most trusted first (e.g. :func:`stored_profiles`,
-            then the remote's, :meth:`~autobatch.profiles._remote.ProfileRemote.profiles_of`);
+            then the remote's, :meth:`~autobatch.profiles.ProfileRemote.profiles_of`);
             profiles of other steps, and of this card, are skipped.
         identity: this request's step (:func:`autobatch.probing._identity.step_identity`).
         device_name, total_memory_bytes: this card (with ``identity``, the cache key).
@@ -107,10 +108,7 @@ def find_prediction(
         if conditions is not None and condition_changes(profile.conditions, conditions):
             continue
         try:
-            wanted = PlanRequest(
-                effective_batch_size=1, capacity_bytes=capacity_bytes, safety_margin=safety_margin
-            )
-            result = plan_request(profile, wanted, source="cached")
+            result = plan_at_capacity(profile, capacity_bytes, safety_margin=safety_margin)
         except (ConfigError, NoFeasiblePlanError):
             continue  # this profile cannot predict here; an older one might
         if result.prediction is None or result.source != "predicted":

@@ -6,7 +6,7 @@ probed through one lane, :func:`agreed_profile`, for one process and for the ran
 group alike (rank 0 reads and writes, every rank uses rank 0's answer); :func:`answers_request`
 is the rule for whether a stored profile answers a request, and :func:`report_profile_to`
 hands a new profile to the remote the road passed down
-(:class:`~autobatch.profiles._remote.ProfileRemote`, e.g. the central service), warning rather
+(:class:`~autobatch.profiles.ProfileRemote`, e.g. the central service), warning rather
 than failing.
 
 Example::
@@ -29,8 +29,7 @@ from autobatch.conditions import ConditionChange, Conditions, condition_changes
 from autobatch.distributed import LocalConsensus, ProcessGroupConsensus
 from autobatch.errors import ReportWarning
 from autobatch.profile import Mode, Profile, StepIdentity
-from autobatch.profiles._remote import ProfileRemote
-from autobatch.profiles._store import ProfileStore
+from autobatch.profiles import ProfileRemote, ProfileStore
 from autobatch.units import format_bytes
 
 __all__ = [
@@ -195,7 +194,7 @@ def agreed_profile(
         accepts: whether a stored profile answers this request (:func:`answers_request`).
         run_probe: probes (every rank calls it together).
         confirm: one process only: before probing, a plan predicted from another card's profile
-            is confirmed by one real trial (:mod:`autobatch.profiles._confirmation`).
+            is confirmed by one real trial (:mod:`autobatch.tuning._confirmation`).
         explain: when the store has no answer, a stored profile of the same step on this card
             that a change of conditions kept from answering: the probe's profile notes it and
             the ``autobatch`` logger warns with it (never with ``refresh``).
