@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -160,6 +161,12 @@ class ProbeOptions:
     gradient_sync: GradientSync = GradientSync()
     """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the
     profile."""
+    clock: Callable[[], float] = time.perf_counter
+    """Seconds on a monotonic clock for the host's side of the probe: each fake step of the
+    estimate and the estimate in all, which decide whether it starts and when it stops. Real
+    steps are timed on the device's own clock (:meth:`autobatch.device.Device.clock`). Tests
+    give a clock that advances by set amounts, so the road taken does not depend on how
+    loaded the machine is."""
 
     @property
     def mode(self) -> Mode:
@@ -178,13 +185,15 @@ class ProbeOptions:
         eval: bool = False,
         consensus: Consensus | None = None,
         data_parallel: tuple[int, str] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> ProbeOptions:
         """Check how to probe ``step`` on ``device`` (resolved by the caller), once, and read the
         conditions it runs under.
 
         ``data_parallel``: the data-parallel size and its source, as the caller resolved it
         (:func:`autobatch.distributed._layout.resolve_data_parallel`); None: the ranks probing
-        together, else the launcher's ``WORLD_SIZE``, else one process.
+        together, else the launcher's ``WORLD_SIZE``, else one process. ``clock``: seconds for
+        the estimate's timings (:attr:`clock`).
 
         Raises:
             ConfigError: a limit or margin no search can use, ``eval=True`` with a train_step
@@ -225,6 +234,7 @@ class ProbeOptions:
                 data_parallel=data_parallel,
             ),
             gradient_sync=measured_sync(step, eval=eval),
+            clock=clock,
         )
 
     def for_eval(self, step: StepSpec) -> ProbeOptions:
