@@ -7,6 +7,7 @@ timed on a machine that may be loaded."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from autobatch.probing._probe_search import (
 from autobatch.probing._prober import run_probe
 from autobatch.probing._search import estimate_budget_seconds, growth_sizes
 from autobatch.profile import ProbeTimings, Profile
+from tests.helpers.clocks import SetClock
 
 MIB = 2**20
 
@@ -42,22 +44,6 @@ SAMPLE = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
 def run(step_seconds: float | None) -> Profile:
     device = SimulatedDevice(capacity_bytes=4 * MIB, step_seconds=step_seconds)
     return probe(mlp(), SAMPLE, loss_fn=F.cross_entropy, device=device)
-
-
-class SetClock:
-    """A probe's clock that stands still until :meth:`advance` moves it."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    def __deepcopy__(self, memo: dict[int, object]) -> SetClock:
-        return self  # the estimate's fake copy of the model advances this same clock
 
 
 class Ticking(torch.nn.Module):
@@ -165,6 +151,17 @@ def test_a_started_estimate_stops_before_a_fake_step_past_its_overrun() -> None:
     note = next(n for n in profile.notes if n.startswith("estimate stopped"))
     assert "after 2 fake steps (30 s), at 2x the 20 s of real steps" in note
     assert profile.max_micro_batch_size == run(10.0).max_micro_batch_size
+
+
+def test_the_probe_s_clock_is_the_wall_clock_unless_one_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.undo()  # the suite's set clock (tests/conftest.py)
+    step = StepSpec.build(mlp(), SAMPLE, loss_fn=F.cross_entropy)
+    device = SimulatedDevice(capacity_bytes=4 * MIB)
+    assert ProbeOptions.build(step, device=device).clock is time.perf_counter
+    clock = SetClock()
+    assert ProbeOptions.build(step, device=device, clock=clock).clock is clock
 
 
 def test_an_estimate_out_of_budget_stops_after_its_warm_up_step() -> None:
