@@ -23,8 +23,9 @@ Clock = Literal["wall", "simulated"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeTimings:
-    """Where a probe's time went, in seconds, read from the device's clock
-    (:meth:`autobatch.device.Device.clock`).
+    """Where a probe's time went, in seconds: real steps read from the device's clock
+    (:meth:`autobatch.device.Device.clock`), the estimate's fake steps (which run on the host)
+    from the probe's (``ProbeOptions.clock``, the wall clock unless a test sets one).
 
     On a real device the clock is the wall clock; on a
     :class:`~autobatch.device.SimulatedDevice` given ``step_seconds`` each real step counts that

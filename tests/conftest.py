@@ -1,5 +1,6 @@
 """Shared fixtures: small real models (transformers configs with random weights, a CNN with
-BatchNorm, an MLP with Adam) and an exhaustive-search reference on the simulated device."""
+BatchNorm, an MLP with Adam), an exhaustive-search reference on the simulated device, and a set
+clock for every probe's fake steps."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import autobatch.probing._options as probe_options
 from autobatch.device._oom import is_oom
 from autobatch.device._simulated import SimulatedDevice
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._snapshot import resident_tensors
 from autobatch.probing._step import TrainingStep
+from tests.helpers.clocks import TickingClock
 
 
 @dataclasses.dataclass
@@ -254,3 +257,16 @@ def _a_private_profile_store(tmp_path_factory: pytest.TempPathFactory) -> Iterat
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+FAKE_STEP_SECONDS = 0.001
+"""How long each fake step of an estimate lasts on the suite's set clock."""
+
+
+@pytest.fixture(autouse=True)
+def _probes_on_a_set_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every probe a test makes in this process times its fake steps on a clock that advances
+    by :data:`FAKE_STEP_SECONDS` a step, not on the wall clock: whether an estimate starts and
+    where it stops is then the same on any machine, loaded or not. A test that gives its own
+    clock (``ProbeOptions.build(clock=...)``), or undoes ``monkeypatch``, is on that one."""
+    monkeypatch.setattr(probe_options, "DEFAULT_CLOCK", TickingClock(seconds=FAKE_STEP_SECONDS))

@@ -101,6 +101,7 @@ class FakeStep:
         train_step: TrainStep | None = None,
         step_includes_update: bool = False,
         amp_dtype: torch.dtype | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.source = source
@@ -130,8 +131,10 @@ class FakeStep:
             step_on_overflow=True,
         )
         self.num_steps = 0
+        self.clock = clock
+        """Seconds on a monotonic clock, read before and after each fake step."""
         self.step_seconds: list[float] = []
-        """Each fake step's wall time (the warm-up's first), seconds."""
+        """Each fake step's time on :attr:`clock` (the warm-up's first), seconds."""
         self.stopped_early = False
         """:func:`estimate_points` stopped at its time budget before the boundary was found."""
         self.min_micro_batch_size = 1
@@ -156,7 +159,7 @@ class FakeStep:
         train (BatchNorm needs more than one value per channel)."""
         if self._warmed_up:
             return
-        started = time.perf_counter()
+        started = self.clock()
         try:
             with self._tracing(LiveBytes()):
                 self.step.run(self.source.make(1))
@@ -167,7 +170,7 @@ class FakeStep:
             with self._tracing(LiveBytes()):
                 self.step.run(self.source.make(2))
         self.num_steps += 1
-        self.step_seconds.append(time.perf_counter() - started)
+        self.step_seconds.append(self.clock() - started)
         self._warmed_up = True
 
     def resident(self) -> list[torch.Tensor]:
@@ -201,13 +204,13 @@ class FakeStep:
             EstimateUnavailableError: the step cannot run on fake tensors.
         """
         self.warm_up()
-        started = time.perf_counter()
+        started = self.clock()
         tracker = LiveBytes()
         tracker.add_resident(self.resident())
         with self._tracing(tracker):
             self.step.run(self.source.make(micro_batch_size))
         self.num_steps += 1
-        self.step_seconds.append(time.perf_counter() - started)
+        self.step_seconds.append(self.clock() - started)
         return tracker.peak_bytes
 
 

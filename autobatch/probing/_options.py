@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from autobatch.probing._step import LossFn, TrainStep, check_step_arguments
 from autobatch.profile import GradientSync, Mode, StepIdentity, Trial
 
 __all__ = [
+    "DEFAULT_CLOCK",
     "DEFAULT_LIMIT",
     "MICRO_STEPS_WITHOUT_SYNC",
     "OnTrial",
@@ -50,6 +52,11 @@ DEFAULT_LIMIT = 1 << 16
 
 OnTrial = Callable[[Trial], None]
 """Called after each real trial (a progress display, the service's job log)."""
+
+DEFAULT_CLOCK: Callable[[], float] = time.perf_counter
+"""The probe's clock (:attr:`ProbeOptions.clock`) where the caller gives none: seconds as they
+pass. The one name a test patches to put the probes it makes through the public functions on
+a set clock."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,6 +168,12 @@ class ProbeOptions:
     gradient_sync: GradientSync = GradientSync()
     """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the
     profile."""
+    clock: Callable[[], float]
+    """Seconds on a monotonic clock for the host's side of the probe: each fake step of the
+    estimate and the estimate in all, which decide whether it starts and when it stops. Real
+    steps are timed on the device's own clock (:meth:`autobatch.device.Device.clock`). Tests
+    give a clock that advances by set amounts, so the road taken does not depend on how
+    loaded the machine is."""
 
     @property
     def mode(self) -> Mode:
@@ -179,13 +192,15 @@ class ProbeOptions:
         eval: bool = False,
         consensus: Consensus | None = None,
         data_parallel: tuple[int, str] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> ProbeOptions:
         """Check how to probe ``step`` on ``device`` (resolved by the caller), once, and read the
         conditions it runs under.
 
         ``data_parallel``: the data-parallel size and its source, as the caller resolved it
         (:func:`autobatch.distributed._layout.resolve_data_parallel`); None: the ranks probing
-        together, else the launcher's ``WORLD_SIZE``, else one process.
+        together, else the launcher's ``WORLD_SIZE``, else one process. ``clock``: seconds for
+        the estimate's timings (:attr:`clock`); None: :data:`DEFAULT_CLOCK`.
 
         Raises:
             ConfigError: a limit or margin no search can use, ``eval=True`` with a train_step
@@ -226,6 +241,7 @@ class ProbeOptions:
                 data_parallel=data_parallel,
             ),
             gradient_sync=measured_sync(step, eval=eval),
+            clock=DEFAULT_CLOCK if clock is None else clock,
         )
 
     def for_eval(self, step: StepSpec) -> ProbeOptions:

@@ -238,6 +238,7 @@ class Prober:
             train_step=self.step.train_step,
             step_includes_update=self.step.step_includes_update,
             amp_dtype=self.step.amp_dtype,
+            clock=self.options.clock,
         )
 
     def _fake_static_bytes(self) -> int:
@@ -280,7 +281,7 @@ class Prober:
                     f"{real_step_seconds:.3g} s); searched with real steps"
                 )
                 return None, None
-        started = self.options.device.clock()
+        started = self.options.clock()
         try:
             # The fake steps' collectives on real tensors (an object collective pickles into
             # one) would reach the other ranks, which may estimate differently: none leaves.
@@ -293,10 +294,10 @@ class Prober:
                     budget_seconds=None if budget is None else ESTIMATE_OVERRUN * budget,
                 )
         except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it
-            self.log.estimate_seconds = self.options.device.clock() - started
+            self.log.estimate_seconds = self.options.clock() - started
             self.log.notes.append(f"estimate unavailable ({exc}); used doubling-then-bisect")
             return None, None
-        self.log.estimate_seconds = self.options.device.clock() - started
+        self.log.estimate_seconds = self.options.clock() - started
         self.log.fake_step_seconds = list(fake.step_seconds)
         self.log.estimated_static_bytes = sum(t.untyped_storage().nbytes() for t in fake.resident())
         lo, hi = bracket(points)

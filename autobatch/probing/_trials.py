@@ -157,9 +157,10 @@ class TrialLog:
     cleanup_seconds: list[float] = dataclasses.field(default_factory=list)
     """The clean-up after each trial on the device's clock (0 where the step ran)."""
     estimate_seconds: float = 0.0
-    """The estimate in all, on the device's clock (0: it did not run)."""
+    """The estimate in all, on the probe's clock (:attr:`ProbeOptions.clock`; 0: it did not
+    run)."""
     fake_step_seconds: list[float] = dataclasses.field(default_factory=list)
-    """Each fake step of the estimate."""
+    """Each fake step of the estimate, on the probe's clock."""
 
 
 class TrialRunner:

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -27,11 +28,19 @@ ENV_VAR = "AUTOBATCH_TEST_PGBOUNCER"
 SERVER = "127.0.0.1:5432"
 
 
-def _missing(reason: str) -> None:
+def _missing(reason: str) -> NoReturn:
     message = f"{reason} (apt-get install pgbouncer; {ENV_VAR}=required makes this a failure)"
     if os.environ.get(ENV_VAR) == "required":
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
+
+
+def _postgres_user() -> pwd.struct_passwd:
+    """The ``postgres`` user PgBouncer runs as when the tests run as root (it refuses root)."""
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError:
+        _missing("no 'postgres' user for pgbouncer to run as (it refuses to run as root)")
 
 
 def _free_port() -> int:
@@ -71,13 +80,12 @@ def pgbouncer(*, extra: str = "") -> Iterator[int]:
     )
     if binary is None:
         _missing("pgbouncer is not installed")
-    assert binary is not None
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="pgbouncer-") as name:
         folder = Path(name)
         command = [binary, str(_config(folder, port, extra))]
         if os.geteuid() == 0:  # it will not run as root
-            user = pwd.getpwnam("postgres")
+            user = _postgres_user()
             for path in (folder, *folder.iterdir()):
                 os.chown(path, user.pw_uid, user.pw_gid)
             command = ["runuser", "-u", "postgres", "--", *command]

@@ -130,9 +130,11 @@ def test_unequal_plan_says_how_to_weight_losses() -> None:
 def test_huge_effective_batch_is_fast() -> None:
     import time
 
-    start = time.perf_counter()
+    # This process's CPU time (about 2 ms here), so other processes on a loaded machine do not
+    # count against the bound.
+    start = time.process_time()
     result = plan(10**6, effective_batch_size=LARGEST_PRIME_BELOW_1E9 - 1, world_size=2)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
 
     assert_invariant(result, max_micro_batch_size=10**6)
     assert elapsed < 1.0

@@ -1,10 +1,13 @@
-"""The probe's road by cost: the estimate runs only where it saves more real-step time
-than it costs, and the profile records where the time went. The simulated device's clock counts
-each real step at ``step_seconds``, so both regimes are exact here, not timed."""
+"""The probe's road by cost: the estimate runs only where it saves more real-step time than it
+costs, and the profile records where the time went. The simulated device's clock counts each
+real step at ``step_seconds``, and where a fake step's length decides the road the probe's clock
+(``ProbeOptions.clock``) advances by a set amount per step, so each regime is exact here, not
+timed on a machine that may be loaded."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -16,13 +19,16 @@ from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._estimator import FakeStep, estimate_points
+from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.probing._probe_search import (
     ESTIMATE_OVERRUN,
     EXPECTED_FAKE_STEPS,
     FAKE_STEP_SECONDS_PER_TENSOR,
 )
+from autobatch.probing._prober import run_probe
 from autobatch.probing._search import estimate_budget_seconds, growth_sizes
 from autobatch.profile import ProbeTimings, Profile
+from tests.helpers.clocks import SetClock
 
 MIB = 2**20
 
@@ -38,6 +44,30 @@ SAMPLE = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
 def run(step_seconds: float | None) -> Profile:
     device = SimulatedDevice(capacity_bytes=4 * MIB, step_seconds=step_seconds)
     return probe(mlp(), SAMPLE, loss_fn=F.cross_entropy, device=device)
+
+
+class Ticking(torch.nn.Module):
+    """Identity whose forward advances ``clock`` by ``seconds``: a step (one forward) then
+    lasts exactly ``seconds`` on that clock, however loaded the machine is."""
+
+    def __init__(self, clock: SetClock, seconds: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.advance(self.seconds)
+        return x
+
+
+def run_timed(step_seconds: float, fake_step_seconds: float) -> Profile:
+    """:func:`run`'s probe with each real step at ``step_seconds`` on the simulated device's
+    clock and each fake step at ``fake_step_seconds`` on the probe's."""
+    clock = SetClock()
+    model = torch.nn.Sequential(Ticking(clock, fake_step_seconds), mlp())
+    step = StepSpec.build(model, SAMPLE, loss_fn=F.cross_entropy)
+    device = SimulatedDevice(capacity_bytes=4 * MIB, step_seconds=step_seconds)
+    return run_probe(step, ProbeOptions.build(step, device=device, clock=clock))
 
 
 def test_where_real_steps_are_dear_the_estimate_runs_and_four_steps_confirm_it() -> None:
@@ -92,17 +122,46 @@ def test_devices_say_whether_a_step_s_time_grows_with_its_size() -> None:
 
 
 def test_a_started_estimate_may_overrun_its_prediction_to_reach_the_boundary() -> None:
-    # 0.1 s a real step on a set clock: the estimate may spend 0.2 s; its predicted 0.096 s
-    # (4 tensors) starts it, and it runs to the boundary within ESTIMATE_OVERRUN x 0.2 s, so
-    # the search needs only the predicted size, one above, and the second step
-    profile = run(0.1)
+    # 0.1 s a real step: the estimate may save 0.2 s; its predicted 0.144 s (6 fake steps of
+    # 4 tensors) starts it. Its fake steps take 0.04 s each, so it overruns both its prediction
+    # and the 0.2 s, yet stays within ESTIMATE_OVERRUN x 0.2 s and reaches the boundary: the
+    # search needs only the predicted size, one above, and the second step
+    profile = run_timed(0.1, 0.04)
     timings = profile.timings
     assert timings is not None
-    if timings.estimate_seconds > ESTIMATE_OVERRUN * 0.2:
-        pytest.skip(f"this machine's fake steps took {timings.estimate_seconds:.2f} s in all")
+    fake_steps = timings.fake_step_seconds
+    assert fake_steps == pytest.approx((0.04,) * len(fake_steps))
+    predicted = EXPECTED_FAKE_STEPS * FAKE_STEP_SECONDS_PER_TENSOR * 4
+    assert predicted < 0.2 < sum(fake_steps) <= ESTIMATE_OVERRUN * 0.2
+    assert timings.estimate_seconds == pytest.approx(sum(fake_steps))
     assert profile.method == "probe"
     assert not any("estimate stopped" in note for note in profile.notes)
     assert profile.num_trials == 4 and profile.num_ooms == 1
+    assert profile.max_micro_batch_size == run(10.0).max_micro_batch_size
+
+
+def test_a_started_estimate_stops_before_a_fake_step_past_its_overrun() -> None:
+    # 10 s a real step: the estimate may save 20 s and overrun to 40 s. Fake steps of 15 s:
+    # after the warm-up's 15 s and micro-batch 1's (30 s), one more would reach 45 s, so it
+    # stops there and the search goes on from what it found, with real steps
+    profile = run_timed(10.0, 15.0)
+    timings = profile.timings
+    assert timings is not None
+    assert timings.fake_step_seconds == pytest.approx((15.0, 15.0))
+    note = next(n for n in profile.notes if n.startswith("estimate stopped"))
+    assert "after 2 fake steps (30 s), at 2x the 20 s of real steps" in note
+    assert profile.max_micro_batch_size == run(10.0).max_micro_batch_size
+
+
+def test_the_probe_s_clock_is_the_wall_clock_unless_one_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.undo()  # the suite's set clock (tests/conftest.py)
+    step = StepSpec.build(mlp(), SAMPLE, loss_fn=F.cross_entropy)
+    device = SimulatedDevice(capacity_bytes=4 * MIB)
+    assert ProbeOptions.build(step, device=device).clock is time.perf_counter
+    clock = SetClock()
+    assert ProbeOptions.build(step, device=device, clock=clock).clock is clock
 
 
 def test_an_estimate_out_of_budget_stops_after_its_warm_up_step() -> None:

@@ -10,8 +10,9 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,36 @@ from autobatch.profiles._store import ProfileStore
 
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
+
+_LIST_AS = """\
+import json, os, sys
+uid = int(sys.argv[1])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+unreadable = []
+for folder in sys.argv[2:]:
+    try:
+        os.listdir(folder)
+    except OSError:
+        unreadable.append(folder)
+print(json.dumps(unreadable))
+"""
+
+
+def unreadable_by(uid: int, folders: Sequence[Path]) -> list[str]:
+    """Which of ``folders`` ``uid`` cannot list (a private folder on the way, e.g. a clone under
+    a 0700 folder), tried in a child of this interpreter that becomes ``uid`` as the worker does.
+    Needs root."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LIST_AS, str(uid), *map(str, folders)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    unreadable: list[str] = json.loads(done.stdout)
+    return unreadable
 
 
 @pytest.fixture
@@ -34,8 +65,26 @@ def shared_tmp() -> Iterator[Path]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="becoming another uid needs root")
+def test_a_folder_another_uid_cannot_list_is_named(shared_tmp: Path) -> None:
+    (shared_tmp / "open").mkdir(mode=0o755)
+    (shared_tmp / "closed" / "inside").mkdir(parents=True, mode=0o755)
+    (shared_tmp / "closed").chmod(0o700)
+    folders = [shared_tmp / "open", shared_tmp / "closed" / "inside", shared_tmp]
+    assert unreadable_by(NOBODY, folders) == [str(shared_tmp / "closed" / "inside")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another uid needs root")
 def test_a_non_root_user_with_home_slash_plans_through_every_road(shared_tmp: Path) -> None:
-    # The issue: autotune, `autobatch tune` and the Lightning finder raised StoreError on /.cache.
+    # autotune, `autobatch tune` and the Lightning finder, as a uid whose HOME=/ has no .cache.
+    # The worker imports lazily after it becomes that uid: the project and its packages must
+    # be readable by it.
+    unreadable = unreadable_by(NOBODY, [ROOT / "autobatch", Path(sysconfig.get_paths()["purelib"])])
+    if unreadable:
+        pytest.skip(
+            f"uid {NOBODY} cannot read {', '.join(unreadable)} (a folder above is private to "
+            "its owner, e.g. a clone under a 0700 folder), and the worker imports from there "
+            "after it becomes that uid"
+        )
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "AUTOBATCH_STORE")}
     env.update(HOME="/", TMPDIR=str(shared_tmp), PYTHONPATH=str(ROOT))
     done = subprocess.run(

@@ -100,13 +100,12 @@ def test_serve_with_an_unreachable_store_prints_no_password(password: str) -> No
 
 @contextmanager
 def database_gone(url: str) -> Iterator[None]:
-    """The database of ``url`` renamed away (its connections ended), then back."""
+    """The database of ``url`` renamed away (its connections ended), then back, through the
+    maintenance database of the same server (``$AUTOBATCH_TEST_POSTGRES``'s, or the default)."""
     import psycopg
 
-    from tests.helpers.postgres import DEFAULT_SERVER
-
-    name = url.rpartition("/")[2]
-    with psycopg.connect(DEFAULT_SERVER, autocommit=True) as admin:
+    server, _, name = url.rpartition("/")
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as admin:
         admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
         )

@@ -8,13 +8,12 @@ batch (computed in one process) to 1e-12.
 Step times: a trial's ``step_seconds`` is the wall time of its steps. A fake clock stands in for
 ``time`` in :mod:`autobatch.probing._trials` (the one place a trial is timed), and the step
 advances it by the simulated card's time, ``fixed + per_sample x rows``, so each rank's profile
-holds its card's line (plus the CPU's own small time, far below it)."""
+holds its card's line exactly (the CPU's own time does not count, loaded or not)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,14 @@ def _data(world_size: int) -> torch.Tensor:
 
 
 class _Clock:
-    """``time`` for the trials: the wall clock plus the simulated seconds of the steps so far."""
+    """``time`` for the trials: the simulated seconds of the steps so far, and only those, so
+    each trial's step time is its card's line exactly, however loaded the machine is."""
 
     def __init__(self) -> None:
         self.simulated_seconds = 0.0
 
     def perf_counter(self) -> float:
-        return time.perf_counter() + self.simulated_seconds
+        return self.simulated_seconds
 
 
 def _truth(world_size: int, orders: list[list[int]]) -> list[list[torch.Tensor]]:
