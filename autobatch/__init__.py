@@ -13,7 +13,7 @@ The public surface is ``__all__`` below: what users call or catch. Beside it, do
 namespaces: :mod:`autobatch.errors` (every error and warning), :mod:`autobatch.conditions` (what a
 plan holds under), :mod:`autobatch.integrations` (framework configs and drop-ins),
 :mod:`autobatch.client` (the HTTP client), and each layer's
-face (:mod:`autobatch.device`, :mod:`autobatch.planning`, :mod:`autobatch.profiles`, ...) for
+face (:mod:`autobatch.device`, :mod:`autobatch.planning`, :mod:`autobatch.store`, ...) for
 code that builds on a layer, as the service and the benchmarks do. Modules inside a layer are
 private.
 """
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from autobatch.planning import Plan, PlanRequest
     from autobatch.probing import estimate, probe, worst_case_sample
     from autobatch.profile import Profile
-    from autobatch.profiles import ProfileStore
+    from autobatch.store import ProfileStore
     from autobatch.training import Accumulator, SplitEvent
     from autobatch.tuning import TuneRequest, autotune, split_recorder, tune
     from autobatch.units import format_bytes, parse_bytes
@@ -113,7 +113,7 @@ _EXPORTS: dict[str, str] = {
     "probe": "autobatch.probing",
     "worst_case_sample": "autobatch.probing",
     "Profile": "autobatch.profile",
-    "ProfileStore": "autobatch.profiles",
+    "ProfileStore": "autobatch.store",
     "format_bytes": "autobatch.units",
     "parse_bytes": "autobatch.units",
 }

@@ -5,7 +5,7 @@ A step's peak memory moves with more than the model and its inputs (the step's i
 cache key's core): with the allocator settings in effect, the bytes and dtypes of parameters,
 gradients and optimizer state, activation checkpointing, the optimizer, cuDNN's flags and AMP.
 :class:`Conditions` records them, read from the live process by
-:func:`autobatch.probing._conditions.read_conditions` (never from flags the user passed);
+:func:`autobatch.probing._live_conditions.read_conditions` (never from flags the user passed);
 :func:`condition_changes` is the comparison the store lookup, ``autobatch.plan(profile)``, the
 Accumulator and the framework drop-ins all make, and :func:`launcher_data_parallel` reads the
 data-parallel size a launcher (torchrun) set before any process group exists.
@@ -293,7 +293,7 @@ def condition_changes(
 
     Args:
         recorded: the profile's or the plan's conditions.
-        live: the live process's (:func:`autobatch.probing._conditions.read_conditions`).
+        live: the live process's (:func:`autobatch.probing._live_conditions.read_conditions`).
         world_size: a plan's data-parallel size, compared with ``live.data_parallel_size``
             (a ``"batch"`` change); None compares no world size (a profile has none).
 

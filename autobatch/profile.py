@@ -182,7 +182,7 @@ class StepIdentity:
         conditions: Conditions | None = None,
     ) -> str:
         """Canonical JSON of this identity and the device, as a string key (see
-        ``autobatch.profiles._store``): equal keys, equal steps on equal cards. ``compiled`` (see
+        ``autobatch.store._store``): equal keys, equal steps on equal cards. ``compiled`` (see
         :attr:`Profile.compiled`) joins the key only when set: a compiled step's peak differs
         from the eager one's, and uncompiled steps keep the keys they had. ``mode`` (see
         :attr:`Profile.mode`) likewise joins it only for ``"eval"``: an evaluation profile never
@@ -495,7 +495,7 @@ class Profile:
 
     def cache_key(self) -> str:
         """Key under which an equal request may reuse this profile (see
-        :mod:`autobatch.profiles._store`)."""
+        :mod:`autobatch.store._store`)."""
         return self.identity.cache_key(
             device_name=self.device_name,
             total_memory_bytes=self.total_memory_bytes,

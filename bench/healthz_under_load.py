@@ -58,7 +58,7 @@ def healthz_seconds(port: int) -> float:
 
 def large_profile() -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
-    from tests.profiles.test_store import make_profile
+    from tests.store.test_store import make_profile
 
     return {**make_profile().to_dict(), "notes": ["n" * 4000] * 220}
 

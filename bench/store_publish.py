@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from autobatch.profiles import ProfileStore  # noqa: E402
-from tests.profiles.test_store import make_profile  # noqa: E402
+from autobatch.store import ProfileStore  # noqa: E402
+from tests.store.test_store import make_profile  # noqa: E402
 
 
 def _publish(location: str, publisher: int, count: int) -> tuple[list[str], list[float]]:

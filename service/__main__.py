@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from autobatch.errors import AutobatchError
-from autobatch.profiles import redact
+from autobatch.store import redact
 from service.main import run
 from service.web.problems import validation_reason
 from service.web.settings import SECRET_FIELDS, add_serve_arguments, settings_from_args

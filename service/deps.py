@@ -20,7 +20,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service.devices.gpus import GpuMonitor
 from service.fleet.central import CentralProfiles
 from service.probes.runs import ProbeRuns

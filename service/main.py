@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service import health
 from service.deps import ServiceState
 from service.devices import routes as devices

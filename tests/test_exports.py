@@ -100,7 +100,7 @@ FACES = {
     "autobatch.planning",
     "autobatch.probing",
     "autobatch.profile",
-    "autobatch.profiles",
+    "autobatch.store",
     "autobatch.training",
     "autobatch.tuning",
     "autobatch.units",

@@ -34,7 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "conditions profile",
         "distributed",
         "planning",
-        "profiles",
+        "store",
         "probing",
         "training live",
         "client",
@@ -50,7 +50,7 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 THIRD_PARTY_FORBIDDEN = {
     "planning": {"torch", "pynvml", "httpx", "sqlalchemy"},
-    "profiles": {"torch", "pynvml", "httpx"},
+    "store": {"torch", "pynvml", "httpx"},
     "client": {"torch", "pynvml", "sqlalchemy"},
     "conditions": {"torch", "pynvml"},
     "profile": {"torch", "pynvml"},
@@ -154,7 +154,7 @@ def imported_modules(source: str, relative: str = "", root: Path | None = None) 
 
 
 def layer_of(module: str) -> str | None:
-    """``autobatch.profiles._cache`` -> ``profiles``; ``service.main`` -> ``service``; None for
+    """``autobatch.store._cache`` -> ``profiles``; ``service.main`` -> ``service``; None for
     another package."""
     parts = module.split(".")
     if parts[0] == "service":
@@ -239,7 +239,7 @@ def test_the_store_layer_knows_nothing_of_http_or_the_service() -> None:
     # imports the client nor the service, in a function body or anywhere else.
     offenders = {
         f"{path.relative_to(ROOT)}: {module}"
-        for path in sorted((PACKAGE / "profiles").rglob("*.py"))
+        for path in sorted((PACKAGE / "store").rglob("*.py"))
         for module in _imports_of(ROOT, path)
         if layer_of(module) in ("client", "service", "cli", "tuning") or module == "httpx"
     }
@@ -251,12 +251,12 @@ def test_the_store_layer_is_storage_only_and_imports_no_torch() -> None:
     # the store (what the service and the CLI's plan import) loads without torch.
     reaching = {
         f"{path.relative_to(ROOT)}: {module}"
-        for path in sorted((PACKAGE / "profiles").rglob("*.py"))
+        for path in sorted((PACKAGE / "store").rglob("*.py"))
         for module in imported_modules(path.read_text())
         if layer_of(module) in ("distributed", "probing", "training")
     }
     assert not reaching, sorted(reaching)
-    code = "import sys, autobatch.profiles; print('torch' in sys.modules)"
+    code = "import sys, autobatch.store; print('torch' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -321,8 +321,8 @@ def test_the_walk_finds_an_import_inside_a_function_body() -> None:
     [
         ("autobatch/device/_cuda.py", "from ._nvml import read", "autobatch.device._nvml"),
         ("autobatch/device/__init__.py", "from ._nvml import read", "autobatch.device._nvml"),
-        ("autobatch/tuning/_road.py", "from ..client import x", "autobatch.client"),
-        ("autobatch/tuning/_road.py", "from ..client._http import x", "autobatch.client._http"),
+        ("autobatch/tuning/_tune.py", "from ..client import x", "autobatch.client"),
+        ("autobatch/tuning/_tune.py", "from ..client._http import x", "autobatch.client._http"),
         ("autobatch/live.py", "from .probing import x", "autobatch.probing"),
         ("autobatch/live.py", "from . import units", "autobatch"),
         ("service/routes/plans.py", "from ..jobs import x", "service.jobs"),
@@ -351,7 +351,7 @@ FAKE_TREE = {
     "autobatch/client/_http.py": "def get():\n    return 1\n",
     "autobatch/device/_nvml.py": "def read():\n    return 1\n",
     "autobatch/device/_cuda.py": "from ._nvml import read\n",
-    "autobatch/tuning/_road.py": "from ..client._http import get\n",
+    "autobatch/tuning/_tune.py": "from ..client._http import get\n",
     "autobatch/probing/_prober.py": (
         "import importlib\n"
         "def device():\n"
@@ -378,7 +378,7 @@ def test_the_private_reach_guard_reports_each_planted_violation(tmp_path: Path) 
         "autobatch/planning/_limits.py": ["autobatch.device._nvml"],
         "autobatch/probing/_prober.py": ["autobatch.device._nvml"],
         "autobatch/training/_window.py": ["autobatch.device._nvml"],
-        "autobatch/tuning/_road.py": ["autobatch.client._http"],
+        "autobatch/tuning/_tune.py": ["autobatch.client._http"],
         "bench/plan_call.py": ["autobatch.device._nvml"],
         "examples/train.py": ["autobatch.client._http"],
         "service/jobs.py": ["autobatch.client._http"],
@@ -391,11 +391,11 @@ def test_the_layer_guard_reports_each_planted_upward_import(tmp_path: Path) -> N
         {
             "autobatch/planning/_limits.py": "from ..tuning import tune\n",
             "autobatch/device/_cuda.py": "def f():\n    return __import__('autobatch.probing')\n",
-            "autobatch/profiles/_store.py": "import importlib\nimportlib.import_module('service')",
+            "autobatch/store/_store.py": "import importlib\nimportlib.import_module('service')",
             "autobatch/errors.py": "_EXPORTS = {'tune': 'autobatch.tuning'}\n",
             "autobatch/client/_http.py": "from . import _wire\nimport sqlalchemy\n",
             "autobatch/client/_wire.py": "",
-            "autobatch/tuning/_road.py": "from ..client import _http\nfrom ..device import _cuda\n",
+            "autobatch/tuning/_tune.py": "from ..client import _http\nfrom ..device import _cuda\n",
         },
     )
     assert upward_imports(root) == {
@@ -403,7 +403,7 @@ def test_the_layer_guard_reports_each_planted_upward_import(tmp_path: Path) -> N
         "autobatch/device/_cuda.py": ["autobatch.probing"],
         "autobatch/errors.py": ["autobatch.tuning"],
         "autobatch/planning/_limits.py": ["autobatch.tuning"],
-        "autobatch/profiles/_store.py": ["service"],
+        "autobatch/store/_store.py": ["service"],
     }
 
 
@@ -412,7 +412,7 @@ def test_the_private_reach_check_tells_its_own_package_from_another() -> None:
     assert private_reach("autobatch/device/_cuda.py", body) == []
     assert private_reach("autobatch/probing/_prober.py", body) == ["autobatch.device._nvml"]
     assert private_reach("service/devices/gpus.py", body) == ["autobatch.device._nvml"]
-    assert private_reach("autobatch/tuning/_road.py", "from autobatch.device import x\n") == []
+    assert private_reach("autobatch/tuning/_tune.py", "from autobatch.device import x\n") == []
 
 
 SERVICE = ROOT / "service"

@@ -412,6 +412,6 @@ def test_every_surface_builds_the_tune_request_through_the_one_builder() -> None
     assert builders == {
         "autobatch/cli/_commands.py",
         "autobatch/integrations/_dropins.py",
-        "autobatch/tuning/_road.py",
+        "autobatch/tuning/_tune.py",
         "service/probes/runs.py",
     }

@@ -231,20 +231,20 @@ def test_an_allowed_entry_back_within_its_limit_is_reported(tmp_path: Path) -> N
     root = _plant(
         tmp_path,
         {
-            "autobatch/tuning/_road.py": f"def tune({wide}): ...\ndef autotune(p0): ...\n",
+            "autobatch/tuning/_tune.py": f"def tune({wide}): ...\ndef autotune(p0): ...\n",
             "bench/plan_call.py": f"def main({wide}): ...\n",
         },
     )
     allowed = {
-        "modules": {"autobatch/tuning/_road.py"},
+        "modules": {"autobatch/tuning/_tune.py"},
         "functions": set(),
-        "parameters": {"autobatch/tuning/_road.py:tune", "autobatch/tuning/_road.py:autotune"},
+        "parameters": {"autobatch/tuning/_tune.py:tune", "autobatch/tuning/_tune.py:autotune"},
     }
     over = oversized(root)
     assert unlisted(over, allowed) == {
         "parameters": {"bench/plan_call.py:main": MAX_PARAMETERS + 1}
     }
     assert stale(over, allowed) == {
-        "modules": ["autobatch/tuning/_road.py"],
-        "parameters": ["autobatch/tuning/_road.py:autotune"],
+        "modules": ["autobatch/tuning/_tune.py"],
+        "parameters": ["autobatch/tuning/_tune.py:autotune"],
     }

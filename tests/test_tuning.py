@@ -19,7 +19,7 @@ from autobatch.errors import StepFailedError
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._step import TrainingStep
 from autobatch.profile import Profile
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._store import ProfileStore
 from autobatch.tuning import autotune_profile
 
 

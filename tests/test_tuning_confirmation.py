@@ -16,11 +16,11 @@ from autobatch import SimulatedDevice, autotune, plan
 from autobatch.client import ServiceProfiles
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.profile import Profile, StepIdentity
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._store import ProfileStore
 from autobatch.tuning import autotune_profile, find_profile
 from autobatch.tuning._cache import StoreOptions
 from autobatch.tuning._confirmation import find_prediction, stored_profiles
-from tests.profiles.test_remote import Shelf
+from tests.store.test_remote import Shelf
 
 
 def mlp() -> torch.nn.Module:

@@ -45,7 +45,7 @@ from autobatch.planning import (
     plan_table,
     stored_profile_source,
 )
-from autobatch.profiles import STORE_ENV_VAR, Create, ProfileStore
+from autobatch.store import STORE_ENV_VAR, Create, ProfileStore
 from autobatch.units import format_bytes
 
 __all__ = ["build_parser", "main"]

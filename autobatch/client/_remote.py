@@ -1,7 +1,7 @@
 """The autobatch service as the store layer's remote: where ``autotune(report_to=url)`` looks for
 profiles measured on other cards and sends the ones it measures.
 
-:class:`ServiceProfiles` implements :class:`autobatch.profiles._remote.ProfileRemote` over HTTP
+:class:`ServiceProfiles` implements :class:`autobatch.store._remote.ProfileRemote` over HTTP
 (``GET /v1/profiles``, and ``POST /v1/profiles`` through :func:`report_profile`'s short retries).
 The road (:mod:`autobatch.tuning`) builds it with :func:`service_remote` and passes it down; the
 store layer never imports this module.

@@ -87,7 +87,7 @@ class AutobatchFinder(Callback):
             :func:`autobatch.autotune`.
 
     When training starts (``on_train_start``) the plan's conditions are compared with the
-    process's again (:func:`autobatch.probing._conditions.check_plan_here`): a condition that
+    process's again (:func:`autobatch.probing._live_conditions.check_plan_here`): a condition that
     moves memory and changed since fit start (cuDNN flags, the allocator, the module's dtypes,
     sharding or checkpointing) is a :class:`~autobatch.errors.ConditionsWarning` naming it.
 

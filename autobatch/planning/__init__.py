@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
-from autobatch.planning._budget import given_budget
 from autobatch.planning._entries import plan_mixed_ranks, plan_request, plan_table
 from autobatch.planning._epochs import EpochPlan
 from autobatch.planning._limits import PlanSource, stored_profile_source
@@ -34,6 +33,7 @@ from autobatch.planning._lines import fit_memory_model, fit_wide_line
 from autobatch.planning._mixed import StepLine
 from autobatch.planning._mixed_limits import RankLimit
 from autobatch.planning._plan import Plan, WorldSizeOption
+from autobatch.planning._plan_budget import given_budget
 from autobatch.planning._planner import largest_useful_micro_batch_size
 from autobatch.planning._prediction import Prediction
 from autobatch.planning._request import (

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 
 from autobatch.device import MemoryBudget
 from autobatch.errors import ConfigError
-from autobatch.planning._budget import budget_margin, with_budget
 from autobatch.planning._limits import PlanSource
 from autobatch.planning._mixed import split_ranks
 from autobatch.planning._mixed_limits import RankLimit, completed
 from autobatch.planning._plan import Plan, WorldSizeOption
+from autobatch.planning._plan_budget import budget_margin, with_budget
 from autobatch.planning._planner import plan_within, resolve_plan_limit, table_within
 from autobatch.planning._request import PlanRequest
 from autobatch.profile import MemoryModel, Profile

@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 from autobatch.device import MemoryBudget
-from autobatch.planning._budget import budget_margin, with_budget
 from autobatch.planning._limits import Limit, PlanSource, require_int
 from autobatch.planning._mixed import StepLine
 from autobatch.planning._plan import Plan
+from autobatch.planning._plan_budget import budget_margin, with_budget
 from autobatch.planning._planner import resolve_plan_limit
 from autobatch.planning._request import PlanRequest
 from autobatch.profile import MemoryModel, Profile

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from autobatch.probing._batch import BatchSource, batch_tensors
 from autobatch.probing._compiled import compiled_mode
-from autobatch.probing._conditions import (
+from autobatch.probing._estimator import FakeStep, estimate
+from autobatch.probing._identity import callable_identity
+from autobatch.probing._live_conditions import (
     check_plan_here,
     live_data_parallel,
     process_conditions,
     read_conditions,
 )
-from autobatch.probing._estimator import FakeStep, estimate
-from autobatch.probing._identity import callable_identity
 from autobatch.probing._options import (
     DEFAULT_LIMIT,
     OnTrial,

@@ -36,8 +36,8 @@ from autobatch.errors import ConfigError, DoesNotFitError, EstimateUnavailableEr
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._compiled import eager, is_compiled
-from autobatch.probing._conditions import precision_remedies, read_conditions
 from autobatch.probing._identity import now_iso
+from autobatch.probing._live_conditions import precision_remedies, read_conditions
 from autobatch.probing._options import DEFAULT_LIMIT, StepSpec, check_search_arguments
 from autobatch.probing._search import (
     Point,

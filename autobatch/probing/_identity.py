@@ -53,7 +53,7 @@ _MODULE_STATE_SKIPPED = frozenset({"training", "gradient_checkpointing"})
 """Public module (and module config) attributes left out of the fingerprint: ``training`` (the
 probe sets and restores it) and Hugging Face's ``gradient_checkpointing`` (with its private
 ``_gradient_checkpointing_func``, a condition of the profile:
-:func:`autobatch.probing._conditions.activation_checkpointing`)."""
+:func:`autobatch.probing._live_conditions.activation_checkpointing`)."""
 
 _MODULE_PRIVATE_KEPT = frozenset({"_attn_implementation", "_attn_implementation_internal"})
 """Private module (and module config) attributes that change a step's memory (Hugging Face's

@@ -29,8 +29,8 @@ from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._compiled import CompiledMode, compiled_mode
-from autobatch.probing._conditions import read_conditions
 from autobatch.probing._identity import step_identity
+from autobatch.probing._live_conditions import read_conditions
 from autobatch.probing._parallel import device_for_layout
 from autobatch.probing._placement import check_placement
 from autobatch.probing._step import LossFn, TrainStep, check_step_arguments
@@ -163,7 +163,7 @@ class ProbeOptions:
     """How a torch.compile'd model's step is measured (:func:`compiled_mode`)."""
     conditions: Conditions
     """The live process's conditions for the step on ``device``, read once before any step runs
-    (:func:`~autobatch.probing._conditions.read_conditions`): what the lookup's key holds and
+    (:func:`~autobatch.probing._live_conditions.read_conditions`): what the lookup's key holds and
     what the profile records (with the optimizer state after its first step)."""
     gradient_sync: GradientSync = GradientSync()
     """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the

@@ -60,7 +60,7 @@ from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.probing._options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
 from autobatch.probing._parallel import trial_context
 from autobatch.probing._placement import model_device
-from autobatch.probing._probe_search import (
+from autobatch.probing._probe_run import (
     Prober,
     default_optimizer,
 )

@@ -1,7 +1,7 @@
 """The probe's trials: one real step at a micro-batch size, measured, classified and agreed.
 
 :class:`TrialRunner` holds one probe's state (the step, the points and trials so far, the notes)
-and runs its trials; :class:`~autobatch.probing._probe_search.Prober` builds the search on it.
+and runs its trials; :class:`~autobatch.probing._probe_run.Prober` builds the search on it.
 A trial's :class:`Outcome` is classified right where the step raised
 (:func:`autobatch.device.is_oom`), the ranks agree on the worst through a
 :class:`~autobatch.distributed.Consensus`, and after a failure no reference to the failed step
@@ -47,7 +47,7 @@ from autobatch.errors import (
     StepFailedError,
 )
 from autobatch.probing._compiled import mark_batch_dynamic
-from autobatch.probing._conditions import precision_remedies
+from autobatch.probing._live_conditions import precision_remedies
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.probing._parallel import FAKED_NOTE
 from autobatch.probing._search import Point, bracket

@@ -60,8 +60,8 @@ from autobatch.distributed import AgreementDeadline, Default, resolve_deadline
 from autobatch.errors import ConfigError, DistributedError, SmallMicroBatchNormWarning
 from autobatch.planning import Plan
 from autobatch.probing import check_plan_here, live_data_parallel
-from autobatch.training._conditions import check_plan, loop_parallelism
 from autobatch.training._counting import as_count, leading_dim
+from autobatch.training._loop_checks import check_plan, loop_parallelism
 from autobatch.training._oom_split import (
     DEFAULT_OOM_RETRY_WINDOWS,
     OnOom,
@@ -123,8 +123,8 @@ class Accumulator:
             metric: step it yourself after ``window.step()``); the model or optimizer is an
             engine that owns accumulation, the model is sharded with FSDP1, or with FSDP2 and
             ``on_oom="split"``; a ``plan`` made for another loop (another world size or
-            gradient-sync mode: :func:`autobatch.training._conditions.check_plan`,
-            :func:`autobatch.probing._conditions.check_plan_here`).
+            gradient-sync mode: :func:`autobatch.training._loop_checks.check_plan`,
+            :func:`autobatch.probing._live_conditions.check_plan_here`).
 
     Warns:
         ConditionsWarning: the ``plan`` was measured under other conditions (each named).

@@ -16,7 +16,8 @@ from __future__ import annotations
 from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile
 from autobatch.tuning._request import BuildOptions, ProfileOptions, TuneOptions, TuneRequest
-from autobatch.tuning._road import (
+from autobatch.tuning._split_recording import split_recorder
+from autobatch.tuning._tune import (
     Tuning,
     autotune,
     autotune_profile,
@@ -24,7 +25,6 @@ from autobatch.tuning._road import (
     tune_profile,
     tune_request,
 )
-from autobatch.tuning._split_recording import split_recorder
 
 __all__ = [
     "BuildOptions",

@@ -6,7 +6,7 @@ probed through one lane, :func:`agreed_profile`, for one process and for the ran
 group alike (rank 0 reads and writes, every rank uses rank 0's answer); :func:`answers_request`
 is the rule for whether a stored profile answers a request, and :func:`report_profile_to`
 hands a new profile to the remote the road passed down
-(:class:`~autobatch.profiles.ProfileRemote`, e.g. the central service), warning rather
+(:class:`~autobatch.store.ProfileRemote`, e.g. the central service), warning rather
 than failing.
 
 Example::
@@ -29,7 +29,7 @@ from autobatch.conditions import ConditionChange, Conditions, condition_changes
 from autobatch.distributed import LocalConsensus, ProcessGroupConsensus
 from autobatch.errors import ReportWarning
 from autobatch.profile import Mode, Profile, StepIdentity
-from autobatch.profiles import ProfileRemote, ProfileStore
+from autobatch.store import ProfileRemote, ProfileStore
 from autobatch.units import format_bytes
 
 __all__ = [

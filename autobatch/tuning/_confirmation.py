@@ -3,7 +3,7 @@
 A predicted plan (``plan.source == "predicted"``) is a pure function of a stored profile and a
 capacity, so it is not stored as such: when :func:`autobatch.autotune` finds no profile for the
 card it runs on, it looks in the store, then in the remote the road passed down
-(:class:`~autobatch.profiles.ProfileRemote`; with ``report_to``, the service), for a
+(:class:`~autobatch.store.ProfileRemote`; with ``report_to``, the service), for a
 profile of the *same step* (the same :class:`~autobatch.profile.StepIdentity`: model, step,
 input, dtypes, optimizer, torch; and the same conditions, :mod:`autobatch.conditions`) probed on
 another card, and plans from it for this card's capacity. When that plan is predicted (past the
@@ -33,7 +33,7 @@ from autobatch.conditions import Conditions, condition_changes
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning import Prediction
 from autobatch.profile import MemoryModel, Mode, Profile, StepIdentity, Trial
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from autobatch.tuning._planned import plan_at_capacity
 
 __all__ = [
@@ -79,7 +79,7 @@ def find_prediction(
 
     Args:
         candidates: ``(id, profile)`` pairs, most trusted first (e.g. :func:`stored_profiles`,
-            then the remote's, :meth:`~autobatch.profiles.ProfileRemote.profiles_of`);
+            then the remote's, :meth:`~autobatch.store.ProfileRemote.profiles_of`);
             profiles of other steps, and of this card, are skipped.
         identity: this request's step (:func:`autobatch.probing._identity.step_identity`).
         device_name, total_memory_bytes: this card (with ``identity``, the cache key).

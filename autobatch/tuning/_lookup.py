@@ -22,7 +22,7 @@ from autobatch.distributed import (
 from autobatch.errors import ConditionsWarning
 from autobatch.probing import ProbeOptions, StepSpec, run_confirmation, run_probe
 from autobatch.profile import Profile
-from autobatch.profiles import ProfileRemote, ProfileStore
+from autobatch.store import ProfileRemote, ProfileStore
 from autobatch.tuning._cache import (
     StoreOptions,
     Superseded,

@@ -47,7 +47,7 @@ from autobatch.probing import (
     TrainStep,
     model_device,
 )
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from autobatch.tuning._cache import StoreOptions
 
 __all__ = ["BuildOptions", "ProfileOptions", "TuneOptions", "TuneRequest", "accept_options"]

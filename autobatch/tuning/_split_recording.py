@@ -25,7 +25,7 @@ from autobatch.probing import (
     model_device,
     read_conditions,
 )
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from autobatch.training import SplitEvent
 
 __all__ = ["split_recorder"]

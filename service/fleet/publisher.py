@@ -1,7 +1,7 @@
 """A node sidecar's publisher: every profile its probe runs store reaches the central service.
 
 Set ``AUTOBATCH_CENTRAL_URL`` (``--central-url``) on a node's sidecar and each succeeded probe
-run's profile enters the node's outbox (:mod:`autobatch.profiles._outbox`, a table of the node's
+run's profile enters the node's outbox (:mod:`autobatch.store._outbox`, a table of the node's
 own store) as the run finishes. One background thread sends what the outbox holds to the central
 service's ``/v1/profiles``, oldest due first, until the central service acknowledges it (any 2xx,
 or 409: it already holds it), across outages of any length and restarts of either side: the rows
@@ -46,7 +46,7 @@ import httpx
 from autobatch.client import RETRIED_STATUSES, retry_after_seconds
 from autobatch.errors import ConfigError, StoreError
 from autobatch.profile import Profile
-from autobatch.profiles import OutboxEntry, ProfileStore
+from autobatch.store import OutboxEntry, ProfileStore
 from service.web.metrics import Metrics
 
 __all__ = ["OutboxPolicy", "Publisher"]

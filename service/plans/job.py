@@ -17,7 +17,7 @@ from typing import Any
 
 from autobatch.planning import PlanSource, Selection
 from autobatch.profile import Profile
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service.fleet.central import CentralProfiles
 from service.plans.configs import plan_configs
 from service.plans.limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, select, selection_public

@@ -23,7 +23,7 @@ from autobatch.device import card_key
 from autobatch.errors import ConfigError, ProfileNotFoundError
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
 from autobatch.profile import MemoryModel, Profile
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service.fleet.central import CentralProfiles
 from service.plans.planner import card_chooser, chooser, source_of
 from service.plans.schemas import PlanCreate

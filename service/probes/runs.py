@@ -41,7 +41,7 @@ from typing import Any, Literal
 from autobatch.device import cuda_visible_devices, default_nvml, resolve_device
 from autobatch.errors import ConfigError, DeviceUnavailableError, StoreError
 from autobatch.profile import Profile
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service.probes.children import die_with_parent, kill_group
 from service.probes.registry import ModelEntry, Registry, cuda_index
 from service.web.wording import describe

@@ -5,7 +5,7 @@ Base / Create / Public split. Each feature's own bodies live with it (``service.
 
 Every number a client sends is bounded (sizes up to ``2**31``, world sizes up to 65536, bytes up
 to ``2**60``), every string is length-limited (``MAX_NAME_CHARS``, ``MAX_TEXT_CHARS``) and
-storable on every store backend (no NUL, no lone surrogate: ``autobatch.profiles._storable``), so
+storable on every store backend (no NUL, no lone surrogate: ``autobatch.store._storable``), so
 bad input is a 4xx problem, the same on SQLite and PostgreSQL, and never reaches the library as
 something it cannot handle.
 
@@ -44,7 +44,7 @@ from autobatch.profile import (
     StopKind,
     SyncMode,
 )
-from autobatch.profiles import unstorable, unstorable_in
+from autobatch.store import unstorable, unstorable_in
 
 __all__ = [
     "BudgetReadingBase",
@@ -82,7 +82,7 @@ MAX_NAME_CHARS = MAX_TEXT_CHARS // 16
 
 def storable(value: str) -> str:
     """The one check of every string a request holds: a 422 for text a store backend cannot
-    hold (``autobatch.profiles._storable``), on every backend alike.
+    hold (``autobatch.store._storable``), on every backend alike.
 
     Raises:
         ValueError: ``value`` holds a NUL or a lone surrogate (pydantic makes it a 422).

@@ -8,7 +8,7 @@ store calls on a small pool of daemon threads of their own (``STORE_THREADS``) a
 ``store-busy`` once ``Settings.store_timeout_seconds`` have passed. A call still queued at its
 deadline never runs; one already running is left to finish on its own, which the store bounds
 too: it opens with the same timeout, so the database gives up on the statement or lock then
-(``autobatch.profiles._engine``). However many requests wait on a stuck store, it holds at most
+(``autobatch.store._engine``). However many requests wait on a stuck store, it holds at most
 ``STORE_THREADS`` threads and the event loop never waits for any.
 
 Example::
@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 STORE_THREADS = 8
 """Threads that run store calls, per service: fewer than a PostgreSQL store's pool holds
-(``autobatch.profiles._engine``), so that requests never wait on the pool itself and probe runs
+(``autobatch.store._engine``), so that requests never wait on the pool itself and probe runs
 writing their profiles still find a connection; calls beyond them queue, within their deadline."""
 
 _Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]

@@ -18,7 +18,7 @@ from autobatch.device import Capacity
 from autobatch.device import _nvml as nvml
 from autobatch.device._nvml import Nvml
 from autobatch.errors import ConfigError, DeviceUnavailableError
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from tests.helpers.fake_pynvml import ERROR_CLASSES, FakeGpu, FakePynvml, GiB
 
 
@@ -314,7 +314,7 @@ def test_profiles_list_tells_an_eval_profile_from_a_training_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # `plan --profile ID` refuses an eval profile: the list must say which is which.
-    from autobatch.profiles._store import ProfileStore
+    from autobatch.store._store import ProfileStore
     from tests.planning.test_prediction import issue_profile
 
     store = tmp_path / "s.sqlite3"
@@ -557,7 +557,7 @@ def test_a_malformed_input_shape_is_explained_with_an_example(
 def test_plan_refuses_an_eval_profile_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from autobatch.profiles._store import ProfileStore
+    from autobatch.store._store import ProfileStore
     from tests.planning.test_planner import plan
     from tests.planning.test_prediction import issue_profile
 

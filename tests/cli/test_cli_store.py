@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.cli import main
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 
 TINY = ["tests.service.models:tiny_mlp", "--input-shape", "32"]
 

@@ -87,7 +87,7 @@ def test_the_cli_prints_one_line_naming_the_extra(module: str, argv: list[str], 
 def test_the_python_store_raises_the_same_error_an_import_error_too() -> None:
     done = run_without(
         "psycopg",
-        "from autobatch.profiles import ProfileStore\n"
+        "from autobatch.store import ProfileStore\n"
         "from autobatch.errors import MissingExtraError\n"
         "try:\n"
         "    ProfileStore('postgresql://ci@127.0.0.1:1/profiles')\n"

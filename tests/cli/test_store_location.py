@@ -10,7 +10,7 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.errors import StoreError
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 
 TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--device", "sim:4MiB"]
 TUNE += ["--effective-batch-size", "8", "--json"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.cli import main
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 
 TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32"]
 TUNE += ["--effective-batch-size", "64"]

@@ -18,7 +18,7 @@ from autobatch.errors import DistributedError
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._estimator import FakeStep
 from autobatch.profile import Trial
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._store import ProfileStore
 from tests.conftest import MODEL_CASES, spawn_and_wait
 from tests.helpers.gloo_exit import join_gloo_group, leave_gloo_worker
 

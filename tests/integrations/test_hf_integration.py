@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")
 from autobatch.device._simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConditionsWarning, ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.hf import autotune_trainer, row_length  # noqa: E402
-from autobatch.profiles._store import ProfileStore  # noqa: E402
+from autobatch.store._store import ProfileStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20

@@ -23,7 +23,7 @@ torchmetrics = pytest.importorskip("torchmetrics")
 from autobatch.device._simulated import SimulatedDevice  # noqa: E402
 from autobatch.errors import ConditionsWarning, ConfigError, NoFeasiblePlanError  # noqa: E402
 from autobatch.integrations.lightning import AutobatchFinder  # noqa: E402
-from autobatch.profiles._store import ProfileStore  # noqa: E402
+from autobatch.store._store import ProfileStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20

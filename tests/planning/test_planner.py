@@ -785,7 +785,7 @@ def test_planner_and_integrations_import_neither_torch_nor_pynvml() -> None:
         f"package.__path__ = [{str(package_dir)!r}]\n"
         "sys.modules['autobatch'] = package\n"
         "import autobatch.planning._planner, autobatch.integrations,"
-        " autobatch.profiles\n"
+        " autobatch.store\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pynvml')))\n"
     )
     done = subprocess.run(

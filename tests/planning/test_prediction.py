@@ -23,7 +23,7 @@ from autobatch.planning._prediction import (
     predict_past,
 )
 from autobatch.profile import MemoryModel, Profile, Trial
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._store import ProfileStore
 from tests.planning.test_planner import plan, plan_world_sizes
 
 GIB = 2**30

@@ -21,7 +21,7 @@ from autobatch import autotune, estimate, probe
 from autobatch.device import Capacity, PeakMemory
 from autobatch.errors import StepFailedError
 from autobatch.probing._compiled import eager, is_compiled
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._store import ProfileStore
 
 
 def _mlp() -> torch.nn.Module:

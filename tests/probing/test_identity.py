@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from autobatch.integrations._dropins import code_identity
 from autobatch.probing._batch import BatchSource
-from autobatch.probing._conditions import read_conditions
 from autobatch.probing._identity import model_fingerprint, module_settings, step_identity
+from autobatch.probing._live_conditions import read_conditions
 from autobatch.tuning import autotune_profile
 
 SAMPLE = BatchSource.from_sample((torch.randn(2, 8), torch.randint(0, 3, (2,))))

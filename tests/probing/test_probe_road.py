@@ -20,7 +20,7 @@ from autobatch.errors import ConfigError
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._estimator import FakeStep, estimate_points
 from autobatch.probing._options import ProbeOptions, StepSpec
-from autobatch.probing._probe_search import (
+from autobatch.probing._probe_run import (
     ESTIMATE_OVERRUN,
     EXPECTED_FAKE_STEPS,
     FAKE_STEP_SECONDS_PER_TENSOR,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from autobatch.errors import Remedy
-from autobatch.probing._conditions import (
+from autobatch.probing._live_conditions import (
     activation_checkpointing,
     precision_remedies,
     process_conditions,
@@ -52,7 +52,7 @@ def _settings_at_start(environ: dict[str, str]) -> dict[str, Any]:
     variables not in effect, once torch has read its settings, and after
     ``PYTORCH_ALLOC_CONF`` is changed later."""
     code = (
-        "import json, os, torch; from autobatch.probing._conditions import process_conditions;"
+        "import json, os, torch; from autobatch.probing._live_conditions import process_conditions;"
         "first = process_conditions(device_type='cuda');"
         "os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64';"
         "later = process_conditions(device_type='cuda');"

@@ -17,7 +17,7 @@ from autobatch.device._simulated import SimulatedDevice
 from autobatch.errors import ConfigError
 from autobatch.models._zoo import load_model
 from autobatch.probing._worst_case import worst_case_sample
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._store import ProfileStore
 from autobatch.training._oom_split import SplitEvent
 from autobatch.tuning import split_recorder
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.profile import Profile
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service.fleet.publisher import OutboxPolicy, Publisher
 from service.web.metrics import Metrics
 from tests.service.serving import free_port, serving

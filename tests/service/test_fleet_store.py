@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from autobatch.profiles import ProfileStore, profile_id_of
-from tests.profiles.test_store import make_profile
+from autobatch.store import ProfileStore, profile_id_of
 from tests.service.serving import Server, serving
+from tests.store.test_store import make_profile
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from tests.service.test_service_api import make_profile
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from autobatch.profile import Profile
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from service.fleet.publisher import OutboxPolicy, Publisher
 from service.web.metrics import Metrics
 from tests.service.serving import free_port, serving

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from service.profiles.routes import PAGE_BYTES
-from tests.profiles.test_store import make_profile
+from tests.store.test_store import make_profile
 
 NUM_PROFILES = 300
 NOTE_BYTES = 400_000  # about 0.4 MB of JSON per profile, 120 MB in all

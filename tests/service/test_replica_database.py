@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from tests.helpers.postgres import DEFAULT_SERVER
 from tests.service.serving import free_port, serving
 from tests.service.test_service_api import make_profile

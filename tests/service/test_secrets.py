@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import make_url
 
 from autobatch.errors import StoreError
-from autobatch.profiles import ProfileStore
-from autobatch.profiles._location import parse_location, password_of, redact
+from autobatch.store import ProfileStore
+from autobatch.store._location import parse_location, password_of, redact
 from tests.service.test_service_api import make_profile, problem
 
 NASTY = ["s3/cret", "ab+/=", "p@ss", "p@ss/w:rd", "a:b", "x?y", "60%off"]

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from autobatch.profile import Profile
 from service.web.store_calls import STORE_THREADS, StoreCalls
-from tests.profiles.test_store import make_profile
+from tests.store.test_store import make_profile
 
 DEADLINE_S = 1.0
 

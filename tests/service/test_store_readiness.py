@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from tests.service.test_service_api import make_profile, wait_for
 
 
@@ -146,7 +146,7 @@ def test_readyz_says_when_the_store_s_disk_is_full(
     assert "is full" in full.json()["store_detail"]
     assert str(small_disk) not in full.text
     # Writes really fail there: a profile of ~0.4 MB finds no room.
-    from tests.profiles.test_store import make_profile
+    from tests.store.test_store import make_profile
 
     notes = tuple("x" * 4000 for _ in range(100))
     refused = client.post("/v1/profiles", json=make_profile(notes=notes).to_dict())

@@ -13,8 +13,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.profiles import ProfileStore
-from tests.profiles.test_store import make_profile
+from autobatch.store import ProfileStore
+from tests.store.test_store import make_profile
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

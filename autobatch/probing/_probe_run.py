@@ -18,9 +18,9 @@ from autobatch.device import Capacity, SimulatedDevice, node_name
 from autobatch.distributed import process_groups_faked
 from autobatch.errors import ConfigError, EstimateUnavailableError, PeerObjectError
 from autobatch.probing._compiled import eager
-from autobatch.probing._conditions import with_optimizer_state
 from autobatch.probing._estimator import FakeStep, estimate_points
 from autobatch.probing._identity import now_iso
+from autobatch.probing._live_conditions import with_optimizer_state
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.probing._search import (
     bracket,

@@ -1,5 +1,5 @@
 """The store layer's remote: profiles beyond the local store come from, and go to,
-whatever :class:`~autobatch.profiles.ProfileRemote` the road passes down; the store layer knows
+whatever :class:`~autobatch.store.ProfileRemote` the road passes down; the store layer knows
 nothing of HTTP. A hand-written fake stands in for the central service."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from autobatch.distributed._consensus import LocalConsensus
 from autobatch.errors import ReportWarning
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.profile import Profile, StepIdentity
-from autobatch.profiles import ProfileRemote, ProfileStore
+from autobatch.store import ProfileRemote, ProfileStore
 from autobatch.tuning import find_profile
 from autobatch.tuning._cache import StoreOptions, agreed_profile
-from tests.profiles.test_store import make_profile
+from tests.store.test_store import make_profile
 
 
 class Shelf:

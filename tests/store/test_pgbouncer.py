@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from autobatch.errors import StoreError
-from autobatch.profiles import ProfileStore
+from autobatch.store import ProfileStore
 from tests.helpers.pgbouncer import pgbouncer, through
-from tests.profiles.test_store import make_profile
+from tests.store.test_store import make_profile
 
 TIMEOUT_S = 1.0
 

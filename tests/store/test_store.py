@@ -1,4 +1,4 @@
-"""Tests for autobatch.profiles._store: round trips, ordering, schema guards, concurrency."""
+"""Tests for autobatch.store._store: round trips, ordering, schema guards, concurrency."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
-from autobatch.profiles._store import (
+from autobatch.store._store import (
     STORE_SCHEMA_VERSION,
     ProfileStore,
     default_store_path,

@@ -24,11 +24,11 @@ import pathlib
 import stat
 import tempfile
 
-from autobatch.profiles._location import MEMORY, STORE_ENV_VAR, default_store_path
+from autobatch.store._location import MEMORY, STORE_ENV_VAR, default_store_path
 
 __all__ = ["default_or_fallback", "fallback_store_path", "is_writable_location"]
 
-_log = logging.getLogger("autobatch.profiles")
+_log = logging.getLogger("autobatch.store")
 
 
 def is_writable_location(path: pathlib.Path) -> bool:
@@ -66,7 +66,7 @@ def fallback_store_path() -> pathlib.Path | None:
 def default_or_fallback() -> str | None:
     """None when the store's location is given in ``$AUTOBATCH_STORE`` or its default may be
     written; else the fallback (:func:`fallback_store_path`, or ``":memory:"``: no store kept
-    after the process), after one WARNING on the ``autobatch.profiles`` logger naming both."""
+    after the process), after one WARNING on the ``autobatch.store`` logger naming both."""
     if os.environ.get(STORE_ENV_VAR, ""):
         return None
     default = default_store_path()

@@ -1,6 +1,6 @@
 """The store's connections: engines for SQLite and PostgreSQL, the SQLite journal, the errors.
 
-Part of the store (:mod:`autobatch.profiles._store`), split off to keep that module to its API.
+Part of the store (:mod:`autobatch.store._store`), split off to keep that module to its API.
 SQLite: one connection per store (used under the store's lock), autocommit at the driver, every
 transaction begun by autobatch (``BEGIN``, or ``BEGIN IMMEDIATE`` for a write, so that a writer
 waits for the lock up front rather than failing at commit), the WAL journal. PostgreSQL: psycopg
@@ -26,7 +26,7 @@ import sqlalchemy as sa
 
 from autobatch.errors import StoreError
 from autobatch.extras import require
-from autobatch.profiles._location import STORE_ENV_VAR, StoreLocation, password_of
+from autobatch.store._location import STORE_ENV_VAR, StoreLocation, password_of
 
 __all__ = [
     "POOL_WAIT_FRACTION",

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import autobatch
-import autobatch.profiles._engine  # noqa: F401
-import autobatch.profiles._fallback  # noqa: F401
-import autobatch.profiles._schema  # noqa: F401
+import autobatch.store._engine  # noqa: F401
+import autobatch.store._fallback  # noqa: F401
+import autobatch.store._schema  # noqa: F401
 from autobatch.cli import main
 from autobatch.integrations.lightning import AutobatchFinder
 
@@ -66,13 +66,13 @@ class Caught(logging.Handler):
 
 def road(name: str, run: Any, results: dict[str, Any]) -> None:
     caught = Caught()
-    logging.getLogger("autobatch.profiles").addHandler(caught)
+    logging.getLogger("autobatch.store").addHandler(caught)
     try:
         results[name] = {"answer": run(), "warnings": caught.messages}
     except Exception as exc:  # the test shows what failed
         results[name] = {"error": f"{type(exc).__name__}: {exc}", "warnings": caught.messages}
     finally:
-        logging.getLogger("autobatch.profiles").removeHandler(caught)
+        logging.getLogger("autobatch.store").removeHandler(caught)
 
 
 def run_autotune() -> int:

@@ -1,12 +1,12 @@
 """The profile store: SQLite, the embedded default, or PostgreSQL for a fleet (SQLAlchemy Core).
 
-All of the store's SQL lives in this module, :mod:`autobatch.profiles._connection` (opening the
+All of the store's SQL lives in this module, :mod:`autobatch.store._connection` (opening the
 database, transactions, the write check, and the one place its errors are translated) and
-:mod:`autobatch.profiles._schema` (tables and migrations); SQLAlchemy is imported when a store
+:mod:`autobatch.store._schema` (tables and migrations); SQLAlchemy is imported when a store
 is opened, not when this module is, so ``from autobatch import ProfileStore`` stays light.
 Imports neither torch nor pynvml.
 
-One location names the store (:mod:`autobatch.profiles._location`): a file path, ``":memory:"``,
+One location names the store (:mod:`autobatch.store._location`): a file path, ``":memory:"``,
 ``sqlite:///...`` or ``postgresql://...``; None means ``$AUTOBATCH_STORE``, the one variable the
 library, the CLI and the service all read. A SQLite file may be shared by several processes (WAL
 journal, a busy timeout, short ``BEGIN IMMEDIATE`` write transactions); a PostgreSQL database by
@@ -23,7 +23,7 @@ and the fix, and is left as it was; an older store is migrated in place on open.
 
 Example::
 
-    from autobatch.profiles._store import ProfileStore
+    from autobatch.store._store import ProfileStore
 
     with ProfileStore("postgresql://autobatch@db:5432/profiles") as store:
         profile_id = store.put(profile)          # the same id however often it is retried
@@ -46,19 +46,19 @@ from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
-from autobatch.profiles import _job_records as job_records
-from autobatch.profiles._connection import StoreConnection
-from autobatch.profiles._copying import copy_rows
-from autobatch.profiles._fallback import default_or_fallback
-from autobatch.profiles._location import (
+from autobatch.store import _job_records as job_records
+from autobatch.store._connection import StoreConnection
+from autobatch.store._copying import copy_rows
+from autobatch.store._fallback import default_or_fallback
+from autobatch.store._location import (
     STORE_ENV_VAR,
     Create,
     StoreLocation,
     default_store_path,
     parse_location,
 )
-from autobatch.profiles._outbox import Outbox
-from autobatch.profiles._pages import ProfilePage, ProfileSummary, SummaryPage
+from autobatch.store._outbox import Outbox
+from autobatch.store._pages import ProfilePage, ProfileSummary, SummaryPage
 
 # _engine, _schema and _sequence import SQLAlchemy: the functions here import them when
 # called, so that importing the store (``from autobatch import ProfileStore``) stays
@@ -79,11 +79,11 @@ __all__ = [
 ]
 
 STORE_SCHEMA_VERSION = 3
-"""Version of the table layout (``autobatch.profiles._schema.STORE_SCHEMA_VERSION``, repeated
+"""Version of the table layout (``autobatch.store._schema.STORE_SCHEMA_VERSION``, repeated
 here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
 _DEFAULT_TIMEOUT_SECONDS = 30.0
-_log = logging.getLogger("autobatch.profiles")
+_log = logging.getLogger("autobatch.store")
 
 
 def profile_id_of(profile: Profile) -> str:
@@ -104,7 +104,7 @@ class ProfileStore:
             ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB``; None means ``$AUTOBATCH_STORE``,
             else ``~/.cache/autobatch/profiles.sqlite3``, or, when this user may not write
             that, ``$TMPDIR/autobatch-<uid>/`` or memory, with one warning
-            (:mod:`autobatch.profiles._fallback`).
+            (:mod:`autobatch.store._fallback`).
         timeout_seconds: how long a call waits for another writer's lock (or a PostgreSQL
             connection) before giving up, in seconds.
         create: what opening a SQLite file may create, so that a mistyped location is an error
@@ -189,8 +189,8 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        from autobatch.profiles._engine import insert
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._engine import insert
+        from autobatch.store._schema import profiles
 
         text = _canonical(profile)
         profile_id = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -206,7 +206,7 @@ class ProfileStore:
             "recommended_micro_batch_size": profile.recommended_micro_batch_size,
             "profile_json": text,
         }
-        from autobatch.profiles._sequence import lock_for_insert, next_sqlite_seq
+        from autobatch.store._sequence import lock_for_insert, next_sqlite_seq
 
         if self.backend == "sqlite":
             row["seq"] = next_sqlite_seq()
@@ -233,7 +233,7 @@ class ProfileStore:
             StoreError: the stored profile was written by a newer autobatch or is not a valid
                 profile, or the store is closed or unreadable.
         """
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._schema import profiles
 
         query = sa_select(profiles.c.id, profiles.c.profile_json).where(profiles.c.id == profile_id)
         with self._db.read("read a profile") as conn:
@@ -257,7 +257,7 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed or unreadable.
         """
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._schema import profiles
 
         query = (
             sa_select(profiles.c.id, profiles.c.profile_json)
@@ -349,7 +349,7 @@ class ProfileStore:
             ConfigError: ``after`` is negative or given with ``before``; as :meth:`list_profiles`.
             As :meth:`list_profiles`.
         """
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._schema import profiles
 
         if after is not None and (after < 0 or before is not None):
             raise ConfigError(
@@ -405,7 +405,7 @@ class ProfileStore:
             ProfileNotFoundError: ``before`` names no stored profile.
             StoreError: the store is closed or unreadable.
         """
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._schema import profiles
 
         columns = [profiles.c[name] for name in ProfileSummary.__dataclass_fields__ if name != "id"]
         query = self._listing(
@@ -445,7 +445,7 @@ class ProfileStore:
         version-1 row keeps its old id), in batches, each batch one write transaction on
         ``target``. Profiles ``target`` already holds are left as they are, so a copy that was
         interrupted can simply be run again. A row holding text some backend cannot store (a
-        NUL, which SQLite keeps and PostgreSQL refuses: ``autobatch.profiles._storable``) is
+        NUL, which SQLite keeps and PostgreSQL refuses: ``autobatch.store._storable``) is
         left out, logged and reported, and the others are copied.
 
         Args:
@@ -475,8 +475,8 @@ class ProfileStore:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._schema import profiles
-        from autobatch.profiles._sequence import remember_deleted
+        from autobatch.store._schema import profiles
+        from autobatch.store._sequence import remember_deleted
 
         with self._db.write("delete a profile") as conn:
             remember_deleted(conn, self.backend, profile_id)
@@ -526,7 +526,7 @@ class ProfileStore:
         limit: int,
         after: int | None = None,
     ) -> sa.Select[Any]:
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._schema import profiles
 
         if limit < 1:
             raise ConfigError(f"limit {limit} must be >= 1")
@@ -545,7 +545,7 @@ class ProfileStore:
     def _paged(
         self, conn: sa.Connection, query: sa.Select[Any], before: str | None
     ) -> sa.Select[Any]:
-        from autobatch.profiles._schema import profiles
+        from autobatch.store._schema import profiles
 
         if before is None:
             return query

@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from autobatch.profiles._schema import PG_PROFILES_LOCK_KEY, profiles, store_meta
+from autobatch.store._schema import PG_PROFILES_LOCK_KEY, profiles, store_meta
 
 __all__ = ["lock_for_insert", "next_sqlite_seq", "remember_deleted"]
 

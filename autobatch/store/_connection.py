@@ -1,12 +1,12 @@
 """The profile store's link to its database: opening it, short transactions, and the one place
 where database errors become :class:`~autobatch.errors.StoreError`.
 
-:class:`StoreConnection` opens a location (:mod:`autobatch.profiles._location`): it creates a
-SQLite file's directory, builds the engine (:mod:`autobatch.profiles._engine`), checks or
-migrates the schema (:mod:`autobatch.profiles._schema`) and turns on WAL. Its :meth:`read` and
+:class:`StoreConnection` opens a location (:mod:`autobatch.store._location`): it creates a
+SQLite file's directory, builds the engine (:mod:`autobatch.store._engine`), checks or
+migrates the schema (:mod:`autobatch.store._schema`) and turns on WAL. Its :meth:`read` and
 :meth:`write` give one connection or one short write transaction (``BEGIN IMMEDIATE`` on
 SQLite), serialised by a lock on SQLite (one connection shared by threads), from a small pool on
-PostgreSQL. :class:`~autobatch.profiles._store.ProfileStore` writes its SQL on top of it.
+PostgreSQL. :class:`~autobatch.store._store.ProfileStore` writes its SQL on top of it.
 
 It recovers without a restart: a database that could not be reached (and, with ``open_later``,
 one not there at open) is checked, created or migrated again on the next call once it answers;
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import StoreError
-from autobatch.profiles._location import Create, StoreLocation, prepare_file
+from autobatch.store._location import Create, StoreLocation, prepare_file
 
 # _engine and _schema import SQLAlchemy: the functions here import them when
 # called, so that importing the store (``from autobatch import ProfileStore``) stays
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StoreConnection"]
 
-_log = logging.getLogger("autobatch.profiles")
+_log = logging.getLogger("autobatch.store")
 _MISSING_TABLE = ("42P01", "no such table")  # PostgreSQL's undefined_table; SQLite's message
 
 
@@ -87,7 +87,7 @@ class StoreConnection:
         self._file = path if path is not None and not location.in_memory else None
         if self._file is not None:
             prepare_file(self._file, create)
-        from autobatch.profiles._engine import make_engine
+        from autobatch.store._engine import make_engine
 
         self._engine: sa.Engine | None = None
         with self.errors("open it"):
@@ -107,8 +107,8 @@ class StoreConnection:
     def _open_schema(self) -> None:
         """Check, create or migrate the schema (once, whichever thread gets here first), and
         on SQLite turn on WAL and note the file's identity."""
-        from autobatch.profiles._engine import file_identity, use_wal
-        from autobatch.profiles._schema import open_schema
+        from autobatch.store._engine import file_identity, use_wal
+        from autobatch.store._schema import open_schema
 
         with self._schema_lock:
             if self._schema_ready:
@@ -138,7 +138,7 @@ class StoreConnection:
         """Delete the ``-wal`` and ``-shm`` the closed connection left at the file's path, when
         they are still the ones it opened: SQLite keeps a WAL whose database was unlinked or
         moved, and would replay its pages into whatever file is opened at that path next."""
-        from autobatch.profiles._engine import file_identity
+        from autobatch.store._engine import file_identity
 
         assert self._file is not None
         for suffix, identity in self._journal.items():
@@ -150,7 +150,7 @@ class StoreConnection:
     def _ready_engine(self) -> sa.Engine:
         """The engine, its schema checked once more where a failure put it in doubt, and a
         SQLite file opened again when it was deleted or replaced (called under the lock)."""
-        from autobatch.profiles._engine import file_identity, make_engine
+        from autobatch.store._engine import file_identity, make_engine
 
         engine = self._engine_or_raise()
         if self._file is not None and self._schema_ready:
@@ -189,7 +189,7 @@ class StoreConnection:
 
         import sqlalchemy.exc
 
-        from autobatch.profiles._engine import store_error
+        from autobatch.store._engine import store_error
 
         try:
             yield
@@ -246,8 +246,8 @@ class StoreConnection:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._engine import MIN_FREE_BYTES, free_bytes
-        from autobatch.profiles._schema import store_meta
+        from autobatch.store._engine import MIN_FREE_BYTES, free_bytes
+        from autobatch.store._schema import store_meta
 
         if self._file is not None and self._engine is not None:
             free = free_bytes(self._file)

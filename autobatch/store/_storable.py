@@ -3,7 +3,7 @@
 PostgreSQL's ``text`` cannot hold U+0000 (NUL), which SQLite stores; neither can hold a lone
 surrogate (U+D800..U+DFFF: not encodable as UTF-8). A profile with such a character would be
 stored on one backend and refused by the other, so it is refused everywhere: the service answers
-422 for it (``service.web.schemas``) and :meth:`~autobatch.profiles.ProfileStore.copy_into` reports
+422 for it (``service.web.schemas``) and :meth:`~autobatch.store.ProfileStore.copy_into` reports
 the rows that hold one instead of failing on them. Imports nothing beyond the standard library.
 
 Example::

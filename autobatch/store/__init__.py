@@ -7,7 +7,7 @@ the text every backend can hold, in ``storable``.
 
 Example::
 
-    from autobatch.profiles import ProfileStore
+    from autobatch.store import ProfileStore
 
     with ProfileStore() as store:          # $AUTOBATCH_STORE, or the default file
         store.list_profiles()
@@ -15,11 +15,11 @@ Example::
 
 from __future__ import annotations
 
-from autobatch.profiles._location import Create, parse_location, redact
-from autobatch.profiles._outbox import OutboxEntry
-from autobatch.profiles._remote import ProfileRemote
-from autobatch.profiles._storable import unstorable, unstorable_in
-from autobatch.profiles._store import (
+from autobatch.store._location import Create, parse_location, redact
+from autobatch.store._outbox import OutboxEntry
+from autobatch.store._remote import ProfileRemote
+from autobatch.store._storable import unstorable, unstorable_in
+from autobatch.store._store import (
     STORE_ENV_VAR,
     ProfilePage,
     ProfileStore,

@@ -13,19 +13,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autobatch.errors import ConfigError
-from autobatch.profiles._connection import StoreConnection
-from autobatch.profiles._storable import unstorable_in
+from autobatch.store._connection import StoreConnection
+from autobatch.store._storable import unstorable_in
 
 # _engine, _schema and _sequence import SQLAlchemy: the functions here import them when
 # called, so that importing the store (``from autobatch import ProfileStore``) stays
 # SQLAlchemy-free.
 
 if TYPE_CHECKING:
-    from autobatch.profiles._store import ProfileStore
+    from autobatch.store._store import ProfileStore
 
 __all__ = ["copy_rows"]
 
-_log = logging.getLogger("autobatch.profiles")
+_log = logging.getLogger("autobatch.store")
 
 
 def copy_rows(
@@ -45,9 +45,9 @@ def copy_rows(
     """
     import sqlalchemy as sa
 
-    from autobatch.profiles._engine import insert
-    from autobatch.profiles._schema import profiles
-    from autobatch.profiles._sequence import lock_for_insert
+    from autobatch.store._engine import insert
+    from autobatch.store._schema import profiles
+    from autobatch.store._sequence import lock_for_insert
 
     if batch_size < 1:
         raise ConfigError(f"batch_size {batch_size} must be >= 1")

@@ -21,7 +21,7 @@ from autobatch.errors import StoreError
 # SQLAlchemy-free.
 
 if TYPE_CHECKING:
-    from autobatch.profiles._connection import StoreConnection
+    from autobatch.store._connection import StoreConnection
 
 __all__ = ["get_job", "put_job"]
 
@@ -36,8 +36,8 @@ def put_job(db: StoreConnection, backend: str, job_id: str, record: Mapping[str,
     Raises:
         StoreError: the store is closed, locked longer than the timeout, or not writable.
     """
-    from autobatch.profiles._engine import insert
-    from autobatch.profiles._schema import probe_jobs
+    from autobatch.store._engine import insert
+    from autobatch.store._schema import probe_jobs
 
     values = {
         "id": job_id,
@@ -61,7 +61,7 @@ def get_job(db: StoreConnection, job_id: str) -> dict[str, Any] | None:
     """
     import sqlalchemy as sa
 
-    from autobatch.profiles._schema import probe_jobs
+    from autobatch.store._schema import probe_jobs
 
     query = sa.select(probe_jobs.c.job_json).where(probe_jobs.c.id == job_id)
     with db.read("read a probe job") as conn:

@@ -22,7 +22,7 @@ summaries list without decoding profiles, and ``probe_jobs`` (the service's job 
 
 Example::
 
-    from autobatch.profiles._schema import open_schema
+    from autobatch.store._schema import open_schema
 
     with engine.connect() as conn:
         open_schema(conn, backend="sqlite", display="profiles.sqlite3")  # create or migrate
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from autobatch.errors import StoreError
-from autobatch.profiles._location import STORE_ENV_VAR
+from autobatch.store._location import STORE_ENV_VAR
 
 __all__ = [
     "APPLICATION_ID",
@@ -108,7 +108,7 @@ outbox = sa.Table(
     sa.Column("next_attempt_at", sa.Float(), nullable=False, index=True),
     sa.Column("last_error", sa.Text(), nullable=False, server_default=""),
 )
-"""A node's profiles not yet acknowledged by the central service (``autobatch.profiles._outbox``);
+"""A node's profiles not yet acknowledged by the central service (``autobatch.store._outbox``);
 times are Unix seconds, as they must survive a restart. ``seq`` orders them (oldest first)."""
 
 _V1_COLUMNS = frozenset(

@@ -1,7 +1,7 @@
 """A node's outbox: the profiles its store holds that the central service has not yet
 acknowledged, with when each was tried and when it is tried next.
 
-The rows live in the node's own store (table ``outbox``, :mod:`autobatch.profiles._schema`), so a
+The rows live in the node's own store (table ``outbox``, :mod:`autobatch.store._schema`), so a
 restart of the node loses none: the sender (``service.fleet.publisher``) resumes from them. A
 row names a stored profile by id; the profile's JSON is read from ``profiles`` when it is sent.
 The outbox is bounded: :meth:`Outbox.enqueue` drops the oldest rows beyond ``max_rows`` in the
@@ -27,7 +27,7 @@ from autobatch.errors import ConfigError
 # SQLAlchemy-free.
 
 if TYPE_CHECKING:
-    from autobatch.profiles._connection import StoreConnection
+    from autobatch.store._connection import StoreConnection
 
 __all__ = ["Outbox", "OutboxEntry"]
 
@@ -82,8 +82,8 @@ class Outbox:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._engine import insert
-        from autobatch.profiles._schema import outbox
+        from autobatch.store._engine import insert
+        from autobatch.store._schema import outbox
 
         if max_rows < 1:
             raise ConfigError(f"max_rows {max_rows} must be >= 1 (the outbox's bound, in rows)")
@@ -111,7 +111,7 @@ class Outbox:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._schema import outbox, profiles
+        from autobatch.store._schema import outbox, profiles
 
         query = (
             sa.select(*_columns(), profiles.c.profile_json)
@@ -131,7 +131,7 @@ class Outbox:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._schema import outbox
+        from autobatch.store._schema import outbox
 
         with self._db.read("read the outbox") as conn:
             rows = conn.execute(sa.select(*_columns()).order_by(outbox.c.seq)).all()
@@ -145,7 +145,7 @@ class Outbox:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._schema import outbox
+        from autobatch.store._schema import outbox
 
         with self._db.read("count the outbox") as conn:
             return int(conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar_one())
@@ -166,7 +166,7 @@ class Outbox:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._schema import outbox
+        from autobatch.store._schema import outbox
 
         statement = (
             sa.update(outbox)
@@ -192,7 +192,7 @@ class Outbox:
         """
         import sqlalchemy as sa
 
-        from autobatch.profiles._schema import outbox
+        from autobatch.store._schema import outbox
 
         with self._db.write("remove a published profile from the outbox") as conn:
             done = conn.execute(sa.delete(outbox).where(outbox.c.profile_id == profile_id))
@@ -200,7 +200,7 @@ class Outbox:
 
 
 def _columns() -> list[Any]:
-    from autobatch.profiles._schema import outbox
+    from autobatch.store._schema import outbox
 
     return [outbox.c[field.name] for field in dataclasses.fields(OutboxEntry)[:-1]]
 

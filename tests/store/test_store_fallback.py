@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from autobatch.errors import StoreError
-from autobatch.profiles._fallback import default_or_fallback, is_writable_location
-from autobatch.profiles._store import ProfileStore
+from autobatch.store._fallback import default_or_fallback, is_writable_location
+from autobatch.store._store import ProfileStore
 
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -131,7 +131,7 @@ def test_the_default_falls_back_to_a_private_folder_with_one_warning(
 ) -> None:
     blocker, temporary = unwritable_default
     assert not is_writable_location(blocker / "autobatch" / "profiles.sqlite3")
-    caplog.set_level(logging.WARNING, logger="autobatch.profiles")
+    caplog.set_level(logging.WARNING, logger="autobatch.store")
 
     with ProfileStore() as store:
         assert store.path == temporary / f"autobatch-{os.getuid()}" / "profiles.sqlite3"
@@ -150,7 +150,7 @@ def test_a_fallback_folder_that_is_not_this_user_s_own_is_no_store_at_all(
     elsewhere = temporary / "elsewhere"
     elsewhere.mkdir()
     (temporary / f"autobatch-{os.getuid()}").symlink_to(elsewhere)  # planted by someone else
-    caplog.set_level(logging.WARNING, logger="autobatch.profiles")
+    caplog.set_level(logging.WARNING, logger="autobatch.store")
 
     assert default_or_fallback() == ":memory:"
     (record,) = caplog.records

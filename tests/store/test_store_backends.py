@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
-from autobatch.profiles import _schema as schema
-from autobatch.profiles._location import parse_location, redact
-from autobatch.profiles._store import STORE_SCHEMA_VERSION, ProfileStore, profile_id_of
-from tests.profiles.test_store import make_profile
+from autobatch.store import _schema as schema
+from autobatch.store._location import parse_location, redact
+from autobatch.store._store import STORE_SCHEMA_VERSION, ProfileStore, profile_id_of
+from tests.store.test_store import make_profile
 
 # The exact DDL of autobatch's first store (schema version 1).
 OLD_DDL = (
@@ -303,7 +303,7 @@ def test_importing_the_store_does_not_import_sqlalchemy() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from autobatch import ProfileStore; import autobatch.profiles;"
+            "import sys; from autobatch import ProfileStore; import autobatch.store;"
             "print('sqlalchemy' in sys.modules)",
         ],
         capture_output=True,

@@ -9,7 +9,7 @@ naming the value and the fix, not a folder called ``scheme:``. Imports no SQLAlc
 
 Example::
 
-    from autobatch.profiles._location import parse_location
+    from autobatch.store._location import parse_location
 
     location = parse_location("postgresql://ci:s3cret@db:5432/autobatch")
     location.display         # 'postgresql://ci:***@db:5432/autobatch'
