@@ -155,12 +155,12 @@ def _torchrun_against_outer(
     if step is not None:
         _mpi_against_slurm(environ, step)
         outer_name, outer = step
-        launcher = f"Slurm job {environ.get('SLURM_JOB_ID', '?')}'s step"
+        launcher, each = f"Slurm job {environ.get('SLURM_JOB_ID', '?')}'s step", "task"
     else:
         found = [(name, size) for _, name, *_ in _MPI if (size := _int(environ, name)) is not None]
         if not found:
             return
-        (outer_name, outer), launcher = found[0], "the MPI launcher"
+        (outer_name, outer), launcher, each = found[0], "the MPI launcher", "MPI rank"
     if outer == agents:
         return
     raise ConfigError(
@@ -168,7 +168,7 @@ def _torchrun_against_outer(
         f"says {outer_name}={outer}, one torchrun each: the torchruns are not one group of "
         f"{world} ranks, or the environment holds another job's variables",
         remedies=[
-            Remedy(purpose=f"torchrun --nnodes={outer} (one agent per task)"),
+            Remedy(purpose=f"torchrun --nnodes={outer} (one agent per {each})"),
             _world_size_is(world, "if torchrun's WORLD_SIZE counts every rank that trains"),
         ],
     )

@@ -469,7 +469,8 @@ TWO_LAUNCHERS: list[tuple[str, dict[str, str], str]] = [
     (
         "torchrun under mpirun, one per rank, with another count of nodes",
         {**TORCHRUN_2x8_RANK_11, "OMPI_COMM_WORLD_SIZE": "4"},
-        r"make 2 torchrun agents \(nodes\), but the MPI launcher says OMPI_COMM_WORLD_SIZE=4",
+        r"make 2 torchrun agents \(nodes\), but the MPI launcher says OMPI_COMM_WORLD_SIZE=4, .*; "
+        r"use torchrun --nnodes=4 \(one agent per MPI rank\), or world_size=16 ",
     ),
 ]
 

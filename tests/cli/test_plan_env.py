@@ -288,3 +288,17 @@ def test_the_prolog_refuses_two_launchers_that_disagree_by_name(tmp_path: Path) 
     assert "--world-size 16 (if mpirun started the ranks)" in done.stderr
     prolog_fix = "; in a TaskProlog, the job gives it as AUTOBATCH_JOB_WORLD_SIZE=N\n"
     assert done.stderr.endswith(prolog_fix)
+
+
+def test_the_launcher_commands_count_to_fill_in_is_a_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert run(capsys, "launcher", "--world-size") == (
+        1,
+        "",
+        "autobatch: error: WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 (mpirun (Open MPI)): the "
+        "environment says two sizes of one group; use an environment without WORLD_SIZE, or "
+        "--world-size N (the number of data-parallel ranks that train)\n",
+    )
