@@ -510,20 +510,20 @@ def test_autotunes_road_refuses_two_launchers_in_pythons_spelling(
     [
         pytest.param(
             {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "job-master-0"},
-            "the default process group (2 ranks, fake); the launcher's environment (WORLD_SIZE=1, "
-            "RANK=0) says 1, which counts something else (pods, tasks)",
+            "the default process group (world size 2, fake); the launcher's environment "
+            "(WORLD_SIZE=1, RANK=0) says 1, which counts something else (pods, tasks)",
             id="Kubeflow's per-pod WORLD_SIZE=1 beside the pod's 2-rank group",
         ),
         pytest.param(
             {**HYDRA_IN_SLURM_RANK_11, "PMI_SIZE": "2"},
-            "the default process group (2 ranks, fake)",
+            "the default process group (world size 2, fake)",
             id="a launcher's count equal to the group's: the group, nothing more to say",
         ),
         pytest.param(
             {**HYDRA_IN_SLURM_RANK_11, "SLURM_STEP_NUM_TASKS": "1"},
-            "the default process group (2 ranks, fake); the launcher's variables do not settle a "
-            "count: mpirun (MPICH or Intel MPI) says PMI_SIZE=16 but Slurm job 7's step says "
-            "SLURM_STEP_NUM_TASKS=1",
+            "the default process group (world size 2, fake); the launcher's variables do not "
+            "settle a count: mpirun (MPICH or Intel MPI) says PMI_SIZE=16 but Slurm job 7's step "
+            "says SLURM_STEP_NUM_TASKS=1",
             id="launchers that disagree beside a group: the group trains",
         ),
     ],

@@ -173,7 +173,7 @@ def _group_source(world: int) -> str:
     ranks'), so the launcher's variables only annotate it, and a launcher reading that cannot
     settle on one count (:func:`~autobatch.conditions.launcher_data_parallel` refuses) does
     not stop a job whose group already says how many ranks train."""
-    source = f"the default process group ({world} ranks, {dist.get_backend()})"
+    source = f"the default process group (world size {world}, {dist.get_backend()})"
     try:
         launched = launcher_data_parallel(os.environ)
     except ConfigError as exc:
