@@ -4,10 +4,17 @@ TrainJob, Slurm's ``srun``/``sbatch``, the DeepSpeed launcher, and ``mpirun`` (O
 Intel MPI, MVAPICH). docs/launchers.md lists, per launcher, which variables are read.
 
 The innermost launcher decides: a process torchrun started inside a Slurm task or a Kubeflow pod
-reads torchrun's variables, which count the processes it really started. Where two readings of
-one layout disagree, :class:`~autobatch.errors.ConfigError` names the variables, their values
-and the fix (``world_size=N``), never a silent guess; where a launcher's documented semantics
-settle it (Kubeflow's ``WORLD_SIZE`` counts pods), the reading says why it chose.
+reads torchrun's variables, which count the processes it really started. A Slurm step's own
+variables (``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_STEP_NUM_NODES``) come
+before the allocation's (``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``...): ``srun --ntasks=1``
+inside ``sbatch --ntasks-per-node=8`` starts one task per node, whatever the allocation asked.
+Where two launchers' variables disagree (an MPI launcher's ``PMI_*``/``OMPI_*``/``MV2_*``/``PMIX_*``
+or torchrun's against the Slurm step they run in, torchrun's against an MPI launcher's),
+:class:`~autobatch.errors.ConfigError` names the variables, their values and the fix (a
+:class:`~autobatch.errors.Remedy` for ``world_size``, which each surface words: ``world_size=N``
+in Python, ``--world-size N`` on the command line), never a silent guess; where a launcher's
+documented semantics settle it (Kubeflow's ``WORLD_SIZE`` counts pods), the reading says why it
+chose.
 
 Pure: a mapping of variables in, a :class:`LauncherLayout` out; imports neither torch nor pynvml.
 
@@ -25,7 +32,7 @@ import re
 from collections.abc import Mapping
 from typing import Literal
 
-from autobatch.errors import ConfigError
+from autobatch.errors import ConfigError, Remedy
 
 __all__ = ["LauncherLayout", "SlurmTaskRanks", "launcher_layout"]
 
@@ -34,7 +41,26 @@ SlurmTaskRanks = Literal["one", "gpus"]
 reading inside a task), or ``"gpus"`` (each task starts one rank per GPU it holds, as a torchrun
 per node does: the reading of a TaskProlog, before the task's command runs)."""
 
-_FIX = "pass world_size=N (the number of data-parallel ranks that train)"
+
+class _Count(str):
+    """A count the user fills in, shown as its bare name in every spelling: ``world_size=N`` in
+    Python, ``--world-size N`` on the command line."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+_RANKS = "the number of data-parallel ranks that train"
+_FIX = Remedy(parameter="world_size", values=(_Count("N"),), purpose=_RANKS)
+"""The fix for every launcher's disagreement: say how many ranks train."""
+_UNSET_WORLD_SIZE = Remedy(purpose="an environment without WORLD_SIZE")
+
+
+def _world_size_is(ranks: int, why: str) -> Remedy:
+    """The fix naming one reading's count, e.g. ``world_size=16 (if mpiexec started the ranks)``."""
+    return Remedy(parameter="world_size", values=(ranks,), purpose=why)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +98,8 @@ def _int(environ: Mapping[str, str], name: str, *, minimum: int = 1) -> int | No
         value = minimum - 1
     if value < minimum:
         raise ConfigError(
-            f"{name} {raw!r} in the environment must be an int >= {minimum}; unset it, or {_FIX}"
+            f"{name} {raw!r} in the environment must be an int >= {minimum}",
+            remedies=[Remedy(purpose=f"an environment without {name}"), _FIX],
         )
     return value
 
@@ -96,9 +123,12 @@ def _torchrun(environ: Mapping[str, str]) -> LauncherLayout | None:
     if local is not None and groups is not None and local * groups != world:
         raise ConfigError(
             f"torchrun's variables disagree: WORLD_SIZE={world} but GROUP_WORLD_SIZE={groups} "
-            f"nodes x LOCAL_WORLD_SIZE={local} = {groups * local}; {_FIX}"
+            f"nodes x LOCAL_WORLD_SIZE={local} = {groups * local}",
+            remedies=[_FIX],
         )
     nodes = groups if groups is not None else (world // local if local else None)
+    if nodes is not None:
+        _torchrun_against_outer(environ, world=world, agents=nodes, said=_said(environ, names))
     name = "accelerate launch (torchrun)" if _accelerate(environ) else "torchrun"
     return LauncherLayout(
         world_size=world,
@@ -107,6 +137,40 @@ def _torchrun(environ: Mapping[str, str]) -> LauncherLayout | None:
         rank=_int(environ, "RANK", minimum=0),
         local_rank=_int(environ, "LOCAL_RANK", minimum=0),
         source=f"{name} ({_said(environ, names)}){_inside(environ)}",
+    )
+
+
+def _torchrun_against_outer(
+    environ: Mapping[str, str], *, world: int, agents: int, said: str
+) -> None:
+    """Refuse torchrun's count of agents (nodes) when the Slurm step or MPI launcher that runs
+    it started another number of them: each Slurm task or MPI rank runs one torchrun agent, so
+    the counts differ only when the torchruns are not one group (``--nnodes`` other than the
+    tasks) or the outer launcher's variables are another job's.
+
+    Raises:
+        ConfigError: the two counts differ (both named, with their values).
+    """
+    step = _slurm_step_tasks(environ)
+    if step is not None:
+        _mpi_against_slurm(environ, step)
+        outer_name, outer = step
+        launcher, each = f"Slurm job {environ.get('SLURM_JOB_ID', '?')}'s step", "task"
+    else:
+        found = [(name, size) for _, name, *_ in _MPI if (size := _int(environ, name)) is not None]
+        if not found:
+            return
+        (outer_name, outer), launcher, each = found[0], "the MPI launcher", "MPI rank"
+    if outer == agents:
+        return
+    raise ConfigError(
+        f"torchrun's variables ({said}) make {agents} torchrun agents (nodes), but {launcher} "
+        f"says {outer_name}={outer}, one torchrun each: the torchruns are not one group of "
+        f"{world} ranks, or the environment holds another job's variables",
+        remedies=[
+            Remedy(purpose=f"torchrun --nnodes={outer} (one agent per {each})"),
+            _world_size_is(world, "if torchrun's WORLD_SIZE counts every rank that trains"),
+        ],
     )
 
 
@@ -138,7 +202,8 @@ def _deepspeed(environ: Mapping[str, str]) -> LauncherLayout | None:
     if (local is not None and local > world) or (nodes is not None and nodes > world):
         raise ConfigError(
             f"the DeepSpeed launcher's variables disagree: WORLD_SIZE={world} is less than "
-            f"LOCAL_SIZE={local} ranks on this node or CROSS_SIZE={nodes} nodes; {_FIX}"
+            f"LOCAL_SIZE={local} ranks on this node or CROSS_SIZE={nodes} nodes",
+            remedies=[_FIX],
         )
     names = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_SIZE")
     return LauncherLayout(
@@ -173,19 +238,25 @@ _MPI = (
 
 def _mpi(environ: Mapping[str, str]) -> LauncherLayout | None:
     """A rank ``mpirun``/``mpiexec`` started. ``srun --mpi=pmi2`` sets ``PMI_SIZE`` to its own
-    task count too: inside a Slurm step that one is Slurm's, read as Slurm's."""
+    task count too: inside a Slurm step, a ``PMI_SIZE`` equal to the step's tasks is Slurm's,
+    read as Slurm's; any MPI count that differs from the step's is refused
+    (:func:`_mpi_against_slurm`)."""
+    step = _slurm_step_tasks(environ)
+    if step is not None:
+        _mpi_against_slurm(environ, step)
     for launcher, size_name, rank_name, local_name, local_size_name in _MPI:
         size = _int(environ, size_name)
         if size is None:
             continue
-        if size_name == "PMI_SIZE" and "SLURM_STEP_ID" in environ:
+        if size_name == "PMI_SIZE" and step is not None:
             return None
         world = _int(environ, "WORLD_SIZE")
         names = tuple(n for n in (size_name, rank_name, local_name, local_size_name) if n)
         if world is not None and world != size:
             raise ConfigError(
                 f"WORLD_SIZE={world} but {size_name}={size} ({launcher}): the environment says "
-                f"two sizes of one group; unset WORLD_SIZE, or {_FIX}"
+                "two sizes of one group",
+                remedies=[_UNSET_WORLD_SIZE, _FIX],
             )
         return LauncherLayout(
             world_size=size,
@@ -196,6 +267,54 @@ def _mpi(environ: Mapping[str, str]) -> LauncherLayout | None:
             source=f"{launcher} ({_said(environ, names)}){_inside(environ)}",
         )
     return None
+
+
+def _slurm_step_tasks(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """The task count of the Slurm step this process runs in, with the variable that says it
+    (``SLURM_STEP_NUM_TASKS``, else the job's ``SLURM_NTASKS``); None outside a step."""
+    if "SLURM_STEP_ID" not in environ:
+        return None
+    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
+        tasks = _int(environ, name)
+        if tasks is not None:
+            return name, tasks
+    return None
+
+
+def _mpi_against_slurm(environ: Mapping[str, str], step: tuple[str, int]) -> None:
+    """Refuse an MPI launcher's count that differs from the Slurm step it runs in.
+
+    MPICH's and Intel MPI's ``mpiexec`` (Hydra) inside an allocation starts its proxies with
+    ``srun``, one per node: the ranks see the proxies' step (``SLURM_STEP_NUM_TASKS=2``) beside
+    ``PMI_SIZE=16``; ``srun --mpi=pmi2`` sets both to the step's tasks. Neither reading can tell
+    which launcher started the ranks, so the message names both.
+
+    Raises:
+        ConfigError: ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE`` or ``MV2_COMM_WORLD_SIZE`` is not the
+            step's task count, or ``PMIX_RANK`` is not below it.
+    """
+    step_name, tasks = step
+    said = f"Slurm job {environ.get('SLURM_JOB_ID', '?')}'s step says {step_name}={tasks}"
+    for launcher, size_name, *_ in _MPI:
+        size = _int(environ, size_name)
+        if size is not None and size != tasks:
+            raise ConfigError(
+                f"{launcher} says {size_name}={size} but {said}: an MPI launcher inside a "
+                "Slurm step (mpiexec's proxies started with srun, one per node) counts other "
+                "processes than the step's tasks, and the environment cannot say which started "
+                "the ranks",
+                remedies=[
+                    _world_size_is(size, f"if {launcher.split()[0]} started the ranks"),
+                    _world_size_is(tasks, "if srun started them, one rank per task"),
+                ],
+            )
+    rank = _int(environ, "PMIX_RANK", minimum=0)
+    if rank is not None and rank >= tasks:
+        raise ConfigError(
+            f"PMIx says PMIX_RANK={rank} but {said}: a rank beyond the step's tasks was started "
+            "by an MPI launcher inside the step, which counts other processes than Slurm",
+            remedies=[_FIX],
+        )
 
 
 def _kubeflow(environ: Mapping[str, str]) -> LauncherLayout | None:
@@ -214,8 +333,8 @@ def _kubeflow(environ: Mapping[str, str]) -> LauncherLayout | None:
         # the size at rendezvous, after this process reads it.
         raise ConfigError(
             f"the Kubeflow pod's {said} leave the number of ranks to torchrun's rendezvous "
-            f"(an elastic range, or a count by device type); {_FIX}, or read the size in the "
-            "processes torchrun starts"
+            "(an elastic range, or a count by device type)",
+            remedies=[_FIX, Remedy(purpose="a reading in the processes torchrun starts")],
         ) from None
     assert nodes is not None and per_node is not None
     ranks = nodes * per_node
@@ -226,7 +345,8 @@ def _kubeflow(environ: Mapping[str, str]) -> LauncherLayout | None:
             raise ConfigError(
                 f"the Kubeflow pod's variables disagree: WORLD_SIZE={world} is neither "
                 f"PET_NNODES={nodes} (the pods) nor PET_NNODES x PET_NPROC_PER_NODE={ranks} (the "
-                f"ranks); {_FIX}"
+                "ranks)",
+                remedies=[_FIX],
             )
         why = f": WORLD_SIZE={world} counts pods (PyTorchJob), each running {per_node} ranks"
     return LauncherLayout(
@@ -249,30 +369,44 @@ def _slurm_gpus(environ: Mapping[str, str], name: str) -> int | None:
         return None
     match = _GPU_COUNT.match(raw.split(",")[0])
     if match is None:
-        raise ConfigError(f"{name} {raw!r} in the environment is not a GPU count; {_FIX}")
+        raise ConfigError(f"{name} {raw!r} in the environment is not a GPU count", remedies=[_FIX])
     return int(match[1])
 
 
 def _slurm_tasks_here(environ: Mapping[str, str], tasks: int, nodes: int | None) -> int | None:
-    """Tasks of this step on this node: ``SLURM_NTASKS_PER_NODE`` where the job asked for it,
-    else this node's entry of ``SLURM_STEP_TASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``
-    (``"2(x3),1"``: two tasks on each of three nodes, one on the fourth)."""
+    """Tasks of this step on this node: this node's entry of the step's
+    ``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE`` where the job asked for it,
+    else this node's entry of the allocation's ``SLURM_TASKS_PER_NODE``.
+
+    The step's own count comes first: a step inherits the allocation's ``SLURM_NTASKS_PER_NODE``
+    (``sbatch --ntasks-per-node=8``) even when it starts fewer tasks (``srun --ntasks=1``), and
+    no node runs more of a step's tasks than the step has (``tasks``).
+    """
+    step = _tasks_on_this_node(environ, "SLURM_STEP_TASKS_PER_NODE")
+    if step is not None:
+        return step
     asked = _int(environ, "SLURM_NTASKS_PER_NODE")
-    if asked is not None:
+    if asked is not None and asked <= tasks:
         return asked
-    raw = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
+    allocated = _tasks_on_this_node(environ, "SLURM_TASKS_PER_NODE")
+    if allocated is not None and allocated <= tasks:
+        return allocated
+    if nodes and tasks % nodes == 0:
+        return tasks // nodes
+    return None
+
+
+def _tasks_on_this_node(environ: Mapping[str, str], name: str) -> int | None:
+    """This node's (``SLURM_NODEID``'s) entry of a task list such as ``"2(x3),1"`` (two tasks
+    on each of three nodes, one on the fourth); None when unset, unreadable or too short."""
     counts: list[int] = []
-    for part in filter(None, raw.split(",")):
+    for part in filter(None, environ.get(name, "").split(",")):
         match = _TASKS_PER_NODE.match(part.strip())
         if match is None:
             return None
         counts += [int(match[1])] * int(match[2] or 1)
     node = _int(environ, "SLURM_NODEID", minimum=0) or 0
-    if node < len(counts):
-        return counts[node]
-    if nodes and tasks % nodes == 0:
-        return tasks // nodes
-    return None
+    return counts[node] if node < len(counts) else None
 
 
 def _slurm(environ: Mapping[str, str], task_ranks: SlurmTaskRanks) -> LauncherLayout | None:
@@ -290,7 +424,8 @@ def _slurm(environ: Mapping[str, str], task_ranks: SlurmTaskRanks) -> LauncherLa
     gpus = _slurm_gpus_per_task(environ, here)
     job = f"Slurm job {environ.get('SLURM_JOB_ID', '?')}"
     names = (
-        "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NUM_NODES",
+        "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS_PER_NODE",
+        "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES",
         "SLURM_GPUS_PER_TASK", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_PROCID",
     )  # fmt: skip
     said = _said(environ, names)
@@ -331,8 +466,8 @@ def _slurm_gpus_per_task(environ: Mapping[str, str], here: int | None) -> int:
     if on_node % here:
         raise ConfigError(
             f"Slurm gives this node {on_node} GPUs (SLURM_GPUS_ON_NODE/SLURM_GPUS_PER_NODE) for "
-            f"{here} tasks, which do not share them evenly, so the ranks per task are unknown; "
-            f"ask for --gpus-per-task, or {_FIX}"
+            f"{here} tasks, which do not share them evenly, so the ranks per task are unknown",
+            remedies=[Remedy(purpose="a job that asks Slurm for --gpus-per-task"), _FIX],
         )
     return on_node // here
 
@@ -350,7 +485,8 @@ def _slurm_with_world_size(
         raise ConfigError(
             f"WORLD_SIZE={world} disagrees with {layout.source.split(':')[0]}: SLURM_NTASKS="
             f"{tasks} tasks with {gpus} GPUs each make {tasks} ranks (one per task) or "
-            f"{tasks * gpus} (one per GPU), not {world}; unset WORLD_SIZE, or {_FIX}"
+            f"{tasks * gpus} (one per GPU), not {world}",
+            remedies=[_UNSET_WORLD_SIZE, _FIX],
         )
     one_each = world == tasks
     return dataclasses.replace(

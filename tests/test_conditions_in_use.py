@@ -205,11 +205,15 @@ def one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_a_launcher_and_a_live_group_that_disagree_is_an_error(
+def test_a_live_group_is_planned_for_and_a_launcher_that_disagrees_is_named(
     tmp_path: Path, torchrun: None, one_rank_group: None
 ) -> None:
-    with pytest.raises(ConfigError, match="says 2 ranks, but the default process group has 1"):
-        tune(tmp_path, effective_batch_size=16, device="sim:4MiB")
+    plan = tune(tmp_path, effective_batch_size=16, device="sim:4MiB")
+    assert plan.world_size == 1  # the group trains: each process alone
+    assert plan.conditions.data_parallel_source == (
+        "the default process group (world size 1, gloo); the launcher's environment "
+        "(WORLD_SIZE=2, RANK=0, LOCAL_RANK=0) says 2, which counts something else (pods, tasks)"
+    )
 
 
 # --- plan(profile) ------------------------------------------------------------------------------

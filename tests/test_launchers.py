@@ -274,14 +274,16 @@ REFUSED: list[tuple[str, dict[str, str], SlurmTaskRanks, str]] = [
         {"WORLD_SIZE": "1", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1"},
         "one",
         r"WORLD_SIZE=1 is neither PET_NNODES=2 \(the pods\) nor PET_NNODES x "
-        r"PET_NPROC_PER_NODE=2 \(the ranks\); pass world_size=N",
+        r"PET_NPROC_PER_NODE=2 \(the ranks\); use world_size=N \(the number of data-parallel "
+        r"ranks that train\)$",
     ),
     (
         "Kubeflow, elastic range",
         {"PET_NNODES": "1:4", "PET_NPROC_PER_NODE": "8"},
         "one",
         r"PET_NNODES=1:4, PET_NPROC_PER_NODE=8 leave the number of ranks to torchrun's "
-        r"rendezvous .*pass world_size=N",
+        r"rendezvous \(an elastic range, or a count by device type\); use world_size=N .*, or a "
+        r"reading in the processes torchrun starts$",
     ),
     (
         "Kubeflow, nprocPerNode by device type",
@@ -294,8 +296,8 @@ REFUSED: list[tuple[str, dict[str, str], SlurmTaskRanks, str]] = [
         {**SLURM_TORCHRUN_PER_NODE, "WORLD_SIZE": "8"},
         "gpus",
         r"WORLD_SIZE=8 disagrees with Slurm job 908: SLURM_NTASKS=2 tasks with 8 GPUs each make "
-        r"2 ranks \(one per task\) or 16 \(one per GPU\), not 8; unset WORLD_SIZE, or pass "
-        r"world_size=N",
+        r"2 ranks \(one per task\) or 16 \(one per GPU\), not 8; use an environment without "
+        r"WORLD_SIZE, or world_size=N",
     ),
     (
         "Slurm GPUs not shared evenly by the node's tasks",
@@ -307,13 +309,14 @@ REFUSED: list[tuple[str, dict[str, str], SlurmTaskRanks, str]] = [
         },
         "gpus",
         r"Slurm gives this node 8 GPUs .* for 3 tasks, which do not share them evenly.*"
-        r"--gpus-per-task, or pass world_size=N",
+        r"--gpus-per-task, or world_size=N",
     ),  # fmt: skip
     (
         "mpirun vs WORLD_SIZE",
         {"OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "2"},
         "one",
-        r"WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 \(mpirun \(Open MPI\)\).*pass world_size=N",
+        r"WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 \(mpirun \(Open MPI\)\).*; use an environment "
+        r"without WORLD_SIZE, or world_size=N",
     ),
     (
         "torchrun's own variables disagree",
@@ -359,3 +362,187 @@ def test_autotunes_road_reads_kubeflows_ranks_not_its_pods(monkeypatch: pytest.M
     world, source = resolve_data_parallel(torch.nn.Linear(2, 2))
     assert world == 2
     assert "WORLD_SIZE=1 counts pods (PyTorchJob), each running 2 ranks" in source
+
+
+SLURM_STEP_OF_1_IN_8_PER_NODE = {  # sbatch --ntasks-per-node=8 --gres=gpu:8; srun --ntasks=1
+    "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1",
+    "SLURM_NTASKS_PER_NODE": "8", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1",
+    "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_NUM_NODES": "1",
+}  # fmt: skip
+HYDRA_IN_SLURM_RANK_11 = {  # mpiexec (MPICH/Intel MPI) in a 2-node allocation: srun'd proxies
+    "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1", "SLURM_PROCID": "1",
+    "PMI_SIZE": "16", "PMI_RANK": "11", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "8",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("environ", "task_ranks", "expected", "words"),
+    [
+        pytest.param(
+            SLURM_STEP_OF_1_IN_8_PER_NODE,
+            "gpus",
+            (8, 1, 8, None, None),
+            "Slurm job 1: 1 tasks x 8 GPUs per task, one rank per GPU",
+            id="a step of 1 task in an allocation of 8 per node, in its TaskProlog: 8 GPUs",
+        ),
+        pytest.param(
+            SLURM_STEP_OF_1_IN_8_PER_NODE,
+            "one",
+            (1, 1, 1, None, None),
+            "Slurm job 1: 1 tasks, one rank each (each holds 8 GPUs",
+            id="the same step, inside its one task: one rank (torchrun's variables say more)",
+        ),
+        pytest.param(
+            {**SLURM_STEP_OF_1_IN_8_PER_NODE, "SLURM_STEP_TASKS_PER_NODE": ""},
+            "gpus",
+            (8, 1, 8, None, None),
+            "1 tasks x 8 GPUs per task",
+            id="without the step's list, the allocation's 8 per node exceeds the step's 1 task",
+        ),
+        pytest.param(
+            {**HYDRA_IN_SLURM_RANK_11, "PMI_SIZE": "2", "PMI_RANK": "1"},
+            "one",
+            (2, None, 1, 1, None),
+            "Slurm job 7: 2 tasks, one rank each",
+            id="srun --mpi=pmi2's PMI_SIZE, equal to the step's tasks: Slurm's reading",
+        ),
+        pytest.param(
+            {**SLURM_STEP_OF_1_IN_8_PER_NODE, "OMPI_COMM_WORLD_SIZE": "1"},
+            "one",
+            (1, None, None, None, None),
+            "mpirun (Open MPI) (OMPI_COMM_WORLD_SIZE=1) in Slurm job 1",
+            id="an MPI count equal to the step's tasks: no refusal",
+        ),
+    ],
+)
+def test_a_slurm_steps_own_variables_come_before_its_allocations(
+    environ: dict[str, str], task_ranks: SlurmTaskRanks, expected: tuple[object, ...], words: str
+) -> None:
+    layout = launcher_layout(environ, slurm_task_ranks=task_ranks)
+    assert layout is not None
+    got = (layout.world_size, layout.nodes, layout.ranks_per_node, layout.rank, layout.local_rank)
+    assert got == expected
+    assert words in layout.source
+
+
+TWO_LAUNCHERS: list[tuple[str, dict[str, str], str]] = [
+    (
+        "mpiexec (Hydra) inside a Slurm step of its proxies",
+        HYDRA_IN_SLURM_RANK_11,
+        r"^mpirun \(MPICH or Intel MPI\) says PMI_SIZE=16 but Slurm job 7's step says "
+        r"SLURM_STEP_NUM_TASKS=2: .*; use world_size=16 \(if mpirun started the ranks\), or "
+        r"world_size=2 \(if srun started them, one rank per task\)$",
+    ),
+    (
+        "mpirun (Open MPI) inside a Slurm step of its daemons",
+        {**SLURM_STEP, "SLURM_NTASKS": "2", "OMPI_COMM_WORLD_SIZE": "16"},
+        r"^mpirun \(Open MPI\) says OMPI_COMM_WORLD_SIZE=16 but Slurm job 908's step says "
+        r"SLURM_NTASKS=2: ",
+    ),
+    (
+        "mpirun (MVAPICH) inside a Slurm step",
+        {**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "4", "MV2_COMM_WORLD_SIZE": "8"},
+        r"^mpirun \(MVAPICH\) says MV2_COMM_WORLD_SIZE=8 but .* SLURM_STEP_NUM_TASKS=4: ",
+    ),
+    (
+        "a PMIx rank beyond the Slurm step's tasks",
+        {**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "2", "PMIX_RANK": "5"},
+        r"^PMIx says PMIX_RANK=5 but Slurm job 908's step says SLURM_STEP_NUM_TASKS=2: .*; use "
+        r"world_size=N",
+    ),
+    (
+        "torchrun with --nnodes=1 in each of a Slurm step's 2 tasks",
+        {
+            **SLURM_TORCHRUN_PER_NODE,
+            **TORCHRUN_2x8_RANK_11,
+            "WORLD_SIZE": "8",
+            "RANK": "3",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+        },
+        r"^torchrun's variables \(WORLD_SIZE=8, RANK=3, LOCAL_RANK=3, LOCAL_WORLD_SIZE=8, "
+        r"GROUP_WORLD_SIZE=1\) make 1 torchrun agents \(nodes\), but Slurm job 908's step says "
+        r"SLURM_NTASKS=2, one torchrun each: .*; use torchrun --nnodes=2 \(one agent per task\), "
+        r"or world_size=8 \(if torchrun's WORLD_SIZE counts every rank that trains\)$",
+    ),  # fmt: skip
+    (
+        "torchrun under mpirun, one per rank, with another count of nodes",
+        {**TORCHRUN_2x8_RANK_11, "OMPI_COMM_WORLD_SIZE": "4"},
+        r"make 2 torchrun agents \(nodes\), but the MPI launcher says OMPI_COMM_WORLD_SIZE=4, .*; "
+        r"use torchrun --nnodes=4 \(one agent per MPI rank\), or world_size=16 ",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [case[1:] for case in TWO_LAUNCHERS],
+    ids=[case[0] for case in TWO_LAUNCHERS],
+)
+def test_two_launchers_that_disagree_are_refused_naming_both(
+    environ: dict[str, str], message: str
+) -> None:
+    for task_ranks in ("one", "gpus"):
+        with pytest.raises(ConfigError, match=message):
+            launcher_layout(environ, slurm_task_ranks=task_ranks)
+
+
+def test_autotunes_road_refuses_two_launchers_in_pythons_spelling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from autobatch.distributed._layout import resolve_data_parallel
+
+    for name, value in HYDRA_IN_SLURM_RANK_11.items():
+        monkeypatch.setenv(name, value)
+    fix = (
+        r"; use world_size=16 \(if mpirun started the ranks\), or world_size=2 \(if srun started "
+        r"them, one rank per task\)$"
+    )
+    with pytest.raises(ConfigError, match=fix):
+        resolve_data_parallel(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("environ", "words"),
+    [
+        pytest.param(
+            {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "job-master-0"},
+            "the default process group (world size 2, fake); the launcher's environment "
+            "(WORLD_SIZE=1, RANK=0) says 1, which counts something else (pods, tasks)",
+            id="Kubeflow's per-pod WORLD_SIZE=1 beside the pod's 2-rank group",
+        ),
+        pytest.param(
+            {**HYDRA_IN_SLURM_RANK_11, "PMI_SIZE": "2"},
+            "the default process group (world size 2, fake)",
+            id="a launcher's count equal to the group's: the group, nothing more to say",
+        ),
+        pytest.param(
+            {**HYDRA_IN_SLURM_RANK_11, "SLURM_STEP_NUM_TASKS": "1"},
+            "the default process group (world size 2, fake); the launcher's variables do not "
+            "settle a count: mpirun (MPICH or Intel MPI) says PMI_SIZE=16 but Slurm job 7's step "
+            "says SLURM_STEP_NUM_TASKS=1",
+            id="launchers that disagree beside a group: the group trains",
+        ),
+    ],
+)
+def test_an_initialised_group_is_the_one_planned_for_whatever_the_launcher_says(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], words: str
+) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autobatch.distributed._layout import resolve_data_parallel
+
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        world, source = resolve_data_parallel(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
+    assert world == 2
+    assert source.startswith(words)

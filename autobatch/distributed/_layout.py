@@ -113,8 +113,10 @@ def resolve_data_parallel(
 
     At most one of ``world_size``, ``data_parallel_size`` and ``process_group`` (the data-parallel
     ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
-    When none is given: the default group's size under an initialised torch.distributed; before
-    the group exists, what the launcher set (torchrun's ``WORLD_SIZE``, Kubeflow's, Slurm's,
+    When none is given: the default group's size under an initialised torch.distributed (the
+    group is what trains: a launcher's count that differs, such as Kubeflow's per-pod
+    ``WORLD_SIZE``, is named in the source, not refused); before the group exists, what the
+    launcher set (torchrun's ``WORLD_SIZE``, Kubeflow's, Slurm's,
     mpirun's...: :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose
     parameters live on a DeviceMesh that is not the whole world as one dimension (tensor or
     2-D parallelism; HSDP's replicate x shard mesh excepted) is refused, since some of the
@@ -123,8 +125,8 @@ def resolve_data_parallel(
 
     Raises:
         ConfigError: the sources disagree, a size is not a positive int, a mesh has more than
-            one dimension, the data-parallel ranks cannot be told apart, or the launcher's
-            ``WORLD_SIZE`` is not the default group's size (names the fix).
+            one dimension, the data-parallel ranks cannot be told apart, or (before any process
+            group exists) the launcher's variables disagree among themselves (names the fix).
     """
     given: dict[str, int] = {}
     for name, value in (("world_size", world_size), ("data_parallel_size", data_parallel_size)):
@@ -141,20 +143,13 @@ def resolve_data_parallel(
     if given:
         name, value = next(iter(given.items()))
         return value, f"argument {name}"
-    launched = launcher_data_parallel(os.environ)
     if not (dist.is_available() and dist.is_initialized()):
+        launched = launcher_data_parallel(os.environ)
         if launched is not None:
             return launched
         return 1, "one process (no launcher's variables, no process group)"
     world = dist.get_world_size()
-    if launched is not None and launched[0] != world:
-        raise ConfigError(
-            f"{launched[1]} says {launched[0]} ranks, but the default process group has {world}: "
-            "the launcher and torch.distributed disagree on how many ranks train. If the group "
-            f"is right (a variable that counts something else, such as pods), pass "
-            f"world_size={world}; else start the group with the launcher's world size "
-            "(init_process_group() reads WORLD_SIZE)"
-        )
+    source = _group_source(world)
     mesh = _parameter_mesh(model)
     # HSDP's 2-D mesh (replicate x shard) is all data-parallel; any other mesh that is not the
     # whole world as one dimension has ranks that share samples.
@@ -168,7 +163,24 @@ def resolve_data_parallel(
             "would make it too small; pass data_parallel_size=N, or process_group=mesh['dp'] "
             "(the data-parallel dimension of your mesh)"
         )
-    return world, "the default process group"
+    return world, source
+
+
+def _group_source(world: int) -> str:
+    """Where an initialised default group's size came from, naming a launcher's reading that
+    differs: the group is the one that trains (Kubeflow's per-pod ``WORLD_SIZE=1`` beside a
+    2-rank group that ``torch.multiprocessing.spawn`` started is the pod's count, not the
+    ranks'), so the launcher's variables only annotate it, and a launcher reading that cannot
+    settle on one count (:func:`~autobatch.conditions.launcher_data_parallel` refuses) does
+    not stop a job whose group already says how many ranks train."""
+    source = f"the default process group (world size {world}, {dist.get_backend()})"
+    try:
+        launched = launcher_data_parallel(os.environ)
+    except ConfigError as exc:
+        return f"{source}; the launcher's variables do not settle a count: {exc.message}"
+    if launched is None or launched[0] == world:
+        return source
+    return f"{source}; {launched[1]} says {launched[0]}, which counts something else (pods, tasks)"
 
 
 def _group_size(group: dist.ProcessGroup | DeviceMesh) -> int:

@@ -26,6 +26,7 @@ from autobatch.errors import ConfigError, Remedy
 from autobatch.margin import check_safety_margin
 from autobatch.planning._limits import PlanSource, check_step_seconds, require_int, resolve_limit
 from autobatch.profile import MemoryModel, Profile
+from autobatch.units import check_capacity_bytes
 
 __all__ = [
     "MAX_GRADIENT_ACCUMULATION_STEPS",
@@ -105,7 +106,8 @@ class PlanRequest:
     """Fraction of the capacity kept free, in [0, 1), for a profile or a memory model; None: the
     profile's own (:data:`~autobatch.margin.DEFAULT_SAFETY_MARGIN` for a memory model)."""
     capacity_bytes: int | None = None
-    """Plan for a device with this many usable bytes (>= 1): a profile scales its measured peaks
+    """Plan for a device with this many usable bytes (>= 1 MiB: less is taken for a unit left
+    off, :func:`autobatch.units.check_capacity_bytes`): a profile scales its measured peaks
     to it, a memory model needs it. None: the device the profile was measured on."""
     step_seconds: Mapping[int, float] | None = None
     """Measured seconds per training step by micro-batch size (two sizes or more, each > 0),
@@ -121,6 +123,7 @@ class PlanRequest:
             check_safety_margin(self.safety_margin)
         if self.capacity_bytes is not None:
             require_int("capacity_bytes", self.capacity_bytes, 1)
+            check_capacity_bytes(self.capacity_bytes)  # under 1 MiB: a unit left off
         if self.step_seconds is not None:
             check_step_seconds(self.step_seconds, "step_seconds")
         effective, world_size = self.effective_batch_size, self.world_size

@@ -11,9 +11,16 @@ the window's rows of every rank (what it does) gives the gradient of the whole g
 
 The epoch's order is a permutation seeded by ``seed + epoch`` (:meth:`MixedBatchSampler.set_epoch`,
 as for ``DistributedSampler``), the same on every rank. An epoch whose rows do not fill its last
-global batch is padded with rows from its start (as ``DistributedSampler`` pads), so every rank
-yields as many micro-batches; ``drop_last=True`` drops that batch instead (every optimizer step
-then sees exactly the effective batch of distinct rows).
+global batch trains that batch at its real size (:func:`short_batch_cuts`): as few micro-steps
+as the micro-batches allow (``ceil(rows / sum(m_r))``, every rank the same number), each step's
+rows cut over the ranks with at least one and at most ``m_r`` each. The Accumulator weights a
+short last window by its real rows, so its gradient is still the exact mean over the rows it
+holds. Only a last batch too small to give every rank a row in each of its micro-steps is padded
+with rows from the epoch's start: fewer than ``world_size`` rows, at most what
+``DistributedSampler`` pads. So 1,000 rows under ``[36, 12] x 2 = 96`` train 1,000 rows, each
+once (ten global batches of 96, then one of 40: 30 and 10 rows), and 10 rows one step of 10.
+``drop_last=True`` drops that batch instead (every optimizer step then sees exactly the
+effective batch of distinct rows).
 
 Example::
 
@@ -37,7 +44,7 @@ from torch.utils.data import Sampler
 from autobatch.errors import ConfigError
 from autobatch.planning import Plan
 
-__all__ = ["MixedBatchSampler", "rank_shares"]
+__all__ = ["MixedBatchSampler", "rank_shares", "short_batch_cuts"]
 
 
 def rank_shares(
@@ -64,6 +71,45 @@ def rank_shares(
     return [range(j * per_step + offset, j * per_step + offset + sizes[rank]) for j in range(steps)]
 
 
+def short_batch_cuts(rank_micro_batch_sizes: Sequence[int], num_rows: int) -> list[list[int]]:
+    """How a last global batch of ``num_rows`` rows (fewer than one global batch) is cut: per
+    micro-step, the rows of each rank, in rank order.
+
+    As few micro-steps as the micro-batches allow (``ceil(num_rows / sum(m_r))``), the rows
+    spread evenly over them; each step's rows go one to every rank, the rest in proportion to
+    what each rank's micro-batch holds beyond one (never more than ``m_r``). A batch with fewer
+    rows than that gives every rank a row in every step is padded up to it: fewer than
+    ``len(rank_micro_batch_sizes)`` rows (the cuts then sum to more than ``num_rows``).
+
+    Args:
+        rank_micro_batch_sizes: every rank's micro-batch, rows, each >= 1, in rank order.
+        num_rows: the batch's rows, >= 1.
+
+    Returns:
+        One list per micro-step of one row count per rank, e.g. ``[[30, 10]]`` for 40 rows over
+        ``[36, 12]``.
+    """
+    sizes = list(rank_micro_batch_sizes)
+    per_step, ranks = sum(sizes), len(sizes)
+    steps = -(-num_rows // per_step)
+    rows = max(num_rows, steps * ranks)  # a row for every rank in every step
+    spare = [size - 1 for size in sizes]
+    cuts = []
+    for step in range(steps):
+        here = rows // steps + (step < rows % steps)
+        extra = here - ranks  # 0 <= extra <= sum(spare)
+        if not extra:
+            cuts.append([1] * ranks)
+            continue
+        counts = [1 + extra * room // sum(spare) for room in spare]
+        # The rows the floors left go to the largest remainders (the lower rank on a tie).
+        by_remainder = sorted(range(ranks), key=lambda r: (-(extra * spare[r] % sum(spare)), r))
+        for rank in by_remainder[: here - sum(counts)]:
+            counts[rank] += 1
+        cuts.append(counts)
+    return cuts
+
+
 class MixedBatchSampler(Sampler[list[int]]):
     """A batch sampler (``DataLoader(batch_sampler=...)``) that yields this rank's micro-batches
     of every global batch: ``gradient_accumulation_steps`` lists of dataset indices of its own
@@ -76,8 +122,10 @@ class MixedBatchSampler(Sampler[list[int]]):
         rank: this rank; None: the default process group's rank (0 without torch.distributed).
         shuffle: a new order each epoch (seeded by ``seed + epoch``); False: the dataset's order.
         seed: the shuffle's seed, the same on every rank.
-        drop_last: drop an epoch's last global batch when its rows do not fill it; False pads
-            it with rows from the epoch's start.
+        drop_last: drop an epoch's last global batch when its rows do not fill it; False
+            trains it at its real size (:func:`short_batch_cuts`: fewer micro-steps, smaller
+            micro-batches, padded by fewer than ``world_size`` rows only when it has too few
+            rows for every rank to get one in each of its steps).
 
     Raises:
         ConfigError: as :func:`rank_shares`; ``num_rows`` < 1; or ``drop_last`` with fewer rows
@@ -110,10 +158,22 @@ class MixedBatchSampler(Sampler[list[int]]):
         self.num_rows, self.rank = num_rows, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
-        if drop_last:
-            self.num_global_batches = num_rows // self.global_batch_size
-        else:
-            self.num_global_batches = -(-num_rows // self.global_batch_size)
+        self._full_batches, left = divmod(num_rows, self.global_batch_size)
+        self._last_shares: list[range] = []
+        self.rows_per_epoch = self._full_batches * self.global_batch_size
+        """Rows the ranks train per epoch, all ranks together: ``num_rows`` (less the dropped
+        last batch with ``drop_last``; plus fewer than ``world_size`` rows of padding when the
+        last batch has too few rows for every rank to get one)."""
+        if left and not drop_last:
+            cuts = short_batch_cuts(rank_micro_batch_sizes, left)
+            start = 0
+            for counts in cuts:
+                offset = start + sum(counts[:rank])
+                self._last_shares.append(range(offset, offset + counts[rank]))
+                start += sum(counts)
+            self.rows_per_epoch += start
+        self.num_global_batches = self._full_batches + bool(self._last_shares)
+        """Optimizer steps per epoch: the whole global batches, and a short last one."""
 
     @classmethod
     def from_plan(
@@ -156,23 +216,27 @@ class MixedBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def _order(self) -> list[int]:
-        """The epoch's rows, in order, padded (from its start) to whole global batches."""
+        """The epoch's rows, in order, padded (from its start) to :attr:`rows_per_epoch`."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_rows, generator=generator).tolist()
         else:
             order = list(range(self.num_rows))
-        needed = self.num_global_batches * self.global_batch_size
+        needed = self.rows_per_epoch
         while len(order) < needed:
             order += order[: needed - len(order)]
         return order[:needed]
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
-        for start in range(0, len(order), self.global_batch_size):
+        for batch in range(self._full_batches):
+            start = batch * self.global_batch_size
             for share in self._shares:
                 yield [order[start + position] for position in share]
+        start = self._full_batches * self.global_batch_size
+        for share in self._last_shares:
+            yield [order[start + position] for position in share]
 
     def __len__(self) -> int:
         """Micro-batches this rank yields per epoch (the same on every rank)."""
-        return self.num_global_batches * len(self._shares)
+        return self._full_batches * len(self._shares) + len(self._last_shares)

@@ -33,7 +33,7 @@ no_plan() {
 if [ -n "${AUTOBATCH_JOB_WORLD_SIZE:-}" ]; then
     world_size="$AUTOBATCH_JOB_WORLD_SIZE"
 elif ! world_size=$(autobatch launcher --slurm-task-ranks gpus --world-size 2>&1); then
-    no_plan "$world_size"
+    no_plan "$world_size; in a TaskProlog, the job gives it as AUTOBATCH_JOB_WORLD_SIZE=N"
 fi
 partial=$(mktemp "$AUTOBATCH_PLAN_DIR/.plan-$job.XXXXXX" 2>&1) || no_plan "$partial"
 if ! error=$(autobatch plan \

@@ -200,3 +200,105 @@ def test_a_card_in_node_label_form_plans_from_the_profile_measured_on_it(
     assert exported["AUTOBATCH_PLAN_SOURCE"] == "measured"
     assert exported["AUTOBATCH_PLAN_CARD"] == "NVIDIA-H100-80GB-HBM3"
     assert exported["AUTOBATCH_PROFILE_CARD"] == "NVIDIA H100 80GB HBM3"
+
+
+STEP_OF_1_IN_8_PER_NODE = {  # sbatch --ntasks-per-node=8 --gres=gpu:8; srun --ntasks=1 torchrun
+    "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1",
+    "SLURM_NTASKS_PER_NODE": "8", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1",
+    "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_NUM_NODES": "1",
+}  # fmt: skip
+HYDRA_IN_SLURM = {  # mpiexec (MPICH/Intel MPI) whose proxies srun started, one per node
+    "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "PMI_SIZE": "16",
+    "PMI_RANK": "11",
+}  # fmt: skip
+
+
+def test_the_launcher_command_reads_the_steps_tasks_and_words_refusals_as_flags(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in STEP_OF_1_IN_8_PER_NODE.items():
+        monkeypatch.setenv(name, value)
+    assert run(capsys, "launcher", "--slurm-task-ranks", "gpus", "--world-size") == (0, "8\n", "")
+    for name, value in HYDRA_IN_SLURM.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_NTASKS")
+    code, out, err = run(capsys, "launcher")
+    assert (code, out) == (1, "")
+    assert err.startswith(
+        "autobatch: error: mpirun (MPICH or Intel MPI) says PMI_SIZE=16 but Slurm job 7's step "
+        "says SLURM_STEP_NUM_TASKS=2: "
+    )
+    assert err.endswith(
+        "; use --world-size 16 (if mpirun started the ranks), or --world-size 2 (if srun started "
+        "them, one rank per task)\n"
+    )
+
+
+def _prolog(
+    tmp_path: Path, environ: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run deploy/slurm/prolog.sh with ``environ``; ``autobatch plan`` is a stub that records its
+    arguments (and fails: no service), ``autobatch launcher`` this checkout's own."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "autobatch"
+    stub.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = plan ]; then echo "$@" > {tmp_path}/plan-args\n'
+        "echo no service >&2; exit 1; fi\n"
+        f'exec {sys.executable} -m autobatch "$@"\n'
+    )
+    stub.chmod(0o755)
+    done = subprocess.run(
+        ["sh", str(root / "deploy" / "slurm" / "prolog.sh")],
+        env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "PYTHONPATH": str(root),
+            "AUTOBATCH_MODEL_FINGERPRINT": "9c1e5b0f7a3d2e48",
+            "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "256",
+            "AUTOBATCH_CARD": "NVIDIA H100 80GB HBM3",
+            "AUTOBATCH_PLAN_DIR": str(tmp_path),
+            **environ,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    args = tmp_path / "plan-args"
+    return done, args.read_text() if args.exists() else ""
+
+
+def test_the_prolog_plans_a_step_smaller_than_its_allocation_for_its_gpus(
+    tmp_path: Path,
+) -> None:
+    done, args = _prolog(tmp_path, STEP_OF_1_IN_8_PER_NODE)
+    assert " --world-size 8 " in args  # 8 torchrun ranks in the step's one task, not 1
+    assert done.stdout == "export AUTOBATCH_PLAN_ERROR=1\n"  # the stub's "no service"
+
+
+def test_the_prolog_refuses_two_launchers_that_disagree_by_name(tmp_path: Path) -> None:
+    done, args = _prolog(tmp_path, HYDRA_IN_SLURM)
+    assert args == ""  # no plan asked for a guessed world size
+    assert done.returncode == 0  # the task starts, without a plan
+    assert done.stdout == "export AUTOBATCH_PLAN_ERROR=1\n"
+    assert "PMI_SIZE=16 but Slurm job 7's step says SLURM_STEP_NUM_TASKS=2" in done.stderr
+    assert "--world-size 16 (if mpirun started the ranks)" in done.stderr
+    prolog_fix = "; in a TaskProlog, the job gives it as AUTOBATCH_JOB_WORLD_SIZE=N\n"
+    assert done.stderr.endswith(prolog_fix)
+
+
+def test_the_launcher_commands_count_to_fill_in_is_a_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert run(capsys, "launcher", "--world-size") == (
+        1,
+        "",
+        "autobatch: error: WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 (mpirun (Open MPI)): the "
+        "environment says two sizes of one group; use an environment without WORLD_SIZE, or "
+        "--world-size N (the number of data-parallel ranks that train)\n",
+    )

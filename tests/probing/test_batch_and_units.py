@@ -54,3 +54,38 @@ def test_format_bytes() -> None:
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(80 * 2**30) == "80.00 GiB"
     assert format_bytes(3 * 2**40) == "3.00 TiB"
+
+
+BINARY_OR_DECIMAL = (
+    "'{0}{1}iB' (binary, 2**{2} bytes per {1}iB) or '{0}{1}B' (decimal, 10**{3} bytes per {1}B)"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "spellings"),
+    [
+        ("32Gb", BINARY_OR_DECIMAL.format("32", "G", 30, 9)),
+        ("32gb", BINARY_OR_DECIMAL.format("32", "G", 30, 9)),
+        ("512 Mb", BINARY_OR_DECIMAL.format("512 ", "M", 20, 6)),
+        ("4kb", BINARY_OR_DECIMAL.format("4", "K", 10, 3)),
+        ("2Tb", BINARY_OR_DECIMAL.format("2", "T", 40, 12)),
+        ("1.5gib", "'1.5GiB' (2**30 bytes per GiB)"),
+    ],
+)
+def test_a_unit_that_could_mean_bits_is_refused_with_the_spellings_it_may_mean(
+    text: str, spellings: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_bytes(text)
+    assert str(refused.value) == (
+        f"memory size {text!r} could mean bits or bytes (a lower-case b is a bit); write "
+        f"{spellings}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("32GB", 32 * 10**9), ("32GiB", 32 * 2**30), ("32gB", 32 * 10**9), ("32g", 32 * 2**30)],
+)
+def test_an_upper_case_b_is_bytes_whatever_the_prefixs_case(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
