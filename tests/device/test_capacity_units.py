@@ -123,9 +123,9 @@ def test_a_plans_capacity_in_bytes_under_a_mebibyte_names_the_unit_it_lacks() ->
 
 def test_the_service_refuses_a_capacity_in_bytes_under_a_mebibyte(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
-    from service.web.settings import Settings
 
     from service.main import create_app
+    from service.web.settings import Settings
     from tests.service.conftest import fake_gpus
 
     app = create_app(Settings(store_path=str(tmp_path / "store.sqlite3")), nvml=fake_gpus())
@@ -139,7 +139,7 @@ def test_the_service_refuses_a_capacity_in_bytes_under_a_mebibyte(tmp_path: Path
             },
         )
     finally:
-        app.state.service.jobs.close()
+        app.state.service.runs.close()
         app.state.service.store.close()
     assert answer.status_code == 422, answer.text
     detail = CAPACITY_80.format('"capacity_bytes": 85899345920 (80 GiB, if the unit was left off)')
