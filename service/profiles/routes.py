@@ -7,8 +7,6 @@ use."""
 
 from __future__ import annotations
 
-import dataclasses
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -66,10 +64,15 @@ def json_response(
     status_code=201,
     summary="Register a profile (e.g. from autotune)",
     response_model=ProfilePublic,
-    responses=problem_responses(400, 413, 415, 422),
+    responses={
+        200: {"model": ProfilePublic, "description": "Stored already: the same id"},
+        **problem_responses(400, 413, 415, 422),
+    },
 )
 async def create_profile(body: ProfileCreate, state: StateDep, request: Request) -> Response:
-    """Stores the profile under a new id (the ``Location`` header names it). A node's token
+    """Stores the profile under a new id (the ``Location`` header names it): 201. The same
+    profile sent again (a retry, with or without ``created_at``) is stored once: 200 with the
+    same id and the profile as first stored. A node's token
     (``publish`` as a node) stores only profiles of that node: 403 for another's."""
     grant: Grant | None = request.scope.get(GRANT_SCOPE_KEY)
     if grant is not None and grant.node is not None and body.node_name != grant.node:
@@ -82,12 +85,10 @@ async def create_profile(body: ProfileCreate, state: StateDep, request: Request)
         )
 
     def create() -> Response:
-        profile = Profile.from_dict(body.model_dump())
-        if not profile.created_at:  # the time it reached the service, as a probe would stamp it
-            profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())
-        profile_id = state.store.put(profile)
+        profile_id, stored, new = state.store.publish(Profile.from_dict(body.model_dump()))
         location = {"Location": f"/v1/profiles/{profile_id}"}
-        return json_response(profile_public(profile_id, profile), status_code=201, headers=location)
+        answer = profile_public(profile_id, stored)
+        return json_response(answer, status_code=201 if new else 200, headers=location)
 
     return await store_call(state, create)
 
