@@ -36,8 +36,11 @@ router = APIRouter(
 )
 
 
-PAGE_BYTES = 8 << 20
-"""A listing page ends once its profiles hold this many bytes of stored JSON (one at least)."""
+PAGE_BYTES = 512 << 10
+"""A listing page ends once its profiles hold this many bytes of stored JSON (one at least):
+512 KiB, a few tens of milliseconds to read and encode, so that a page in the making never holds
+the interpreter long enough to delay ``/healthz`` past its goal (``bench/healthz_under_load.py``
+with ``--listings``)."""
 
 
 def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
@@ -113,9 +116,10 @@ FollowCursor = Annotated[
 async def list_profiles(
     state: StateDep, listing: ListingDep, after: FollowCursor = None
 ) -> Response:
-    """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
-    request stays bounded however large the profiles. ``next_before`` asks for the next page;
-    with ``after``, ``next_after`` does (oldest first)."""
+    """One page of at most ``limit`` profiles and about 512 KiB (``PAGE_BYTES``): memory and
+    time per request stay bounded however large the profiles, and pages are built one at a
+    time (``ServiceState.page_calls``), so the costliest listings cannot starve ``/healthz``.
+    ``next_before`` asks for the next page; with ``after``, ``next_after`` does (oldest first)."""
     cursor = None if after is None else int(after)
 
     def page() -> Response:
@@ -128,7 +132,7 @@ async def list_profiles(
             )
         )
 
-    return await store_call(state, page)
+    return await state.page_calls(page)
 
 
 @router.get(
