@@ -78,7 +78,7 @@ class _CuttingHandler(http.server.BaseHTTPRequestHandler):
                 self.path, content=body, headers={"Content-Type": "application/json"}
             )
             self.server.statuses.append(answer.status_code)
-            cut = len(self.server.statuses) == 1
+            cut = self.server.cut_first and len(self.server.statuses) == 1
         if cut:
             self.close_connection = True
             self.connection.close()
@@ -96,16 +96,18 @@ class _CuttingHandler(http.server.BaseHTTPRequestHandler):
 class _CuttingProxy(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, central: TestClient) -> None:
+    def __init__(self, central: TestClient, *, cut_first: bool) -> None:
         super().__init__(("127.0.0.1", 0), _CuttingHandler)
         self.central = central
+        self.cut_first = cut_first
         self.lock = threading.Lock()
         self.statuses: list[int] = []
 
 
 @contextmanager
-def _proxy(central: TestClient) -> Iterator[_CuttingProxy]:
-    proxy = _CuttingProxy(central)
+def central_proxy(central: TestClient, *, cut_first: bool = True) -> Iterator[_CuttingProxy]:
+    """A loopback HTTP server in front of the central app, cutting the first answer or not."""
+    proxy = _CuttingProxy(central, cut_first=cut_first)
     thread = threading.Thread(target=proxy.serve_forever, daemon=True)
     thread.start()
     try:
@@ -121,7 +123,7 @@ def test_an_outbox_retry_after_a_lost_answer_stores_one_profile(
 ) -> None:
     central_app = make_app(store_path=store_location)
     with (
-        _proxy(TestClient(central_app)) as proxy,
+        central_proxy(TestClient(central_app)) as proxy,
         ProfileStore(tmp_path / "node.sqlite3") as node_store,
     ):
         url = f"http://127.0.0.1:{proxy.server_address[1]}"

@@ -5,6 +5,7 @@ them refused (422), never a 503 that a node's outbox would retry forever."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,11 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from autobatch.store import ProfileStore
 from autobatch.store._schema import profiles
+from service.fleet.publisher import OutboxPolicy, Publisher
 from service.web.schemas import ProfileCreate
+from tests.service.test_publish_once import central_proxy
 from tests.store.test_store import make_profile
 
 # What each column type holds on every backend autobatch stores to (SQLite's INTEGER is 64-bit,
@@ -88,3 +92,32 @@ def test_a_size_at_the_bound_is_stored_and_one_past_it_refused_on_every_backend(
     refused = client.post("/v1/profiles", json=_body(2**31))
     assert refused.status_code == 422, refused.text
     assert "max_micro_batch_size" in refused.text
+
+
+def test_a_node_s_outbox_takes_out_a_profile_central_refuses_for_good(
+    make_app: Callable[..., FastAPI], store_location: str, tmp_path: Path
+) -> None:
+    """The node's SQLite store holds a size PostgreSQL's column cannot; central answers 422 on
+    either backend, and the outbox takes it out instead of retrying it forever."""
+    central_app = make_app(store_path=store_location)
+    policy = OutboxPolicy(base_delay_seconds=0.05, max_delay_seconds=0.4, timeout_seconds=2.0)
+    profile = make_profile(max_micro_batch_size=2**31, recommended_micro_batch_size=2**31)
+    with (
+        central_proxy(TestClient(central_app), cut_first=False) as proxy,
+        ProfileStore(tmp_path / "node.sqlite3") as node_store,
+    ):
+        url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        publisher = Publisher(url, token=None, store=node_store, policy=policy)
+        publisher.submit(profile)
+        publisher.open()
+        try:
+            deadline = time.monotonic() + 60
+            while node_store.outbox.count():
+                assert time.monotonic() < deadline, "the outbox kept the refused profile"
+                time.sleep(0.05)
+            time.sleep(0.5)  # a retry, were there one, would come within the policy's delays
+        finally:
+            publisher.close()
+        assert len(node_store.list_profiles(limit=10)) == 1  # kept on the node
+    assert proxy.statuses == [422]
+    assert central_app.state.service.store.list_profiles(limit=10) == []
