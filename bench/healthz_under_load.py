@@ -9,6 +9,10 @@ own (so that their work is not this process's, which times ``/healthz``), each o
 keep-alive connection, back to back. ``/healthz`` is timed on a fresh connection over a bare
 socket (connect, send, read to the close), first with the server idle, then under the load.
 
+With ``--listings``, the costly request is instead the costliest a read token may send: ``GET
+/v1/profiles?after=0&limit=1000`` over a store seeded with 1,000 profiles of about 6.3 KB each
+(6.3 MB a page without a cap), by every client at once.
+
 Prints p50 and p99 of each phase and their ratio, the costly requests answered by status, and
 whether the loaded p99 is within the goal (``/healthz`` under 100 ms, the liveness
 probe's timeout being 1 s).
@@ -16,6 +20,7 @@ probe's timeout being 1 s).
 Example::
 
     python bench/healthz_under_load.py --samples 200 --clients 8
+    python bench/healthz_under_load.py --samples 200 --clients 8 --listings
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_S = 0.100
+LISTING = "/v1/profiles?after=0&limit=1000"
+SEEDED_PROFILES = 1000
 PLAN_AT_CAP = {"max_micro_batch_size": 1, "effective_batch_size": 2**17, "world_sizes": [1]}
 
 
@@ -63,7 +70,18 @@ def large_profile() -> dict[str, object]:
     return {**make_profile().to_dict(), "notes": ["n" * 4000] * 220}
 
 
-def load(port: int, clients: int, stop_file: Path) -> None:
+def seed(store_path: Path) -> None:
+    """Fill the store with ``SEEDED_PROFILES`` profiles of about 6.3 KB each."""
+    sys.path.insert(0, str(ROOT))
+    from autobatch.store import ProfileStore
+    from tests.store.test_store import make_profile
+
+    with ProfileStore(store_path) as store:
+        for index in range(SEEDED_PROFILES):
+            store.put(make_profile(num_steps=index + 1, notes=("n" * 2500, "n" * 2500)))
+
+
+def load(port: int, clients: int, stop_file: Path, *, listings: bool = False) -> None:
     """The child: ``clients`` threads sending the costly requests until ``stop_file`` exists;
     prints the statuses as JSON."""
     import httpx
@@ -76,7 +94,10 @@ def load(port: int, clients: int, stop_file: Path) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             turn = index
             while not stop_file.exists():
-                if turn % 2 == 0:
+                if listings:
+                    response = http.get(LISTING)
+                    kind = "listing"
+                elif turn % 2 == 0:
                     response = http.post("/v1/plan", json=PLAN_AT_CAP)
                     kind = "plan"
                 else:
@@ -114,16 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200, help="/healthz calls per phase")
     parser.add_argument("--clients", type=int, default=8, help="concurrent costly clients")
+    parser.add_argument(
+        "--listings", action="store_true", help=f"the clients send GET {LISTING} instead"
+    )
     parser.add_argument("--load", nargs=2, metavar=("PORT", "STOP"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.load:
-        load(int(args.load[0]), args.clients, Path(args.load[1]))
+        load(int(args.load[0]), args.clients, Path(args.load[1]), listings=args.listings)
         return 0
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("AUTOBATCH_API_TOKEN", None)
     with tempfile.TemporaryDirectory() as folder:
         store, stop = Path(folder) / "store.sqlite3", Path(folder) / "stop"
+        if args.listings:
+            seed(store)
         server = subprocess.Popen(
             [sys.executable, "-m", "service", "--port", str(port), "--store-path", str(store)]
             + ["--log-level", "warning"],
@@ -143,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             idle = phase(port, args.samples)
             loader = subprocess.Popen(
                 [sys.executable, __file__, "--clients", str(args.clients)]
+                + (["--listings"] if args.listings else [])
                 + ["--load", str(port), str(stop)],
                 env=env,
                 stdout=subprocess.PIPE,

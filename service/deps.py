@@ -44,6 +44,11 @@ class ServiceState:
     store_calls: StoreCalls
     """The store's own threads, each call under ``store_timeout_seconds``
     (``service.web.store_calls``)."""
+    page_calls: StoreCalls
+    """One thread for the pages of whole profiles (``GET /v1/profiles``), the costliest answer
+    a read token may ask for: one page is read and encoded at a time, so however many are asked
+    at once, the event loop (``/healthz``) and the other store calls share the interpreter with
+    one of them only; the others wait their turn within the store deadline."""
     central: CentralProfiles | None = None
     """Node mode: the central service a plan here falls back to for a model this node's store
     does not hold (``service.fleet.central``); None without ``AUTOBATCH_CENTRAL_URL``."""

@@ -101,10 +101,12 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         yield
         runs.close()  # kills running probe children; the store stays open for run()/the caller
         store_calls.close()
+        page_calls.close()
         if publisher is not None:
             publisher.close()  # what waits stays in the outbox
 
     store_calls = StoreCalls(timeout_seconds=settings.store_timeout_seconds)
+    page_calls = StoreCalls(timeout_seconds=settings.store_timeout_seconds, max_threads=1)
     app = FastAPI(
         title="autobatch",
         version=API_VERSION,
@@ -118,6 +120,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         runs=runs,
         metrics=metrics,
         store_calls=store_calls,
+        page_calls=page_calls,
         central=central,
     )
     app.add_middleware(

@@ -26,6 +26,7 @@ from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
+from autobatch.store import redact
 from autobatch.units import parse_capacity
 
 __all__ = ["FORMATS", "build_parser", "unknown_arguments"]
@@ -120,6 +121,9 @@ def unknown_arguments(parser: argparse.ArgumentParser, extras: Sequence[str]) ->
         if option in global_options:
             index = list(extras).index(token)
             value = extras[index + 1 : index + 2] if "=" not in token else []
+            if option == "--store":  # a URL's password is never shown
+                token = f"--store={redact(token[8:])}" if "=" in token else token
+                value = [redact(text) for text in value]
             moved = " ".join([token, *value])
             command = parser.prog.partition(" ")[2]
             return f"{option} goes before the command: autobatch {moved} {command} ..."

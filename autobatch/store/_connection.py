@@ -234,7 +234,9 @@ class StoreConnection:
     def check_writable(self) -> None:
         """Check that a write would succeed now (for a readiness probe); writes nothing.
 
-        Takes the write lock and makes a change that is rolled back. A SQLite file deleted or
+        Takes the write lock, reads a row of the profiles table (what every profile route
+        needs: a table another client holds locked fails the check by the store's timeout) and
+        makes a change that is rolled back. A SQLite file deleted or
         replaced since it was opened is opened again first, and tables found gone (a database
         dropped and created again) are created and the check made once more: the store
         recovers here, without a restart.
@@ -247,7 +249,7 @@ class StoreConnection:
         import sqlalchemy as sa
 
         from autobatch.store._engine import MIN_FREE_BYTES, free_bytes
-        from autobatch.store._schema import store_meta
+        from autobatch.store._schema import profiles, store_meta
 
         if self._file is not None and self._engine is not None:
             free = free_bytes(self._file)
@@ -263,6 +265,7 @@ class StoreConnection:
                     contextlib.suppress(_Rollback),
                     self.write("check that it is writable") as conn,
                 ):
+                    conn.execute(sa.select(profiles.c.id).limit(1)).all()
                     conn.execute(
                         sa.update(store_meta)
                         .where(store_meta.c.key == "schema_version")

@@ -48,6 +48,13 @@ folder only, or nothing (the store must exist)."""
 MEMORY = ":memory:"
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")  # 2+ letters: never "C://"
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+# After the user info: host[:port][/database][?query], the host a name, IPv4 or [IPv6] address
+# (or none where the query names it: ``postgresql:///db?host=/run/postgresql``, a socket).
+_PG_TAIL = re.compile(
+    r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+|(?=[/?][^#]*[?&]host=))(?::(?P<port>[^/?]*))?"
+    r"(?P<database>/[^?]*)?(?P<query>\?.*)?",
+    re.ASCII | re.DOTALL,
+)
 _FIX = "give a file path, ':memory:', sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB"
 
 
@@ -103,7 +110,9 @@ def parse_location(location: str | os.PathLike[str] | None) -> StoreLocation:
 
     Raises:
         ConfigError: a URL with a scheme other than ``sqlite`` or ``postgresql`` (say
-            ``mysql://``), or a PostgreSQL URL naming a driver other than psycopg.
+            ``mysql://``), or a PostgreSQL URL naming a driver other than psycopg, or one whose
+            host or port does not parse (the message, one line, names the part and never holds
+            any of the password).
     """
     if location is None:
         location = os.environ.get(STORE_ENV_VAR, "") or default_store_path()
@@ -134,7 +143,7 @@ def parse_location(location: str | os.PathLike[str] | None) -> StoreLocation:
                 f"store URL {redact(text)!r} names the driver {driver!r}; autobatch talks to "
                 "PostgreSQL through psycopg 3: write postgresql://... (or postgresql+psycopg://)"
             )
-        url = "postgresql+psycopg://" + _quote_at_signs(rest)
+        url = "postgresql+psycopg://" + _checked_postgresql(rest)
         return StoreLocation(
             backend="postgresql", path=None, url=url, display=redact("postgresql://" + rest)
         )
@@ -170,14 +179,36 @@ def password_of(url: str) -> str:
     return urllib.parse.unquote(userinfo.partition(":")[2]) if at and ":" in userinfo else ""
 
 
-def _quote_at_signs(rest: str) -> str:
-    """A URL's text after ``scheme://`` with each ``@`` in its password written ``%40``:
-    SQLAlchemy ends the password at its first ``@`` and would take the rest for the host."""
+def _checked_postgresql(rest: str) -> str:
+    """A PostgreSQL URL's text after ``scheme://``, checked, with each ``@``, ``?``, ``/`` and
+    ``#`` in its password percent-encoded: SQLAlchemy ends the password at its first ``@`` and
+    would take the rest for the host.
+
+    The user info ends at the last ``@``, as in :func:`redact`.
+
+    Raises:
+        ConfigError: no host, a host that is no name or address, or a port that is not a number
+            from 1 to 65535; the message shows the URL with its password as ``***``.
+    """
     userinfo, at, tail = rest.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    if not (at and colon and "@" in password) or "?" in userinfo:
+    shown = redact("postgresql://" + rest) if at else "postgresql://" + rest
+    if any(char in tail for char in "\r\n\t "):
+        raise ConfigError(f"store URL {shown!r}: whitespace after the user info; {_FIX}")
+    matched = _PG_TAIL.fullmatch(tail)
+    if matched is None:
+        what = "no host" if tail[:1] in ("", "/", ":", "?") else "a host that is no name or address"
+        raise ConfigError(f"store URL {shown!r} has {what} after the user info; {_FIX}")
+    port = matched["port"]
+    if port is not None and not (port.isdigit() and port.isascii() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"store URL {shown!r}: the port is not a number from 1 to 65535; {_FIX}")
+    if not at:
         return rest
-    return f"{user}:{password.replace('@', '%40')}@{tail}"
+    user, colon, password = userinfo.partition(":")
+    if "/" in user or "?" in user or "#" in user:
+        raise ConfigError(f"store URL {shown!r}: the user name holds '/', '?' or '#'; {_FIX}")
+    for char, code in (("@", "%40"), ("?", "%3F"), ("/", "%2F"), ("#", "%23")):
+        password = password.replace(char, code)
+    return f"{user}{colon}{password}@{tail}"
 
 
 def _sqlite_file(path: pathlib.Path) -> StoreLocation:

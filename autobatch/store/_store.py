@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -189,41 +190,37 @@ class ProfileStore:
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        from autobatch.store._engine import insert
-        from autobatch.store._schema import profiles
+        from autobatch.store._publishing import insert_profile
 
-        text = _canonical(profile)
-        profile_id = hashlib.sha256(text.encode()).hexdigest()[:16]
-        row = {
-            "id": profile_id,
-            "cache_key": profile.cache_key(),
-            "model_fingerprint": profile.model_fingerprint,
-            "device_name": profile.device_name,
-            "node_name": profile.node_name,
-            "created_at": profile.created_at or datetime.datetime.now(datetime.UTC).isoformat(),
-            "profile_schema_version": profile.schema_version,
-            "max_micro_batch_size": profile.max_micro_batch_size,
-            "recommended_micro_batch_size": profile.recommended_micro_batch_size,
-            "profile_json": text,
-        }
-        from autobatch.store._sequence import lock_for_insert, next_sqlite_seq
-
-        if self.backend == "sqlite":
-            row["seq"] = next_sqlite_seq()
         with self._db.write("store a profile") as conn:
-            lock_for_insert(conn, self.backend)
-            statement = insert(self.backend, profiles).values(**row)
-            done = conn.execute(statement.on_conflict_do_nothing(index_elements=["id"]))
-            if done.rowcount == 0:
-                stored = conn.execute(
-                    sa_select(profiles.c.profile_json).where(profiles.c.id == profile_id)
-                ).scalar_one_or_none()
-                if stored is not None and stored != text:
-                    raise StoreError(
-                        f"profile store {self.location}: id {profile_id} already holds another "
-                        "profile (a hash collision); delete that profile and store again"
-                    )
-        return profile_id
+            return insert_profile(conn, self.backend, profile, display=self.location)[0]
+
+    def publish(self, profile: Profile) -> tuple[str, Profile, bool]:
+        """Store a profile sent by another process, once however often it is resent.
+
+        A profile without ``created_at`` is stamped with the time it is first stored; sent
+        again (a publisher's retry after an answer it never read), it finds the stored one
+        instead of a second row (``autobatch.store._publishing``). One with ``created_at`` is
+        stored once by its id, as :meth:`put` does.
+
+        Returns:
+            Its id, the profile as stored (with its ``created_at``), and whether this call
+            stored it (False: it was stored already).
+
+        Raises:
+            StoreError: the store is closed, locked longer than the timeout, or not writable.
+        """
+        from autobatch.store._publishing import find_resent, insert_profile
+
+        with self._db.write("store a profile") as conn:
+            if not profile.created_at:
+                found = find_resent(conn, self.backend, profile)
+                if found:
+                    return found[0], found[1], False
+                now = datetime.datetime.now(datetime.UTC).isoformat()
+                profile = dataclasses.replace(profile, created_at=now)
+            profile_id, stored = insert_profile(conn, self.backend, profile, display=self.location)
+        return profile_id, profile, stored
 
     def get(self, profile_id: str) -> Profile:
         """The profile stored under ``profile_id``.
@@ -593,4 +590,6 @@ def sa_select(*columns: Any) -> sa.Select[Any]:
 
 
 def _canonical(profile: Profile) -> str:
-    return json.dumps(profile.to_dict(), sort_keys=True, separators=(",", ":"))
+    from autobatch.store._publishing import canonical
+
+    return canonical(profile)

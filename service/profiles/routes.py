@@ -7,8 +7,6 @@ use."""
 
 from __future__ import annotations
 
-import dataclasses
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -38,8 +36,11 @@ router = APIRouter(
 )
 
 
-PAGE_BYTES = 8 << 20
-"""A listing page ends once its profiles hold this many bytes of stored JSON (one at least)."""
+PAGE_BYTES = 512 << 10
+"""A listing page ends once its profiles hold this many bytes of stored JSON (one at least):
+512 KiB, a few tens of milliseconds to read and encode, so that a page in the making never holds
+the interpreter long enough to delay ``/healthz`` past its goal (``bench/healthz_under_load.py``
+with ``--listings``)."""
 
 
 def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
@@ -66,10 +67,15 @@ def json_response(
     status_code=201,
     summary="Register a profile (e.g. from autotune)",
     response_model=ProfilePublic,
-    responses=problem_responses(400, 413, 415, 422),
+    responses={
+        200: {"model": ProfilePublic, "description": "Stored already: the same id"},
+        **problem_responses(400, 413, 415, 422),
+    },
 )
 async def create_profile(body: ProfileCreate, state: StateDep, request: Request) -> Response:
-    """Stores the profile under a new id (the ``Location`` header names it). A node's token
+    """Stores the profile under a new id (the ``Location`` header names it): 201. The same
+    profile sent again (a retry, with or without ``created_at``) is stored once: 200 with the
+    same id and the profile as first stored. A node's token
     (``publish`` as a node) stores only profiles of that node: 403 for another's."""
     grant: Grant | None = request.scope.get(GRANT_SCOPE_KEY)
     if grant is not None and grant.node is not None and body.node_name != grant.node:
@@ -82,12 +88,10 @@ async def create_profile(body: ProfileCreate, state: StateDep, request: Request)
         )
 
     def create() -> Response:
-        profile = Profile.from_dict(body.model_dump())
-        if not profile.created_at:  # the time it reached the service, as a probe would stamp it
-            profile = dataclasses.replace(profile, created_at=datetime.now(UTC).isoformat())
-        profile_id = state.store.put(profile)
+        profile_id, stored, new = state.store.publish(Profile.from_dict(body.model_dump()))
         location = {"Location": f"/v1/profiles/{profile_id}"}
-        return json_response(profile_public(profile_id, profile), status_code=201, headers=location)
+        answer = profile_public(profile_id, stored)
+        return json_response(answer, status_code=201 if new else 200, headers=location)
 
     return await store_call(state, create)
 
@@ -112,9 +116,10 @@ FollowCursor = Annotated[
 async def list_profiles(
     state: StateDep, listing: ListingDep, after: FollowCursor = None
 ) -> Response:
-    """One page of at most ``limit`` profiles and about 8 MiB (``PAGE_BYTES``): memory per
-    request stays bounded however large the profiles. ``next_before`` asks for the next page;
-    with ``after``, ``next_after`` does (oldest first)."""
+    """One page of at most ``limit`` profiles and about 512 KiB (``PAGE_BYTES``): memory and
+    time per request stay bounded however large the profiles, and pages are built one at a
+    time (``ServiceState.page_calls``), so the costliest listings cannot starve ``/healthz``.
+    ``next_before`` asks for the next page; with ``after``, ``next_after`` does (oldest first)."""
     cursor = None if after is None else int(after)
 
     def page() -> Response:
@@ -127,7 +132,7 @@ async def list_profiles(
             )
         )
 
-    return await store_call(state, page)
+    return await state.page_calls(page)
 
 
 @router.get(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, get_args
@@ -69,6 +70,10 @@ GRANT_SCOPE_KEY = "autobatch.grant"
 """Where the middleware leaves the request's :class:`Grant` in the ASGI scope."""
 _FORMAT = "lines ROLE[:NODE] TOKEN, ROLE one of read, publish:NODE, admin"
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
+
+# RFC 9110's Host: a name or IPv4 address, or an IPv6 address in brackets, then an optional port;
+# nothing else (no userinfo, no path, no second port) is a host.
+_HOST = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::[0-9]{1,5})?", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -252,15 +257,15 @@ def is_loopback_server(server: tuple[str, int] | None) -> bool:
 
 
 def host_allowed(host: str | None) -> bool:
-    """Whether a ``Host`` header names this machine's loopback (with or without a port)."""
+    """Whether a ``Host`` header names this machine's loopback (with or without a port).
+
+    The header is parsed strictly (``host[:port]``, an IPv6 address in brackets): one that also
+    holds userinfo (``localhost:8000@evil.example``), a path or anything else is not allowed.
+    """
     if host is None:
         return False
-    name = host.strip().lower()
-    if name.startswith("["):
-        name = name.partition("]")[0] + "]"
-    elif name.count(":") == 1:
-        name = name.partition(":")[0]
-    return name in _LOOPBACK_NAMES
+    matched = _HOST.fullmatch(host.strip().lower())
+    return matched is not None and matched["name"] in _LOOPBACK_NAMES
 
 
 def central_token_of(settings: Settings) -> str | None:

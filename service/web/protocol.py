@@ -13,7 +13,10 @@ likes, and a few hundred such hold the server. Here each request has two:
 
 And a request's headers hold at most ``MAX_HEADER_BYTES`` (request line included): past that the
 client gets ``431 Request Header Fields Too Large`` and the connection is closed, as the parser
-would otherwise keep every byte of a header that never ends.
+would otherwise keep every byte of a header that never ends. The cap holds however the bytes
+arrive: the raw bytes are counted while a read ends mid-headers (a header that never ends), and
+the parsed line and fields are counted when the headers end (all of them in one read, or the
+last of them in a read that also ends them).
 
 Done in the protocol, where the bytes arrive, because the app never sees a request whose
 headers have not all come; a proxy in front (nginx's ``client_header_timeout``) would do the
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["MAX_HEADER_BYTES", "timed_protocol"]
@@ -64,6 +68,8 @@ class _TimedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_body = False
         self._in_message = False
         self._header_bytes = 0
+        self._field_bytes = 0
+        self._refused = False
 
     def _arm(self, seconds: float, *, body: bool) -> None:
         self._disarm()
@@ -111,6 +117,7 @@ class _TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse_headers(self) -> None:
         self._disarm()
+        self._refused = True
         if self.transport.is_closing():
             return
         text = (
@@ -123,10 +130,29 @@ class _TimedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_message = True
+        self._field_bytes = 0
         if self._deadline is None:  # a pipelined request, behind one still being answered
             self._arm(self.header_timeout_s, body=False)
 
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # the parser's stop after a 431 is not a second answer
+            super().send_400_response(msg)
+
+    def on_url(self, url: bytes) -> None:
+        self._field_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._field_bytes += len(name) + len(value) + len(b": \r\n")
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        # The request line around the URL: the method, two spaces, the version and its CRLF.
+        line_bytes = len(self.parser.get_method()) + len(b"  HTTP/1.1\r\n")
+        if self._field_bytes + line_bytes > self.max_header_bytes:
+            self._refuse_headers()
+            # Stops the parser: no route runs for this request, and the bytes after it are dropped.
+            raise httptools.HttpParserError("request headers over the cap")
         self._header_bytes = 0
         self._arm(self.body_timeout_s, body=True)
         super().on_headers_complete()

@@ -3,7 +3,7 @@ device, a safety margin, a gpu_fraction), a device and its budget, and a profile
 Base / Create / Public split. Each feature's own bodies live with it (``service.plans.schemas``,
 ``service.probes.schemas``).
 
-Every number a client sends is bounded (sizes up to ``2**31``, world sizes up to 65536, bytes up
+Every number a client sends is bounded (sizes up to ``2**31 - 1``, world sizes up to 65536, bytes up
 to ``2**60``), every string is length-limited (``MAX_NAME_CHARS``, ``MAX_TEXT_CHARS``) and
 storable on every store backend (no NUL, no lone surrogate: ``autobatch.store._storable``), so
 bad input is a 4xx problem, the same on SQLite and PostgreSQL, and never reaches the library as
@@ -66,8 +66,10 @@ __all__ = [
     "storable",
 ]
 
-MAX_SIZE = 2**31
-"""Largest micro-batch or effective batch size accepted."""
+MAX_SIZE = 2**31 - 1
+"""Largest micro-batch or effective batch size accepted: what a 32-bit column holds (PostgreSQL's
+``integer``, the store's micro-batch columns), so a size the schema takes is stored on every
+backend; no real micro-batch comes near it."""
 MAX_WORLD_SIZE = 65536
 MAX_BYTES = 2**60
 MAX_ACCUMULATION_STEPS = MAX_GRADIENT_ACCUMULATION_STEPS

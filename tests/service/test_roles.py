@@ -330,7 +330,12 @@ def test_a_tokenless_loopback_server_answers_v1_only_to_loopback_names(tmp_path:
             assert (
                 httpx.post(base + "/v1/plan", json=body, headers={"Host": host}).status_code == 200
             )
-        for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example"):
+        for host in (
+            "evil.example",
+            f"evil.example:{server.port}",
+            "127.0.0.1.evil.example",
+            f"localhost:{server.port}@evil.com",
+        ):
             refused = httpx.post(base + "/v1/plan", json=body, headers={"Host": host})
             problem(refused, 403, "host-not-allowed")
         assert httpx.get(base + "/healthz", headers={"Host": "evil.example"}).status_code == 200
@@ -363,6 +368,20 @@ def test_the_host_check_only_guards_a_tokenless_loopback_server(
         ("127.0.0.2", False),
         ("localhost.evil", False),
         ("evil:127.0.0.1", False),
+        ("localhost:8000@evil.com", False),
+        ("localhost@evil.com", False),
+        ("user@localhost:8000", False),
+        ("user:pw@localhost", False),
+        ("localhost:8000/path", False),
+        ("localhost/evil", False),
+        ("localhost:8000:9000", False),
+        ("localhost:", False),
+        ("localhost:http", False),
+        ("[::1]evil.com", False),
+        ("[::1]:8000@evil.com", False),
+        ("[::1", False),
+        ("::1:8000", False),
+        ("local host", False),
         ("", False),
         (None, False),
     ],

@@ -134,8 +134,11 @@ def test_every_store_route_answers_by_the_deadline_while_the_table_is_locked(
     assert finished.index("/v1/probes") < len(finished) - len(requests)
     # The store's threads were given back: with the lock gone, the store answers again (a
     # call that was running at its deadline may have finished since: a 503 is no promise that
-    # a write did not happen, as with any timeout).
-    assert TestClient(app).post("/v1/profiles", json=requests[0][2]).status_code == 201
+    # a write did not happen, as with any timeout: the same profile then answers 200, stored).
+    client = TestClient(app)
+    again = client.post("/v1/profiles", json=requests[0][2])
+    assert again.status_code in (200, 201), again.text
+    assert client.get(again.headers["Location"]).json()["profile"]["num_steps"] == 99
 
 
 def test_a_burst_beyond_the_pool_waits_for_a_connection(
@@ -183,3 +186,25 @@ def test_store_calls_hold_at_most_their_threads_and_drop_what_waited_past_its_de
     assert outcomes == ["store-busy"] * 6
     assert len(ran) == 2  # two ran; the four queued behind them were dropped at the deadline
     calls.close()
+
+
+def test_readyz_is_not_ready_while_the_profiles_table_is_locked(
+    make_app: Callable[..., FastAPI], store_location: str
+) -> None:
+    """Readiness reads the profiles table under the store's deadline, as the routes do."""
+    app = make_app(store_path=store_location, store_timeout_seconds=DEADLINE_S)
+    client = TestClient(app)
+    assert client.get("/readyz").status_code == 200
+    with locked(store_location):
+        started = time.perf_counter()
+        answer = client.get("/readyz")
+        seconds = time.perf_counter() - started
+        # PostgreSQL's lock stops reads too; SQLite's (WAL) stops only the writes.
+        read = client.get("/v1/profiles").status_code
+        assert read == (503 if store_location.startswith("postgresql") else 200)
+        assert client.post("/v1/profiles", json=_profile_body(make_profile())).status_code == 503
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"].isdigit()
+    assert answer.json()["ready"] is False and answer.json()["store_writable"] is False
+    assert seconds < DEADLINE_S + 3
+    assert client.get("/readyz").status_code == 200

@@ -85,3 +85,25 @@ def test_a_startup_parameter_the_pooler_refuses_is_named(
     assert "refused the startup parameter 'options'" in message
     assert "ignore_startup_parameters" in message
     assert "check that the PostgreSQL server is up" not in message
+
+
+def test_a_resent_profile_is_stored_once_through_the_pooler(store_url: str) -> None:
+    """``publish`` finds the stored profile a resend repeats, and the readiness check reads
+    the profiles table, on shared server connections as directly."""
+    profile = make_profile(num_steps=3, created_at="")
+    with ProfileStore(store_url, timeout_seconds=TIMEOUT_S) as store:
+        first_id, first, new = store.publish(profile)
+        assert new and first.created_at
+        assert store.publish(profile) == (first_id, first, False)
+        assert len(store.list_profiles(limit=100)) == 1
+        store.check_writable()
+
+
+def test_the_readiness_check_fails_while_the_table_is_locked(
+    store_url: str, postgres_url: str
+) -> None:
+    with ProfileStore(store_url, timeout_seconds=TIMEOUT_S) as store:
+        store.check_writable()
+        with table_locked(postgres_url), pytest.raises(StoreError):
+            store.check_writable()
+        store.check_writable()
