@@ -68,29 +68,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except AutobatchError as exc:
         given = sys.argv[1:] if argv is None else argv
-        words = exc.describe(flag_wording)
-        flag = _refused_flag(words, given)
-        if flag is None:
-            print(f"autobatch: error: {words}", file=sys.stderr)
-            return 1
-        # A flag's value out of range is a usage error, as argparse reports its own: status 2.
-        print(f"autobatch: error: argument {flag}: {words}", file=sys.stderr)
-        return 2
+        words = _flag_spelling(exc.describe(flag_wording), given)
+        print(f"autobatch: error: {words}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
 
 
-def _refused_flag(words: str, argv: Sequence[str]) -> str | None:
-    """The flag whose value the library's refusal ``words`` names, when the user gave it
-    (``safety_margin 1.5 must be ...`` after ``--safety-margin 1.5``), so the error is led by it
-    as argparse leads its own; None otherwise. The parser only parses; the range is the
-    library's one check."""
+def _flag_spelling(words: str, argv: Sequence[str]) -> str:
+    """The library's refusal of a value the user gave as a flag, led by that flag as argparse
+    leads its own: ``argument --safety-margin: safety_margin 1.5 must be ...``. The parser
+    only parses; the range is the library's one check."""
     name = words.split(" ", 1)[0]
     flag = "--" + name.replace("_", "-")
     if name.isidentifier() and any(a == flag or a.startswith(f"{flag}=") for a in argv):
-        return flag
-    return None
+        return f"argument {flag}: {words}"
+    return words
 
 
 def _stdout_closed() -> int:
