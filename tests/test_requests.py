@@ -116,8 +116,8 @@ def test_a_tune_request_is_built_for_the_launchers_ranks(monkeypatch: pytest.Mon
         monkeypatch.setenv(name, value)
     request = TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96)
     assert request.plan is not None and request.plan.world_size == 4
-    assert request.probe.conditions.data_parallel_size == 4
-    assert "WORLD_SIZE=4" in request.probe.conditions.data_parallel_source
+    assert request.probe.conditions.world_size == 4
+    assert "WORLD_SIZE=4" in request.probe.conditions.world_size_source
     given = TuneRequest.build(
         torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96, world_size=2
     )

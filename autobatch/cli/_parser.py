@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
+from autobatch.conditions import one_world_size
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.units import parse_capacity
@@ -245,8 +246,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 class _OneSpelling(argparse.Action):
-    """An option with several spellings (``--world-size`` / ``--data-parallel-size``) given
-    once: two spellings, or one twice, with different values are an error, not last-wins."""
+    """``--world-size`` and its alias ``--data-parallel-size``, one setting: given again under
+    either spelling, the values are reconciled by :func:`autobatch.conditions.one_world_size`
+    (different values are an error, not last-wins)."""
 
     def __call__(
         self,
@@ -257,11 +259,15 @@ class _OneSpelling(argparse.Action):
     ) -> None:
         seen = f"_{self.dest}_given_as"
         earlier = getattr(namespace, seen, None)
-        if earlier is not None and getattr(namespace, self.dest) != values:
-            parser.error(
-                f"{option_string} {values} disagrees with {earlier} {getattr(namespace, self.dest)}"
-                f": {' and '.join(self.option_strings)} are one setting; give it once"
-            )
+        if earlier is not None:
+            before = getattr(namespace, self.dest)
+            try:
+                one_world_size(before, values)
+            except ConfigError:
+                parser.error(
+                    f"{option_string} {values} disagrees with {earlier} {before}: "
+                    f"{' and '.join(self.option_strings)} are one setting; give it once"
+                )
         setattr(namespace, seen, option_string)
         setattr(namespace, self.dest, values)
 

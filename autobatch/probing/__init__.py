@@ -23,7 +23,7 @@ from autobatch.probing._estimator import FakeStep, estimate
 from autobatch.probing._identity import callable_identity
 from autobatch.probing._live_conditions import (
     check_plan_here,
-    live_data_parallel,
+    live_world_size,
     process_conditions,
     read_conditions,
 )
@@ -60,7 +60,7 @@ __all__ = [
     "check_search_arguments",
     "compiled_mode",
     "estimate",
-    "live_data_parallel",
+    "live_world_size",
     "model_device",
     "next_micro_batch_size",
     "preserved_rng",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autobatch.conditions import Conditions, launcher_data_parallel
+from autobatch.conditions import Conditions, launcher_world_size
 from autobatch.device import Device
 from autobatch.distributed import Consensus, LocalConsensus, collective_layout, data_parallel
 from autobatch.errors import ConfigError
@@ -191,14 +191,14 @@ class ProbeOptions:
         on_trial: OnTrial | None = None,
         eval: bool = False,
         consensus: Consensus | None = None,
-        data_parallel: tuple[int, str] | None = None,
+        sourced_world_size: tuple[int, str] | None = None,
         clock: Callable[[], float] | None = None,
     ) -> ProbeOptions:
         """Check how to probe ``step`` on ``device`` (resolved by the caller), once, and read the
         conditions it runs under.
 
-        ``data_parallel``: the data-parallel size and its source, as the caller resolved it
-        (:func:`autobatch.distributed._layout.resolve_data_parallel`); None: the ranks probing
+        ``sourced_world_size``: the data-parallel size and its source, as the caller resolved it
+        (:func:`autobatch.distributed._layout.resolve_world_size`); None: the ranks probing
         together, else the launcher's ``WORLD_SIZE``, else one process. ``clock``: seconds for
         the estimate's timings (:attr:`clock`); None: :data:`DEFAULT_CLOCK`.
 
@@ -217,11 +217,11 @@ class ProbeOptions:
                 device, layout, world_size=None if consensus is None else consensus.world_size
             )
         ranks = consensus if consensus is not None else LocalConsensus()
-        if data_parallel is None:
-            data_parallel = (
+        if sourced_world_size is None:
+            sourced_world_size = (
                 (ranks.world_size, "the ranks probing together")
                 if ranks.world_size > 1
-                else launcher_data_parallel(os.environ) or (1, "one process")
+                else launcher_world_size(os.environ) or (1, "one process")
             )
         return cls(
             device=device,
@@ -238,7 +238,7 @@ class ProbeOptions:
                 step.optimizer,
                 device_type=device.type,
                 amp_dtype=step.amp_dtype,
-                data_parallel=data_parallel,
+                sourced_world_size=sourced_world_size,
             ),
             gradient_sync=measured_sync(step, eval=eval),
             clock=DEFAULT_CLOCK if clock is None else clock,

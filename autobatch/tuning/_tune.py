@@ -197,13 +197,13 @@ def _tune_mixed(request: TuneRequest) -> Tuning:
     assert wanted is not None  # tune_request's check
     world_size = wanted.world_size
     distributed = dist.is_available() and dist.is_initialized()
-    group_size = dist.get_world_size() if distributed else 1
-    if world_size != group_size:
+    group_world_size = dist.get_world_size() if distributed else 1
+    if world_size != group_world_size:
         why = "" if distributed else ": torch.distributed is not initialised"
         raise ConfigError(
             f"mixed_ranks=True plans one micro-batch per rank of the default process group "
-            f"({group_size} rank(s){why}), but the plan is for {world_size} data-parallel "
-            f"rank(s) ({request.probe.conditions.data_parallel_source}); call "
+            f"({group_world_size} rank(s){why}), but the plan is for {world_size} data-parallel "
+            f"rank(s) ({request.probe.conditions.world_size_source}); call "
             "autotune on every rank after init_process_group, with no other world_size, or plan "
             "from known per-rank maxima with autobatch.planning.plan_mixed_ranks"
         )
@@ -240,7 +240,7 @@ def _with_notes(result: Plan, found: TunedProfile, options: ProbeOptions) -> Pla
     (the request's, in ``options.conditions``)."""
     distributed = dist.is_available() and dist.is_initialized()
     world_size = result.world_size
-    world_source = options.conditions.data_parallel_source
+    world_source = options.conditions.world_size_source
     notes = [*why_probed_again(found), *result.notes]
     if world_size == 1 and distributed:
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
@@ -258,8 +258,8 @@ def _with_notes(result: Plan, found: TunedProfile, options: ProbeOptions) -> Pla
         notes=tuple(notes),
         conditions=dataclasses.replace(
             found.profile.conditions,
-            data_parallel_size=world_size,
-            data_parallel_source=world_source,
+            world_size=world_size,
+            world_size_source=world_source,
         ),
     )
 
