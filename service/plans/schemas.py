@@ -11,12 +11,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from autobatch.conditions import one_world_size
-from autobatch.planning import PlanSource, Uneven
+from autobatch.planning import Match, PlanSource, Uneven
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
     MAX_WORLD_SIZE,
@@ -289,7 +289,7 @@ class SelectionPublic(BaseModel):
     """Which stored profile answered a plan for a card or a node
     (``autobatch.planning._selection.Selection``)."""
 
-    match: Literal["measured", "estimated", "predicted"] = Field(
+    match: Match = Field(
         description="'measured': a profile measured on the card (and node) asked about under "
         "the conditions asked; 'estimated': the same from an estimate; 'predicted': measured "
         "elsewhere or under other conditions, so the plan is a prediction for that card."
