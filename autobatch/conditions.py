@@ -34,6 +34,7 @@ __all__ = [
     "RENAMED_KEYS",
     "ConditionChange",
     "Conditions",
+    "check_world_size",
     "condition_changes",
     "launcher_world_size",
     "normalized_allocator_settings",
@@ -567,25 +568,31 @@ def one_world_size(world_size: _Size | None, data_parallel_size: _Size | None) -
     accepted alias, ``data_parallel_size`` (``autotune``'s keyword, the CLI's
     ``--data-parallel-size``, ``POST /v1/plan``'s field): every edge reconciles the two here.
 
-    Args:
-        world_size: the size (or, for a table, the list of sizes) given as ``world_size``; None: not
-            given.
-        data_parallel_size: the same under the alias; None: not given.
+    Each is a size (or a list of sizes, for a table), None when not given.
 
     Returns:
-        The one given, their common value when both are, None when neither is. The range is
-        checked where the size is used (:class:`autobatch.planning.PlanRequest`).
+        The one given, their common value when both are, None when neither is (the range is
+        :func:`check_world_size`'s, where the size is used).
 
     Raises:
         ConfigError: both are given and differ.
     """
-    if (
-        world_size is not None
-        and data_parallel_size is not None
-        and world_size != data_parallel_size
-    ):
+    both = world_size is not None and data_parallel_size is not None
+    if both and world_size != data_parallel_size:
         raise ConfigError(
             f"world_size {world_size} and data_parallel_size {data_parallel_size} disagree on "
             "the number of data-parallel ranks; give one (they are one setting)"
         )
     return data_parallel_size if world_size is None else world_size
+
+
+def check_world_size(value: object) -> int:
+    """``value``, checked as a data-parallel size (``world_size``, an int >= 1): its one range
+    check, for the planner's requests and the road's resolution alike.
+
+    Raises:
+        ConfigError: not an int (a bool included), or below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"world_size {value!r} must be an int >= 1 (data-parallel ranks)")
+    return value

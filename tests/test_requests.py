@@ -16,6 +16,7 @@ import torch
 import autobatch
 from autobatch import PlanRequest, TuneRequest
 from autobatch.cli import main
+from autobatch.conditions import check_world_size
 from autobatch.errors import ConfigError, python_wording
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.planning import given_budget, plan_request, plan_table
@@ -359,8 +360,13 @@ def test_each_planning_surface_checks_each_range_once(monkeypatch: pytest.Monkey
         seen.append(name)
         require_int(name, value, minimum)
 
+    def counted_world_size(value: object) -> int:
+        seen.append("world_size")
+        return check_world_size(value)
+
     for module in ("_limits", "_request", "_mixed", "_mixed_limits", "_selection"):
         monkeypatch.setattr(f"autobatch.planning.{module}.require_int", counted, raising=False)
+    monkeypatch.setattr("autobatch.planning._request.check_world_size", counted_world_size)
     once = ["multiple_of", "effective_batch_size", "world_size"]
     limit = "max micro-batch size (limit)"  # where a plan is made, not where it is asked for
     calls: list[tuple[Callable[[], object], list[str]]] = [

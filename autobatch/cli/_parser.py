@@ -241,7 +241,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help=f"capacity kept free (default {DEFAULT_SAFETY_MARGIN})",
     )
     parser.add_argument(
-        "--max-micro-batch-size", type=_whole_number, default=1 << 16, help="largest size tried"
+        "--max-micro-batch-size",
+        type=_whole_number,
+        default=1 << 16,  # autobatch.probing.DEFAULT_SEARCH_LIMIT, without importing torch
+        help="the search cap: the largest micro-batch tried (default 65536)",
     )
 
 
@@ -399,7 +402,9 @@ def _add_plan_command(commands: Any) -> None:
     plan = commands.add_parser("plan", help="plan from a size, a stored profile or a capacity")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--max-micro-batch-size", type=_positive_int, help="the largest micro-batch that fits"
+        "--max-micro-batch-size",
+        type=_positive_int,
+        help="the limit to plan within: the largest micro-batch known to fit",
     )
     source.add_argument(
         "--rank-max",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autobatch.conditions import launcher_world_size
+from autobatch.conditions import check_world_size, launcher_world_size
 from autobatch.errors import ConfigError
 
 __all__ = [
@@ -126,11 +126,7 @@ def resolve_world_size(
     """
     given: dict[str, int] = {}
     if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(
-                f"world_size {world_size!r} must be an int >= 1 (data-parallel ranks)"
-            )
-        given["world_size"] = world_size
+        given["world_size"] = check_world_size(world_size)
     if process_group is not None:
         given["process_group"] = _group_world_size(process_group)
     if len(set(given.values())) > 1:

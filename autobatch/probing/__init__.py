@@ -28,7 +28,7 @@ from autobatch.probing._live_conditions import (
     read_conditions,
 )
 from autobatch.probing._options import (
-    DEFAULT_LIMIT,
+    DEFAULT_SEARCH_LIMIT,
     OnTrial,
     ProbeOptions,
     StepSpec,
@@ -42,7 +42,7 @@ from autobatch.probing._step import LossFn, TrainingStep, TrainStep
 from autobatch.probing._worst_case import WorstCaseSample, worst_case_sample
 
 __all__ = [
-    "DEFAULT_LIMIT",
+    "DEFAULT_SEARCH_LIMIT",
     "BatchSource",
     "FakeStep",
     "LossFn",

@@ -38,7 +38,7 @@ from autobatch.probing._batch import BatchSource
 from autobatch.probing._compiled import eager, is_compiled
 from autobatch.probing._identity import now_iso
 from autobatch.probing._live_conditions import precision_remedies, read_conditions
-from autobatch.probing._options import DEFAULT_LIMIT, StepSpec, check_search_arguments
+from autobatch.probing._options import DEFAULT_SEARCH_LIMIT, StepSpec, check_search_arguments
 from autobatch.probing._search import (
     Point,
     fit_memory_model,
@@ -248,7 +248,7 @@ def estimate(
     train_step: TrainStep | None = None,
     step_includes_update: bool = False,
     amp_dtype: torch.dtype | None = None,
-    max_micro_batch_size: int = DEFAULT_LIMIT,
+    max_micro_batch_size: int = DEFAULT_SEARCH_LIMIT,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     device_name: str = "estimate",
 ) -> Profile:

@@ -40,7 +40,7 @@ from autobatch.distributed import LocalConsensus, process_group_consensus, resol
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import PlanRequest, Uneven
 from autobatch.probing import (
-    DEFAULT_LIMIT,
+    DEFAULT_SEARCH_LIMIT,
     LossFn,
     OnTrial,
     ProbeOptions,
@@ -158,7 +158,7 @@ class BuildOptions(TuneOptions, ProfileOptions, total=False):
 _DEFAULTS: dict[str, Any] = {
     "step_includes_update": False,
     "safety_margin": DEFAULT_SAFETY_MARGIN,
-    "max_micro_batch_size": DEFAULT_LIMIT,
+    "max_micro_batch_size": DEFAULT_SEARCH_LIMIT,
     "use_estimate": True,
     "eval": False,
     "multiple_of": 1,
@@ -275,7 +275,7 @@ class TuneRequest:
             if mixed_ranks
             else process_group_consensus(target.torch_device),
             safety_margin=option["safety_margin"],
-            max_micro_batch_size=option["max_micro_batch_size"],
+            search_limit=option["max_micro_batch_size"],  # the public keyword: the search cap
             use_estimate=option["use_estimate"],
             on_trial=options.get("on_trial"),
             eval=eval and planned is None,  # with a plan, the evaluation is probed after it

@@ -159,9 +159,9 @@ def tune_request(request: TuneRequest) -> Tuning:
         )
     if request.mixed_ranks:
         return _tune_mixed(request)
-    check_possible(request.probe.max_micro_batch_size, wanted)
+    check_possible(request.probe.search_limit, wanted)
     options = dataclasses.replace(
-        request.probe, max_micro_batch_size=useful_cap(request.probe.max_micro_batch_size, wanted)
+        request.probe, search_limit=useful_cap(request.probe.search_limit, wanted)
     )
     found = find_profile(request.step, options, request.store)
     budget = _plan_budget(options, found.profile)
@@ -207,10 +207,10 @@ def _tune_mixed(request: TuneRequest) -> Tuning:
             "autotune on every rank after init_process_group, with no other world_size, or plan "
             "from known per-rank maxima with autobatch.planning.plan_mixed_ranks"
         )
-    check_mixed_possible(request.probe.max_micro_batch_size, wanted)
+    check_mixed_possible(request.probe.search_limit, wanted)
     options = dataclasses.replace(
         request.probe,
-        max_micro_batch_size=mixed_useful_cap(request.probe.max_micro_batch_size, wanted),
+        search_limit=mixed_useful_cap(request.probe.search_limit, wanted),
     )
     own: list[tuple[TunedProfile, RankLimit]] = []
 
