@@ -290,7 +290,7 @@ class Prober:
                 points = estimate_points(
                     fake,
                     capacity_bytes=capacity.capacity_bytes,
-                    max_micro_batch_size=self.options.search_limit,
+                    search_limit=self.options.search_limit,
                     budget_seconds=None if budget is None else ESTIMATE_OVERRUN * budget,
                 )
         except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it

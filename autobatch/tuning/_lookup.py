@@ -140,7 +140,7 @@ def _prediction_here(
         "total_memory_bytes": total_memory_bytes,
         "capacity_bytes": capacity_bytes,
         "safety_margin": options.safety_margin,
-        "max_micro_batch_size": options.search_limit,
+        "search_limit": options.search_limit,
         "mode": options.mode,
         "conditions": options.conditions,
     }
