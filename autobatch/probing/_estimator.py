@@ -268,7 +268,8 @@ def estimate(
         loss_fn, train_step, step_includes_update: how the sample becomes a step, see
             :mod:`autobatch.probing._step`.
         amp_dtype: autocast dtype, None for none.
-        max_micro_batch_size: largest size considered (>= 1).
+        max_micro_batch_size: the search cap, the largest micro-batch considered (>= 1); not
+            the measured maximum (the returned profile's ``max_micro_batch_size``).
         safety_margin: fraction of capacity the recommended size keeps free (0 <= x < 1).
         device_name: recorded in the profile.
 

@@ -117,7 +117,8 @@ def probe(
             GradScaler), None for full precision.
         safety_margin: fraction of the capacity the recommended size keeps free, in [0, 1); the
             default 5% absorbs fragmentation and small input-shape changes.
-        max_micro_batch_size: largest size tried (>= 1).
+        max_micro_batch_size: the search cap, the largest micro-batch tried (>= 1); not the
+            measured maximum (the returned profile's ``max_micro_batch_size``).
         use_estimate: start from a fake-tensor estimate (False: doubling-then-bisect).
         on_trial: called after each real trial (progress display).
         consensus: how data-parallel ranks agree (every rank calls :func:`probe` with its own

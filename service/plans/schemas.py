@@ -72,7 +72,11 @@ class PlanCreate(Strict):
 
     profile_id: Id | None = None
     model_fingerprint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
-    max_micro_batch_size: Size | None = None
+    max_micro_batch_size: Size | None = Field(
+        default=None,
+        description="A given limit to plan within: the largest micro-batch known to fit (not a "
+        "search cap; a profile's measured maximum comes with profile_id or model_fingerprint).",
+    )
     memory_model: MemoryModelBase | None = None
     device: DeviceSpec | None = None
     card: NonEmptyName | None = Field(
