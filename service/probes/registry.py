@@ -105,7 +105,7 @@ class ModelEntry(BaseModel):
     device: DeviceName = "cpu"
     max_micro_batch_size: int = Field(default=REGISTRY_SEARCH_LIMIT, ge=1, le=1 << 20)
     """The search cap of this model's probe runs: the largest micro-batch a probe tries (not a
-    measured maximum); :attr:`probe_limit` lowers it further for a known effective batch."""
+    measured maximum); :attr:`search_limit` lowers it further for a known effective batch."""
     effective_batch_size: int | None = Field(default=None, ge=1)
     """The job's effective batch size, when known: no probe tries a micro-batch above
     ``ceil(effective_batch_size / world_size)``, which no plan for it could use."""
@@ -115,7 +115,7 @@ class ModelEntry(BaseModel):
     use_estimate: bool = True
 
     @property
-    def probe_limit(self) -> int:
+    def search_limit(self) -> int:
         """The search cap a probe run of this model uses: the largest micro-batch it tries."""
         if self.effective_batch_size is None:
             return self.max_micro_batch_size

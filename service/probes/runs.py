@@ -501,7 +501,7 @@ def _tune(
         loss_fn=spec.loss_fn,
         device=target,
         safety_margin=entry.safety_margin,
-        max_micro_batch_size=entry.probe_limit,
+        max_micro_batch_size=entry.search_limit,
         use_estimate=entry.use_estimate,
         store=store_path,
         use_store=store_path is not None,
