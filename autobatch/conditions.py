@@ -47,9 +47,9 @@ ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 ``PYTORCH_CUDA_ALLOC_CONF`` here). Which one is in effect is read back, never assumed."""
 
 RENAMED_KEYS = {"data_parallel_size": "world_size", "data_parallel_source": "world_size_source"}
-"""Keys of stored conditions under an earlier name -> the field that holds them now: profiles
-stored before the rename still load (:meth:`Conditions.from_dict`, the service's
-``ConditionsFields``), and new ones are written under the field's name."""
+"""Keys stored conditions may carry under another name -> the field that holds them: a profile
+that has them loads (:meth:`Conditions.from_dict`, the service's ``ConditionsFields``), and
+every profile is written under the fields' names."""
 
 CUDA_ONLY = ("allocator_settings", "allocator_backend", "cudnn")
 """Conditions that move memory only on a CUDA device: the CPU allocator ignores the allocator

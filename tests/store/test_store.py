@@ -550,7 +550,7 @@ def test_a_profile_stored_with_the_data_parallel_size_under_its_old_key_still_lo
     stored["data_parallel_size"] = stored.pop("world_size")
     stored["data_parallel_source"] = stored.pop("world_size_source")
     data["conditions"] = stored
-    with sqlite3.connect(sqlite_store.path) as conn:  # as a store before the rename wrote it
+    with sqlite3.connect(sqlite_store.path) as conn:  # the conditions under the alias's keys
         conn.execute(
             "INSERT INTO profiles (id, cache_key, model_fingerprint, device_name, created_at,"
             " profile_schema_version, profile_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
