@@ -7,7 +7,7 @@ gradients and optimizer state, activation checkpointing, the optimizer, cuDNN's 
 :class:`Conditions` records them, read from the live process by
 :func:`autobatch.probing._live_conditions.read_conditions` (never from flags the user passed);
 :func:`condition_changes` is the comparison the store lookup, ``autobatch.plan(profile)``, the
-Accumulator and the framework drop-ins all make, and :func:`launcher_data_parallel` reads the
+Accumulator and the framework drop-ins all make, and :func:`launcher_world_size` reads the
 data-parallel size a launcher (torchrun) set before any process group exists.
 
 Pure: imports neither torch nor pynvml.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from autobatch.errors import ConfigError
 from autobatch.launchers import SlurmTaskRanks, launcher_layout
@@ -31,11 +31,14 @@ from autobatch.units import format_bytes
 
 __all__ = [
     "ALLOCATOR_VARIABLES",
+    "RENAMED_KEYS",
     "ConditionChange",
     "Conditions",
+    "check_world_size",
     "condition_changes",
-    "launcher_data_parallel",
+    "launcher_world_size",
     "normalized_allocator_settings",
+    "one_world_size",
 ]
 
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -43,9 +46,18 @@ ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 (torch 2.9 ignored the newer one on CUDA; torch 2.13 reads either, and with both set applied
 ``PYTORCH_CUDA_ALLOC_CONF`` here). Which one is in effect is read back, never assumed."""
 
+RENAMED_KEYS = {"data_parallel_size": "world_size", "data_parallel_source": "world_size_source"}
+"""Keys stored conditions may carry under another name -> the field that holds them: a profile
+that has them loads (:meth:`Conditions.from_dict`, the service's ``ConditionsFields``), and
+every profile is written under the fields' names."""
+
 CUDA_ONLY = ("allocator_settings", "allocator_backend", "cudnn")
 """Conditions that move memory only on a CUDA device: the CPU allocator ignores the allocator
 settings, and cuDNN does not run there (nor on a simulated card, which counts tensor bytes)."""
+
+
+_Size = TypeVar("_Size")
+"""A data-parallel size as an edge holds it: an int, or a list of them for a table."""
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -112,11 +124,11 @@ class Conditions:
     optimizer_state_dtype: str = ""
     """The dtype holding most of the optimizer state's bytes (``"uint8"`` for an 8-bit
     optimizer); ``""`` before the first optimizer step."""
-    data_parallel_size: int = 0
+    world_size: int = 0
     """Data-parallel ranks of the process (0 unknown); a plan's ``world_size`` is checked
     against the live process's."""
-    data_parallel_source: str = ""
-    """Where ``data_parallel_size`` came from, e.g. ``"the launcher's environment (WORLD_SIZE=2,
+    world_size_source: str = ""
+    """Where ``world_size`` came from, e.g. ``"the launcher's environment (WORLD_SIZE=2,
     RANK=0, LOCAL_RANK=0)"``, ``"the default process group"``, ``"argument world_size"``."""
 
     @property
@@ -211,10 +223,8 @@ class Conditions:
         lines.append(f"optimizer: {self.optimizer or 'unknown'} (state {state})")
         if self.optimizer_state_bytes:
             lines.append(f"optimizer state: {_by_dtype(self.optimizer_state_bytes)}")
-        if self.data_parallel_size:
-            lines.append(
-                f"data-parallel size: {self.data_parallel_size}, from {self.data_parallel_source}"
-            )
+        if self.world_size:
+            lines.append(f"data-parallel size: {self.world_size}, from {self.world_size_source}")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -233,13 +243,15 @@ class Conditions:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Conditions:
         """Inverse of :meth:`to_dict`; None or ``{}`` (a profile written before conditions were
-        recorded) gives empty conditions.
+        recorded) gives empty conditions, and a key of :data:`RENAMED_KEYS` is read under its
+        current name.
 
         Raises:
             ConfigError: an unknown field, or a value of the wrong kind.
         """
         if not data:
             return cls()
+        data = {RENAMED_KEYS.get(name, name): value for name, value in data.items()}
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -294,21 +306,21 @@ def condition_changes(
     Args:
         recorded: the profile's or the plan's conditions.
         live: the live process's (:func:`autobatch.probing._live_conditions.read_conditions`).
-        world_size: a plan's data-parallel size, compared with ``live.data_parallel_size``
+        world_size: a plan's data-parallel size, compared with ``live.world_size``
             (a ``"batch"`` change); None compares no world size (a profile has none).
 
     Returns:
         The changes, in a fixed order; empty when the plan holds here.
     """
     changes: list[ConditionChange] = []
-    if world_size is not None and live.data_parallel_size and world_size != live.data_parallel_size:
+    if world_size is not None and live.world_size and world_size != live.world_size:
         changes.append(
             ConditionChange(
                 name="world_size",
                 recorded=f"{world_size} data-parallel ranks",
-                live=f"{live.data_parallel_size} (from {live.data_parallel_source})",
-                fix=f"plan for world_size={live.data_parallel_size}, or the effective batch "
-                f"would be {live.data_parallel_size}/{world_size} of the one planned",
+                live=f"{live.world_size} (from {live.world_size_source})",
+                fix=f"plan for world_size={live.world_size}, or the effective batch "
+                f"would be {live.world_size}/{world_size} of the one planned",
                 kind="batch",
             )
         )
@@ -526,7 +538,7 @@ def normalized_allocator_settings(text: str) -> str:
     return ",".join(sorted(entry for entry in entries if entry))
 
 
-def launcher_data_parallel(
+def launcher_world_size(
     environ: Mapping[str, str], *, slurm_task_ranks: SlurmTaskRanks = "one"
 ) -> tuple[int, str] | None:
     """The data-parallel size a launcher set in the environment, and where it says so; None when
@@ -549,3 +561,38 @@ def launcher_data_parallel(
     """
     layout = launcher_layout(environ, slurm_task_ranks=slurm_task_ranks)
     return None if layout is None else (layout.world_size, layout.source)
+
+
+def one_world_size(world_size: _Size | None, data_parallel_size: _Size | None) -> _Size | None:
+    """The data-parallel size given at an edge under its name, ``world_size``, or under its
+    accepted alias, ``data_parallel_size`` (``autotune``'s keyword, the CLI's
+    ``--data-parallel-size``, ``POST /v1/plan``'s field): every edge reconciles the two here.
+
+    Each is a size (or a list of sizes, for a table), None when not given.
+
+    Returns:
+        The one given, their common value when both are, None when neither is (the range is
+        :func:`check_world_size`'s, where the size is used).
+
+    Raises:
+        ConfigError: both are given and differ.
+    """
+    both = world_size is not None and data_parallel_size is not None
+    if both and world_size != data_parallel_size:
+        raise ConfigError(
+            f"world_size {world_size} and data_parallel_size {data_parallel_size} disagree on "
+            "the number of data-parallel ranks; give one (they are one setting)"
+        )
+    return data_parallel_size if world_size is None else world_size
+
+
+def check_world_size(value: object) -> int:
+    """``value``, checked as a data-parallel size (``world_size``, an int >= 1): its one range
+    check, for the planner's requests and the road's resolution alike.
+
+    Raises:
+        ConfigError: not an int (a bool included), or below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"world_size {value!r} must be an int >= 1 (data-parallel ranks)")
+    return value

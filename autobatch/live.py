@@ -140,9 +140,9 @@ def plan_world_sizes(
 def _changes_here(result: Plan, *, for_this_card: bool, world_size_given: bool) -> list[str]:
     # torch-bound: read only in a process that has loaded torch; importing this module stays
     # torch-free
-    from autobatch.probing import live_data_parallel, process_conditions
+    from autobatch.probing import live_world_size, process_conditions
 
-    live = process_conditions(data_parallel=live_data_parallel())
+    live = process_conditions(sourced_world_size=live_world_size())
     recorded = result.conditions if for_this_card else Conditions()
     changes = condition_changes(
         recorded, live, world_size=None if world_size_given else result.world_size

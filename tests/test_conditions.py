@@ -11,7 +11,7 @@ import pytest
 from autobatch.conditions import (
     Conditions,
     condition_changes,
-    launcher_data_parallel,
+    launcher_world_size,
     normalized_allocator_settings,
 )
 from autobatch.errors import ConfigError
@@ -32,8 +32,8 @@ CUDA = Conditions(
     activation_checkpointing="none detected",
     optimizer="torch.optim.adamw.AdamW",
     optimizer_state_dtype="float32",
-    data_parallel_size=1,
-    data_parallel_source="one process",
+    world_size=1,
+    world_size_source="one process",
 )
 SIM = dataclasses.replace(CUDA, device_type="sim")
 
@@ -133,12 +133,12 @@ TABLE: list[tuple[str, Conditions, Conditions, int | None, list[str]]] = [
     (
         "a plan's world size against the launcher",
         SIM,
-        changed(SIM, data_parallel_size=2),
+        changed(SIM, world_size=2),
         1,
         ["world_size"],
     ),
-    ("a profile has no world size to compare", SIM, changed(SIM, data_parallel_size=2), None, []),
-    ("world size unknown here", SIM, changed(SIM, data_parallel_size=0), 4, []),
+    ("a profile has no world size to compare", SIM, changed(SIM, world_size=2), None, []),
+    ("world size unknown here", SIM, changed(SIM, world_size=0), 4, []),
     (
         "a plan from a number is still checked for its world size",
         Conditions(),
@@ -194,7 +194,7 @@ def test_the_key_holds_what_moves_memory_on_the_device_and_is_known_before_a_ste
     assert key["cudnn"] == {"benchmark": "False", "deterministic": "False", "enabled": "True"}
     assert key["allocator_settings"] == "expandable_segments:True"
     assert "optimizer_state_dtype" not in key  # unknown until the first step
-    assert "data_parallel_size" not in key  # per-rank memory: sharding shows in the bytes
+    assert "world_size" not in key  # per-rank memory: sharding shows in the bytes
     assert "cudnn" not in SIM.key() and "allocator_settings" not in SIM.key()
     assert Conditions().key() == {}
 
@@ -266,10 +266,10 @@ def test_allocator_settings_compare_in_one_form(text: str, normalized: str) -> N
 def test_the_launcher_sets_the_data_parallel_size(
     environ: dict[str, str], expected: tuple[int, str] | None
 ) -> None:
-    assert launcher_data_parallel(environ) == expected
+    assert launcher_world_size(environ) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1"])
 def test_a_bad_launcher_world_size_is_named(value: str) -> None:
     with pytest.raises(ConfigError, match=f"WORLD_SIZE '{value}' in the environment"):
-        launcher_data_parallel({"WORLD_SIZE": value})
+        launcher_world_size({"WORLD_SIZE": value})

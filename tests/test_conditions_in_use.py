@@ -190,9 +190,9 @@ def test_autotune_under_torchrun_before_the_group_plans_for_the_launchers_ranks(
 
     assert plan.world_size == 2
     assert sum(plan.micro_batch_sizes) * 2 == 16
-    assert plan.conditions.data_parallel_size == 2
+    assert plan.conditions.world_size == 2
     source = "the launcher's environment (WORLD_SIZE=2, RANK=0, LOCAL_RANK=0)"
-    assert plan.conditions.data_parallel_source == source
+    assert plan.conditions.world_size_source == source
     assert any(source in note and "did not agree" in note for note in plan.notes)
 
 
@@ -210,7 +210,7 @@ def test_a_live_group_is_planned_for_and_a_launcher_that_disagrees_is_named(
 ) -> None:
     plan = tune(tmp_path, effective_batch_size=16, device="sim:4MiB")
     assert plan.world_size == 1  # the group trains: each process alone
-    assert plan.conditions.data_parallel_source == (
+    assert plan.conditions.world_size_source == (
         "the default process group (world size 1, gloo); the launcher's environment "
         "(WORLD_SIZE=2, RANK=0, LOCAL_RANK=0) says 2, which counts something else (pods, tasks)"
     )

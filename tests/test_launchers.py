@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from autobatch.conditions import launcher_data_parallel
+from autobatch.conditions import launcher_world_size
 from autobatch.errors import ConfigError
 from autobatch.launchers import SlurmTaskRanks, launcher_layout
 
@@ -255,14 +255,14 @@ def test_each_launcher_gives_its_world_size_and_layout(
     layout = launcher_layout(environ, slurm_task_ranks=task_ranks)
     if not expected:
         assert layout is None
-        assert launcher_data_parallel(environ, slurm_task_ranks=task_ranks) is None
+        assert launcher_world_size(environ, slurm_task_ranks=task_ranks) is None
         return
     assert layout is not None
     got = (layout.world_size, layout.nodes, layout.ranks_per_node, layout.rank, layout.local_rank)
     assert got == expected
     for word in words:
         assert word in layout.source
-    assert launcher_data_parallel(environ, slurm_task_ranks=task_ranks) == (
+    assert launcher_world_size(environ, slurm_task_ranks=task_ranks) == (
         layout.world_size,
         layout.source,
     )
@@ -355,11 +355,11 @@ def test_autotunes_road_reads_kubeflows_ranks_not_its_pods(monkeypatch: pytest.M
     """The road's resolution (no process group yet) takes the pod's 2 ranks, not WORLD_SIZE=1."""
     import torch
 
-    from autobatch.distributed._layout import resolve_data_parallel
+    from autobatch.distributed._layout import resolve_world_size
 
     for name, value in PYTORCHJOB_POD.items():
         monkeypatch.setenv(name, value)
-    world, source = resolve_data_parallel(torch.nn.Linear(2, 2))
+    world, source = resolve_world_size(torch.nn.Linear(2, 2))
     assert world == 2
     assert "WORLD_SIZE=1 counts pods (PyTorchJob), each running 2 ranks" in source
 
@@ -493,7 +493,7 @@ def test_autotunes_road_refuses_two_launchers_in_pythons_spelling(
 ) -> None:
     import torch
 
-    from autobatch.distributed._layout import resolve_data_parallel
+    from autobatch.distributed._layout import resolve_world_size
 
     for name, value in HYDRA_IN_SLURM_RANK_11.items():
         monkeypatch.setenv(name, value)
@@ -502,7 +502,7 @@ def test_autotunes_road_refuses_two_launchers_in_pythons_spelling(
         r"them, one rank per task\)$"
     )
     with pytest.raises(ConfigError, match=fix):
-        resolve_data_parallel(torch.nn.Linear(2, 2))
+        resolve_world_size(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize(
@@ -535,13 +535,13 @@ def test_an_initialised_group_is_the_one_planned_for_whatever_the_launcher_says(
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autobatch.distributed._layout import resolve_data_parallel
+    from autobatch.distributed._layout import resolve_world_size
 
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
-        world, source = resolve_data_parallel(torch.nn.Linear(2, 2))
+        world, source = resolve_world_size(torch.nn.Linear(2, 2))
     finally:
         dist.destroy_process_group()
     assert world == 2

@@ -16,6 +16,7 @@ import torch
 import autobatch
 from autobatch import PlanRequest, TuneRequest
 from autobatch.cli import main
+from autobatch.conditions import check_world_size
 from autobatch.errors import ConfigError, python_wording
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.planning import given_budget, plan_request, plan_table
@@ -116,8 +117,8 @@ def test_a_tune_request_is_built_for_the_launchers_ranks(monkeypatch: pytest.Mon
         monkeypatch.setenv(name, value)
     request = TuneRequest.build(torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96)
     assert request.plan is not None and request.plan.world_size == 4
-    assert request.probe.conditions.data_parallel_size == 4
-    assert "WORLD_SIZE=4" in request.probe.conditions.data_parallel_source
+    assert request.probe.conditions.world_size == 4
+    assert "WORLD_SIZE=4" in request.probe.conditions.world_size_source
     given = TuneRequest.build(
         torch.nn.Linear(2, 2), torch.zeros(1, 2), effective_batch_size=96, world_size=2
     )
@@ -359,8 +360,13 @@ def test_each_planning_surface_checks_each_range_once(monkeypatch: pytest.Monkey
         seen.append(name)
         require_int(name, value, minimum)
 
+    def counted_world_size(value: object) -> int:
+        seen.append("world_size")
+        return check_world_size(value)
+
     for module in ("_limits", "_request", "_mixed", "_mixed_limits", "_selection"):
         monkeypatch.setattr(f"autobatch.planning.{module}.require_int", counted, raising=False)
+    monkeypatch.setattr("autobatch.planning._request.check_world_size", counted_world_size)
     once = ["multiple_of", "effective_batch_size", "world_size"]
     limit = "max micro-batch size (limit)"  # where a plan is made, not where it is asked for
     calls: list[tuple[Callable[[], object], list[str]]] = [

@@ -139,7 +139,7 @@ def test_a_failed_confirmation_probes_and_says_so(
             total_memory_bytes=24 * 2**20,
             capacity_bytes=24 * 2**20,
             safety_margin=0.05,
-            max_micro_batch_size=4096,
+            search_limit=4096,
         )
     assert found is not None and found.profile == wrong
 
@@ -182,7 +182,7 @@ def test_no_prediction_without_a_profile_of_the_same_step(
                 total_memory_bytes=24 * 2**20,
                 capacity_bytes=24 * 2**20,
                 safety_margin=0.05,
-                max_micro_batch_size=4096,
+                search_limit=4096,
             )
             is None
         )
@@ -195,7 +195,7 @@ def test_no_prediction_without_a_profile_of_the_same_step(
                 total_memory_bytes=small.total_memory_bytes,
                 capacity_bytes=small.capacity_bytes,
                 safety_margin=0.05,
-                max_micro_batch_size=4096,
+                search_limit=4096,
             )
             is None
         )
@@ -215,7 +215,7 @@ def test_an_evaluation_micro_batch_is_never_predicted_from_a_training_profile(
         "total_memory_bytes": 24 * 2**20,
         "capacity_bytes": 24 * 2**20,
         "safety_margin": 0.05,
-        "max_micro_batch_size": 4096,
+        "search_limit": 4096,
     }
     with ProfileStore(store) as opened:
         candidates = stored_profiles(opened, small.identity)
@@ -235,7 +235,7 @@ def test_a_profile_measured_under_other_conditions_predicts_nothing(
         "total_memory_bytes": 24 * 2**20,
         "capacity_bytes": 24 * 2**20,
         "safety_margin": 0.05,
-        "max_micro_batch_size": 4096,
+        "search_limit": 4096,
     }
     with ProfileStore(store) as opened:
         candidates = stored_profiles(opened, small.identity)

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
+from autobatch.conditions import one_world_size
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.store import redact
@@ -244,13 +245,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help=f"capacity kept free (default {DEFAULT_SAFETY_MARGIN})",
     )
     parser.add_argument(
-        "--max-micro-batch-size", type=_whole_number, default=1 << 16, help="largest size tried"
+        "--max-micro-batch-size",
+        type=_whole_number,
+        default=1 << 16,  # autobatch.probing.DEFAULT_SEARCH_LIMIT, without importing torch
+        help="the search cap: the largest micro-batch tried (default 65536)",
     )
 
 
 class _OneSpelling(argparse.Action):
-    """An option with several spellings (``--world-size`` / ``--data-parallel-size``) given
-    once: two spellings, or one twice, with different values are an error, not last-wins."""
+    """``--world-size`` and its alias ``--data-parallel-size``, one setting: given again under
+    either spelling, the values are reconciled by :func:`autobatch.conditions.one_world_size`
+    (different values are an error, not last-wins)."""
 
     def __call__(
         self,
@@ -261,11 +266,15 @@ class _OneSpelling(argparse.Action):
     ) -> None:
         seen = f"_{self.dest}_given_as"
         earlier = getattr(namespace, seen, None)
-        if earlier is not None and getattr(namespace, self.dest) != values:
-            parser.error(
-                f"{option_string} {values} disagrees with {earlier} {getattr(namespace, self.dest)}"
-                f": {' and '.join(self.option_strings)} are one setting; give it once"
-            )
+        if earlier is not None:
+            before = getattr(namespace, self.dest)
+            try:
+                one_world_size(before, values)
+            except ConfigError:
+                parser.error(
+                    f"{option_string} {values} disagrees with {earlier} {before}: "
+                    f"{' and '.join(self.option_strings)} are one setting; give it once"
+                )
         setattr(namespace, seen, option_string)
         setattr(namespace, self.dest, values)
 
@@ -397,7 +406,9 @@ def _add_plan_command(commands: Any) -> None:
     plan = commands.add_parser("plan", help="plan from a size, a stored profile or a capacity")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--max-micro-batch-size", type=_positive_int, help="the largest micro-batch that fits"
+        "--max-micro-batch-size",
+        type=_positive_int,
+        help="the limit to plan within: the largest micro-batch known to fit",
     )
     source.add_argument(
         "--rank-max",

@@ -25,8 +25,8 @@ from autobatch.distributed._layout import (
     FSDP2_TP_LAYOUT,
     TENSOR_PARALLEL_LAYOUT,
     collective_layout,
-    data_parallel_size,
-    resolve_data_parallel,
+    resolve_world_size,
+    world_size_of,
 )
 from autobatch.distributed._sync import DataParallel, data_parallel, refuse_engine
 
@@ -43,12 +43,12 @@ __all__ = [
     "ProcessGroupConsensus",
     "collective_layout",
     "data_parallel",
-    "data_parallel_size",
     "process_group_consensus",
     "process_groups_faked",
     "refuse_engine",
     "reset_fsdp2",
     "reshard_fsdp2",
-    "resolve_data_parallel",
     "resolve_deadline",
+    "resolve_world_size",
+    "world_size_of",
 ]

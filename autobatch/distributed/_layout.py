@@ -4,8 +4,8 @@ parallel), and how many data-parallel ranks a plan is for.
 Example::
 
     collective_layout(model)          # "FSDP2 (fully_shard)", or "" for a plain module
-    data_parallel_size(model, world_size=None, data_parallel_size=None, process_group=None)
-    resolve_data_parallel(model)      # (2, "the launcher's environment (WORLD_SIZE=2, ...)")
+    world_size_of(model, world_size=None, process_group=None)
+    resolve_world_size(model)         # (2, "the launcher's environment (WORLD_SIZE=2, ...)")
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autobatch.conditions import launcher_data_parallel
+from autobatch.conditions import check_world_size, launcher_world_size
 from autobatch.errors import ConfigError
 
 __all__ = [
@@ -25,8 +25,8 @@ __all__ = [
     "FSDP2_TP_LAYOUT",
     "TENSOR_PARALLEL_LAYOUT",
     "collective_layout",
-    "data_parallel_size",
-    "resolve_data_parallel",
+    "resolve_world_size",
+    "world_size_of",
 ]
 
 FSDP2_LAYOUT = "FSDP2 (fully_shard)"
@@ -85,39 +85,35 @@ def _beyond_fsdp2_meshes(model: torch.nn.Module) -> bool:
     )
 
 
-def data_parallel_size(
+def world_size_of(
     model: torch.nn.Module,
     *,
     world_size: int | None = None,
-    data_parallel_size: int | None = None,
     process_group: dist.ProcessGroup | DeviceMesh | None = None,
 ) -> int:
-    """The number of data-parallel ranks (W in ``E = m x k x W``): :func:`resolve_data_parallel`'s
+    """The number of data-parallel ranks (W in ``E = m x k x W``): :func:`resolve_world_size`'s
     size."""
-    return resolve_data_parallel(
-        model,
-        world_size=world_size,
-        data_parallel_size=data_parallel_size,
-        process_group=process_group,
-    )[0]
+    return resolve_world_size(model, world_size=world_size, process_group=process_group)[0]
 
 
-def resolve_data_parallel(
+def resolve_world_size(
     model: torch.nn.Module,
     *,
     world_size: int | None = None,
-    data_parallel_size: int | None = None,
     process_group: dist.ProcessGroup | DeviceMesh | None = None,
 ) -> tuple[int, str]:
     """The number of data-parallel ranks (W in ``E = m x k x W``) and where it came from.
 
-    At most one of ``world_size``, ``data_parallel_size`` and ``process_group`` (the data-parallel
-    ranks' group, or a one-dimensional DeviceMesh such as ``mesh["dp"]``) is given, or they agree.
+    ``world_size`` is what the caller gave (an edge that also takes the alias
+    ``data_parallel_size`` reconciles the two first, with
+    :func:`autobatch.conditions.one_world_size`). At most one of ``world_size`` and
+    ``process_group`` (the data-parallel ranks' group, or a one-dimensional DeviceMesh such as
+    ``mesh["dp"]``) is given, or they agree.
     When none is given: the default group's size under an initialised torch.distributed (the
     group is what trains: a launcher's count that differs, such as Kubeflow's per-pod
     ``WORLD_SIZE``, is named in the source, not refused); before the group exists, what the
     launcher set (torchrun's ``WORLD_SIZE``, Kubeflow's, Slurm's,
-    mpirun's...: :func:`autobatch.conditions.launcher_data_parallel`); else 1. A model whose
+    mpirun's...: :func:`autobatch.conditions.launcher_world_size`); else 1. A model whose
     parameters live on a DeviceMesh that is not the whole world as one dimension (tensor or
     2-D parallelism; HSDP's replicate x shard mesh excepted) is refused, since some of the
     ranks are then not data-parallel and dividing by all of them would make the effective batch
@@ -129,14 +125,10 @@ def resolve_data_parallel(
             group exists) the launcher's variables disagree among themselves (names the fix).
     """
     given: dict[str, int] = {}
-    for name, value in (("world_size", world_size), ("data_parallel_size", data_parallel_size)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} {value!r} must be an int >= 1 (data-parallel ranks)")
-        given[name] = value
+    if world_size is not None:
+        given["world_size"] = check_world_size(world_size)
     if process_group is not None:
-        given["process_group"] = _group_size(process_group)
+        given["process_group"] = _group_world_size(process_group)
     if len(set(given.values())) > 1:
         said = ", ".join(f"{name}={value}" for name, value in given.items())
         raise ConfigError(f"{said} disagree on the number of data-parallel ranks; pass one of them")
@@ -144,7 +136,7 @@ def resolve_data_parallel(
         name, value = next(iter(given.items()))
         return value, f"argument {name}"
     if not (dist.is_available() and dist.is_initialized()):
-        launched = launcher_data_parallel(os.environ)
+        launched = launcher_world_size(os.environ)
         if launched is not None:
             return launched
         return 1, "one process (no launcher's variables, no process group)"
@@ -160,7 +152,7 @@ def resolve_data_parallel(
             f"the model's parameters are on a DeviceMesh of shape {tuple(mesh.shape)}{names} in "
             f"a world of {world} ranks, so not every rank is data-parallel (tensor or pipeline "
             f"parallel ranks share each sample), and dividing the effective batch by {world} "
-            "would make it too small; pass data_parallel_size=N, or process_group=mesh['dp'] "
+            "would make it too small; pass world_size=N, or process_group=mesh['dp'] "
             "(the data-parallel dimension of your mesh)"
         )
     return world, source
@@ -171,11 +163,11 @@ def _group_source(world: int) -> str:
     differs: the group is the one that trains (Kubeflow's per-pod ``WORLD_SIZE=1`` beside a
     2-rank group that ``torch.multiprocessing.spawn`` started is the pod's count, not the
     ranks'), so the launcher's variables only annotate it, and a launcher reading that cannot
-    settle on one count (:func:`~autobatch.conditions.launcher_data_parallel` refuses) does
+    settle on one count (:func:`~autobatch.conditions.launcher_world_size` refuses) does
     not stop a job whose group already says how many ranks train."""
     source = f"the default process group (world size {world}, {dist.get_backend()})"
     try:
-        launched = launcher_data_parallel(os.environ)
+        launched = launcher_world_size(os.environ)
     except ConfigError as exc:
         return f"{source}; the launcher's variables do not settle a count: {exc.message}"
     if launched is None or launched[0] == world:
@@ -183,7 +175,7 @@ def _group_source(world: int) -> str:
     return f"{source}; {launched[1]} says {launched[0]}, which counts something else (pods, tasks)"
 
 
-def _group_size(group: dist.ProcessGroup | DeviceMesh) -> int:
+def _group_world_size(group: dist.ProcessGroup | DeviceMesh) -> int:
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ConfigError(
@@ -195,7 +187,7 @@ def _group_size(group: dist.ProcessGroup | DeviceMesh) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "process_group was given but torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first, or pass data_parallel_size=N"
+            "torch.distributed.init_process_group first, or pass world_size=N"
         )
     return dist.get_world_size(group)
 

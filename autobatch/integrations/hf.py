@@ -125,7 +125,7 @@ def autotune_trainer(
             "per_device_train_batch_size and gradient_accumulation_steps from the plan"
         )
     model = trainer.model
-    world_size = _data_parallel_size(trainer)
+    world_size = _trainer_world_size(trainer)
     model_device = next(model.parameters()).device
     sample = (
         _worst_case_sample(trainer, model_device) if sample is None else _to(sample, model_device)
@@ -224,7 +224,7 @@ def _split_over(args: Any, world_size: int) -> int:
     return world_size if split else 1
 
 
-def _data_parallel_size(trainer: Any) -> int:
+def _trainer_world_size(trainer: Any) -> int:
     """Ranks that each take a different micro-batch: the world size over the tensor, context
     and sequence parallel sizes, times the GPUs one process drives under DataParallel."""
     args = trainer.args

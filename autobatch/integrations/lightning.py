@@ -184,7 +184,7 @@ class AutobatchFinder(Callback):
             trainer.optimizers[0] if trainer.optimizers else None,
             where="AutobatchFinder",
             amp_dtype=_AMP_DTYPES.get(str(trainer.precision)),
-            data_parallel=(trainer.world_size, "the Trainer's world_size"),
+            sourced_world_size=(trainer.world_size, "the Trainer's world_size"),
         )
 
 

@@ -43,12 +43,13 @@ from autobatch.planning._request import (
     SplitOptions,
     Uneven,
 )
-from autobatch.planning._selection import Selection, condition_mismatches, select_profile
+from autobatch.planning._selection import Match, Selection, condition_mismatches, select_profile
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
     "EpochPlan",
+    "Match",
     "Plan",
     "PlanOptions",
     "PlanRequest",

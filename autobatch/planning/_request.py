@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
+from autobatch.conditions import check_world_size
 from autobatch.errors import ConfigError, Remedy
 from autobatch.margin import check_safety_margin
 from autobatch.planning._limits import PlanSource, check_step_seconds, require_int, resolve_limit
@@ -128,7 +129,7 @@ class PlanRequest:
             check_step_seconds(self.step_seconds, "step_seconds")
         effective, world_size = self.effective_batch_size, self.world_size
         require_int("effective_batch_size", effective, 1)
-        require_int("world_size", world_size, 1)
+        check_world_size(world_size)
         if effective < world_size:
             raise ConfigError(
                 f"effective_batch_size {effective} is less than world_size {world_size}: every "
@@ -261,5 +262,5 @@ def _checked_world_sizes(world_sizes: object) -> tuple[int, ...]:
             "world size use plan(...)"
         )
     for world_size in world_sizes:
-        require_int("world_size", world_size, 1)
+        check_world_size(world_size)
     return tuple(world_sizes)

@@ -23,12 +23,12 @@ from autobatch.probing._estimator import FakeStep, estimate
 from autobatch.probing._identity import callable_identity
 from autobatch.probing._live_conditions import (
     check_plan_here,
-    live_data_parallel,
+    live_world_size,
     process_conditions,
     read_conditions,
 )
 from autobatch.probing._options import (
-    DEFAULT_LIMIT,
+    DEFAULT_SEARCH_LIMIT,
     OnTrial,
     ProbeOptions,
     StepSpec,
@@ -42,7 +42,7 @@ from autobatch.probing._step import LossFn, TrainingStep, TrainStep
 from autobatch.probing._worst_case import WorstCaseSample, worst_case_sample
 
 __all__ = [
-    "DEFAULT_LIMIT",
+    "DEFAULT_SEARCH_LIMIT",
     "BatchSource",
     "FakeStep",
     "LossFn",
@@ -60,7 +60,7 @@ __all__ = [
     "check_search_arguments",
     "compiled_mode",
     "estimate",
-    "live_data_parallel",
+    "live_world_size",
     "model_device",
     "next_micro_batch_size",
     "preserved_rng",

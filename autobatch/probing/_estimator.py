@@ -38,7 +38,7 @@ from autobatch.probing._batch import BatchSource
 from autobatch.probing._compiled import eager, is_compiled
 from autobatch.probing._identity import now_iso
 from autobatch.probing._live_conditions import precision_remedies, read_conditions
-from autobatch.probing._options import DEFAULT_LIMIT, StepSpec, check_search_arguments
+from autobatch.probing._options import DEFAULT_SEARCH_LIMIT, StepSpec, check_search_arguments
 from autobatch.probing._search import (
     Point,
     fit_memory_model,
@@ -248,7 +248,7 @@ def estimate(
     train_step: TrainStep | None = None,
     step_includes_update: bool = False,
     amp_dtype: torch.dtype | None = None,
-    max_micro_batch_size: int = DEFAULT_LIMIT,
+    max_micro_batch_size: int = DEFAULT_SEARCH_LIMIT,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     device_name: str = "estimate",
 ) -> Profile:
@@ -268,7 +268,8 @@ def estimate(
         loss_fn, train_step, step_includes_update: how the sample becomes a step, see
             :mod:`autobatch.probing._step`.
         amp_dtype: autocast dtype, None for none.
-        max_micro_batch_size: largest size considered (>= 1).
+        max_micro_batch_size: the search cap, the largest micro-batch considered (>= 1); not
+            the measured maximum (the returned profile's ``max_micro_batch_size``).
         safety_margin: fraction of capacity the recommended size keeps free (0 <= x < 1).
         device_name: recorded in the profile.
 
@@ -313,7 +314,7 @@ def estimate(
                 identity=step.identity,
                 conditions=conditions,
                 capacity_bytes=capacity_bytes,
-                max_micro_batch_size=max_micro_batch_size,
+                search_limit=max_micro_batch_size,
                 safety_margin=safety_margin,
                 device_name=device_name,
             )
@@ -330,14 +331,14 @@ def estimate_points(
     fake: FakeStep,
     *,
     capacity_bytes: int,
-    max_micro_batch_size: int,
+    search_limit: int,
     budget_seconds: float | None = None,
 ) -> list[Point]:
     """Fake trials until the boundary under ``capacity_bytes`` is found (see module doc).
 
     Args:
         fake: the fake step.
-        capacity_bytes, max_micro_batch_size: the search's capacity and limit.
+        capacity_bytes, search_limit: the search's capacity and its cap (the largest size tried).
         budget_seconds: the most the fake steps may take in all (None: no bound). No fake step
             starts when the steps so far plus one more of their mean length would exceed it; the
             search then stops (``fake.stopped_early``), its points so far returned. The warm-up
@@ -345,7 +346,7 @@ def estimate_points(
     """
     points: list[Point] = []
     fake.warm_up()
-    size: int | None = min(fake.min_micro_batch_size, max_micro_batch_size)
+    size: int | None = min(fake.min_micro_batch_size, search_limit)
     while size is not None:
         spent = sum(fake.step_seconds)
         if budget_seconds is not None and spent + spent / len(fake.step_seconds) > budget_seconds:
@@ -354,12 +355,12 @@ def estimate_points(
         peak = fake.peak_bytes(size)
         points.append(Point(micro_batch_size=size, fits=peak <= capacity_bytes, peak_bytes=peak))
         if len(points) == 1 and points[0].fits:
-            size = min(FIRST_LARGE_SIZE, max_micro_batch_size)
+            size = min(FIRST_LARGE_SIZE, search_limit)
             if size <= points[0].micro_batch_size:
                 break
             continue
         size = next_micro_batch_size(
-            points, capacity_bytes=capacity_bytes, limit=max_micro_batch_size, prior=None
+            points, capacity_bytes=capacity_bytes, limit=search_limit, prior=None
         )
     return points
 
@@ -370,7 +371,7 @@ def run_estimate(
     identity: StepIdentity,
     conditions: Conditions,
     capacity_bytes: int,
-    max_micro_batch_size: int,
+    search_limit: int,
     safety_margin: float,
     device_name: str,
 ) -> Profile:
@@ -382,9 +383,7 @@ def run_estimate(
         DoesNotFitError: not even micro-batch 1 fits in ``capacity_bytes``.
     """
     started = time.perf_counter()
-    points = estimate_points(
-        fake, capacity_bytes=capacity_bytes, max_micro_batch_size=max_micro_batch_size
-    )
+    points = estimate_points(fake, capacity_bytes=capacity_bytes, search_limit=search_limit)
     seconds = time.perf_counter() - started
     fitting = [p.micro_batch_size for p in points if p.fits]
     if not fitting:
@@ -428,10 +427,10 @@ def run_estimate(
         total_memory_bytes=capacity_bytes,
         capacity_bytes=capacity_bytes,
         memory_model=model_line,
-        stop_kind="limit" if largest >= max_micro_batch_size else "boundary",
+        stop_kind="limit" if largest >= search_limit else "boundary",
         stop_reason=(
-            f"limit max_micro_batch_size={max_micro_batch_size} reached"
-            if largest >= max_micro_batch_size
+            f"limit max_micro_batch_size={search_limit} reached"
+            if largest >= search_limit
             else f"size {largest + 1} is over capacity"
         ),
         notes=(f"estimated on fake tensors in {seconds:.1f} s",),

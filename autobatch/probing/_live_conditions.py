@@ -19,7 +19,7 @@ What is read, and from where (never from the flags a caller passed, except where
 - the optimizer's class, and its state's bytes by dtype once it has state (the probe reads it
   again after its first optimizer step: :func:`with_optimizer_state`);
 - the AMP dtype (the one the step autocasts to: the caller's, as the probe runs it) and the
-  data-parallel size with its source (:func:`autobatch.distributed._layout.resolve_data_parallel`).
+  data-parallel size with its source (:func:`autobatch.distributed._layout.resolve_world_size`).
 
 Example::
 
@@ -42,7 +42,7 @@ from autobatch.conditions import (
     ALLOCATOR_VARIABLES,
     Conditions,
     condition_changes,
-    launcher_data_parallel,
+    launcher_world_size,
     normalized_allocator_settings,
 )
 from autobatch.errors import ConditionsWarning, ConfigError, Remedy
@@ -53,7 +53,7 @@ __all__ = [
     "UNKNOWN_AMP",
     "check_plan_here",
     "precision_remedies",
-    "live_data_parallel",
+    "live_world_size",
     "process_conditions",
     "read_conditions",
     "with_optimizer_state",
@@ -72,7 +72,7 @@ def read_conditions(
     *,
     device_type: str,
     amp_dtype: torch.dtype | str | None,
-    data_parallel: tuple[int, str] | None = None,
+    sourced_world_size: tuple[int, str] | None = None,
 ) -> Conditions:
     """The live process's conditions for a step of ``model`` with ``optimizer``.
 
@@ -81,10 +81,10 @@ def read_conditions(
         optimizer: the optimizer it steps; None stands for the probe's own AdamW.
         device_type: the device the step runs on (``"cuda"``, ``"cpu"``, ``"sim"``, ``"fake"``).
         amp_dtype: the autocast dtype, None for none, or :data:`UNKNOWN_AMP`.
-        data_parallel: the data-parallel size and where it came from; None when unknown.
+        sourced_world_size: the data-parallel size and where it came from; None when unknown.
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
-    process = process_conditions(device_type=device_type, data_parallel=data_parallel)
+    process = process_conditions(device_type=device_type, sourced_world_size=sourced_world_size)
     return with_optimizer_state(
         dataclasses.replace(
             process,
@@ -101,7 +101,7 @@ def read_conditions(
 
 
 def process_conditions(
-    *, device_type: str = "", data_parallel: tuple[int, str] | None = None
+    *, device_type: str = "", sourced_world_size: tuple[int, str] | None = None
 ) -> Conditions:
     """The conditions of this process alone, without a model: the allocator, cuDNN and the
     data-parallel size (what ``autobatch.plan(profile)`` can compare; the rest stays unknown).
@@ -116,7 +116,7 @@ def process_conditions(
     else:  # torch before 2.9: CUDA read PYTORCH_CUDA_ALLOC_CONF only
         settings, source = environment.get("PYTORCH_CUDA_ALLOC_CONF", ""), "environment"
     backend = getattr(torch._C, "_cuda_getAllocatorBackend", None)
-    size, where = data_parallel if data_parallel is not None else (0, "")
+    size, where = sourced_world_size if sourced_world_size is not None else (0, "")
     return Conditions(
         device_type=device_type or "any",
         allocator_settings=normalized_allocator_settings(settings),
@@ -129,8 +129,8 @@ def process_conditions(
             "deterministic": str(bool(torch.backends.cudnn.deterministic)),
             "enabled": str(bool(torch.backends.cudnn.enabled)),
         },
-        data_parallel_size=size,
-        data_parallel_source=where,
+        world_size=size,
+        world_size_source=where,
     )
 
 
@@ -141,7 +141,7 @@ def check_plan_here(
     *,
     where: str,
     amp_dtype: torch.dtype | str | None = UNKNOWN_AMP,
-    data_parallel: tuple[int, str] | None = None,
+    sourced_world_size: tuple[int, str] | None = None,
     stacklevel: int = 3,
 ) -> None:
     """Compare ``plan``'s conditions with the live process where a training loop starts (the
@@ -153,7 +153,7 @@ def check_plan_here(
         model, optimizer: what the loop trains and steps.
         where: who checks, for the messages (``"Accumulator"``).
         amp_dtype: the loop's autocast dtype, None for none, or :data:`UNKNOWN_AMP`.
-        data_parallel: the loop's data-parallel size and its source; None: not compared.
+        sourced_world_size: the loop's data-parallel size and its source; None: not compared.
         stacklevel: of the warnings, pointing at the caller's caller.
 
     Warns:
@@ -169,10 +169,10 @@ def check_plan_here(
         optimizer,
         device_type=plan.conditions.device_type or "any",
         amp_dtype=amp_dtype,
-        data_parallel=data_parallel,
+        sourced_world_size=sourced_world_size,
     )
     changes = condition_changes(
-        plan.conditions, live, world_size=plan.world_size if data_parallel else None
+        plan.conditions, live, world_size=plan.world_size if sourced_world_size else None
     )
     for change in changes:
         if change.kind == "batch":
@@ -209,7 +209,7 @@ def precision_remedies(conditions: Conditions) -> list[Remedy]:
     ]
 
 
-def live_data_parallel() -> tuple[int, str]:
+def live_world_size() -> tuple[int, str]:
     """The data-parallel size this process trains with, as far as it can tell without a model:
     the default process group's size, else the launcher's ``WORLD_SIZE``, else one process.
 
@@ -218,7 +218,7 @@ def live_data_parallel() -> tuple[int, str]:
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), "the default process group"
-    return launcher_data_parallel(os.environ) or (1, "one process (no launcher, no process group)")
+    return launcher_world_size(os.environ) or (1, "one process (no launcher, no process group)")
 
 
 def with_optimizer_state(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autobatch.conditions import Conditions, launcher_data_parallel
+from autobatch.conditions import Conditions, launcher_world_size
 from autobatch.device import Device
 from autobatch.distributed import Consensus, LocalConsensus, collective_layout, data_parallel
 from autobatch.errors import ConfigError
@@ -38,7 +38,7 @@ from autobatch.profile import GradientSync, Mode, StepIdentity, Trial
 
 __all__ = [
     "DEFAULT_CLOCK",
-    "DEFAULT_LIMIT",
+    "DEFAULT_SEARCH_LIMIT",
     "MICRO_STEPS_WITHOUT_SYNC",
     "OnTrial",
     "ProbeOptions",
@@ -47,8 +47,13 @@ __all__ = [
     "measured_sync",
 ]
 
-DEFAULT_LIMIT = 1 << 16
-"""Largest micro-batch the searches consider unless told otherwise."""
+DEFAULT_SEARCH_LIMIT = 1 << 16
+"""The search cap where the caller gives none: the largest micro-batch a search tries (the
+public keyword ``max_micro_batch_size`` of ``autobatch.probe``/``autotune``, the CLI's
+``autobatch tune --max-micro-batch-size``). High enough that a search ends at the card's
+boundary, not here, for any model that fits at all; a search spends about log2 of it in
+trials past an estimate, so a high cap costs little. The service's model registry caps its
+probe runs lower (``service.probes.registry.REGISTRY_SEARCH_LIMIT``)."""
 
 OnTrial = Callable[[Trial], None]
 """Called after each real trial (a progress display, the service's job log)."""
@@ -124,19 +129,17 @@ class StepSpec:
         )
 
 
-def check_search_arguments(max_micro_batch_size: int, safety_margin: float) -> None:
-    """The search's own arguments, checked once per probe or estimate.
+def check_search_arguments(search_limit: int, safety_margin: float) -> None:
+    """The search's own arguments, checked once per probe or estimate: the search cap (the
+    largest micro-batch tried) and the safety margin. The one range check of the search cap.
 
     Raises:
-        ConfigError: names the argument and the accepted range.
+        ConfigError: names the argument as the caller typed it (the public keyword
+            ``max_micro_batch_size``) and the accepted range.
     """
     check_safety_margin(safety_margin)
-    if (
-        isinstance(max_micro_batch_size, bool)
-        or not isinstance(max_micro_batch_size, int)
-        or max_micro_batch_size < 1
-    ):
-        raise ConfigError(f"max_micro_batch_size {max_micro_batch_size!r} must be an int >= 1")
+    if isinstance(search_limit, bool) or not isinstance(search_limit, int) or search_limit < 1:
+        raise ConfigError(f"max_micro_batch_size {search_limit!r} must be an int >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,8 +151,10 @@ class ProbeOptions:
     """The device probed (for a layout that needs it, the one :func:`device_for_layout` gives)."""
     safety_margin: float
     """Fraction of the capacity the recommended size keeps free, in [0, 1)."""
-    max_micro_batch_size: int
-    """Largest size tried (>= 1)."""
+    search_limit: int
+    """The search cap: the largest micro-batch the search tries (>= 1); the public keyword
+    ``max_micro_batch_size`` maps to it in :meth:`build`. Not the measured maximum (the
+    profile's ``max_micro_batch_size``)."""
     use_estimate: bool
     """Start from a fake-tensor estimate (False: doubling-then-bisect)."""
     on_trial: OnTrial | None
@@ -186,19 +191,19 @@ class ProbeOptions:
         *,
         device: Device,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        max_micro_batch_size: int = DEFAULT_LIMIT,
+        search_limit: int = DEFAULT_SEARCH_LIMIT,
         use_estimate: bool = True,
         on_trial: OnTrial | None = None,
         eval: bool = False,
         consensus: Consensus | None = None,
-        data_parallel: tuple[int, str] | None = None,
+        sourced_world_size: tuple[int, str] | None = None,
         clock: Callable[[], float] | None = None,
     ) -> ProbeOptions:
         """Check how to probe ``step`` on ``device`` (resolved by the caller), once, and read the
         conditions it runs under.
 
-        ``data_parallel``: the data-parallel size and its source, as the caller resolved it
-        (:func:`autobatch.distributed._layout.resolve_data_parallel`); None: the ranks probing
+        ``sourced_world_size``: the data-parallel size and its source, as the caller resolved it
+        (:func:`autobatch.distributed._layout.resolve_world_size`); None: the ranks probing
         together, else the launcher's ``WORLD_SIZE``, else one process. ``clock``: seconds for
         the estimate's timings (:attr:`clock`); None: :data:`DEFAULT_CLOCK`.
 
@@ -207,7 +212,7 @@ class ProbeOptions:
                 that updates by itself, model and sample on another device than ``device``,
                 or a parallel layout that cannot be probed here (see :func:`device_for_layout`).
         """
-        check_search_arguments(max_micro_batch_size, safety_margin)
+        check_search_arguments(search_limit, safety_margin)
         if eval and step.step_includes_update:
             raise _eval_of_an_updating_step()
         check_placement(step.model, step.source, device)
@@ -217,16 +222,16 @@ class ProbeOptions:
                 device, layout, world_size=None if consensus is None else consensus.world_size
             )
         ranks = consensus if consensus is not None else LocalConsensus()
-        if data_parallel is None:
-            data_parallel = (
+        if sourced_world_size is None:
+            sourced_world_size = (
                 (ranks.world_size, "the ranks probing together")
                 if ranks.world_size > 1
-                else launcher_data_parallel(os.environ) or (1, "one process")
+                else launcher_world_size(os.environ) or (1, "one process")
             )
         return cls(
             device=device,
             safety_margin=safety_margin,
-            max_micro_batch_size=max_micro_batch_size,
+            search_limit=search_limit,
             use_estimate=use_estimate,
             on_trial=on_trial,
             eval=eval,
@@ -238,7 +243,7 @@ class ProbeOptions:
                 step.optimizer,
                 device_type=device.type,
                 amp_dtype=step.amp_dtype,
-                data_parallel=data_parallel,
+                sourced_world_size=sourced_world_size,
             ),
             gradient_sync=measured_sync(step, eval=eval),
             clock=DEFAULT_CLOCK if clock is None else clock,
@@ -254,10 +259,10 @@ class ProbeOptions:
             raise _eval_of_an_updating_step()
         return dataclasses.replace(self, eval=True, gradient_sync=measured_sync(step, eval=True))
 
-    def with_limit(self, max_micro_batch_size: int) -> ProbeOptions:
-        """The same options with another limit (checked)."""
-        check_search_arguments(max_micro_batch_size, self.safety_margin)
-        return dataclasses.replace(self, max_micro_batch_size=max_micro_batch_size)
+    def with_limit(self, search_limit: int) -> ProbeOptions:
+        """The same options with another search cap (checked)."""
+        check_search_arguments(search_limit, self.safety_margin)
+        return dataclasses.replace(self, search_limit=search_limit)
 
 
 MICRO_STEPS_WITHOUT_SYNC = 2

@@ -159,8 +159,8 @@ class Prober:
                 break
             size = self._next_size()
         self._compare_with_estimate()
-        if lo >= self.options.max_micro_batch_size:
-            stop_reason = f"limit max_micro_batch_size={self.options.max_micro_batch_size} reached"
+        if lo >= self.options.search_limit:
+            stop_reason = f"limit max_micro_batch_size={self.options.search_limit} reached"
         elif hi == self.log.failed_micro_batch_size:
             failed = next(t for t in self.log.trials if t.micro_batch_size == hi)
             stop_reason = f"micro-batch {hi} failed for a reason other than memory ({failed.error})"
@@ -170,7 +170,7 @@ class Prober:
             "failure"
             if self.log.failed_micro_batch_size
             else "limit"
-            if lo >= self.options.max_micro_batch_size
+            if lo >= self.options.search_limit
             else "boundary"
         )
         profile = self._profile(agreed_capacity, self.log.prior, lo, stop_reason, kind)
@@ -184,7 +184,7 @@ class Prober:
             next_micro_batch_size(
                 self.log.points,
                 capacity_bytes=self.runner.agreed_capacity.capacity_bytes,
-                limit=self.options.max_micro_batch_size,
+                limit=self.options.search_limit,
                 prior=self.log.prior,
             )
         )
@@ -263,7 +263,7 @@ class Prober:
             None
             if real_step_seconds is None
             else estimate_budget_seconds(
-                limit=self.options.max_micro_batch_size,
+                limit=self.options.search_limit,
                 real_step_seconds=real_step_seconds,
                 steps_scale_with_size=self.options.device.steps_scale_with_size,
             )
@@ -290,7 +290,7 @@ class Prober:
                 points = estimate_points(
                     fake,
                     capacity_bytes=capacity.capacity_bytes,
-                    max_micro_batch_size=self.options.max_micro_batch_size,
+                    search_limit=self.options.search_limit,
                     budget_seconds=None if budget is None else ESTIMATE_OVERRUN * budget,
                 )
         except (EstimateUnavailableError, PeerObjectError) as exc:  # the warm-up raises it
@@ -306,7 +306,7 @@ class Prober:
         if fake.stopped_early:
             first = lo if lo > 1 else None  # None: the search proposes
             if prior is not None:  # the line so far proposes; the safeguarded search checks
-                top = self.options.max_micro_batch_size if hi is None else hi - 1
+                top = self.options.search_limit if hi is None else hi - 1
                 predicted = prior.max_micro_batch_size(capacity.capacity_bytes)
                 first = max(first or 1, min(predicted, top))
             self.log.notes.append(

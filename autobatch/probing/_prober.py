@@ -57,7 +57,7 @@ import torch
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import Consensus, reshard_fsdp2
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
-from autobatch.probing._options import DEFAULT_LIMIT, OnTrial, ProbeOptions, StepSpec
+from autobatch.probing._options import DEFAULT_SEARCH_LIMIT, OnTrial, ProbeOptions, StepSpec
 from autobatch.probing._parallel import trial_context
 from autobatch.probing._placement import model_device
 from autobatch.probing._probe_run import (
@@ -90,7 +90,7 @@ def probe(
     gpu_fraction: float | None = None,
     amp_dtype: torch.dtype | None = None,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
-    max_micro_batch_size: int = DEFAULT_LIMIT,
+    max_micro_batch_size: int = DEFAULT_SEARCH_LIMIT,
     use_estimate: bool = True,
     on_trial: OnTrial | None = None,
     consensus: Consensus | None = None,
@@ -117,7 +117,8 @@ def probe(
             GradScaler), None for full precision.
         safety_margin: fraction of the capacity the recommended size keeps free, in [0, 1); the
             default 5% absorbs fragmentation and small input-shape changes.
-        max_micro_batch_size: largest size tried (>= 1).
+        max_micro_batch_size: the search cap, the largest micro-batch tried (>= 1); not the
+            measured maximum (the returned profile's ``max_micro_batch_size``).
         use_estimate: start from a fake-tensor estimate (False: doubling-then-bisect).
         on_trial: called after each real trial (progress display).
         consensus: how data-parallel ranks agree (every rank calls :func:`probe` with its own
@@ -159,7 +160,7 @@ def probe(
         step,
         device=resolve_device(device, default=model_device(model), gpu_fraction=gpu_fraction),
         safety_margin=safety_margin,
-        max_micro_batch_size=max_micro_batch_size,
+        search_limit=max_micro_batch_size,
         use_estimate=use_estimate,
         on_trial=on_trial,
         eval=eval,
@@ -187,7 +188,7 @@ def run_confirmation(
     optimizer state), leaving no trace, as :func:`probe` does.
 
     Args:
-        step, options: as the probe's; ``options.max_micro_batch_size`` is ignored (the trial's
+        step, options: as the probe's; ``options.search_limit`` is ignored (the trial's
             size is the limit).
         micro_batch_size: the size to confirm (>= 1), e.g. a plan predicted from another card.
         prior: the memory line the prediction came from; the returned profile's line has its

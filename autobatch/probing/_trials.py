@@ -194,7 +194,7 @@ class TrialRunner:
         self.model = step.model
         self.device = options.device
         self.consensus = options.consensus
-        self.limit = options.max_micro_batch_size
+        self.limit = options.search_limit
         self.static_bytes_hint: Callable[[], int] | None = None
         """The resident bytes (weights, optimizer state) a fake step shows, for
         DoesNotFitError's text when the warm-up does not fit before any estimate ran (the

@@ -95,7 +95,9 @@ probe_jobs = sa.Table(
     sa.Column("updated_at", sa.Text(), nullable=False),
     sa.Column("job_json", sa.Text(), nullable=False),
 )
-"""The service's probe jobs, so that a restarted server still answers a known job id."""
+"""The service's probe runs (:mod:`autobatch.store._probe_runs`), so that a restarted server
+still answers a known run id; the table keeps the name it has had since version 2 (a rename
+would take a migration that every older autobatch sharing the store would refuse)."""
 
 outbox = sa.Table(
     "outbox",

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
-from autobatch.store import _job_records as job_records
+from autobatch.store import _probe_runs as probe_runs
 from autobatch.store._connection import StoreConnection
 from autobatch.store._copying import copy_rows
 from autobatch.store._fallback import default_or_fallback
@@ -480,22 +480,22 @@ class ProfileStore:
             done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
         return done.rowcount > 0
 
-    def put_job(self, job_id: str, record: Mapping[str, Any]) -> None:
-        """Keep (or replace) the record of the service's probe job ``job_id`` (``record`` is
+    def put_probe_run(self, run_id: str, record: Mapping[str, Any]) -> None:
+        """Keep (or replace) the record of the service's probe run ``run_id`` (``record`` is
         JSON-ready).
 
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        job_records.put_job(self._db, self.backend, job_id, record)
+        probe_runs.put_probe_run(self._db, self.backend, run_id, record)
 
-    def get_job(self, job_id: str) -> dict[str, Any] | None:
-        """The record kept by :meth:`put_job` for ``job_id``; None when there is none.
+    def get_probe_run(self, run_id: str) -> dict[str, Any] | None:
+        """The record kept by :meth:`put_probe_run` for ``run_id``; None when there is none.
 
         Raises:
             StoreError: the store is closed or unreadable, or the record does not decode.
         """
-        return job_records.get_job(self._db, job_id)
+        return probe_runs.get_probe_run(self._db, run_id)
 
     def check_writable(self) -> None:
         """Check that a write would succeed now (for a readiness probe); writes nothing.

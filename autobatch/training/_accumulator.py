@@ -59,7 +59,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from autobatch.distributed import AgreementDeadline, Default, resolve_deadline
 from autobatch.errors import ConfigError, DistributedError, SmallMicroBatchNormWarning
 from autobatch.planning import Plan
-from autobatch.probing import check_plan_here, live_data_parallel
+from autobatch.probing import check_plan_here, live_world_size
 from autobatch.training._counting import as_count, leading_dim
 from autobatch.training._loop_checks import check_plan, loop_parallelism
 from autobatch.training._oom_split import (
@@ -200,7 +200,7 @@ class Accumulator:
                 model,
                 optimizer,
                 where="Accumulator",
-                data_parallel=self._data_parallel(),
+                sourced_world_size=self._sourced_world_size(),
             )
         self.uneven_stop: UnevenStop | None = None
         """Under DDP or FSDP2, where the latest ``windows()`` loop stopped because some rank's
@@ -209,7 +209,7 @@ class Accumulator:
         # Checked once, on the first window: done already when there is no BatchNorm at all.
         self._norm_checked = not any(isinstance(m, _BatchNorm) for m in model.modules())
 
-    def _data_parallel(self) -> tuple[int, str] | None:
+    def _sourced_world_size(self) -> tuple[int, str] | None:
         """This loop's data-parallel ranks and where that comes from; None when it cannot tell
         (torch.distributed without DDP or FSDP2: tensor-parallel ranks are not all
         data-parallel)."""
@@ -217,7 +217,7 @@ class Accumulator:
             return self.world_size, f"{self._parallel.wrapper}'s process group"
         if dist.is_available() and dist.is_initialized():
             return None
-        return live_data_parallel()
+        return live_world_size()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -294,16 +294,17 @@ means the answer would be needlessly small."""
 
 
 def answers_request(
-    profile: Profile, safety_margin: float, max_micro_batch_size: int, capacity_bytes: int
+    profile: Profile, safety_margin: float, search_limit: int, capacity_bytes: int
 ) -> bool:
-    """A stored profile answers only a request with the same margin, a limit it respected, and
-    (about) the capacity it was probed with; never one a non-OOM failure cut short. A search
-    that stopped at its limit answers only for that same limit (a larger one might go further)."""
+    """A stored profile answers only a request with the same margin, a search cap its measured
+    maximum respects, and (about) the capacity it was probed with; never one a non-OOM failure
+    cut short. A search that stopped at its cap answers only for that same cap (a larger one
+    might go further)."""
     return (
         profile.stop_kind != "failure"
         and profile.safety_margin == safety_margin
         and abs(capacity_bytes - profile.capacity_bytes)
         <= profile.capacity_bytes * CAPACITY_TOLERANCE
-        and profile.max_micro_batch_size <= max_micro_batch_size
-        and (profile.stop_kind != "limit" or profile.max_micro_batch_size == max_micro_batch_size)
+        and profile.max_micro_batch_size <= search_limit
+        and (profile.stop_kind != "limit" or profile.max_micro_batch_size == search_limit)
     )

@@ -20,7 +20,7 @@ Example::
 
     found = find_prediction(stored_profiles(store, identity), identity, device_name="NVIDIA H100",
                             total_memory_bytes=80 * 2**30, capacity_bytes=76 * 2**30,
-                            safety_margin=0.05, max_micro_batch_size=4096)
+                            safety_margin=0.05, search_limit=4096)
     found.micro_batch_size, found.profile_id      # e.g. 171, "3f9c..."
 """
 
@@ -71,7 +71,7 @@ def find_prediction(
     total_memory_bytes: int,
     capacity_bytes: int,
     safety_margin: float,
-    max_micro_batch_size: int,
+    search_limit: int,
     mode: Mode = "train",
     conditions: Conditions | None = None,
 ) -> ArrivalPrediction | None:
@@ -85,7 +85,7 @@ def find_prediction(
         device_name, total_memory_bytes: this card (with ``identity``, the cache key).
         capacity_bytes: bytes the step may use on this card.
         safety_margin: fraction of ``capacity_bytes`` kept free.
-        max_micro_batch_size: the caller's limit; the predicted size is capped by it.
+        search_limit: the caller's search cap; the predicted size is capped by it.
         conditions: the live process's (:attr:`Profile.conditions`); a profile measured under
             other conditions that move memory (:func:`autobatch.conditions.condition_changes`)
             predicts nothing here. None: not compared.
@@ -116,7 +116,7 @@ def find_prediction(
         return ArrivalPrediction(
             profile_id=profile_id,
             profile=profile,
-            micro_batch_size=min(result.max_micro_batch_size, max_micro_batch_size),
+            micro_batch_size=min(result.max_micro_batch_size, search_limit),
             prediction=result.prediction,
         )
     return None

@@ -68,9 +68,7 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
 
     def accepts(found: Profile) -> bool:
         return (
-            answers_request(
-                found, options.safety_margin, options.max_micro_batch_size, searched_capacity
-            )
+            answers_request(found, options.safety_margin, options.search_limit, searched_capacity)
             and not condition_changes(found.conditions, options.conditions)
             and found.gradient_sync.answers(options.gradient_sync)
         )
@@ -142,7 +140,7 @@ def _prediction_here(
         "total_memory_bytes": total_memory_bytes,
         "capacity_bytes": capacity_bytes,
         "safety_margin": options.safety_margin,
-        "max_micro_batch_size": options.max_micro_batch_size,
+        "search_limit": options.search_limit,
         "mode": options.mode,
         "conditions": options.conditions,
     }

@@ -5,7 +5,7 @@ card's capacity (confirmation on arrival).
 
 Example::
 
-    check_possible(request.probe.max_micro_batch_size, request.plan)
+    check_possible(request.probe.search_limit, request.plan)
     plan_from(found.profile, request.plan, budget=budget, cached=found.cached)
 """
 

@@ -34,12 +34,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autobatch.client import service_remote
+from autobatch.conditions import one_world_size
 from autobatch.device import Device, resolve_device
-from autobatch.distributed import LocalConsensus, process_group_consensus, resolve_data_parallel
+from autobatch.distributed import LocalConsensus, process_group_consensus, resolve_world_size
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import PlanRequest, Uneven
 from autobatch.probing import (
-    DEFAULT_LIMIT,
+    DEFAULT_SEARCH_LIMIT,
     LossFn,
     OnTrial,
     ProbeOptions,
@@ -123,7 +124,8 @@ class TuneOptions(_StepProbeStore, total=False):
     data-parallel), else the launcher's (torchrun's ``WORLD_SIZE``, Slurm's...), else 1. Under
     torch.distributed the plan's notes end with ``E = m x k x dp`` in words."""
     data_parallel_size: int | None
-    """The same as ``world_size`` (give one)."""
+    """An accepted alias of ``world_size`` (give one; both given must agree:
+    :func:`autobatch.conditions.one_world_size`)."""
     process_group: dist.ProcessGroup | DeviceMesh | None
     """The data-parallel ranks' process group, or that dimension of a DeviceMesh
     (``mesh["dp"]``); only its size is used. The ranks probing together are always the whole
@@ -156,7 +158,7 @@ class BuildOptions(TuneOptions, ProfileOptions, total=False):
 _DEFAULTS: dict[str, Any] = {
     "step_includes_update": False,
     "safety_margin": DEFAULT_SAFETY_MARGIN,
-    "max_micro_batch_size": DEFAULT_LIMIT,
+    "max_micro_batch_size": DEFAULT_SEARCH_LIMIT,
     "use_estimate": True,
     "eval": False,
     "multiple_of": 1,
@@ -217,7 +219,7 @@ class TuneRequest:
         once, in :class:`TuneOptions` and :class:`ProfileOptions`), checked once: the step
         (:meth:`StepSpec.build`), the device, the probe's margin and search cap
         (:meth:`ProbeOptions.build`), and with ``effective_batch_size`` the data-parallel size
-        (:func:`autobatch.distributed.resolve_data_parallel`: the arguments, the process group,
+        (:func:`autobatch.distributed.resolve_world_size`: the arguments, the process group,
         the launcher's environment, read once) and the plan's options (:class:`PlanRequest`).
         Under torch.distributed every rank builds its request.
 
@@ -246,17 +248,18 @@ class TuneRequest:
         mixed_ranks = option["mixed_ranks"]
         eval = option["eval"]
         planned: PlanRequest | None = None
-        data_parallel: tuple[int, str] | None = None
+        sourced_world_size: tuple[int, str] | None = None
         if effective_batch_size is not None:
-            data_parallel = resolve_data_parallel(
+            sourced_world_size = resolve_world_size(
                 model,
-                world_size=options.get("world_size"),
-                data_parallel_size=options.get("data_parallel_size"),
+                world_size=one_world_size(
+                    options.get("world_size"), options.get("data_parallel_size")
+                ),
                 process_group=options.get("process_group"),
             )
             planned = PlanRequest(
                 effective_batch_size=effective_batch_size,
-                world_size=data_parallel[0],
+                world_size=sourced_world_size[0],
                 multiple_of=option["multiple_of"],
                 max_gradient_accumulation_steps=options.get("max_gradient_accumulation_steps"),
                 uneven=option["uneven"],
@@ -272,11 +275,11 @@ class TuneRequest:
             if mixed_ranks
             else process_group_consensus(target.torch_device),
             safety_margin=option["safety_margin"],
-            max_micro_batch_size=option["max_micro_batch_size"],
+            search_limit=option["max_micro_batch_size"],  # the public keyword: the search cap
             use_estimate=option["use_estimate"],
             on_trial=options.get("on_trial"),
             eval=eval and planned is None,  # with a plan, the evaluation is probed after it
-            data_parallel=data_parallel,
+            sourced_world_size=sourced_world_size,
         )
         storing = StoreOptions(
             store=options.get("store"),

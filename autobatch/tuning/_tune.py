@@ -159,9 +159,9 @@ def tune_request(request: TuneRequest) -> Tuning:
         )
     if request.mixed_ranks:
         return _tune_mixed(request)
-    check_possible(request.probe.max_micro_batch_size, wanted)
+    check_possible(request.probe.search_limit, wanted)
     options = dataclasses.replace(
-        request.probe, max_micro_batch_size=useful_cap(request.probe.max_micro_batch_size, wanted)
+        request.probe, search_limit=useful_cap(request.probe.search_limit, wanted)
     )
     found = find_profile(request.step, options, request.store)
     budget = _plan_budget(options, found.profile)
@@ -197,20 +197,20 @@ def _tune_mixed(request: TuneRequest) -> Tuning:
     assert wanted is not None  # tune_request's check
     world_size = wanted.world_size
     distributed = dist.is_available() and dist.is_initialized()
-    group_size = dist.get_world_size() if distributed else 1
-    if world_size != group_size:
+    group_world_size = dist.get_world_size() if distributed else 1
+    if world_size != group_world_size:
         why = "" if distributed else ": torch.distributed is not initialised"
         raise ConfigError(
             f"mixed_ranks=True plans one micro-batch per rank of the default process group "
-            f"({group_size} rank(s){why}), but the plan is for {world_size} data-parallel "
-            f"rank(s) ({request.probe.conditions.data_parallel_source}); call "
+            f"({group_world_size} rank(s){why}), but the plan is for {world_size} data-parallel "
+            f"rank(s) ({request.probe.conditions.world_size_source}); call "
             "autotune on every rank after init_process_group, with no other world_size, or plan "
             "from known per-rank maxima with autobatch.planning.plan_mixed_ranks"
         )
-    check_mixed_possible(request.probe.max_micro_batch_size, wanted)
+    check_mixed_possible(request.probe.search_limit, wanted)
     options = dataclasses.replace(
         request.probe,
-        max_micro_batch_size=mixed_useful_cap(request.probe.max_micro_batch_size, wanted),
+        search_limit=mixed_useful_cap(request.probe.search_limit, wanted),
     )
     own: list[tuple[TunedProfile, RankLimit]] = []
 
@@ -240,7 +240,7 @@ def _with_notes(result: Plan, found: TunedProfile, options: ProbeOptions) -> Pla
     (the request's, in ``options.conditions``)."""
     distributed = dist.is_available() and dist.is_initialized()
     world_size = result.world_size
-    world_source = options.conditions.data_parallel_source
+    world_source = options.conditions.world_size_source
     notes = [*why_probed_again(found), *result.notes]
     if world_size == 1 and distributed:
         # One data-parallel rank among several processes (tensor or pipeline parallel): the
@@ -258,8 +258,8 @@ def _with_notes(result: Plan, found: TunedProfile, options: ProbeOptions) -> Pla
         notes=tuple(notes),
         conditions=dataclasses.replace(
             found.profile.conditions,
-            data_parallel_size=world_size,
-            data_parallel_source=world_source,
+            world_size=world_size,
+            world_size_source=world_source,
         ),
     )
 

@@ -114,7 +114,7 @@ async def plan_answer(body: PlanCreate, state: ServiceState) -> bytes:
         return _encoded(body, within, capacity, budget, shown)
 
     # at most this many micro-batch sizes listed (a micro-batch holds at least one sample)
-    world_sizes = (body.data_parallel_ranks, *(body.world_sizes or ()))
+    world_sizes = (body.world_size, *(body.world_sizes or ()))
     most = sum(body.effective_batch_size // world_size for world_size in world_sizes)
     if most <= ON_LOOP_MICRO_BATCHES:
         return answer()

@@ -85,7 +85,7 @@ def plan_and_table(
     plain = isinstance(limit, int)
     request = PlanRequest(
         effective_batch_size=body.effective_batch_size,
-        world_size=body.data_parallel_ranks,
+        world_size=body.world_size,
         world_sizes=None if body.world_sizes is None else tuple(body.world_sizes),
         multiple_of=body.multiple_of,
         max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,

@@ -11,11 +11,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from autobatch.planning import PlanSource, Uneven
+from autobatch.conditions import one_world_size
+from autobatch.planning import Match, PlanSource, Uneven
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
     MAX_WORLD_SIZE,
@@ -52,12 +53,17 @@ __all__ = [
 
 
 class JobCards(Strict):
-    """One kind of card in a job on mixed cards: the card type and how many ranks run on it."""
+    """One kind of card in a job on mixed cards: the card type and how many of its cards the job
+    holds (one data-parallel rank per card). ``count`` counts cards of one type; the job's
+    ``world_size`` is the sum of its entries' counts."""
 
     card: Annotated[str, Field(min_length=1, max_length=256)] = Field(
         description="The card type (a profile's device_name, e.g. 'NVIDIA L40S')."
     )
-    count: WorldSize = Field(description="Data-parallel ranks on this card type.")
+    count: WorldSize = Field(
+        description="Cards of this type in the job, one data-parallel rank each; the job's "
+        "world size is the sum of the counts."
+    )
 
 
 class PlanCreate(Strict):
@@ -66,7 +72,11 @@ class PlanCreate(Strict):
 
     profile_id: Id | None = None
     model_fingerprint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
-    max_micro_batch_size: Size | None = None
+    max_micro_batch_size: Size | None = Field(
+        default=None,
+        description="A given limit to plan within: the largest micro-batch known to fit (not a "
+        "search cap; a profile's measured maximum comes with profile_id or model_fingerprint).",
+    )
     memory_model: MemoryModelBase | None = None
     device: DeviceSpec | None = None
     card: NonEmptyName | None = Field(
@@ -92,8 +102,9 @@ class PlanCreate(Strict):
     world_size: WorldSize = 1
     data_parallel_size: WorldSize | None = Field(
         default=None,
-        description="Data-parallel ranks (the same as world_size; give one): with tensor or "
-        "pipeline parallelism, the number of model replicas, not of GPUs.",
+        description="An accepted alias of world_size (give one; both given must agree): "
+        "data-parallel ranks, with tensor or pipeline parallelism the number of model "
+        "replicas, not of GPUs.",
     )
     world_sizes: Annotated[list[WorldSize], AfterValidator(distinct)] | None = Field(
         default=None,
@@ -117,7 +128,8 @@ class PlanCreate(Strict):
         "4}, {'card': 'NVIDIA L40S', 'count': 4}]: ranks in this order, a micro-batch per "
         "rank from each card's profile of model_fingerprint (measured there or predicted, as "
         "for card) and one gradient_accumulation_steps; the answer's ranks give each card's "
-        "plan. Needs model_fingerprint; not with card, node, device, world_sizes, "
+        "plan. Each count is a number of cards of that type; the job's world size is the sum "
+        "of the counts. Needs model_fingerprint; not with card, node, device, world_sizes, "
         "allow_inexact or gpu_fraction.",
     )
     gpu_fraction: GpuFraction | None = Field(
@@ -130,6 +142,10 @@ class PlanCreate(Strict):
 
     @model_validator(mode="after")
     def _one_limit(self) -> PlanCreate:
+        if self.data_parallel_size is not None:
+            # The alias, reconciled as on every surface; world_size holds the answer.
+            said = self.world_size if "world_size" in self.model_fields_set else None
+            self.world_size = one_world_size(said, self.data_parallel_size) or self.world_size
         given = [
             name
             for name in ("profile_id", "model_fingerprint", "max_micro_batch_size", "memory_model")
@@ -151,11 +167,6 @@ class PlanCreate(Strict):
             )
         if self.job is not None:
             self._check_job(self.job)
-        ranks = self.data_parallel_size
-        if ranks is not None and self.world_size not in (1, ranks):
-            raise ValueError(
-                f"world_size {self.world_size} and data_parallel_size {ranks} disagree; give one"
-            )
         inner = None if self.device is None else self.device.gpu_fraction
         if self.gpu_fraction is not None and inner is not None and inner != self.gpu_fraction:
             raise ValueError(
@@ -187,10 +198,10 @@ class PlanCreate(Strict):
         total = sum(entry.count for entry in job)
         if total > MAX_WORLD_SIZE:
             raise ValueError(f"job has {total} ranks in all, more than {MAX_WORLD_SIZE}")
-        given = self.data_parallel_size or self.world_size
-        if given not in (1, total):
+        if self.world_size not in (1, total):
             raise ValueError(
-                f"world_size {given} is not the job's {total} ranks; leave it out with job"
+                f"world_size {self.world_size} is not the job's {total} ranks; leave it out "
+                "with job"
             )
 
     @property
@@ -199,11 +210,6 @@ class PlanCreate(Strict):
         if self.gpu_fraction is not None or self.device is None:
             return self.gpu_fraction
         return self.device.gpu_fraction
-
-    @property
-    def data_parallel_ranks(self) -> int:
-        """``data_parallel_size`` when given, else ``world_size``."""
-        return self.world_size if self.data_parallel_size is None else self.data_parallel_size
 
 
 class PredictionFields(BaseModel):
@@ -287,7 +293,7 @@ class SelectionPublic(BaseModel):
     """Which stored profile answered a plan for a card or a node
     (``autobatch.planning._selection.Selection``)."""
 
-    match: Literal["measured", "estimated", "predicted"] = Field(
+    match: Match = Field(
         description="'measured': a profile measured on the card (and node) asked about under "
         "the conditions asked; 'estimated': the same from an estimate; 'predicted': measured "
         "elsewhere or under other conditions, so the plan is a prediction for that card."

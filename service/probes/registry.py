@@ -52,7 +52,14 @@ from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import largest_useful_micro_batch_size
 from service.web.schemas import DeviceName, SafetyMargin
 
-__all__ = ["InputSpec", "ModelEntry", "Registry", "cuda_index", "load_registry"]
+__all__ = [
+    "REGISTRY_SEARCH_LIMIT",
+    "InputSpec",
+    "ModelEntry",
+    "Registry",
+    "cuda_index",
+    "load_registry",
+]
 
 
 def cuda_index(device: str) -> int | None:
@@ -63,6 +70,15 @@ def cuda_index(device: str) -> int | None:
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 LossName = Literal["cross_entropy", "mse_loss", "l1_loss", "binary_cross_entropy_with_logits"]
+
+
+REGISTRY_SEARCH_LIMIT = 4096
+"""The search cap of a registered model's probe runs unless its entry says otherwise (the
+entry's ``max_micro_batch_size``). Lower than the library's
+``autobatch.probing.DEFAULT_SEARCH_LIMIT`` (65,536) on purpose: a probe run is a server's
+work, one at a time per GPU in a child process under a timeout, so the cap bounds the largest
+batch it builds and the trials it spends before the timeout; a model whose micro-batch on one
+card may pass 4,096 says so in its entry (up to 2**20)."""
 
 
 class InputSpec(BaseModel):
@@ -87,7 +103,9 @@ class ModelEntry(BaseModel):
     loss: LossName | None = None
     """A ``torch.nn.functional`` loss: the sample is ``(inputs["input"], inputs["target"])``."""
     device: DeviceName = "cpu"
-    max_micro_batch_size: int = Field(default=4096, ge=1, le=1 << 20)
+    max_micro_batch_size: int = Field(default=REGISTRY_SEARCH_LIMIT, ge=1, le=1 << 20)
+    """The search cap of this model's probe runs: the largest micro-batch a probe tries (not a
+    measured maximum); :attr:`search_limit` lowers it further for a known effective batch."""
     effective_batch_size: int | None = Field(default=None, ge=1)
     """The job's effective batch size, when known: no probe tries a micro-batch above
     ``ceil(effective_batch_size / world_size)``, which no plan for it could use."""
@@ -97,8 +115,8 @@ class ModelEntry(BaseModel):
     use_estimate: bool = True
 
     @property
-    def probe_limit(self) -> int:
-        """The largest micro-batch a probe of this model tries."""
+    def search_limit(self) -> int:
+        """The search cap a probe run of this model uses: the largest micro-batch it tries."""
         if self.effective_batch_size is None:
             return self.max_micro_batch_size
         useful = largest_useful_micro_batch_size(self.effective_batch_size, self.world_size)

@@ -203,7 +203,7 @@ class ProbeRuns:
         with self._lock:
             if run_id in self._runs:
                 return self._snapshot(run_id)
-        record = self._store.get_job(run_id)
+        record = self._store.get_probe_run(run_id)
         if record is None:
             raise UnknownProbeRunError(f"no probe run with id {run_id!r}")
         fields = {k: v for k, v in record.items() if k in ProbeRun.__dataclass_fields__}
@@ -276,7 +276,7 @@ class ProbeRuns:
     def _write_records(self) -> None:
         while (record := self._records.get()) is not None:
             try:
-                self._store.put_job(record["id"], record)
+                self._store.put_probe_run(record["id"], record)
             except StoreError as exc:  # the run runs on; only a restart would lose it
                 _log.warning("probe run %s not recorded in the store: %s", record["id"], exc)
 
@@ -501,7 +501,7 @@ def _tune(
         loss_fn=spec.loss_fn,
         device=target,
         safety_margin=entry.safety_margin,
-        max_micro_batch_size=entry.probe_limit,
+        max_micro_batch_size=entry.search_limit,
         use_estimate=entry.use_estimate,
         store=store_path,
         use_store=store_path is not None,

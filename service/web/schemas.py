@@ -22,6 +22,7 @@ from typing import Annotated, Any
 from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from autobatch.conditions import RENAMED_KEYS
 from autobatch.device import (
     MAX_GPU_FRACTION,
     MIN_GPU_FRACTION,
@@ -422,8 +423,17 @@ class ConditionsFields(Strict):
     activation_checkpointing: LongText = ""
     optimizer: Name = ""
     optimizer_state_dtype: Name = ""
-    data_parallel_size: Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE)] = 0
-    data_parallel_source: LongText = ""
+    world_size: Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE)] = 0
+    world_size_source: LongText = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Conditions stored or sent under a key's earlier name (``RENAMED_KEYS``) read as
+        the field that holds them now, as the library's ``Conditions.from_dict`` reads them."""
+        if isinstance(data, dict):
+            return {RENAMED_KEYS.get(name, name): value for name, value in data.items()}
+        return data
 
 
 class GradientSyncFields(Strict):

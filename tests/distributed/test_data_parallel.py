@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from autobatch import autotune, plan, plan_world_sizes
-from autobatch.distributed._layout import collective_layout, data_parallel_size
+from autobatch.conditions import one_world_size
+from autobatch.distributed._layout import collective_layout, world_size_of
 from autobatch.errors import ConfigError
 from tests.conftest import spawn_and_wait
 from tests.helpers.gloo_exit import join_gloo_group, leave_gloo_worker
@@ -75,7 +76,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
         results.append(collective_layout(model))
         results.append(collective_layout(_fsdp2_over_tensor_parallel(mesh)))
         hsdp = fully_shard(torch.nn.Linear(8, 8), mesh=mesh)  # replicate x shard: all dp
-        results.append([collective_layout(hsdp), data_parallel_size(hsdp)])
+        results.append([collective_layout(hsdp), world_size_of(hsdp)])
     finally:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
     leave_gloo_worker()
@@ -95,7 +96,7 @@ def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
     for refused, by_group, by_size, disagree, layout, two_d_layout, hsdp in tp2_ranks:
         assert refused[0] == "ConfigError"
         assert "DeviceMesh of shape (2,) ('tp',) in a world of 4" in refused[1]
-        assert "data_parallel_size=N" in refused[1]
+        assert "pass world_size=N" in refused[1]
         assert by_group["world_size"] == 2
         m, k = by_group["micro_batch_size"], by_group["gradient_accumulation_steps"]
         assert m * k * 2 == by_group["effective_batch_size"] == 64
@@ -104,11 +105,12 @@ def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
             "(gradient_accumulation_steps) x 2 (data-parallel ranks)"
         )
         # The same plan from the store; its conditions say where the size came from.
-        assert by_group["conditions"]["data_parallel_source"] == "argument process_group"
-        sourced = {**by_group["conditions"], "data_parallel_source": "argument data_parallel_size"}
+        assert by_group["conditions"]["world_size_source"] == "argument process_group"
+        # The alias data_parallel_size reaches the road as world_size.
+        sourced = {**by_group["conditions"], "world_size_source": "argument world_size"}
         assert by_size == {**by_group, "source": "cached", "conditions": sourced}
         assert disagree[0] == "ConfigError"
-        assert "data_parallel_size=4, process_group=2 disagree" in disagree[1]
+        assert "world_size=4, process_group=2 disagree" in disagree[1]
         assert layout == "tensor parallel (DTensor parameters)"
         # Not FSDP2 alone: its tensor-parallel all-reduces are not FSDP's to fake.
         assert two_d_layout == "FSDP2 (fully_shard) with tensor parallel"
@@ -118,13 +120,31 @@ def test_tensor_parallel_2_of_4_ranks_plans_over_2_data_parallel_ranks(
 
 def test_without_torch_distributed_the_data_parallel_size_is_what_is_said() -> None:
     model = torch.nn.Linear(2, 2)
-    assert data_parallel_size(model) == 1
-    assert data_parallel_size(model, data_parallel_size=8) == 8
-    assert data_parallel_size(model, world_size=8, data_parallel_size=8) == 8
-    with pytest.raises(ConfigError, match="world_size=4, data_parallel_size=8 disagree"):
-        data_parallel_size(model, world_size=4, data_parallel_size=8)
-    with pytest.raises(ConfigError, match="data_parallel_size 0 must be an int >= 1"):
-        data_parallel_size(model, data_parallel_size=0)
+    assert world_size_of(model) == 1
+    assert world_size_of(model, world_size=8) == 8
+    with pytest.raises(ConfigError, match="world_size 0 must be an int >= 1"):
+        world_size_of(model, world_size=0)
+
+
+def test_the_alias_data_parallel_size_is_reconciled_with_world_size_in_one_place() -> None:
+    assert one_world_size(None, None) is None
+    assert one_world_size(None, 8) == 8
+    assert one_world_size(8, None) == 8
+    assert one_world_size(8, 8) == 8
+    assert one_world_size([1, 2], [1, 2]) == [1, 2]  # the CLI's table of sizes
+    with pytest.raises(ConfigError, match="world_size 4 and data_parallel_size 8 disagree"):
+        one_world_size(4, 8)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="world_size 4 and data_parallel_size 8 disagree"):
+        autotune(
+            model,
+            torch.zeros(1, 2),
+            effective_batch_size=64,
+            world_size=4,
+            data_parallel_size=8,
+            device="sim:1GiB",
+            use_store=False,
+        )
 
 
 def test_every_plan_for_more_than_one_rank_notes_the_formula_once() -> None:

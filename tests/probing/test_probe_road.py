@@ -172,9 +172,7 @@ def test_an_estimate_out_of_budget_stops_after_its_warm_up_step() -> None:
         BatchSource.from_sample(SAMPLE),
         loss_fn=F.cross_entropy,
     )
-    points = estimate_points(
-        fake, capacity_bytes=4 * MIB, max_micro_batch_size=4096, budget_seconds=0
-    )
+    points = estimate_points(fake, capacity_bytes=4 * MIB, search_limit=4096, budget_seconds=0)
     assert points == [] and fake.stopped_early and fake.num_steps == 1
     assert len(fake.step_seconds) == 1
 

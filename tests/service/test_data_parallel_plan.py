@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
+from service.web.schemas import ConditionsFields
+
 
 def test_plan_over_data_parallel_ranks_echoes_the_formula(client: TestClient) -> None:
     body = {"max_micro_batch_size": 24, "effective_batch_size": 64, "data_parallel_size": 2}
@@ -30,3 +32,23 @@ def test_world_size_and_a_different_data_parallel_size_are_refused(client: TestC
 
     assert response.status_code == 422
     assert "world_size 4 and data_parallel_size 2 disagree" in response.text
+
+
+def test_the_same_size_under_both_names_is_one_setting(client: TestClient) -> None:
+    body = {
+        "max_micro_batch_size": 24,
+        "effective_batch_size": 64,
+        "world_size": 2,
+        "data_parallel_size": 2,
+    }
+    response = client.post("/v1/plan", json=body)
+
+    assert response.status_code == 200, response.text
+    assert response.json()["plan"]["world_size"] == 2
+
+
+def test_conditions_sent_under_the_old_keys_read_as_world_size() -> None:
+    old = {"device_type": "cuda", "data_parallel_size": 4, "data_parallel_source": "torchrun"}
+    fields = ConditionsFields.model_validate(old)
+    assert (fields.world_size, fields.world_size_source) == (4, "torchrun")
+    assert "data_parallel_size" not in fields.model_dump()

@@ -27,7 +27,7 @@ from autobatch.device import (
 )
 from autobatch.errors import ConfigError
 from autobatch.margin import MAX_SAFETY_MARGIN, MIN_SAFETY_MARGIN
-from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, PlanSource, Selection, Uneven
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Match, PlanSource, Uneven
 from autobatch.profile import (
     PROFILE_SCHEMA_VERSION,
     Clock,
@@ -38,9 +38,6 @@ from autobatch.profile import (
     SyncMode,
 )
 from service.probes.runs import ProbeRunStatus as ProbeRunStatus
-
-MATCH = typing.get_type_hints(Selection)["match"]
-"""``Selection.match``'s type (the planning layer's face does not name it)."""
 
 PROFILE_CHOICES = {
     "method": Method,
@@ -61,7 +58,7 @@ LIBRARY_CHOICES: dict[tuple[str, str], Any] = {
     ("ResolvedDevice", "source"): CardSource,
     ("ResolvedDevice", "deciding_source"): BudgetSource,
     ("ResolvedDevice", "sharing_mode"): SharingMode,
-    ("SelectionPublic", "match"): MATCH,
+    ("SelectionPublic", "match"): Match,
     **{
         (model, field): kind
         for model in ("ProfileBase", "ProfileCreate")
@@ -185,6 +182,7 @@ def test_a_choice_the_library_gains_reaches_the_schema() -> None:
         "always",
     )
     assert MODELS["ResolvedDevice"].model_fields["source"].annotation is CardSource
+    assert MODELS["SelectionPublic"].model_fields["match"].annotation is Match
 
 
 def test_every_range_of_a_library_number_is_the_librarys() -> None:

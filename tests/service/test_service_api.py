@@ -360,8 +360,8 @@ def test_a_profiles_conditions_round_trip_and_its_plans_expose_them(client: Test
         activation_checkpointing="none detected",
         optimizer="torch.optim.adamw.AdamW",
         optimizer_state_dtype="float32",
-        data_parallel_size=8,
-        data_parallel_source="the default process group",
+        world_size=8,
+        world_size_source="the default process group",
     )
     profile = make_profile(conditions=conditions)
     profile_id = client.post("/v1/profiles", json=profile.to_dict()).json()["id"]

@@ -43,7 +43,7 @@ def test_a_probe_job_never_tries_a_size_no_plan_can_use(
         '[models.x]\nfactory = "tests.service.models:tiny_mlp"\nmax_micro_batch_size = 4096\n'
         f"{fields}[models.x.inputs.a]\nshape = [1]\n"
     )
-    assert load_registry(path).models["x"].probe_limit == limit
+    assert load_registry(path).models["x"].search_limit == limit
 
 
 @pytest.mark.parametrize(

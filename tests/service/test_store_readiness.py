@@ -82,7 +82,7 @@ def test_a_probe_run_a_restart_cut_short_reads_as_failed(
 ) -> None:
     store_path = str(tmp_path / "jobs.sqlite3")
     with ProfileStore(store_path) as store:  # as a server killed mid-probe left it
-        store.put_job(
+        store.put_probe_run(
             "0123456789abcdef",
             {
                 "id": "0123456789abcdef",

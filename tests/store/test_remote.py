@@ -119,7 +119,7 @@ def test_the_road_asks_the_remote_it_is_given_and_probes_when_it_cannot_answer(
         step,
         device=SimulatedDevice(capacity_bytes=2 << 20),
         use_estimate=False,
-        max_micro_batch_size=8,
+        search_limit=8,
     )
     with caplog.at_level(logging.WARNING, logger="autobatch"):
         found = find_profile(step, options, StoreOptions(use_store=False, remote=shelf))

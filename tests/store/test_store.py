@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from autobatch.conditions import Conditions
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
 from autobatch.profile import PROFILE_SCHEMA_VERSION, MemoryModel, Profile, StepIdentity, Trial
 from autobatch.store._store import (
@@ -533,3 +534,37 @@ def test_identity_is_stored_flat_as_before() -> None:
     assert data["model_fingerprint"] == "model-a"
     assert data["input_shape"] == {"input_ids": [512], "labels": [512]}
     assert Profile.from_dict(data) == make_profile()
+
+
+def test_a_profile_stored_with_the_data_parallel_size_under_its_old_key_still_loads(
+    sqlite_store: ProfileStore,
+) -> None:
+    """Conditions stored as ``data_parallel_size``/``data_parallel_source`` load as
+    ``world_size``/``world_size_source``; a profile is written under the new keys."""
+    conditions = Conditions(device_type="sim", world_size=4, world_size_source="torchrun")
+    profile = make_profile(conditions=conditions)
+    data = profile.to_dict()
+    assert data["conditions"]["world_size"] == 4
+    assert "data_parallel_size" not in data["conditions"]
+    stored = dict(data["conditions"])
+    stored["data_parallel_size"] = stored.pop("world_size")
+    stored["data_parallel_source"] = stored.pop("world_size_source")
+    data["conditions"] = stored
+    with sqlite3.connect(sqlite_store.path) as conn:  # the conditions under the alias's keys
+        conn.execute(
+            "INSERT INTO profiles (id, cache_key, model_fingerprint, device_name, created_at,"
+            " profile_schema_version, profile_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                "old",
+                profile.cache_key(),
+                "model-a",
+                "sim",
+                "2026-01-01",
+                PROFILE_SCHEMA_VERSION,
+                json.dumps(data),
+            ),
+        )
+    loaded = sqlite_store.get("old")
+    assert loaded.conditions.world_size == 4
+    assert loaded.conditions.world_size_source == "torchrun"
+    assert loaded == profile

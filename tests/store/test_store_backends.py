@@ -331,11 +331,11 @@ def test_an_old_sqlite_store_copies_into_postgres(
             source.copy_into(target, batch_size=0)
 
 
-def test_job_records_are_kept_and_replaced(location: str) -> None:
+def test_probe_run_records_are_kept_and_replaced(location: str) -> None:
     with ProfileStore(location) as store:
-        assert store.get_job("j1") is None
-        store.put_job("j1", {"id": "j1", "status": "queued"})
-        store.put_job("j1", {"id": "j1", "status": "succeeded", "profile_id": "abc"})
-        store.put_job("j2", {"id": "j2", "status": "running"})
-        assert store.get_job("j1") == {"id": "j1", "status": "succeeded", "profile_id": "abc"}
-        assert store.get_job("j2") == {"id": "j2", "status": "running"}
+        assert store.get_probe_run("j1") is None
+        store.put_probe_run("j1", {"id": "j1", "status": "queued"})
+        store.put_probe_run("j1", {"id": "j1", "status": "succeeded", "profile_id": "abc"})
+        store.put_probe_run("j2", {"id": "j2", "status": "running"})
+        assert store.get_probe_run("j1") == {"id": "j1", "status": "succeeded", "profile_id": "abc"}
+        assert store.get_probe_run("j2") == {"id": "j2", "status": "running"}

@@ -1,10 +1,16 @@
-"""The service's probe job records in the store (table ``probe_jobs``), so that a restarted
-server still answers a known job id. Part of the store (:class:`ProfileStore.put_job`,
-:class:`ProfileStore.get_job`), split off to keep that module to its profiles.
+"""The records of the service's probe runs (a probe of a registered model, ``POST
+/v1/probes``) in the store, so that a restarted server still answers a known run id. Part of
+the store (:meth:`ProfileStore.put_probe_run`, :meth:`ProfileStore.get_probe_run`), split off
+to keep that module to its profiles.
+
+The SQL table keeps its name, ``probe_jobs`` (column ``job_json``), from the store's schema
+version 2: renaming it would take a schema migration, and a store at a newer version is refused
+by every older autobatch that shares it (a fleet's PostgreSQL store), for no change in what it
+holds.
 
 Example::
 
-    put_job(store_connection, "sqlite", "3f2a...", {"id": "3f2a...", "status": "queued"})
+    put_probe_run(store_connection, "sqlite", "3f2a...", {"id": "3f2a...", "status": "queued"})
 """
 
 from __future__ import annotations
@@ -23,14 +29,16 @@ from autobatch.errors import StoreError
 if TYPE_CHECKING:
     from autobatch.store._connection import StoreConnection
 
-__all__ = ["get_job", "put_job"]
+__all__ = ["get_probe_run", "put_probe_run"]
 
 
-def put_job(db: StoreConnection, backend: str, job_id: str, record: Mapping[str, Any]) -> None:
-    """Keep (or replace) the record of the service's probe job ``job_id``.
+def put_probe_run(
+    db: StoreConnection, backend: str, run_id: str, record: Mapping[str, Any]
+) -> None:
+    """Keep (or replace) the record of the service's probe run ``run_id``.
 
     Args:
-        job_id: the job's id.
+        run_id: the run's id.
         record: its state, JSON-ready.
 
     Raises:
@@ -40,7 +48,7 @@ def put_job(db: StoreConnection, backend: str, job_id: str, record: Mapping[str,
     from autobatch.store._schema import probe_jobs
 
     values = {
-        "id": job_id,
+        "id": run_id,
         "updated_at": datetime.datetime.now(datetime.UTC).isoformat(),
         "job_json": json.dumps(dict(record), sort_keys=True),
     }
@@ -49,12 +57,12 @@ def put_job(db: StoreConnection, backend: str, job_id: str, record: Mapping[str,
         index_elements=["id"],
         set_={"updated_at": values["updated_at"], "job_json": values["job_json"]},
     )
-    with db.write("store a probe job") as conn:
+    with db.write("store a probe run") as conn:
         conn.execute(statement)
 
 
-def get_job(db: StoreConnection, job_id: str) -> dict[str, Any] | None:
-    """The record kept by :func:`put_job` for ``job_id``; None when there is none.
+def get_probe_run(db: StoreConnection, run_id: str) -> dict[str, Any] | None:
+    """The record kept by :func:`put_probe_run` for ``run_id``; None when there is none.
 
     Raises:
         StoreError: the store is closed or unreadable, or the record does not decode.
@@ -63,15 +71,15 @@ def get_job(db: StoreConnection, job_id: str) -> dict[str, Any] | None:
 
     from autobatch.store._schema import probe_jobs
 
-    query = sa.select(probe_jobs.c.job_json).where(probe_jobs.c.id == job_id)
-    with db.read("read a probe job") as conn:
+    query = sa.select(probe_jobs.c.job_json).where(probe_jobs.c.id == run_id)
+    with db.read("read a probe run") as conn:
         text = conn.execute(query).scalar_one_or_none()
     if text is None:
         return None
     try:
         record = json.loads(text)
     except ValueError as exc:
-        raise StoreError(f"cannot read probe job {job_id!r} from {db.display}: {exc}") from exc
+        raise StoreError(f"cannot read probe run {run_id!r} from {db.display}: {exc}") from exc
     if not isinstance(record, dict):
-        raise StoreError(f"cannot read probe job {job_id!r} from {db.display}: not a record")
+        raise StoreError(f"cannot read probe run {run_id!r} from {db.display}: not a record")
     return record
