@@ -14,6 +14,7 @@ from autobatch.probing import trial_budget
 from bench.search_bounds import (
     autobatch_search,
     best_mean_failures,
+    best_mean_within_excess,
     least_worst_excess,
     lightning_binsearch,
     summarize,
@@ -42,6 +43,33 @@ def test_the_worst_excess_by_hand_for_four_sizes() -> None:
     assert least_worst_excess(4, 1, limit_failed=False) >= 10**5
     # after the failed limit (4), t in 1..3 with two trials: 2 then 3: t=1 fails once more
     assert least_worst_excess(4, 2, limit_failed=True) == 1
+
+
+def test_the_bound_within_an_excess_by_hand_after_the_failed_limit() -> None:
+    # limit 4 failed; t in 1..3 (weights log 2, log 3/2, log 4/3; Lightning's OOMs 1, 2, 1) with
+    # two trials. Within Lightning + 1: only 2 first, then 3 (t=1 and t=2 fail once more, t=3
+    # never); 3 first would fail t=1 twice more. Within Lightning + 0: t=1 already failed once at
+    # the limit and must fail at 2 as well.
+    expected = 1 + (math.log(2) + math.log(3 / 2)) / math.log(4)
+    assert best_mean_within_excess(4, 2, limit_failed=True, excess=1) == pytest.approx(expected)
+    assert best_mean_within_excess(4, 2, limit_failed=True, excess=0) == math.inf
+
+
+@pytest.mark.parametrize("limit", [4, 16])
+@pytest.mark.parametrize("limit_failed", [False, True])
+def test_the_bound_within_an_excess_agrees_with_the_other_two(
+    limit: int, limit_failed: bool
+) -> None:
+    # Three programmes, one tree of searches: keeping every t within Lightning + 2 never costs
+    # fewer OOMs on average than the unconstrained bound, and some search keeps it exactly
+    # where the least worst excess is at most 2.
+    for trials in range(1, trial_budget(limit) + 2):
+        within = best_mean_within_excess(limit, trials, limit_failed=limit_failed, excess=2)
+        free = best_mean_failures(limit, trials, limit_failed=limit_failed) + limit_failed
+        assert within >= free - 1e-9
+        assert (within < math.inf) == (
+            least_worst_excess(limit, trials, limit_failed=limit_failed) <= 2
+        )
 
 
 @pytest.mark.parametrize("limit", [16, 64])
