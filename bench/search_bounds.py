@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -321,15 +322,65 @@ def bound_rows(limit: int) -> list[tuple[str, ...]]:
     return rows
 
 
+@functools.cache
+def road_summary(road: str, limit: int) -> Summary:
+    """:func:`summarize` of ``road`` (``contradicted``, ``scratch`` or ``lightning``), once."""
+    search: Search = {
+        "contradicted": autobatch_search(estimate=True),
+        "scratch": autobatch_search(estimate=False),
+        "lightning": lightning_binsearch,
+    }[road]
+    return summarize(search, limit)
+
+
+def goal_lines(limit: int) -> list[str]:
+    """Issue 47's bars at ``limit``, each MET or MISSED with what was measured: from scratch,
+    fewer mean OOMs than doubling; on both roads, no threshold over doubling's OOMs + 2 and every
+    threshold within ``ceil(log2(limit)) + 5`` real steps; every answer exact (asserted)."""
+    worst_case = (limit - 1).bit_length() + 5
+    doubling = road_summary("lightning", limit)
+    scratch = road_summary("scratch", limit)
+    lines = [
+        _goal(
+            scratch.mean_failures < doubling.mean_failures,
+            f"from scratch, fewer mean OOMs than doubling: {scratch.mean_failures:.2f} "
+            f"against {doubling.mean_failures:.2f}",
+        )
+    ]
+    for road, s in (
+        ("from scratch", scratch),
+        ("estimate contradicted", road_summary("contradicted", limit)),
+    ):
+        lines.append(
+            _goal(
+                s.over_two == 0,
+                f"{road}, every threshold within doubling's OOMs + 2: worst {s.worst_excess:+d}, "
+                f"{s.over_two} over",
+            )
+        )
+        lines.append(
+            _goal(
+                s.worst_steps <= worst_case,
+                f"{road}, within ceil(log2(limit)) + 5 = {worst_case} real steps: worst "
+                f"{s.worst_steps}",
+            )
+        )
+    return lines
+
+
+def _goal(met: bool, text: str) -> str:
+    return f"goal {'MET   ' if met else 'MISSED'} {text}"
+
+
 def table(limit: int, *, dp: bool) -> str:
     """The rows for one limit, as aligned text."""
     rows: list[tuple[str, ...]] = []
-    for name, search in (
-        ("autobatch, estimate contradicted", autobatch_search(estimate=True)),
-        ("autobatch, no estimate", autobatch_search(estimate=False)),
-        ("Lightning binsearch (model)", lightning_binsearch),
+    for name, road in (
+        ("autobatch, estimate contradicted", "contradicted"),
+        ("autobatch, no estimate", "scratch"),
+        ("Lightning binsearch (model)", "lightning"),
     ):
-        s = summarize(search, limit)
+        s = road_summary(road, limit)
         rows.append(
             (
                 name,
@@ -393,6 +444,7 @@ def main() -> None:
         parser.error(f"--dp-max {args.dp_max} must be in 4..1024 (the DP is cubic in it)")
     for limit in args.limits:
         print(table(limit, dp=limit <= args.dp_max))
+        print("\n".join(goal_lines(limit)))
         print()
 
 
