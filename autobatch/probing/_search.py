@@ -291,9 +291,10 @@ def _from_what_ran(points: Sequence[Point], lo: int, top: int, *, limit: int) ->
     that leave one side exactly as many sizes as ``f`` failures settle, for every ``f``, the
     largest whose failing side stays within the bar, and the two ends of the budget's window.
     Where trials are plenty (a few small sizes) that scans upwards, one failure in all; where
-    they are not, it bisects. A split is kept only where both of its sides can still be
-    settled within the bar and the budget (:func:`_reach`); where none can (a model followed
-    earlier spent the failures), the cheapest split still ends within the budget.
+    they are not, it splits nearer the middle. A split is kept only where both of its sides
+    can still be settled within the bar and the budget (:func:`_reach`); where none can (a
+    model followed earlier spent the failures), the cheapest split still ends within the
+    budget.
     """
     trials_left = trial_budget(limit) - _num_trials(points)
     if trials_left < 1:  # past the budget (a second step that failed): bisect
@@ -338,7 +339,6 @@ def _sizes_settled(trials: int, failures: int) -> int:
     return sum(math.comb(trials, i) for i in range(min(failures, trials) + 1))
 
 
-@functools.cache
 def _least_failures(trials: int, sizes: int) -> int:
     """The least worst-case failures of any search that settles among ``sizes`` candidate
     answers within ``trials`` trials (``trials + 1`` where none can)."""
