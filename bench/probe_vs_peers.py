@@ -30,6 +30,13 @@ second step included) within ``ceil(log2(limit)) + 3``; printed beside the state
 ``ceil(log2(limit)) + 5``. ``bench/search_bounds.py`` shows, by dynamic programming over every
 threshold, why the first budget is out of reach for any search.
 
+Then the pure search (no device) on every failure threshold nothing predicts, at limits 256,
+4096 and 20000 (``--quick``: 256): autobatch from the warm-up alone and after an estimate's
+failed jump to the limit, beside doubling (a model of Lightning's binsearch), with issue 47's
+goals: from scratch fewer mean OOMs than doubling; on both roads every threshold within
+doubling's OOMs + 2 and ``ceil(log2(limit)) + 5`` real steps (``bench/search_bounds.py`` adds
+the dynamic programmes' bounds).
+
 Then wall time in two regimes (issue 27), on simulated cards whose real steps count a set time on
 the device's clock (``SimulatedDevice(step_seconds=...)``; the fake-tensor estimate and every
 tool's own overhead count as they pass): ``gpu``, a real step much cheaper than a fake one
