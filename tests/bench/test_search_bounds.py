@@ -152,3 +152,15 @@ def test_log_uniform_thresholds_are_found_within_the_stated_worst_case(limit: in
             assert steps <= trial_budget(limit) + 2
             assert failures <= steps - 2
             assert failures <= lightning_binsearch(max(1, threshold), limit)[1] + 2
+
+
+@pytest.mark.slow  # ~30 s: 2 x 4096 searches
+def test_every_threshold_at_4096_within_the_bars() -> None:
+    # issue 47's bars on every threshold 1..4096, as the bench prints them
+    doubling = summarize(lightning_binsearch, 4096)
+    for estimate in (False, True):
+        search = summarize(autobatch_search(estimate=estimate), 4096)
+        assert search.over_two == 0 and search.worst_excess <= 2
+        assert search.worst_steps <= (4096 - 1).bit_length() + 5 == 17
+        if not estimate:
+            assert search.mean_failures < doubling.mean_failures == pytest.approx(3.89, abs=0.01)
