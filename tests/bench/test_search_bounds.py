@@ -154,7 +154,7 @@ def test_log_uniform_thresholds_are_found_within_the_stated_worst_case(limit: in
             assert failures <= lightning_binsearch(max(1, threshold), limit)[1] + 2
 
 
-@pytest.mark.slow  # ~30 s: 2 x 4096 searches
+@pytest.mark.slow  # ~6 s: 2 x 4096 searches
 def test_every_threshold_at_4096_within_the_bars() -> None:
     # issue 47's bars on every threshold 1..4096, as the bench prints them
     doubling = summarize(lightning_binsearch, 4096)
