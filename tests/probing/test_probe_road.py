@@ -101,17 +101,18 @@ def test_where_real_steps_are_cheap_the_search_runs_on_real_steps_alone() -> Non
 
 
 def test_the_rule_is_the_real_steps_the_estimate_saves() -> None:
-    # without an estimate the search grows to 4 and 16 before two measured peaks give it a line
-    assert growth_sizes(65536) == (4, 16) and growth_sizes(10) == (4, 10)
-    assert growth_sizes(3) == (3,) and growth_sizes(1) == ()
+    # without an estimate the search from the warm-up runs two sizes before two measured peaks
+    # give it a line (where both fit)
+    assert growth_sizes(65536) == (4049, 24311) and growth_sizes(10) == (4, 5)
+    assert growth_sizes(3) == (2, 3) and growth_sizes(2) == (2,) and growth_sizes(1) == ()
     # a step's time stays near the warm-up's (a GPU, a set cost): two steps
     assert estimate_budget_seconds(
         limit=65536, real_step_seconds=0.5, steps_scale_with_size=False
     ) == pytest.approx(1.0)
-    # it grows with the size (a CPU): 4 + 16 warm-up steps
+    # it grows with the size (a CPU): 4049 + 24311 warm-up steps
     assert estimate_budget_seconds(
         limit=65536, real_step_seconds=0.5, steps_scale_with_size=True
-    ) == pytest.approx(10.0)
+    ) == pytest.approx(14_180.0)
     assert estimate_budget_seconds(limit=1, real_step_seconds=0.5, steps_scale_with_size=True) == 0
 
 
