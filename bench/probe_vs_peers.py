@@ -234,7 +234,8 @@ THRESHOLD_LIMITS = (256, 4096, 20_000)
 
 
 def run_thresholds(limits: tuple[int, ...]) -> None:
-    """The pure search on every threshold ``1..limit`` that nothing predicts (tiny peaks), beside
+    """The pure search on every threshold ``1..limit``, where nothing predicts it (tiny peaks) and
+    where the warm-up's line does (linear peaks, ``line right``), beside
     doubling (Lightning's binsearch), log-uniform weights: ``bench/search_bounds.py``'s rows
     and goals (its dynamic programmes give the bounds at small limits)."""
     for limit in limits:
@@ -243,6 +244,7 @@ def run_thresholds(limits: tuple[int, ...]) -> None:
         for name, road in (
             ("autobatch, estimate contradicted", "contradicted"),
             ("autobatch, no estimate", "scratch"),
+            ("autobatch, line right", "line"),
             ("Lightning binsearch (model)", "lightning"),
         ):
             s = road_summary(road, limit)

@@ -11,8 +11,13 @@ size's second step included. Rows, each over every ``t`` (means weighted):
 - ``autobatch, estimate contradicted``: the estimate's peaks say every size fits, so its first
   trial is the limit, which fails (``oom-above-37`` in ``probe_vs_peers.py`` is one such ``t``);
   then autobatch's search from what ran (``autobatch.probing.next_micro_batch_size``).
-- ``autobatch, no estimate``: the search from the warm-up alone (growth steps, the line's jump,
-  then from what ran): the road a GPU takes, where real steps are cheaper than fake ones.
+- ``autobatch, no estimate``: the search from the warm-up alone, with no line to follow (the
+  peaks say every size fits, or the warm-up's peak is unknown): the search from what ran.
+- ``autobatch, line right``: the road of a well-behaved model without an estimate (a GPU's,
+  where real steps are cheaper than fake ones): the line from the model's fixed bytes through
+  the warm-up's peak predicts the max, the peaks follow it, and the search tries the max and
+  one above (1 OOM and 4 real steps on every ``t`` under the limit; at the limit the line says
+  every size fits, which says nothing of where a real step would fail: from what ran).
 - ``Lightning binsearch (model)``: ``BatchSizeFinder(mode="binsearch")``'s loop as Lightning 2.x
   writes it (``_run_binary_scaling``: start at 2, double while it fits, then halve the bracket),
   without its ``max_trials`` cap of 25 (no ``t`` here needs that many).
@@ -62,32 +67,36 @@ from autobatch.profile import MemoryModel
 
 # Peaks that say every size fits: the estimate's line for a step that fails for another reason.
 _TINY = MemoryModel(fixed_bytes=1_000, bytes_per_sample=1)
+# A line that is right: the model's fixed bytes and its activations per sample, the peaks on it.
+_RIGHT = MemoryModel(fixed_bytes=10**9, bytes_per_sample=10**6)
 _CAPACITY_BYTES = 10**12
 
 Search = Callable[[int, int], tuple[int, int]]
 """``search(t, limit) -> (real steps, failures)``."""
 
 
-def autobatch_search(*, estimate: bool) -> Search:
-    """autobatch's search on threshold ``t``; with ``estimate``, the limit is tried first. Its
-    real steps: the warm-up, every search trial, and the chosen size's second step."""
+def autobatch_search(*, road: str) -> Search:
+    """autobatch's search on threshold ``t`` along ``road``: ``contradicted`` (the estimate's
+    line says every size fits: the limit is tried first), ``scratch`` (no line: peaks that say
+    every size fits, as tiny ones do) or ``line`` (the warm-up's line is right: peaks linear, the
+    capacity between ``t``'s peak and ``t + 1``'s). Its real steps: the warm-up, every search
+    trial, and the chosen size's second step."""
 
     def run(t: int, limit: int) -> tuple[int, int]:
         points = [Point(micro_batch_size=1, fits=True, warm_up=True)]
-        prior = _TINY if estimate else None
-        size: int | None = limit if estimate and limit > 1 else None
+        capacity, line = _CAPACITY_BYTES, _TINY
+        if road == "line":
+            line = _RIGHT
+            capacity = _RIGHT.peak_bytes(t) + _RIGHT.bytes_per_sample // 2
+        prior = None if road == "scratch" else line
+        size: int | None = limit if road == "contradicted" and limit > 1 else None
         if size is None:
-            size = next_micro_batch_size(
-                points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior
-            )
+            size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
         while size is not None:
             fits = size <= t
-            points.append(
-                Point(micro_batch_size=size, fits=fits, peak_bytes=1_000 + size if fits else 0)
-            )
-            size = next_micro_batch_size(
-                points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior
-            )
+            peak = line.peak_bytes(size) if fits else 0
+            points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=peak))
+            size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
         assert bracket(points)[0] == t, (t, [p.micro_batch_size for p in points])
         return len(points) + 1, sum(not p.fits for p in points)
 
@@ -324,10 +333,12 @@ def bound_rows(limit: int) -> list[tuple[str, ...]]:
 
 @functools.cache
 def road_summary(road: str, limit: int) -> Summary:
-    """:func:`summarize` of ``road`` (``contradicted``, ``scratch`` or ``lightning``), once."""
+    """:func:`summarize` of ``road`` (``contradicted``, ``scratch``, ``line`` or ``lightning``),
+    once."""
     search: Search = {
-        "contradicted": autobatch_search(estimate=True),
-        "scratch": autobatch_search(estimate=False),
+        "contradicted": autobatch_search(road="contradicted"),
+        "scratch": autobatch_search(road="scratch"),
+        "line": autobatch_search(road="line"),
         "lightning": lightning_binsearch,
     }[road]
     return summarize(search, limit)
@@ -365,6 +376,16 @@ def goal_lines(limit: int) -> list[str]:
                 f"{s.worst_steps}",
             )
         )
+    # Under the limit: a line that says the limit fits says every size does, and nothing then
+    # says where a real step would fail (the search from what ran, as from scratch).
+    below = [autobatch_search(road="line")(t, limit) for t in range(1, limit)]
+    lines.append(
+        _goal(
+            max(f for _, f in below) <= 1 and max(s for s, _ in below) <= 4,
+            f"line right, at most 1 OOM and 4 real steps on every threshold under the limit: "
+            f"worst {max(f for _, f in below)} OOM, {max(s for s, _ in below)} real steps",
+        )
+    )
     return lines
 
 
@@ -378,6 +399,7 @@ def table(limit: int, *, dp: bool) -> str:
     for name, road in (
         ("autobatch, estimate contradicted", "contradicted"),
         ("autobatch, no estimate", "scratch"),
+        ("autobatch, line right", "line"),
         ("Lightning binsearch (model)", "lightning"),
     ):
         s = road_summary(road, limit)

@@ -76,6 +76,7 @@ __all__ = [
     "next_micro_batch_size",
     "recommended_size",
     "trial_budget",
+    "warm_up_line",
 ]
 
 MAX_GROWTH = 4
@@ -136,10 +137,40 @@ def _check_limit(limit: int) -> None:
         )
 
 
-def growth_sizes(limit: int) -> tuple[int, ...]:
-    """The sizes the search runs from the warm-up (at 1) before it has a line of measured peaks,
-    without an estimate, where both fit: the first two sizes of the search from what ran (20
-    and 124 under a limit of 65536; the limit itself where one size is left).
+def warm_up_line(
+    points: Sequence[Point], *, warm_up_peak_bytes: int, fixed_bytes: int
+) -> MemoryModel | None:
+    """The line from the model's resident bytes (``fixed_bytes``: weights, buffers and optimizer
+    state, known once the warm-up created the state) through the warm-up step's measured peak,
+    or None where that peak is not above them (unknown, or nothing to fit).
+
+    Every step holds the resident bytes throughout, so a step's line starts at or above them,
+    and the warm-up's peak may be the optimizer step's rather than the activations' (DESIGN.md:
+    peak memory is ``max(optimizer_step_peak, fixed + activations * n)``): this line's slope is
+    then too steep and its max too small, errors on the side that fits. The search follows it
+    as any prior, and refits it from those bytes through the largest measured peak (again a max
+    no larger than the true one, on a line), then through two measured peaks.
+
+    Example: fixed 1,000 bytes, a peak of 1,100 at micro-batch 1: 100 bytes a sample.
+    """
+    size = max((p.micro_batch_size for p in points if p.warm_up and p.fits), default=0)
+    if size == 0 or warm_up_peak_bytes <= fixed_bytes:
+        return None
+    per_sample = -(-(warm_up_peak_bytes - fixed_bytes) // size)
+    return MemoryModel(fixed_bytes=fixed_bytes, bytes_per_sample=per_sample)
+
+
+def growth_sizes(
+    limit: int, *, capacity_bytes: int = 0, line: MemoryModel | None = None
+) -> tuple[int, ...]:
+    """The sizes the search runs from the warm-up (at 1) without an estimate before its own
+    measured peaks give it a line: the first two it proposes where the first fits with its peak
+    on ``line`` (the warm-up's, :func:`warm_up_line`).
+
+    Following a line that predicts a max under ``limit``, that is the line's size and one above
+    it (99 and 100 for 100 bytes a sample over 1,000 fixed in 10,900); with no line, or one that
+    says every size fits, the first two of the search from what ran (4049 and 24311 under a
+    limit of 65536; the limit itself where one size is left).
 
     Raises:
         ConfigError: ``limit`` is not an int >= 1.
@@ -147,33 +178,40 @@ def growth_sizes(limit: int) -> tuple[int, ...]:
     points = [Point(micro_batch_size=1, fits=True, warm_up=True)]
     sizes: list[int] = []
     for _ in range(2):
-        size = next_micro_batch_size(points, capacity_bytes=0, limit=limit, prior=None)
+        size = next_micro_batch_size(points, capacity_bytes=capacity_bytes, limit=limit, prior=line)
         if size is None:
             break
         sizes.append(size)
-        points.append(Point(micro_batch_size=size, fits=True))
+        peak = 0 if line is None else line.peak_bytes(size)
+        points.append(Point(micro_batch_size=size, fits=True, peak_bytes=peak))
     return tuple(sizes)
 
 
 def estimate_budget_seconds(
-    *, limit: int, real_step_seconds: float, steps_scale_with_size: bool
+    *,
+    limit: int,
+    real_step_seconds: float,
+    steps_scale_with_size: bool,
+    capacity_bytes: int = 0,
+    line: MemoryModel | None = None,
 ) -> float:
     """Seconds the fake-tensor estimate may cost: the real steps it saves.
 
     With an estimate, the search's first real trial is the predicted size; without one, the
-    search from the warm-up first runs :func:`growth_sizes` (4049 and 24311 under a limit of
-    65536), where the two measured peaks give it a line, then goes on as the estimate's would
-    (the predicted size, one above). So the
-    estimate saves at least those real steps: at ``real_step_seconds`` each (the warm-up
-    step's measured time, at micro-batch 1) where a step's time does not grow with its size
-    (a GPU's small steps, bound by kernel launches; a simulated card's set cost), and at that
-    time the size where it does (a CPU). It saves more where a line through small sizes
-    misleads the search (the optimizer step dominating their peaks): not counted.
+    search from the warm-up first runs :func:`growth_sizes` (following the warm-up's ``line``
+    where it predicts a max under ``limit``: its size and one above; else the search from what
+    ran's first two, 4049 and 24311 under a limit of 65536), then goes on from the measured
+    peaks. So the estimate saves at least those real steps: at ``real_step_seconds`` each (the
+    warm-up step's measured time, at micro-batch 1) where a step's time does not grow with its
+    size (a GPU's small steps, bound by kernel launches; a simulated card's set cost), and at
+    that time the size where it does (a CPU). It saves more where the warm-up's line misleads
+    the search (the optimizer step dominating its peak): not counted.
 
-    Example: 0.1 s a step, a limit of 4 or more: 0.2 s; on a CPU, under a limit of 256 (12 and
-    58): 7.0 s.
+    Example: 0.1 s a step, a limit of 4 or more: 0.2 s; on a CPU, under a limit of 256 without a
+    line (12 and 58): 7.0 s; with a line of 100 bytes a sample over 1,000 in 10,900 (99, 100):
+    19.9 s.
     """
-    sizes = growth_sizes(limit)
+    sizes = growth_sizes(limit, capacity_bytes=capacity_bytes, line=line)
     steps = sum(sizes) if steps_scale_with_size else len(sizes)
     return steps * real_step_seconds
 
@@ -247,6 +285,9 @@ def _guided(
     model is not to be trusted."""
     model = fit_memory_model(points, prior)
     predicted = None if model is None else model.max_micro_batch_size(capacity_bytes)
+    secant = _secant_max(points, capacity_bytes)
+    if predicted is not None and secant is not None:
+        predicted = secant
     if hi is None and lo == 0:
         return 1
     if hi is None and not failures_follow_peaks and (predicted is None or predicted >= limit):
@@ -276,6 +317,34 @@ def _guided(
         # comes next, and bisection below it is cheap).
         guided = max(lo + 1, min(predicted + 1, top - 1))
     return guided
+
+
+def _secant_max(points: Sequence[Point], capacity_bytes: int) -> int | None:
+    """The max of :func:`fit_memory_model`'s line through the two latest measured peaks (the
+    latest, and the latest before it of another size and peak), in exact integer arithmetic;
+    None where there is no such pair.
+
+    The fitted line's slope is rounded up to whole bytes per sample, which can put its max one
+    size low 500 sizes from the points: the search would then aim one above the max at the max
+    itself, which fits, and leave no spare trial.
+    """
+    known = [p for p in points if p.peak_bytes > 0]
+    if not known:
+        return None
+    last = known[-1]
+    recent = [
+        p
+        for p in known
+        if p.micro_batch_size != last.micro_batch_size and p.peak_bytes != last.peak_bytes
+    ]
+    if not recent:
+        return None
+    small, large = sorted((recent[-1], last), key=lambda p: p.micro_batch_size)
+    if large.peak_bytes <= small.peak_bytes:
+        return None
+    sizes = large.micro_batch_size - small.micro_batch_size
+    spare = (capacity_bytes - large.peak_bytes) * sizes // (large.peak_bytes - small.peak_bytes)
+    return max(0, large.micro_batch_size + spare)
 
 
 def _from_what_ran(points: Sequence[Point], lo: int, top: int, *, limit: int) -> int:

@@ -84,8 +84,8 @@ def test_the_bound_within_an_excess_agrees_with_the_other_two(
 @pytest.mark.parametrize("limit", [16, 64])
 def test_no_search_within_the_budget_beats_the_bounds(limit: int) -> None:
     budget = trial_budget(limit)  # search trials besides the warm-up and the second step
-    for estimate, after in ((True, 1), (False, 0)):
-        search = summarize(autobatch_search(estimate=estimate), limit)
+    for road, after in (("contradicted", 1), ("scratch", 0)):
+        search = summarize(autobatch_search(road=road), limit)
         assert search.worst_steps <= budget + 2  # every real step counted
         trials = budget - after
         mean = after + best_mean_failures(limit, trials, limit_failed=bool(after))
@@ -135,7 +135,7 @@ def test_within_log2_plus_3_real_steps_no_search_has_fewer_ooms_than_doubling(
 def test_the_issue_s_thresholds_counting_every_real_step(
     threshold: int, steps: int, ooms: int, lightning: tuple[int, int]
 ) -> None:
-    assert autobatch_search(estimate=False)(threshold, 20_000) == (steps, ooms)
+    assert autobatch_search(road="scratch")(threshold, 20_000) == (steps, ooms)
     assert lightning_binsearch(threshold, 20_000) == lightning
     assert steps <= trial_budget(20_000) + 2 == 20
 
@@ -147,8 +147,8 @@ def test_log_uniform_thresholds_are_found_within_the_stated_worst_case(limit: in
     rng = random.Random(39)
     for _ in range(60):
         threshold = min(limit, int(math.exp(rng.uniform(0, math.log(limit + 1)))))
-        for estimate in (True, False):
-            steps, failures = autobatch_search(estimate=estimate)(max(1, threshold), limit)
+        for road in ("contradicted", "scratch"):
+            steps, failures = autobatch_search(road=road)(max(1, threshold), limit)
             assert steps <= trial_budget(limit) + 2
             assert failures <= steps - 2
             assert failures <= lightning_binsearch(max(1, threshold), limit)[1] + 2
@@ -158,9 +158,25 @@ def test_log_uniform_thresholds_are_found_within_the_stated_worst_case(limit: in
 def test_every_threshold_at_4096_within_the_bars() -> None:
     # issue 47's bars on every threshold 1..4096, as the bench prints them
     doubling = summarize(lightning_binsearch, 4096)
-    for estimate in (False, True):
-        search = summarize(autobatch_search(estimate=estimate), 4096)
+    for road in ("scratch", "contradicted"):
+        search = summarize(autobatch_search(road=road), 4096)
         assert search.over_two == 0 and search.worst_excess <= 2
         assert search.worst_steps <= (4096 - 1).bit_length() + 5 == 17
-        if not estimate:
+        if road == "scratch":
             assert search.mean_failures < doubling.mean_failures == pytest.approx(3.89, abs=0.01)
+
+
+@pytest.mark.parametrize("limit", [256, 4096, 20_000])
+def test_a_right_line_takes_the_max_and_one_above_on_every_threshold_under_the_limit(
+    limit: int,
+) -> None:
+    # The well-behaved road without an estimate: the line from the fixed bytes through the
+    # warm-up's peak predicts t; the warm-up, t, t + 1 (the one OOM) and t's second step.
+    search = autobatch_search(road="line")
+    assert search(1, limit) == (3, 1)  # t + 1 = 2 fails: 1 is the max without a second step
+    for t in range(2, limit, max(1, limit // 512)):
+        assert search(t, limit) == (4, 1), t
+    assert search(limit - 1, limit) == (4, 1)
+    # at the limit the line says every size fits, which says nothing of a real step's failures
+    steps, failures = search(limit, limit)
+    assert failures == 0 and steps <= trial_budget(limit) + 2

@@ -20,6 +20,7 @@ from autobatch.probing._search import (
     next_micro_batch_size,
     recommended_size,
     trial_budget,
+    warm_up_line,
 )
 from autobatch.profile import MemoryModel
 
@@ -88,6 +89,48 @@ def test_without_prior_the_search_from_what_ran_until_two_peaks_give_a_line() ->
         )
         == 4
     )
+
+
+@pytest.mark.parametrize(
+    ("capacity", "optimizer_peak", "sizes"),
+    [
+        (6_000, 0, [1, 50, 51]),  # max 50: the line is right, one above fails
+        (1_000_000, 0, [1, 9990, 9991]),  # max 9990
+        # the optimizer step dominates the warm-up: the line's max is low (1998, it fits), the
+        # line from the resident bytes through its peak is right again
+        (1_000_000, 1_500, [1, 1998, 9990, 9991]),
+        (6_000, 1_500, [1, 10, 50, 51]),
+    ],
+)
+def test_the_warm_up_s_line_keeps_a_well_behaved_model_to_one_oom(
+    capacity: int, optimizer_peak: int, sizes: list[int]
+) -> None:
+    # Without an estimate: the line from the resident bytes (1,000) through the warm-up's peak
+    # at 1 (1,100, or the optimizer step's 1,500) is the search's prior, under a limit of 65536.
+    points = [Point(micro_batch_size=1, fits=True, warm_up=True)]
+    line = warm_up_line(points, warm_up_peak_bytes=max(optimizer_peak, 1_100), fixed_bytes=1_000)
+    assert line is not None and line.fixed_bytes == 1_000
+    assert line.bytes_per_sample == (500 if optimizer_peak else 100)
+    ran = run_search(1_000, 100, capacity, line, limit=65536, optimizer_peak=optimizer_peak)
+    assert [p.micro_batch_size for p in ran] == sizes
+    assert sum(not p.fits for p in ran) == 1
+    # no line where the warm-up's peak is unknown or not above the resident bytes
+    assert warm_up_line(points, warm_up_peak_bytes=0, fixed_bytes=1_000) is None
+    assert warm_up_line(points, warm_up_peak_bytes=1_000, fixed_bytes=1_000) is None
+    assert warm_up_line(points[:0], warm_up_peak_bytes=1_100, fixed_bytes=1_000) is None
+
+
+def test_a_secant_s_max_is_exact_where_its_rounded_slope_is_not() -> None:
+    # peaks 1,000 + 100.4 n: the slope rounds up to 101, whose max under 1,000,000 is 9926;
+    # the two points say 9950, and one above it is the next size
+    points = [
+        Point(micro_batch_size=1, fits=True, warm_up=True),
+        Point(micro_batch_size=1000, fits=True, peak_bytes=101_400),
+        Point(micro_batch_size=6000, fits=True, peak_bytes=603_400),
+    ]
+    model = fit_memory_model(points, None)
+    assert model is not None and model.max_micro_batch_size(1_000_000) == 9_926
+    assert next_micro_batch_size(points, capacity_bytes=1_000_000, limit=65536, prior=None) == 9_951
 
 
 def test_flat_peaks_leave_the_search_to_what_ran_until_a_line_forms() -> None:
