@@ -11,7 +11,10 @@ over the capacity, or failed for another reason) and proposes a *guided* size:
    micro-batch where activations dominate, DESIGN.md), or the line from the prior's fixed bytes
    through the largest fitting size (the prior's slope when that is not above them), or the
    prior alone (:func:`fit_memory_model`; the lines are fitted in
-   :mod:`autobatch.planning._lines` and re-exported here);
+   :mod:`autobatch.planning._lines` and re-exported here; the secant's max is taken in exact
+   arithmetic, :func:`_secant_max`). The prior is the estimate's line, or without one the line
+   from the resident bytes through the warm-up's peak (:func:`warm_up_line`): a well-behaved
+   model then takes its max and one above, 1 OOM;
 2. without any model (no prior, fewer than two different peaks), or with one that says every
    size up to the limit fits, the search from what ran (below): nothing then says where a real
    step would fail. Fake steps (the estimate's, ``failures_follow_peaks``), which fail only
