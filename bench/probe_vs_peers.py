@@ -30,6 +30,13 @@ second step included) within ``ceil(log2(limit)) + 3``; printed beside the state
 ``ceil(log2(limit)) + 5``. ``bench/search_bounds.py`` shows, by dynamic programming over every
 threshold, why the first budget is out of reach for any search.
 
+Then the pure search (no device) on every failure threshold nothing predicts, at limits 256,
+4096 and 20000 (``--quick``: 256): autobatch from the warm-up alone and after an estimate's
+failed jump to the limit, beside doubling (a model of Lightning's binsearch), with issue 47's
+goals: from scratch fewer mean OOMs than doubling; on both roads every threshold within
+doubling's OOMs + 2 and ``ceil(log2(limit)) + 5`` real steps (``bench/search_bounds.py`` adds
+the dynamic programmes' bounds).
+
 Then wall time in two regimes, on simulated cards whose real steps count a set time on
 the device's clock (``SimulatedDevice(step_seconds=...)``; the fake-tensor estimate and every
 tool's own overhead count as they pass): ``gpu``, a real step much cheaper than a fake one
@@ -82,6 +89,7 @@ from bench._peers import (
     run_lightning,
     summarize,
 )
+from bench.search_bounds import goal_lines, road_summary
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--patterns-only", action="store_true", help="only the failure patterns (no models)"
     )
     parser.add_argument("--no-regimes", action="store_true", help="skip the wall-time regimes")
+    parser.add_argument(
+        "--no-thresholds", action="store_true", help="skip the pure search over every threshold"
+    )
     parser.add_argument(
         "--regimes-only", action="store_true", help="only the wall-time regimes (gpu, cpu)"
     )
@@ -156,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         run_models(plan, args)
     if not args.no_patterns and not args.regimes_only:
         run_patterns(PATTERNS[:1] if args.quick else PATTERNS)
+    if not args.no_thresholds and not args.regimes_only:
+        run_thresholds((256,) if args.quick else THRESHOLD_LIMITS)
     if not args.no_regimes and not args.patterns_only:
         # one capacity per model (the first), and the first failure pattern
         firsts = [(c, cap) for i, (c, cap) in enumerate(plan) if plan[i - 1][0] != c or i == 0]
@@ -214,6 +227,29 @@ def run_models(plan: list[tuple[Any, int]], args: argparse.Namespace) -> None:
     print(format_summary(summarize(rows)))
     for name, met, measured in targets(rows):
         print(f"target {'MET   ' if met else 'MISSED'} {name}: {measured}")
+
+
+THRESHOLD_LIMITS = (256, 4096, 20_000)
+"""Limits of the pure search's sweep over every failure threshold (issue 47's)."""
+
+
+def run_thresholds(limits: tuple[int, ...]) -> None:
+    """The pure search on every threshold ``1..limit``, where nothing predicts it (tiny peaks) and
+    where the warm-up's line does (linear peaks, ``line right``), beside
+    doubling (Lightning's binsearch), log-uniform weights: ``bench/search_bounds.py``'s rows
+    and goals (its dynamic programmes give the bounds at small limits)."""
+    for limit in limits:
+        print(f"\nevery threshold 1..{limit} (log-uniform; real steps counted)")
+        print(f"{'search':<33} {'mean OOMs':>9} {'worst OOMs - dbl':>16} {'worst steps':>11}")
+        for name, road in (
+            ("autobatch, estimate contradicted", "contradicted"),
+            ("autobatch, no estimate", "scratch"),
+            ("autobatch, line right", "line"),
+            ("Lightning binsearch (model)", "lightning"),
+        ):
+            s = road_summary(road, limit)
+            print(f"{name:<33} {s.mean_failures:>9.2f} {s.worst_excess:>+16d} {s.worst_steps:>11}")
+        print("\n".join(goal_lines(limit)))
 
 
 def run_patterns(patterns: tuple[Pattern, ...]) -> None:

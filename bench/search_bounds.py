@@ -11,8 +11,13 @@ size's second step included. Rows, each over every ``t`` (means weighted):
 - ``autobatch, estimate contradicted``: the estimate's peaks say every size fits, so its first
   trial is the limit, which fails (``oom-above-37`` in ``probe_vs_peers.py`` is one such ``t``);
   then autobatch's search from what ran (``autobatch.probing.next_micro_batch_size``).
-- ``autobatch, no estimate``: the search from the warm-up alone (growth steps, the line's jump,
-  then from what ran): the road a GPU takes, where real steps are cheaper than fake ones.
+- ``autobatch, no estimate``: the search from the warm-up alone, with no line to follow (the
+  peaks say every size fits, or the warm-up's peak is unknown): the search from what ran.
+- ``autobatch, line right``: the road of a well-behaved model without an estimate (a GPU's,
+  where real steps are cheaper than fake ones): the line from the model's fixed bytes through
+  the warm-up's peak predicts the max, the peaks follow it, and the search tries the max and
+  one above (1 OOM and 4 real steps on every ``t`` under the limit; at the limit the line says
+  every size fits, which says nothing of where a real step would fail: from what ran).
 - ``Lightning binsearch (model)``: ``BatchSizeFinder(mode="binsearch")``'s loop as Lightning 2.x
   writes it (``_run_binary_scaling``: start at 2, double while it fits, then halve the bracket),
   without its ``max_trials`` cap of 25 (no ``t`` here needs that many).
@@ -27,7 +32,10 @@ each from the warm-up alone (``from scratch``) and after the estimate's failed l
 
 - ``least mean OOMs``: no search within that budget has fewer on average over this prior;
 - ``least worst excess``: no search within that budget keeps ``OOMs(t) - dbl(t)`` lower on every
-  ``t``.
+  ``t``;
+- for the stated worst case, ``every t within dbl + 2``: the least mean OOMs of a search that also
+  keeps ``OOMs(t) <= dbl(t) + 2`` on every ``t`` (issue 47's per-threshold bar), the mean that a
+  search meeting both of its bars can reach at best.
 
 A bound above Lightning's mean (or a least worst excess above 2) says that no search, autobatch's
 or any other, can meet that bar within that budget: the bar is out of reach there, not a tuning
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -58,32 +67,36 @@ from autobatch.profile import MemoryModel
 
 # Peaks that say every size fits: the estimate's line for a step that fails for another reason.
 _TINY = MemoryModel(fixed_bytes=1_000, bytes_per_sample=1)
+# A line that is right: the model's fixed bytes and its activations per sample, the peaks on it.
+_RIGHT = MemoryModel(fixed_bytes=10**9, bytes_per_sample=10**6)
 _CAPACITY_BYTES = 10**12
 
 Search = Callable[[int, int], tuple[int, int]]
 """``search(t, limit) -> (real steps, failures)``."""
 
 
-def autobatch_search(*, estimate: bool) -> Search:
-    """autobatch's search on threshold ``t``; with ``estimate``, the limit is tried first. Its
-    real steps: the warm-up, every search trial, and the chosen size's second step."""
+def autobatch_search(*, road: str) -> Search:
+    """autobatch's search on threshold ``t`` along ``road``: ``contradicted`` (the estimate's
+    line says every size fits: the limit is tried first), ``scratch`` (no line: peaks that say
+    every size fits, as tiny ones do) or ``line`` (the warm-up's line is right: peaks linear, the
+    capacity between ``t``'s peak and ``t + 1``'s). Its real steps: the warm-up, every search
+    trial, and the chosen size's second step."""
 
     def run(t: int, limit: int) -> tuple[int, int]:
         points = [Point(micro_batch_size=1, fits=True, warm_up=True)]
-        prior = _TINY if estimate else None
-        size: int | None = limit if estimate and limit > 1 else None
+        capacity, line = _CAPACITY_BYTES, _TINY
+        if road == "line":
+            line = _RIGHT
+            capacity = _RIGHT.peak_bytes(t) + _RIGHT.bytes_per_sample // 2
+        prior = None if road == "scratch" else line
+        size: int | None = limit if road == "contradicted" and limit > 1 else None
         if size is None:
-            size = next_micro_batch_size(
-                points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior
-            )
+            size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
         while size is not None:
             fits = size <= t
-            points.append(
-                Point(micro_batch_size=size, fits=fits, peak_bytes=1_000 + size if fits else 0)
-            )
-            size = next_micro_batch_size(
-                points, capacity_bytes=_CAPACITY_BYTES, limit=limit, prior=prior
-            )
+            peak = line.peak_bytes(size) if fits else 0
+            points.append(Point(micro_batch_size=size, fits=fits, peak_bytes=peak))
+            size = next_micro_batch_size(points, capacity_bytes=capacity, limit=limit, prior=prior)
         assert bracket(points)[0] == t, (t, [p.micro_batch_size for p in points])
         return len(points) + 1, sum(not p.fits for p in points)
 
@@ -174,6 +187,45 @@ def least_worst_excess(limit: int, trials: int, *, limit_failed: bool) -> int:
     return int(previous[1, top - 1]) + int(limit_failed)
 
 
+def best_mean_within_excess(limit: int, trials: int, *, limit_failed: bool, excess: int) -> float:
+    """The least weighted-mean failures of any search that ends within ``trials`` trials and
+    keeps ``failures(t) - lightning(t) <= excess`` on every ``t`` (the limit's failed trial
+    counted when ``limit_failed``); ``inf`` where no search can.
+
+    ``E[r][k][lo][d]``: as in :func:`best_mean_failures`, with ``r`` the excess still allowed:
+    every ``t`` left may fail at most ``lightning(t) + r`` more times. A failure lowers ``r`` by
+    one; a bracket of one size is settled where ``r >= -lightning(t)``.
+    """
+    top = limit if limit_failed else limit + 1
+    weights = np.array([0.0] + [math.log((t + 1) / t) for t in range(1, top + 1)])
+    cumulative = np.concatenate([[0.0], np.cumsum(weights)])
+    lightning = np.array([0] + [lightning_binsearch(t, limit)[1] for t in range(1, top)] + [0])
+    allowances = range(-int(lightning.max()), excess + 1)  # r below these settles nothing
+    inf = float("inf")
+    settled = np.full((len(allowances), top + 1), inf)
+    for i, r in enumerate(allowances):
+        settled[i, :top] = np.where(-lightning[:top] <= r, 0.0, inf)
+    previous = np.full((len(allowances), top + 1, top + 1), inf)
+    previous[:, :, 1] = settled
+    for _ in range(trials):
+        current = np.full_like(previous, inf)
+        current[:, :, 1] = settled
+        for d in range(2, top):
+            lo = np.arange(1, top - d + 1)
+            j = np.arange(1, d)
+            mass = cumulative[lo + d] - cumulative[lo]
+            fit_mass = cumulative[lo + d][:, None] - cumulative[lo[:, None] + j]
+            fail_mass = cumulative[lo[:, None] + j] - cumulative[lo][:, None]
+            for i in range(1, len(allowances)):  # i = 0 allows no failure at all: stays inf
+                fit_cost = previous[i][lo[:, None] + j, d - j]
+                fail_cost = 1.0 + previous[i - 1][lo[:, None], j]
+                cost = fit_mass * fit_cost + fail_mass * fail_cost
+                current[i, lo, d] = cost.min(axis=1) / mass
+        previous = current
+    start = allowances.index(excess - int(limit_failed))
+    return float(previous[start, 1, top - 1]) + int(limit_failed)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Summary:
     """One search over every threshold ``1..limit``."""
@@ -259,18 +311,98 @@ def bound_rows(limit: int) -> list[tuple[str, ...]]:
                 "",
             )
         )
+        if extra == 5:
+            for label, trials, failed in (
+                ("from scratch", scratch, False),
+                ("after the failed limit", after, True),
+            ):
+                mean = best_mean_within_excess(limit, trials, limit_failed=failed, excess=2)
+                rows.append(
+                    (
+                        f"best within {steps} real steps, {label}, every t within dbl + 2",
+                        "",
+                        str(steps),
+                        f"{mean:.2f}",
+                        "",
+                        "<= +2" if mean < math.inf else "none",
+                        "0",
+                    )
+                )
     return rows
+
+
+@functools.cache
+def road_summary(road: str, limit: int) -> Summary:
+    """:func:`summarize` of ``road`` (``contradicted``, ``scratch``, ``line`` or ``lightning``),
+    once."""
+    search: Search = {
+        "contradicted": autobatch_search(road="contradicted"),
+        "scratch": autobatch_search(road="scratch"),
+        "line": autobatch_search(road="line"),
+        "lightning": lightning_binsearch,
+    }[road]
+    return summarize(search, limit)
+
+
+def goal_lines(limit: int) -> list[str]:
+    """Issue 47's bars at ``limit``, each MET or MISSED with what was measured: from scratch,
+    fewer mean OOMs than doubling; on both roads, no threshold over doubling's OOMs + 2 and every
+    threshold within ``ceil(log2(limit)) + 5`` real steps; every answer exact (asserted)."""
+    worst_case = (limit - 1).bit_length() + 5
+    doubling = road_summary("lightning", limit)
+    scratch = road_summary("scratch", limit)
+    lines = [
+        _goal(
+            scratch.mean_failures < doubling.mean_failures,
+            f"from scratch, fewer mean OOMs than doubling: {scratch.mean_failures:.2f} "
+            f"against {doubling.mean_failures:.2f}",
+        )
+    ]
+    for road, s in (
+        ("from scratch", scratch),
+        ("estimate contradicted", road_summary("contradicted", limit)),
+    ):
+        lines.append(
+            _goal(
+                s.over_two == 0,
+                f"{road}, every threshold within doubling's OOMs + 2: worst {s.worst_excess:+d}, "
+                f"{s.over_two} over",
+            )
+        )
+        lines.append(
+            _goal(
+                s.worst_steps <= worst_case,
+                f"{road}, within ceil(log2(limit)) + 5 = {worst_case} real steps: worst "
+                f"{s.worst_steps}",
+            )
+        )
+    # Under the limit: a line that says the limit fits says every size does, and nothing then
+    # says where a real step would fail (the search from what ran, as from scratch).
+    below = [autobatch_search(road="line")(t, limit) for t in range(1, limit)]
+    lines.append(
+        _goal(
+            max(f for _, f in below) <= 1 and max(s for s, _ in below) <= 4,
+            f"line right, at most 1 OOM and 4 real steps on every threshold under the limit: "
+            f"worst {max(f for _, f in below)} OOM, {max(s for s, _ in below)} real steps",
+        )
+    )
+    return lines
+
+
+def _goal(met: bool, text: str) -> str:
+    return f"goal {'MET   ' if met else 'MISSED'} {text}"
 
 
 def table(limit: int, *, dp: bool) -> str:
     """The rows for one limit, as aligned text."""
     rows: list[tuple[str, ...]] = []
-    for name, search in (
-        ("autobatch, estimate contradicted", autobatch_search(estimate=True)),
-        ("autobatch, no estimate", autobatch_search(estimate=False)),
-        ("Lightning binsearch (model)", lightning_binsearch),
+    for name, road in (
+        ("autobatch, estimate contradicted", "contradicted"),
+        ("autobatch, no estimate", "scratch"),
+        ("autobatch, line right", "line"),
+        ("Lightning binsearch (model)", "lightning"),
     ):
-        s = summarize(search, limit)
+        s = road_summary(road, limit)
         rows.append(
             (
                 name,
@@ -334,6 +466,7 @@ def main() -> None:
         parser.error(f"--dp-max {args.dp_max} must be in 4..1024 (the DP is cubic in it)")
     for limit in args.limits:
         print(table(limit, dp=limit <= args.dp_max))
+        print("\n".join(goal_lines(limit)))
         print()
 
 

@@ -360,7 +360,11 @@ def estimate_points(
                 break
             continue
         size = next_micro_batch_size(
-            points, capacity_bytes=capacity_bytes, limit=search_limit, prior=None
+            points,
+            capacity_bytes=capacity_bytes,
+            limit=search_limit,
+            prior=None,
+            failures_follow_peaks=True,  # fake steps always finish: their peaks are the truth
         )
     return points
 

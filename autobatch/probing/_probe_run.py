@@ -28,7 +28,9 @@ from autobatch.probing._search import (
     fit_wide_line,
     next_micro_batch_size,
     recommended_size,
+    warm_up_line,
 )
+from autobatch.probing._trial_failures import resident_bytes
 from autobatch.probing._trials import TrialLog, TrialRunner
 from autobatch.profile import (
     CONFIRMATION_STOP_REASON,
@@ -87,6 +89,9 @@ class Prober:
             self.runner.static_bytes_hint = self._fake_static_bytes
         self.estimated = False
         """An estimate started the search (even if later found unreliable)."""
+        self._warm_up_line: MemoryModel | None = None
+        """The line from the resident bytes through the warm-up's peak: the search's prior where no
+        estimate gives one (:func:`~autobatch.probing._search.warm_up_line`)."""
         self._started = options.device.clock()
 
     def run(self) -> Profile:
@@ -145,6 +150,11 @@ class Prober:
             and not self.options.consensus.min_ints([int(bool(self.optimizer.state))])[0]
         ):
             self.runner.warm_up()
+        self._warm_up_line = warm_up_line(
+            self.log.points,
+            warm_up_peak_bytes=self.log.warm_up_peak_bytes,
+            fixed_bytes=resident_bytes(self.step.model, self.optimizer),
+        )
         self.log.prior, first = self._estimate(agreed_capacity)
         self.estimated = self.log.prior is not None
         size = self.runner.agree_size(first) if first is not None else self._next_size()
@@ -185,7 +195,7 @@ class Prober:
                 self.log.points,
                 capacity_bytes=self.runner.agreed_capacity.capacity_bytes,
                 limit=self.options.search_limit,
-                prior=self.log.prior,
+                prior=self._warm_up_line if self.log.prior is None else self.log.prior,
             )
         )
 
@@ -266,6 +276,8 @@ class Prober:
                 limit=self.options.search_limit,
                 real_step_seconds=real_step_seconds,
                 steps_scale_with_size=self.options.device.steps_scale_with_size,
+                capacity_bytes=capacity.capacity_bytes,
+                line=self._warm_up_line,
             )
         )
         if budget is not None:

@@ -6,10 +6,11 @@
    runs with it, as in training) and says what a real step costs here.
 3. **Estimate** on fake tensors (:mod:`autobatch.probing._estimator`): a predicted size and a memory
    line, with nothing allocated, *when it pays*. The rule: the estimate may cost what it saves,
-   the real steps the search runs without it before two measured peaks give it a line (at
-   micro-batch 4 and 16), priced from the warm-up's measured time: that time each where a
-   step's time stays near it (a GPU's small steps, a simulated card's set cost), that time the
-   size where it grows with the size (a CPU;
+   the real steps the search runs without it before two measured peaks give it a line (its
+   first two sizes, :func:`~autobatch.probing._search.growth_sizes`: the warm-up's line's max
+   and one above, or the search from what ran's first two), priced from the
+   warm-up's measured time: that time each where a step's time stays near it (a GPU's small
+   steps, a simulated card's set cost), that time the size where it grows with the size (a CPU;
    :func:`~autobatch.probing._search.estimate_budget_seconds`). It does not start when
    :data:`EXPECTED_FAKE_STEPS` fake steps of the predicted length
    (:data:`FAKE_STEP_SECONDS_PER_TENSOR` per parameter tensor) would cost more, and it stops

@@ -25,6 +25,7 @@ __all__ = [
     "never_updated",
     "num_trainable",
     "on_rank",
+    "resident_bytes",
     "static_bytes",
 ]
 
@@ -101,13 +102,19 @@ def num_trainable(optimizer: torch.optim.Optimizer) -> int:
     return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
-def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes every step holds from start to end: weights, buffers and optimizer state."""
     weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = sum(
         v.untyped_storage().nbytes()
         for per_param in optimizer.state.values()
         for v in per_param.values()
         if isinstance(v, torch.Tensor)
     )
-    return weights + grads + state
+    return weights + state
+
+
+def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """:func:`resident_bytes` and the gradients."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return resident_bytes(model, optimizer) + grads

@@ -68,10 +68,13 @@ def test_probe_vs_peers_quick_prints_every_tool_and_the_targets() -> None:
     assert "medians | autobatch:" in out
     assert out.count("target ") == 4
     # one failure pattern the peaks do not predict, its six goals (the bound in search trials,
-    # every real step counted within ceil(log2(limit)) + 3 and within the stated worst case, the
-    # exact max, against Lightning + 2, against the best peer), and the wall time in both
-    # regimes with its two goals
-    assert "oom-above-37" in out and out.count("goal ") == 8
+    # every real step counted within ceil(log2(limit)) + 3 and within the stated worst case,
+    # the exact max, against Lightning + 2, against the best peer), and the wall time in both
+    # regimes with its two goals; then the pure search over every threshold under 256, its
+    # six goals (the last: a right line's 1 OOM and 4 real steps)
+    assert "oom-above-37" in out and out.count("goal ") == 14
+    sweep = out[out.index("every threshold 1..256") :].splitlines()
+    assert sum(line.startswith("goal MET ") for line in sweep) == 6
     regimes = [line.split() for line in out.splitlines() if line.split()[1:2] in (["gpu"], ["cpu"])]
     assert [(row[0], row[1]) for row in regimes] == [
         ("mlp-adam", "gpu"),

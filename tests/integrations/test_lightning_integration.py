@@ -116,15 +116,13 @@ def test_finder_sets_exact_sizes_and_the_trainer_trains_at_them() -> None:
     assert trainer.global_step == 2
     assert module.seen == [plan.micro_batch_size] * (2 * plan.gradient_accumulation_steps)
     # The fake-tensor estimate ran (metric updates off there): a few trials; doubling takes 11.
-    # 10 in all under the search's rules: the warm-up at 1, eight search
-    # trials (the estimate's 52 runs out of memory, its line is contradicted so the search goes
-    # on from what ran: 7, the geometric middle of 1 and 52, then 19; within 4x it splits at a
-    # third from what fitted: 30, 37; bisection once under 16 sizes apart: 44; the line gives 50,
-    # and 51 must fail to prove 50 the max) and the chosen size's second step. Splitting at the
-    # middle took one trial fewer here; the rules with the third's split average 6.7 OOMs over
-    # thresholds 1..4096, was 7.8 (test_search). Two OOMs here either way.
+    # 11 in all under the search's rules: the warm-up at 1, nine search trials (the estimate's
+    # 52 runs out of memory, its line is contradicted so the search goes on from what ran: 10,
+    # 23, 30, 36, 41, 49, 50, each the split with the fewest expected OOMs that keeps every
+    # answer within doubling's OOMs + 2, and 51 must fail to prove 50 the max) and the chosen
+    # size's second step. Two OOMs.
     search = [t for t in trials if not t.warm_up and not t.repeat]
-    assert len(search) <= 8
+    assert len(search) <= 9
     assert sum(t.oom for t in search) <= 2
     assert [t.micro_batch_size for t in trials if t.warm_up or t.repeat] == [
         1,

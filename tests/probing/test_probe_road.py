@@ -27,7 +27,7 @@ from autobatch.probing._probe_run import (
 )
 from autobatch.probing._prober import run_probe
 from autobatch.probing._search import estimate_budget_seconds, growth_sizes
-from autobatch.profile import ProbeTimings, Profile
+from autobatch.profile import MemoryModel, ProbeTimings, Profile
 from tests.helpers.clocks import SetClock
 
 MIB = 2**20
@@ -100,18 +100,39 @@ def test_where_real_steps_are_cheap_the_search_runs_on_real_steps_alone() -> Non
     assert f"{predicted:.3g} s" in note and "searched with real steps" in note
 
 
+def test_without_an_estimate_a_well_behaved_model_takes_one_oom() -> None:
+    # The line from the resident bytes through the warm-up's peak (the optimizer step's: its max,
+    # 35, is low), then from those bytes through 35's peak (1111, a max no larger than the true
+    # one), then the secant through two measured peaks: one above its max fails.
+    profile = run(1e-6)
+    assert profile.method == "doubling"  # no estimate ran
+    assert [t.micro_batch_size for t in profile.trials] == [1, 35, 1111, 1262, 1261, 1261]
+    assert profile.num_ooms == 1 and profile.max_micro_batch_size == 1261
+
+
 def test_the_rule_is_the_real_steps_the_estimate_saves() -> None:
-    # without an estimate the search grows to 4 and 16 before two measured peaks give it a line
-    assert growth_sizes(65536) == (4, 16) and growth_sizes(10) == (4, 10)
-    assert growth_sizes(3) == (3,) and growth_sizes(1) == ()
+    # without an estimate the search from the warm-up runs two sizes before two measured peaks
+    # give it a line (where both fit): the warm-up line's max and one above, where that line
+    # predicts a max under the limit; else the search from what ran's first two
+    line = MemoryModel(fixed_bytes=1_000, bytes_per_sample=100)
+    assert growth_sizes(65536, capacity_bytes=10_900, line=line) == (99, 100)
+    assert estimate_budget_seconds(
+        limit=65536,
+        real_step_seconds=0.5,
+        steps_scale_with_size=True,
+        capacity_bytes=10_900,
+        line=line,
+    ) == pytest.approx(99.5)
+    assert growth_sizes(65536) == (4049, 24311) and growth_sizes(10) == (4, 5)
+    assert growth_sizes(3) == (2, 3) and growth_sizes(2) == (2,) and growth_sizes(1) == ()
     # a step's time stays near the warm-up's (a GPU, a set cost): two steps
     assert estimate_budget_seconds(
         limit=65536, real_step_seconds=0.5, steps_scale_with_size=False
     ) == pytest.approx(1.0)
-    # it grows with the size (a CPU): 4 + 16 warm-up steps
+    # it grows with the size (a CPU): 4049 + 24311 warm-up steps
     assert estimate_budget_seconds(
         limit=65536, real_step_seconds=0.5, steps_scale_with_size=True
-    ) == pytest.approx(10.0)
+    ) == pytest.approx(14_180.0)
     assert estimate_budget_seconds(limit=1, real_step_seconds=0.5, steps_scale_with_size=True) == 0
 
 
