@@ -186,11 +186,9 @@ def _encoded(
         capacity_bytes=capacity_bytes,
         budget=budget,
         source=within.source,
-        check_table=lambda result: check_answer_size(body, result),
+        check_plan=lambda result: check_answer_size(body, result),  # before any table
     )
     result = planned.plan
-    if body.world_sizes is None:  # with a table, checked before the table was planned
-        check_answer_size(body, result)
     chosen = within.selection
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))

@@ -6,7 +6,9 @@ Pure: numbers in, plans out (no store, no NVML); the callers read the store and 
 
 Example::
 
-    planned = plan_and_table(body, limit, capacity_bytes=80 * 2**30, budget=None, source=None)
+    planned = plan_and_table(
+        body, limit, capacity_bytes=80 * 2**30, budget=None, source=None, check_plan=print
+    )
     planned.plan.micro_batch_size
 """
 
@@ -66,7 +68,7 @@ def plan_and_table(
     capacity_bytes: int | None,
     budget: MemoryBudget | None,
     source: PlanSource | None,
-    check_table: Callable[[Plan], None] | None = None,
+    check_plan: Callable[[Plan], None],
 ) -> Planned:
     """The plan at the body's data-parallel size and, with ``world_sizes``, the table.
 
@@ -77,7 +79,7 @@ def plan_and_table(
             with neither capacity nor margin.
         budget: the device's memory budget, shown on the plan.
         source: the limit's source to report; None for the planner's default.
-        check_table: called on the plan before the table is planned (a size cap).
+        check_plan: called on the plan as soon as it is made, before any table (a size cap).
 
     Raises:
         ConfigError, NoFeasiblePlanError: the planner's, as for ``autobatch.plan``.
@@ -95,10 +97,9 @@ def plan_and_table(
         capacity_bytes=None if plain else capacity_bytes,
     )
     result = plan_request(limit, request, budget=budget, source=source)
+    check_plan(result)
     if request.world_sizes is None:
         return Planned(plan=result, world_size_options=None)
-    if check_table is not None:
-        check_table(result)
     table = plan_table(limit, request, budget=budget, source=source)
     return Planned(plan=result, world_size_options=table)
 
