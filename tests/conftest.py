@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import autobatch.device._resolve as device_resolve
 import autobatch.probing._options as probe_options
 from autobatch.device._oom import is_oom
 from autobatch.device._simulated import SimulatedDevice
@@ -262,11 +263,19 @@ def _a_private_profile_store(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 FAKE_STEP_SECONDS = 0.001
 """How long each fake step of an estimate lasts on the suite's set clock."""
 
+NAMED_SIM_STEP_SECONDS = 1.0
+"""How long each real step of a simulated card named by a string (``"sim:64MiB"``) lasts on its
+clock in this process: a dear step, as :class:`SimulatedDevice`'s own default, never the wall
+clock (which made whether an estimate ran depend on the machine's load)."""
+
 
 @pytest.fixture(autouse=True)
 def _probes_on_a_set_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every probe a test makes in this process times its fake steps on a clock that advances
     by :data:`FAKE_STEP_SECONDS` a step, not on the wall clock: whether an estimate starts and
-    where it stops is then the same on any machine, loaded or not. A test that gives its own
-    clock (``ProbeOptions.build(clock=...)``), or undoes ``monkeypatch``, is on that one."""
+    where it stops is then the same on any machine, loaded or not. A simulated card named by a
+    string counts each real step at :data:`NAMED_SIM_STEP_SECONDS` for the same reason. A test
+    that gives its own clock (``ProbeOptions.build(clock=...)``), or undoes ``monkeypatch``, is on
+    that one."""
     monkeypatch.setattr(probe_options, "DEFAULT_CLOCK", TickingClock(seconds=FAKE_STEP_SECONDS))
+    monkeypatch.setattr(device_resolve, "NAMED_SIM_STEP_SECONDS", NAMED_SIM_STEP_SECONDS)

@@ -19,7 +19,14 @@ from autobatch.units import parse_capacity
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ParsedDevice", "parse_device", "resolve_device"]
+__all__ = ["NAMED_SIM_STEP_SECONDS", "ParsedDevice", "parse_device", "resolve_device"]
+
+NAMED_SIM_STEP_SECONDS: float | None = None
+"""Seconds each real step of a simulated card named by a string (``"sim:2GiB"``) counts on its
+clock; None: the wall clock, what the step really cost on this CPU. The probe weighs the estimate's
+fake steps against real ones on that clock, so on the wall clock its road (estimate or not) can
+change with the machine's load. The test suite sets a number here, as it sets the probe's own
+clock (``ProbeOptions.clock``), so that every probe it makes takes the same road on any machine."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +124,9 @@ def resolve_device(
         # Named by a string (the CLI, the service, a script): its steps really run on this
         # machine's CPU, and the probe weighs them at what they really cost (the wall clock).
         return SimulatedDevice(
-            capacity_bytes=parsed.capacity_bytes, gpu_fraction=fraction, step_seconds=None
+            capacity_bytes=parsed.capacity_bytes,
+            gpu_fraction=fraction,
+            step_seconds=NAMED_SIM_STEP_SECONDS,
         )
     if parsed.type == "cpu":
         from autobatch.device._cpu import CpuDevice

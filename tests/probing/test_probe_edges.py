@@ -262,19 +262,21 @@ def test_batchnorm1d_model_is_probed_from_two_samples() -> None:
 def test_fp16_overflow_still_creates_the_optimizer_state() -> None:
     # At the scaler's initial scale the fp16 gradients of this loss overflow; a training loop
     # would skip the step. The probe must still measure with Adam's moments present.
+    # (The loss's gradient, 10 at every output, is 655,360 at the initial scale of 65,536: past
+    # fp16's 65,504 whatever the width, so a narrow model overflows as a wide one does.)
     model, x = (
-        nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)),
-        torch.randn(4, 1024),
+        nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)),
+        torch.randn(4, 256),
     )
     overflowing = probe(
         model,
         x,
         loss_fn=lambda o: o.float().sum() * 10,
         amp_dtype=torch.float16,
-        device="sim:64MiB",
+        device="sim:8MiB",
     )
     plain = probe(
-        model, x, loss_fn=lambda o: o.float().mean(), amp_dtype=torch.float16, device="sim:64MiB"
+        model, x, loss_fn=lambda o: o.float().mean(), amp_dtype=torch.float16, device="sim:8MiB"
     )
     assert overflowing.max_micro_batch_size == plain.max_micro_batch_size
     assert overflowing.method == plain.method == "probe"  # the estimate runs under fp16 too
