@@ -191,3 +191,32 @@ def test_many_tasks_of_many_jobs_plan_at_once(
         assert task["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "4"  # 256 / 2 = 128 = 4 x 32
     plans = sorted(p.name for p in tmp_path.iterdir() if "plan" in p.name)
     assert plans == sorted({f"plan-{name.split('.')[0]}.env" for name in tasks})
+
+
+def test_a_step_of_one_task_inside_an_allocation_of_eight_plans_for_its_gpus(
+    cluster_and_service: tuple[Cluster, Server], tmp_path: Path
+) -> None:
+    """Issue 46: inside ``sbatch --ntasks-per-node=8 --gres=gpu:8``, the usual ``srun --ntasks=1
+    torchrun --nproc-per-node=8`` keeps the allocation's ``SLURM_NTASKS_PER_NODE=8`` beside the
+    step's one task: the prolog must plan for the step's 8 GPUs (8 ranks: 32 x 1), not divide
+    them among the allocation's 8 tasks (world size 1: 32 x 8, 2,048 a step for 256 asked)."""
+    cluster, server = cluster_and_service
+    env = job_env(cluster, server, tmp_path)
+    run(
+        ["sbatch", "--wait", "-N1", "--ntasks-per-node=8", "--gres=gpu:8",
+         "-o", str(tmp_path / "job.out"),
+         "--wrap", f"srun --ntasks=1 --gres=gpu:8 sh -c 'env > $OUT/slurm.txt; {REPORT}'"],
+        env,
+        cluster,
+    )  # fmt: skip
+    (task,) = reports(tmp_path).values()
+    out = (tmp_path / "job.out").read_text()
+    assert "AUTOBATCH_PLAN_ERROR" not in task, out
+    assert task["AUTOBATCH_WORLD_SIZE"] == "8", (task, out)
+    # The layout is the issue's: the allocation's 8 tasks a node beside the step's one.
+    seen = (tmp_path / "slurm.txt").read_text().splitlines()
+    assert {"SLURM_NTASKS_PER_NODE=8", "SLURM_STEP_TASKS_PER_NODE=1"} <= set(seen), seen
+    assert (task["AUTOBATCH_MICRO_BATCH_SIZE"], task["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"]) == (
+        "32",
+        "1",
+    )
