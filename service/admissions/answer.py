@@ -127,14 +127,16 @@ def _one_card(body: PlanCreate, store: ProfileStore, central: CentralProfiles | 
         limit, profile_id, source = resolve_limit(body, store, central, None)
         assert isinstance(limit, Profile)  # a model_fingerprint's limit is a stored profile
         profile = limit
-    predicted = selection is not None and selection.match == "predicted"
     try:
         rows = plan_world_sizes(body, profile, capacity_bytes=card_bytes, source=source)
     except (ConfigError, NoFeasiblePlanError) as exc:
         options = CardOptions(card=body.card, profile_id=profile_id, missing=describe(exc))
         return CardPlans(options=options, body=body, selection=selection)
     options = CardOptions(
-        card=body.card, profile_id=profile_id, rows=tuple(rows), predicted=predicted
+        card=body.card,
+        profile_id=profile_id,
+        rows=tuple(rows),
+        match=None if selection is None else selection.match,
     )
     return CardPlans(options=options, body=body, selection=selection)
 

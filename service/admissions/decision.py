@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
-from autobatch.planning import Plan, WorldSizeOption
+from autobatch.planning import Match, Plan, WorldSizeOption
 
 __all__ = [
     "DEFAULT_ALLOWED_WORLD_SIZES",
@@ -80,9 +80,10 @@ class CardOptions:
     """One row per GPU count considered (:func:`autobatch.planning.plan_table`'s)."""
     missing: str = ""
     """Why this card has no plans (no profile of the model for it); empty when ``rows`` hold."""
-    predicted: bool = False
-    """The profile was measured on another card or under other conditions: its plans are
-    predictions for this card."""
+    match: Match | None = None
+    """How the profile matches the card (:class:`autobatch.planning.Selection`'s ``match``):
+    ``predicted`` when measured on another card or under other conditions; None when no card
+    was asked (the plans' own source speaks)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -259,7 +260,7 @@ def _nearest(row: WorldSizeOption) -> tuple[int, ...]:
 
 
 def _plan_words(plan: Plan, options: CardOptions) -> str:
-    source = "predicted" if options.predicted else plan.source
+    source = plan.source if options.match is None or plan.source == "predicted" else options.match
     return (
         f"effective batch {plan.effective_batch_size} = micro-batch {plan.micro_batch_size} x "
         f"{plan.gradient_accumulation_steps} accumulation steps x {plan.world_size} GPUs "

@@ -1,0 +1,257 @@
+"""autobatch's Slurm plugins (deploy/slurm/job_submit.lua in slurmctld, cli_filter.lua in the
+clients) on a real one-node Slurm (tests/helpers/slurm.py: 8 simulated GPUs), asking a real
+``autobatch serve`` that holds a measured profile (recommended micro-batch 36 on the H100).
+
+Jobs go through sbatch: a reachable batch runs with the plan decided at submission in its
+environment and in the prolog's file; an unreachable one fails at sbatch naming the nearest
+batches; a job asking to be sized gets the plan's GPU count; a job naming no model is left
+alone; and with the service stopped, frozen (SIGSTOP) or slow, jobs go in within the bound."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from autobatch.client import publish_profile
+from autobatch.conditions import Conditions
+from tests.helpers.slurm import ENV_VAR, Cluster, one_node_cluster
+from tests.service.serving import Server, free_port, serving
+from tests.service.test_service_api import make_profile
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+FINGERPRINT = "9c1e5b0f7a3d2e48"
+CARD = "NVIDIA H100 80GB HBM3"
+TIMEOUT_S = 1.0
+"""The plugins' bound per decision in these tests (the default is 2 s)."""
+SLACK_S = 4.0
+"""What sbatch itself may take beyond the bound on 2 shared cores (its own start, munge, the
+controller's RPC)."""
+JOB_TIMEOUT_S = 120
+LUA_MODULES = ("/usr/share/lua/5.1/socket/http.lua", "/usr/lib/x86_64-linux-gnu/lua/5.1/cjson.so")
+REPORT = (
+    'env | grep "^AUTOBATCH_" | sort > "$OUT/$SLURM_JOB_ID.env"; '
+    'echo "$SLURM_GPUS_ON_NODE" > "$OUT/$SLURM_JOB_ID.gpus"'
+)
+
+
+@dataclass
+class Site:
+    cluster: Cluster
+    server: Server
+    config: Path
+
+    def configure(self, central_url: str, **settings: str) -> None:
+        """The plugins' settings file (read at every decision)."""
+        lines = {
+            "central_url": central_url,
+            "card": CARD,
+            "timeout_s": str(TIMEOUT_S),
+            "retry_after_s": "0",
+            "allowed_gpus": "1,2,4,8",
+            **settings,
+        }
+        self.config.write_text("".join(f"{key} = {value}\n" for key, value in lines.items()))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    missing = [path for path in LUA_MODULES if not Path(path).exists()]
+    if missing:
+        reason = f"lua-socket and lua-cjson missing ({', '.join(missing)})"
+        if os.environ.get(ENV_VAR) == "required":
+            pytest.fail(f"{ENV_VAR}=required but {reason}")
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("slurm-submit")
+    prolog = root / "taskprolog.sh"
+    prolog.write_text(f"#!/bin/sh\nexec sh {ROOT}/deploy/slurm/prolog.sh\n")
+    prolog.chmod(0o755)
+    config = root / "autobatch.conf"
+    with (
+        serving(root) as server,
+        one_node_cluster(root / "cluster", task_prolog=prolog, submit_config=config) as cluster,
+    ):
+        profile = make_profile(
+            model_fingerprint=FINGERPRINT,
+            device_name=CARD,
+            node_name="localhost",
+            conditions=Conditions(device_type="cuda", amp_dtype="bfloat16"),
+        )
+        publish_profile(f"http://127.0.0.1:{server.port}", profile)
+        found = Site(cluster=cluster, server=server, config=config)
+        found.configure(found.url)
+        yield found
+
+
+def submit_env(site: Site, out: Path, **variables: str) -> dict[str, str]:
+    """sbatch's environment: the job names its model with ``variables``."""
+    out.mkdir(parents=True, exist_ok=True)
+    return {
+        **site.cluster.env,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "PYTHONPATH": str(ROOT),
+        "AUTOBATCH_CENTRAL_URL": site.url,
+        "AUTOBATCH_CARD": CARD,
+        "AUTOBATCH_PLAN_DIR": str(out),
+        "OUT": str(out),
+        **variables,
+    }
+
+
+def sbatch(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = subprocess.run(
+        ["sbatch", *args], env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+    )
+    return done, time.monotonic() - started
+
+
+def model(batch: int, **more: str) -> dict[str, str]:
+    return {
+        "AUTOBATCH_MODEL_FINGERPRINT": FINGERPRINT,
+        "AUTOBATCH_EFFECTIVE_BATCH_SIZE": str(batch),
+        **more,
+    }
+
+
+def variables(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+def test_a_reachable_job_runs_with_the_plan_decided_at_submission(
+    site: Site, tmp_path: Path
+) -> None:
+    env = submit_env(site, tmp_path, **model(256))
+    done, _ = sbatch(
+        ["--wait", "-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
+         f"srun sh -c '{REPORT}'"],
+        env,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{done.stderr}\n{site.cluster.log()}"
+    # The user is told at sbatch (cli_filter's advice, then the controller's decision).
+    assert "autobatch (advisory): accepted: effective batch 256 = micro-batch 32 x 1" in done.stderr
+    assert (
+        "autobatch: accepted: effective batch 256 = micro-batch 32 x 1 accumulation steps x 8 "
+        "GPUs (measured)" in done.stderr
+    )
+    job = done.stdout.split()[-1]
+    task = variables(tmp_path / f"{job}.env")
+    assert task["AUTOBATCH_PLAN_AT"] == "submit"
+    assert (task["AUTOBATCH_MICRO_BATCH_SIZE"], task["AUTOBATCH_WORLD_SIZE"]) == ("32", "8")
+    assert task["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "1"
+    assert "AUTOBATCH_PLAN_ERROR" not in task
+    # The prolog kept the submission's plan, as it was: the same variables in its file.
+    lines = (tmp_path / f"plan-{job}.env").read_text().splitlines()
+    kept = dict(shlex.split(line)[1].split("=", 1) for line in lines)
+    planned = task["AUTOBATCH_PLAN_VARIABLES"].split(",")
+    assert kept == {name: task[name] for name in [*planned, "AUTOBATCH_PLAN_AT"]}
+    assert kept["AUTOBATCH_PLAN_CARD"] == CARD
+    assert task["AUTOBATCH_PLAN_FILE"] == str(tmp_path / f"plan-{job}.env")
+
+
+def test_an_unreachable_batch_fails_at_sbatch_naming_the_nearest(
+    site: Site, tmp_path: Path
+) -> None:
+    done, _ = sbatch(["--gres=gpu:8", "--wrap", "true"], submit_env(site, tmp_path, **model(97)))
+    assert done.returncode != 0
+    assert "autobatch: the job cannot reach its effective batch" in done.stderr
+    assert "nearest reachable effective batch sizes: 96, 104" in done.stderr
+    assert "GPU counts that reach it: 1" in done.stderr
+    assert "Submitted batch job" not in done.stdout
+
+
+def test_a_job_asking_to_be_sized_gets_the_plans_gpu_count(site: Site, tmp_path: Path) -> None:
+    # The job asks for 8 GPUs; one reaches 512 (32 x 16 accumulation steps): the fewest.
+    env = submit_env(site, tmp_path, **model(512, AUTOBATCH_SIZE_GPUS="1"))
+    done, _ = sbatch(
+        ["--wait", "-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
+         f"srun sh -c '{REPORT}'"],
+        env,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{done.stderr}\n{site.cluster.log()}"
+    assert "autobatch: sized to 1 GPUs" in done.stderr
+    job = done.stdout.split()[-1]
+    assert (tmp_path / f"{job}.gpus").read_text().strip() == "1"
+    assert variables(tmp_path / f"{job}.env")["AUTOBATCH_WORLD_SIZE"] == "1"
+
+
+def test_a_job_naming_no_model_is_left_alone(site: Site, tmp_path: Path) -> None:
+    env = submit_env(site, tmp_path)
+    done, _ = sbatch(
+        ["--wait", "-n1", "--gres=gpu:2", "-o", str(tmp_path / "job.out"), "--wrap",
+         f"srun sh -c '{REPORT}'"],
+        env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "autobatch" not in done.stderr
+    job = done.stdout.split()[-1]
+    assert (tmp_path / f"{job}.gpus").read_text().strip() == "2"
+    assert variables(tmp_path / f"{job}.env").get("AUTOBATCH_PLAN_AT") is None
+
+
+@pytest.fixture
+def slow_server() -> Iterator[str]:
+    """A server that accepts, reads, and answers nothing for 30 s."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        held = []
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            held.append(connection)
+        for connection in held:
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    listener.close()
+
+
+@pytest.mark.parametrize("failure", ["stopped", "frozen", "slow"])
+def test_without_the_service_jobs_go_in_unchanged_within_the_bound(
+    site: Site, tmp_path: Path, failure: str, slow_server: str
+) -> None:
+    url = {"stopped": f"http://127.0.0.1:{free_port()}", "slow": slow_server}.get(failure, site.url)
+    site.configure(url)
+    batch = {"stopped": 128, "frozen": 64, "slow": 32}[failure]  # not in the plugins' cache
+    env = submit_env(site, tmp_path, **model(batch))
+    if failure == "frozen":
+        site.server.process.send_signal(signal.SIGSTOP)
+    try:
+        done, seconds = sbatch(["--hold", "--gres=gpu:4", "--wrap", "true"], env)
+    finally:
+        if failure == "frozen":
+            site.server.process.send_signal(signal.SIGCONT)
+        site.configure(site.url)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.split()[-1]
+    subprocess.run(["scancel", job], env=site.cluster.env, check=True)
+    assert "autobatch: no plan at submission" in done.stderr
+    assert "the job goes in unchanged" in done.stderr
+    # cli_filter's advice and the controller's decision: each within the bound.
+    assert seconds < 2 * TIMEOUT_S + SLACK_S, (seconds, done.stderr)
+    assert "no decision: " in Path(site.cluster.root / "log" / "slurmctld.log").read_text()
