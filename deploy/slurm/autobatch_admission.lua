@@ -13,6 +13,7 @@
 --   retry_after_s = 30   (after a failure, decide nothing for this long: fail at once)
 --   cache_s = 60         (answers kept this long)
 --   sizing = allow       (allow | deny: jobs setting AUTOBATCH_SIZE_GPUS=1 may be sized)
+--   advice = on          (on | off: cli_filter.lua shows the decision before submission)
 --   allowed_gpus = 1,2,4,8,16   max_gpus = 16
 --   card = NVIDIA H100 80GB HBM3               (the card when nothing else names it)
 --   card.partition.<partition> = <card name>   card.gres.<gres type> = <card name>
@@ -53,6 +54,7 @@ function M.settings(getenv)
         retry_after_s = 30,
         cache_s = 60,
         sizing = "allow",
+        advice = "on",
         allowed_gpus = nil,
         max_gpus = nil,
         card = nil,
@@ -122,8 +124,10 @@ function M.apply(s, key, value)
         return "on_failure = " .. value .. " is not open or closed"
     elseif key == "sizing" and value ~= "allow" and value ~= "deny" then
         return "sizing = " .. value .. " is not allow or deny"
+    elseif key == "advice" and value ~= "on" and value ~= "off" then
+        return "advice = " .. value .. " is not on or off"
     elseif key == "central_url" or key == "token_file" or key == "card"
-            or key == "on_failure" or key == "sizing" then
+            or key == "on_failure" or key == "sizing" or key == "advice" then
         s[key] = value
     else
         return "unknown key " .. key

@@ -46,6 +46,9 @@ end
 
 local function advise(options)
     local s = admission.settings()
+    if s.advice == "off" then
+        return
+    end
     local job = {
         environment = environment(options.export),
         partition = options.partition,

@@ -255,3 +255,56 @@ def test_without_the_service_jobs_go_in_unchanged_within_the_bound(
     # cli_filter's advice and the controller's decision: each within the bound.
     assert seconds < 2 * TIMEOUT_S + SLACK_S, (seconds, done.stderr)
     assert "no decision: " in Path(site.cluster.root / "log" / "slurmctld.log").read_text()
+
+
+def test_a_cached_answer_holds_while_the_service_is_frozen(site: Site, tmp_path: Path) -> None:
+    env = submit_env(site, tmp_path, **model(1024))
+    first, _ = sbatch(["--hold", "--gres=gpu:8", "--wrap", "true"], env)
+    assert "autobatch: accepted: effective batch 1024 = micro-batch 32 x 4" in first.stderr
+    site.configure(site.url, advice="off")  # cli_filter keeps no cache: the controller's alone
+    site.server.process.send_signal(signal.SIGSTOP)
+    try:
+        again, seconds = sbatch(["--hold", "--gres=gpu:8", "--wrap", "true"], env)
+    finally:
+        site.server.process.send_signal(signal.SIGCONT)
+        site.configure(site.url)
+    jobs = [first.stdout.split()[-1], again.stdout.split()[-1]]
+    subprocess.run(["scancel", *jobs], env=site.cluster.env, check=True)
+    assert again.stderr == first.stderr.split("\n", 1)[1]  # the same decision, no advice
+    assert seconds < TIMEOUT_S + SLACK_S
+
+
+def test_fail_closed_refuses_and_a_broken_file_changes_nothing(site: Site, tmp_path: Path) -> None:
+    env = submit_env(site, tmp_path, **model(2048))
+    site.configure(f"http://127.0.0.1:{free_port()}", on_failure="closed")
+    try:
+        refused, _ = sbatch(["--hold", "--gres=gpu:8", "--wrap", "true"], env)
+        # A file that is not settings: its lines are logged and ignored, the rest holds.
+        site.config.write_text(f"central_url = {site.url}\n}}{{ not a setting\ntimeout_s = x\n")
+        broken, _ = sbatch(["--hold", "--gres=gpu:8", "--wrap", "true"], env)
+    finally:
+        site.configure(site.url)
+    assert refused.returncode != 0
+    assert "autobatch: the job is refused: no plan could be decided at submission" in refused.stderr
+    assert broken.returncode == 0, broken.stderr
+    subprocess.run(["scancel", broken.stdout.split()[-1]], env=site.cluster.env, check=True)
+    # No card in the file: the model's newest profile answers (2048 on 8 = 32 x 8).
+    assert "autobatch: accepted: effective batch 2048 = micro-batch 32 x 8" in broken.stderr
+    log = (site.cluster.root / "log" / "slurmctld.log").read_text()
+    assert "timeout_s = x is not a number of seconds or GPUs (ignored)" in log
+
+
+def test_srun_and_salloc_get_the_advice(site: Site, tmp_path: Path) -> None:
+    env = submit_env(site, tmp_path, **model(97))
+    done = subprocess.run(
+        ["srun", "-n1", "--gres=gpu:8", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    # Advice only: the job runs (srun's jobs carry no environment to the controller's plugin;
+    # the TaskProlog plans them).
+    assert done.returncode == 0, done.stderr
+    assert "autobatch (advisory): effective batch cannot be reached on 8 GPUs" in done.stderr
+    assert "nearest reachable effective batch sizes: 96, 104" in done.stderr
