@@ -111,7 +111,13 @@ def card_plans(
             if exc.status != 404 and exc.slug != "unknown-card":
                 exc.field = f"body.cards.{index}" if exc.field == "body.card" else exc.field
                 raise
-            missing = CardOptions(card=card, profile_id=None, missing=exc.detail)
+            why = exc.detail
+            if exc.slug == "unknown-card":  # the plan route's remedy names its device field
+                why = (
+                    "no stored profile (of any model) was measured on this card, so its memory "
+                    "is unknown; check the name against GET /v1/profiles' device_name"
+                )
+            missing = CardOptions(card=card, profile_id=None, missing=why)
             found.append(CardPlans(options=missing, body=alone, selection=None))
     return found
 

@@ -64,7 +64,10 @@ def test_admissions(client: TestClient) -> None:
     assert (sized["outcome"], sized["card"], sized["world_size"]) == ("sized", H100, 8)
     assert sized["environment"]["AUTOBATCH_WORLD_SIZE"] == "8"
     assert sized["environment"]["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "16"
-    assert sized["reasons"][1].startswith(f"{L4}: no stored profile (of any model)")
+    assert sized["reasons"][1] == (
+        f"{L4}: no stored profile (of any model) was measured on this card, so its memory is "
+        "unknown; check the name against GET /v1/profiles' device_name"
+    )
     assert sized["reaching_world_sizes"] == [8, 16]
     assert sized["message"].startswith(f"sized to 8 GPUs of {H100}: the fewest GPUs")
 
