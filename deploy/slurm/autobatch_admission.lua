@@ -143,7 +143,7 @@ function M.gpus_in(spec)
         return 0, nil
     end
     for item in tostring(spec):gmatch("[^,]+") do
-        item = item:gsub("^gres[:/]", "")
+        item = item:gsub("^gres[:/]", ""):gsub("=", ":")  -- gres/gpu:h100=2 as gpu:h100:2
         local name, rest = item:match("^([^:]+):?(.*)$")
         if name == "gpu" then
             local t, n = rest:match("^([^:]+):(%d+)")

@@ -308,3 +308,18 @@ def test_srun_and_salloc_get_the_advice(site: Site, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "autobatch (advisory): effective batch cannot be reached on 8 GPUs" in done.stderr
     assert "nearest reachable effective batch sizes: 96, 104" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "asked", ["--gpus=4", "--gpus-per-node=4", "--gres=gpu:4", "--gpus-per-task=2 -n2"]
+)
+def test_every_way_of_asking_for_gpus_is_read(site: Site, tmp_path: Path, asked: str) -> None:
+    env = submit_env(site, tmp_path, **model(4096))
+    done, _ = sbatch(["--hold", *asked.split(), "--wrap", "true"], env)
+    assert done.returncode == 0, done.stderr
+    subprocess.run(["scancel", done.stdout.split()[-1]], env=site.cluster.env, check=True)
+    # 4096 on 4 GPUs: 1024 each, 32 x 32 steps.
+    assert "autobatch: accepted: effective batch 4096 = micro-batch 32 x 32 accumulation " in (
+        done.stderr
+    )
+    assert "x 4 GPUs (measured)" in done.stderr
