@@ -25,6 +25,8 @@ import pytest
 
 from autobatch.client import publish_profile
 from autobatch.conditions import Conditions
+from autobatch.profile import Trial
+from tests.helpers.fake_pynvml import GiB
 from tests.helpers.slurm import ENV_VAR, Cluster, one_node_cluster
 from tests.service.serving import Server, free_port, serving
 from tests.service.test_service_api import make_profile
@@ -130,6 +132,17 @@ def model(batch: int, **more: str) -> dict[str, str]:
     }
 
 
+def reported(site: Site, out: Path, job: str) -> dict[str, str]:
+    """The job's task's AUTOBATCH_* variables, once its task wrote them (polled: faster than
+    ``sbatch --wait``'s own polling, which sleeps up to 10 s)."""
+    report, gpus = out / f"{job}.env", out / f"{job}.gpus"  # written in this order
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (gpus.exists() and gpus.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, site.cluster.log()
+        time.sleep(0.1)
+    return variables(report)
+
+
 def variables(path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
 
@@ -139,7 +152,7 @@ def test_a_reachable_job_runs_with_the_plan_decided_at_submission(
 ) -> None:
     env = submit_env(site, tmp_path, **model(256))
     done, _ = sbatch(
-        ["--wait", "-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
+        ["-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
          f"srun sh -c '{REPORT}'"],
         env,
     )  # fmt: skip
@@ -151,7 +164,7 @@ def test_a_reachable_job_runs_with_the_plan_decided_at_submission(
         "GPUs (measured)" in done.stderr
     )
     job = done.stdout.split()[-1]
-    task = variables(tmp_path / f"{job}.env")
+    task = reported(site, tmp_path, job)
     assert task["AUTOBATCH_PLAN_AT"] == "submit"
     assert (task["AUTOBATCH_MICRO_BATCH_SIZE"], task["AUTOBATCH_WORLD_SIZE"]) == ("32", "8")
     assert task["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "1"
@@ -180,29 +193,29 @@ def test_a_job_asking_to_be_sized_gets_the_plans_gpu_count(site: Site, tmp_path:
     # The job asks for 8 GPUs; one reaches 512 (32 x 16 accumulation steps): the fewest.
     env = submit_env(site, tmp_path, **model(512, AUTOBATCH_SIZE_GPUS="1"))
     done, _ = sbatch(
-        ["--wait", "-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
+        ["-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
          f"srun sh -c '{REPORT}'"],
         env,
     )  # fmt: skip
     assert done.returncode == 0, f"{done.stderr}\n{site.cluster.log()}"
     assert "autobatch: sized to 1 GPUs" in done.stderr
     job = done.stdout.split()[-1]
+    assert reported(site, tmp_path, job)["AUTOBATCH_WORLD_SIZE"] == "1"
     assert (tmp_path / f"{job}.gpus").read_text().strip() == "1"
-    assert variables(tmp_path / f"{job}.env")["AUTOBATCH_WORLD_SIZE"] == "1"
 
 
 def test_a_job_naming_no_model_is_left_alone(site: Site, tmp_path: Path) -> None:
     env = submit_env(site, tmp_path)
     done, _ = sbatch(
-        ["--wait", "-n1", "--gres=gpu:2", "-o", str(tmp_path / "job.out"), "--wrap",
+        ["-n1", "--gres=gpu:2", "-o", str(tmp_path / "job.out"), "--wrap",
          f"srun sh -c '{REPORT}'"],
         env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "autobatch" not in done.stderr
     job = done.stdout.split()[-1]
+    assert reported(site, tmp_path, job).get("AUTOBATCH_PLAN_AT") is None
     assert (tmp_path / f"{job}.gpus").read_text().strip() == "2"
-    assert variables(tmp_path / f"{job}.env").get("AUTOBATCH_PLAN_AT") is None
 
 
 @pytest.fixture
@@ -323,3 +336,48 @@ def test_every_way_of_asking_for_gpus_is_read(site: Site, tmp_path: Path, asked:
         done.stderr
     )
     assert "x 4 GPUs (measured)" in done.stderr
+
+
+def test_a_profile_published_after_submission_changes_nothing(site: Site, tmp_path: Path) -> None:
+    """The job runs the plan it was told at sbatch, though a smaller profile of its model came
+    between submission and start (which the TaskProlog alone would now plan from)."""
+    fingerprint = "5b0f7a3d2e489c1e"  # a model of its own: the other tests' plans stay
+    first = make_profile(model_fingerprint=fingerprint, device_name=CARD, node_name="localhost")
+    first_id = publish_profile(site.url, first)
+    env = submit_env(
+        site,
+        tmp_path,
+        AUTOBATCH_MODEL_FINGERPRINT=fingerprint,
+        AUTOBATCH_EFFECTIVE_BATCH_SIZE="256",
+    )
+    done, _ = sbatch(
+        ["--hold", "-n1", "--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap",
+         f"srun sh -c '{REPORT}'"],
+        env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.split()[-1]
+    smaller = make_profile(
+        model_fingerprint=fingerprint,
+        device_name=CARD,
+        node_name="other-node",
+        max_micro_batch_size=20,
+        recommended_micro_batch_size=16,
+        trials=(
+            Trial(micro_batch_size=1, fits=True, peak_allocated_bytes=3 * GiB, warm_up=True),
+            Trial(micro_batch_size=16, fits=True, peak_allocated_bytes=12 * GiB),
+            Trial(micro_batch_size=24, fits=False, oom=True, error="OutOfMemoryError"),
+        ),
+    )
+    publish_profile(site.url, smaller)
+    now = site.server.client.post(
+        "/v1/plan",
+        json={"model_fingerprint": fingerprint, "card": CARD, "effective_batch_size": 256,
+              "world_size": 8},
+    )  # fmt: skip
+    assert now.json()["plan"]["micro_batch_size"] == 16  # the most conservative now answers
+    subprocess.run(["scontrol", "release", job], env=site.cluster.env, check=True)
+    task = reported(site, tmp_path, job)
+    assert (task["AUTOBATCH_MICRO_BATCH_SIZE"], task["AUTOBATCH_PLAN_AT"]) == ("32", "submit")
+    assert task["AUTOBATCH_PROFILE_ID"] == first_id != now.json()["profile_id"]
+    assert "export AUTOBATCH_MICRO_BATCH_SIZE=32\n" in (tmp_path / f"plan-{job}.env").read_text()
