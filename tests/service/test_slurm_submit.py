@@ -27,7 +27,7 @@ from autobatch.client import publish_profile
 from autobatch.conditions import Conditions
 from autobatch.profile import Trial
 from tests.helpers.fake_pynvml import GiB
-from tests.helpers.slurm import ENV_VAR, Cluster, one_node_cluster
+from tests.helpers.slurm import ENV_VAR, Cluster, one_node_cluster, skip_or_fail_without_slurm
 from tests.service.serving import Server, free_port, serving
 from tests.service.test_service_api import make_profile
 
@@ -74,6 +74,7 @@ class Site:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    skip_or_fail_without_slurm()  # before the server starts
     missing = [path for path in LUA_MODULES if not Path(path).exists()]
     if missing:
         reason = f"lua-socket and lua-cjson missing ({', '.join(missing)})"
