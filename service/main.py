@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from autobatch.device import Nvml, default_nvml
 from autobatch.store import ProfileStore
 from service import health
+from service.admissions import routes as admissions
 from service.deps import ServiceState
 from service.devices import routes as devices
 from service.devices.gpus import GpuMonitor
@@ -126,7 +127,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     app.add_middleware(
         ServiceMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics, tokens=tokens
     )
-    for module in (plans, profiles, summaries, probes, devices, health):
+    for module in (plans, admissions, profiles, summaries, probes, devices, health):
         app.include_router(module.router)
     install_problem_handlers(app, feature_errors=probes.PROBE_RUN_ERRORS)
     install_openapi(app)

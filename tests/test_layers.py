@@ -425,18 +425,20 @@ SERVICE_LAYERS: tuple[frozenset[str], ...] = tuple(
         "service.deps",
         "service.plans service.profiles service.probes.routes service.devices.routes "
         "service.health",
+        "service.admissions",
         "service service.main service.__main__",
     )
 )
 """The service's own layers, bottom first, by module or package: the HTTP plumbing every
 feature shares; the long-lived objects of the features (the GPU monitor, then the fleet's
 clients and the probe runs, which may read the GPUs); the app's state that holds them; each
-feature's work and routes; the app. A module imports its own row and the rows below, and a
-feature (``plans``, ``profiles``, ``probes``, ``devices``, ``fleet``) imports another feature
-only from a row below its own."""
+feature's work and routes; the admission decision (a scheduler's question, answered from the
+plans feature's choice and planner); the app. A module imports its own row and the rows below,
+and a feature (``plans``, ``profiles``, ``probes``, ``devices``, ``fleet``, ``admissions``)
+imports another feature only from a row below its own."""
 
 SERVICE_RANK = {name: rank for rank, names in enumerate(SERVICE_LAYERS) for name in names}
-FEATURES = frozenset({"plans", "profiles", "probes", "devices", "fleet"})
+FEATURES = frozenset({"plans", "profiles", "probes", "devices", "fleet", "admissions"})
 
 
 def service_row(module: str) -> str:

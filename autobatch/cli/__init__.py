@@ -6,5 +6,6 @@ from __future__ import annotations
 
 from autobatch.cli._commands import main
 from autobatch.cli._parser import build_parser
+from autobatch.cli._plan_env import env_variables
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "env_variables", "main"]

@@ -155,15 +155,15 @@ def _plan(limit: Limit, constraints: PlanRequest) -> Plan:
                 f"no plan reaches effective_batch_size {effective} on world_size {world_size} "
                 f"with {describe_rules(effective // world_size, largest, constraints)}"
             )
+        use = [Remedy(parameter="effective_batch_size", values=nearest)] if nearest else []
         if not constraints.allow_inexact and effective % world_size:
-            use = [Remedy(parameter="effective_batch_size", values=nearest)] if nearest else []
             raise ConfigError(cause, remedies=[*use, inexact])
         if not constraints.allow_inexact:
             raise NoFeasiblePlanError(
                 f"{cause}; nearest reachable effective_batch_size: "
                 f"{below if below is not None else 'none'} below, "
                 f"{above if above is not None else 'none'} above",
-                remedies=(inexact, Remedy(purpose="looser constraints")),
+                remedies=(*use, inexact, Remedy(purpose="looser constraints")),
             )
         target = min(nearest, key=lambda v: abs(v - effective))
         chosen = choose_steps(target // world_size, largest, constraints, limit.step_time)

@@ -36,6 +36,38 @@ elif ! world_size=$(autobatch launcher --slurm-task-ranks gpus --world-size 2>&1
     no_plan "$world_size; in a TaskProlog, the job gives it as AUTOBATCH_JOB_WORLD_SIZE=N"
 fi
 partial=$(mktemp "$AUTOBATCH_PLAN_DIR/.plan-$job.XXXXXX" 2>&1) || no_plan "$partial"
+
+keep() {
+    # mktemp made it 0600; the job's scripts read it. A rename replaces the file whole, so tasks
+    # of one job that finish together leave one complete plan (the same plan).
+    if chmod 644 "$partial" && mv -f "$partial" "$plan_file"; then
+        echo "export AUTOBATCH_PLAN_FILE=$plan_file"
+    else
+        echo "autobatch prolog: the plan is not kept in $plan_file" >&2
+        rm -f "$partial"
+    fi
+}
+
+# A plan decided at submission (deploy/slurm/job_submit.lua: AUTOBATCH_PLAN_AT=submit and the
+# plan's variables, named in AUTOBATCH_PLAN_VARIABLES, in the job's environment) is the job's
+# plan: kept in the file as it is, not asked again (a profile published since changes nothing),
+# unless this step runs another number of ranks than it was planned for.
+if [ "${AUTOBATCH_PLAN_AT:-}" = submit ] && [ -n "${AUTOBATCH_PLAN_VARIABLES:-}" ]; then
+    if [ "${AUTOBATCH_WORLD_SIZE:-}" = "$world_size" ]; then
+        for name in $(echo "$AUTOBATCH_PLAN_VARIABLES" | tr ',' ' ') AUTOBATCH_PLAN_AT; do
+            case "$name" in *[!A-Z0-9_]*) continue ;; esac
+            eval "value=\${$name-}"
+            case "$value" in
+                *[!A-Za-z0-9_.,:/+-]*) value="'$(printf '%s' "$value" | sed "s/'/'\\\\''/g")'" ;;
+            esac
+            echo "export $name=$value"
+        done > "$partial"
+        keep
+        exit 0
+    fi
+    echo "autobatch prolog: the plan decided at submission is for ${AUTOBATCH_WORLD_SIZE:-?} ranks and this step runs $world_size: planning again" >&2
+    echo "export AUTOBATCH_PLAN_AT=task"
+fi
 if ! error=$(autobatch plan \
         --service "$AUTOBATCH_CENTRAL_URL" \
         --model-fingerprint "$AUTOBATCH_MODEL_FINGERPRINT" \
@@ -49,11 +81,4 @@ if ! error=$(autobatch plan \
 fi
 # Slurm takes each value up to the end of the line, quotes included: print them unquoted.
 sed -n "s/^export \([A-Z_]*\)='\(.*\)'\$/export \1=\2/p; s/^export \([A-Z_]*\)=\([^']*\)\$/export \1=\2/p" "$partial"
-# mktemp made it 0600; the job's scripts read it. A rename replaces the file whole, so tasks of
-# one job that finish together leave one complete plan (the same plan).
-if chmod 644 "$partial" && mv -f "$partial" "$plan_file"; then
-    echo "export AUTOBATCH_PLAN_FILE=$plan_file"
-else
-    echo "autobatch prolog: the plan is not kept in $plan_file" >&2
-    rm -f "$partial"
-fi
+keep

@@ -45,6 +45,7 @@ __all__ = [
     "declared_budget",
     "plan_and_table",
     "plan_job",
+    "plan_world_sizes",
     "source_of",
 ]
 
@@ -102,6 +103,33 @@ def plan_and_table(
         return Planned(plan=result, world_size_options=None)
     table = plan_table(limit, request, budget=budget, source=source)
     return Planned(plan=result, world_size_options=table)
+
+
+def plan_world_sizes(
+    body: PlanCreate,
+    limit: Profile,
+    *,
+    capacity_bytes: int | None,
+    source: PlanSource | None,
+) -> list[WorldSizeOption]:
+    """The body's effective batch planned at each of ``body.world_sizes`` (a scheduler's
+    choice of GPU count), without the plan at ``body.world_size``.
+
+    Raises:
+        ConfigError, NoFeasiblePlanError: as :func:`autobatch.planning.plan_table` (the model
+            does not fit at micro-batch 1 in ``capacity_bytes``; a profile that cannot predict
+            for it).
+    """
+    assert body.world_sizes is not None
+    request = PlanRequest(
+        effective_batch_size=body.effective_batch_size,
+        world_sizes=tuple(body.world_sizes),
+        multiple_of=body.multiple_of,
+        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
+        safety_margin=body.safety_margin,
+        capacity_bytes=capacity_bytes,
+    )
+    return plan_table(limit, request, source=source)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,7 +2,8 @@
 
 Roles, each allowing what the one before it does:
 
-- ``read``: plans (``POST /v1/plan``), every ``GET`` (profiles, listings, devices, probe runs);
+- ``read``: plans and admission decisions (``POST /v1/plan``, ``POST /v1/admissions``), every
+  ``GET`` (profiles, listings, devices, probe runs);
 - ``publish`` as one node: ``read``, and ``POST /v1/profiles`` for profiles whose
   ``node_name`` is that node (a node cannot publish under another's name: 403 naming it);
 - ``admin``: everything, ``DELETE`` and starting probe runs included.
@@ -144,7 +145,7 @@ def required_role(method: str, route_path: str) -> Role:
     """The role a ``/v1`` request needs, from its method and path (before its body is read)."""
     if method in ("GET", "HEAD", "OPTIONS"):
         return "read"
-    if method == "POST" and route_path.rstrip("/") == "/v1/plan":
+    if method == "POST" and route_path.rstrip("/") in ("/v1/plan", "/v1/admissions"):
         return "read"
     if method == "POST" and route_path.rstrip("/") == "/v1/profiles":
         return "publish"

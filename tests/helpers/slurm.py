@@ -2,6 +2,12 @@
 temporary directory (munged with a generated key, slurmctld and slurmd with a generated
 slurm.conf), as root with ``SlurmUser=root``, no cgroups, no accounting.
 
+With ``submit_config`` the controller runs autobatch's Lua plugins (``JobSubmitPlugins=lua``,
+``CliFilterPlugins=lua``): deploy/slurm's job_submit.lua, cli_filter.lua and
+autobatch_admission.lua are copied beside slurm.conf, where Slurm looks for them (as Debian's
+/etc/slurm/), and ``AUTOBATCH_SUBMIT_CONFIG`` names the settings file in slurmctld's environment
+and in :attr:`Cluster.env` (the clients').
+
 What is simulated: the GPUs. The node declares 8 ``gpu`` GRES backed by empty files (Slurm's
 gpu plugin drops file-less GPUs), so Slurm allocates and counts them and sets
 ``SLURM_GPUS_ON_NODE`` as it does on a GPU node; there is no CUDA device behind them. Everything
@@ -27,6 +33,8 @@ import pytest
 from tests.service.serving import free_port
 
 ENV_VAR = "AUTOBATCH_TEST_SLURM"
+LUA_PLUGINS = ("job_submit.lua", "cli_filter.lua", "autobatch_admission.lua")
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "slurm"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
 NUM_GPUS = 8
 NUM_CPUS = 32  # declared, not real (config_overrides): enough slots for concurrent jobs
@@ -65,8 +73,9 @@ class Cluster:
         )
 
 
-def _slurm_conf(root: Path, *, task_prolog: Path) -> str:
-    return f"""\
+def _slurm_conf(root: Path, *, task_prolog: Path, plugins: bool) -> str:
+    lua = "JobSubmitPlugins=lua\nCliFilterPlugins=lua\n" if plugins else ""
+    return f"""{lua}\
 ClusterName=autobatchtest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={free_port()}
@@ -130,9 +139,12 @@ def _wait_idle(cluster: Cluster) -> None:
 
 
 @contextmanager
-def one_node_cluster(root: Path, *, task_prolog: Path) -> Iterator[Cluster]:
+def one_node_cluster(
+    root: Path, *, task_prolog: Path, submit_config: Path | None = None
+) -> Iterator[Cluster]:
     """munged, slurmctld and slurmd under ``root``, the node idle with 8 (simulated) GPUs and
-    ``task_prolog`` as its TaskProlog; every daemon stopped at exit."""
+    ``task_prolog`` as its TaskProlog, and with ``submit_config`` autobatch's Lua plugins
+    reading that settings file; every daemon stopped at exit."""
     skip_or_fail_without_slurm()
     for name in ("state", "spool", "log", "dev"):
         (root / name).mkdir(parents=True, exist_ok=True)
@@ -142,8 +154,13 @@ def one_node_cluster(root: Path, *, task_prolog: Path) -> Iterator[Cluster]:
     for index in range(NUM_GPUS):
         (root / "dev" / f"gpu{index}").touch()
     (root / "gres.conf").write_text(f"NodeName=localhost Name=gpu File={root}/dev/gpu[0-7]\n")
-    (root / "slurm.conf").write_text(_slurm_conf(root, task_prolog=task_prolog))
+    plugins = submit_config is not None
+    (root / "slurm.conf").write_text(_slurm_conf(root, task_prolog=task_prolog, plugins=plugins))
     env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+    if submit_config is not None:
+        for name in LUA_PLUGINS:
+            shutil.copyfile(DEPLOY / name, root / name)
+        env["AUTOBATCH_SUBMIT_CONFIG"] = str(submit_config)
     cluster = Cluster(root=root, env=env)
     with ExitStack() as stack:
         _daemon(

@@ -68,6 +68,7 @@ LIBRARY_CHOICES: dict[tuple[str, str], Any] = {
 """Every choice a service schema offers that is a library concept, and the library's type."""
 
 SERVICE_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("AdmissionPublic", "outcome"): ("accepted", "sized", "unreachable", "unplanned"),
     ("HealthPublic", "status"): ("ok",),
     ("InputSpec", "dtype"): ("float32", "float16", "bfloat16", "int64", "int32", "bool"),
     ("ModelEntry", "loss"): (
@@ -78,8 +79,8 @@ SERVICE_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ),
     ("ProbePublic", "status"): typing.get_args(ProbeRunStatus),
 }
-"""The service's own choices: a liveness answer, the model registry's inputs and losses (the
-server's configuration file), a probe run's status."""
+"""The service's own choices: an admission's outcome, a liveness answer, the model registry's
+inputs and losses (the server's configuration file), a probe run's status."""
 
 LIBRARY_RANGES: dict[tuple[str, str], tuple[type, float, float]] = {
     ("DeviceSpec", "gpu_fraction"): (annotated_types.Gt, MIN_GPU_FRACTION, MAX_GPU_FRACTION),

@@ -1,0 +1,94 @@
+"""POST /v1/admissions over real stored profiles (an in-process app): accepted with the plan and
+its variables, unreachable with the nearest batches, sized, unplanned, and bad bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from service.admissions.schemas import AdmissionPublic
+from tests.service.test_service_api import make_profile, problem
+
+H100, L4 = "NVIDIA H100 80GB HBM3", "NVIDIA L4"
+
+
+def admit(client: TestClient, **body: Any) -> dict[str, Any]:
+    response = client.post(
+        "/v1/admissions",
+        json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 256, **body},
+    )
+    assert response.status_code == 200, response.text
+    AdmissionPublic.model_validate(response.json())
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def test_admissions(client: TestClient) -> None:
+    published = client.post(
+        "/v1/profiles", json=make_profile(device_name=H100, node_name="node-a").to_dict()
+    )
+    assert published.status_code == 201, published.text
+    profile_id = published.json()["id"]
+
+    # Accepted on 8 GPUs: 32 each (the profile recommends 36), one step; its variables.
+    accepted = admit(client, cards=[H100], world_size=8)
+    assert (accepted["outcome"], accepted["card"], accepted["world_size"]) == ("accepted", H100, 8)
+    assert accepted["profile_id"] == profile_id
+    assert accepted["selection"]["match"] == "measured"
+    assert accepted["plan"]["micro_batch_size"] == 32
+    env = accepted["environment"]
+    assert env["AUTOBATCH_MICRO_BATCH_SIZE"] == "32"
+    assert env["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "1"
+    assert env["AUTOBATCH_WORLD_SIZE"] == "8"
+    assert env["AUTOBATCH_PROFILE_ID"] == profile_id
+    assert env["AUTOBATCH_PLAN_SOURCE"] == "measured"
+    assert accepted["message"].startswith("accepted: effective batch 256 = micro-batch 32 x 1")
+
+    # 97 on 8 GPUs: refused, naming 96 and 104, and 1 GPU (the only count 97 divides).
+    refused = admit(client, cards=[H100], world_size=8, effective_batch_size=97)
+    assert refused["outcome"] == "unreachable"
+    assert (refused["plan"], refused["environment"]) == (None, {})
+    assert refused["nearest_effective_batch_sizes"] == [96, 104]
+    assert refused["reaching_world_sizes"] == [1]
+    assert "nearest reachable effective batch sizes: 96, 104" in refused["message"]
+
+    # Sized within a policy: the L4's memory is unknown (no profile on it), so the H100; of 8
+    # and 16 GPUs (32 is past the ceiling) the fewest: 4096 / 8 = 512 = 32 x 16 steps.
+    sized = admit(
+        client,
+        cards=[L4, H100],
+        effective_batch_size=4096,
+        policy={"size": True, "allowed_world_sizes": [8, 16, 32], "max_world_size": 16},
+    )
+    assert (sized["outcome"], sized["card"], sized["world_size"]) == ("sized", H100, 8)
+    assert sized["environment"]["AUTOBATCH_WORLD_SIZE"] == "8"
+    assert sized["environment"]["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "16"
+    assert sized["reasons"][1] == (
+        f"{L4}: no stored profile (of any model) was measured on this card, so its memory is "
+        "unknown; check the name against GET /v1/profiles' device_name"
+    )
+    assert sized["reaching_world_sizes"] == [8, 16]
+    assert sized["message"].startswith(f"sized to 8 GPUs of {H100}: the fewest GPUs")
+
+    # A model with no profile: admitted unchanged.
+    unknown = admit(client, model_fingerprint="fp-none", cards=[H100], world_size=8)
+    assert (unknown["outcome"], unknown["world_size"], unknown["plan"]) == ("unplanned", None, None)
+    assert unknown["reasons"][0].startswith(f"{H100}: ")
+
+    # No card given: the model's newest profile.
+    anywhere = admit(client, world_size=4)
+    assert (anywhere["outcome"], anywhere["card"], anywhere["world_size"]) == ("accepted", None, 4)
+    assert anywhere["plan"]["micro_batch_size"] == 32  # 64 per GPU: 32 x 2
+
+
+def test_bad_bodies_name_the_field(client: TestClient) -> None:
+    response = client.post(
+        "/v1/admissions", json={"model_fingerprint": "fp", "effective_batch_size": 8}
+    )
+    assert "policy.size" in problem(response, 422, "validation")["detail"]
+    response = client.post(
+        "/v1/admissions",
+        json={"model_fingerprint": "fp", "effective_batch_size": 8, "world_size": 0},
+    )
+    assert problem(response, 422, "validation")["errors"][0]["field"] == "body.world_size"
