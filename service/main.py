@@ -72,24 +72,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         settings.store_path, timeout_seconds=settings.store_timeout_seconds, open_later=True
     )
     metrics = Metrics()
-    publisher = central = forgetting = None
-    if settings.central_url:
-        central_token = central_token_source(settings)
-        central = CentralProfiles(settings.central_url, token=central_token)
-        publisher = Publisher(
-            settings.central_url,
-            token=central_token,
-            store=store,
-            policy=OutboxPolicy(
-                base_delay_seconds=settings.outbox_base_delay_seconds,
-                max_delay_seconds=settings.outbox_max_delay_seconds,
-                max_rows=settings.outbox_max_rows,
-            ),
-            metrics=metrics,
-        )
-        forgetting = Forgetting(
-            central, store, interval_seconds=settings.central_deletions_interval_seconds
-        )
+    central, publisher, forgetting = _fleet(settings, store, metrics)
     runs = ProbeRuns(
         registry,
         store,
@@ -145,6 +128,36 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     install_problem_handlers(app, feature_errors=probes.PROBE_RUN_ERRORS)
     install_openapi(app)
     return app
+
+
+def _fleet(
+    settings: Settings, store: ProfileStore, metrics: Metrics
+) -> tuple[CentralProfiles | None, Publisher | None, Forgetting | None]:
+    """Node mode (``central_url`` set): the read-through to the central service, the outbox's
+    publisher and the follower of its deletions; three None without it.
+
+    Raises:
+        ConfigError: the central token's file is unreadable or holds no single token.
+    """
+    if not settings.central_url:
+        return None, None, None
+    central_token = central_token_source(settings)
+    central = CentralProfiles(settings.central_url, token=central_token)
+    publisher = Publisher(
+        settings.central_url,
+        token=central_token,
+        store=store,
+        policy=OutboxPolicy(
+            base_delay_seconds=settings.outbox_base_delay_seconds,
+            max_delay_seconds=settings.outbox_max_delay_seconds,
+            max_rows=settings.outbox_max_rows,
+        ),
+        metrics=metrics,
+    )
+    forgetting = Forgetting(
+        central, store, interval_seconds=settings.central_deletions_interval_seconds
+    )
+    return central, publisher, forgetting
 
 
 def _reviewer(settings: Settings) -> TokenReviewer | None:
