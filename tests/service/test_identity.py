@@ -186,6 +186,14 @@ def test_a_tokens_file_takes_inline_comments() -> None:
         ("read", None, b"51bb2e"),
         ("publish", "gpu-node-7", b"0c9d"),
     ]
+    service_md = (Path(__file__).parents[2] / "docs" / "service.md").read_text()
+    shown = service_md.split("ROLE[:NODE] TOKEN` (blank lines")[1].split("```text\n")[1]
+    documented = parse_token_lines(shown.split("```")[0], source="docs/service.md")
+    assert [(g.role, g.node) for g in documented] == [
+        ("admin", None),
+        ("read", None),
+        ("publish", "gpu-node-7"),
+    ]
 
 
 def test_a_revoked_token_stops_within_the_check_interval(tmp_path: Path) -> None:
