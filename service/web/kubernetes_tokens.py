@@ -20,7 +20,9 @@ Reviews are kept :attr:`KubernetesSettings.cache_seconds` (30 s by default), acc
 alike, keyed by the token's SHA-256 (never the token): a token revoked (its pod deleted) stops
 working within that time. Only tokens shaped like a JWT (three dot-separated parts) are sent;
 an API server that does not answer within ``timeout_seconds`` is
-:class:`ReviewUnavailable` (503 with ``Retry-After``: the node's outbox retries).
+:class:`ReviewUnavailable` (503 with ``Retry-After``: the node's outbox retries), and so is a
+review asked while :data:`MAX_REVIEWS_IN_FLIGHT` others wait, so that a flood of made-up tokens
+costs the API server at most that many requests at a time.
 
 Example::
 
@@ -46,6 +48,7 @@ from autobatch.errors import AutobatchError, ConfigError
 from service.web.auth import Grant
 
 __all__ = [
+    "MAX_REVIEWS_IN_FLIGHT",
     "NODE_NAME_EXTRA",
     "SERVICE_ACCOUNT_DIR",
     "KubernetesSettings",
@@ -58,6 +61,8 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 """The TokenReview user's extra that names the node of the pod a token is bound to."""
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 """Where the kubelet mounts a pod's own service-account token and the cluster's CA."""
+MAX_REVIEWS_IN_FLIGHT = 8
+"""Reviews one service waits on at once; one more is refused (503) at once."""
 _REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
 _MAX_CACHED = 10_000
 _log = logging.getLogger("service.auth")
@@ -99,13 +104,15 @@ class TokenReviewer:
         self.settings = settings
         self._clock = clock
         self._cache: dict[str, tuple[float, Grant | None]] = {}
+        self._in_flight = 0
 
     async def review(self, token: bytes) -> Grant | None:
         """The ``publish`` grant of a pod's ``token``; None when it is not one (not a JWT, not
         authenticated, another audience or service account, no node).
 
         Raises:
-            ReviewUnavailable: the API server did not answer a review in time.
+            ReviewUnavailable: the API server did not answer a review in time, or
+                :data:`MAX_REVIEWS_IN_FLIGHT` reviews wait on it already.
         """
         if token.count(b".") != 2:
             return None
@@ -114,7 +121,16 @@ class TokenReviewer:
         cached = self._cache.get(key)
         if cached is not None and cached[0] > now:
             return cached[1]
-        grant = self._grant(await self._post(token), token)
+        if self._in_flight >= MAX_REVIEWS_IN_FLIGHT:
+            raise ReviewUnavailable(
+                f"{MAX_REVIEWS_IN_FLIGHT} token reviews are waiting on the Kubernetes API "
+                "server already; this one is refused rather than queued"
+            )
+        self._in_flight += 1
+        try:
+            grant = self._grant(await self._post(token), token)
+        finally:
+            self._in_flight -= 1
         if len(self._cache) >= _MAX_CACHED:
             self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
         if len(self._cache) < _MAX_CACHED:

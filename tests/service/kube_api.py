@@ -34,6 +34,12 @@ class FakeKubeApi:
     tokens: dict[str, PodToken] = dataclasses.field(default_factory=dict)
     reviews: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Each review's request body and the caller's Authorization, in order."""
+    release: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Reviews are answered once this is set (set from the start; a test clears it to hold
+    them)."""
+
+    def __post_init__(self) -> None:
+        self.release.set()
 
     def status_of(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The TokenReview status kube-apiserver would answer for ``spec``."""
@@ -63,6 +69,7 @@ def _handler(api: FakeKubeApi) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             authorization = self.headers.get("Authorization")
             api.reviews.append({"body": body, "authorization": authorization})
+            api.release.wait(10)
             if self.path != REVIEW_PATH:
                 self._answer(404, {"kind": "Status", "reason": "NotFound"})
             elif authorization != f"Bearer {api.caller_token}":

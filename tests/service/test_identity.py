@@ -15,8 +15,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.errors import ConfigError
-from service.web.auth import FileToken, parse_token_lines
-from service.web.kubernetes_tokens import KubernetesSettings, TokenReviewer
+from service.web.auth import FileToken, Grant, parse_token_lines
+from service.web.kubernetes_tokens import (
+    MAX_REVIEWS_IN_FLIGHT,
+    KubernetesSettings,
+    ReviewUnavailable,
+    TokenReviewer,
+)
 from service.web.token_files import RELOAD_CHECK_SECONDS, TokenSource
 from tests.service.kube_api import FakeKubeApi, PodToken, fake_kube_api
 from tests.service.serving import free_port
@@ -161,6 +166,32 @@ def test_a_review_is_kept_30_s_then_asked_again(kube: FakeKubeApi, tmp_path: Pat
     now[0] += 0.2
     assert asyncio.run(reviewer.review(POD_A.encode())) is None
     assert len(kube.reviews) == 2
+
+
+def test_a_flood_of_made_up_tokens_waits_on_few_reviews(kube: FakeKubeApi, tmp_path: Path) -> None:
+    settings = KubernetesSettings(
+        api_url=kube.url,
+        service_accounts=frozenset({"default:autobatch"}),
+        credentials_dir=credentials(tmp_path),
+    )
+    reviewer = TokenReviewer(settings)
+    kube.release.clear()  # the API server holds every review
+
+    async def flood() -> list[Grant | BaseException | None]:
+        held = [
+            asyncio.create_task(reviewer.review(f"eyJ.made-up-{n}.sig".encode()))
+            for n in range(MAX_REVIEWS_IN_FLIGHT)
+        ]
+        while len(kube.reviews) < MAX_REVIEWS_IN_FLIGHT:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ReviewUnavailable, match="refused rather than queued"):
+            await reviewer.review(b"eyJ.one-more.sig")
+        kube.release.set()
+        return await asyncio.gather(*held, return_exceptions=True)
+
+    assert asyncio.run(flood()) == [None] * MAX_REVIEWS_IN_FLIGHT  # unknown: not authenticated
+    assert len(kube.reviews) == MAX_REVIEWS_IN_FLIGHT
+    assert asyncio.run(reviewer.review(POD_A.encode())) is not None  # the count went back down
 
 
 def test_kubernetes_settings_name_the_accounts_or_fail_at_start(
