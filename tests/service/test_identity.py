@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.errors import ConfigError
+from autobatch.store import ProfileStore
+from service.fleet.publisher import OutboxPolicy, Publisher
 from service.web.auth import FileToken, Grant, parse_token_lines
 from service.web.kubernetes_tokens import (
     MAX_REVIEWS_IN_FLIGHT,
@@ -290,3 +292,46 @@ def test_a_nodes_token_file_is_read_for_each_request(tmp_path: Path) -> None:
     assert token() == "eyJ.rotated.sig"
     path.unlink()  # between the kubelet's remove and write: the last one read
     assert token() == "eyJ.rotated.sig"
+
+
+def test_a_sidecar_publishes_with_its_rotating_pod_token_as_its_node_only(
+    make_app: Callable[..., FastAPI], tmp_path: Path, kube: FakeKubeApi
+) -> None:
+    """End to end: the node's outbox reads its projected token for each request; the central
+    service reviews it and stores the node's own profiles, and refuses another node's."""
+    from tests.service.test_deletions import served
+
+    central_app = make_app(
+        kubernetes_api_url=kube.url,
+        kubernetes_service_accounts="default:autobatch",
+        kubernetes_credentials_dir=credentials(tmp_path),
+        kubernetes_review_cache_seconds=0,  # each publish reviewed: the rotation is seen
+    )
+    token_file = tmp_path / "projected-token"
+    token_file.write_text(POD_A + "\n")
+    policy = OutboxPolicy(base_delay_seconds=0.05, max_delay_seconds=0.1, timeout_seconds=5)
+    with ProfileStore(tmp_path / "node.sqlite3") as store, served(central_app) as url:
+        central: ProfileStore = central_app.state.service.store
+        publisher = Publisher(url, token=FileToken(token_file), store=store, policy=policy)
+        publisher.open()
+        try:
+            publisher.submit(measured("node-a", 32))
+            wait_for(lambda: len(central.list_profiles()) == 1)
+            rotated = "eyJhbGciOiJSUzI1NiJ9.pod-on-node-a-rotated.c2ln"
+            kube.tokens[rotated] = kube.tokens.pop(POD_A)  # the kubelet rotated the token
+            token_file.write_text(rotated + "\n")
+            publisher.submit(measured("node-a", 16))
+            wait_for(lambda: len(central.list_profiles()) == 2)
+            publisher.submit(measured("node-b", 512))  # a profile naming another node
+            wait_for(lambda: "wrong-node" in "".join(e.last_error for e in store.outbox.entries()))
+        finally:
+            publisher.close()
+    assert sorted(p.max_micro_batch_size for _, p in central.list_profiles()) == [16, 32]
+    assert [r["body"]["spec"]["token"] for r in kube.reviews][:2] == [POD_A, rotated]
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within 20 s"
+        time.sleep(0.05)
