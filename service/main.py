@@ -23,20 +23,23 @@ from service.deps import ServiceState
 from service.devices import routes as devices
 from service.devices.gpus import GpuMonitor
 from service.fleet.central import CentralProfiles
+from service.fleet.forgetting import Forgetting
 from service.fleet.publisher import OutboxPolicy, Publisher
 from service.plans import routes as plans
 from service.probes import routes as probes
 from service.probes.registry import load_registry
 from service.probes.runs import ProbeRuns
+from service.profiles import deletions, summaries
 from service.profiles import routes as profiles
-from service.profiles import summaries
-from service.web.auth import central_token_of, load_tokens
+from service.web.auth import central_token_source
+from service.web.kubernetes_tokens import KubernetesSettings, TokenReviewer, service_accounts_of
 from service.web.metrics import Metrics
 from service.web.middleware import ServiceMiddleware
 from service.web.problems import install_openapi, install_problem_handlers
 from service.web.protocol import MAX_HEADER_BYTES, timed_protocol
 from service.web.settings import Settings
 from service.web.store_calls import StoreCalls
+from service.web.token_files import TokenSource
 
 __all__ = ["create_app", "run"]
 
@@ -60,7 +63,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
     settings = settings or Settings()
     registry = load_registry(settings.config_file)
     api_token = settings.api_token
-    tokens = load_tokens(
+    tokens = TokenSource(
         api_token=None if api_token is None else api_token.get_secret_value(),
         tokens_file=settings.api_tokens_file,
     )
@@ -70,21 +73,7 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         settings.store_path, timeout_seconds=settings.store_timeout_seconds, open_later=True
     )
     metrics = Metrics()
-    publisher = central = None
-    if settings.central_url:
-        central_token = central_token_of(settings)
-        central = CentralProfiles(settings.central_url, token=central_token)
-        publisher = Publisher(
-            settings.central_url,
-            token=central_token,
-            store=store,
-            policy=OutboxPolicy(
-                base_delay_seconds=settings.outbox_base_delay_seconds,
-                max_delay_seconds=settings.outbox_max_delay_seconds,
-                max_rows=settings.outbox_max_rows,
-            ),
-            metrics=metrics,
-        )
+    central, publisher, forgetting = _fleet(settings, store, metrics)
     runs = ProbeRuns(
         registry,
         store,
@@ -99,12 +88,16 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         runs.open()
         if publisher is not None:
             publisher.open()  # resumes what the outbox holds
+        if forgetting is not None:
+            forgetting.open()  # deletes here what central deleted
         yield
         runs.close()  # kills running probe children; the store stays open for run()/the caller
         store_calls.close()
         page_calls.close()
         if publisher is not None:
             publisher.close()  # what waits stays in the outbox
+        if forgetting is not None:
+            forgetting.close()
 
     store_calls = StoreCalls(timeout_seconds=settings.store_timeout_seconds)
     page_calls = StoreCalls(timeout_seconds=settings.store_timeout_seconds, max_threads=1)
@@ -125,19 +118,77 @@ def create_app(settings: Settings | None = None, *, nvml: Nvml | None = None) ->
         central=central,
     )
     app.add_middleware(
-        ServiceMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics, tokens=tokens
+        ServiceMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+        tokens=tokens,
+        reviewer=_reviewer(settings),
     )
-    for module in (plans, admissions, profiles, summaries, probes, devices, health):
+    for module in (plans, admissions, profiles, summaries, deletions, probes, devices, health):
         app.include_router(module.router)
     install_problem_handlers(app, feature_errors=probes.PROBE_RUN_ERRORS)
     install_openapi(app)
     return app
 
 
+def _fleet(
+    settings: Settings, store: ProfileStore, metrics: Metrics
+) -> tuple[CentralProfiles | None, Publisher | None, Forgetting | None]:
+    """Node mode (``central_url`` set): the read-through to the central service, the outbox's
+    publisher and the follower of its deletions; three None without it.
+
+    Raises:
+        ConfigError: the central token's file is unreadable or holds no single token.
+    """
+    if not settings.central_url:
+        return None, None, None
+    central_token = central_token_source(settings)
+    central = CentralProfiles(settings.central_url, token=central_token)
+    publisher = Publisher(
+        settings.central_url,
+        token=central_token,
+        store=store,
+        policy=OutboxPolicy(
+            base_delay_seconds=settings.outbox_base_delay_seconds,
+            max_delay_seconds=settings.outbox_max_delay_seconds,
+            max_rows=settings.outbox_max_rows,
+        ),
+        metrics=metrics,
+    )
+    forgetting = Forgetting(
+        central, store, interval_seconds=settings.central_deletions_interval_seconds
+    )
+    return central, publisher, forgetting
+
+
+def _reviewer(settings: Settings) -> TokenReviewer | None:
+    """The Kubernetes reviewer of pods' tokens, when ``kubernetes_api_url`` is set.
+
+    Raises:
+        ConfigError: ``kubernetes_service_accounts`` names none, or one that is not
+            ``NAMESPACE:NAME``.
+    """
+    if settings.kubernetes_api_url is None:
+        return None
+    return TokenReviewer(
+        KubernetesSettings(
+            api_url=settings.kubernetes_api_url,
+            service_accounts=service_accounts_of(settings.kubernetes_service_accounts),
+            audience=settings.kubernetes_audience,
+            credentials_dir=settings.kubernetes_credentials_dir,
+            cache_seconds=settings.kubernetes_review_cache_seconds,
+        )
+    )
+
+
 def run(settings: Settings) -> None:
     """Serve until interrupted (``uvicorn.run`` on ``settings.host``/``settings.port``)."""
     app = create_app(settings)
-    tokenless = settings.api_token is None and settings.api_tokens_file is None
+    tokenless = (
+        settings.api_token is None
+        and settings.api_tokens_file is None
+        and settings.kubernetes_api_url is None
+    )
     if tokenless and settings.host not in ("127.0.0.1", "localhost", "::1"):
         _log.warning(
             "serving on %s without an API token: anyone who can reach the port can register "

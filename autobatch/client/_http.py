@@ -344,6 +344,14 @@ class AutobatchClient:
         data = self._request("GET", "/v1/profiles", params=params).json()
         return [(row["id"], Profile.from_dict(row["profile"])) for row in data["profiles"]]
 
+    def list_deletions(self, *, after: int = 0, limit: int = 1000) -> tuple[list[str], int]:
+        """``GET /v1/profile-deletions``: the ids of profiles the service deleted after cursor
+        ``after`` (0: from the first), oldest first, at most ``limit``, and the cursor to ask
+        with next (the same when none was deleted since)."""
+        params = {"after": str(after), "limit": limit}
+        data = self._request("GET", "/v1/profile-deletions", params=params).json()
+        return [row["profile_id"] for row in data["deletions"]], int(data["next_after"])
+
     def delete_profile(self, profile_id: str) -> None:
         """``DELETE /v1/profiles/{id}``.
 

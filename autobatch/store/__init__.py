@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+from autobatch.store._deletions import Deletion, DeletionPage
 from autobatch.store._location import Create, parse_location, redact
 from autobatch.store._outbox import OutboxEntry
 from autobatch.store._remote import ProfileRemote
@@ -32,6 +33,8 @@ from autobatch.store._store import (
 __all__ = [
     "STORE_ENV_VAR",
     "Create",
+    "Deletion",
+    "DeletionPage",
     "OutboxEntry",
     "ProfilePage",
     "ProfileRemote",

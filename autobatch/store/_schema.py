@@ -18,7 +18,8 @@ Versions: 1, the first SQLite layout (``profiles`` with ``seq, id, cache_key, mo
 device_name, created_at, profile_schema_version, profile_json``); 2 adds ``store_meta``,
 ``node_name`` (indexed) and the ``max_micro_batch_size``/``recommended_micro_batch_size`` that
 summaries list without decoding profiles, and ``probe_jobs`` (the service's job records); 3 adds
-``outbox`` (a node's profiles waiting to reach the central service, ``service.fleet.publisher``).
+``outbox`` (a node's profiles waiting to reach the central service, ``service.fleet.publisher``);
+4 adds ``deletions`` (a tombstone per deleted profile, which nodes follow to forget their copies).
 
 Example::
 
@@ -42,6 +43,7 @@ __all__ = [
     "APPLICATION_ID",
     "MIGRATIONS",
     "STORE_SCHEMA_VERSION",
+    "deletions",
     "metadata",
     "open_schema",
     "outbox",
@@ -50,7 +52,7 @@ __all__ = [
     "store_meta",
 ]
 
-STORE_SCHEMA_VERSION = 3
+STORE_SCHEMA_VERSION = 4
 """Version of the table layout this autobatch reads and writes."""
 
 APPLICATION_ID = 0x41744274  # b"AtBt", in a SQLite file's header: marks the file as ours
@@ -113,6 +115,17 @@ outbox = sa.Table(
 """A node's profiles not yet acknowledged by the central service (``autobatch.store._outbox``);
 times are Unix seconds, as they must survive a restart. ``seq`` orders them (oldest first)."""
 
+deletions = sa.Table(
+    "deletions",
+    metadata,
+    sa.Column("seq", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True),
+    sa.Column("profile_id", sa.Text(), nullable=False, index=True),
+    sa.Column("deleted_at", sa.Text(), nullable=False),
+)
+"""One tombstone per deleted profile, kept (a few dozen bytes each): ``seq``, the cursor that
+nodes follow (``ProfileStore.page_deletions``), drawn in commit order as ``profiles.seq`` is
+(the same insert lock on PostgreSQL; rows never deleted, so never reused on SQLite)."""
+
 _V1_COLUMNS = frozenset(
     {
         "seq",
@@ -161,7 +174,12 @@ def _to_v3(conn: sa.Connection, backend: str) -> None:
     outbox.create(conn)
 
 
-MIGRATIONS: dict[int, Callable[[sa.Connection, str], None]] = {2: _to_v2, 3: _to_v3}
+def _to_v4(conn: sa.Connection, backend: str) -> None:
+    """Version 3 -> 4: the ``deletions`` table (empty: what was deleted before is not known)."""
+    deletions.create(conn)
+
+
+MIGRATIONS: dict[int, Callable[[sa.Connection, str], None]] = {2: _to_v2, 3: _to_v3, 4: _to_v4}
 """``{version: function}``: the function takes a store at ``version - 1`` to ``version``."""
 
 

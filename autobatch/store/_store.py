@@ -41,7 +41,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 from autobatch.store import _probe_runs as probe_runs
 from autobatch.store._connection import StoreConnection
 from autobatch.store._copying import copy_rows
+from autobatch.store._deletions import DeletionPage, delete_ids, page_deletions
 from autobatch.store._fallback import default_or_fallback
 from autobatch.store._location import (
     STORE_ENV_VAR,
@@ -79,7 +80,7 @@ __all__ = [
     "profile_id_of",
 ]
 
-STORE_SCHEMA_VERSION = 3
+STORE_SCHEMA_VERSION = 4
 """Version of the table layout (``autobatch.store._schema.STORE_SCHEMA_VERSION``, repeated
 here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
@@ -462,23 +463,28 @@ class ProfileStore:
         )
 
     def delete(self, profile_id: str) -> bool:
-        """Remove the profile stored under ``profile_id``.
+        """Remove ``profile_id`` as :meth:`forget` does; True when it was stored.
 
-        Returns:
-            True when a profile was removed, False when none had that id.
+        Raises:
+            StoreError: as :meth:`forget`."""
+        return bool(self.forget([profile_id]))
+
+    def forget(self, profile_ids: Iterable[str]) -> list[str]:
+        """Remove the profiles of ``profile_ids`` this store holds, in one transaction, each
+        leaving a tombstone (:meth:`page_deletions`); the ids removed.
 
         Raises:
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
-        import sqlalchemy as sa
+        return delete_ids(self._db, self.backend, profile_ids)
 
-        from autobatch.store._schema import profiles
-        from autobatch.store._sequence import remember_deleted
+    def page_deletions(self, *, after: int = 0, limit: int = 100) -> DeletionPage:
+        """Tombstones of deleted profiles after cursor ``after`` (0: the first), oldest first,
+        at most ``limit``; follow with each page's ``next_after``.
 
-        with self._db.write("delete a profile") as conn:
-            remember_deleted(conn, self.backend, profile_id)
-            done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
-        return done.rowcount > 0
+        Raises:
+            ConfigError: ``after`` < 0 or ``limit`` < 1. StoreError: the store is unreadable."""
+        return page_deletions(self._db, after=after, limit=limit)
 
     def put_probe_run(self, run_id: str, record: Mapping[str, Any]) -> None:
         """Keep (or replace) the record of the service's probe run ``run_id`` (``record`` is
@@ -510,8 +516,6 @@ class ProfileStore:
                 holding it has under ``MIN_FREE_BYTES`` (1 MiB) free.
         """
         self._db.check_writable()
-
-    # -- internals ---------------------------------------------------------------------------
 
     def _listing(
         self,

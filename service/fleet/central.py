@@ -13,6 +13,9 @@ A central service that does not answer in ``timeout_seconds`` (or answers a prob
 error here: the sidecar answers from what it holds, as it would without a central service.
 Called in the store's worker thread (``service.web.store_calls``), never on the event loop.
 
+The same reader gives the central service's deletions (:meth:`CentralProfiles.deletions_after`),
+which the node follows to delete its copies (``service.fleet.forgetting``).
+
 Example::
 
     central = CentralProfiles("http://autobatch-central:8000", token=None)
@@ -22,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from autobatch.client import AutobatchClient
 from autobatch.errors import AutobatchError
@@ -37,23 +41,41 @@ class CentralProfiles:
 
     Args:
         url: the central service's base URL.
-        token: its bearer token, or None.
+        token: its bearer token, or a function giving it for each request (a rotating file's),
+            or None.
         timeout_seconds: the longest a request may take, in seconds.
     """
 
-    def __init__(self, url: str, *, token: str | None, timeout_seconds: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | Callable[[], str | None] | None,
+        timeout_seconds: float = 2.0,
+    ) -> None:
         self.url = url
-        self._token = token
-        self._timeout_seconds = timeout_seconds
+        self._token = token if callable(token) else (lambda: token)
+        self.timeout_seconds = timeout_seconds
+
+    def deletions_after(self, cursor: int, *, limit: int) -> tuple[list[str], int]:
+        """The ids of profiles the central service deleted after ``cursor``, oldest first, at
+        most ``limit``, and the cursor to ask with next.
+
+        Raises:
+            AutobatchError: the central service did not answer, or answered a problem.
+        """
+        with self._client() as client:
+            return client.list_deletions(after=cursor, limit=limit)
+
+    def _client(self) -> AutobatchClient:
+        return AutobatchClient(self.url, token=self._token(), timeout=self.timeout_seconds)
 
     def profiles_of(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
         """The central service's newest ``limit`` profiles of ``model_fingerprint``, as
         ``(profile_id, profile)`` newest first; empty when it holds none or cannot be reached
         (logged)."""
         try:
-            with AutobatchClient(
-                self.url, token=self._token, timeout=self._timeout_seconds
-            ) as client:
+            with self._client() as client:
                 return client.list_profiles(model_fingerprint=model_fingerprint, limit=limit)
         except AutobatchError as exc:
             _log.warning(

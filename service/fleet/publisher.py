@@ -105,7 +105,8 @@ class Publisher:
 
     Args:
         url: the central service's base URL.
-        token: its bearer token, or None.
+        token: its bearer token, or a function giving it for each request (a rotating
+            file's: ``service.web.auth.central_token_source``), or None.
         store: the node's store (its outbox and its profiles).
         policy: retries and bound (default :class:`OutboxPolicy()`).
         metrics: counts outcomes and what waits; None counts nothing.
@@ -117,7 +118,7 @@ class Publisher:
         self,
         url: str,
         *,
-        token: str | None,
+        token: str | Callable[[], str | None] | None,
         store: ProfileStore,
         policy: OutboxPolicy | None = None,
         metrics: Metrics | None = None,
@@ -125,7 +126,7 @@ class Publisher:
         draw: Callable[[], float] = random.random,
     ) -> None:
         self.url = url
-        self._token = token
+        self._token = token if callable(token) else (lambda: token)
         self._store = store
         self.policy = policy or OutboxPolicy()
         self._metrics = metrics
@@ -183,8 +184,6 @@ class Publisher:
 
     def _work(self) -> None:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
         self._count_waiting()
         with httpx.Client(
             base_url=self.url, headers=headers, timeout=self.policy.timeout_seconds
@@ -209,7 +208,7 @@ class Publisher:
             if entry.profile_json is None:
                 self._drop_missing(entry)
                 return 0.0
-            answer = _send(http, entry.profile_json.encode())
+            answer = _send(http, entry.profile_json.encode(), self._token())
             self._settle(entry, answer, attempted_at=now)
         except StoreError as exc:
             self._failures += 1
@@ -276,10 +275,11 @@ class Publisher:
             self._metrics.outbox_waiting.set(self._store.outbox.count())
 
 
-def _send(http: httpx.Client, body: bytes) -> _Answer:
-    """One POST of ``body`` to ``/v1/profiles``, its answer classified."""
+def _send(http: httpx.Client, body: bytes, token: str | None) -> _Answer:
+    """One POST of ``body`` to ``/v1/profiles`` with ``token``, its answer classified."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        response = http.post("/v1/profiles", content=body)
+        response = http.post("/v1/profiles", content=body, headers=headers)
     except httpx.HTTPError as exc:
         return _Answer(outcome="retried", detail=f"cannot reach it: {exc!r}")
     status = response.status_code

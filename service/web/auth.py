@@ -12,7 +12,8 @@ Tokens are configured (``service.web.settings``) by ``AUTOBATCH_API_TOKEN`` (one
 for a deployment without roles) and by ``AUTOBATCH_API_TOKENS_FILE``, which names either
 
 - a file of lines ``ROLE[:NODE] TOKEN`` (``read``, ``publish:gpu-node-7``, ``admin``), blank
-  lines and lines starting with ``#`` ignored; or
+  lines ignored, and a ``#`` that starts a word starting a comment to the end of its line
+  (``admin 9f2c... # operators``); or
 - a directory, such as a Kubernetes Secret mounted as files: each file is one token (its text,
   trimmed) and its name the role: ``admin``, ``read``, ``publish.NODE``; ``read.LABEL`` and
   ``admin.LABEL`` tell several tokens of a role apart. Names starting with ``.`` (Kubernetes'
@@ -40,8 +41,9 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -50,11 +52,12 @@ from service.web.settings import Settings
 
 __all__ = [
     "GRANT_SCOPE_KEY",
+    "FileToken",
     "Grant",
     "Role",
     "Tokens",
     "bearer_value",
-    "central_token_of",
+    "central_token_source",
     "host_allowed",
     "is_loopback_server",
     "load_tokens",
@@ -70,6 +73,7 @@ ROLES: tuple[Role, ...] = get_args(Role)
 GRANT_SCOPE_KEY = "autobatch.grant"
 """Where the middleware leaves the request's :class:`Grant` in the ASGI scope."""
 _FORMAT = "lines ROLE[:NODE] TOKEN, ROLE one of read, publish:NODE, admin"
+_log = logging.getLogger("service.auth")
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
 # RFC 9110's Host: a name or IPv4 address, or an IPv6 address in brackets, then an optional port;
@@ -178,8 +182,8 @@ def parse_token_lines(text: str, *, source: str) -> list[Grant]:
     """
     grants = []
     for number, line in enumerate(text.splitlines(), start=1):
-        words = line.split()
-        if not words or words[0].startswith("#"):
+        words = _before_comment(line.split())
+        if not words:
             continue
         where = f"{source} line {number}"
         if len(words) != 2:
@@ -187,6 +191,14 @@ def parse_token_lines(text: str, *, source: str) -> list[Grant]:
         role, _, node = words[0].partition(":")
         grants.append(_grant(role, node if ":" in words[0] else None, words[1], where))
     return grants
+
+
+def _before_comment(words: list[str]) -> list[str]:
+    """The words of a line before the first that starts with ``#`` (a comment)."""
+    for index, word in enumerate(words):
+        if word.startswith("#"):
+            return words[:index]
+    return words
 
 
 def read_token_directory(directory: Path) -> list[Grant]:
@@ -269,15 +281,37 @@ def host_allowed(host: str | None) -> bool:
     return matched is not None and matched["name"] in _LOOPBACK_NAMES
 
 
-def central_token_of(settings: Settings) -> str | None:
-    """The token for the central service: ``central_api_token``, else its file's (trimmed);
-    None when neither is set.
+def central_token_source(settings: Settings) -> Callable[[], str | None]:
+    """The token for the central service, as a function called for each request:
+    ``central_api_token``, else its file's (trimmed), read again each time (a pod's projected
+    service-account token rotates); None when neither is set.
 
     Raises:
-        ConfigError: the token file is unreadable or holds no single token.
+        ConfigError: at start, the token file is unreadable or holds no single token.
     """
     if settings.central_api_token is not None:
-        return settings.central_api_token.get_secret_value()
+        token = settings.central_api_token.get_secret_value()
+        return lambda: token
     if settings.central_api_token_file is not None:
-        return read_token_file(settings.central_api_token_file)
-    return None
+        return FileToken(settings.central_api_token_file)
+    return lambda: None
+
+
+class FileToken:
+    """The token a file holds, read at every call; a read that fails keeps the last good
+    token (logged), as a rotating file may be replaced between two reads.
+
+    Raises:
+        ConfigError: at construction, the file is unreadable or holds no single token.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last = read_token_file(path)
+
+    def __call__(self) -> str:
+        try:
+            self._last = read_token_file(self.path)
+        except ConfigError as exc:
+            _log.warning("%s; sending the last token read", exc)
+        return self._last

@@ -4,10 +4,12 @@ Pure ASGI (no per-request task or stream wrapping), so it adds no task or copy p
 order:
 
 - on ``/v1`` (after any ``root_path``): 401 unless exactly one ``Authorization: Bearer <token>``
-  matches a configured token (``service.web.auth``: constant time), 403 when its role does not
-  allow the route; health and metrics stay open for kubelet probes and scrapers; without
-  tokens, ``/v1`` on a loopback connection answers 403 unless ``Host`` names loopback (DNS
-  rebinding);
+  matches a configured token (``service.web.auth``: constant time; the tokens file reloaded
+  when it changes, ``service.web.token_files``) or, with a reviewer, is a pod's token the
+  Kubernetes API accepts (``service.web.kubernetes_tokens``; 503 while it cannot review),
+  403 when its role does not allow the route; health and metrics stay open for kubelet
+  probes and scrapers; without tokens, ``/v1`` on a loopback connection answers 403 unless
+  ``Host`` names loopback (DNS rebinding);
 - 413 for a body over ``max_body_bytes``: by ``Content-Length`` alone when it is the only
   framing, else counted while the body is buffered (chunked, or chunked and a length), before
   it is parsed;
@@ -24,12 +26,15 @@ headers. The answers are problem details from ``service.web.problems``, like eve
 
 Example::
 
-    app.add_middleware(ServiceMiddleware, max_body_bytes=1 << 20, metrics=metrics, tokens=tokens)
+    app.add_middleware(
+        ServiceMiddleware, max_body_bytes=1 << 20, metrics=metrics, tokens=tokens, reviewer=None
+    )
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from typing import Any
 
@@ -38,17 +43,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.web.auth import (
     GRANT_SCOPE_KEY,
-    Tokens,
+    Grant,
     bearer_value,
     host_allowed,
     is_loopback_server,
     required_role,
 )
+from service.web.kubernetes_tokens import ReviewUnavailable, TokenReviewer
 from service.web.metrics import Metrics
 from service.web.problems import CLIENT_CLOSED_REQUEST, problem_response
+from service.web.token_files import TokenSource
 
 __all__ = ["ServiceMiddleware", "token_matches"]
 
+_log = logging.getLogger("service.auth")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods counted by name; any other (h11 accepts any token) is "other", so labels stay few."""
@@ -117,12 +125,19 @@ class ServiceMiddleware:
     """See the module docstring. No ``tokens`` leaves ``/v1`` open (Host checked on loopback)."""
 
     def __init__(
-        self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics, tokens: Tokens
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        metrics: Metrics,
+        tokens: TokenSource,
+        reviewer: TokenReviewer | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self._tokens = tokens
+        self._reviewer = reviewer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -154,7 +169,7 @@ class ServiceMiddleware:
         headers: dict[str, list[str]] = {}
         for key, value in scope["headers"]:
             headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
-        refusal = self._refusal(scope, headers)
+        refusal = await self._refusal(scope, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
             return None
@@ -193,13 +208,13 @@ class ServiceMiddleware:
 
         return replay
 
-    def _refusal(self, scope: Scope, headers: dict[str, list[str]]) -> ASGIApp | None:
+    async def _refusal(self, scope: Scope, headers: dict[str, list[str]]) -> ASGIApp | None:
         """The 401 or 403 for a request its token (or, tokenless, its Host) does not allow;
         None to go on, with the token's grant in the scope (``service.web.auth``)."""
         path = _route_path(scope)
         if not _is_api(path):
             return None
-        if not self._tokens:
+        if not self._tokens and self._reviewer is None:
             host = headers.get("host", [])
             if not is_loopback_server(scope.get("server")) or (
                 len(host) == 1 and host_allowed(host[0])
@@ -215,7 +230,17 @@ class ServiceMiddleware:
             )
         given = headers.get("authorization", [])
         # Exactly one header: with several, servers and proxies disagree on which one counts.
-        grant = self._tokens.identify(given[0]) if len(given) == 1 else None
+        try:
+            grant = await self._identify(given[0]) if len(given) == 1 else None
+        except ReviewUnavailable as exc:
+            _log.warning("%s", exc)
+            return problem_response(
+                503,
+                "identity-unavailable",
+                "the token could not be checked: the Kubernetes API server did not review it "
+                "(see the server's log); retry later",
+                instance=scope["path"],
+            )
         if grant is None:
             return problem_response(
                 401,
@@ -235,6 +260,14 @@ class ServiceMiddleware:
             )
         scope[GRANT_SCOPE_KEY] = grant
         return None
+
+    async def _identify(self, authorization: str) -> Grant | None:
+        """The grant of a configured token, else of a pod's token the reviewer accepts."""
+        grant = self._tokens.current().identify(authorization)
+        if grant is None and self._reviewer is not None:
+            presented = bearer_value(authorization)
+            grant = await self._reviewer.review(presented) if presented else None
+        return grant
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         await problem_response(

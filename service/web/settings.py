@@ -47,7 +47,24 @@ class Settings(BaseSettings):
     api_tokens_file: Path | None = None
     """Tokens with roles (``service.web.auth``): a file of lines ``ROLE[:NODE] TOKEN`` (``read``,
     ``publish:NODE``, ``admin``), or a directory of one-token files named ``admin``, ``read``,
-    ``publish.NODE`` (a Kubernetes Secret mounted as files)."""
+    ``publish.NODE`` (a Kubernetes Secret mounted as files). Read again when it changes
+    (``service.web.token_files``): a revoked token stops working within 5 s, without a
+    restart; a file that no longer parses keeps the last good tokens (logged)."""
+    kubernetes_api_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    """Kubernetes: accept a pod's projected service-account token as ``publish`` for the node
+    the pod runs on, checked with this API server's TokenReview
+    (``service.web.kubernetes_tokens``); in a cluster ``https://kubernetes.default.svc``.
+    None accepts configured tokens only."""
+    kubernetes_service_accounts: str = ""
+    """Kubernetes: the service accounts whose pods may publish, ``NAMESPACE:NAME`` separated
+    by commas (e.g. ``autobatch:autobatch``); required with :attr:`kubernetes_api_url`."""
+    kubernetes_audience: str = Field(default="autobatch", min_length=1, max_length=253)
+    """Kubernetes: the audience a pod's token must be issued for."""
+    kubernetes_review_cache_seconds: float = Field(default=30.0, ge=0, le=3600)
+    """Kubernetes: how long a token's review is kept; a revoked pod token (its pod deleted)
+    stops working within this many seconds."""
+    kubernetes_credentials_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+    """Kubernetes: the service's own in-cluster ``token`` and ``ca.crt``."""
     config_file: Path | None = None
     """TOML registry of the models that probe runs may run (see ``service.probes.registry``)."""
     require_gpu: bool = False
@@ -81,7 +98,13 @@ class Settings(BaseSettings):
     """The central service's bearer token, when it sets one (a node's: ``publish`` as this
     node); trimmed of surrounding whitespace."""
     central_api_token_file: Path | None = None
-    """A file holding :attr:`central_api_token` (a mounted Secret); read at start."""
+    """A file holding :attr:`central_api_token` (a mounted Secret, or a pod's projected
+    service-account token); read at start and again for each request, as a projected token
+    rotates."""
+    central_deletions_interval_seconds: float = Field(default=10.0, gt=0, le=3600)
+    """Node mode: seconds between two looks at the central service's deleted profiles; the
+    node deletes its copies of them (``service.fleet.forgetting``), so a deletion at central
+    leaves the node within this plus 2 s (12 s by default)."""
     outbox_max_rows: int = Field(default=10_000, ge=1, le=10_000_000)
     """Node mode: profiles the outbox holds at most; beyond it the oldest are dropped (logged,
     counted). Each waits until the central service acknowledges it (``service.fleet.publisher``)."""
@@ -126,6 +149,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="tokens with roles: a file of lines ROLE[:NODE] TOKEN, or a Secret's directory",
     )
+    parser.add_argument(
+        "--kubernetes-api-url",
+        help="accept pods' service-account tokens, reviewed by this Kubernetes API server",
+    )
+    parser.add_argument(
+        "--kubernetes-service-accounts",
+        help="NAMESPACE:NAME,... whose pods may publish (with --kubernetes-api-url)",
+    )
+    parser.add_argument("--kubernetes-audience", help="the pod tokens' audience (autobatch)")
+    parser.add_argument(
+        "--kubernetes-review-cache-seconds", type=float, help="how long a review is kept (30)"
+    )
+    parser.add_argument(
+        "--kubernetes-credentials-dir", type=Path, help="the service's own in-cluster token, CA"
+    )
     parser.add_argument("--config-file", type=Path, help="TOML registry of probe-able models")
     parser.add_argument(
         "--require-gpu",
@@ -156,6 +194,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--central-api-token",
         help="the central service's bearer token (prefer AUTOBATCH_CENTRAL_API_TOKEN)",
+    )
+    parser.add_argument(
+        "--central-deletions-interval-seconds",
+        type=float,
+        help="node mode: seconds between looks at central's deleted profiles (10)",
     )
     parser.add_argument("--outbox-max-rows", type=int, help="profiles waiting at most (10000)")
     parser.add_argument(

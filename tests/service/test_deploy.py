@@ -24,7 +24,8 @@ from autobatch.client import publish_profile
 from autobatch.conditions import Conditions
 from service.__main__ import parse_args
 from service.probes.registry import load_registry
-from service.web.settings import settings_from_args
+from service.web.kubernetes_tokens import service_accounts_of
+from service.web.settings import Settings, settings_from_args
 from tests.service.serving import free_port
 from tests.service.test_container import image_env, instruction
 from tests.service.test_service_api import make_profile
@@ -253,51 +254,60 @@ def secret_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, li
 
 
 def test_tokens_reach_each_workload_as_files_with_their_roles(tmp_path: Path) -> None:
-    """The central service reads every role's token from the Secrets; a node's sidecar holds
-    publish-as-itself; the training Job's init container holds read."""
-    from service.web.auth import load_tokens, read_token_file
+    """The central service reads admin and read tokens from the Secret; a node's sidecar holds
+    no Secret, only its pod's own audience-bound token, which the central service reviews as
+    publish for that pod's node; the training Job's init container holds read."""
+    from service.web.auth import load_tokens
 
-    central = pod_spec(kinds(DEPLOY / "central.yaml")["Deployment"])
+    manifest = kinds(DEPLOY / "central.yaml")
+    central = pod_spec(manifest["Deployment"])
     central_env = env_of(autobatch_container(central))
     assert "AUTOBATCH_API_TOKEN" not in central_env
     tokens_dir = central_env["AUTOBATCH_API_TOKENS_FILE"]
-    assert secret_files(central, autobatch_container(central)) == {
-        tokens_dir: ["autobatch-tokens", "autobatch-node-tokens"]
-    }
-    node_pod = pod_spec(kinds(DEPLOY / "daemonset.yaml")["DaemonSet"])
+    assert secret_files(central, autobatch_container(central)) == {tokens_dir: ["autobatch-tokens"]}
+    settings = Settings(
+        **{name.removeprefix("AUTOBATCH_").lower(): value for name, value in central_env.items()
+           if isinstance(value, str)}
+    )  # fmt: skip
+    assert settings.kubernetes_api_url == "https://kubernetes.default.svc"
+    binding = manifest["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == "system:auth-delegator"  # may create tokenreviews
+    (subject,) = binding["subjects"]
+    assert (subject["kind"], subject["name"]) == ("ServiceAccount", central["serviceAccountName"])
+
+    daemonset = kinds(DEPLOY / "daemonset.yaml")
+    node_pod = pod_spec(daemonset["DaemonSet"])
     node = autobatch_container(node_pod)
     node_env = env_of(node)
     assert node_env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert "AUTOBATCH_CENTRAL_API_TOKEN" not in node_env
-    (token_path,) = kubelet_expand(
-        [node_env["AUTOBATCH_CENTRAL_API_TOKEN_FILE"]], {"NODE_NAME": "gpu-node-7"}
-    )
-    mount, _, file_name = token_path.rpartition("/")
-    assert secret_files(node_pod, node) == {mount: ["autobatch-node-tokens"]}
+    assert secret_files(node_pod, node) == {}  # no Secret at all: no other node's key
+    account = f"{subject['namespace']}:{node_pod['serviceAccountName']}"
+    assert service_accounts_of(settings.kubernetes_service_accounts) == {account}
+    assert daemonset["ServiceAccount"]["metadata"]["name"] == node_pod["serviceAccountName"]
+    assert node_pod["automountServiceAccountToken"] is False
+    mount, _, file_name = node_env["AUTOBATCH_CENTRAL_API_TOKEN_FILE"].rpartition("/")
+    (volume_name,) = [m["name"] for m in node["volumeMounts"] if m["mountPath"] == mount]
+    (volume,) = [v for v in node_pod["volumes"] if v["name"] == volume_name]
+    (source,) = volume["projected"]["sources"]
+    projected = source["serviceAccountToken"]
+    assert projected["path"] == file_name
+    assert projected["audience"] == settings.kubernetes_audience
+    assert projected["expirationSeconds"] <= 3600
+
     init = env_of(plan_init_container(kinds(DEPLOY / "training-job.yaml")["Job"]))
     assert init["AUTOBATCH_API_TOKEN"] == {
         "secretKeyRef": {"name": "autobatch-tokens", "key": "read"}
     }
-
-    # The Secrets as the commands in central.yaml make them, written with a trailing newline.
-    secrets = {
-        "autobatch-tokens": {"admin": "adm-1\n", "read": "rd-2\n"},
-        "autobatch-node-tokens": {"publish.gpu-node-7": "pub-7\n", "publish.gpu-node-8": "pub-8\n"},
-    }
-    projected = tmp_path / "central"
-    projected.mkdir()
-    for keys in secrets.values():
-        for key, value in keys.items():
-            (projected / key).write_text(value)
-    tokens = load_tokens(api_token=None, tokens_file=projected)
-    node_token = read_token_file(projected / file_name)  # the file the sidecar reads
-    node_grant = tokens.identify(f"Bearer {node_token}")
-    assert node_grant is not None and (node_grant.role, node_grant.node) == (
-        "publish",
-        "gpu-node-7",
-    )
+    # The Secret as the command in central.yaml makes it, written with a trailing newline.
+    secret = {"admin": "adm-1\n", "read": "rd-2\n"}
+    files = tmp_path / "central"
+    files.mkdir()
+    for key, value in secret.items():
+        (files / key).write_text(value)
+    tokens = load_tokens(api_token=None, tokens_file=files)
     read_key = init["AUTOBATCH_API_TOKEN"]["secretKeyRef"]["key"]
-    read_grant = tokens.identify(f"Bearer {secrets['autobatch-tokens'][read_key]}")
+    read_grant = tokens.identify(f"Bearer {secret[read_key]}")
     assert read_grant is not None and read_grant.role == "read"
 
 

@@ -190,7 +190,7 @@ def test_a_newer_store_is_refused_and_left_untouched(location: str) -> None:
         assert conn.execute(sa.select(schema.profiles)).all() == before
         tables = set(sa.inspect(conn).get_table_names())
     engine.dispose()
-    assert tables == {"outbox", "profiles", "probe_jobs", "store_meta"}
+    assert tables == {"deletions", "outbox", "profiles", "probe_jobs", "store_meta"}
 
 
 # -- listings -----------------------------------------------------------------------------------
