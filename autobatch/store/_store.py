@@ -42,7 +42,6 @@ import logging
 import os
 import pathlib
 from collections.abc import Callable, Mapping
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
@@ -61,9 +60,8 @@ from autobatch.store._location import (
 from autobatch.store._outbox import Outbox
 from autobatch.store._pages import ProfilePage, ProfileSummary, SummaryPage
 
-# _engine, _schema and _sequence import SQLAlchemy: the functions here import them when
-# called, so that importing the store (``from autobatch import ProfileStore``) stays
-# SQLAlchemy-free.
+# _engine, _schema, _sequence and _latest import SQLAlchemy: imported when called, so that
+# ``from autobatch import ProfileStore`` stays SQLAlchemy-free.
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -158,12 +156,7 @@ class ProfileStore:
     def __enter__(self) -> ProfileStore:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def shared_location(self) -> str | None:
@@ -428,6 +421,18 @@ class ProfileStore:
             next_before=rows[-1].id if len(rows) == limit else None,
             num_skipped=skipped,
         )
+
+    def latest_per_node(
+        self, *, model_fingerprint: str, limit: int, card: Callable[[str], bool] | None = None
+    ) -> list[tuple[str, Profile]]:
+        """Each node's newest profile of the model per cache key (card, step, conditions),
+        newest first, at most ``limit`` (:mod:`autobatch.store._latest`); with ``card``, only
+        those whose ``device_name`` it accepts (no other is decoded). Unreadable rows are
+        skipped. Raises StoreError: the store is closed or unreadable."""
+        from autobatch.store._latest import latest_rows
+
+        rows = latest_rows(self._db, model_fingerprint=model_fingerprint, limit=limit)
+        return self._decode_all((i, text) for i, name, text in rows if card is None or card(name))
 
     def copy_into(
         self,

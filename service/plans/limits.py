@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autobatch.device import card_key
+from autobatch.device import card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError, ProfileNotFoundError
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
 from autobatch.profile import MemoryModel, Profile
@@ -32,9 +32,9 @@ from service.web.schemas import ResolvedDevice
 
 __all__ = [
     "ANY_CANDIDATES",
-    "CARD_CANDIDATES",
     "MAX_ANSWER_MICRO_BATCHES",
     "NAME_SCAN",
+    "NODE_PROFILES",
     "card_profiles",
     "check_answer_size",
     "predicted_note",
@@ -112,14 +112,15 @@ def resolve_limit(
 
 
 NAME_SCAN = 200
-"""Summaries (indexed columns, nothing decoded) read per request to find the names a card was
-stored under (:func:`card_profiles`): the model's newest, or the store's newest for a card's
-memory."""
-CARD_CANDIDATES = 50
-"""Profiles of the model read per stored name of the card asked about (newest first): the
-agreeing ones among them answer, the most conservative speaking (each is decoded in full).
-Past them, the model's newest :data:`ANY_CANDIDATES` of any card."""
+"""Summaries (indexed columns, nothing decoded) read to find the names a card was stored under
+(:func:`card_profiles`): the model's newest, or the store's newest for a card's memory."""
+NODE_PROFILES = 1000
+"""Profiles read at most for a plan by card or node: each node's latest per thing it measured
+(``ProfileStore.latest_per_node``), newest first, so a node's flood of profiles pushes no other
+node out; only those measured on the card asked about are decoded, then (for a prediction)
+the model's others."""
 ANY_CANDIDATES = 200
+"""Profiles of a model a node asks the central service for when its own store holds none."""
 
 
 def card_profiles(
@@ -168,11 +169,14 @@ def select(
     try:
         chosen, seen = None, []
         if key is not None:
-            seen = card_profiles(store, key, model_fingerprint=fingerprint, limit=CARD_CANDIDATES)
+            seen = store.latest_per_node(
+                model_fingerprint=fingerprint,
+                limit=NODE_PROFILES,
+                card=lambda name: _card_key(name) == key,
+            )
             chosen = choose(seen)
         if chosen is None or chosen.match == "predicted":
-            newest = store.list_profiles(model_fingerprint=fingerprint, limit=ANY_CANDIDATES)
-            seen = list({pid: p for pid, p in [*seen, *newest]}.items())
+            seen = store.latest_per_node(model_fingerprint=fingerprint, limit=NODE_PROFILES)
             chosen = choose(seen)
         if chosen is None and not _trains(seen):  # nothing of the model here: ask central
             seen = _from_central(store, central, fingerprint, body.card)
@@ -189,23 +193,32 @@ def select(
 
 
 def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:
-    """The memory of the card ``key`` in bytes, from any model's profile measured on it.
+    """The memory of the card ``key`` in bytes: autobatch's catalogue's
+    (:func:`autobatch.device.catalogue_memory_bytes`), below it what profiles measured on the
+    card recorded (ECC on a GDDR card takes some); for a card the catalogue does not hold, what
+    those profiles recorded (their card's name and memory as NVML reported them).
 
     Raises:
-        Problem: 422 when no stored profile was measured on it.
+        Problem: 422 when the catalogue does not hold the card and no stored profile was
+            measured on it.
     """
+    known = catalogue_memory_bytes(key)
     on_card = card_profiles(store, key, model_fingerprint=None, limit=1)
-    if not on_card:
-        raise Problem(
-            422,
-            "unknown-card",
-            f"no stored profile (of any model) was measured on card {card!r}, so its memory is "
-            f"unknown and the profile measured on {profile.device_name} cannot be scaled to it: "
-            "give device.capacity_bytes (the card's memory in bytes), or check the card's name "
-            "against GET /v1/profiles' device_name",
-            field="body.card",
-        )
-    return max(found.total_memory_bytes for _, found in on_card)
+    if on_card:
+        recorded = max(found.total_memory_bytes for _, found in on_card)
+        return recorded if known is None else min(known, recorded)
+    if known is not None:
+        return known
+    raise Problem(
+        422,
+        "unknown-card",
+        f"card {card!r} is not in autobatch's catalogue and no stored profile (of any model) "
+        f"was measured on it, so its memory is unknown and the profile measured on "
+        f"{profile.device_name} cannot be scaled to it: give device.capacity_bytes (the "
+        "card's memory in bytes), or check the card's name against GET /v1/profiles' "
+        "device_name",
+        field="body.card",
+    )
 
 
 def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
@@ -294,6 +307,9 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
         "considered": list(chosen.considered),
         "max_micro_batch_size_range": list(chosen.max_micro_batch_size_range),
         "basis": chosen.basis,
+        "outliers": list(chosen.outliers),
+        "rests_on": chosen.rests_on,
+        "lower_bounds": list(chosen.lower_bounds),
     }
 
 
