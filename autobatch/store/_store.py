@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import json
 import logging
 import os
 import pathlib
@@ -49,6 +48,7 @@ from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 from autobatch.store import _probe_runs as probe_runs
 from autobatch.store._connection import StoreConnection
 from autobatch.store._copying import copy_rows
+from autobatch.store._decoded import DecodedProfiles
 from autobatch.store._fallback import default_or_fallback
 from autobatch.store._location import (
     STORE_ENV_VAR,
@@ -146,9 +146,9 @@ class ProfileStore:
         self._db = StoreConnection(
             self._location, timeout_seconds=timeout_seconds, create=create, open_later=open_later
         )
+        self._decoded = DecodedProfiles()
         self.outbox = Outbox(self._db, self.backend)
-        """Profiles waiting for the central service (a node's publisher,
-        ``service.fleet.publisher``)."""
+        """Profiles waiting for the central service (``service.fleet.publisher``)."""
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"
@@ -564,7 +564,7 @@ class ProfileStore:
 
     def _decode(self, profile_id: str, text: str) -> Profile:
         try:
-            return Profile.from_dict(json.loads(text))
+            return self._decoded.get(profile_id, text)
         except (ConfigError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise StoreError(
                 f"cannot read profile {profile_id!r} from {self.location}: {exc}; upgrade "

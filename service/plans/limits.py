@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from autobatch.device import card_key, catalogue_memory_bytes
@@ -170,9 +171,7 @@ def select(
         chosen, seen = None, []
         if key is not None:
             seen = store.latest_per_node(
-                model_fingerprint=fingerprint,
-                limit=NODE_PROFILES,
-                card=lambda name: _card_key(name) == key,
+                model_fingerprint=fingerprint, limit=NODE_PROFILES, card=_names_of(key)
             )
             chosen = choose(seen)
         if chosen is None or chosen.match == "predicted":
@@ -249,6 +248,18 @@ def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
 
 def _trains(found: list[tuple[str, Profile]]) -> bool:
     return any(profile.mode == "train" for _, profile in found)
+
+
+def _names_of(key: str) -> Callable[[str], bool]:
+    """Whether a stored card name names the card ``key``, each distinct name read once."""
+    seen: dict[str, bool] = {}
+
+    def names(name: str) -> bool:
+        if name not in seen:
+            seen[name] = _card_key(name) == key
+        return seen[name]
+
+    return names
 
 
 def _card_key(name: str) -> str | None:
