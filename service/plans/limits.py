@@ -183,7 +183,7 @@ def select(
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
     if chosen is None:
-        raise _none_answers(body, shares=_trains(seen))
+        raise _none_answers(body, seen)
     profile = chosen.profile
     card_bytes = chosen.budget_bytes
     if not chosen.same_card and key is not None and device is None:
@@ -220,21 +220,37 @@ def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profi
     )
 
 
-def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
-    """The 404 for a plan no stored profile may answer: none of the model, or (``shares``)
-    only profiles measured under a share of a card, asked for a whole card."""
+def _none_answers(body: PlanCreate, seen: list[tuple[str, Profile]]) -> Problem:
+    """The 404 for a plan no stored profile may answer, saying why: no training profile of the
+    model; or only profiles measured under a share of a card, asked for a whole card; or only
+    profiles of cards autobatch's catalogue does not hold, asked for another card."""
     asked = " and ".join(
         f"{name} {value!r}"
         for name, value in (("card", body.card), ("node", body.node))
         if value is not None
     )
-    if shares:
+    trained = [profile for _, profile in seen if profile.mode == "train"]
+    key = None if body.card is None else _card_key(body.card)
+    unchecked = [
+        p
+        for p in trained
+        if catalogue_memory_bytes(p.device_name) is None and _card_key(p.device_name) != key
+    ]
+    if trained and (len(unchecked) < len(trained) or key is None):
         why = (
             f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
             f"measured under a share of a card (time-sliced, fractional, virtualised, or with "
             f"memory held by others), and a share never answers for a whole card ({asked}): "
             "give device (capacity_bytes, node_labels or gpu_fraction) for the share the job "
             "gets, or publish a profile measured on the whole card"
+        )
+    elif trained:
+        names = sorted({profile.device_name for profile in unchecked})
+        why = (
+            f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
+            f"measured on {', '.join(map(repr, names))}, not in autobatch's catalogue, and a "
+            f"card nobody can check never speaks for another ({asked}): publish a profile "
+            "measured on that card, or on a card in the catalogue"
         )
     else:
         why = (

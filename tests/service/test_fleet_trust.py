@@ -168,6 +168,35 @@ def test_a_fictitious_card_is_refused_and_never_speaks_for_a_real_one(
     assert plan(central, card=L40S)["plan"] == before["plan"]  # and it speaks for no other
 
 
+def test_a_card_only_nvml_vouches_for_answers_for_itself_and_no_other(
+    make_app: Callable[..., FastAPI],
+) -> None:
+    client = TestClient(make_app(nvml=no_nvml()))
+    nvml = BudgetReading(
+        source="nvml", total_bytes=96 * GiB, available_bytes=95 * GiB, free_bytes=95 * GiB
+    )
+    (own,) = publish(
+        client,
+        node_profile(
+            "node-d",
+            64,
+            60,
+            device_name="NVIDIA RTX PRO 6000",
+            total_memory_bytes=96 * GiB,
+            capacity_bytes=95 * GiB,
+            budget=combine_budget([nvml]),
+        ),
+    )
+
+    assert plan(client, card="NVIDIA RTX PRO 6000")["selection"]["profile_id"] == own
+    response = client.post(
+        "/v1/plan", json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 64, "card": L40S}
+    )
+    detail = problem(response, 404, "unknown-profile")["detail"]
+    assert "'NVIDIA RTX PRO 6000', not in autobatch's catalogue" in detail
+    assert "never speaks for another (card 'NVIDIA L40S')" in detail
+
+
 def test_a_capped_search_never_passes_for_a_maximum(central: TestClient) -> None:
     line = MemoryModel(fixed_bytes=4 * GiB, bytes_per_sample=2 * MiB)
     capped = node_profile(
