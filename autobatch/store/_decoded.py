@@ -20,23 +20,26 @@ from collections import OrderedDict
 
 from autobatch.profile import Profile
 
-__all__ = ["DECODED_PROFILES", "DecodedProfiles"]
+__all__ = ["DECODED_BYTES", "DecodedProfiles"]
 
-DECODED_PROFILES = 1024
-"""Decoded profiles kept per store, the least recently read dropped first: a fleet's plans by
-card read a few per node and model (about 10 KiB each in memory: 10 MiB at most)."""
+DECODED_BYTES = 16 << 20
+"""Stored text of the profiles kept decoded per store, the least recently read dropped first:
+16 MiB (a fleet's plans by card read a few profiles of a few KiB per node and model). A profile
+whose text alone is over a sixteenth of it (1 MiB: thousands of trials) is decoded each time,
+never kept."""
 
 
 class DecodedProfiles:
     """A bounded map of stored text to decoded profile, shared by a store's threads."""
 
-    def __init__(self, size: int = DECODED_PROFILES) -> None:
-        self._size = size
+    def __init__(self, max_bytes: int = DECODED_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._num_bytes = 0
         self._lock = threading.Lock()
         self._found: OrderedDict[str, tuple[str, Profile]] = OrderedDict()
 
     def get(self, profile_id: str, text: str) -> Profile:
-        """The profile stored as ``text`` under ``profile_id``, decoded once.
+        """The profile stored as ``text`` under ``profile_id``, decoded once while kept.
 
         Raises:
             ConfigError, ValueError, TypeError, KeyError, AttributeError: ``text`` is not a
@@ -48,8 +51,17 @@ class DecodedProfiles:
                 self._found.move_to_end(profile_id)
                 return found[1]
         profile = Profile.from_dict(json.loads(text))
-        with self._lock:
-            self._found[profile_id] = (text, profile)
-            if len(self._found) > self._size:
-                self._found.popitem(last=False)
+        if len(text) * 16 <= self._max_bytes:
+            self._keep(profile_id, text, profile)
         return profile
+
+    def _keep(self, profile_id: str, text: str, profile: Profile) -> None:
+        with self._lock:
+            old = self._found.pop(profile_id, None)
+            if old is not None:
+                self._num_bytes -= len(old[0])
+            self._found[profile_id] = (text, profile)
+            self._num_bytes += len(text)
+            while self._num_bytes > self._max_bytes:
+                _, (dropped, _) = self._found.popitem(last=False)
+                self._num_bytes -= len(dropped)
