@@ -35,9 +35,10 @@ store (in memory, in the service's process) holds :data:`FLEET_NODES` nodes' pro
 model on each of three cards, the asked card's oldest and its newest under other conditions,
 and other models' profiles beside them. ``plan (node)`` is the per-node route (``POST /v1/plan``
 with ``model_fingerprint``: the model's newest profile, what a node's sidecar answers);
-``plan (card)`` plans for a card type under conditions (``card`` and ``conditions``: the newest
-profile of the model measured on that card under them, from any node). Goal: the card route's
-p99 within 2x of the per-node route's (:data:`CARD_P99_GOAL`), in the same run.
+``plan (card)`` plans for a card type under conditions (``card`` and ``conditions``: drawn among
+each node's latest profile of the model measured on that card under them, no node alone
+deciding). Goal: the card route's p99 within 2x of the per-node route's
+(:data:`CARD_P99_GOAL`), in the same run.
 
     .venv/bin/python bench/service_load.py                       # 15000 requests per level
     .venv/bin/python bench/service_load.py --requests 500 --rounds 2 --concurrency 1 32

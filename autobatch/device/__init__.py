@@ -48,6 +48,11 @@ from autobatch.device._card_budget import (
     budget_from_nvml,
 )
 from autobatch.device._card_names import card_key, same_card
+from autobatch.device._catalogue import (
+    CARD_MEMORY_TOLERANCE,
+    CATALOGUE_MIB,
+    catalogue_memory_bytes,
+)
 from autobatch.device._node import NODE_NAME_ENV_VARS, node_name
 from autobatch.device._node_labels import LabelError, NodeDevice, read_node_labels
 from autobatch.device._resolve import ParsedDevice, parse_device, resolve_device
@@ -71,6 +76,8 @@ if TYPE_CHECKING:
     from autobatch.device._visible import NvmlDevice, VisibleDevices, cuda_visible_devices
 
 __all__ = [
+    "CARD_MEMORY_TOLERANCE",
+    "CATALOGUE_MIB",
     "MAX_GPU_FRACTION",
     "MIN_GPU_FRACTION",
     "NODE_NAME_ENV_VARS",
@@ -103,6 +110,7 @@ __all__ = [
     "budget_from_labels",
     "budget_from_nvml",
     "card_key",
+    "catalogue_memory_bytes",
     "check_gpu_fraction",
     "combine_budget",
     "cuda_visible_devices",

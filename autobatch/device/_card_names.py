@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 
 from autobatch.errors import ConfigError
@@ -37,8 +38,10 @@ _SHARED = "shared"
 _MIG = "mig"
 
 
+@functools.lru_cache(maxsize=4096)
 def card_key(name: str, mig_profile: str | None = None) -> str:
-    """The canonical key of a card type (module docstring).
+    """The canonical key of a card type (module docstring); remembered for the last 4096
+    names (a plan by card compares every candidate's name, on every request).
 
     Args:
         name: the card's name in any of its usual forms (NVML's, a GFD label's, a catalogue's),

@@ -13,7 +13,8 @@ builders for users, and ``autobatch.plan`` then checks the plan against the trai
 that calls it. Beside the entries: the Plan and its parts, the options' declaration
 (:class:`SplitOptions`, :class:`PlanOptions`), the budget of a given capacity
 (:func:`given_budget`), the selection of a stored profile for a card or a node
-(:func:`select_profile`), and the memory lines the probe search fits (:func:`fit_memory_model`,
+(:func:`select_profile`), whether a profile sent by another process adds up
+(:func:`check_arrival`), and the memory lines the probe search fits (:func:`fit_memory_model`,
 :func:`fit_wide_line`). This face is what other layers and the service import.
 
 Example::
@@ -26,6 +27,12 @@ Example::
 from __future__ import annotations
 
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
+from autobatch.planning._arrival import (
+    ARRIVAL_TOLERANCE,
+    Discrepancy,
+    check_arrival,
+    uncatalogued_note,
+)
 from autobatch.planning._entries import plan_mixed_ranks, plan_request, plan_table
 from autobatch.planning._epochs import EpochPlan
 from autobatch.planning._limits import PlanSource, stored_profile_source
@@ -46,8 +53,10 @@ from autobatch.planning._request import (
 from autobatch.planning._selection import Match, Selection, condition_mismatches, select_profile
 
 __all__ = [
+    "ARRIVAL_TOLERANCE",
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "Discrepancy",
     "EpochPlan",
     "Match",
     "Plan",
@@ -61,6 +70,7 @@ __all__ = [
     "StepLine",
     "Uneven",
     "WorldSizeOption",
+    "check_arrival",
     "condition_mismatches",
     "fit_memory_model",
     "fit_wide_line",
@@ -71,4 +81,5 @@ __all__ = [
     "plan_table",
     "select_profile",
     "stored_profile_source",
+    "uncatalogued_note",
 ]

@@ -28,19 +28,23 @@ share), and a card asked alone is a whole card.
 
 The first two ranks are ``measured`` (``estimated`` for an estimate's profile); the rest answer a
 plan that is ``predicted`` for the card asked about, and say why. When several profiles share the
-best rank (several nodes measured the same thing), the answer does not depend on which was
-published last: the most conservative of them speaks (the smallest recommended micro-batch, then
-the smallest max, then the smallest id), and the selection lists them all with the spread of their
-max micro-batch sizes. From another card, the card whose profiles were measured with the most
-memory speaks (its peaks cover the most sizes), the most conservative of its profiles. Imports
-neither torch nor pynvml.
+best rank (several nodes measured the same thing), the answer is drawn among the nodes, each
+counted once, no node alone deciding (:mod:`autobatch.planning._nodes`): one profile per node
+(its latest), a capped search only a lower bound, and with three nodes or more the second most
+conservative, so that one node cannot move the answer outside what the others measured; the
+selection names the outliers, or the node the answer rests on, and the spread of the max
+micro-batch sizes. From another card, only a card in autobatch's catalogue speaks
+(:func:`autobatch.device.catalogue_memory_bytes`: a name nobody can check never speaks for a real
+card); the one whose profiles were measured with the most memory speaks (its peaks cover the
+most sizes), its nodes drawn as above. Imports neither torch nor pynvml.
 
 Example::
 
     chosen = select_profile(store.list_profiles(model_fingerprint=fp, limit=200),
                             card="NVIDIA-H100-80GB-HBM3", node=None, conditions={})
     chosen.match, chosen.considered, chosen.max_micro_batch_size_range
-    # "measured", ("3f...", "9a..."), (32, 40)
+    # "measured", ("3f...", "9a...", "c1..."), (32, 40)
+    chosen.outliers, chosen.rests_on    # ("node-z",), None
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from autobatch.conditions import Conditions
-from autobatch.device import SHARING_TOLERANCE, card_key
+from autobatch.device import SHARING_TOLERANCE, card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError
+from autobatch.planning._nodes import Drawn, Entry, draw_among_nodes
 from autobatch.profile import Profile
 from autobatch.units import format_bytes
 
@@ -93,12 +98,22 @@ class Selection:
     """Why the match is not ``measured`` (empty when it is), e.g. ``"measured on NVIDIA A100
     80GB PCIe (node a-1), not NVIDIA H100 80GB HBM3"``."""
     considered: tuple[str, ...] = ()
-    """The ids of the profiles that agreed with the chosen one (the same rank: card, budget,
-    conditions, and node when asked), the chosen one included, in id order."""
+    """The ids of the profiles the answer was drawn among, one per node (its latest of the
+    chosen one's rank: card, budget, conditions, and node when asked), the chosen one
+    included, in id order."""
     max_micro_batch_size_range: tuple[int, int] = (0, 0)
     """The smallest and largest ``max_micro_batch_size`` among :attr:`considered`."""
     basis: str = ""
-    """Why this one of them, in words (the conservative choice and its spread)."""
+    """Why this one of them, in words (the rule among nodes and their spread)."""
+    outliers: tuple[str, ...] = ()
+    """Nodes whose max micro-batch lies outside what all the other nodes measured; the answer
+    does not rest on them (:mod:`autobatch.planning._nodes`)."""
+    rests_on: str | None = None
+    """With fewer than three nodes: the node whose word the answer rests on ('' when its
+    profile names none); None when at least two other nodes bound the answer."""
+    lower_bounds: tuple[str, ...] = ()
+    """Nodes whose search stopped at a cap (a lower bound of the maximum), set aside because
+    other nodes measured the maximum."""
     budget_bytes: int | None = None
     """The share's budget to plan the profile for, in bytes, when it was measured on the whole
     card and the plan is for a share of it; None to plan it as measured (or for the budget the
@@ -201,7 +216,7 @@ def select_profile(
         key = next((_key(p) for _, p in training if p.node_name == node), None)
     on_card = [p for _, p in training if key is None or _key(p) == key]
     share = _share_bytes(on_card, node, budget_bytes)
-    ranked: dict[int, list[tuple[str, Profile, list[str]]]] = {}
+    ranked: dict[int, list[Entry]] = {}
     for profile_id, profile in training:
         differs = condition_mismatches(profile.conditions, conditions)
         rank = _rank(profile, key=key, node=node, share=share, differs=bool(differs))
@@ -215,22 +230,26 @@ def select_profile(
         most = max(measured_bytes(p) for _, p, _ in group)
         speaks = min(_key(p) for _, p, _ in group if measured_bytes(p) == most)
         group = [entry for entry in group if _key(entry[1]) == speaks]
-    profile_id, profile, differs = min(group, key=_conservative)
+    drawn = draw_among_nodes(group)
+    profile_id, profile, differs = drawn.chosen
     reasons = _reasons(profile, card=card, key=key, node=node, share=share, differs=differs)
     match: Match = "predicted" if rank > _MEASURED_RANKS or reasons else "measured"
     if match == "measured" and profile.method == "estimate":
         match = "estimated"
-    maxima = [p.max_micro_batch_size for _, p, _ in group]
+    maxima = [p.max_micro_batch_size for _, p, _ in drawn.voices]
     return Selection(
         profile_id=profile_id,
         profile=profile,
         match=match,
         same_card=key is None or _key(profile) == key,
         reasons=tuple(reasons),
-        considered=tuple(sorted(pid for pid, _, _ in group)),
+        considered=tuple(sorted(pid for pid, _, _ in drawn.voices)),
         max_micro_batch_size_range=(min(maxima), max(maxima)),
-        basis=_basis(len(group), min(maxima), max(maxima)),
+        basis=_basis(drawn, min(maxima), max(maxima)),
         budget_bytes=share if share is not None and not _measured_for(profile, share) else None,
+        outliers=drawn.outliers,
+        rests_on=drawn.rests_on,
+        lower_bounds=drawn.lower_bounds,
     )
 
 
@@ -259,7 +278,9 @@ def _rank(
     """The profile's rank (module docstring); None when it may not answer at all."""
     is_share = measured_share(profile)
     if key is not None and _key(profile) != key:
-        return None if is_share else 8 if differs else 7
+        if is_share or catalogue_memory_bytes(profile.device_name) is None:
+            return None  # a share, or a card nobody can check, never speaks for another card
+        return 8 if differs else 7
     if share is None and is_share:
         return None  # a share never speaks for a whole card
     if share is None or _measured_for(profile, share):
@@ -279,11 +300,6 @@ def _measured_for(profile: Profile, share_bytes: int) -> bool:
 def _agree(first_bytes: int, second_bytes: int) -> bool:
     """Two shares' budgets agree: within SHARING_TOLERANCE of the larger."""
     return abs(first_bytes - second_bytes) <= SHARING_TOLERANCE * max(first_bytes, second_bytes)
-
-
-def _conservative(entry: tuple[str, Profile, list[str]]) -> tuple[int, int, str]:
-    profile_id, profile, _ = entry
-    return profile.recommended_micro_batch_size, profile.max_micro_batch_size, profile_id
 
 
 def _reasons(
@@ -316,10 +332,28 @@ def _reasons(
     return reasons
 
 
-def _basis(num_agreeing: int, smallest: int, largest: int) -> str:
-    if num_agreeing == 1:
-        return "the only profile of its rank (no other agrees on card, budget and conditions)"
-    return (
-        f"the most conservative (smallest recommended, then max micro-batch) of {num_agreeing} "
-        f"agreeing profiles: their max micro-batch sizes span {smallest}..{largest}"
-    )
+def _basis(drawn: Drawn, smallest: int, largest: int) -> str:
+    """The rule that chose among the nodes, in words."""
+    num = len(drawn.voices)
+    bound = " (each a lower bound: its search stopped at a cap)" if drawn.only_lower_bounds else ""
+    if drawn.rests_on is not None:
+        who = drawn.rests_on or "unrecorded"
+        if num == 1:
+            said = "the only node that measured it (no other agrees on card, budget and conditions)"
+        else:
+            said = f"the more conservative of 2 nodes (max micro-batch {smallest}..{largest})"
+        text = f"rests on node {who} alone: {said}{bound}"
+    else:
+        text = (
+            f"drawn among {num} nodes, one profile each{bound}: the second most conservative "
+            f"(smallest recommended, then max micro-batch), so no one node moves it outside "
+            f"what the others measured (max micro-batch {smallest}..{largest})"
+        )
+    if drawn.outliers:
+        text += f"; outliers, outside what every other node measured: {', '.join(drawn.outliers)}"
+    if drawn.lower_bounds:
+        text += (
+            f"; set aside as lower bounds (search stopped at a cap, not at memory): "
+            f"{', '.join(drawn.lower_bounds)}"
+        )
+    return text

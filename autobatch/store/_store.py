@@ -37,12 +37,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import json
 import logging
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from autobatch.errors import ConfigError, ProfileNotFoundError, StoreError
@@ -50,6 +48,7 @@ from autobatch.profile import PROFILE_SCHEMA_VERSION, Profile
 from autobatch.store import _probe_runs as probe_runs
 from autobatch.store._connection import StoreConnection
 from autobatch.store._copying import copy_rows
+from autobatch.store._decoded import DecodedProfiles
 from autobatch.store._deletions import DeletionPage, delete_ids, page_deletions
 from autobatch.store._fallback import default_or_fallback
 from autobatch.store._location import (
@@ -62,9 +61,8 @@ from autobatch.store._location import (
 from autobatch.store._outbox import Outbox
 from autobatch.store._pages import ProfilePage, ProfileSummary, SummaryPage
 
-# _engine, _schema and _sequence import SQLAlchemy: the functions here import them when
-# called, so that importing the store (``from autobatch import ProfileStore``) stays
-# SQLAlchemy-free.
+# _engine, _schema, _sequence and _latest import SQLAlchemy: imported when called, so that
+# ``from autobatch import ProfileStore`` stays SQLAlchemy-free.
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -149,9 +147,9 @@ class ProfileStore:
         self._db = StoreConnection(
             self._location, timeout_seconds=timeout_seconds, create=create, open_later=open_later
         )
+        self._decoded = DecodedProfiles()
         self.outbox = Outbox(self._db, self.backend)
-        """Profiles waiting for the central service (a node's publisher,
-        ``service.fleet.publisher``)."""
+        """Profiles waiting for the central service (``service.fleet.publisher``)."""
 
     def __repr__(self) -> str:
         return f"ProfileStore({self.location!r})"
@@ -159,12 +157,7 @@ class ProfileStore:
     def __enter__(self) -> ProfileStore:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def shared_location(self) -> str | None:
@@ -430,6 +423,18 @@ class ProfileStore:
             num_skipped=skipped,
         )
 
+    def latest_per_node(
+        self, *, model_fingerprint: str, limit: int, card: Callable[[str], bool] | None = None
+    ) -> list[tuple[str, Profile]]:
+        """Each node's newest profile of the model per cache key (card, step, conditions),
+        newest first, at most ``limit`` (:mod:`autobatch.store._latest`); with ``card``, only
+        those whose ``device_name`` it accepts (no other is decoded). Unreadable rows are
+        skipped. Raises StoreError: the store is closed or unreadable."""
+        from autobatch.store._latest import latest_rows
+
+        rows = latest_rows(self._db, model_fingerprint=model_fingerprint, limit=limit)
+        return self._decode_all((i, text) for i, name, text in rows if card is None or card(name))
+
     def copy_into(
         self,
         target: ProfileStore,
@@ -563,7 +568,7 @@ class ProfileStore:
 
     def _decode(self, profile_id: str, text: str) -> Profile:
         try:
-            return Profile.from_dict(json.loads(text))
+            return self._decoded.get(profile_id, text)
         except (ConfigError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise StoreError(
                 f"cannot read profile {profile_id!r} from {self.location}: {exc}; upgrade "

@@ -17,9 +17,10 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from autobatch.device import card_key
+from autobatch.device import card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError, ProfileNotFoundError
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
 from autobatch.profile import MemoryModel, Profile
@@ -32,9 +33,9 @@ from service.web.schemas import ResolvedDevice
 
 __all__ = [
     "ANY_CANDIDATES",
-    "CARD_CANDIDATES",
     "MAX_ANSWER_MICRO_BATCHES",
     "NAME_SCAN",
+    "NODE_PROFILES",
     "card_profiles",
     "check_answer_size",
     "predicted_note",
@@ -112,14 +113,15 @@ def resolve_limit(
 
 
 NAME_SCAN = 200
-"""Summaries (indexed columns, nothing decoded) read per request to find the names a card was
-stored under (:func:`card_profiles`): the model's newest, or the store's newest for a card's
-memory."""
-CARD_CANDIDATES = 50
-"""Profiles of the model read per stored name of the card asked about (newest first): the
-agreeing ones among them answer, the most conservative speaking (each is decoded in full).
-Past them, the model's newest :data:`ANY_CANDIDATES` of any card."""
+"""Summaries (indexed columns, nothing decoded) read to find the names a card was stored under
+(:func:`card_profiles`): the model's newest, or the store's newest for a card's memory."""
+NODE_PROFILES = 1000
+"""Profiles read at most for a plan by card or node: each node's latest per thing it measured
+(``ProfileStore.latest_per_node``), newest first, so a node's flood of profiles pushes no other
+node out; only those measured on the card asked about are decoded, then (for a prediction)
+the model's others."""
 ANY_CANDIDATES = 200
+"""Profiles of a model a node asks the central service for when its own store holds none."""
 
 
 def card_profiles(
@@ -168,11 +170,12 @@ def select(
     try:
         chosen, seen = None, []
         if key is not None:
-            seen = card_profiles(store, key, model_fingerprint=fingerprint, limit=CARD_CANDIDATES)
+            seen = store.latest_per_node(
+                model_fingerprint=fingerprint, limit=NODE_PROFILES, card=_names_of(key)
+            )
             chosen = choose(seen)
         if chosen is None or chosen.match == "predicted":
-            newest = store.list_profiles(model_fingerprint=fingerprint, limit=ANY_CANDIDATES)
-            seen = list({pid: p for pid, p in [*seen, *newest]}.items())
+            seen = store.latest_per_node(model_fingerprint=fingerprint, limit=NODE_PROFILES)
             chosen = choose(seen)
         if chosen is None and not _trains(seen):  # nothing of the model here: ask central
             seen = _from_central(store, central, fingerprint, body.card)
@@ -180,7 +183,7 @@ def select(
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
     if chosen is None:
-        raise _none_answers(body, shares=_trains(seen))
+        raise _none_answers(body, seen)
     profile = chosen.profile
     card_bytes = chosen.budget_bytes
     if not chosen.same_card and key is not None and device is None:
@@ -189,40 +192,65 @@ def select(
 
 
 def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:
-    """The memory of the card ``key`` in bytes, from any model's profile measured on it.
+    """The memory of the card ``key`` in bytes: autobatch's catalogue's
+    (:func:`autobatch.device.catalogue_memory_bytes`), below it what profiles measured on the
+    card recorded (ECC on a GDDR card takes some); for a card the catalogue does not hold, what
+    those profiles recorded (their card's name and memory as NVML reported them).
 
     Raises:
-        Problem: 422 when no stored profile was measured on it.
+        Problem: 422 when the catalogue does not hold the card and no stored profile was
+            measured on it.
     """
+    known = catalogue_memory_bytes(key)
     on_card = card_profiles(store, key, model_fingerprint=None, limit=1)
-    if not on_card:
-        raise Problem(
-            422,
-            "unknown-card",
-            f"no stored profile (of any model) was measured on card {card!r}, so its memory is "
-            f"unknown and the profile measured on {profile.device_name} cannot be scaled to it: "
-            "give device.capacity_bytes (the card's memory in bytes), or check the card's name "
-            "against GET /v1/profiles' device_name",
-            field="body.card",
-        )
-    return max(found.total_memory_bytes for _, found in on_card)
+    if on_card:
+        recorded = max(found.total_memory_bytes for _, found in on_card)
+        return recorded if known is None else min(known, recorded)
+    if known is not None:
+        return known
+    raise Problem(
+        422,
+        "unknown-card",
+        f"card {card!r} is not in autobatch's catalogue and no stored profile (of any model) "
+        f"was measured on it, so its memory is unknown and the profile measured on "
+        f"{profile.device_name} cannot be scaled to it: give device.capacity_bytes (the "
+        "card's memory in bytes), or check the card's name against GET /v1/profiles' "
+        "device_name",
+        field="body.card",
+    )
 
 
-def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
-    """The 404 for a plan no stored profile may answer: none of the model, or (``shares``)
-    only profiles measured under a share of a card, asked for a whole card."""
+def _none_answers(body: PlanCreate, seen: list[tuple[str, Profile]]) -> Problem:
+    """The 404 for a plan no stored profile may answer, saying why: no training profile of the
+    model; or only profiles measured under a share of a card, asked for a whole card; or only
+    profiles of cards autobatch's catalogue does not hold, asked for another card."""
     asked = " and ".join(
         f"{name} {value!r}"
         for name, value in (("card", body.card), ("node", body.node))
         if value is not None
     )
-    if shares:
+    trained = [profile for _, profile in seen if profile.mode == "train"]
+    key = None if body.card is None else _card_key(body.card)
+    unchecked = [
+        p
+        for p in trained
+        if catalogue_memory_bytes(p.device_name) is None and _card_key(p.device_name) != key
+    ]
+    if trained and (len(unchecked) < len(trained) or key is None):
         why = (
             f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
             f"measured under a share of a card (time-sliced, fractional, virtualised, or with "
             f"memory held by others), and a share never answers for a whole card ({asked}): "
             "give device (capacity_bytes, node_labels or gpu_fraction) for the share the job "
             "gets, or publish a profile measured on the whole card"
+        )
+    elif trained:
+        names = sorted({profile.device_name for profile in unchecked})
+        why = (
+            f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
+            f"measured on {', '.join(map(repr, names))}, not in autobatch's catalogue, and a "
+            f"card nobody can check never speaks for another ({asked}): publish a profile "
+            "measured on that card, or on a card in the catalogue"
         )
     else:
         why = (
@@ -236,6 +264,18 @@ def _none_answers(body: PlanCreate, *, shares: bool) -> Problem:
 
 def _trains(found: list[tuple[str, Profile]]) -> bool:
     return any(profile.mode == "train" for _, profile in found)
+
+
+def _names_of(key: str) -> Callable[[str], bool]:
+    """Whether a stored card name names the card ``key``, each distinct name read once."""
+    seen: dict[str, bool] = {}
+
+    def names(name: str) -> bool:
+        if name not in seen:
+            seen[name] = _card_key(name) == key
+        return seen[name]
+
+    return names
 
 
 def _card_key(name: str) -> str | None:
@@ -294,6 +334,9 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
         "considered": list(chosen.considered),
         "max_micro_batch_size_range": list(chosen.max_micro_batch_size_range),
         "basis": chosen.basis,
+        "outliers": list(chosen.outliers),
+        "rests_on": chosen.rests_on,
+        "lower_bounds": list(chosen.lower_bounds),
     }
 
 

@@ -305,15 +305,31 @@ class SelectionPublic(BaseModel):
     reasons: list[str] = Field(description="Why the match is not 'measured'.")
     considered: list[str] = Field(
         default_factory=list,
-        description="The ids of the stored profiles that agreed with the chosen one (the same "
-        "card, budget and conditions, and node when asked), in id order: the most conservative "
-        "of them answers, whatever order they were published in.",
+        description="The ids of the stored profiles the answer was drawn among, one per node "
+        "(its latest with the chosen one's card, budget and conditions, and node when asked), in "
+        "id order: however often a node published, and in whatever order.",
     )
     max_micro_batch_size_range: list[int] = Field(
         default_factory=list,
         description="The smallest and largest max_micro_batch_size among considered.",
     )
     basis: str = Field(default="", description="Why the chosen one of them, in words.")
+    outliers: list[str] = Field(
+        default_factory=list,
+        description="Nodes whose max_micro_batch_size lies outside what all the other nodes "
+        "measured: with three nodes or more the answer is the second most conservative, so no "
+        "one node moves it outside what the others support.",
+    )
+    rests_on: str | None = Field(
+        default=None,
+        description="With one or two nodes: the node whose word the answer rests on ('' when "
+        "its profile names none); null when at least two other nodes bound the answer.",
+    )
+    lower_bounds: list[str] = Field(
+        default_factory=list,
+        description="Nodes whose search stopped at a cap (a lower bound of the maximum, not a "
+        "maximum), set aside because other nodes measured the maximum.",
+    )
 
 
 class RankGroupPublic(BaseModel):

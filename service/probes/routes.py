@@ -14,7 +14,7 @@ from service.probes.schemas import ProbeCreate, ProbeList, ProbeProgress, ProbeP
 from service.probes.starting import start_run
 from service.web.problems import problem_responses, public_text
 from service.web.routing import JsonBodyRoute
-from service.web.schemas import IdPath, ProfileBase, TrialBase
+from service.web.schemas import IdPath
 from service.web.store_calls import store_call
 
 PROBE_RUN_ERRORS = (
@@ -48,15 +48,11 @@ def probe_public(run: ProbeRun) -> ProbePublic:
             num_trials=run.num_trials,
             num_ooms=run.num_ooms,
             largest_fitting_micro_batch_size=run.largest_fitting_micro_batch_size,
-            last_trial=None
-            if run.last_trial is None
-            else TrialBase.model_validate(run.last_trial, strict=False),
+            last_trial=run.last_trial,
         ),
         cached=run.cached,
         profile_id=run.profile_id,
-        profile=None
-        if run.profile is None
-        else ProfileBase.model_validate(run.profile, strict=False),
+        profile=run.profile,
         error=public_text(run.error),
     )
 

@@ -12,7 +12,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from service.probes.runs import ProbeRunStatus as ProbeRunStatus
-from service.web.schemas import DeviceName, ProfileBase, Strict, TrialBase
+from service.web.schemas import DeviceName, StoredProfile, StoredTrial, Strict
 
 __all__ = ["ProbeCreate", "ProbeList", "ProbeProgress", "ProbePublic"]
 
@@ -35,7 +35,7 @@ class ProbeProgress(BaseModel):
     num_trials: int
     num_ooms: int
     largest_fitting_micro_batch_size: int
-    last_trial: TrialBase | None
+    last_trial: StoredTrial | None
 
 
 class ProbePublic(BaseModel):
@@ -52,7 +52,7 @@ class ProbePublic(BaseModel):
     cached: bool
     """True when the job answered from the store without running a step."""
     profile_id: str | None
-    profile: ProfileBase | None
+    profile: StoredProfile | None
     error: str
 
 

@@ -7,12 +7,14 @@ use."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
 from autobatch.errors import ProfileNotFoundError
+from autobatch.planning import check_arrival, uncatalogued_note
 from autobatch.profile import Profile
 from service.deps import StateDep
 from service.profiles.listing import ListingDep
@@ -21,7 +23,6 @@ from service.web.problems import Problem, problem_responses, unknown_profile
 from service.web.routing import JsonBodyRoute
 from service.web.schemas import (
     IdPath,
-    ProfileBase,
     ProfileCreate,
     ProfileList,
     ProfilePublic,
@@ -44,9 +45,8 @@ with ``--listings``)."""
 
 
 def profile_public(profile_id: str, profile: Profile) -> ProfilePublic:
-    return ProfilePublic(
-        id=profile_id, profile=ProfileBase.model_validate(profile.to_dict(), strict=False)
-    )
+    """The profile as stored, unchecked against a request's bounds (``StoredProfile``)."""
+    return ProfilePublic(id=profile_id, profile=profile.to_dict())
 
 
 def json_response(
@@ -76,7 +76,8 @@ async def create_profile(body: ProfileCreate, state: StateDep, request: Request)
     """Stores the profile under a new id (the ``Location`` header names it): 201. The same
     profile sent again (a retry, with or without ``created_at``) is stored once: 200 with the
     same id and the profile as first stored. A node's token
-    (``publish`` as a node) stores only profiles of that node: 403 for another's."""
+    (``publish`` as a node) stores only profiles of that node: 403 for another's. A profile
+    whose numbers cannot be true (:func:`arrived`) is refused: 422 naming its fields."""
     grant: Grant | None = request.scope.get(GRANT_SCOPE_KEY)
     if grant is not None and grant.node is not None and body.node_name != grant.node:
         raise Problem(
@@ -87,13 +88,40 @@ async def create_profile(body: ProfileCreate, state: StateDep, request: Request)
             field="body.node_name",
         )
 
+    profile = arrived(Profile.from_dict(body.model_dump()))
+
     def create() -> Response:
-        profile_id, stored, new = state.store.publish(Profile.from_dict(body.model_dump()))
+        profile_id, stored, new = state.store.publish(profile)
         location = {"Location": f"/v1/profiles/{profile_id}"}
         answer = profile_public(profile_id, stored)
         return json_response(answer, status_code=201 if new else 200, headers=location)
 
     return await store_call(state, create)
+
+
+def arrived(profile: Profile) -> Profile:
+    """``profile`` as the store keeps it, once it adds up against itself and its card
+    (:func:`autobatch.planning.check_arrival`): a card autobatch's catalogue does not hold, its
+    name and memory as NVML reported them, gets a note saying so (the same note on every
+    resend, so a retry still finds the profile it stored).
+
+    Raises:
+        Problem: 422 ``implausible-profile``, naming each field at fault.
+    """
+    found = check_arrival(profile)
+    if found:
+        errors = [(f"body.{each.field}", each.reason) for each in found]
+        raise Problem(
+            422,
+            "implausible-profile",
+            "the profile does not add up, so no plan may rest on it: "
+            + "; ".join(dict.fromkeys(each.reason for each in found)),
+            errors=errors,
+        )
+    note = uncatalogued_note(profile)
+    if note is None or note in profile.notes:
+        return profile
+    return dataclasses.replace(profile, notes=(*profile.notes, note))
 
 
 FollowCursor = Annotated[

@@ -121,12 +121,22 @@ class ProblemDetails(BaseModel):
 class Problem(Exception):
     """Raise in a route to answer with a problem (service-level conditions, with the field)."""
 
-    def __init__(self, status: int, slug: str, detail: str, *, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        slug: str,
+        detail: str,
+        *,
+        field: str | None = None,
+        errors: Sequence[tuple[str, str]] = (),
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.slug = slug
         self.detail = detail
         self.field = field
+        self.errors = tuple(errors)
+        """``(field, reason)`` of each field at fault, when several are (else ``field``)."""
 
 
 def unknown_profile(profile_id: str, *, field: str) -> Problem:
@@ -440,7 +450,7 @@ def _allowed_methods(request: Request) -> list[str]:
 
 async def _on_problem(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, Problem)
-    errors = [(exc.field, exc.detail)] if exc.field else []
+    errors = list(exc.errors) or ([(exc.field, exc.detail)] if exc.field else [])
     return problem_response(
         exc.status, exc.slug, exc.detail, errors=errors, instance=request.url.path
     )

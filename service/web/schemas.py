@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from autobatch.conditions import RENAMED_KEYS
 from autobatch.device import (
@@ -63,6 +63,8 @@ __all__ = [
     "ProfileList",
     "ProfilePublic",
     "ResolvedDevice",
+    "StoredProfile",
+    "StoredTrial",
     "TrialBase",
     "storable",
 ]
@@ -518,9 +520,39 @@ class ProfileCreate(ProfileBase):
     """A profile to register, e.g. from ``autobatch.autotune`` on a training node."""
 
 
+StoredProfile = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "allOf": [{"$ref": "#/components/schemas/ProfileCreate"}],
+            "description": "The profile as the store holds it (autobatch.Profile.to_dict()): "
+            "the fields of ProfileCreate. A profile a library stored directly (autobatch tune, "
+            "a shared store) is listed as it is, past the bounds a request is held to (a note "
+            "longer than 4096 characters, say).",
+        }
+    ),
+]
+"""A stored profile in an answer: whatever the library stored, never checked against the bounds
+of a request (what the library can store, the service lists; a bound checked here would make a
+profile that the library kept unreadable through the service: a 500)."""
+
+
+StoredTrial = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "allOf": [{"$ref": "#/components/schemas/TrialBase"}],
+            "description": "A trial as the probe reported it (autobatch.profile.Trial), its "
+            "error as long as the probe's.",
+        }
+    ),
+]
+"""A trial in an answer, unchecked against a request's bounds (as :data:`StoredProfile`)."""
+
+
 class ProfilePublic(BaseModel):
     id: str
-    profile: ProfileBase
+    profile: StoredProfile
 
 
 class ProfileList(BaseModel):

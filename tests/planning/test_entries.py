@@ -21,6 +21,8 @@ FUNCTIONS = {
     "plan_mixed_ranks",
     "given_budget",
     "select_profile",
+    "check_arrival",
+    "uncatalogued_note",
     "condition_mismatches",
     "stored_profile_source",
     "largest_useful_micro_batch_size",

@@ -60,8 +60,9 @@ STORE = [
         # The most conservative profile of the card under the conditions asked, on any node.
         (H100, None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "measured"),
         (H100, None, {"amp_dtype": "float16"}, "h100-n2-fp16", "measured"),
-        # No conditions asked: the card's most conservative.
-        (H100, None, {}, "h100-n2-fp16", "measured"),
+        # No conditions asked: three nodes measured the card, so the second most conservative
+        # answers (no one node decides).
+        (H100, None, {}, "h100-n1-bf16", "measured"),
         # The card in its node-label and catalogue forms is the same card.
         ("NVIDIA-H100-80GB-HBM3", None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "measured"),
         ("H100 80GB HBM3", None, {"amp_dtype": "float16"}, "h100-n2-fp16", "measured"),
@@ -78,9 +79,9 @@ STORE = [
         # memory speaks (a tie here: the first card key), its most conservative profile.
         ("NVIDIA L4", None, {"amp_dtype": "bfloat16"}, "a100-n4-bf16", "predicted"),
         ("NVIDIA L4", None, {}, "a100-n3-fp16", "predicted"),
-        # An unknown node with no card: the model's most conservative, predicted, and it says
-        # the node's card is unknown.
-        (None, "n9", {}, "h100-n2-fp16", "predicted"),
+        # An unknown node with no card: drawn among the model's five nodes (the second most
+        # conservative), predicted, and it says the node's card is unknown.
+        (None, "n9", {}, "a100-n3-fp16", "predicted"),
     ],
 )
 def test_select_profile_ranks_card_node_and_conditions(
@@ -249,7 +250,9 @@ def test_measured_share_reads_the_profiles_budget(
 
 
 @pytest.mark.parametrize("order", [1, -1])
-def test_agreeing_nodes_answer_the_most_conservative_with_the_spread(order: int) -> None:
+def test_three_agreeing_nodes_answer_the_second_most_conservative_with_the_spread(
+    order: int,
+) -> None:
     published = [
         ("p-40", profile(H100, "n1", max_micro_batch_size=40, recommended_micro_batch_size=36)),
         ("p-32", profile(H100, "n2")),
@@ -260,13 +263,21 @@ def test_agreeing_nodes_answer_the_most_conservative_with_the_spread(order: int)
     chosen = select_profile(published, card=H100, node=None, conditions={"amp_dtype": "bfloat16"})
 
     assert chosen is not None
-    assert (chosen.profile_id, chosen.match) == ("p-32", "measured")
+    assert (chosen.profile_id, chosen.match) == ("p-36", "measured")
     assert chosen.considered == ("p-32", "p-36", "p-40")
     assert chosen.max_micro_batch_size_range == (32, 40)
+    assert (chosen.outliers, chosen.rests_on, chosen.lower_bounds) == ((), None, ())
     assert chosen.basis == (
-        "the most conservative (smallest recommended, then max micro-batch) of 3 agreeing "
-        "profiles: their max micro-batch sizes span 32..40"
+        "drawn among 3 nodes, one profile each: the second most conservative (smallest "
+        "recommended, then max micro-batch), so no one node moves it outside what the others "
+        "measured (max micro-batch 32..40)"
     )
+    # Two nodes: the more conservative, and the answer says whose word it rests on.
+    two = select_profile(
+        published[:2] if order == 1 else published[2:], card=H100, node=None, conditions={}
+    )
+    assert two is not None and (two.profile_id, two.rests_on) == ("p-32", "n2")
+    assert two.basis.startswith("rests on node n2 alone: the more conservative of 2 nodes")
 
 
 def test_a_mig_slice_is_its_own_card() -> None:

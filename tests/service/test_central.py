@@ -90,8 +90,14 @@ def test_a_probe_on_a_node_answers_a_plan_by_card_at_the_central_service(
                 timeout=30,
             )
             assert Profile.from_dict(published[0]["profile"]) == profile
-            metrics = node.client.get("/metrics").text
-            assert 'autobatch_profiles_published_total{outcome="published"} 1.0' in metrics
+            # The publisher counts the profile once central's answer is read, which may come
+            # after central lists it.
+            published_once = 'autobatch_profiles_published_total{outcome="published"} 1.0'
+            _wait(
+                lambda: published_once in node.client.get("/metrics").text,
+                "the publisher's count",
+                timeout=30,
+            )
 
         answer = central.client.post(
             "/v1/plan",

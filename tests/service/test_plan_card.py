@@ -48,7 +48,11 @@ def test_card_plans_from_any_nodes_profile_measured_on_that_card(client: TestCli
         "reasons": [],
         "considered": [on_a],
         "max_micro_batch_size_range": [40, 40],
-        "basis": "the only profile of its rank (no other agrees on card, budget and conditions)",
+        "basis": "rests on node node-a alone: the only node that measured it (no other agrees "
+        "on card, budget and conditions)",
+        "outliers": [],
+        "rests_on": "node-a",
+        "lower_bounds": [],
     }
     assert answer["profile_id"] == on_a
     assert answer["plan"]["micro_batch_size"] == 32  # the profile's recommended 36, 64 = 2 x 32
@@ -108,10 +112,11 @@ def test_unknown_card_memory_and_unknown_model_are_clear_problems(client: TestCl
 
     response = client.post(
         "/v1/plan",
-        json={"model_fingerprint": "fp-gpt2", "card": "NVIDIA B200", "effective_batch_size": 64},
+        json={"model_fingerprint": "fp-gpt2", "card": "NVIDIA B999", "effective_batch_size": 64},
     )
     body = problem(response, 422, "unknown-card")
-    assert "'NVIDIA B200'" in body["detail"] and "device.capacity_bytes" in body["detail"]
+    assert "'NVIDIA B999' is not in autobatch's catalogue" in body["detail"]
+    assert "device.capacity_bytes" in body["detail"]
 
     response = client.post(
         "/v1/plan",

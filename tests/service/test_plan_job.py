@@ -138,9 +138,11 @@ def test_a_card_of_unknown_memory_and_an_unreachable_batch_are_refused(
     client: TestClient,
 ) -> None:
     publish(client, card_profile(H100, 80, (32, 128), 144))
+    # Not in autobatch's catalogue, and no profile measured on it: its memory is unknown.
+    job = [JOB[0], {"card": "NVIDIA B999", "count": 4}]
     response = client.post(
         "/v1/plan",
-        json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 1024, "job": JOB},
+        json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 1024, "job": job},
     )
     assert problem(response, 422, "unknown-card")["errors"][0]["field"] == "body.job.1.card"
     response = client.post(

@@ -211,7 +211,8 @@ def test_agreeing_nodes_answer_the_most_conservative_whatever_the_order(
     assert (selection["profile_id"], split(answer)) == (whole_id, (32, 4))
     assert selection["considered"] == sorted([other_id, whole_id])
     assert selection["max_micro_batch_size_range"] == [40, 48]
-    assert "most conservative" in selection["basis"] and "2 agreeing profiles" in selection["basis"]
+    assert selection["basis"].startswith("rests on node node-whole alone: the more conservative")
+    assert selection["rests_on"] == "node-whole"
 
 
 def test_a_mig_slice_in_any_form(store_client: TestClient) -> None:
