@@ -468,19 +468,14 @@ class ProfileStore:
         )
 
     def delete(self, profile_id: str) -> bool:
-        """Remove ``profile_id`` as :meth:`forget` does; True when it was stored.
-
-        Raises:
-            StoreError: as :meth:`forget`."""
+        """Remove ``profile_id`` as :meth:`forget` does; True when it was stored. Raises
+        StoreError: as :meth:`forget`."""
         return bool(self.forget([profile_id]))
 
     def forget(self, profile_ids: Iterable[str]) -> list[str]:
         """Remove the profiles of ``profile_ids`` this store holds, in one transaction, each
-        leaving a tombstone (:meth:`page_deletions`); the ids removed.
-
-        Raises:
-            StoreError: the store is closed, locked longer than the timeout, or not writable.
-        """
+        leaving a tombstone (:meth:`page_deletions`); the ids removed. Raises StoreError: the
+        store is closed, locked longer than the timeout, or not writable."""
         return delete_ids(self._db, self.backend, profile_ids)
 
     def page_deletions(self, *, after: int = 0, limit: int = 100) -> DeletionPage:
