@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from service.admissions.schemas import AdmissionPublic
 from tests.service.test_service_api import make_profile, problem
 
-H100, L4 = "NVIDIA H100 80GB HBM3", "NVIDIA L4"
+H100, B999 = "NVIDIA H100 80GB HBM3", "NVIDIA B999"  # no catalogue entry: memory unknown
 
 
 def admit(client: TestClient, **body: Any) -> dict[str, Any]:
@@ -53,11 +53,11 @@ def test_admissions(client: TestClient) -> None:
     assert refused["reaching_world_sizes"] == [1]
     assert "nearest reachable effective batch sizes: 96, 104" in refused["message"]
 
-    # Sized within a policy: the L4's memory is unknown (no profile on it), so the H100; of 8
+    # Sized within a policy: the B999 is no catalogued card and has no profile: its memory is unknown, so the H100; of 8
     # and 16 GPUs (32 is past the ceiling) the fewest: 4096 / 8 = 512 = 32 x 16 steps.
     sized = admit(
         client,
-        cards=[L4, H100],
+        cards=[B999, H100],
         effective_batch_size=4096,
         policy={"size": True, "allowed_world_sizes": [8, 16, 32], "max_world_size": 16},
     )
@@ -65,7 +65,7 @@ def test_admissions(client: TestClient) -> None:
     assert sized["environment"]["AUTOBATCH_WORLD_SIZE"] == "8"
     assert sized["environment"]["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "16"
     assert sized["reasons"][1] == (
-        f"{L4}: no stored profile (of any model) was measured on this card, so its memory is "
+        f"{B999}: no stored profile (of any model) was measured on this card, so its memory is "
         "unknown; check the name against GET /v1/profiles' device_name"
     )
     assert sized["reaching_world_sizes"] == [8, 16]
