@@ -53,8 +53,9 @@ def test_admissions(client: TestClient) -> None:
     assert refused["reaching_world_sizes"] == [1]
     assert "nearest reachable effective batch sizes: 96, 104" in refused["message"]
 
-    # Sized within a policy: the B999 is no catalogued card and has no profile: its memory is unknown, so the H100; of 8
-    # and 16 GPUs (32 is past the ceiling) the fewest: 4096 / 8 = 512 = 32 x 16 steps.
+    # Sized within a policy: the B999 is not catalogued and has no profile, so its memory is
+    # unknown: the H100; of 8 and 16 GPUs (32 is past the ceiling) the fewest: 4096 / 8 = 512 =
+    # 32 x 16 steps.
     sized = admit(
         client,
         cards=[B999, H100],
