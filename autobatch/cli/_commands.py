@@ -28,6 +28,7 @@ from autobatch.cli._output import (
     input_shapes,
     print_budget,
     print_limit_note,
+    print_measured_under,
     print_plan,
     print_table,
 )
@@ -346,6 +347,7 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
             f"measured on {selection['device_name']}, node {selection['node_name'] or '?'})",
             file=out,
         )
+        print_measured_under(selection, out, asked=dict(args.condition or ()))
         for reason in selection["reasons"]:
             print(f"note: {reason}", file=out)
     return 0

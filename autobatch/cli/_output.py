@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any, TextIO
 
 from autobatch.errors import Remedy
@@ -61,6 +62,31 @@ def flag_wording(remedy: Remedy) -> str:
     else:
         phrase = f"{flag} {' or '.join(map(flag_value, remedy.values))}"
     return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
+
+
+def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[str, Any]) -> None:
+    """What a service's profile was measured under (its ``selection.measured_under``), and a note
+    where this machine's torch differs from it and ``--condition`` did not ask for one."""
+    under = selection.get("measured_under") or {}
+    where = ("node_name", "device_name")  # the profile line names them
+    shown = ", ".join(f"{name} {value}" for name, value in under.items() if name not in where)
+    print(f"measured under               {shown or 'nothing recorded'}", file=out)
+    theirs, here = under.get("torch_version"), installed_version("torch")
+    if theirs and here and theirs != here and "torch_version" not in asked:
+        print(
+            f"note: the profile was measured under torch {theirs}, this machine has torch "
+            f"{here}: --condition torch_version={here} asks for a profile measured under it "
+            "(a plan from another torch is predicted)",
+            file=out,
+        )
+
+
+def installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` (``"2.13.0"``), ``""`` when not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:

@@ -294,6 +294,7 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
         "considered": list(chosen.considered),
         "max_micro_batch_size_range": list(chosen.max_micro_batch_size_range),
         "basis": chosen.basis,
+        "measured_under": chosen.measured_under,
     }
 
 

@@ -95,8 +95,9 @@ class PlanCreate(Strict):
         default=None,
         max_length=64,
         description="Conditions the plan must hold under (names of a profile's conditions, "
-        "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
-        "'predicted'. Needs card, node or job.",
+        "e.g. {'amp_dtype': 'bfloat16'}, and the job's software: torch_version, "
+        "driver_version): a profile recorded under others answers 'predicted', and the "
+        "selection's reasons name each difference. Needs card, node or job.",
     )
     effective_batch_size: Size
     world_size: WorldSize = 1
@@ -314,6 +315,14 @@ class SelectionPublic(BaseModel):
         description="The smallest and largest max_micro_batch_size among considered.",
     )
     basis: str = Field(default="", description="Why the chosen one of them, in words.")
+    measured_under: dict[str, str] = Field(
+        default_factory=dict,
+        description="What the chosen profile was measured under, as recorded: node_name, "
+        "device_name, torch_version, driver_version and the conditions that move memory "
+        "(amp_dtype, optimizer, activation_checkpointing; on CUDA allocator_settings, "
+        "allocator_backend, cudnn; world_size). Where the job's own, named in conditions "
+        "(torch_version and driver_version among them), differ, reasons say so.",
+    )
 
 
 class RankGroupPublic(BaseModel):

@@ -302,3 +302,43 @@ def test_the_launcher_commands_count_to_fill_in_is_a_flag(
         "environment says two sizes of one group; use an environment without WORLD_SIZE, or "
         "--world-size N (the number of data-parallel ranks that train)\n",
     )
+
+
+def test_plan_service_names_the_conditions_its_profile_was_measured_under(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fleet's profile was measured under torch 2.11 and driver 550; this machine runs another
+    # torch. The text answer names both, and the flag that asks for a profile of this torch.
+    from importlib import metadata
+
+    from tests.service.serving import serving
+    from tests.service.test_plan_selection import WHOLE
+
+    measured = Profile.from_dict(
+        {**WHOLE.to_dict(), "torch_version": "2.11.0", "driver_version": "550.54.15"}
+    )
+    here = metadata.version("torch")
+    with serving(tmp_path) as server:
+        assert server.client.post("/v1/profiles", json=measured.to_dict()).status_code == 201
+        url = f"http://127.0.0.1:{server.port}"
+        fleet = ["plan", "--service", url, "--model-fingerprint", "fp-gpt2"]
+        fleet += ["--card", "NVIDIA H100 80GB HBM3", "--effective-batch-size", "128"]
+        code, out, err = run(capsys, *fleet)
+        asked_code, asked, _ = run(capsys, *fleet, "--condition", f"torch_version={here}")
+
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    under = next(line for line in lines if line.startswith("measured under"))
+    assert "torch_version 2.11.0, driver_version 550.54.15" in under
+    assert (
+        f"note: the profile was measured under torch 2.11.0, this machine has torch {here}: "
+        f"--condition torch_version={here} asks for a profile measured under it"
+    ) in out
+    assert "(measured: measured on NVIDIA H100 80GB HBM3" in out
+    # Asked for this machine's torch: the same profile, now a prediction that says why.
+    assert asked_code == 0
+    assert "(predicted: measured on NVIDIA H100 80GB HBM3" in asked
+    assert (
+        f"note: measured under other conditions: torch_version: recorded '2.11.0', asked '{here}'"
+        in asked
+    )
