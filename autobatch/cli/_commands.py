@@ -24,7 +24,6 @@ from autobatch.cli._launcher import run_launcher
 from autobatch.cli._output import (
     Progress,
     bytes_or_unknown,
-    flag_wording,
     input_shapes,
     print_budget,
     print_limit_note,
@@ -35,6 +34,7 @@ from autobatch.cli._output import (
 from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
+from autobatch.cli._wording import error_words
 from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError
 from autobatch.extras import require
@@ -69,23 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except AutobatchError as exc:
         given = sys.argv[1:] if argv is None else argv
-        words = _flag_spelling(exc.describe(flag_wording), given)
+        words = error_words(exc, parser, args.command, given)
         print(f"autobatch: error: {words}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
-
-
-def _flag_spelling(words: str, argv: Sequence[str]) -> str:
-    """The library's refusal of a value the user gave as a flag, led by that flag as argparse
-    leads its own: ``argument --safety-margin: safety_margin 1.5 must be ...``. The parser
-    only parses; the range is the library's one check."""
-    name = words.split(" ", 1)[0]
-    flag = "--" + name.replace("_", "-")
-    if name.isidentifier() and any(a == flag or a.startswith(f"{flag}=") for a in argv):
-        return f"argument {flag}: {words}"
-    return words
 
 
 def _stdout_closed() -> int:

@@ -1,10 +1,9 @@
 """What the ``autobatch`` command line prints: plans, tables, budgets, the probe's notes and its
-progress, and library remedies worded as this command line's flags (the one place it words them).
+progress; the library's words in them as this command line's flags (:mod:`autobatch.cli._wording`).
 
 Example::
 
     print_plan(plan, "text", sys.stdout)
-    flag_wording(Remedy(parameter="allow_inexact", values=(True,)))   # "--allow-inexact"
 """
 
 from __future__ import annotations
@@ -15,53 +14,9 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, TextIO
 
-from autobatch.errors import Remedy
+from autobatch.cli._wording import FLAGS, cli_message, flag_wording
 from autobatch.integrations import format_config
 from autobatch.units import format_bytes
-
-AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-FLAGS = {
-    "amp_dtype": "--amp",
-    "capacity_bytes": "--capacity",
-    "device": "--device",
-    "gpu_fraction": "--gpu-fraction",
-    "input_shape": "--input-shape",
-    "image_size": "--image-size",
-    "max_micro_batch_size": "--max-micro-batch-size",
-    "seq_len": "--seq-len",
-    "store": "--store",
-    "world_size": "--world-size",
-}
-"""The library's parameter names whose flag is not the name with dashes (the one table); any
-other ``name`` is ``--name`` with ``_`` as ``-`` (``allow_inexact``: ``--allow-inexact``)."""
-
-
-def flag_value(value: object) -> str:
-    """A library value as the flag takes it: ``bf16`` for bfloat16, ``3,224,224`` for a shape."""
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return AMP_FLAG_VALUES.get(str(value), str(value))
-
-
-def flag_wording(remedy: Remedy) -> str:
-    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``,
-    ``a run without --eval``.
-
-    The one place the CLI words remedies (the library names them by Python argument).
-    """
-    if not remedy.parameter:
-        return remedy.purpose
-    flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
-    # ``is``: 1 == True, and --multiple-of 1 is no switch.
-    if len(remedy.values) == 1 and remedy.values[0] is True:
-        phrase = flag  # a switch
-    elif len(remedy.values) == 1 and remedy.values[0] is False:
-        phrase = f"a run without {flag}"  # a switch left off
-    else:
-        phrase = f"{flag} {' or '.join(map(flag_value, remedy.values))}"
-    return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
 
 
 def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[str, Any]) -> None:
@@ -134,13 +89,19 @@ def bytes_or_unknown(num_bytes: int | None) -> str:
 
 
 def print_budget(budget: Any, out: TextIO) -> None:
-    """The memory budget: the deciding source and the sharing mode, every source, warnings."""
-    print(f"memory budget                {budget.describe()}", file=out)
+    """The memory budget: the deciding source and the sharing mode, every source, warnings; a
+    source the user gave by flag (``capacity_bytes``) named as that flag (``--capacity``)."""
+    decided = f"decided by {FLAGS.get(budget.deciding_source, budget.deciding_source)}"
+    print(
+        f"memory budget                {format_bytes(budget.budget_bytes)}, {decided} "
+        f"(sharing: {budget.sharing_mode})",
+        file=out,
+    )
     for reading in budget.readings:
         of = (
             f"{format_bytes(reading.available_bytes)} usable of {format_bytes(reading.total_bytes)}"
         )
-        print(f"  {reading.source:<26} {of}", file=out)
+        print(f"  {FLAGS.get(reading.source, reading.source):<26} {of}", file=out)
     if budget.unseen_sources:
         print(f"  not seen                   {', '.join(budget.unseen_sources)}", file=out)
     if budget.fits_now is not None:
@@ -152,7 +113,7 @@ def print_budget(budget: Any, out: TextIO) -> None:
     if budget.trials_per_gpu is not None:
         print(f"trials per GPU               {budget.trials_per_gpu}", file=out)
     for warning in budget.warnings:
-        print(f"warning: {warning}", file=out)
+        print(f"warning: {cli_message(warning, FLAGS)}", file=out)
 
 
 def print_plan(
@@ -234,7 +195,7 @@ def print_plan(
             file=out,
         )
     for note in result.notes:
-        print(f"note: {note}", file=out)
+        print(f"note: {cli_message(note, FLAGS, bare=False)}", file=out)
 
 
 def input_shapes(shapes: Any) -> str:
