@@ -8,15 +8,23 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, TextIO
 
-from autobatch.cli._wording import FLAGS, cli_message, flag_wording
+from autobatch.cli._parser import build_parser
+from autobatch.cli._wording import FLAGS, cli_message, command_flags, flag_wording
 from autobatch.integrations import format_config
 from autobatch.units import format_bytes
+
+
+@functools.cache
+def note_flags() -> dict[str, str]:
+    """The flags a plan's notes may name (``uneven='auto'``): ``plan``'s, which ``tune`` shares."""
+    return command_flags(build_parser(), "plan")
 
 
 def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[str, Any]) -> None:
@@ -195,7 +203,7 @@ def print_plan(
             file=out,
         )
     for note in result.notes:
-        print(f"note: {cli_message(note, FLAGS, bare=False)}", file=out)
+        print(f"note: {cli_message(note, note_flags(), bare=False)}", file=out)
 
 
 def input_shapes(shapes: Any) -> str:
