@@ -301,7 +301,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         )
         result = plan_request(limit, request, budget=budget, source=source)
         if args.env or args.output:
-            write_plan(result.to_dict(), None, args.output, out)
+            measured = getattr(limit, "max_micro_batch_size", None)  # a stored profile's
+            write_plan(
+                result.to_dict(), None, args.output, out, measured_max_micro_batch_size=measured
+            )
         else:
             print_plan(result, fmt, out)
         return 0

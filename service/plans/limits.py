@@ -295,6 +295,7 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
         "max_micro_batch_size_range": list(chosen.max_micro_batch_size_range),
         "basis": chosen.basis,
         "measured_under": chosen.measured_under,
+        "measured_max_micro_batch_size": profile.max_micro_batch_size,
     }
 
 

@@ -315,6 +315,12 @@ class SelectionPublic(BaseModel):
         description="The smallest and largest max_micro_batch_size among considered.",
     )
     basis: str = Field(default="", description="Why the chosen one of them, in words.")
+    measured_max_micro_batch_size: int | None = Field(
+        default=None,
+        description="The chosen profile's measured maximum: the largest micro-batch that ran "
+        "in its trials. The plan's max_micro_batch_size is the recommended limit it planned "
+        "within (that maximum less the safety margin, or scaled to the card asked about).",
+    )
     measured_under: dict[str, str] = Field(
         default_factory=dict,
         description="What the chosen profile was measured under, as recorded: node_name, "

@@ -41,6 +41,8 @@ def test_local_plan_as_export_lines(capsys: pytest.CaptureFixture[str]) -> None:
         "AUTOBATCH_GRADIENT_ACCUMULATION_STEPS": "4",
         "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "64",
         "AUTOBATCH_WORLD_SIZE": "1",
+        "AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE": "24",
+        "AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE": "",  # a number given: no profile measured it
         "AUTOBATCH_MAX_MICRO_BATCH_SIZE": "24",
         "AUTOBATCH_MICRO_BATCH_SIZES": "16,16,16,16",
         "AUTOBATCH_PLAN_SOURCE": "given",
@@ -65,7 +67,7 @@ def test_output_writes_env_or_json_files(
 @pytest.mark.parametrize(
     ("plan_source", "match", "expected"),
     [
-        ("cached", "measured", "measured"),
+        ("cached", "measured", "cached"),  # the JSON's word: a stored profile's real trials
         ("predicted", "measured", "predicted"),  # measured on the card, past its sizes
         ("cached", "predicted", "predicted"),  # measured on another card
         ("estimated", "estimated", "estimated"),
@@ -83,6 +85,7 @@ def test_plan_source_is_predicted_when_either_side_says_so(
     variables = env_variables(planned, answer)
 
     assert variables["AUTOBATCH_PLAN_SOURCE"] == expected
+    assert variables["AUTOBATCH_PROFILE_MATCH"] == match
     assert variables["AUTOBATCH_PROFILE_ID"] == "p1"
     assert variables["AUTOBATCH_PROFILE_NODE"] == "n1"
     assert variables["AUTOBATCH_PROFILE_CARD"] == "A100"
@@ -197,7 +200,8 @@ def test_a_card_in_node_label_form_plans_from_the_profile_measured_on_it(
     exported = sourced(out)
     assert exported["AUTOBATCH_MICRO_BATCH_SIZE"] == "32"
     assert exported["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "4"
-    assert exported["AUTOBATCH_PLAN_SOURCE"] == "measured"
+    assert exported["AUTOBATCH_PLAN_SOURCE"] == "cached"
+    assert exported["AUTOBATCH_PROFILE_MATCH"] == "measured"
     assert exported["AUTOBATCH_PLAN_CARD"] == "NVIDIA-H100-80GB-HBM3"
     assert exported["AUTOBATCH_PROFILE_CARD"] == "NVIDIA H100 80GB HBM3"
 

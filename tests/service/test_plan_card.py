@@ -49,6 +49,7 @@ def test_card_plans_from_any_nodes_profile_measured_on_that_card(client: TestCli
         "considered": [on_a],
         "max_micro_batch_size_range": [40, 40],
         "basis": "the only profile of its rank (no other agrees on card, budget and conditions)",
+        "measured_max_micro_batch_size": 40,  # the plan's limit is its recommended 36
         "measured_under": {
             "node_name": "node-a",
             "device_name": H100,
