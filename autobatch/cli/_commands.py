@@ -34,6 +34,7 @@ from autobatch.cli._output import (
 from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
+from autobatch.cli._profiles import print_profile, print_profile_table
 from autobatch.cli._wording import error_words
 from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError
@@ -353,30 +354,14 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
                 data = [{"id": pid, **p.to_dict()} for pid, p in rows]
                 print(json.dumps(data, indent=2), file=out)
                 return 0
-            # MODE: an eval profile (a forward only) is no training profile to plan from.
-            table = [
-                ("ID", "CREATED (UTC)", "DEVICE", "MAX", "MODE", "OPTIMIZER", "INPUT", "MODEL")
-            ]
-            table += [
-                (
-                    pid,
-                    p.created_at[:16].replace("T", " ") or "-",
-                    p.device_name,
-                    str(p.max_micro_batch_size),
-                    p.mode,
-                    p.optimizer or "-",
-                    input_shapes(p.input_shape),
-                    p.model_fingerprint,
-                )
-                for pid, p in rows
-            ]
-            widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-            for row in table:
-                cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
-                print("  ".join([*cells, row[-1]]), file=out)
+            print_profile_table(rows, out)
             return 0
         if args.action == "show":
-            print(json.dumps(store.get(args.profile_id).to_dict(), indent=2), file=out)
+            profile = store.get(args.profile_id)
+            if args.json:
+                print(json.dumps(profile.to_dict(), indent=2), file=out)
+            else:
+                print_profile(args.profile_id, profile, out)
             return 0
         if not store.delete(args.profile_id):
             print(f"autobatch: error: no profile {args.profile_id!r}", file=sys.stderr)

@@ -124,6 +124,19 @@ def print_budget(budget: Any, out: TextIO) -> None:
         print(f"warning: {cli_message(warning, FLAGS)}", file=out)
 
 
+def print_budget_moved(profile: Any, budget: Any, out: TextIO) -> None:
+    """Say why the probe's usable bytes and the plan's budget differ, when they do: each was
+    read when it was made, and free memory moves with other processes (on a host, always)."""
+    if profile is None or profile.capacity_bytes == budget.budget_bytes:
+        return
+    print(
+        f"note: the probe saw {format_bytes(profile.capacity_bytes)} usable; the plan's memory "
+        f"budget, {format_bytes(budget.budget_bytes)}, was read again when planning (free "
+        "memory moves with other processes)",
+        file=out,
+    )
+
+
 def print_plan(
     result: Any,
     fmt: str,
@@ -147,7 +160,7 @@ def print_plan(
     if profile is not None:
         print(
             f"device           {profile.device_name} "
-            f"({format_bytes(profile.capacity_bytes)} usable of "
+            f"({format_bytes(profile.capacity_bytes)} usable when probed, of "
             f"{format_bytes(profile.total_memory_bytes)})",
             file=out,
         )
@@ -184,6 +197,7 @@ def print_plan(
     print(f"source                       {result.source}", file=out)
     if result.budget is not None:
         print_budget(result.budget, out)
+        print_budget_moved(profile, result.budget, out)
     if result.prediction is not None:
         found = result.prediction
         fit = (
