@@ -17,12 +17,12 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from autobatch.cli._launcher import run_launcher
 from autobatch.cli._output import (
-    Progress,
     bytes_or_unknown,
     input_shapes,
     print_budget,
@@ -35,7 +35,8 @@ from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
 from autobatch.cli._profiles import print_profile, print_profile_table
-from autobatch.cli._wording import error_words
+from autobatch.cli._progress import Progress
+from autobatch.cli._wording import error_words, warning_words
 from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError
 from autobatch.extras import require
@@ -186,36 +187,19 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     # The road is torch-bound: only the commands that run a step load torch. resolve_device is
     # read from the device face when called, where tests replace it.
     from autobatch.device import resolve_device
-    from autobatch.tuning import TuneRequest, tune_request
 
     target = resolve_device(_tune_device(args))
     spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
-    progress = Progress(enabled=fmt == "text")
+    progress = Progress(enabled=fmt == "text", word=warning_words(build_parser(), "tune"))
     store = None if args.no_store else _store(args, writing=True)
     try:
-        tuned = tune_request(
-            TuneRequest.build(
-                spec.model,
-                spec.sample,
-                optimizer=spec.optimizer,
-                loss_fn=spec.loss_fn,
-                device=target,
-                gpu_fraction=args.gpu_fraction,
-                amp_dtype=_amp(args),
-                safety_margin=args.safety_margin,
-                max_micro_batch_size=args.max_micro_batch_size,
-                store=store,
-                use_store=not args.no_store,
-                refresh=args.refresh,
-                report_to=args.report_to,
-                on_trial=progress.trial,
-                eval=args.eval,
-                mixed_ranks=args.mixed_ranks,
-                world_size=args.world_size,
-                **_plan_options(args),
-            )
-        )
+        with warnings.catch_warnings():
+            # The command shows its warnings (once each), whatever the caller's filters, and
+            # writes them above the progress line, in flags, not glued onto it.
+            warnings.simplefilter("default", UserWarning)
+            warnings.showwarning = lambda message, *_, **__: progress.warning(message)
+            tuned = _tuned(args, spec, target, progress, store)
     finally:
         progress.close()
         if store is not None:
@@ -229,6 +213,35 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         flag_limit=args.max_micro_batch_size,
     )
     return 0
+
+
+def _tuned(args: argparse.Namespace, spec: Any, target: Any, progress: Progress, store: Any) -> Any:
+    """The tuning road for ``tune``'s flags, its events drawn by ``progress``."""
+    from autobatch.tuning import TuneRequest, tune_request
+
+    return tune_request(
+        TuneRequest.build(
+            spec.model,
+            spec.sample,
+            optimizer=spec.optimizer,
+            loss_fn=spec.loss_fn,
+            device=target,
+            gpu_fraction=args.gpu_fraction,
+            amp_dtype=_amp(args),
+            safety_margin=args.safety_margin,
+            max_micro_batch_size=args.max_micro_batch_size,
+            store=store,
+            use_store=not args.no_store,
+            refresh=args.refresh,
+            report_to=args.report_to,
+            on_trial=progress.trial,
+            on_stage=progress.stage,
+            eval=args.eval,
+            mixed_ranks=args.mixed_ranks,
+            world_size=args.world_size,
+            **_plan_options(args),
+        )
+    )
 
 
 def _tune_device(args: argparse.Namespace) -> str:

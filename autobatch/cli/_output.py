@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, TextIO
@@ -223,39 +222,6 @@ def print_plan(
 def input_shapes(shapes: Any) -> str:
     """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``."""
     return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
-
-
-class Progress:
-    """One tqdm line per probe (to stderr); silent when disabled (``--json``, configs)."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self._enabled = enabled
-        self._bar: Any = None
-
-    def trial(self, trial: Any) -> None:
-        if not self._enabled:
-            return
-        if self._bar is None:  # created at the first trial: a cached answer shows no bar
-            from tqdm import tqdm
-
-            # The count in words ("1 trial", "3 trials"), not tqdm's "3trial [?trial/s]".
-            self._bar = tqdm(
-                desc="probing: 0 trials",
-                file=sys.stderr,
-                leave=True,
-                bar_format="{desc} [{elapsed}]",
-            )
-        outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
-        peak = format_bytes(trial.peak_reserved_bytes) if trial.fits else "-"
-        self._bar.update(1)
-        count = f"{self._bar.n} trial{'' if self._bar.n == 1 else 's'}"
-        self._bar.set_description_str(
-            f"probing: {count}, micro-batch {trial.micro_batch_size} {outcome}, peak {peak}"
-        )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:

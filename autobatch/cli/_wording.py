@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from autobatch.errors import AutobatchError, Remedy, ServiceError
 
@@ -34,6 +34,7 @@ __all__ = [
     "error_words",
     "flag_value",
     "flag_wording",
+    "warning_words",
 ]
 
 TOKEN_ENV_VAR = "AUTOBATCH_API_TOKEN"
@@ -162,6 +163,20 @@ def error_words(
     words = _led_by_flag(exc.describe(flag_wording), flags, argv)
     if isinstance(exc, ServiceError) and exc.status in (401, 403):
         words += f"; set {TOKEN_ENV_VAR} to a token the service accepts"
+    return words
+
+
+def warning_words(parser: argparse.ArgumentParser, command: str | None) -> Callable[[Warning], str]:
+    """How a warning raised during ``command`` reads on the command line: its remedies as flags
+    (a warning that carries them, :class:`~autobatch.errors.ReportWarning`), and the arguments
+    its text names as ``command``'s flags (:func:`cli_message`)."""
+    flags = command_flags(parser, command)
+
+    def words(warning: Warning) -> str:
+        describe = getattr(warning, "describe", None)
+        text = describe(flag_wording) if describe is not None else str(warning)
+        return cli_message(text, flags)
+
     return words
 
 
