@@ -62,3 +62,19 @@ def test_show_reads_as_words_and_json_on_asking(
     assert not shown.lstrip().startswith("{")
     as_json = json.loads(run(capsys, "--store", store, "profiles", "show", row["id"], "--json"))
     assert as_json["max_micro_batch_size"] == row["max_micro_batch_size"]
+
+
+def test_a_plan_from_a_stored_profile_exports_both_sizes_by_name(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.cli.test_plan_env import sourced
+
+    capsys.readouterr()
+    (row,) = json.loads(run(capsys, "--store", store, "profiles", "list", "--json"))
+    planned = ["--store", store, "plan", "--profile", row["id"], "--effective-batch-size", "8"]
+    exported = sourced(run(capsys, *planned, "--env"))
+    recommended, measured = row["recommended_micro_batch_size"], row["max_micro_batch_size"]
+    assert exported["AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE"] == str(recommended)
+    assert exported["AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE"] == str(measured)
+    assert exported["AUTOBATCH_MAX_MICRO_BATCH_SIZE"] == str(recommended)  # the older name
+    assert exported["AUTOBATCH_PLAN_SOURCE"] == "cached"
