@@ -35,7 +35,7 @@ from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
 from autobatch.cli._profiles import print_profile, print_profile_table
-from autobatch.cli._progress import Progress
+from autobatch.cli._progress import Progress, ProgressLog
 from autobatch.cli._wording import error_words, warning_words
 from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError
@@ -194,7 +194,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     progress = Progress(enabled=fmt == "text", word=warning_words(build_parser(), "tune"))
     store = None if args.no_store else _store(args, writing=True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), ProgressLog.attached(progress):
             # The command shows its warnings (once each), whatever the caller's filters, and
             # writes them above the progress line, in flags, not glued onto it.
             warnings.simplefilter("default", UserWarning)

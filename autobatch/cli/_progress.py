@@ -16,9 +16,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from autobatch.units import format_bytes
@@ -26,7 +28,7 @@ from autobatch.units import format_bytes
 if TYPE_CHECKING:  # the probe is torch-bound: only the commands that run a step load torch
     from autobatch.probing import ProbeStage
 
-__all__ = ["STAGE_WORDS", "ProbeDisplay", "Progress"]
+__all__ = ["STAGE_WORDS", "ProbeDisplay", "Progress", "ProgressLog"]
 
 STAGE_WORDS = {
     "warm-up": "warm-up (micro-batch 1: creates the optimizer state)",
@@ -80,7 +82,7 @@ class Progress:
         word: how a warning's message reads on this command line (the CLI's wording).
     """
 
-    def __init__(self, *, enabled: bool, word: Callable[[Warning], str] = str) -> None:
+    def __init__(self, *, enabled: bool, word: Callable[[Warning | str], str] = str) -> None:
         self._enabled = enabled
         self._word = word
         self._display = ProbeDisplay()
@@ -99,8 +101,7 @@ class Progress:
 
     def warning(self, message: Warning | str) -> None:
         """Write a warning above the line (``autobatch: warning: ...``), in the CLI's words."""
-        text = message if isinstance(message, str) else self._word(message)
-        line = f"autobatch: warning: {text}"
+        line = f"autobatch: warning: {self._word(message)}"
         if self._bar is None:
             print(line, file=sys.stderr)
             return
@@ -137,3 +138,33 @@ class Progress:
             self._ticker.join()
         if self._bar is not None:
             self._bar.close()
+
+
+class ProgressLog(logging.Handler):
+    """The ``autobatch`` logger's warnings during a probe, written as :meth:`Progress.warning`
+    writes warnings (above the line, in the CLI's words), not glued onto the line.
+
+    Example::
+
+        with ProgressLog.attached(progress):
+            tune_request(...)
+    """
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__(level=logging.WARNING)
+        self._progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._progress.warning(record.getMessage())
+
+    @classmethod
+    @contextlib.contextmanager
+    def attached(cls, progress: Progress) -> Iterator[None]:
+        """Route the ``autobatch`` logger's warnings to ``progress`` while the block runs."""
+        logger = logging.getLogger("autobatch")
+        handler = cls(progress)
+        logger.addHandler(handler)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)

@@ -166,13 +166,15 @@ def error_words(
     return words
 
 
-def warning_words(parser: argparse.ArgumentParser, command: str | None) -> Callable[[Warning], str]:
-    """How a warning raised during ``command`` reads on the command line: its remedies as flags
-    (a warning that carries them, :class:`~autobatch.errors.ReportWarning`), and the arguments
-    its text names as ``command``'s flags (:func:`cli_message`)."""
+def warning_words(
+    parser: argparse.ArgumentParser, command: str | None
+) -> Callable[[Warning | str], str]:
+    """How a warning raised (or logged) during ``command`` reads on the command line: its
+    remedies as flags (a warning that carries them, :class:`~autobatch.errors.ReportWarning`),
+    and the arguments its text names as ``command``'s flags (:func:`cli_message`)."""
     flags = command_flags(parser, command)
 
-    def words(warning: Warning) -> str:
+    def words(warning: Warning | str) -> str:
         describe = getattr(warning, "describe", None)
         text = describe(flag_wording) if describe is not None else str(warning)
         return cli_message(text, flags)

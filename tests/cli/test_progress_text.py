@@ -75,7 +75,9 @@ def test_tune_reports_its_stages_and_a_failed_report_cleanly(
     err = capsys.readouterr().err.replace("\r", "\n")
     stages = [s for s in ("warm-up", "trials", "confirm") if f"probing, {s}" in err]
     assert stages == ["warm-up", "trials", "confirm"]
-    (warned,) = [line for line in err.splitlines() if line.startswith("autobatch: warning:")]
+    asked, warned = [line for line in err.splitlines() if line.startswith("autobatch: warning:")]
+    # The logger's warning (the lookup) and the report's, each on a line of its own.
+    assert asked.startswith("autobatch: warning: could not ask the autobatch service")
     assert "could not register the profile with the autobatch service" in warned
     assert warned.endswith("; use --refresh (probe again and send it)")
     assert "refresh=True" not in err and "autobatch.client" not in err
