@@ -304,7 +304,28 @@ class PeerObjectError(ConfigError):
 
 
 class ReportWarning(UserWarning):
-    """``autotune(report_to=...)`` could not register the profile; the plan is still returned."""
+    """``autotune(report_to=...)`` could not register the profile; the plan is still returned.
+
+    Args:
+        message: what failed, naming the service, with the numbers.
+        remedies: ways past it, each surface words them (as :class:`AutobatchError`'s).
+    """
+
+    def __init__(self, message: str, *, remedies: Sequence[Remedy] = ()) -> None:
+        super().__init__(message)
+        self.remedies: tuple[Remedy, ...] = tuple(remedies)
+
+    @property
+    def message(self) -> str:
+        """The message without the remedies."""
+        return str(self.args[0]) if self.args else ""
+
+    def describe(self, word: Callable[[Remedy], str]) -> str:
+        """The message with each remedy worded by ``word`` (see :meth:`AutobatchError.describe`)."""
+        return with_remedies(self.message, self.remedies, word)
+
+    def __str__(self) -> str:
+        return self.describe(python_wording)
 
 
 class SmallMicroBatchNormWarning(UserWarning):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -24,13 +25,20 @@ from torch.nn.parallel import DistributedDataParallel
 import autobatch
 from autobatch import Accumulator
 
+EXAMPLE_STORE = os.path.join(tempfile.gettempdir(), "autobatch-examples.sqlite3")
+"""Where the example keeps its profiles: its own store, never the user's default one."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--effective-batch-size", type=int, default=4096)
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK, or sim:16MiB")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps to train")
-    parser.add_argument("--store", default=None, help="profile store path (default: the user's)")
+    parser.add_argument(
+        "--store",
+        default=EXAMPLE_STORE,
+        help="profile store path (default: the examples' own, apart from your store)",
+    )
     return parser.parse_args(argv)
 
 

@@ -11,6 +11,8 @@ by 1 / gradient_accumulation_steps. Runs anywhere on a simulated card; on a GPU 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,13 +25,21 @@ Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100  # labels Hugging Face's loss skips
 
 
+EXAMPLE_STORE = os.path.join(tempfile.gettempdir(), "autobatch-examples.sqlite3")
+"""Where the example keeps its profiles: its own store, never the user's default one."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="sim:40MiB", help="cuda:N, cpu or sim:SIZE")
     parser.add_argument("--effective-batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps to train")
-    parser.add_argument("--store", default=None, help="profile store path (default: the user's)")
+    parser.add_argument(
+        "--store",
+        default=EXAMPLE_STORE,
+        help="profile store path (default: the examples' own, apart from your store)",
+    )
     return parser.parse_args(argv)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +31,10 @@ Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100  # labels Hugging Face's loss skips
 
 
+EXAMPLE_STORE = os.path.join(tempfile.gettempdir(), "autobatch-examples.sqlite3")
+"""Where the example keeps its profiles: its own store, never the user's default one."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="sim:20MiB", help="cuda:N, cpu or sim:SIZE")
@@ -36,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32, help="usual longest sequence, tokens")
     parser.add_argument("--long-fraction", type=float, default=0.01, help="share of long ones")
     parser.add_argument("--micro-steps", type=int, default=200, help="micro-batches to train on")
-    parser.add_argument("--store", default=None, help="profile store path (default: the user's)")
+    parser.add_argument(
+        "--store",
+        default=EXAMPLE_STORE,
+        help="profile store path (default: the examples' own, apart from your store)",
+    )
     return parser.parse_args(argv)
 
 

@@ -114,7 +114,9 @@ def test_deadline_snippet_builds_a_deadline() -> None:
 def test_readme_autotune_snippet_probes_then_answers_from_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("AUTOBATCH_STORE", str(tmp_path / "profiles.sqlite3"))
+    users = tmp_path / "users.sqlite3"
+    monkeypatch.setenv("AUTOBATCH_STORE", str(users))
+    monkeypatch.chdir(tmp_path)  # the snippet's own store is a file where it runs
     source = _snippet(README, "autobatch.autotune(")
 
     first = _run(README, source)["plan"]
@@ -126,6 +128,8 @@ def test_readme_autotune_snippet_probes_then_answers_from_the_store(
     again = _run(README, source)["plan"]  # the same step on the same card: from the store
     assert again.source == "cached"
     assert (again.micro_batch_size, again.gradient_accumulation_steps) == (2048, 2)
+    # Its own store, apart from the user's.
+    assert (tmp_path / "readme-profiles.sqlite3").is_file() and not users.exists()
 
 
 def test_planner_snippet_gives_the_rules_table_examples() -> None:

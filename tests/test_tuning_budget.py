@@ -110,13 +110,13 @@ def test_the_cli_shows_the_deciding_source_and_the_sharing_mode(
 
     assert code == 0, err
     assert (
-        "memory budget                2.00 MiB, decided by gpu_fraction (sharing: fractional)"
+        "memory budget                2.00 MiB, decided by --gpu-fraction (sharing: fractional)"
         in out
     )
     assert "  simulated                  4.00 MiB usable of 4.00 MiB" in out
-    assert "  gpu_fraction               2.00 MiB usable of 2.00 MiB" in out
+    assert "  --gpu-fraction             2.00 MiB usable of 2.00 MiB" in out
     assert "trials per GPU               2" in out
-    assert "warning: gpu_fraction allows 2.00 MiB where simulated reports 4.00 MiB" in out
+    assert "warning: --gpu-fraction allows 2.00 MiB where simulated reports 4.00 MiB" in out
     code, out, _ = run(capsys, *argv, "--json")
     assert code == 0
     budget = json.loads(out)["plan"]["budget"]
@@ -166,7 +166,7 @@ def test_the_cli_plans_a_stored_profile_for_a_share_of_a_card(
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["world_size", "micro_batch", "accum_steps", "note"]
-    assert "memory budget                1.00 MiB, decided by gpu_fraction" in out  # after it
+    assert "memory budget                1.00 MiB, decided by --gpu-fraction" in out  # after it
     code, _, err = run(
         capsys,
         *["--store", store, "plan", "--profile", profile_id, "--effective-batch-size", "256"],

@@ -17,23 +17,26 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from autobatch.cli._launcher import run_launcher
 from autobatch.cli._output import (
-    Progress,
     bytes_or_unknown,
-    flag_wording,
     input_shapes,
     print_budget,
     print_limit_note,
+    print_measured_under,
     print_plan,
     print_table,
 )
 from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
+from autobatch.cli._profiles import print_profile, print_profile_table
+from autobatch.cli._progress import Progress, ProgressLog
+from autobatch.cli._wording import error_words, warning_words
 from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError
 from autobatch.extras import require
@@ -68,23 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except AutobatchError as exc:
         given = sys.argv[1:] if argv is None else argv
-        words = _flag_spelling(exc.describe(flag_wording), given)
+        words = error_words(exc, parser, args.command, given)
         print(f"autobatch: error: {words}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
-
-
-def _flag_spelling(words: str, argv: Sequence[str]) -> str:
-    """The library's refusal of a value the user gave as a flag, led by that flag as argparse
-    leads its own: ``argument --safety-margin: safety_margin 1.5 must be ...``. The parser
-    only parses; the range is the library's one check."""
-    name = words.split(" ", 1)[0]
-    flag = "--" + name.replace("_", "-")
-    if name.isidentifier() and any(a == flag or a.startswith(f"{flag}=") for a in argv):
-        return f"argument {flag}: {words}"
-    return words
 
 
 def _stdout_closed() -> int:
@@ -195,36 +187,19 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     # The road is torch-bound: only the commands that run a step load torch. resolve_device is
     # read from the device face when called, where tests replace it.
     from autobatch.device import resolve_device
-    from autobatch.tuning import TuneRequest, tune_request
 
     target = resolve_device(_tune_device(args))
     spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
-    progress = Progress(enabled=fmt == "text")
+    progress = Progress(enabled=fmt == "text", word=warning_words(build_parser(), "tune"))
     store = None if args.no_store else _store(args, writing=True)
     try:
-        tuned = tune_request(
-            TuneRequest.build(
-                spec.model,
-                spec.sample,
-                optimizer=spec.optimizer,
-                loss_fn=spec.loss_fn,
-                device=target,
-                gpu_fraction=args.gpu_fraction,
-                amp_dtype=_amp(args),
-                safety_margin=args.safety_margin,
-                max_micro_batch_size=args.max_micro_batch_size,
-                store=store,
-                use_store=not args.no_store,
-                refresh=args.refresh,
-                report_to=args.report_to,
-                on_trial=progress.trial,
-                eval=args.eval,
-                mixed_ranks=args.mixed_ranks,
-                world_size=args.world_size,
-                **_plan_options(args),
-            )
-        )
+        with warnings.catch_warnings(), ProgressLog.attached(progress):
+            # The command shows its warnings (once each), whatever the caller's filters, and
+            # writes them above the progress line, in flags, not glued onto it.
+            warnings.simplefilter("default", UserWarning)
+            warnings.showwarning = lambda message, *_, **__: progress.warning(message)
+            tuned = _tuned(args, spec, target, progress, store)
     finally:
         progress.close()
         if store is not None:
@@ -238,6 +213,35 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         flag_limit=args.max_micro_batch_size,
     )
     return 0
+
+
+def _tuned(args: argparse.Namespace, spec: Any, target: Any, progress: Progress, store: Any) -> Any:
+    """The tuning road for ``tune``'s flags, its events drawn by ``progress``."""
+    from autobatch.tuning import TuneRequest, tune_request
+
+    return tune_request(
+        TuneRequest.build(
+            spec.model,
+            spec.sample,
+            optimizer=spec.optimizer,
+            loss_fn=spec.loss_fn,
+            device=target,
+            gpu_fraction=args.gpu_fraction,
+            amp_dtype=_amp(args),
+            safety_margin=args.safety_margin,
+            max_micro_batch_size=args.max_micro_batch_size,
+            store=store,
+            use_store=not args.no_store,
+            refresh=args.refresh,
+            report_to=args.report_to,
+            on_trial=progress.trial,
+            on_stage=progress.stage,
+            eval=args.eval,
+            mixed_ranks=args.mixed_ranks,
+            world_size=args.world_size,
+            **_plan_options(args),
+        )
+    )
 
 
 def _tune_device(args: argparse.Namespace) -> str:
@@ -311,7 +315,10 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         )
         result = plan_request(limit, request, budget=budget, source=source)
         if args.env or args.output:
-            write_plan(result.to_dict(), None, args.output, out)
+            measured = getattr(limit, "max_micro_batch_size", None)  # a stored profile's
+            write_plan(
+                result.to_dict(), None, args.output, out, measured_max_micro_batch_size=measured
+            )
         else:
             print_plan(result, fmt, out)
         return 0
@@ -346,6 +353,7 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
             f"measured on {selection['device_name']}, node {selection['node_name'] or '?'})",
             file=out,
         )
+        print_measured_under(selection, out, asked=dict(args.condition or ()))
         for reason in selection["reasons"]:
             print(f"note: {reason}", file=out)
     return 0
@@ -359,30 +367,14 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
                 data = [{"id": pid, **p.to_dict()} for pid, p in rows]
                 print(json.dumps(data, indent=2), file=out)
                 return 0
-            # MODE: an eval profile (a forward only) is no training profile to plan from.
-            table = [
-                ("ID", "CREATED (UTC)", "DEVICE", "MAX", "MODE", "OPTIMIZER", "INPUT", "MODEL")
-            ]
-            table += [
-                (
-                    pid,
-                    p.created_at[:16].replace("T", " ") or "-",
-                    p.device_name,
-                    str(p.max_micro_batch_size),
-                    p.mode,
-                    p.optimizer or "-",
-                    input_shapes(p.input_shape),
-                    p.model_fingerprint,
-                )
-                for pid, p in rows
-            ]
-            widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-            for row in table:
-                cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
-                print("  ".join([*cells, row[-1]]), file=out)
+            print_profile_table(rows, out)
             return 0
         if args.action == "show":
-            print(json.dumps(store.get(args.profile_id).to_dict(), indent=2), file=out)
+            profile = store.get(args.profile_id)
+            if args.json:
+                print(json.dumps(profile.to_dict(), indent=2), file=out)
+            else:
+                print_profile(args.profile_id, profile, out)
             return 0
         if not store.delete(args.profile_id):
             print(f"autobatch: error: no profile {args.profile_id!r}", file=sys.stderr)

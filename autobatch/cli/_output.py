@@ -1,66 +1,54 @@
 """What the ``autobatch`` command line prints: plans, tables, budgets, the probe's notes and its
-progress, and library remedies worded as this command line's flags (the one place it words them).
+progress; the library's words in them as this command line's flags (:mod:`autobatch.cli._wording`).
 
 Example::
 
     print_plan(plan, "text", sys.stdout)
-    flag_wording(Remedy(parameter="allow_inexact", values=(True,)))   # "--allow-inexact"
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any, TextIO
 
-from autobatch.errors import Remedy
+from autobatch.cli._parser import build_parser
+from autobatch.cli._wording import FLAGS, cli_message, command_flags, flag_wording
 from autobatch.integrations import format_config
 from autobatch.units import format_bytes
 
-AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
+
+@functools.cache
+def note_flags() -> dict[str, str]:
+    """The flags a plan's notes may name (``uneven='auto'``): ``plan``'s, which ``tune`` shares."""
+    return command_flags(build_parser(), "plan")
 
 
-FLAGS = {
-    "amp_dtype": "--amp",
-    "capacity_bytes": "--capacity",
-    "device": "--device",
-    "gpu_fraction": "--gpu-fraction",
-    "input_shape": "--input-shape",
-    "image_size": "--image-size",
-    "max_micro_batch_size": "--max-micro-batch-size",
-    "seq_len": "--seq-len",
-    "store": "--store",
-    "world_size": "--world-size",
-}
-"""The library's parameter names whose flag is not the name with dashes (the one table); any
-other ``name`` is ``--name`` with ``_`` as ``-`` (``allow_inexact``: ``--allow-inexact``)."""
+def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[str, Any]) -> None:
+    """What a service's profile was measured under (its ``selection.measured_under``), and a note
+    where this machine's torch differs from it and ``--condition`` did not ask for one."""
+    under = selection.get("measured_under") or {}
+    where = ("node_name", "device_name")  # the profile line names them
+    shown = ", ".join(f"{name} {value}" for name, value in under.items() if name not in where)
+    print(f"measured under               {shown or 'nothing recorded'}", file=out)
+    theirs, here = under.get("torch_version"), installed_version("torch")
+    if theirs and here and theirs != here and "torch_version" not in asked:
+        print(
+            f"note: the profile was measured under torch {theirs}, this machine has torch "
+            f"{here}: --condition torch_version={here} asks for a profile measured under it "
+            "(a plan from another torch is predicted)",
+            file=out,
+        )
 
 
-def flag_value(value: object) -> str:
-    """A library value as the flag takes it: ``bf16`` for bfloat16, ``3,224,224`` for a shape."""
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return AMP_FLAG_VALUES.get(str(value), str(value))
-
-
-def flag_wording(remedy: Remedy) -> str:
-    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``,
-    ``a run without --eval``.
-
-    The one place the CLI words remedies (the library names them by Python argument).
-    """
-    if not remedy.parameter:
-        return remedy.purpose
-    flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
-    # ``is``: 1 == True, and --multiple-of 1 is no switch.
-    if len(remedy.values) == 1 and remedy.values[0] is True:
-        phrase = flag  # a switch
-    elif len(remedy.values) == 1 and remedy.values[0] is False:
-        phrase = f"a run without {flag}"  # a switch left off
-    else:
-        phrase = f"{flag} {' or '.join(map(flag_value, remedy.values))}"
-    return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
+def installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` (``"2.13.0"``), ``""`` when not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
@@ -108,13 +96,19 @@ def bytes_or_unknown(num_bytes: int | None) -> str:
 
 
 def print_budget(budget: Any, out: TextIO) -> None:
-    """The memory budget: the deciding source and the sharing mode, every source, warnings."""
-    print(f"memory budget                {budget.describe()}", file=out)
+    """The memory budget: the deciding source and the sharing mode, every source, warnings; a
+    source the user gave by flag (``capacity_bytes``) named as that flag (``--capacity``)."""
+    decided = f"decided by {FLAGS.get(budget.deciding_source, budget.deciding_source)}"
+    print(
+        f"memory budget                {format_bytes(budget.budget_bytes)}, {decided} "
+        f"(sharing: {budget.sharing_mode})",
+        file=out,
+    )
     for reading in budget.readings:
         of = (
             f"{format_bytes(reading.available_bytes)} usable of {format_bytes(reading.total_bytes)}"
         )
-        print(f"  {reading.source:<26} {of}", file=out)
+        print(f"  {FLAGS.get(reading.source, reading.source):<26} {of}", file=out)
     if budget.unseen_sources:
         print(f"  not seen                   {', '.join(budget.unseen_sources)}", file=out)
     if budget.fits_now is not None:
@@ -126,7 +120,20 @@ def print_budget(budget: Any, out: TextIO) -> None:
     if budget.trials_per_gpu is not None:
         print(f"trials per GPU               {budget.trials_per_gpu}", file=out)
     for warning in budget.warnings:
-        print(f"warning: {warning}", file=out)
+        print(f"warning: {cli_message(warning, FLAGS)}", file=out)
+
+
+def print_budget_moved(profile: Any, budget: Any, out: TextIO) -> None:
+    """Say why the probe's usable bytes and the plan's budget differ, when they do: each was
+    read when it was made, and free memory moves with other processes (on a host, always)."""
+    if profile is None or profile.capacity_bytes == budget.budget_bytes:
+        return
+    print(
+        f"note: the probe saw {format_bytes(profile.capacity_bytes)} usable; the plan's memory "
+        f"budget, {format_bytes(budget.budget_bytes)}, was read again when planning (free "
+        "memory moves with other processes)",
+        file=out,
+    )
 
 
 def print_plan(
@@ -152,7 +159,7 @@ def print_plan(
     if profile is not None:
         print(
             f"device           {profile.device_name} "
-            f"({format_bytes(profile.capacity_bytes)} usable of "
+            f"({format_bytes(profile.capacity_bytes)} usable when probed, of "
             f"{format_bytes(profile.total_memory_bytes)})",
             file=out,
         )
@@ -189,6 +196,7 @@ def print_plan(
     print(f"source                       {result.source}", file=out)
     if result.budget is not None:
         print_budget(result.budget, out)
+        print_budget_moved(profile, result.budget, out)
     if result.prediction is not None:
         found = result.prediction
         fit = (
@@ -208,45 +216,12 @@ def print_plan(
             file=out,
         )
     for note in result.notes:
-        print(f"note: {note}", file=out)
+        print(f"note: {cli_message(note, note_flags(), bare=False)}", file=out)
 
 
 def input_shapes(shapes: Any) -> str:
     """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``."""
     return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
-
-
-class Progress:
-    """One tqdm line per probe (to stderr); silent when disabled (``--json``, configs)."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self._enabled = enabled
-        self._bar: Any = None
-
-    def trial(self, trial: Any) -> None:
-        if not self._enabled:
-            return
-        if self._bar is None:  # created at the first trial: a cached answer shows no bar
-            from tqdm import tqdm
-
-            # The count in words ("1 trial", "3 trials"), not tqdm's "3trial [?trial/s]".
-            self._bar = tqdm(
-                desc="probing: 0 trials",
-                file=sys.stderr,
-                leave=True,
-                bar_format="{desc} [{elapsed}]",
-            )
-        outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
-        peak = format_bytes(trial.peak_reserved_bytes) if trial.fits else "-"
-        self._bar.update(1)
-        count = f"{self._bar.n} trial{'' if self._bar.n == 1 else 's'}"
-        self._bar.set_description_str(
-            f"probing: {count}, micro-batch {trial.micro_batch_size} {outcome}, peak {peak}"
-        )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:

@@ -483,8 +483,9 @@ def _add_profiles_command(commands: Any) -> None:
     )
     listing = actions.add_parser("list", help="one line per stored profile, newest first")
     listing.add_argument("--json", action="store_true", help="print the profiles as JSON")
-    show = actions.add_parser("show", help="one profile, as JSON")
+    show = actions.add_parser("show", help="one profile, in words (JSON with --json)")
     show.add_argument("profile_id", help="its id (see autobatch profiles list)")
+    show.add_argument("--json", action="store_true", help="print the profile as JSON")
     delete = actions.add_parser("delete", help="remove one profile from the store")
     delete.add_argument("profile_id", help="its id (see autobatch profiles list)")
 

@@ -80,25 +80,40 @@ def remote_plan(args: argparse.Namespace) -> dict[str, Any]:
         return client.plan_answer(query)
 
 
-def env_variables(plan: dict[str, Any], answer: dict[str, Any] | None = None) -> dict[str, str]:
+def env_variables(
+    plan: dict[str, Any],
+    answer: dict[str, Any] | None = None,
+    *,
+    measured_max_micro_batch_size: int | None = None,
+) -> dict[str, str]:
     """The variables a trainer reads, from a plan's ``to_dict()`` and (from a service) its
     answer.
 
-    ``AUTOBATCH_PLAN_SOURCE`` is ``predicted`` when either the plan or the profile's selection
-    says so (a profile measured on another card or under other conditions, or a limit past its
-    measured sizes), else the selection's match (``measured``/``estimated``), else the plan's own
-    source (``cached``, ``measured``, ``estimated``, ``given``).
+    ``AUTOBATCH_PLAN_SOURCE`` is the plan's own ``source`` (the JSON's word: ``cached`` for a
+    stored profile's real trials, ``measured``, ``estimated``, ``given``), or ``predicted`` when
+    either the plan or the profile's selection says so (a profile measured on another card or
+    under other conditions, or a limit past its measured sizes); ``AUTOBATCH_PROFILE_MATCH`` is
+    the selection's ``match`` (``measured``, ``estimated``, ``predicted``).
+    ``AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE`` is the largest micro-batch the plan may use (the
+    plan's ``max_micro_batch_size``: a profile's measured maximum less the safety margin, or the
+    number given); ``AUTOBATCH_MAX_MICRO_BATCH_SIZE`` is its older name, kept as an alias.
+    ``AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE`` is the profile's measured maximum (the
+    selection's, else ``measured_max_micro_batch_size``), empty when no profile is behind it.
     """
     selection = (answer or {}).get("selection")
     source = plan["source"]
+    if selection is not None and selection["match"] == "predicted":
+        source = "predicted"
     if selection is not None:
-        source = "predicted" if "predicted" in (source, selection["match"]) else selection["match"]
+        measured_max_micro_batch_size = selection.get("measured_max_micro_batch_size")
     sizes = plan["micro_batch_sizes"]
     variables = {
         "AUTOBATCH_MICRO_BATCH_SIZE": plan["micro_batch_size"],
         "AUTOBATCH_GRADIENT_ACCUMULATION_STEPS": plan["gradient_accumulation_steps"],
         "AUTOBATCH_EFFECTIVE_BATCH_SIZE": plan["effective_batch_size"],
         "AUTOBATCH_WORLD_SIZE": plan["world_size"],
+        "AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE": plan["max_micro_batch_size"],
+        "AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE": measured_max_micro_batch_size or "",
         "AUTOBATCH_MAX_MICRO_BATCH_SIZE": plan["max_micro_batch_size"],
         "AUTOBATCH_MICRO_BATCH_SIZES": ",".join(str(size) for size in sizes),
         "AUTOBATCH_PLAN_SOURCE": source,
@@ -107,6 +122,7 @@ def env_variables(plan: dict[str, Any], answer: dict[str, Any] | None = None) ->
     if answer is not None:
         variables["AUTOBATCH_PROFILE_ID"] = answer.get("profile_id") or ""
     if selection is not None:
+        variables["AUTOBATCH_PROFILE_MATCH"] = selection["match"]
         variables["AUTOBATCH_PLAN_CARD"] = selection["card"] or ""
         variables["AUTOBATCH_PROFILE_NODE"] = selection["node_name"]
         variables["AUTOBATCH_PROFILE_CARD"] = selection["device_name"]
@@ -114,11 +130,19 @@ def env_variables(plan: dict[str, Any], answer: dict[str, Any] | None = None) ->
 
 
 def write_plan(
-    plan: dict[str, Any], answer: dict[str, Any] | None, output: str | None, out: TextIO
+    plan: dict[str, Any],
+    answer: dict[str, Any] | None,
+    output: str | None,
+    out: TextIO,
+    *,
+    measured_max_micro_batch_size: int | None = None,
 ) -> None:
     """Print the ``export`` lines, or write them (or JSON, for a ``.json`` path) to ``output``
-    and say so on ``out``."""
-    variables = env_variables(plan, answer)
+    and say so on ``out``; ``measured_max_micro_batch_size`` is a local profile's (see
+    :func:`env_variables`)."""
+    variables = env_variables(
+        plan, answer, measured_max_micro_batch_size=measured_max_micro_batch_size
+    )
     lines = [f"export {name}={shlex.quote(value)}" for name, value in variables.items()]
     if output is None:
         print("\n".join(lines), file=out)

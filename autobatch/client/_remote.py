@@ -55,15 +55,15 @@ class ServiceProfiles:
 
     def report(self, profile: Profile) -> str:
         """Register ``profile`` with the service (:func:`report_profile`: a few quick tries);
-        ``""`` when it took it, else a warning naming the service, the failure and the fix."""
+        ``""`` when it took it, else a warning naming the service and the failure (the road
+        adds the fix, in each surface's words: :class:`~autobatch.errors.ReportWarning`)."""
         url = self.base_url
         try:
             report_profile(url, profile, token=self.token, timeout=self.timeout_seconds)
         except AutobatchError as exc:
             return (
                 f"could not register the profile with the autobatch service at {url}: {exc}. "
-                "The plan is returned and the profile is in the local store; send it later with "
-                "autobatch.client.report_profile(url, profile), or probe again with refresh=True"
+                "The plan is returned and the profile is in the local store"
             )
         return ""
 

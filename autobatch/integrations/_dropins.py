@@ -26,7 +26,13 @@ from autobatch.device import Device
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning import Plan
 from autobatch.probing import callable_identity
-from autobatch.tuning import TuneOptions, TuneRequest, tune_request
+from autobatch.tuning import (
+    TuneOptions,
+    TuneRequest,
+    largest_request,
+    tune_largest,
+    tune_request,
+)
 
 __all__ = [
     "FrameworkStep",
@@ -163,13 +169,14 @@ def tune(
     model: torch.nn.Module,
     sample: Any,
     *,
-    effective_batch_size: int,
+    effective_batch_size: int | None,
     world_size: int,
     arguments: Mapping[str, Any],
     caller: str,
     constraint_note: str = "",
 ) -> Plan:
-    """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch: the
+    """:func:`autobatch.autotune` with equal micro-batches and an exact effective batch (without
+    ``effective_batch_size``: the largest micro-batch, one per optimizer step): the
     :class:`~autobatch.tuning.TuneRequest` of the framework's and the user's options, down the
     one road (:func:`~autobatch.tuning.tune_request`).
 
@@ -182,14 +189,16 @@ def tune(
         ConfigError, DoesNotFitError, StepFailedError, DeviceUnavailableError,
             NoFeasiblePlanError, StoreError, DistributedError: see :func:`autobatch.autotune`.
     """
+    # A framework takes one micro-batch size, and the effective batch asked for, exactly.
+    fixed: dict[str, Any] = {"world_size": world_size, "uneven": "never", "allow_inexact": False}
     try:
+        if effective_batch_size is None:  # the largest micro-batch, one per optimizer step
+            return tune_largest(largest_request(model, sample, {**arguments, **fixed})).plan
         request = TuneRequest.build(
             model,
             sample,
             effective_batch_size=effective_batch_size,
-            world_size=world_size,
-            uneven="never",  # a framework takes one micro-batch size
-            allow_inexact=False,
+            **fixed,
             **arguments,
         )
         result = tune_request(request).plan

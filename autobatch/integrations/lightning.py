@@ -60,11 +60,13 @@ _AMP_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
 class AutobatchFinder(Callback):
-    """Set the micro-batch and ``accumulate_grad_batches`` that reach ``effective_batch_size``.
+    """Set the micro-batch and ``accumulate_grad_batches`` that reach ``effective_batch_size``;
+    without it, the largest micro-batch (``BatchSizeFinder``'s question, answered by the probe).
 
     Args:
         effective_batch_size: samples per optimizer step over all ranks (> 0, a multiple of the
-            Trainer's world size).
+            Trainer's world size); None (the default): the largest micro-batch that keeps the
+            safety margin, with ``accumulate_grad_batches`` 1.
         device: the device to probe: None (the Trainer's device), ``"cuda:N"`` or
             ``"sim:SIZE"`` (a simulated card on the CPU Trainer), or a Device.
         batch_arg_name: the attribute the train dataloader reads its batch size from (as
@@ -104,7 +106,7 @@ class AutobatchFinder(Callback):
 
     def __init__(
         self,
-        effective_batch_size: int,
+        effective_batch_size: int | None = None,
         *,
         device: str | Device | None = None,
         batch_arg_name: str = "batch_size",
@@ -118,7 +120,9 @@ class AutobatchFinder(Callback):
                 "Trainer; remove eval=True and size that loader with "
                 "autobatch.probe(model, sample, eval=True).max_micro_batch_size"
             )
-        if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int):
+        if effective_batch_size is not None and (
+            isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int)
+        ):
             raise ConfigError(
                 f"effective_batch_size {effective_batch_size!r} must be an int (samples per "
                 "optimizer step over all ranks)"
@@ -192,7 +196,7 @@ def _tune(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
     *,
-    effective_batch_size: int,
+    effective_batch_size: int | None,
     device: str | Device | None,
     batch_arg_name: str,
     options: dict[str, Any],

@@ -43,6 +43,7 @@ from autobatch.planning._plan import Plan, WorldSizeOption, formula_note
 from autobatch.planning._request import PlanRequest
 from autobatch.planning._splits import (
     choose_steps,
+    degraded_note,
     describe_rules,
     nearest_reachable,
     split_seconds,
@@ -173,6 +174,7 @@ def _plan(limit: Limit, constraints: PlanRequest) -> Plan:
     if note:
         notes.append(note)
     per_rank = target // world_size
+    notes.extend(degraded_note(per_rank, steps, largest, constraints))
     sizes = split_sizes(per_rank, steps)
     if sizes[0] != sizes[-1]:
         num_larger = per_rank % steps

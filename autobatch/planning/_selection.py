@@ -62,6 +62,7 @@ from autobatch.units import format_bytes
 
 __all__ = [
     "CONDITION_NAMES",
+    "ENVIRONMENT_NAMES",
     "Match",
     "Selection",
     "condition_mismatches",
@@ -74,6 +75,13 @@ Match = Literal["measured", "estimated", "predicted"]
 
 CONDITION_NAMES = frozenset(field.name for field in dataclasses.fields(Conditions))
 """The conditions a request may name: :class:`autobatch.conditions.Conditions`' fields."""
+
+ENVIRONMENT_NAMES = frozenset({"torch_version", "driver_version"})
+"""What a request may name beside the conditions: the software a profile was measured with (its
+``torch_version`` and ``driver_version``), compared as recorded, e.g. ``"2.13.0+cu128"``."""
+
+_SHOWN_CONDITIONS = ("device_type", "amp_dtype", "optimizer", "activation_checkpointing")
+"""The recorded conditions :func:`measured_under` names on every device (as text)."""
 
 _MEASURED_RANKS = 2
 _OTHER_CARD_RANKS = (7, 8)
@@ -119,6 +127,20 @@ class Selection:
     card and the plan is for a share of it; None to plan it as measured (or for the budget the
     caller gives)."""
 
+    @property
+    def measured_under(self) -> dict[str, str]:
+        """What the chosen profile was measured under, as text by name, for an answer to show
+        beside the plan: where (``node_name``, ``device_name``), with what (``torch_version``,
+        ``driver_version``) and the recorded conditions that move memory (``amp_dtype``,
+        ``optimizer``, ``activation_checkpointing``; on CUDA the allocator and cuDNN; the
+        data-parallel ``world_size``). Only what the profile recorded: an empty value is left
+        out. The asking job's, where they differ, are in :attr:`reasons`.
+
+        Example: ``{"node_name": "a-1", "device_name": "NVIDIA H100 80GB HBM3",
+        "torch_version": "2.11.0", "driver_version": "550.54.15", "amp_dtype": "bfloat16"}``.
+        """
+        return _measured_under(self.profile)
+
     def __post_init__(self) -> None:
         if self.match == "predicted" and not self.reasons:
             raise ConfigError("a predicted selection needs the reasons it is not measured")
@@ -143,7 +165,12 @@ def measured_share(profile: Profile) -> bool:
     return budget.sharing_mode != "none" or below
 
 
-def condition_mismatches(recorded: Conditions, wanted: Mapping[str, Any]) -> list[str]:
+def condition_mismatches(
+    recorded: Conditions,
+    wanted: Mapping[str, Any],
+    *,
+    environment: Mapping[str, str] | None = None,
+) -> list[str]:
     """The conditions named in ``wanted`` that ``recorded`` does not hold, one phrase each.
 
     A condition the profile did not record (empty, or not recorded at all) does not match: the
@@ -151,7 +178,10 @@ def condition_mismatches(recorded: Conditions, wanted: Mapping[str, Any]) -> lis
 
     Args:
         recorded: the profile's conditions.
-        wanted: condition name -> value asked for (names from :data:`CONDITION_NAMES`).
+        wanted: condition name -> value asked for (names from :data:`CONDITION_NAMES` and
+            :data:`ENVIRONMENT_NAMES`).
+        environment: the profile's software by :data:`ENVIRONMENT_NAMES` name
+            (``{"torch_version": "2.11.0"}``); None when unknown.
 
     Returns:
         E.g. ``["amp_dtype: recorded 'float16', asked 'bfloat16'"]``; empty when all match.
@@ -159,14 +189,16 @@ def condition_mismatches(recorded: Conditions, wanted: Mapping[str, Any]) -> lis
     Raises:
         ConfigError: a name that is not a condition.
     """
-    unknown = sorted(set(wanted) - CONDITION_NAMES)
+    unknown = sorted(set(wanted) - CONDITION_NAMES - ENVIRONMENT_NAMES)
     if unknown:
-        raise ConfigError(
-            f"unknown condition(s) {unknown}: name conditions from {sorted(CONDITION_NAMES)}"
-        )
+        names = sorted(CONDITION_NAMES | ENVIRONMENT_NAMES)
+        raise ConfigError(f"unknown condition(s) {unknown}: name conditions from {names}")
     mismatches = []
     for name, value in sorted(wanted.items()):
-        have = getattr(recorded, name) if recorded.recorded else None
+        if name in ENVIRONMENT_NAMES:
+            have: Any = (environment or {}).get(name)
+        else:
+            have = getattr(recorded, name) if recorded.recorded else None
         if isinstance(have, Mapping):
             have = dict(have)
         if have in (None, "", {}) or (name.startswith("num_") and have == 0):
@@ -218,7 +250,9 @@ def select_profile(
     share = _share_bytes(on_card, node, budget_bytes)
     ranked: dict[int, list[Entry]] = {}
     for profile_id, profile in training:
-        differs = condition_mismatches(profile.conditions, conditions)
+        differs = condition_mismatches(
+            profile.conditions, conditions, environment=_environment(profile)
+        )
         rank = _rank(profile, key=key, node=node, share=share, differs=bool(differs))
         if rank is not None:
             ranked.setdefault(rank, []).append((profile_id, profile, differs))
@@ -251,6 +285,28 @@ def select_profile(
         rests_on=drawn.rests_on,
         lower_bounds=drawn.lower_bounds,
     )
+
+
+def _measured_under(profile: Profile) -> dict[str, str]:
+    """:attr:`Selection.measured_under` of ``profile``."""
+    found = {"node_name": profile.node_name, "device_name": profile.device_name}
+    found |= _environment(profile)
+    conditions = profile.conditions
+    if conditions.recorded:
+        found |= {name: str(getattr(conditions, name)) for name in _SHOWN_CONDITIONS}
+        if conditions.applies("allocator_settings"):
+            found["allocator_settings"] = conditions.allocator_settings or "torch defaults"
+            found["allocator_backend"] = conditions.allocator_backend
+            found["cudnn"] = ", ".join(f"{k}={v}" for k, v in sorted(conditions.cudnn.items()))
+        if conditions.world_size:
+            found["world_size"] = str(conditions.world_size)
+    return {name: value for name, value in found.items() if value}
+
+
+def _environment(profile: Profile) -> dict[str, str]:
+    """The profile's software by :data:`ENVIRONMENT_NAMES` name, those it recorded."""
+    found = {"torch_version": profile.torch_version, "driver_version": profile.driver_version}
+    return {name: value for name, value in found.items() if value}
 
 
 def _key(profile: Profile) -> str:

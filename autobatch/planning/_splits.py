@@ -23,6 +23,7 @@ from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanReq
 
 __all__ = [
     "choose_steps",
+    "degraded_note",
     "describe_rules",
     "equal_steps",
     "nearest_reachable",
@@ -43,6 +44,71 @@ def describe_rules(per_rank: int, max_micro_batch_size: int, constraints: PlanRe
     if not constraints.unequal_allowed:
         text += ", equal sizes"
     return text
+
+
+def degraded_note(
+    per_rank: int, steps: int, max_micro_batch_size: int, constraints: PlanRequest
+) -> tuple[str, ...]:
+    """A note when the split chosen takes more than twice the accumulation steps ``per_rank``
+    samples need in micro-batches of at most ``max_micro_batch_size`` (``ceil(per_rank / M)``,
+    the most ``uneven="auto"`` spends on equal sizes): the constraints (equal sizes,
+    ``multiple_of``) forced much smaller micro-batches. It names the cause and the ways back to
+    the fewest steps: unequal micro-batches where ``uneven="never"`` forbade them, and the
+    nearest effective batch sizes that split into the fewest steps.
+
+    Example: 97 samples, at most 24, ``uneven='never'``: 97 steps of 1 where 5 would do.
+    """
+    fewest = -(-per_rank // max_micro_batch_size)
+    if steps <= 2 * fewest:  # uneven="auto" itself takes up to twice the fewest for equal sizes
+        return ()
+    size = per_rank // steps
+    why = (
+        "equal micro-batches"
+        if constraints.multiple_of == 1
+        else (f"micro-batches that are multiples of {constraints.multiple_of}")
+    )
+    if _is_prime(per_rank) and constraints.multiple_of == 1:
+        why += f" ({per_rank} is prime)"
+    ways = []
+    if constraints.multiple_of == 1 and constraints.uneven == "never":
+        ways.append(f"uneven='auto' ({_fewest_split(per_rank, fewest)}, losses weighted by size)")
+    nearby = _well_split(per_rank, fewest, max_micro_batch_size, constraints)
+    world_size = constraints.world_size
+    if nearby:
+        ways.append(
+            "an effective batch size that splits well: "
+            + " or ".join(f"{n * world_size} ({_fewest_split(n, fewest)})" for n in nearby)
+        )
+    text = (
+        f"degraded split: {why} split {per_rank} samples per rank only as {steps} "
+        f"accumulation steps of {size}, where {fewest} steps of at most {max_micro_batch_size} "
+        "would do"
+    )
+    return (f"{text}; use {', or '.join(ways)}" if ways else text,)
+
+
+def _fewest_split(per_rank: int, steps: int) -> str:
+    sizes = split_sizes(per_rank, steps)
+    if sizes[0] == sizes[-1]:
+        return f"{steps} steps of {sizes[0]}"
+    return f"{steps} steps of {sizes[0]} and {sizes[-1]}"
+
+
+def _well_split(
+    per_rank: int, steps: int, max_micro_batch_size: int, constraints: PlanRequest
+) -> list[int]:
+    """The nearest sample counts per rank below and above ``per_rank`` that split into
+    ``steps`` equal micro-batches of at most ``max_micro_batch_size`` meeting ``multiple_of``."""
+    unit = steps * constraints.multiple_of
+    below = per_rank // unit * unit
+    above = below + unit
+    return [
+        n for n in (below, above) if n >= 1 and n != per_rank and n // steps <= max_micro_batch_size
+    ]
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
 
 def split_sizes(per_rank: int, steps: int) -> tuple[int, ...]:

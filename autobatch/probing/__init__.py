@@ -29,8 +29,10 @@ from autobatch.probing._live_conditions import (
 )
 from autobatch.probing._options import (
     DEFAULT_SEARCH_LIMIT,
+    OnStage,
     OnTrial,
     ProbeOptions,
+    ProbeStage,
     StepSpec,
     check_search_arguments,
 )
@@ -46,9 +48,11 @@ __all__ = [
     "BatchSource",
     "FakeStep",
     "LossFn",
+    "OnStage",
     "OnTrial",
     "Point",
     "ProbeOptions",
+    "ProbeStage",
     "StepSpec",
     "TrainStep",
     "TrainingStep",

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,8 +40,11 @@ __all__ = [
     "DEFAULT_CLOCK",
     "DEFAULT_SEARCH_LIMIT",
     "MICRO_STEPS_WITHOUT_SYNC",
+    "OnStage",
     "OnTrial",
     "ProbeOptions",
+    "ProbeStage",
+    "Stage",
     "StepSpec",
     "check_search_arguments",
     "measured_sync",
@@ -57,6 +60,27 @@ probe runs lower (``service.probes.registry.REGISTRY_SEARCH_LIMIT``)."""
 
 OnTrial = Callable[[Trial], None]
 """Called after each real trial (a progress display, the service's job log)."""
+
+Stage = Literal["warm-up", "estimate", "trials", "confirm"]
+"""A stage of a probe: the warm-up step (micro-batch 1, which creates the optimizer state), the
+fake-tensor estimate (no real step; CPU time that can be long), the search's real trials, and
+the confirmation of the chosen size (its second step, or one trial at a predicted size)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeStage:
+    """A stage of a probe starting, for a progress display (:data:`OnStage`)."""
+
+    stage: Stage
+    max_trials: int
+    """The most real trials the whole probe takes, the warm-up and the chosen size's second
+    step included: ``ceil(log2(limit)) + 5`` for a search under ``limit``
+    (:func:`autobatch.probing._search.trial_budget` plus those two), 2 for a confirmation. A
+    display shows what is left of it (a bound, not a prediction)."""
+
+
+OnStage = Callable[[ProbeStage], None]
+"""Called as each stage of a probe starts (a progress display)."""
 
 DEFAULT_CLOCK: Callable[[], float] = time.perf_counter
 """The probe's clock (:attr:`ProbeOptions.clock`) where the caller gives none: seconds as they
@@ -173,6 +197,9 @@ class ProbeOptions:
     gradient_sync: GradientSync = GradientSync()
     """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the
     profile."""
+    on_stage: OnStage | None = None
+    """Called as each stage starts (:class:`ProbeStage`); set with ``dataclasses.replace`` by
+    the tuning road from its ``on_stage`` option."""
     clock: Callable[[], float]
     """Seconds on a monotonic clock for the host's side of the probe: each fake step of the
     estimate and the estimate in all, which decide whether it starts and when it stops. Real

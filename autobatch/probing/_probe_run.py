@@ -21,13 +21,14 @@ from autobatch.probing._compiled import eager
 from autobatch.probing._estimator import FakeStep, estimate_points
 from autobatch.probing._identity import now_iso
 from autobatch.probing._live_conditions import with_optimizer_state
-from autobatch.probing._options import ProbeOptions, StepSpec
+from autobatch.probing._options import ProbeOptions, ProbeStage, Stage, StepSpec
 from autobatch.probing._search import (
     bracket,
     estimate_budget_seconds,
     fit_wide_line,
     next_micro_batch_size,
     recommended_size,
+    trial_budget,
     warm_up_line,
 )
 from autobatch.probing._trial_failures import resident_bytes
@@ -129,7 +130,9 @@ class Prober:
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
         agreed_capacity = self.runner.start()
         if self.runner.needs_state() and not self.optimizer.state:
+            self._stage("warm-up", max_trials=3)
             self.runner.warm_up()
+        self._stage("confirm", max_trials=2)
         self.runner.trial(size)
         if self.log.trials[-1].fits:
             self._second_step(size)
@@ -149,6 +152,7 @@ class Prober:
             self.runner.needs_state()
             and not self.options.consensus.min_ints([int(bool(self.optimizer.state))])[0]
         ):
+            self._stage("warm-up")
             self.runner.warm_up()
         self._warm_up_line = warm_up_line(
             self.log.points,
@@ -158,6 +162,7 @@ class Prober:
         self.log.prior, first = self._estimate(agreed_capacity)
         self.estimated = self.log.prior is not None
         size = self.runner.agree_size(first) if first is not None else self._next_size()
+        self._stage("trials")
         while True:
             while size is not None:
                 self.runner.trial(size)
@@ -165,8 +170,10 @@ class Prober:
             lo, hi = bracket(self.log.points)
             if lo == 0:
                 self.runner.does_not_fit()
+            self._stage("confirm")
             if self._second_step(lo):
                 break
+            self._stage("trials")  # the second step did not fit: the search goes on below
             size = self._next_size()
         self._compare_with_estimate()
         if lo >= self.options.search_limit:
@@ -187,6 +194,14 @@ class Prober:
         if profile.failure_note:
             profile = dataclasses.replace(profile, notes=(*profile.notes, profile.failure_note))
         return profile
+
+    def _stage(self, stage: Stage, *, max_trials: int | None = None) -> None:
+        """Tell the display a stage starts; ``max_trials`` defaults to the search's bound."""
+        if self.options.on_stage is None:
+            return
+        if max_trials is None:
+            max_trials = trial_budget(self.options.search_limit) + 2
+        self.options.on_stage(ProbeStage(stage=stage, max_trials=max_trials))
 
     def _next_size(self) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""
@@ -293,6 +308,7 @@ class Prober:
                     f"{real_step_seconds:.3g} s); searched with real steps"
                 )
                 return None, None
+        self._stage("estimate")
         started = self.options.clock()
         try:
             # The fake steps' collectives on real tensors (an object collective pickles into

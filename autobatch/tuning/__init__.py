@@ -21,7 +21,9 @@ from autobatch.tuning._tune import (
     Tuning,
     autotune,
     autotune_profile,
+    largest_request,
     tune,
+    tune_largest,
     tune_profile,
     tune_request,
 )
@@ -36,8 +38,10 @@ __all__ = [
     "autotune",
     "autotune_profile",
     "find_profile",
+    "largest_request",
     "split_recorder",
     "tune",
+    "tune_largest",
     "tune_profile",
     "tune_request",
 ]

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from autobatch.conditions import ConditionChange, Conditions, condition_changes
 from autobatch.distributed import LocalConsensus, ProcessGroupConsensus
-from autobatch.errors import ReportWarning
+from autobatch.errors import Remedy, ReportWarning
 from autobatch.profile import Mode, Profile, StepIdentity
 from autobatch.store import ProfileRemote, ProfileStore
 from autobatch.units import format_bytes
@@ -272,7 +272,8 @@ def report_profile_to(remote: ProfileRemote | None, profile: Profile) -> None:
         return
     failure = remote.report(profile)
     if failure:
-        warnings.warn(failure, ReportWarning, stacklevel=user_stacklevel())
+        again = Remedy(parameter="refresh", values=(True,), purpose="probe again and send it")
+        warnings.warn(ReportWarning(failure, remedies=(again,)), stacklevel=user_stacklevel())
 
 
 def user_stacklevel() -> int:

@@ -42,6 +42,7 @@ from autobatch.planning import PlanRequest, Uneven
 from autobatch.probing import (
     DEFAULT_SEARCH_LIMIT,
     LossFn,
+    OnStage,
     OnTrial,
     ProbeOptions,
     StepSpec,
@@ -84,6 +85,10 @@ class _StepProbeStore(TypedDict, total=False):
     world_size)`` either, the largest micro-batch a plan for the request can use."""
     on_trial: OnTrial | None
     """Called after each real trial (a progress bar, the service's job log)."""
+    on_stage: OnStage | None
+    """Called as each stage of a probe starts (warm-up, estimate, trials, confirm), with the
+    most real trials the probe takes (:class:`autobatch.probing.ProbeStage`): a progress
+    display's stage and what is left."""
     eval: bool
     """With ``effective_batch_size``: also probe the evaluation micro-batch (forward under
     inference_mode, cached apart from the training profile; the plan's
@@ -281,6 +286,7 @@ class TuneRequest:
             eval=eval and planned is None,  # with a plan, the evaluation is probed after it
             sourced_world_size=sourced_world_size,
         )
+        probe = dataclasses.replace(probe, on_stage=options.get("on_stage"))
         storing = StoreOptions(
             store=options.get("store"),
             use_store=option["use_store"],

@@ -41,7 +41,7 @@ from autobatch.device import MemoryBudget
 from autobatch.distributed import LocalConsensus, process_group_consensus
 from autobatch.errors import ConfigError
 from autobatch.planning import Plan, RankLimit
-from autobatch.probing import ProbeOptions
+from autobatch.probing import DEFAULT_SEARCH_LIMIT, ProbeOptions
 from autobatch.profile import Profile
 from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile, why_probed_again
@@ -87,17 +87,22 @@ def autotune(
     model: torch.nn.Module,
     sample: Any,
     *,
-    effective_batch_size: int,
+    effective_batch_size: int | None = None,
     **options: Unpack[TuneOptions],
 ) -> Plan:
-    """The micro-batch and accumulation steps that reach ``effective_batch_size`` on ``device``.
+    """The micro-batch and accumulation steps that reach ``effective_batch_size`` on ``device``;
+    without it, the largest micro-batch (Lightning's ``BatchSizeFinder`` question).
 
     Args:
         model: the model, on the device probed (a DDP or FSDP2 model: every rank probes).
         sample: one sample or a batch (a tensor, a tuple ``(inputs, targets)``, a dict), a
             callable ``n -> batch``, or a :func:`autobatch.worst_case_sample`; micro-batches
             are built along dim 0.
-        effective_batch_size: samples per optimizer step over all ranks (> 0).
+        effective_batch_size: samples per optimizer step over all ranks (> 0); None (the
+            default) asks for the largest micro-batch instead: the plan is then one
+            micro-batch per optimizer step, the profile's recommended size (the measured
+            maximum less ``safety_margin``; rounded down to ``multiple_of``) on each of the
+            ``world_size`` ranks, so ``effective_batch_size`` is that size x ``world_size``.
         **options: the step, the probe, the store and the plan's options, each documented
             once in :class:`~autobatch.tuning.TuneOptions` (``world_size``, ``device``,
             ``safety_margin``, ``max_micro_batch_size``, ``store``, ``eval``...); see
@@ -120,8 +125,48 @@ def autotune(
         DistributedError: under torch.distributed, another rank failed (it raises the cause).
     """
     accept_options("autotune", options, TuneOptions)
+    if effective_batch_size is None:
+        return tune_largest(largest_request(model, sample, options)).plan
     request = TuneRequest.build(model, sample, effective_batch_size=effective_batch_size, **options)
     return tune_request(request).plan
+
+
+def largest_request(model: torch.nn.Module, sample: Any, options: Any) -> TuneRequest:
+    """The request of the largest micro-batch: its plan part's effective batch is a placeholder
+    (the search cap on every data-parallel rank, so the batch caps no trial) that
+    :func:`tune_largest` replaces with the largest micro-batch found on each rank.
+
+    Raises:
+        As :func:`autotune`.
+    """
+    cap = options.get("max_micro_batch_size") or DEFAULT_SEARCH_LIMIT
+    request = TuneRequest.build(model, sample, effective_batch_size=cap, **options)
+    assert request.plan is not None  # built with an effective batch
+    # The world size is the request's (resolved once, by the build): the cap on every rank.
+    placeholder = cap * request.plan.world_size
+    planned = dataclasses.replace(request.plan, effective_batch_size=placeholder)
+    return dataclasses.replace(request, plan=planned)
+
+
+def tune_largest(request: TuneRequest) -> Tuning:
+    """:func:`tune_request` for the largest micro-batch (:func:`largest_request`): the profile,
+    then one micro-batch per optimizer step at its recommended size (down to ``multiple_of``).
+
+    Raises:
+        As :func:`autotune`.
+    """
+    wanted = request.plan
+    assert wanted is not None  # largest_request's placeholder
+    found = find_profile(request.step, request.probe, request.store)
+    step = wanted.multiple_of
+    largest = max(step, found.profile.recommended_micro_batch_size // step * step)
+    one_step = dataclasses.replace(
+        wanted, effective_batch_size=largest * wanted.world_size, max_gradient_accumulation_steps=1
+    )
+    budget = _plan_budget(request.probe, found.profile)
+    result = plan_from(found.profile, one_step, budget=budget, cached=found.cached)
+    result = _with_notes(result, found, request.probe)
+    return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
 
 
 def tune(

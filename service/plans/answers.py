@@ -45,7 +45,7 @@ from service.plans.schemas import PlanCreate
 from service.web.problems import Problem
 from service.web.schemas import ResolvedDevice
 from service.web.store_calls import store_call
-from service.web.wording import field_wording
+from service.web.wording import field_text, field_wording
 
 __all__ = ["ON_LOOP_MICRO_BATCHES", "PlanLimit", "job_plan_answer", "plan_answer", "plan_limit"]
 
@@ -189,6 +189,7 @@ def _encoded(
         check_plan=lambda result: check_answer_size(body, result),  # before any table
     )
     result = planned.plan
+    result = dataclasses.replace(result, notes=tuple(map(field_text, result.notes)))
     chosen = within.selection
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))

@@ -24,6 +24,7 @@ from service.plans.limits import MAX_ANSWER_MICRO_BATCHES, predicted_note, selec
 from service.plans.planner import JobCard, plan_job
 from service.plans.schemas import JobCards, PlanCreate
 from service.web.problems import Problem
+from service.web.schemas import ResolvedDevice
 
 __all__ = ["CardChoice", "job_answer", "select_job"]
 
@@ -55,12 +56,23 @@ def select_job(
     chosen = []
     for index, entry in enumerate(body.job):
         alone = body.model_copy(update={"card": entry.card, "job": None})
+        given = entry.capacity_bytes
+        device = (
+            None if given is None else ResolvedDevice(source="capacity_bytes", capacity_bytes=given)
+        )
         try:
-            profile, profile_id, source, selection, card_bytes = select(alone, store, central, None)
+            profile, profile_id, source, selection, card_bytes = select(
+                alone, store, central, device
+            )
         except Problem as exc:
             if exc.field == "body.card":
                 exc.field = f"body.job.{index}.card"
+                exc.detail = exc.detail.replace(
+                    "give device.capacity_bytes", f"give job[{index}].capacity_bytes"
+                )
             raise
+        if given is not None:
+            card_bytes = given  # the memory this card gives a rank, as the entry says
         chosen.append(
             CardChoice(
                 entry=entry,

@@ -337,6 +337,8 @@ def selection_public(chosen: Selection, body: PlanCreate) -> dict[str, Any]:
         "outliers": list(chosen.outliers),
         "rests_on": chosen.rests_on,
         "lower_bounds": list(chosen.lower_bounds),
+        "measured_under": chosen.measured_under,
+        "measured_max_micro_batch_size": profile.max_micro_batch_size,
     }
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
 from autobatch.conditions import one_world_size
+from autobatch.errors import ConfigError
 from autobatch.planning import Match, PlanSource, Uneven
+from autobatch.units import check_capacity_bytes
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
     MAX_WORLD_SIZE,
@@ -29,6 +31,7 @@ from service.web.schemas import (
     MemoryModelBase,
     Name,
     NonEmptyName,
+    PositiveBytes,
     ResolvedDevice,
     SafetyMargin,
     Size,
@@ -37,6 +40,7 @@ from service.web.schemas import (
     distinct,
     storable_json,
 )
+from service.web.wording import describe
 
 __all__ = [
     "EpochFields",
@@ -64,6 +68,23 @@ class JobCards(Strict):
         description="Cards of this type in the job, one data-parallel rank each; the job's "
         "world size is the sum of the counts."
     )
+    capacity_bytes: PositiveBytes | None = Field(
+        default=None,
+        description="The memory each of these cards gives a rank, in bytes (at least 1 MiB): "
+        "a card no stored profile was measured on is planned for it from another card's "
+        "profile ('predicted'); a card with its own profiles is planned for this budget.",
+    )
+
+    @field_validator("capacity_bytes")
+    @classmethod
+    def _a_device_size(cls, value: int | None) -> int | None:
+        """The library's one check of a device's memory (under 1 MiB: a unit left off)."""
+        if value is None:
+            return None
+        try:
+            return check_capacity_bytes(value)
+        except ConfigError as exc:
+            raise ValueError(describe(exc)) from None
 
 
 class PlanCreate(Strict):
@@ -95,8 +116,9 @@ class PlanCreate(Strict):
         default=None,
         max_length=64,
         description="Conditions the plan must hold under (names of a profile's conditions, "
-        "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
-        "'predicted'. Needs card, node or job.",
+        "e.g. {'amp_dtype': 'bfloat16'}, and the job's software: torch_version, "
+        "driver_version): a profile recorded under others answers 'predicted', and the "
+        "selection's reasons name each difference. Needs card, node or job.",
     )
     effective_batch_size: Size
     world_size: WorldSize = 1
@@ -329,6 +351,20 @@ class SelectionPublic(BaseModel):
         default_factory=list,
         description="Nodes whose search stopped at a cap (a lower bound of the maximum, not a "
         "maximum), set aside because other nodes measured the maximum.",
+    )
+    measured_max_micro_batch_size: int | None = Field(
+        default=None,
+        description="The chosen profile's measured maximum: the largest micro-batch that ran "
+        "in its trials. The plan's max_micro_batch_size is the recommended limit it planned "
+        "within (that maximum less the safety margin, or scaled to the card asked about).",
+    )
+    measured_under: dict[str, str] = Field(
+        default_factory=dict,
+        description="What the chosen profile was measured under, as recorded: node_name, "
+        "device_name, torch_version, driver_version and the conditions that move memory "
+        "(amp_dtype, optimizer, activation_checkpointing; on CUDA allocator_settings, "
+        "allocator_backend, cudnn; world_size). Where the job's own, named in conditions "
+        "(torch_version and driver_version among them), differ, reasons say so.",
     )
 
 

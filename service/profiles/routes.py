@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
+from autobatch.device import NODE_NAME_ENV_VARS
 from autobatch.errors import ProfileNotFoundError
 from autobatch.planning import check_arrival, uncatalogued_note
 from autobatch.profile import Profile
@@ -84,7 +85,9 @@ async def create_profile(body: ProfileCreate, state: StateDep, request: Request)
             403,
             "wrong-node",
             f"this token publishes as node {grant.node!r} only, and the profile's node_name "
-            f"is {body.node_name!r}: a node publishes its own profiles (use that node's token)",
+            f"is {body.node_name!r}: a node publishes its own profiles (use that node's token). "
+            f"A profile's node_name is the first set of {', '.join(NODE_NAME_ENV_VARS)}, else "
+            "the host name: on that node, set AUTOBATCH_NODE_NAME (or NODE_NAME) to its name",
             field="body.node_name",
         )
 

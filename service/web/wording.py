@@ -13,10 +13,16 @@ Example::
 from __future__ import annotations
 
 import json
+import re
 
 from autobatch.errors import AutobatchError, Remedy
 
-__all__ = ["describe", "field_wording"]
+__all__ = ["describe", "field_text", "field_wording"]
+
+_PYTHON_ARGUMENT = re.compile(r"(?<![\w.\-])([a-z]+(?:_[a-z]+)*)=('[^']*'|True|False|\d+)")
+"""An argument in Python spelling inside a library text (a plan's note): ``uneven='auto'``."""
+
+_JSON_VALUES = {"True": "true", "False": "false"}
 
 _NO_FIELD = frozenset({"amp_dtype", "eval"})
 """Library arguments no request or registry entry sets: only their purpose is shown."""
@@ -36,3 +42,17 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, AutobatchError):
         return exc.describe(field_wording)
     return str(exc)
+
+
+def field_text(text: str) -> str:
+    """A library text (a plan's note) with each Python argument it names as the JSON field to
+    set: ``uneven='auto'`` reads ``"uneven": "auto"``, ``allow_inexact=True`` reads
+    ``"allow_inexact": true``."""
+
+    def field(match: re.Match[str]) -> str:
+        value = match[2]
+        if value.startswith("'"):
+            value = json.dumps(value.strip("'"))
+        return f"{json.dumps(match[1])}: {_JSON_VALUES.get(value, value)}"
+
+    return _PYTHON_ARGUMENT.sub(field, text)

@@ -113,7 +113,7 @@ def test_plan_configs(capsys: pytest.CaptureFixture[str]) -> None:
         (
             ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "97"]
             + ["--world-size", "4"],
-            "effective_batch_size 97 is not a multiple of world_size 4; use "
+            "argument --effective-batch-size: 97 is not a multiple of --world-size 4; use "
             "--effective-batch-size 96 or 100, or --allow-inexact (plan the nearest)",
         ),
         (
@@ -300,7 +300,9 @@ def test_tune_json_parses_and_second_run_is_cached(
         "CREATED",
         "(UTC)",
         "DEVICE",
+        "MEASURED",
         "MAX",
+        "RECOMMENDED",
         "MODE",
         "OPTIMIZER",
         "INPUT",

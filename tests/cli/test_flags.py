@@ -52,7 +52,7 @@ FLAGS = {
     "profiles": ["--help", "-h"],
     "profiles delete": ["--help", "-h", "profile_id"],
     "profiles list": ["--help", "--json", "-h"],
-    "profiles show": ["--help", "-h", "profile_id"],
+    "profiles show": ["--help", "--json", "-h", "profile_id"],
     "serve": [],
     "tune": [
         "--allow-inexact",

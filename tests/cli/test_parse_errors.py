@@ -98,7 +98,7 @@ def test_profiles_help_lists_its_actions_with_one_line_each(
     out = capsys.readouterr().out
     for action, text in [
         ("list", "one line per stored profile, newest first"),
-        ("show", "one profile, as JSON"),
+        ("show", "one profile, in words (JSON with --json)"),
         ("delete", "remove one profile from the store"),
     ]:
         assert any(line.split(None, 1) == [action, text] for line in out.splitlines()), action

@@ -41,6 +41,8 @@ def test_local_plan_as_export_lines(capsys: pytest.CaptureFixture[str]) -> None:
         "AUTOBATCH_GRADIENT_ACCUMULATION_STEPS": "4",
         "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "64",
         "AUTOBATCH_WORLD_SIZE": "1",
+        "AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE": "24",
+        "AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE": "",  # a number given: no profile measured it
         "AUTOBATCH_MAX_MICRO_BATCH_SIZE": "24",
         "AUTOBATCH_MICRO_BATCH_SIZES": "16,16,16,16",
         "AUTOBATCH_PLAN_SOURCE": "given",
@@ -65,7 +67,7 @@ def test_output_writes_env_or_json_files(
 @pytest.mark.parametrize(
     ("plan_source", "match", "expected"),
     [
-        ("cached", "measured", "measured"),
+        ("cached", "measured", "cached"),  # the JSON's word: a stored profile's real trials
         ("predicted", "measured", "predicted"),  # measured on the card, past its sizes
         ("cached", "predicted", "predicted"),  # measured on another card
         ("estimated", "estimated", "estimated"),
@@ -83,6 +85,7 @@ def test_plan_source_is_predicted_when_either_side_says_so(
     variables = env_variables(planned, answer)
 
     assert variables["AUTOBATCH_PLAN_SOURCE"] == expected
+    assert variables["AUTOBATCH_PROFILE_MATCH"] == match
     assert variables["AUTOBATCH_PROFILE_ID"] == "p1"
     assert variables["AUTOBATCH_PROFILE_NODE"] == "n1"
     assert variables["AUTOBATCH_PROFILE_CARD"] == "A100"
@@ -197,7 +200,8 @@ def test_a_card_in_node_label_form_plans_from_the_profile_measured_on_it(
     exported = sourced(out)
     assert exported["AUTOBATCH_MICRO_BATCH_SIZE"] == "32"
     assert exported["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "4"
-    assert exported["AUTOBATCH_PLAN_SOURCE"] == "measured"
+    assert exported["AUTOBATCH_PLAN_SOURCE"] == "cached"
+    assert exported["AUTOBATCH_PROFILE_MATCH"] == "measured"
     assert exported["AUTOBATCH_PLAN_CARD"] == "NVIDIA-H100-80GB-HBM3"
     assert exported["AUTOBATCH_PROFILE_CARD"] == "NVIDIA H100 80GB HBM3"
 
@@ -301,4 +305,44 @@ def test_the_launcher_commands_count_to_fill_in_is_a_flag(
         "autobatch: error: WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 (mpirun (Open MPI)): the "
         "environment says two sizes of one group; use an environment without WORLD_SIZE, or "
         "--world-size N (the number of data-parallel ranks that train)\n",
+    )
+
+
+def test_plan_service_names_the_conditions_its_profile_was_measured_under(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fleet's profile was measured under torch 2.11 and driver 550; this machine runs another
+    # torch. The text answer names both, and the flag that asks for a profile of this torch.
+    from importlib import metadata
+
+    from tests.service.serving import serving
+    from tests.service.test_plan_selection import WHOLE
+
+    measured = Profile.from_dict(
+        {**WHOLE.to_dict(), "torch_version": "2.11.0", "driver_version": "550.54.15"}
+    )
+    here = metadata.version("torch")
+    with serving(tmp_path) as server:
+        assert server.client.post("/v1/profiles", json=measured.to_dict()).status_code == 201
+        url = f"http://127.0.0.1:{server.port}"
+        fleet = ["plan", "--service", url, "--model-fingerprint", "fp-gpt2"]
+        fleet += ["--card", "NVIDIA H100 80GB HBM3", "--effective-batch-size", "128"]
+        code, out, err = run(capsys, *fleet)
+        asked_code, asked, _ = run(capsys, *fleet, "--condition", f"torch_version={here}")
+
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    under = next(line for line in lines if line.startswith("measured under"))
+    assert "torch_version 2.11.0, driver_version 550.54.15" in under
+    assert (
+        f"note: the profile was measured under torch 2.11.0, this machine has torch {here}: "
+        f"--condition torch_version={here} asks for a profile measured under it"
+    ) in out
+    assert "(measured: measured on NVIDIA H100 80GB HBM3" in out
+    # Asked for this machine's torch: the same profile, now a prediction that says why.
+    assert asked_code == 0
+    assert "(predicted: measured on NVIDIA H100 80GB HBM3" in asked
+    assert (
+        f"note: measured under other conditions: torch_version: recorded '2.11.0', asked '{here}'"
+        in asked
     )

@@ -56,7 +56,7 @@ def test_rank_max_with_speeds_as_json(capsys: pytest.CaptureFixture[str]) -> Non
         (["--rank-seconds-per-sample", "0.1"], "1 --rank-seconds-per-sample for 2 --rank-max"),
         (["--allow-inexact"], "--allow-inexact do(es) not go with --rank-max"),
         (["--format", "deepspeed"], "DeepSpeed takes one micro-batch size for every rank"),
-        (["--effective-batch-size", "1"], "effective_batch_size 1"),
+        (["--effective-batch-size", "1"], "argument --effective-batch-size: 1 is less than"),
     ],
 )
 def test_rank_max_refusals_name_the_flag(

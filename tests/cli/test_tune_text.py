@@ -68,9 +68,11 @@ def test_the_progress_line_counts_trials_in_words(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     _, err = tune(capsys, tmp_path / "s.sqlite3", "sim:4MiB")
-    assert "probing: 1 trial, micro-batch 1 fits" in err
+    assert ": 1 trial (micro-batch 1 fits" in err
     last = err.rstrip("\n").rpartition("\r")[2]  # what stays on the terminal
     assert re.fullmatch(
-        r"probing: \d+ trials, micro-batch 64 fits, peak [\d.]+ KiB \[00:\d\d\]", last
+        r"probing, confirm \(the chosen size's second step\): \d+ trials \(micro-batch 64 "
+        r"fits, peak [\d.]+ KiB\); at most \d+ left \[00:\d\d\]",
+        last,
     )
     assert "0trial" not in err and "trial/s" not in err and "trials/s" not in err

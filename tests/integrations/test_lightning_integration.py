@@ -408,3 +408,25 @@ def test_an_epoch_shorter_than_one_step_is_refused_at_setup() -> None:
     ):
         linear_trainer(finder).fit(module)
     assert module.updates == []
+
+
+def test_without_an_effective_batch_the_finder_sets_the_largest_micro_batch() -> None:
+    # BatchSizeFinder's question: the largest micro-batch, one per optimizer step.
+    module = Classifier()
+    trials: list[Any] = []
+    device = SimulatedDevice(capacity_bytes=CAPACITY_BYTES)
+    finder = AutobatchFinder(device=device, use_store=False, on_trial=trials.append)
+    trainer = make_trainer(finder, max_steps=1)
+    trainer.fit(module)
+
+    plan = finder.plan
+    assert plan is not None
+    fitted = max(t.micro_batch_size for t in trials if t.fits)
+    assert plan.max_micro_batch_size <= fitted < 96  # the memory's edge bound it, not a batch
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (
+        plan.max_micro_batch_size,
+        1,
+    )
+    assert plan.effective_batch_size == plan.micro_batch_size * trainer.world_size
+    assert module.batch_size == plan.micro_batch_size and trainer.accumulate_grad_batches == 1
+    assert module.seen == [plan.micro_batch_size]

@@ -241,7 +241,7 @@ def test_the_container_command_and_environment_serve_outside_it(tmp_path: Path) 
         profile_id = created.json()["id"]
         # The command line in the same container reads the same store.
         shown = subprocess.run(
-            [*autobatch_command(), "profiles", "show", profile_id],
+            [*autobatch_command(), "profiles", "show", profile_id, "--json"],
             cwd=ROOT,
             env=env,
             capture_output=True,

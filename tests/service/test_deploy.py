@@ -424,9 +424,12 @@ def test_training_jobs_init_container_writes_the_plan_the_trainer_sources(tmp_pa
             "AUTOBATCH_GRADIENT_ACCUMULATION_STEPS": "4",
             "AUTOBATCH_EFFECTIVE_BATCH_SIZE": "1024",
             "AUTOBATCH_WORLD_SIZE": "8",
-            "AUTOBATCH_MAX_MICRO_BATCH_SIZE": "36",
+            "AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE": "36",  # the profile's 40 less its margin
+            "AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE": "40",
+            "AUTOBATCH_MAX_MICRO_BATCH_SIZE": "36",  # the older name of the recommended size
             "AUTOBATCH_MICRO_BATCH_SIZES": "32,32,32,32",
-            "AUTOBATCH_PLAN_SOURCE": "measured",
+            "AUTOBATCH_PLAN_SOURCE": "cached",  # as the JSON plan's source says
+            "AUTOBATCH_PROFILE_MATCH": "measured",
             "AUTOBATCH_PREDICTED_PEAK_MEMORY_BYTES": str(20 * 2**30),
             "AUTOBATCH_PROFILE_ID": profile_id,
             "AUTOBATCH_PLAN_CARD": card,

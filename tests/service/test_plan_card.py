@@ -53,6 +53,15 @@ def test_card_plans_from_any_nodes_profile_measured_on_that_card(client: TestCli
         "outliers": [],
         "rests_on": "node-a",
         "lower_bounds": [],
+        "measured_max_micro_batch_size": 40,  # the plan's limit is its recommended 36
+        "measured_under": {
+            "node_name": "node-a",
+            "device_name": H100,
+            "torch_version": "2.13.0",
+            "device_type": "cuda",
+            "amp_dtype": "bfloat16",
+            "allocator_settings": "torch defaults",
+        },
     }
     assert answer["profile_id"] == on_a
     assert answer["plan"]["micro_batch_size"] == 32  # the profile's recommended 36, 64 = 2 x 32
@@ -150,3 +159,50 @@ def test_card_and_node_need_a_model_and_conditions_need_a_target(client: TestCli
     )
     body = problem(response, 422, "validation")
     assert "conditions need card or node" in str(body)
+
+
+def test_a_fleet_answer_names_what_its_profile_was_measured_under_and_where_the_job_differs(
+    client: TestClient,
+) -> None:
+    # Measured under torch 2.11 with driver 550; the job runs torch 2.13 on the same card.
+    old = publish(
+        client,
+        make_profile(
+            device_name=H100,
+            node_name="node-a",
+            conditions=BF16,
+            torch_version="2.11.0",
+            driver_version="550.54.15",
+        ),
+    )
+    asked = {"amp_dtype": "bfloat16", "torch_version": "2.13.0", "driver_version": "550.54.15"}
+
+    selection = plan(client, card=H100, conditions=asked)["selection"]
+
+    assert selection["profile_id"] == old
+    assert selection["match"] == "predicted"  # not "measured": it rests on another torch
+    assert selection["reasons"] == [
+        "measured under other conditions: torch_version: recorded '2.11.0', asked '2.13.0'"
+    ]
+    under = selection["measured_under"]
+    assert (under["torch_version"], under["driver_version"]) == ("2.11.0", "550.54.15")
+    assert (under["node_name"], under["amp_dtype"]) == ("node-a", "bfloat16")
+    # Not asked about the software: still measured, and the answer still names it.
+    plain = plan(client, card=H100, conditions={"amp_dtype": "bfloat16"})["selection"]
+    assert plain["match"] == "measured"
+    assert plain["measured_under"]["torch_version"] == "2.11.0"
+
+
+def test_an_unknown_condition_name_lists_the_software_names_too(client: TestClient) -> None:
+    publish(client, make_profile(device_name=H100, node_name="node-a", conditions=BF16))
+    response = client.post(
+        "/v1/plan",
+        json={
+            "model_fingerprint": "fp-gpt2",
+            "effective_batch_size": 64,
+            "card": H100,
+            "conditions": {"torch": "2.13.0"},
+        },
+    )
+    assert response.status_code == 422, response.text
+    assert "torch_version" in response.json()["detail"]

@@ -116,7 +116,7 @@ def test_an_accumulation_bound_past_the_planner_s_is_refused_by_both(
         "--max-gradient-accumulation-steps", str(steps),
     )  # fmt: skip
     assert code != 0
-    assert f"max_gradient_accumulation_steps {steps}" in err
+    assert f"argument --max-gradient-accumulation-steps: {steps} is more than" in err
     assert f"at most {MAX_GRADIENT_ACCUMULATION_STEPS}" in err
 
 

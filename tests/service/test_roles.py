@@ -147,6 +147,7 @@ def test_a_node_cannot_publish_for_another_node(fleet: TestClient) -> None:
         fleet.post("/v1/profiles", json=forged, headers=auth("node-a")), 403, "wrong-node"
     )
     assert "as node 'node-a' only" in body["detail"] and "'node-b'" in body["detail"]
+    assert "set AUTOBATCH_NODE_NAME (or NODE_NAME) to its name" in body["detail"]
     assert body["errors"][0]["field"] == "body.node_name"
     assert [planned_max(fleet, **target) for target in targets] == [32, 32, 32]
 

@@ -5,6 +5,7 @@ nothing of HTTP. A hand-written fake stands in for the central service."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,8 @@ def test_a_remote_that_refuses_the_profile_warns_in_its_words_at_the_callers_lin
 ) -> None:
     shelf = Shelf(refusal="the shelf is full; send it later")
     probed = make_profile()
-    with pytest.warns(ReportWarning, match="^the shelf is full; send it later$") as caught:
+    words = "the shelf is full; send it later; use refresh=True (probe again and send it)"
+    with pytest.warns(ReportWarning, match=f"^{re.escape(words)}$") as caught:
         found = agreed_profile(
             LocalConsensus(),
             probed.cache_key(),

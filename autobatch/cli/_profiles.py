@@ -1,0 +1,96 @@
+"""``autobatch profiles list|show``: stored profiles, as a table or one profile in words (JSON
+with ``--json``).
+
+The listing names each card with its memory (``sim (4.00 MiB)``) and says which size is which:
+``MEASURED MAX`` is the largest micro-batch that ran in the profile's trials, ``RECOMMENDED``
+that less the safety margin (what a plan from it plans within).
+
+Example::
+
+    print_profile_table(store.list_profiles(), sys.stdout)
+    print_profile(profile_id, profile, sys.stdout)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from autobatch.cli._output import input_shapes
+from autobatch.profile import Profile
+from autobatch.units import format_bytes
+
+__all__ = ["print_profile", "print_profile_table"]
+
+
+def device_with_memory(profile: Profile) -> str:
+    """``"NVIDIA H100 80GB HBM3 (79.19 GiB)"``, ``"sim (4.00 MiB)"``: the card and its memory."""
+    return f"{profile.device_name} ({format_bytes(profile.total_memory_bytes)})"
+
+
+def print_profile_table(rows: Sequence[tuple[str, Profile]], out: TextIO) -> None:
+    """One line per profile, newest first; MODEL is the model's fingerprint (no name is
+    recorded)."""
+    # MODE: an eval profile (a forward only) is no training profile to plan from.
+    table = [
+        (
+            "ID",
+            "CREATED (UTC)",
+            "DEVICE",
+            "MEASURED MAX",
+            "RECOMMENDED",
+            "MODE",
+            "OPTIMIZER",
+            "INPUT",
+            "MODEL",
+        )
+    ]
+    table += [
+        (
+            pid,
+            p.created_at[:16].replace("T", " ") or "-",
+            device_with_memory(p),
+            str(p.max_micro_batch_size),
+            str(p.recommended_micro_batch_size),
+            p.mode,
+            p.optimizer or "-",
+            input_shapes(p.input_shape),
+            p.model_fingerprint,
+        )
+        for pid, p in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+        print("  ".join([*cells, row[-1]]), file=out)
+
+
+def print_profile(profile_id: str, profile: Profile, out: TextIO) -> None:
+    """One profile in words: where and under what it was measured, the sizes, the trials."""
+    lines: list[tuple[str, Any]] = [
+        ("id", profile_id),
+        ("created (UTC)", profile.created_at.replace("T", " ") or "-"),
+        ("model", profile.model_fingerprint or "-"),
+        ("input", input_shapes(profile.input_shape)),
+        ("mode", profile.mode),
+        ("optimizer", profile.optimizer or "-"),
+        ("device", device_with_memory(profile)),
+        ("usable when probed", format_bytes(profile.capacity_bytes)),
+        ("node", profile.node_name or "-"),
+        ("torch", profile.torch_version or "-"),
+        ("driver", profile.driver_version or "-"),
+        ("measured max", f"{profile.max_micro_batch_size} (the largest that ran)"),
+        (
+            "recommended",
+            f"{profile.recommended_micro_batch_size} (less the safety margin "
+            f"{profile.safety_margin:g}: what a plan from it plans within)",
+        ),
+        ("trials", f"{profile.num_trials}, {profile.num_ooms} OOM, {profile.method}"),
+        ("stopped", profile.stop_reason or profile.stop_kind),
+    ]
+    for name, value in lines:
+        print(f"{name:<20} {value}", file=out)
+    for line in profile.conditions.describe():
+        print(f"{'condition':<20} {line}", file=out)
+    for note in profile.notes:
+        print(f"note: {note}", file=out)

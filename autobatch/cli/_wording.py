@@ -1,0 +1,193 @@
+"""The one place the command line words a library message: every library argument a message
+names in Python spelling is shown as the invoked command's flag.
+
+The library's messages name arguments as Python does (``effective_batch_size 64 is less than
+world_size 128``, ``use world_size=N``, ``plan without mixed_ranks``, ``give
+device.capacity_bytes``); structured remedies are worded by
+:func:`flag_wording`, and what is left in the text is translated here,
+from the command's own flags (an argument whose flag is its name with dashes) and the table of
+those that differ (:data:`FLAGS`, :data:`COMMAND_FLAGS`). A name the
+command has no flag for is left as it is; a dotted Python path (``autobatch.training``) is never
+touched.
+
+Example::
+
+    flags = command_flags(build_parser(), "plan")
+    cli_message("use effective_batch_size >= 128 or world_size <= 64", flags)
+    # "use --effective-batch-size >= 128 or --world-size <= 64"
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+from autobatch.errors import AutobatchError, Remedy, ServiceError
+
+__all__ = [
+    "COMMAND_FLAGS",
+    "FLAGS",
+    "TOKEN_ENV_VAR",
+    "cli_message",
+    "command_flags",
+    "error_words",
+    "flag_value",
+    "flag_wording",
+    "warning_words",
+]
+
+TOKEN_ENV_VAR = "AUTOBATCH_API_TOKEN"
+"""Where the command line reads the service's bearer token (the library takes ``token=``)."""
+
+AMP_FLAG_VALUES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+FLAGS = {
+    "amp_dtype": "--amp",
+    "capacity_bytes": "--capacity",
+    "device": "--device",
+    "gpu_fraction": "--gpu-fraction",
+    "input_shape": "--input-shape",
+    "image_size": "--image-size",
+    "max_micro_batch_size": "--max-micro-batch-size",
+    "seq_len": "--seq-len",
+    "store": "--store",
+    "world_size": "--world-size",
+}
+"""The library's parameter names whose flag is not the name with dashes (the one table); any
+other ``name`` is ``--name`` with ``_`` as ``-`` (``allow_inexact``: ``--allow-inexact``)."""
+
+
+def flag_value(value: object) -> str:
+    """A library value as the flag takes it: ``bf16`` for bfloat16, ``3,224,224`` for a shape."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return AMP_FLAG_VALUES.get(str(value), str(value))
+
+
+def flag_wording(remedy: Remedy) -> str:
+    """A library error's remedy as this command line's flag: ``--allow-inexact``, ``--amp bf16``,
+    ``a run without --eval``.
+
+    The one place the CLI words remedies (the library names them by Python argument).
+    """
+    if not remedy.parameter:
+        return remedy.purpose
+    flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
+    # ``is``: 1 == True, and --multiple-of 1 is no switch.
+    if len(remedy.values) == 1 and remedy.values[0] is True:
+        phrase = flag  # a switch
+    elif len(remedy.values) == 1 and remedy.values[0] is False:
+        phrase = f"a run without {flag}"  # a switch left off
+    else:
+        phrase = f"{flag} {' or '.join(map(flag_value, remedy.values))}"
+    return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
+
+
+COMMAND_FLAGS: dict[str, dict[str, str]] = {
+    "plan": {"mixed_ranks": "--rank-max"},
+}
+"""Library arguments a command takes under another flag than :data:`FLAGS` gives: ``plan``'s
+mixed plan is one ``--rank-max`` per rank (``tune`` takes ``--mixed-ranks``)."""
+
+SERVICE_FIELDS = {"device.capacity_bytes": "capacity_bytes"}
+"""Service fields a library message names for a plan's memory, as the library argument the
+command line takes them by (``--capacity``)."""
+
+_VALUE = r"(?:=('[^']*'|\"[^\"]*\"|[^\s,;)]+))?"
+
+
+def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
+    """Library argument -> flag, for ``command``'s flags and the top level's (``--store``).
+
+    Args:
+        parser: the ``autobatch`` parser (:func:`autobatch.cli._parser.build_parser`).
+        command: the subcommand invoked (``"plan"``), or None for the top level alone.
+    """
+    parsers = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            parsers.append(action.choices[command])
+    flags: dict[str, str] = {}
+    for each in parsers:
+        for action in each._actions:
+            long = [option for option in action.option_strings if option.startswith("--")]
+            if long and action.dest != "help":
+                flags[action.dest] = long[0]
+    taken = set(flags.values())
+    flags |= {name: flag for name, flag in FLAGS.items() if flag in taken}
+    flags |= COMMAND_FLAGS.get(command or "", {})
+    flags |= {field: flags[name] for field, name in SERVICE_FIELDS.items() if name in flags}
+    return flags
+
+
+def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> str:
+    """``text`` with every library argument of ``flags`` worded as its flag: ``world_size``
+    as ``--world-size``, ``world_size=N`` as ``--world-size N``, ``allow_inexact=True`` as
+    ``--allow-inexact``, ``amp_dtype=torch.bfloat16`` as ``--amp bf16``. A one-word argument
+    (``device``) is a flag only with ``=`` (``device='cpu'``): as a bare word it is English.
+    ``bare=False`` leaves every bare name (a plan's note names the fields the text output
+    prints, ``effective_batch_size 96 = ...``) and words only ``name=value``."""
+    if not flags:
+        return text
+    names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.\-/:])({names}){_VALUE}(?![\w(])")
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match[1], match[2]
+        if value is None:
+            return flags[name] if bare and ("_" in name or "." in name) else name
+        return _with_value(flags[name], value)
+
+    return pattern.sub(flag, text)
+
+
+def _with_value(flag: str, value: str) -> str:
+    value = value.strip("'\"").removeprefix("torch.")
+    if value == "True":
+        return flag
+    if value == "False":
+        return f"no {flag}"
+    return f"{flag} {flag_value(value)}"
+
+
+def error_words(
+    exc: AutobatchError, parser: argparse.ArgumentParser, command: str | None, argv: Sequence[str]
+) -> str:
+    """The command line's words for a library error: its remedies as flags
+    (:func:`flag_wording`), the arguments its text names as flags
+    (:func:`cli_message`), led by the flag the user gave when the message refuses its value,
+    and for a service's refusal of the token the variable the command line reads it from."""
+    flags = command_flags(parser, command)
+    words = _led_by_flag(exc.describe(flag_wording), flags, argv)
+    if isinstance(exc, ServiceError) and exc.status in (401, 403):
+        words += f"; set {TOKEN_ENV_VAR} to a token the service accepts"
+    return words
+
+
+def warning_words(
+    parser: argparse.ArgumentParser, command: str | None
+) -> Callable[[Warning | str], str]:
+    """How a warning raised (or logged) during ``command`` reads on the command line: its
+    remedies as flags (a warning that carries them, :class:`~autobatch.errors.ReportWarning`),
+    and the arguments its text names as ``command``'s flags (:func:`cli_message`)."""
+    flags = command_flags(parser, command)
+
+    def words(warning: Warning | str) -> str:
+        describe = getattr(warning, "describe", None)
+        text = describe(flag_wording) if describe is not None else str(warning)
+        return cli_message(text, flags)
+
+    return words
+
+
+def _led_by_flag(text: str, flags: Mapping[str, str], argv: Sequence[str]) -> str:
+    """A library refusal of a value the user gave as a flag, led by that flag as argparse leads
+    its own (``argument --safety-margin: 1.5 must be in [0, 0.9]``), the rest worded by
+    :func:`cli_message`. The parser only parses; the range is the library's one check."""
+    name, _, rest = text.partition(" ")
+    flag = flags.get(name)
+    if flag is not None and any(a == flag or a.startswith(f"{flag}=") for a in argv):
+        return f"argument {flag}: {cli_message(rest, flags)}"
+    return cli_message(text, flags)

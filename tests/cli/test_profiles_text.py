@@ -1,0 +1,80 @@
+"""``profiles list`` and ``show`` say which size is the measured maximum and which the
+recommended one, name each card with its memory, and ``show`` reads as words (JSON with
+``--json``); a plan's text reconciles the probe's usable bytes with its own budget."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from autobatch.cli import main
+
+TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--device", "sim:4MiB"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("profiles") / "s.sqlite3")
+    # The memory's edge stops the search (not the batch), and a margin of 0.5 sets the
+    # recommended size well below the measured max.
+    argv = ["--store", path, *TUNE, "--effective-batch-size", "65536", "--json"]
+    assert main([*argv, "--safety-margin", "0.5"]) == 0
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_the_listing_names_both_sizes_and_the_cards_memory(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    (row,) = json.loads(run(capsys, "--store", store, "profiles", "list", "--json"))
+    header, line = run(capsys, "--store", store, "profiles", "list").splitlines()
+    columns = ["ID", "CREATED (UTC)", "DEVICE", "MEASURED MAX", "RECOMMENDED"]
+    assert re.split(r"\s{2,}", header)[:5] == columns
+    cells = re.split(r"\s{2,}", line)
+    assert cells[0] == row["id"]
+    assert cells[2:5] == [
+        "sim (4.00 MiB)",
+        str(row["max_micro_batch_size"]),
+        str(row["recommended_micro_batch_size"]),
+    ]
+    assert row["recommended_micro_batch_size"] < row["max_micro_batch_size"]
+
+
+def test_show_reads_as_words_and_json_on_asking(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    (row,) = json.loads(run(capsys, "--store", store, "profiles", "list", "--json"))
+    shown = run(capsys, "--store", store, "profiles", "show", row["id"])
+    lines = {line[:20].strip(): line[21:] for line in shown.splitlines()}
+    assert lines["device"] == "sim (4.00 MiB)"
+    assert lines["measured max"] == f"{row['max_micro_batch_size']} (the largest that ran)"
+    assert lines["recommended"].startswith(
+        f"{row['recommended_micro_batch_size']} (less the safety margin 0.5"
+    )
+    assert not shown.lstrip().startswith("{")
+    as_json = json.loads(run(capsys, "--store", store, "profiles", "show", row["id"], "--json"))
+    assert as_json["max_micro_batch_size"] == row["max_micro_batch_size"]
+
+
+def test_a_plan_from_a_stored_profile_exports_both_sizes_by_name(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.cli.test_plan_env import sourced
+
+    capsys.readouterr()
+    (row,) = json.loads(run(capsys, "--store", store, "profiles", "list", "--json"))
+    planned = ["--store", store, "plan", "--profile", row["id"], "--effective-batch-size", "8"]
+    exported = sourced(run(capsys, *planned, "--env"))
+    recommended, measured = row["recommended_micro_batch_size"], row["max_micro_batch_size"]
+    assert exported["AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE"] == str(recommended)
+    assert exported["AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE"] == str(measured)
+    assert exported["AUTOBATCH_MAX_MICRO_BATCH_SIZE"] == str(recommended)  # the older name
+    assert exported["AUTOBATCH_PLAN_SOURCE"] == "cached"
