@@ -42,7 +42,8 @@ def test_admissions(client: TestClient) -> None:
     assert env["AUTOBATCH_GRADIENT_ACCUMULATION_STEPS"] == "1"
     assert env["AUTOBATCH_WORLD_SIZE"] == "8"
     assert env["AUTOBATCH_PROFILE_ID"] == profile_id
-    assert env["AUTOBATCH_PLAN_SOURCE"] == "measured"
+    assert env["AUTOBATCH_PLAN_SOURCE"] == "cached"  # the JSON plan's source
+    assert env["AUTOBATCH_PROFILE_MATCH"] == "measured"  # measured on the card asked
     assert accepted["message"].startswith("accepted: effective batch 256 = micro-batch 32 x 1")
 
     # 97 on 8 GPUs: refused, naming 96 and 104, and 1 GPU (the only count 97 divides).
