@@ -26,6 +26,12 @@ Example::
 from __future__ import annotations
 
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
+from autobatch.planning._checkpointing import (
+    CheckpointingChoice,
+    ModeMeasurement,
+    checkpointing_modes_to_try,
+    choose_checkpointing,
+)
 from autobatch.planning._entries import plan_mixed_ranks, plan_request, plan_table
 from autobatch.planning._epochs import EpochPlan
 from autobatch.planning._limits import PlanSource, stored_profile_source
@@ -48,8 +54,10 @@ from autobatch.planning._selection import Match, Selection, condition_mismatches
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "CheckpointingChoice",
     "EpochPlan",
     "Match",
+    "ModeMeasurement",
     "Plan",
     "PlanOptions",
     "PlanRequest",
@@ -61,6 +69,8 @@ __all__ = [
     "StepLine",
     "Uneven",
     "WorldSizeOption",
+    "checkpointing_modes_to_try",
+    "choose_checkpointing",
     "condition_mismatches",
     "fit_memory_model",
     "fit_wide_line",
