@@ -389,6 +389,11 @@ class Profile:
     """The machine the profile was measured on (:func:`autobatch.device._node.node_name`: a
     Kubernetes node, a Slurm node or the host name); ``""`` for an estimate or a profile written
     before schema version 3. ``device_name`` is the card type."""
+    activation_checkpointing: str = "none"
+    """The activation checkpointing mode autobatch applied while measuring: ``"none"`` (the model
+    as given, and every profile written before autobatch recorded it), ``"selective"`` or
+    ``"full"`` (:mod:`autobatch.probing._checkpointing`). The conditions' description of what
+    recomputed is part of the cache key, so a profile of one mode never answers for another."""
     timings: ProbeTimings | None = None
     """Where the probe's time went (estimate, each real trial, each clean-up); None for an
     estimate or a profile written before autobatch recorded it."""

@@ -13,7 +13,9 @@ Two questions, each answered from what real trials measured under each mode:
   effective batch in the least time per optimizer step; a mode with less recompute wins when
   it is within :data:`SIGNIFICANT_FRACTION` of the fastest (timings not significant), or when
   timings are missing. A mode whose measured peak memory is not below the plain one's at the
-  same micro-batch (checkpointing that saved nothing, or raised the peak) is never chosen.
+  same micro-batch (checkpointing that saved nothing, or raised the peak) is never chosen, nor
+  one whose plan's micro-batch is no larger than a mode's with less recompute (only the
+  recompute would differ: a faster time there is noise).
 
 He and Yu (MLSys 2023, "Auto-Parallelization of Large-Scale Deep Learning Models") report a
 geometric-mean +12% throughput from choosing checkpointing with the batch; torchtitan #97
@@ -167,6 +169,21 @@ def _saves_memory(mode: ModeMeasurement, plain: ModeMeasurement | None) -> str:
     return ""
 
 
+def _no_larger(mode: ModeMeasurement, less_recompute: Sequence[ModeMeasurement]) -> str:
+    """Why ``mode``'s plan gains nothing over a mode with less recompute (``""`` when it does):
+    a micro-batch no larger than theirs means the same steps or more, plus the recompute."""
+    if not less_recompute:
+        return ""
+    best = max(less_recompute, key=lambda m: m.micro_batch_size or 0)
+    size, theirs = mode.micro_batch_size or 0, best.micro_batch_size or 0
+    if size > theirs:
+        return ""
+    return (
+        f"its plan's micro_batch_size {size} is no larger than {best.mode}'s ({theirs}): "
+        "only more recompute"
+    )
+
+
 def _line(mode: ModeMeasurement) -> str:
     seconds = mode.seconds_per_optimizer_step
     timing = "time not measured" if seconds is None else f"{seconds:.4g} s per optimizer step"
@@ -193,7 +210,7 @@ def choose_checkpointing(measured: Sequence[ModeMeasurement]) -> CheckpointingCh
                 f"{mode.mode}: no plan (largest micro-batch {mode.max_micro_batch_size})"
             )
             continue
-        in_vain = _saves_memory(mode, plain)
+        in_vain = _saves_memory(mode, plain) or _no_larger(mode, eligible)
         if in_vain:
             considered.append(f"{mode.mode}: left out, {in_vain}")
             continue

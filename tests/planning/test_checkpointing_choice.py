@@ -118,3 +118,16 @@ def test_one_micro_step_or_no_fit_decide_at_once() -> None:
 def test_an_unknown_mode_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="mode='most' is not a mode; give one of 'none'"):
         _mode("most", 1, 1, 1.0)
+
+
+def test_more_recompute_for_no_larger_micro_batch_is_never_chosen() -> None:
+    # Timed faster (noise: the same micro-batch cannot be faster with recompute added).
+    selective = _mode("selective", 8, 8, 2.0, peaks={8: 700})
+    full = _mode("full", 16, 4, 3.0, peaks={8: 400})
+    choice = choose_checkpointing([PLAIN, selective, full])
+    assert choice is not None
+    assert choice.mode == "full"
+    assert choice.considered[1] == (
+        "selective: left out, its plan's micro_batch_size 8 is no larger than none's (8): "
+        "only more recompute"
+    )
