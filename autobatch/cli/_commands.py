@@ -221,6 +221,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
                 on_trial=progress.trial,
                 eval=args.eval,
                 mixed_ranks=args.mixed_ranks,
+                activation_checkpointing=args.activation_checkpointing,
+                checkpoint_block_class=args.checkpoint_block_class,
                 world_size=args.world_size,
                 **_plan_options(args),
             )

@@ -38,6 +38,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from autobatch.errors import ConfigError
+from autobatch.profile import CheckpointingMode
 
 __all__ = [
     "FALLING_FRACTION",
@@ -49,7 +50,7 @@ __all__ = [
     "choose_checkpointing",
 ]
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
 """The modes by recompute, least first (planning names them as strings; applying them is
 :mod:`autobatch.probing._checkpointing`'s)."""
 
@@ -66,7 +67,7 @@ the smaller one's (the same noise as :data:`SIGNIFICANT_FRACTION`)."""
 class ModeMeasurement:
     """What the probe under one checkpointing mode measured, and the plan it makes."""
 
-    mode: str
+    mode: CheckpointingMode
     """``"none"``, ``"selective"`` or ``"full"``."""
     max_micro_batch_size: int
     """The largest micro-batch that ran (0: not even 1 fits)."""
@@ -98,7 +99,7 @@ class ModeMeasurement:
 class CheckpointingChoice:
     """The mode chosen and why, with a line per mode measured."""
 
-    mode: str
+    mode: CheckpointingMode
     """The chosen mode."""
     reason: str
     """Why it won, in words."""
@@ -108,7 +109,7 @@ class CheckpointingChoice:
 
 def checkpointing_modes_to_try(
     plain: ModeMeasurement, seconds_per_sample: Mapping[int, float]
-) -> tuple[tuple[str, ...], str]:
+) -> tuple[tuple[CheckpointingMode, ...], str]:
     """The checkpointing modes worth probing besides the plain one, and why.
 
     Args:

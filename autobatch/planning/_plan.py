@@ -30,7 +30,7 @@ from autobatch.planning._limits import (
     PlanSource,
 )
 from autobatch.planning._prediction import Prediction
-from autobatch.profile import GradientSync
+from autobatch.profile import CheckpointingMode, GradientSync
 
 __all__ = ["Plan", "WorldSizeOption", "formula_note"]
 
@@ -105,7 +105,7 @@ class Plan:
     """The gradient-sync mode the profile behind the plan was measured in (its
     ``gradient_sync``); not recorded for a plan from a number or a memory line. The Accumulator
     refuses a plan measured in another mode than its loop runs."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: CheckpointingMode = "none"
     """The activation checkpointing mode to train with: ``"none"`` (the model as given),
     ``"selective"`` or ``"full"``; apply it with
     :func:`autobatch.probing.apply_activation_checkpointing` (or the framework's switch in the

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from autobatch.errors import ConfigError
+from autobatch.profile import CheckpointingMode
 
 __all__ = [
     "CHECKPOINTING_MODES",
@@ -39,9 +40,6 @@ __all__ = [
     "checkpointed_blocks",
     "describe_applied",
 ]
-
-CheckpointingMode = Literal["none", "selective", "full"]
-"""Which repeated blocks recompute their activations: none, every n-th, every one."""
 
 CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = get_args(CheckpointingMode)
 """The modes in order of recompute, least first."""

@@ -34,7 +34,7 @@ from autobatch.probing._live_conditions import activation_checkpointing, read_co
 from autobatch.probing._parallel import device_for_layout
 from autobatch.probing._placement import check_placement
 from autobatch.probing._step import LossFn, TrainStep, check_step_arguments
-from autobatch.profile import GradientSync, Mode, StepIdentity, Trial
+from autobatch.profile import CheckpointingMode, GradientSync, Mode, StepIdentity, Trial
 
 __all__ = [
     "DEFAULT_CLOCK",
@@ -173,7 +173,7 @@ class ProbeOptions:
     gradient_sync: GradientSync = GradientSync()
     """The gradient-sync mode the trials run in (:func:`measured_sync`), recorded on the
     profile."""
-    checkpointing_mode: str = "none"
+    checkpointing_mode: CheckpointingMode = "none"
     """The activation checkpointing mode applied to the model while it is probed (recorded on
     the profile); the conditions name what recomputes (:meth:`under_checkpointing`)."""
     clock: Callable[[], float]
@@ -262,7 +262,7 @@ class ProbeOptions:
             raise _eval_of_an_updating_step()
         return dataclasses.replace(self, eval=True, gradient_sync=measured_sync(step, eval=True))
 
-    def under_checkpointing(self, step: StepSpec, mode: str) -> ProbeOptions:
+    def under_checkpointing(self, step: StepSpec, mode: CheckpointingMode) -> ProbeOptions:
         """The same options for ``step``'s model as it is now, with activation checkpointing
         ``mode`` applied to it: the conditions' description read again (a key of its own)."""
         described = activation_checkpointing(step.model)

@@ -49,7 +49,7 @@ from autobatch.probing import (
     activation_checkpointing_applied,
     checkpointable_blocks,
 )
-from autobatch.profile import Profile
+from autobatch.profile import CheckpointingMode, Profile
 from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile
 
@@ -109,7 +109,7 @@ class CheckpointingRequest:
 class ModeRun:
     """One mode's probe and plan, or why it has none."""
 
-    mode: str
+    mode: CheckpointingMode
     found: TunedProfile | None = None
     plan: Plan | None = None
     error: AutobatchError | None = None
@@ -166,8 +166,8 @@ def tune_checkpointing(
     mode = request.checkpointing.mode
     if mode == "auto":
         return _auto(request, options, planned)
-    if mode != "none":
-        found = _probe_under(request, options, mode)
+    if mode in ("selective", "full"):
+        found = _probe_under(request, options, "full" if mode == "full" else "selective")
         return found, planned(found), None
     try:
         found = find_profile(request.step, options, request.store)
@@ -176,17 +176,21 @@ def tune_checkpointing(
     return found, planned(found), None
 
 
-def _probe_under(request: TuneRequest, options: ProbeOptions, mode: str) -> TunedProfile:
+def _probe_under(
+    request: TuneRequest, options: ProbeOptions, mode: CheckpointingMode
+) -> TunedProfile:
     """The profile of ``request``'s step with ``mode`` applied, undone afterwards."""
     step = request.step
     if mode == "none":
         return find_profile(step, options, request.store)
     asked = request.checkpointing
-    with activation_checkpointing_applied(step.model, mode, block_class=asked.block_class):  # type: ignore[arg-type]
+    with activation_checkpointing_applied(step.model, mode, block_class=asked.block_class):
         return find_profile(step, options.under_checkpointing(step, mode), request.store)
 
 
-def _run(request: TuneRequest, options: ProbeOptions, mode: str, planned: PlanOf) -> ModeRun:
+def _run(
+    request: TuneRequest, options: ProbeOptions, mode: CheckpointingMode, planned: PlanOf
+) -> ModeRun:
     """``mode``'s probe and plan; a mode where nothing fits or no split works has an error."""
     try:
         found = _probe_under(request, options, mode)

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from autobatch.conditions import one_world_size
 from autobatch.planning import Match, PlanSource, Uneven
+from autobatch.profile import CheckpointingMode
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
     MAX_WORLD_SIZE,
@@ -269,6 +270,11 @@ class PlanFields(BaseModel):
     )
     conditions: ConditionsFields | None = None
     gradient_sync: GradientSyncFields | None = None
+    activation_checkpointing: CheckpointingMode = Field(
+        default="none",
+        description="The activation checkpointing mode to train with ('none': the model as "
+        "given; 'selective': every 2nd repeated block; 'full': every block).",
+    )
     epoch: EpochFields | None = None
 
 
@@ -277,9 +283,9 @@ class PlanConfigs(BaseModel):
     are of unequal size, or differ by rank (a mixed plan), which those frameworks cannot
     express."""
 
-    deepspeed: dict[str, int] | None
-    hf_training_arguments: dict[str, int] | None
-    lightning: dict[str, dict[str, int]] | None
+    deepspeed: dict[str, Any] | None
+    hf_training_arguments: dict[str, Any] | None
+    lightning: dict[str, dict[str, Any]] | None
     reason: str | None = None
 
 

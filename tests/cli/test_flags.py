@@ -55,8 +55,10 @@ FLAGS = {
     "profiles show": ["--help", "-h", "profile_id"],
     "serve": [],
     "tune": [
+        "--activation-checkpointing",
         "--allow-inexact",
         "--amp",
+        "--checkpoint-block-class",
         "--data-parallel-size",
         "--device",
         "--effective-batch-size",

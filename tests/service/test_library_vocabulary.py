@@ -30,6 +30,7 @@ from autobatch.margin import MAX_SAFETY_MARGIN, MIN_SAFETY_MARGIN
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Match, PlanSource, Uneven
 from autobatch.profile import (
     PROFILE_SCHEMA_VERSION,
+    CheckpointingMode,
     Clock,
     Compiled,
     Method,
@@ -44,6 +45,7 @@ PROFILE_CHOICES = {
     "stop_kind": StopKind,
     "mode": Mode,
     "compiled": Compiled,
+    "activation_checkpointing": CheckpointingMode,
 }
 LIBRARY_CHOICES: dict[tuple[str, str], Any] = {
     ("BudgetReadingBase", "source"): BudgetSource,
@@ -54,6 +56,7 @@ LIBRARY_CHOICES: dict[tuple[str, str], Any] = {
     ("MemoryBudgetBase", "sharing_mode"): SharingMode,
     ("PlanCreate", "uneven"): Uneven,
     ("PlanFields", "source"): PlanSource,
+    ("PlanFields", "activation_checkpointing"): CheckpointingMode,
     ("ProbeTimingsFields", "clock"): Clock,
     ("ResolvedDevice", "source"): CardSource,
     ("ResolvedDevice", "deciding_source"): BudgetSource,
