@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning._checkpointing import (
+    AskedCheckpointing,
     CheckpointingChoice,
     ModeMeasurement,
     checkpointing_modes_to_try,
@@ -54,6 +55,7 @@ from autobatch.planning._selection import Match, Selection, condition_mismatches
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
+    "AskedCheckpointing",
     "CheckpointingChoice",
     "EpochPlan",
     "Match",

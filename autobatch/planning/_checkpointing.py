@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from autobatch.errors import ConfigError
 from autobatch.profile import CheckpointingMode
 
 __all__ = [
+    "AskedCheckpointing",
     "FALLING_FRACTION",
     "RECOMPUTE_ORDER",
     "SIGNIFICANT_FRACTION",
@@ -49,6 +51,9 @@ __all__ = [
     "checkpointing_modes_to_try",
     "choose_checkpointing",
 ]
+
+AskedCheckpointing = Literal["auto", "none", "selective", "full"]
+"""What a caller asks for: ``"auto"`` (choose among the modes by what was measured) or a mode."""
 
 RECOMPUTE_ORDER: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
 """The modes by recompute, least first (planning names them as strings; applying them is

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 
@@ -38,6 +38,7 @@ from autobatch.errors import (
     Remedy,
 )
 from autobatch.planning import (
+    AskedCheckpointing,
     ModeMeasurement,
     Plan,
     checkpointing_modes_to_try,
@@ -64,7 +65,7 @@ __all__ = [
     "tune_checkpointing",
 ]
 
-ASKED_MODES = ("auto", *CHECKPOINTING_MODES)
+ASKED_MODES: tuple[AskedCheckpointing, ...] = get_args(AskedCheckpointing)
 """What ``activation_checkpointing`` takes: ``"auto"`` (choose by real trials) or a mode."""
 
 PlanOf = Callable[[TunedProfile], Plan]

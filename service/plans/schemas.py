@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from autobatch.conditions import one_world_size
-from autobatch.planning import Match, PlanSource, Uneven
+from autobatch.planning import AskedCheckpointing, Match, PlanSource, Uneven
 from autobatch.profile import CheckpointingMode
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
@@ -99,6 +99,15 @@ class PlanCreate(Strict):
         "e.g. {'amp_dtype': 'bfloat16'}): a profile recorded under others answers "
         "'predicted'. Needs card, node or job.",
     )
+    activation_checkpointing: AskedCheckpointing | None = Field(
+        default=None,
+        description="With model_fingerprint: plan from the model's newest stored profile "
+        "measured under this activation checkpointing mode ('none', 'selective', 'full'), or "
+        "'auto': from the newest of each mode, the one whose plan reaches the effective batch "
+        "in the least time per optimizer step (within 5%, or untimed: the least recompute), a "
+        "mode whose measured peak is not below the plain one's never. Null: the newest "
+        "profile of any mode. Not with card, node or job.",
+    )
     effective_batch_size: Size
     world_size: WorldSize = 1
     data_parallel_size: WorldSize | None = Field(
@@ -168,6 +177,8 @@ class PlanCreate(Strict):
             )
         if self.job is not None:
             self._check_job(self.job)
+        if self.activation_checkpointing is not None:
+            self._check_checkpointing()
         inner = None if self.device is None else self.device.gpu_fraction
         if self.gpu_fraction is not None and inner is not None and inner != self.gpu_fraction:
             raise ValueError(
@@ -175,6 +186,19 @@ class PlanCreate(Strict):
                 "give one"
             )
         return self
+
+    def _check_checkpointing(self) -> None:
+        if self.model_fingerprint is None:
+            raise ValueError(
+                "activation_checkpointing chooses among the stored profiles of a model: give "
+                "model_fingerprint with it"
+            )
+        others = [name for name in ("card", "node", "job") if getattr(self, name) is not None]
+        if others:
+            raise ValueError(
+                f"activation_checkpointing does not go with {', '.join(others)} yet: plan by "
+                "model_fingerprint (and device) alone, or leave activation_checkpointing out"
+            )
 
     def _check_job(self, job: list[JobCards]) -> None:
         if self.model_fingerprint is None:
