@@ -15,7 +15,7 @@ import torch
 from autobatch.errors import ConfigError, DoesNotFitError
 from autobatch.probing import apply_activation_checkpointing
 from autobatch.profile import Profile
-from autobatch.tuning import TuneRequest, Tuning, tune, tune_request
+from autobatch.tuning import TuneRequest, Tuning, report_data, report_html, tune, tune_request
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,6 +80,19 @@ def test_micro_batch_1_not_fitting_plain_gets_a_plan_with_auto_and_an_error_with
     ran = [t for t in tuned.profile.trials if t.micro_batch_size == plan.micro_batch_size]
     assert any(t.fits for t in ran)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    # The report draws every mode's trials, the OOMs marked, and the chosen point.
+    data = report_data(tuned)
+    assert [m["mode"] for m in data["modes"]] == ["selective", "full"]  # none has no profile
+    assert data["chosen"]["activation_checkpointing"] == plan.activation_checkpointing
+    page = report_html(tuned)
+    ooms = sum(t.oom for _, p in _profiles(tuned) for t in p.trials if not t.warm_up)
+    assert ooms > 0 and page.count('class="trial oom"') == ooms
+    assert f'id="chosen-point" class="chosen" data-mode="{plan.activation_checkpointing}"' in page
+
+
+def _profiles(tuned: Tuning) -> list[tuple[str, Profile]]:
+    assert tuned.checkpointing is not None
+    return [(r.mode, r.profile) for r in tuned.checkpointing.runs if r.profile is not None]
 
 
 def test_a_probe_that_does_not_choose_checkpointing_leaves_the_model_as_it_was(

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from autobatch.cli._launcher import run_launcher
@@ -239,6 +240,11 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         eval_profile=tuned.eval_profile,
         flag_limit=args.max_micro_batch_size,
     )
+    if args.report is not None:
+        from autobatch.tuning import report_html
+
+        Path(args.report).write_text(report_html(tuned), encoding="utf-8")
+        print(f"autobatch: report written to {args.report}", file=sys.stderr)
     return 0
 
 

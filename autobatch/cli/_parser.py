@@ -402,6 +402,13 @@ def _add_tune_command(commands: Any) -> None:
         "fastest that reaches the effective batch (the notes say which modes ran and why)",
     )
     tune.add_argument(
+        "--report",
+        metavar="FILE",
+        help="write an HTML page (inline SVG, no external assets) of peak memory and time per "
+        "sample against micro-batch for each mode tried, the budget line, every trial (OOMs "
+        "marked) and the chosen point",
+    )
+    tune.add_argument(
         "--checkpoint-block-class",
         metavar="NAME",
         help="the class name of the blocks to checkpoint (default: the longest list of "

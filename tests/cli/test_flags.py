@@ -75,6 +75,7 @@ FLAGS = {
         "--multiple-of",
         "--no-store",
         "--refresh",
+        "--report",
         "--report-to",
         "--safety-margin",
         "--seq-len",
