@@ -135,8 +135,17 @@ def time_per_sample(
     return median / micro_batch_size, (max(seconds) - min(seconds)) / median
 
 
-def compare(case: Case, *, device: str, repeats: int, place: str = "cpu") -> dict[str, Any]:
-    """The chosen plan beside none and full at their largest micro-batches, for one case."""
+def compare(
+    case: Case,
+    *,
+    device: str,
+    repeats: int,
+    place: str = "cpu",
+    gpu_fraction: float | None = None,
+) -> dict[str, Any]:
+    """The chosen plan beside none and full at their largest micro-batches, for one case:
+    probed on ``device`` (``"sim:SIZE"``, or ``"cuda:0"`` with ``gpu_fraction``), the steps
+    timed on ``place``."""
     torch.manual_seed(0)
     model, sample = case.build()
     model, sample = model.to(place), {k: v.to(place) for k, v in sample.items()}
@@ -147,6 +156,7 @@ def compare(case: Case, *, device: str, repeats: int, place: str = "cpu") -> dic
             effective_batch_size=case.effective_batch_size,
             device=device,
             use_store=False,
+            gpu_fraction=gpu_fraction,
             activation_checkpointing="auto",
         )
     )

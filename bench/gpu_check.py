@@ -14,6 +14,10 @@ estimator's error against measured peaks, in under 8 minutes.
 4. Modern stacks (``bench/_stacks.py``): a torch.compile'd model (inductor; Dynamo frames
    counted, compilation still working after the probe) and an FSDP2 model on a one-rank group,
    at the smallest capacity; run before the cells, so that the budget cannot skip them.
+5. Activation checkpointing chosen with the micro-batch (``bench/activation_checkpointing.py``):
+   GPT-2-, Llama- and BERT-shaped configs probed within 2 GiB of the card with
+   ``activation_checkpointing="auto"``, the chosen plan's measured time per sample beside no
+   checkpointing and full checkpointing at their largest micro-batches.
 
 A global time budget (``--budget-s``, default 450 s from start) is checked before every piece of
 work; what no longer fits is skipped and listed. Tables are printed last; with ``$OUT`` set the
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -432,6 +437,38 @@ def run_stacks(
     return stacks
 
 
+CHECKPOINTING_CAPACITY_BYTES = 2 * GIB
+"""The share of the card the checkpointing comparison probes within on a GPU (the small
+configs' effective batch of 64 then needs several micro-batches without checkpointing)."""
+
+
+def run_checkpointing(
+    args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
+) -> list[dict[str, Any]]:
+    """Activation checkpointing chosen with the micro-batch beside none and full at their
+    largest micro-batches (``bench/activation_checkpointing.py``), one row per config: all
+    three small configs on ``cuda:0`` within :data:`CHECKPOINTING_CAPACITY_BYTES`; on a dry run
+    the tiny GPT-2-shaped one on its simulated capacity."""
+    from bench.activation_checkpointing import cases, compare
+
+    rows: list[dict[str, Any]] = []
+    chosen = cases("tiny")[:1] if args.dry_run else cases("small")
+    for case in chosen:
+        if not budget.allows(f"checkpointing {case.name}", 15.0 if args.dry_run else 60.0):
+            break
+        if args.dry_run:
+            run = functools.partial(compare, case, device=f"sim:{case.capacity}", repeats=2)
+        else:
+            fraction = CHECKPOINTING_CAPACITY_BYTES / target.total_bytes
+            run = functools.partial(
+                compare, case, device="cuda:0", repeats=5, place="cuda", gpu_fraction=fraction
+            )
+        row = _guarded(errors, f"checkpointing {case.name}", run)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
 def run_cells(
     args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -500,6 +537,12 @@ def print_report(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print("Modern stacks (torch.compile, FSDP2):")
     print(format_stacks(result["stacks"]))
     print()
+    if result["checkpointing"]:
+        from bench.activation_checkpointing import format_rows
+
+        print("Activation checkpointing chosen with the micro-batch (time per sample, measured):")
+        print(format_rows(result["checkpointing"]))
+        print()
     print("Estimator (fake tensors) vs measured peak at the same micro-batch:")
     print(format_estimator(result["estimator"]))
     print()
@@ -530,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if cli_tune.get("ran") and cli_tune.get("rc") != 0:
         errors.append(f"autobatch tune --device {cli_tune['device']}: {cli_tune}")
     stacks = run_stacks(args, target, budget, errors)
+    checkpointing = run_checkpointing(args, target, budget, errors)
     rows, estimator = run_cells(args, target, budget, errors)
     result = {
         "env": target.env,
@@ -539,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(rows) if rows else {},
         "estimator": estimator,
         "stacks": stacks,
+        "checkpointing": checkpointing,
         "skipped": budget.skipped,
         "errors": errors,
         "elapsed_seconds": time.perf_counter() - budget.started,
