@@ -10,9 +10,10 @@ training steps (forward, backward, AdamW step) are timed, with the mode applied,
 - no checkpointing at its largest micro-batch (the probe's maximum under ``"none"``);
 - full checkpointing at its largest micro-batch (the probe's maximum under ``"full"``).
 
-Each is the median of ``--repeats`` steps after one warm-up, as seconds per sample; the noise
-is the spread (max - min) / median of the repeats. The last column is the chosen plan's time
-per sample over the best of the fixed two: at most 1 + noise when the choice is right.
+Each is the fastest of ``--repeats`` steps after one warm-up (the least disturbed on a shared
+host), as seconds per sample; the noise is the median's excess over the fastest, as a
+fraction. The last column is the chosen plan's time per sample over the best of the fixed two:
+at most 1 + noise when the choice is right.
 
 Capacities are simulated (:class:`autobatch.SimulatedDevice` counts live tensor bytes); the
 steps themselves run on the CPU (or, from ``bench/gpu_check.py``, on ``cuda:0`` with the
@@ -111,7 +112,8 @@ def time_per_sample(
     micro_batch_size: int,
     repeats: int,
 ) -> tuple[float, float]:
-    """(median seconds per sample, noise) of real steps at ``micro_batch_size`` under ``mode``.
+    """(seconds per sample, noise) of real steps at ``micro_batch_size`` under ``mode``: the
+    fastest of ``repeats`` steps, and the median's excess over it as a fraction.
 
     A step is forward, loss, backward and an AdamW step; one warm-up first. The model's weights
     are restored afterwards (the steps train it)."""
@@ -131,8 +133,9 @@ def time_per_sample(
             if step:
                 seconds.append(time.perf_counter() - started)
     model.load_state_dict(state)
-    median = statistics.median(seconds)
-    return median / micro_batch_size, (max(seconds) - min(seconds)) / median
+    # The fastest step: the one least disturbed by other work on a shared host.
+    fastest = min(seconds)
+    return fastest / micro_batch_size, (statistics.median(seconds) - fastest) / fastest
 
 
 def compare(

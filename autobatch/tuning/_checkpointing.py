@@ -227,15 +227,16 @@ def _measurement(run: ModeRun) -> ModeMeasurement:
 
 def _step_seconds(plan: Plan, profile: Profile) -> float | None:
     """Seconds per optimizer step of ``plan``: the planner's, from the step times measured at
-    two sizes or more; else, for equal micro-batches of a size that ran, that size's measured
-    step seconds times the accumulation steps; else None."""
+    two sizes or more; else the measured time per sample at the largest size that ran up to
+    the plan's micro-batch (exact at that size; above it, time per sample falls or stays, so
+    it bounds the plan's from above) times the plan's samples per rank; else None."""
     if plan.predicted_seconds_per_effective_batch is not None:
         return plan.predicted_seconds_per_effective_batch
-    sizes = set(plan.micro_batch_sizes)
-    per_sample = seconds_per_sample(profile).get(plan.micro_batch_size)
-    if len(sizes) != 1 or per_sample is None:
+    measured = seconds_per_sample(profile)
+    below = [size for size in measured if size <= plan.micro_batch_size]
+    if not below:
         return None
-    return per_sample * plan.micro_batch_size * plan.gradient_accumulation_steps
+    return measured[max(below)] * sum(plan.micro_batch_sizes)
 
 
 def seconds_per_sample(profile: Profile | None) -> dict[int, float]:
