@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -195,6 +196,43 @@ def compare(
             row[k][2] for k in ("chosen", "none", "full") if isinstance(row[k], tuple)
         )
     return row
+
+
+GPU_CAPACITY_BYTES = 2 * 2**30
+"""The share of the card ``bench/gpu_check.py`` probes within (the small configs' effective
+batch of 64 then needs several micro-batches without checkpointing)."""
+
+
+def gpu_check_rows(
+    *,
+    dry_run: bool,
+    total_bytes: int,
+    allows: Callable[[str, float], bool],
+    guarded: Callable[[str, Callable[[], Any]], Any],
+) -> list[dict[str, Any]]:
+    """``bench/gpu_check.py``'s rows: the three small configs on ``cuda:0`` within
+    :data:`GPU_CAPACITY_BYTES` (``total_bytes``: the card's); on a dry run the tiny
+    GPT-2-shaped one on its simulated capacity. ``allows(what, seconds)`` is the check's budget,
+    ``guarded(what, run)`` runs one and records its failure."""
+    rows: list[dict[str, Any]] = []
+    for case in cases("tiny")[:1] if dry_run else cases("small"):
+        if not allows(f"checkpointing {case.name}", 15.0 if dry_run else 60.0):
+            break
+        if dry_run:
+            run = functools.partial(compare, case, device=f"sim:{case.capacity}", repeats=2)
+        else:
+            run = functools.partial(
+                compare,
+                case,
+                device="cuda:0",
+                repeats=5,
+                place="cuda",
+                gpu_fraction=GPU_CAPACITY_BYTES / total_bytes,
+            )
+        row = guarded(f"checkpointing {case.name}", run)
+        if row is not None:
+            rows.append(row)
+    return rows
 
 
 def _cell(value: Any) -> str:

@@ -437,36 +437,19 @@ def run_stacks(
     return stacks
 
 
-CHECKPOINTING_CAPACITY_BYTES = 2 * GIB
-"""The share of the card the checkpointing comparison probes within on a GPU (the small
-configs' effective batch of 64 then needs several micro-batches without checkpointing)."""
-
-
 def run_checkpointing(
     args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
 ) -> list[dict[str, Any]]:
     """Activation checkpointing chosen with the micro-batch beside none and full at their
-    largest micro-batches (``bench/activation_checkpointing.py``), one row per config: all
-    three small configs on ``cuda:0`` within :data:`CHECKPOINTING_CAPACITY_BYTES`; on a dry run
-    the tiny GPT-2-shaped one on its simulated capacity."""
-    from bench.activation_checkpointing import cases, compare
+    largest (:func:`bench.activation_checkpointing.gpu_check_rows`); failures in ``errors``."""
+    from bench.activation_checkpointing import gpu_check_rows
 
-    rows: list[dict[str, Any]] = []
-    chosen = cases("tiny")[:1] if args.dry_run else cases("small")
-    for case in chosen:
-        if not budget.allows(f"checkpointing {case.name}", 15.0 if args.dry_run else 60.0):
-            break
-        if args.dry_run:
-            run = functools.partial(compare, case, device=f"sim:{case.capacity}", repeats=2)
-        else:
-            fraction = CHECKPOINTING_CAPACITY_BYTES / target.total_bytes
-            run = functools.partial(
-                compare, case, device="cuda:0", repeats=5, place="cuda", gpu_fraction=fraction
-            )
-        row = _guarded(errors, f"checkpointing {case.name}", run)
-        if row is not None:
-            rows.append(row)
-    return rows
+    return gpu_check_rows(
+        dry_run=args.dry_run,
+        total_bytes=target.total_bytes,
+        allows=budget.allows,
+        guarded=functools.partial(_guarded, errors),
+    )
 
 
 def run_cells(
