@@ -64,6 +64,10 @@ def _require_equal_sizes(plan: Plan, framework: str) -> None:
         )
 
 
+DEFAULT_EVERY = 2
+"""``"selective"`` checkpoints every 2nd block (``autobatch.probing._checkpointing``'s default;
+this module imports no torch, so the number is repeated here and a test keeps them equal)."""
+
 DEEPSPEED_CHECKPOINTING = {
     "partition_activations": False,
     "cpu_checkpointing": False,
@@ -121,14 +125,16 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     Returns:
         ``{"per_device_train_batch_size": m, "gradient_accumulation_steps": k}``, and
         ``"per_device_eval_batch_size"`` when the plan knows its ``eval_micro_batch_size``
-        (``autotune(..., eval=True)``); with a plan under full activation checkpointing,
-        ``"gradient_checkpointing": True`` and ``"gradient_checkpointing_kwargs":
-        {"use_reentrant": False}`` (the Trainer checkpoints every layer, as ``"full"`` does).
+        (``autotune(..., eval=True)``); with a plan that checkpoints activations,
+        ``"activation_checkpointing": True`` and ``"activation_checkpointing_kwargs":
+        {"every_n_layers": n, "use_reentrant": False}`` (transformers 5's switch, which
+        checkpoints layers ``0, n, 2n...`` as :mod:`autobatch.probing._checkpointing` does: n is
+        1 for ``"full"``, 2 for ``"selective"``; transformers 4 names it
+        ``gradient_checkpointing``, now a deprecated alias, without ``every_n_layers``).
 
     Raises:
         ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
-            micro-batch per rank), which the framework cannot run; or the plan checkpoints
-            every n-th block (``"selective"``), which the Trainer's switch cannot express.
+            micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "Hugging Face TrainingArguments")
     arguments: dict[str, Any] = {
@@ -137,17 +143,13 @@ def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     }
     if plan.eval_micro_batch_size is not None:
         arguments["per_device_eval_batch_size"] = plan.eval_micro_batch_size
-    if plan.activation_checkpointing == "selective":
-        raise ConfigError(
-            "Hugging Face TrainingArguments' gradient_checkpointing checkpoints every layer, but "
-            "this plan checkpoints every 2nd block (activation_checkpointing 'selective'); apply "
-            "it to the model with autobatch.probing.apply_activation_checkpointing(model, "
-            "'selective') and leave gradient_checkpointing off, or plan with "
-            "activation_checkpointing='full'"
-        )
-    if plan.activation_checkpointing == "full":
-        arguments["gradient_checkpointing"] = True
-        arguments["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if plan.activation_checkpointing != "none":
+        every = 1 if plan.activation_checkpointing == "full" else DEFAULT_EVERY
+        arguments["activation_checkpointing"] = True
+        arguments["activation_checkpointing_kwargs"] = {
+            "every_n_layers": every,
+            "use_reentrant": False,
+        }
     return arguments
 
 

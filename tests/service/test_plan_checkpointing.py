@@ -73,7 +73,7 @@ def test_auto_chooses_among_the_stored_modes_and_a_mode_asked_answers(
     assert plan["activation_checkpointing"] == "full"
     configs = chosen["configs"]
     assert isinstance(configs, dict)
-    assert configs["hf_training_arguments"]["gradient_checkpointing"] is True
+    assert configs["hf_training_arguments"]["activation_checkpointing"] is True
     for mode in ("none", "selective"):
         answer = _plan(client, mode)
         assert answer["profile_id"] == ids[mode]
