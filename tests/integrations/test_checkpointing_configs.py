@@ -10,8 +10,8 @@ import pytest
 
 from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
 from autobatch.integrations._configs import DEFAULT_EVERY
-from autobatch.probing._checkpointing import DEFAULT_EVERY as APPLIED_EVERY
 from autobatch.planning import Plan, PlanRequest, plan_request
+from autobatch.probing._checkpointing import DEFAULT_EVERY as APPLIED_EVERY
 
 
 def _plan(mode: str) -> Plan:
