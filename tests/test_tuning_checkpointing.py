@@ -58,6 +58,8 @@ def test_micro_batch_1_not_fitting_plain_gets_a_plan_with_auto_and_an_error_with
     assert "with activation checkpointing 'full' it fits: micro_batch_size 1 x 16" in text
     assert "use activation_checkpointing='auto' (choose activation checkpointing" in text
 
+    modules = list(model.modules())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     tuned = _tune(
         model,
         sample,
@@ -79,7 +81,10 @@ def test_micro_batch_1_not_fitting_plain_gets_a_plan_with_auto_and_an_error_with
     # The plan's micro-batch ran and fitted under the chosen mode (measured, not predicted).
     ran = [t for t in tuned.profile.trials if t.micro_batch_size == plan.micro_batch_size]
     assert any(t.fits for t in ran)
+    # Three probes with blocks checkpointed and undone: the same modules, the same state.
     assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all(a is b for a, b in zip(modules, model.modules(), strict=True))
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     # The report draws every mode's trials, the OOMs marked, and the chosen point.
     data = report_data(tuned)
     assert [m["mode"] for m in data["modes"]] == ["selective", "full"]  # none has no profile
