@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIRMATION_STOP_REASON",
     "PROFILE_SCHEMA_VERSION",
+    "CheckpointingMode",
     "Clock",
     "Compiled",
     "GradientSync",
@@ -61,6 +62,10 @@ StopKind = Literal["boundary", "limit", "failure"]
 ``max_micro_batch_size``; ``"failure"`` a non-OOM failure cut it short."""
 Compiled = Literal["", "measured", "confirmed"]
 Mode = Literal["train", "eval"]
+CheckpointingMode = Literal["none", "selective", "full"]
+"""Which repeated blocks recompute their activations in backward: none (the model as given),
+every n-th (``"selective"``), every one (``"full"``); see
+:mod:`autobatch.probing._checkpointing`."""
 SyncMode = Literal["", "none", "once_per_window"]
 """How the measured step reduced gradients across data-parallel ranks; see :class:`GradientSync`."""
 
@@ -389,6 +394,11 @@ class Profile:
     """The machine the profile was measured on (:func:`autobatch.device._node.node_name`: a
     Kubernetes node, a Slurm node or the host name); ``""`` for an estimate or a profile written
     before schema version 3. ``device_name`` is the card type."""
+    activation_checkpointing: CheckpointingMode = "none"
+    """The activation checkpointing mode autobatch applied while measuring: ``"none"`` (the model
+    as given, and every profile written before autobatch recorded it), ``"selective"`` or
+    ``"full"`` (:mod:`autobatch.probing._checkpointing`). The conditions' description of what
+    recomputed is part of the cache key, so a profile of one mode never answers for another."""
     timings: ProbeTimings | None = None
     """Where the probe's time went (estimate, each real trial, each clean-up); None for an
     estimate or a profile written before autobatch recorded it."""

@@ -14,6 +14,10 @@ estimator's error against measured peaks, in under 8 minutes.
 4. Modern stacks (``bench/_stacks.py``): a torch.compile'd model (inductor; Dynamo frames
    counted, compilation still working after the probe) and an FSDP2 model on a one-rank group,
    at the smallest capacity; run before the cells, so that the budget cannot skip them.
+5. Activation checkpointing chosen with the micro-batch (``bench/activation_checkpointing.py``):
+   GPT-2-, Llama- and BERT-shaped configs probed within 2 GiB of the card with
+   ``activation_checkpointing="auto"``, the chosen plan's measured time per sample beside no
+   checkpointing and full checkpointing at their largest micro-batches.
 
 A global time budget (``--budget-s``, default 450 s from start) is checked before every piece of
 work; what no longer fits is skipped and listed. Tables are printed last; with ``$OUT`` set the
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -432,6 +437,21 @@ def run_stacks(
     return stacks
 
 
+def run_checkpointing(
+    args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
+) -> list[dict[str, Any]]:
+    """Activation checkpointing chosen with the micro-batch beside none and full at their
+    largest (:func:`bench.activation_checkpointing.gpu_check_rows`); failures in ``errors``."""
+    from bench.activation_checkpointing import gpu_check_rows
+
+    return gpu_check_rows(
+        dry_run=args.dry_run,
+        total_bytes=target.total_bytes,
+        allows=budget.allows,
+        guarded=functools.partial(_guarded, errors),
+    )
+
+
 def run_cells(
     args: argparse.Namespace, target: Target, budget: Budget, errors: list[str]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -500,6 +520,12 @@ def print_report(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print("Modern stacks (torch.compile, FSDP2):")
     print(format_stacks(result["stacks"]))
     print()
+    if result["checkpointing"]:
+        from bench.activation_checkpointing import format_rows
+
+        print("Activation checkpointing chosen with the micro-batch (time per sample, measured):")
+        print(format_rows(result["checkpointing"]))
+        print()
     print("Estimator (fake tensors) vs measured peak at the same micro-batch:")
     print(format_estimator(result["estimator"]))
     print()
@@ -530,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if cli_tune.get("ran") and cli_tune.get("rc") != 0:
         errors.append(f"autobatch tune --device {cli_tune['device']}: {cli_tune}")
     stacks = run_stacks(args, target, budget, errors)
+    checkpointing = run_checkpointing(args, target, budget, errors)
     rows, estimator = run_cells(args, target, budget, errors)
     result = {
         "env": target.env,
@@ -539,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(rows) if rows else {},
         "estimator": estimator,
         "stacks": stacks,
+        "checkpointing": checkpointing,
         "skipped": budget.skipped,
         "errors": errors,
         "elapsed_seconds": time.perf_counter() - budget.started,

@@ -146,9 +146,11 @@ def test_the_option_declarations_are_what_the_builder_takes() -> None:
         "uneven",
         "allow_inexact",
         "mixed_ranks",
+        "activation_checkpointing",
+        "checkpoint_block_class",
     }
     assert profile_keys - tune_keys == {"use_estimate"}
-    assert len(tune_keys) + 3 == 26  # model, sample, effective_batch_size and the options
+    assert len(tune_keys) + 3 == 28  # model, sample, effective_batch_size and the options
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from autobatch.cli._launcher import run_launcher
@@ -212,6 +213,11 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         eval_profile=tuned.eval_profile,
         flag_limit=args.max_micro_batch_size,
     )
+    if args.report is not None:
+        from autobatch.tuning import report_html
+
+        Path(args.report).write_text(report_html(tuned), encoding="utf-8")
+        print(f"autobatch: report written to {args.report}", file=sys.stderr)
     return 0
 
 
@@ -238,6 +244,8 @@ def _tuned(args: argparse.Namespace, spec: Any, target: Any, progress: Progress,
             on_stage=progress.stage,
             eval=args.eval,
             mixed_ranks=args.mixed_ranks,
+            activation_checkpointing=args.activation_checkpointing,
+            checkpoint_block_class=args.checkpoint_block_class,
             world_size=args.world_size,
             **_plan_options(args),
         )

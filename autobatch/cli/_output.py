@@ -193,6 +193,8 @@ def print_plan(
             f"predicted peak               {format_bytes(result.predicted_peak_memory_bytes)}",
             file=out,
         )
+    if result.activation_checkpointing != "none":
+        print(f"activation_checkpointing     {result.activation_checkpointing}", file=out)
     print(f"source                       {result.source}", file=out)
     if result.budget is not None:
         print_budget(result.budget, out)

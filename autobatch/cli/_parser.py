@@ -394,6 +394,27 @@ def _add_tune_command(commands: Any) -> None:
         help="also probe the evaluation micro-batch (forward under inference_mode, eval mode)",
     )
     tune.add_argument(
+        "--activation-checkpointing",
+        choices=("auto", "none", "selective", "full"),
+        default="none",
+        help="checkpoint the model's repeated blocks: none (default, the model as given), "
+        "selective (every 2nd), full, or auto: probe each mode by real trials and plan with the "
+        "fastest that reaches the effective batch (the notes say which modes ran and why)",
+    )
+    tune.add_argument(
+        "--report",
+        metavar="FILE",
+        help="write an HTML page (inline SVG, no external assets) of peak memory and time per "
+        "sample against micro-batch for each mode tried, the budget line, every trial (OOMs "
+        "marked) and the chosen point",
+    )
+    tune.add_argument(
+        "--checkpoint-block-class",
+        metavar="NAME",
+        help="the class name of the blocks to checkpoint (default: the longest list of "
+        "modules of one class, a transformers model's layers)",
+    )
+    tune.add_argument(
         "--mixed-ranks",
         action="store_true",
         help="a micro-batch per rank (cards of different memory or speed); run it on every "

@@ -64,7 +64,26 @@ def _require_equal_sizes(plan: Plan, framework: str) -> None:
         )
 
 
-def deepspeed_config(plan: Plan) -> dict[str, int]:
+DEFAULT_EVERY = 2
+"""``"selective"`` checkpoints every 2nd block (``autobatch.probing._checkpointing``'s default;
+this module imports no torch, so the number is repeated here and a test keeps them equal)."""
+
+DEEPSPEED_CHECKPOINTING = {
+    "partition_activations": False,
+    "cpu_checkpointing": False,
+    "contiguous_memory_optimization": False,
+    "number_checkpoints": None,
+    "synchronize_checkpoint_boundary": False,
+    "profile": False,
+}
+"""DeepSpeed's ``activation_checkpointing`` section at its documented defaults: it configures
+``deepspeed.checkpointing.checkpoint`` (the function a Megatron-style model calls per block);
+it switches nothing on by itself, so a model that does not call it is checkpointed with
+:func:`autobatch.probing.apply_activation_checkpointing` (or Hugging Face's
+``gradient_checkpointing_enable()``) before ``deepspeed.initialize``."""
+
+
+def deepspeed_config(plan: Plan) -> dict[str, Any]:
     """The batch keys of a DeepSpeed config (merge them into yours).
 
     DeepSpeed checks ``train_batch_size == train_micro_batch_size_per_gpu *
@@ -79,20 +98,25 @@ def deepspeed_config(plan: Plan) -> dict[str, int]:
         plan: a plan with equal micro-batch sizes.
 
     Returns:
-        ``{"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}``.
+        ``{"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}``, and with
+        a plan that checkpoints activations the ``"activation_checkpointing"`` section
+        (:data:`DEEPSPEED_CHECKPOINTING`).
 
     Raises:
         ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
             micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "DeepSpeed")
-    return {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
     }
+    if plan.activation_checkpointing != "none":
+        config["activation_checkpointing"] = dict(DEEPSPEED_CHECKPOINTING)
+    return config
 
 
-def hf_training_arguments(plan: Plan) -> dict[str, int]:
+def hf_training_arguments(plan: Plan) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments`` (or its command-line flags).
 
     Args:
@@ -101,23 +125,35 @@ def hf_training_arguments(plan: Plan) -> dict[str, int]:
     Returns:
         ``{"per_device_train_batch_size": m, "gradient_accumulation_steps": k}``, and
         ``"per_device_eval_batch_size"`` when the plan knows its ``eval_micro_batch_size``
-        (``autotune(..., eval=True)``).
+        (``autotune(..., eval=True)``); with a plan that checkpoints activations,
+        ``"activation_checkpointing": True`` and ``"activation_checkpointing_kwargs":
+        {"every_n_layers": n, "use_reentrant": False}`` (transformers 5's switch, which
+        checkpoints layers ``0, n, 2n...`` as :mod:`autobatch.probing._checkpointing` does: n is
+        1 for ``"full"``, 2 for ``"selective"``; transformers 4 names it
+        ``gradient_checkpointing``, now a deprecated alias, without ``every_n_layers``).
 
     Raises:
         ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
             micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "Hugging Face TrainingArguments")
-    arguments = {
+    arguments: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
     }
     if plan.eval_micro_batch_size is not None:
         arguments["per_device_eval_batch_size"] = plan.eval_micro_batch_size
+    if plan.activation_checkpointing != "none":
+        every = 1 if plan.activation_checkpointing == "full" else DEFAULT_EVERY
+        arguments["activation_checkpointing"] = True
+        arguments["activation_checkpointing_kwargs"] = {
+            "every_n_layers": every,
+            "use_reentrant": False,
+        }
     return arguments
 
 
-def lightning_config(plan: Plan) -> dict[str, dict[str, int]]:
+def lightning_config(plan: Plan) -> dict[str, dict[str, Any]]:
     """Lightning settings: the ``Trainer``'s and the training ``DataLoader``'s arguments.
 
     Args:
@@ -125,17 +161,24 @@ def lightning_config(plan: Plan) -> dict[str, dict[str, int]]:
 
     Returns:
         ``{"trainer": {"accumulate_grad_batches": k}, "dataloader": {"batch_size": m}}``
-        (``batch_size`` is the DataLoader's own name for the micro-batch size).
+        (``batch_size`` is the DataLoader's own name for the micro-batch size); with a plan
+        that checkpoints activations, ``"model": {"activation_checkpointing": mode}``: the
+        LightningModule applies it in ``configure_model`` with
+        ``autobatch.probing.apply_activation_checkpointing(self, mode)`` (Lightning has no
+        Trainer switch for it outside ``FSDPStrategy(activation_checkpointing_policy=...)``).
 
     Raises:
         ConfigError: the plan's micro-batches are of unequal size, or it is a mixed plan (a
             micro-batch per rank), which the framework cannot run.
     """
     _require_equal_sizes(plan, "Lightning")
-    return {
+    config: dict[str, dict[str, Any]] = {
         "trainer": {"accumulate_grad_batches": plan.gradient_accumulation_steps},
         "dataloader": {"batch_size": plan.micro_batch_size},
     }
+    if plan.activation_checkpointing != "none":
+        config["model"] = {"activation_checkpointing": plan.activation_checkpointing}
+    return config
 
 
 def format_config(plan: Plan, fmt: ConfigFormat) -> str:

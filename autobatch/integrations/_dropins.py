@@ -96,6 +96,17 @@ def check_options(
                 f"{caller} got an unknown probe option {name!r}; the options are "
                 f"{sorted(accepted)} (see autobatch.autotune)"
             )
+    if options.get("activation_checkpointing", "none") != "none":
+        framework = _FRAMEWORKS.get(caller, "the framework")
+        raise ConfigError(
+            f"{caller} probes the model with the activation checkpointing {framework} will "
+            f"run, and cannot switch it on for training yet, so activation_checkpointing="
+            f"{options['activation_checkpointing']!r} is not taken here; choose with "
+            "autobatch.autotune(model, sample, ..., activation_checkpointing='auto') and set "
+            "the framework's switch from the plan (autobatch.integrations.hf_training_arguments"
+            "(plan), deepspeed_config(plan), lightning_config(plan)), then call "
+            f"{caller} again or use the plan"
+        )
     if options.get("mixed_ranks"):
         framework = _FRAMEWORKS.get(caller, "the framework")
         raise ConfigError(

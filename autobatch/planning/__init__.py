@@ -33,6 +33,13 @@ from autobatch.planning._arrival import (
     check_arrival,
     uncatalogued_note,
 )
+from autobatch.planning._checkpointing import (
+    AskedCheckpointing,
+    CheckpointingChoice,
+    ModeMeasurement,
+    checkpointing_modes_to_try,
+    choose_checkpointing,
+)
 from autobatch.planning._entries import plan_mixed_ranks, plan_request, plan_table
 from autobatch.planning._epochs import EpochPlan
 from autobatch.planning._limits import PlanSource, stored_profile_source
@@ -57,8 +64,11 @@ __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
     "Discrepancy",
+    "AskedCheckpointing",
+    "CheckpointingChoice",
     "EpochPlan",
     "Match",
+    "ModeMeasurement",
     "Plan",
     "PlanOptions",
     "PlanRequest",
@@ -71,6 +81,8 @@ __all__ = [
     "Uneven",
     "WorldSizeOption",
     "check_arrival",
+    "checkpointing_modes_to_try",
+    "choose_checkpointing",
     "condition_mismatches",
     "fit_memory_model",
     "fit_wide_line",

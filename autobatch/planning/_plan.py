@@ -30,7 +30,7 @@ from autobatch.planning._limits import (
     PlanSource,
 )
 from autobatch.planning._prediction import Prediction
-from autobatch.profile import GradientSync
+from autobatch.profile import CheckpointingMode, GradientSync
 
 __all__ = ["Plan", "WorldSizeOption", "formula_note"]
 
@@ -105,6 +105,11 @@ class Plan:
     """The gradient-sync mode the profile behind the plan was measured in (its
     ``gradient_sync``); not recorded for a plan from a number or a memory line. The Accumulator
     refuses a plan measured in another mode than its loop runs."""
+    activation_checkpointing: CheckpointingMode = "none"
+    """The activation checkpointing mode to train with: ``"none"`` (the model as given),
+    ``"selective"`` or ``"full"``; apply it with
+    :func:`autobatch.probing.apply_activation_checkpointing` (or the framework's switch in the
+    configs autobatch writes)."""
     epoch: EpochPlan | None = None
     """One epoch of data under this plan (:meth:`with_epoch`): micro-batches and optimizer steps
     per epoch per rank, and the effective batch the epoch's last step reaches; None when the

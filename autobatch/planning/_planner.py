@@ -69,8 +69,8 @@ def largest_useful_micro_batch_size(effective_batch_size: int, world_size: int) 
 def plan_within(
     limit: Limit, request: PlanRequest, planned_from: int | Profile | MemoryModel
 ) -> Plan:
-    """The plan for ``request`` within a resolved ``limit``, with the gradient-sync mode of
-    the profile it was ``planned_from``, if any.
+    """The plan for ``request`` within a resolved ``limit``, with the gradient-sync and
+    activation checkpointing modes of the profile it was ``planned_from``, if any.
 
     Raises:
         ConfigError, NoFeasiblePlanError: as for :func:`~autobatch.planning.plan_request`.
@@ -79,10 +79,15 @@ def plan_within(
 
 
 def _measured_in(result: Plan, limit: int | Profile | MemoryModel) -> Plan:
-    """``result`` with the gradient-sync mode of the profile it was planned from, if any."""
+    """``result`` with the gradient-sync mode and the activation checkpointing mode of the
+    profile it was planned from, if any."""
     if not isinstance(limit, Profile):
         return result
-    return dataclasses.replace(result, gradient_sync=limit.gradient_sync)
+    return dataclasses.replace(
+        result,
+        gradient_sync=limit.gradient_sync,
+        activation_checkpointing=limit.activation_checkpointing,
+    )
 
 
 def resolve_plan_limit(

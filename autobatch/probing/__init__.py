@@ -18,6 +18,13 @@ Example::
 from __future__ import annotations
 
 from autobatch.probing._batch import BatchSource, batch_tensors
+from autobatch.probing._checkpointing import (
+    CHECKPOINTING_MODES,
+    CheckpointingMode,
+    activation_checkpointing_applied,
+    apply_activation_checkpointing,
+    checkpointable_blocks,
+)
 from autobatch.probing._compiled import compiled_mode
 from autobatch.probing._estimator import FakeStep, estimate
 from autobatch.probing._identity import callable_identity
@@ -44,8 +51,10 @@ from autobatch.probing._step import LossFn, TrainingStep, TrainStep
 from autobatch.probing._worst_case import WorstCaseSample, worst_case_sample
 
 __all__ = [
+    "CHECKPOINTING_MODES",
     "DEFAULT_SEARCH_LIMIT",
     "BatchSource",
+    "CheckpointingMode",
     "FakeStep",
     "LossFn",
     "OnStage",
@@ -57,11 +66,14 @@ __all__ = [
     "TrainStep",
     "TrainingStep",
     "WorstCaseSample",
+    "activation_checkpointing_applied",
+    "apply_activation_checkpointing",
     "batch_tensors",
     "bracket",
     "callable_identity",
     "check_plan_here",
     "check_search_arguments",
+    "checkpointable_blocks",
     "compiled_mode",
     "estimate",
     "live_world_size",

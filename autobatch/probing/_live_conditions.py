@@ -15,7 +15,8 @@ What is read, and from where (never from the flags a caller passed, except where
 - the parameters' and gradients' bytes by dtype, resident on this device (a DTensor's shard,
   padded as FSDP2 allocates it), and the trainable elements;
 - activation checkpointing: Hugging Face's ``gradient_checkpointing`` flags (with the checkpoint
-  function's settings), ``checkpoint_wrapper`` modules, the composable ``checkpoint`` API;
+  function's settings), ``checkpoint_wrapper`` modules, the composable ``checkpoint`` API,
+  the blocks this library checkpoints (:mod:`autobatch.probing._checkpointing`);
 - the optimizer's class, and its state's bytes by dtype once it has state (the probe reads it
   again after its first optimizer step: :func:`with_optimizer_state`);
 - the AMP dtype (the one the step autocasts to: the caller's, as the probe runs it) and the
@@ -47,6 +48,7 @@ from autobatch.conditions import (
 )
 from autobatch.errors import ConditionsWarning, ConfigError, Remedy
 from autobatch.planning import Plan
+from autobatch.probing._checkpointing import describe_applied
 from autobatch.units import format_bytes
 
 __all__ = [
@@ -268,6 +270,9 @@ def activation_checkpointing(model: torch.nn.Module) -> str:
     composable = _composable_checkpoints(model)
     if composable:
         found.append(f"torch.distributed._composable.checkpoint on {composable} modules")
+    applied = describe_applied(model)
+    if applied:
+        found.append(applied)
     return "; ".join(found) or "none detected"
 
 

@@ -30,11 +30,11 @@ from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.probing._batch import BatchSource
 from autobatch.probing._compiled import CompiledMode, compiled_mode
 from autobatch.probing._identity import step_identity
-from autobatch.probing._live_conditions import read_conditions
+from autobatch.probing._live_conditions import activation_checkpointing, read_conditions
 from autobatch.probing._parallel import device_for_layout
 from autobatch.probing._placement import check_placement
 from autobatch.probing._step import LossFn, TrainStep, check_step_arguments
-from autobatch.profile import GradientSync, Mode, StepIdentity, Trial
+from autobatch.profile import CheckpointingMode, GradientSync, Mode, StepIdentity, Trial
 
 __all__ = [
     "DEFAULT_CLOCK",
@@ -200,6 +200,9 @@ class ProbeOptions:
     on_stage: OnStage | None = None
     """Called as each stage starts (:class:`ProbeStage`); set with ``dataclasses.replace`` by
     the tuning road from its ``on_stage`` option."""
+    checkpointing_mode: CheckpointingMode = "none"
+    """The activation checkpointing mode applied to the model while it is probed (recorded on
+    the profile); the conditions name what recomputes (:meth:`under_checkpointing`)."""
     clock: Callable[[], float]
     """Seconds on a monotonic clock for the host's side of the probe: each fake step of the
     estimate and the estimate in all, which decide whether it starts and when it stops. Real
@@ -285,6 +288,16 @@ class ProbeOptions:
         if step.step_includes_update:
             raise _eval_of_an_updating_step()
         return dataclasses.replace(self, eval=True, gradient_sync=measured_sync(step, eval=True))
+
+    def under_checkpointing(self, step: StepSpec, mode: CheckpointingMode) -> ProbeOptions:
+        """The same options for ``step``'s model as it is now, with activation checkpointing
+        ``mode`` applied to it: the conditions' description read again (a key of its own)."""
+        described = activation_checkpointing(step.model)
+        return dataclasses.replace(
+            self,
+            checkpointing_mode=mode,
+            conditions=dataclasses.replace(self.conditions, activation_checkpointing=described),
+        )
 
     def with_limit(self, search_limit: int) -> ProbeOptions:
         """The same options with another search cap (checked)."""

@@ -416,6 +416,7 @@ class Prober:
             conditions=with_optimizer_state(self.options.conditions, self.optimizer),
             gradient_sync=self.options.gradient_sync,
             node_name=node_name(),
+            activation_checkpointing=self.options.checkpointing_mode,
             timings=self._timings(),
         )
 

@@ -14,7 +14,9 @@ Example::
 from __future__ import annotations
 
 from autobatch.tuning._cache import TunedProfile
+from autobatch.tuning._checkpointing import CheckpointingOutcome, ModeRun
 from autobatch.tuning._lookup import find_profile
+from autobatch.tuning._report import report_data, report_html
 from autobatch.tuning._request import BuildOptions, ProfileOptions, TuneOptions, TuneRequest
 from autobatch.tuning._split_recording import split_recorder
 from autobatch.tuning._tune import (
@@ -30,6 +32,8 @@ from autobatch.tuning._tune import (
 
 __all__ = [
     "BuildOptions",
+    "CheckpointingOutcome",
+    "ModeRun",
     "ProfileOptions",
     "TuneOptions",
     "TuneRequest",
@@ -39,6 +43,8 @@ __all__ = [
     "autotune_profile",
     "find_profile",
     "largest_request",
+    "report_data",
+    "report_html",
     "split_recorder",
     "tune",
     "tune_largest",

@@ -51,6 +51,7 @@ from autobatch.probing import (
 )
 from autobatch.store import ProfileStore
 from autobatch.tuning._cache import StoreOptions
+from autobatch.tuning._checkpointing import CheckpointingRequest
 
 __all__ = ["BuildOptions", "ProfileOptions", "TuneOptions", "TuneRequest", "accept_options"]
 
@@ -144,6 +145,16 @@ class TuneOptions(_StepProbeStore, total=False):
     :func:`autobatch.plan`."""
     allow_inexact: bool
     """Reach the nearest effective batch size (default False); see :func:`autobatch.plan`."""
+    activation_checkpointing: str
+    """Activation checkpointing of the model's repeated blocks: ``"none"`` (default: the model
+    as given, nothing imposed), ``"selective"`` (every 2nd block), ``"full"`` (every block), or
+    ``"auto"``: probe the modes by real trials and plan with the one reaching the effective
+    batch in the least time per optimizer step (the plan's ``activation_checkpointing``; apply
+    it with :func:`autobatch.probing.apply_activation_checkpointing`). See
+    :mod:`autobatch.tuning._checkpointing`."""
+    checkpoint_block_class: type[torch.nn.Module] | str | None
+    """The class (or class name) of the blocks to checkpoint; None (default): the longest
+    ``nn.ModuleList`` of modules of one class (a transformers model's layers)."""
     mixed_ranks: bool
     """Ranks on cards of different memory or speed (default False): under torch.distributed
     each rank probes its own card alone, the ranks share their limits and step times, and each
@@ -170,6 +181,7 @@ _DEFAULTS: dict[str, Any] = {
     "uneven": "auto",
     "allow_inexact": False,
     "mixed_ranks": False,
+    "activation_checkpointing": "none",
     "use_store": True,
     "refresh": False,
 }
@@ -209,6 +221,8 @@ class TuneRequest:
     """With a plan: also probe the evaluation micro-batch (``probe`` is the training one)."""
     mixed_ranks: bool = False
     """A micro-batch per rank (``probe`` then runs this rank's card alone)."""
+    checkpointing: CheckpointingRequest = CheckpointingRequest()
+    """The activation checkpointing asked for (``"none"``: the model as given)."""
 
     @classmethod
     def build(
@@ -300,4 +314,7 @@ class TuneRequest:
             plan=planned,
             eval=eval and planned is not None,
             mixed_ranks=mixed_ranks,
+            checkpointing=CheckpointingRequest.build(
+                model, option["activation_checkpointing"], options.get("checkpoint_block_class")
+            ),
         )

@@ -44,6 +44,7 @@ from autobatch.planning import Plan, RankLimit
 from autobatch.probing import DEFAULT_SEARCH_LIMIT, ProbeOptions
 from autobatch.profile import Profile
 from autobatch.tuning._cache import TunedProfile
+from autobatch.tuning._checkpointing import CheckpointingOutcome, tune_checkpointing
 from autobatch.tuning._lookup import find_profile, why_probed_again
 from autobatch.tuning._planned import (
     check_mixed_possible,
@@ -78,6 +79,9 @@ class Tuning:
     eval_profile: Profile | None = None
     """The evaluation probe's profile (``eval=True``), whose recommended size is the plan's
     ``eval_micro_batch_size``; None without ``eval``."""
+    checkpointing: CheckpointingOutcome | None = None
+    """What ``activation_checkpointing="auto"`` tried and chose (each mode's profile and plan,
+    for the report); None for a fixed mode."""
 
 
 logger = logging.getLogger("autobatch")
@@ -208,21 +212,32 @@ def tune_request(request: TuneRequest) -> Tuning:
     options = dataclasses.replace(
         request.probe, search_limit=useful_cap(request.probe.search_limit, wanted)
     )
-    found = find_profile(request.step, options, request.store)
-    budget = _plan_budget(options, found.profile)
-    result = plan_from(found.profile, wanted, budget=budget, cached=found.cached)
+
+    def planned(found: TunedProfile) -> Plan:
+        budget = _plan_budget(options, found.profile)
+        return plan_from(found.profile, wanted, budget=budget, cached=found.cached)
+
+    found, result, outcome = tune_checkpointing(request, options, planned)
     if result.budget is not None:
         for warning in result.budget.warnings:
             logger.warning("memory budget %s: %s", result.budget.describe(), warning)
     result = _with_notes(result, found, options)
+    if outcome is not None:
+        result = dataclasses.replace(result, notes=(*result.notes, *outcome.notes()))
     if not request.eval:
-        return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
+        return Tuning(
+            plan=result, profile=found.profile, profile_id=found.profile_id, checkpointing=outcome
+        )
     evaluation = find_profile(request.step, options.for_eval(request.step), request.store).profile
     result = dataclasses.replace(
         result, eval_micro_batch_size=evaluation.recommended_micro_batch_size
     )
     return Tuning(
-        plan=result, profile=found.profile, profile_id=found.profile_id, eval_profile=evaluation
+        plan=result,
+        profile=found.profile,
+        profile_id=found.profile_id,
+        eval_profile=evaluation,
+        checkpointing=outcome,
     )
 
 
@@ -251,6 +266,12 @@ def _tune_mixed(request: TuneRequest) -> Tuning:
             f"rank(s) ({request.probe.conditions.world_size_source}); call "
             "autotune on every rank after init_process_group, with no other world_size, or plan "
             "from known per-rank maxima with autobatch.planning.plan_mixed_ranks"
+        )
+    if request.checkpointing.mode != "none":
+        raise ConfigError(
+            f"activation_checkpointing={request.checkpointing.mode!r} is not planned with "
+            "mixed_ranks=True yet; give activation_checkpointing='none' (apply a mode yourself "
+            "before autotune to plan under it)"
         )
     check_mixed_possible(request.probe.search_limit, wanted)
     options = dataclasses.replace(

@@ -26,7 +26,7 @@ from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileStore
 from service.fleet.central import CentralProfiles
-from service.plans.planner import card_chooser, chooser, source_of
+from service.plans.planner import card_chooser, checkpointing_choice, chooser, source_of
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem, unknown_profile
 from service.web.schemas import ResolvedDevice
@@ -89,6 +89,9 @@ def resolve_limit(
             raise unknown_profile(body.profile_id, field="body.profile_id") from None
         return profile, body.profile_id, source_of(profile)
     assert body.model_fingerprint is not None
+    if body.activation_checkpointing is not None:
+        profile_id, profile = _of_mode(body, store)
+        return profile, profile_id, source_of(profile)
     found = []
     key = None if device is None or not device.name else _card_key(device.name)
     if key is not None:
@@ -110,6 +113,37 @@ def resolve_limit(
         )
     profile_id, profile = found[0]
     return profile, profile_id, source_of(profile)
+
+
+def _of_mode(body: PlanCreate, store: ProfileStore) -> tuple[str, Profile]:
+    """The model's newest stored profile of the activation checkpointing mode asked, or for
+    ``"auto"`` the newest of each mode as :func:`~service.plans.planner.checkpointing_choice`
+    chooses (among the newest :data:`ANY_CANDIDATES`).
+
+    Raises:
+        Problem: 404 naming ``body.activation_checkpointing`` when no stored profile of the
+            model answers.
+    """
+    assert body.model_fingerprint is not None and body.activation_checkpointing is not None
+    asked = body.activation_checkpointing
+    newest: dict[str, tuple[str, Profile]] = {}
+    for profile_id, profile in store.list_profiles(
+        model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES
+    ):
+        if profile.mode == "train":
+            newest.setdefault(profile.activation_checkpointing, (profile_id, profile))
+    chosen = checkpointing_choice(body, newest) if asked == "auto" else newest.get(asked)
+    if chosen is None:
+        stored = ", ".join(sorted(newest)) or "none"
+        raise Problem(
+            404,
+            "unknown-profile",
+            f"no stored training profile of model_fingerprint {body.model_fingerprint!r} "
+            f"answers activation_checkpointing {asked!r} (stored modes: {stored}); probe the "
+            "model under it (autobatch tune --activation-checkpointing) or ask another mode",
+            field="body.activation_checkpointing",
+        )
+    return chosen
 
 
 NAME_SCAN = 200

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from autobatch.device import MemoryBudget
+from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning import (
+    ModeMeasurement,
     Plan,
     PlanRequest,
     PlanSource,
     RankLimit,
     Selection,
     WorldSizeOption,
+    choose_checkpointing,
     given_budget,
     plan_mixed_ranks,
     plan_request,
@@ -41,6 +44,7 @@ __all__ = [
     "JobCard",
     "Planned",
     "card_chooser",
+    "checkpointing_choice",
     "chooser",
     "declared_budget",
     "plan_and_table",
@@ -60,6 +64,21 @@ class Planned:
 
     plan: Plan
     world_size_options: list[WorldSizeOption] | None
+
+
+def _request(body: PlanCreate, *, plain: bool, capacity_bytes: int | None) -> PlanRequest:
+    """The planner's request of ``body``; a plain limit takes neither capacity nor margin."""
+    return PlanRequest(
+        effective_batch_size=body.effective_batch_size,
+        world_size=body.world_size,
+        world_sizes=None if body.world_sizes is None else tuple(body.world_sizes),
+        multiple_of=body.multiple_of,
+        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
+        uneven=body.uneven,
+        allow_inexact=body.allow_inexact,
+        safety_margin=None if plain else body.safety_margin,
+        capacity_bytes=None if plain else capacity_bytes,
+    )
 
 
 def plan_and_table(
@@ -86,17 +105,7 @@ def plan_and_table(
         ConfigError, NoFeasiblePlanError: the planner's, as for ``autobatch.plan``.
     """
     plain = isinstance(limit, int)
-    request = PlanRequest(
-        effective_batch_size=body.effective_batch_size,
-        world_size=body.world_size,
-        world_sizes=None if body.world_sizes is None else tuple(body.world_sizes),
-        multiple_of=body.multiple_of,
-        max_gradient_accumulation_steps=body.max_gradient_accumulation_steps,
-        uneven=body.uneven,
-        allow_inexact=body.allow_inexact,
-        safety_margin=None if plain else body.safety_margin,
-        capacity_bytes=None if plain else capacity_bytes,
-    )
+    request = _request(body, plain=plain, capacity_bytes=capacity_bytes)
     result = plan_request(limit, request, budget=budget, source=source)
     check_plan(result)
     if request.world_sizes is None:
@@ -130,6 +139,42 @@ def plan_world_sizes(
         capacity_bytes=capacity_bytes,
     )
     return plan_table(limit, request, source=source)
+
+
+def checkpointing_choice(
+    body: PlanCreate, newest: Mapping[str, tuple[str, Profile]]
+) -> tuple[str, Profile] | None:
+    """Among the newest stored profile of each activation checkpointing mode (``newest``, by
+    mode), the one :func:`autobatch.planning.choose_checkpointing` chooses for the body's
+    effective batch (each planned within its own recommended size); None when none plans."""
+    measured = []
+    for _, profile in newest.values():
+        try:
+            result = plan_request(profile, _request(body, plain=False, capacity_bytes=None))
+        except (ConfigError, NoFeasiblePlanError):
+            measured.append(
+                ModeMeasurement(mode=profile.activation_checkpointing, max_micro_batch_size=0)
+            )
+            continue
+        measured.append(_measurement(profile, result))
+    choice = choose_checkpointing(measured)
+    return None if choice is None else newest[choice.mode]
+
+
+def _measurement(profile: Profile, result: Plan) -> ModeMeasurement:
+    peaks: dict[int, int] = {}
+    for trial in profile.trials:
+        if trial.fits and not trial.warm_up:
+            size = trial.micro_batch_size
+            peaks[size] = max(peaks.get(size, 0), trial.peak_allocated_bytes)
+    return ModeMeasurement(
+        mode=profile.activation_checkpointing,
+        max_micro_batch_size=profile.max_micro_batch_size,
+        micro_batch_size=result.micro_batch_size,
+        gradient_accumulation_steps=result.gradient_accumulation_steps,
+        seconds_per_optimizer_step=result.predicted_seconds_per_effective_batch,
+        peak_memory_bytes=peaks,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

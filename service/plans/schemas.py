@@ -17,7 +17,8 @@ from pydantic import AfterValidator, BaseModel, Field, field_validator, model_va
 
 from autobatch.conditions import one_world_size
 from autobatch.errors import ConfigError
-from autobatch.planning import Match, PlanSource, Uneven
+from autobatch.planning import AskedCheckpointing, Match, PlanSource, Uneven
+from autobatch.profile import CheckpointingMode
 from autobatch.units import check_capacity_bytes
 from service.web.schemas import (
     MAX_ACCUMULATION_STEPS,
@@ -120,6 +121,15 @@ class PlanCreate(Strict):
         "driver_version): a profile recorded under others answers 'predicted', and the "
         "selection's reasons name each difference. Needs card, node or job.",
     )
+    activation_checkpointing: AskedCheckpointing | None = Field(
+        default=None,
+        description="With model_fingerprint: plan from the model's newest stored profile "
+        "measured under this activation checkpointing mode ('none', 'selective', 'full'), or "
+        "'auto': from the newest of each mode, the one whose plan reaches the effective batch "
+        "in the least time per optimizer step (within 5%, or untimed: the least recompute), a "
+        "mode whose measured peak is not below the plain one's never. Null: the newest "
+        "profile of any mode. Not with card, node or job.",
+    )
     effective_batch_size: Size
     world_size: WorldSize = 1
     data_parallel_size: WorldSize | None = Field(
@@ -189,6 +199,8 @@ class PlanCreate(Strict):
             )
         if self.job is not None:
             self._check_job(self.job)
+        if self.activation_checkpointing is not None:
+            self._check_checkpointing()
         inner = None if self.device is None else self.device.gpu_fraction
         if self.gpu_fraction is not None and inner is not None and inner != self.gpu_fraction:
             raise ValueError(
@@ -196,6 +208,19 @@ class PlanCreate(Strict):
                 "give one"
             )
         return self
+
+    def _check_checkpointing(self) -> None:
+        if self.model_fingerprint is None:
+            raise ValueError(
+                "activation_checkpointing chooses among the stored profiles of a model: give "
+                "model_fingerprint with it"
+            )
+        others = [name for name in ("card", "node", "job") if getattr(self, name) is not None]
+        if others:
+            raise ValueError(
+                f"activation_checkpointing does not go with {', '.join(others)} yet: plan by "
+                "model_fingerprint (and device) alone, or leave activation_checkpointing out"
+            )
 
     def _check_job(self, job: list[JobCards]) -> None:
         if self.model_fingerprint is None:
@@ -291,6 +316,11 @@ class PlanFields(BaseModel):
     )
     conditions: ConditionsFields | None = None
     gradient_sync: GradientSyncFields | None = None
+    activation_checkpointing: CheckpointingMode = Field(
+        default="none",
+        description="The activation checkpointing mode to train with ('none': the model as "
+        "given; 'selective': every 2nd repeated block; 'full': every block).",
+    )
     epoch: EpochFields | None = None
 
 
@@ -299,9 +329,9 @@ class PlanConfigs(BaseModel):
     are of unequal size, or differ by rank (a mixed plan), which those frameworks cannot
     express."""
 
-    deepspeed: dict[str, int] | None
-    hf_training_arguments: dict[str, int] | None
-    lightning: dict[str, dict[str, int]] | None
+    deepspeed: dict[str, Any] | None
+    hf_training_arguments: dict[str, Any] | None
+    lightning: dict[str, dict[str, Any]] | None
     reason: str | None = None
 
 

@@ -38,6 +38,7 @@ from autobatch.margin import MAX_SAFETY_MARGIN, MIN_SAFETY_MARGIN, check_safety_
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.profile import (
     PROFILE_SCHEMA_VERSION,
+    CheckpointingMode,
     Clock,
     Compiled,
     Method,
@@ -508,6 +509,11 @@ class ProfileBase(Strict):
         default="",
         description="The machine the profile was measured on (a Kubernetes or Slurm node, or "
         "the host name); device_name is the card type. Empty when not recorded.",
+    )
+    activation_checkpointing: CheckpointingMode = Field(
+        default="none",
+        description="The activation checkpointing mode autobatch applied while measuring "
+        "('none': the model as given; profiles that leave it out read as 'none').",
     )
     timings: ProbeTimingsFields | None = Field(
         default=None,

@@ -55,8 +55,10 @@ FLAGS = {
     "profiles show": ["--help", "--json", "-h", "profile_id"],
     "serve": [],
     "tune": [
+        "--activation-checkpointing",
         "--allow-inexact",
         "--amp",
+        "--checkpoint-block-class",
         "--data-parallel-size",
         "--device",
         "--effective-batch-size",
@@ -73,6 +75,7 @@ FLAGS = {
         "--multiple-of",
         "--no-store",
         "--refresh",
+        "--report",
         "--report-to",
         "--safety-margin",
         "--seq-len",

@@ -28,6 +28,8 @@ FUNCTIONS = {
     "largest_useful_micro_batch_size",
     "fit_memory_model",
     "fit_wide_line",
+    "checkpointing_modes_to_try",
+    "choose_checkpointing",
 }
 
 

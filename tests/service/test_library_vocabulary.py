@@ -27,9 +27,16 @@ from autobatch.device import (
 )
 from autobatch.errors import ConfigError
 from autobatch.margin import MAX_SAFETY_MARGIN, MIN_SAFETY_MARGIN
-from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Match, PlanSource, Uneven
+from autobatch.planning import (
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    AskedCheckpointing,
+    Match,
+    PlanSource,
+    Uneven,
+)
 from autobatch.profile import (
     PROFILE_SCHEMA_VERSION,
+    CheckpointingMode,
     Clock,
     Compiled,
     Method,
@@ -44,6 +51,7 @@ PROFILE_CHOICES = {
     "stop_kind": StopKind,
     "mode": Mode,
     "compiled": Compiled,
+    "activation_checkpointing": CheckpointingMode,
 }
 LIBRARY_CHOICES: dict[tuple[str, str], Any] = {
     ("BudgetReadingBase", "source"): BudgetSource,
@@ -53,7 +61,9 @@ LIBRARY_CHOICES: dict[tuple[str, str], Any] = {
     ("MemoryBudgetBase", "deciding_source"): BudgetSource,
     ("MemoryBudgetBase", "sharing_mode"): SharingMode,
     ("PlanCreate", "uneven"): Uneven,
+    ("PlanCreate", "activation_checkpointing"): AskedCheckpointing,
     ("PlanFields", "source"): PlanSource,
+    ("PlanFields", "activation_checkpointing"): CheckpointingMode,
     ("ProbeTimingsFields", "clock"): Clock,
     ("ResolvedDevice", "source"): CardSource,
     ("ResolvedDevice", "deciding_source"): BudgetSource,

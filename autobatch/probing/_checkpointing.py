@@ -1,0 +1,198 @@
+"""Activation checkpointing applied to a model's repeated blocks, and undone.
+
+A mode (:data:`CheckpointingMode`) says which blocks recompute their activations in backward
+instead of keeping them: ``"none"`` (the model as given), ``"selective"`` (every ``every``-th
+block, as torchtitan's ``selective`` layer mode: blocks ``0, every, 2*every...``) or ``"full"``
+(every block). The blocks are the model's repeated layers (:func:`checkpointable_blocks`).
+Each chosen block's forward runs under non-reentrant ``torch.utils.checkpoint.checkpoint``
+(``use_reentrant=False``, the form PyTorch recommends: keyword arguments, DDP and FSDP2 work)
+through an instance attribute ``forward`` set on the block itself: no module is replaced, no
+parameter or buffer is renamed, and the undo deletes the attribute, so the model's modules are
+the same objects with the same state afterwards.
+
+Example::
+
+    with activation_checkpointing_applied(model, "full"):
+        loss = model(**batch).loss     # every block recomputes in backward
+        loss.backward()
+    undo = apply_activation_checkpointing(model, "selective", every=2)   # for training
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, get_args
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from autobatch.errors import ConfigError
+from autobatch.profile import CheckpointingMode
+
+__all__ = [
+    "CHECKPOINTING_MODES",
+    "CheckpointedForward",
+    "CheckpointingMode",
+    "activation_checkpointing_applied",
+    "apply_activation_checkpointing",
+    "checkpointable_blocks",
+    "checkpointed_blocks",
+    "describe_applied",
+]
+
+CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = get_args(CheckpointingMode)
+"""The modes in order of recompute, least first."""
+
+DEFAULT_EVERY = 2
+"""``"selective"`` checkpoints every 2nd block by default (torchtitan's ``selective_ac_option``
+``"2"``): about half the blocks' activations for about half the recompute."""
+
+
+class CheckpointedForward:
+    """A block's forward run under ``checkpoint(..., use_reentrant=False)`` when gradients are
+    on (in ``no_grad``/``inference_mode`` the plain forward runs: nothing to save)."""
+
+    def __init__(self, forward: Callable[..., Any], previous: Callable[..., Any] | None) -> None:
+        self.forward = forward
+        """The block's own forward (bound)."""
+        self.previous = previous
+        """The instance ``forward`` the block had before (None: none), put back by the undo."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpointable_blocks(
+    model: torch.nn.Module, *, block_class: type[torch.nn.Module] | str | None = None
+) -> list[torch.nn.Module]:
+    """The model's repeated blocks, in order: the modules of ``block_class`` (a class or its
+    name) when given, else the items of the longest ``nn.ModuleList`` of 2 or more modules of
+    one class (a transformers model's ``layers``/``h``/``layer``; the outermost on a tie).
+
+    Raises:
+        ConfigError: no module of ``block_class``, or no repeated blocks found (names
+            ``block_class=`` as the fix).
+    """
+    if block_class is not None:
+        name = block_class if isinstance(block_class, str) else block_class.__qualname__
+        blocks = [m for m in model.modules() if type(m).__qualname__ == name]
+        if not blocks:
+            raise ConfigError(
+                f"activation checkpointing: block_class={name!r} matches no module of "
+                f"{type(model).__qualname__}; name the class of its repeated blocks "
+                "(e.g. block_class='GPT2Block')"
+            )
+        return blocks
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
+            classes = {type(item) for item in module}
+            if len(module) >= 2 and len(classes) == 1:
+                best = list(module)
+    if not best:
+        raise ConfigError(
+            f"activation checkpointing: {type(model).__qualname__} has no nn.ModuleList of "
+            "repeated blocks; name the class of the blocks to checkpoint with block_class= "
+            "(e.g. block_class='TransformerBlock')"
+        )
+    return best
+
+
+def _chosen(blocks: list[torch.nn.Module], mode: str, every: int) -> list[torch.nn.Module]:
+    if mode not in CHECKPOINTING_MODES:
+        raise ConfigError(
+            f"activation_checkpointing={mode!r} is not a mode; give one of "
+            f"{', '.join(repr(m) for m in CHECKPOINTING_MODES)}"
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(
+            f"activation checkpointing every={every!r} must be an int >= 1 (checkpoint every "
+            "n-th block); give e.g. every=2"
+        )
+    if mode == "none":
+        return []
+    if mode == "full":
+        return blocks
+    return blocks[::every]
+
+
+def apply_activation_checkpointing(
+    model: torch.nn.Module,
+    mode: CheckpointingMode,
+    *,
+    every: int = DEFAULT_EVERY,
+    block_class: type[torch.nn.Module] | str | None = None,
+) -> Callable[[], None]:
+    """Checkpoint ``model``'s blocks in ``mode`` (see the module docstring), in place, and
+    return the undo: a function that puts every block's forward back as it was (call it once).
+
+    Args:
+        model: the model (a DDP- or FSDP2-wrapped one too: the blocks are found inside).
+        mode: ``"none"`` (nothing changes), ``"selective"`` or ``"full"``.
+        every: with ``"selective"``, checkpoint blocks ``0, every, 2*every...`` (>= 1).
+        block_class: the blocks' class or class name; None: found
+            (:func:`checkpointable_blocks`).
+
+    Raises:
+        ConfigError: an unknown mode, ``every`` < 1, no blocks found, or a block already
+            checkpointed here.
+    """
+    if mode == "none":
+        _chosen([], mode, every)
+        return lambda: None
+    blocks = _chosen(checkpointable_blocks(model, block_class=block_class), mode, every)
+    if any(isinstance(b.__dict__.get("forward"), CheckpointedForward) for b in blocks):
+        raise ConfigError(
+            "activation checkpointing is already applied to this model's blocks; call the undo "
+            "apply_activation_checkpointing returned before applying another mode"
+        )
+    for block in blocks:
+        previous = block.__dict__.get("forward")
+        own = previous if previous is not None else type(block).forward.__get__(block)
+        block.forward = CheckpointedForward(own, previous)
+
+    def undo() -> None:
+        for block in blocks:
+            wrapped = block.__dict__.pop("forward", None)
+            if isinstance(wrapped, CheckpointedForward) and wrapped.previous is not None:
+                block.forward = wrapped.previous
+
+    return undo
+
+
+@contextlib.contextmanager
+def activation_checkpointing_applied(
+    model: torch.nn.Module,
+    mode: CheckpointingMode,
+    *,
+    every: int = DEFAULT_EVERY,
+    block_class: type[torch.nn.Module] | str | None = None,
+) -> Iterator[torch.nn.Module]:
+    """:func:`apply_activation_checkpointing` for the ``with`` block, undone on the way out
+    (an exception too); yields the model.
+
+    Raises:
+        ConfigError: as :func:`apply_activation_checkpointing`.
+    """
+    undo = apply_activation_checkpointing(model, mode, every=every, block_class=block_class)
+    try:
+        yield model
+    finally:
+        undo()
+
+
+def checkpointed_blocks(model: torch.nn.Module) -> int:
+    """How many of ``model``'s modules this module checkpoints now."""
+    return sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in model.modules())
+
+
+def describe_applied(model: torch.nn.Module) -> str:
+    """The checkpointing applied here, as the live conditions record it (``""`` for none):
+    ``"autobatch checkpoint on 2 blocks (torch.utils.checkpoint, use_reentrant=False)"``."""
+    count = checkpointed_blocks(model)
+    if not count:
+        return ""
+    return f"autobatch checkpoint on {count} blocks (torch.utils.checkpoint, use_reentrant=False)"

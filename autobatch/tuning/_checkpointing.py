@@ -1,0 +1,310 @@
+"""The tuning road's activation checkpointing: the mode asked for (:class:`CheckpointingRequest`),
+the probe under each mode, and the choice among them.
+
+- ``"none"`` (the default): the model as given; when not even micro-batch 1 fits and the model
+  has repeated blocks, one more probe under ``"full"`` checkpointing names the plan that would
+  fit in the error, with the remedy ``activation_checkpointing="auto"``.
+- ``"selective"`` or ``"full"``: the probe and the plan under that mode.
+- ``"auto"``: the plain probe first; then, unless trying cannot pay
+  (:func:`autobatch.planning.checkpointing_modes_to_try`: one micro-step, or time per sample no
+  longer falling, measured), one probe per mode (``"selective"``, ``"full"``), each bounded as
+  every probe is; the choice is :func:`autobatch.planning.choose_checkpointing`'s. At most two
+  probes more than without ``"auto"``.
+
+Every probe under a mode applies it to the model's blocks and undoes it when it is done
+(:func:`autobatch.probing.activation_checkpointing_applied`): the model's modules are the same
+objects with the same state afterwards. Each mode's profile has a key of its own (the
+conditions name what recomputes), so a profile of one mode never answers for another.
+
+Example::
+
+    found, plan, outcome = tune_checkpointing(request, options, planned)
+    outcome.chosen, outcome.tried, outcome.why_tried
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, get_args
+
+import torch
+
+from autobatch.errors import (
+    AutobatchError,
+    ConfigError,
+    DoesNotFitError,
+    NoFeasiblePlanError,
+    Remedy,
+)
+from autobatch.planning import (
+    AskedCheckpointing,
+    ModeMeasurement,
+    Plan,
+    checkpointing_modes_to_try,
+    choose_checkpointing,
+)
+from autobatch.probing import (
+    CHECKPOINTING_MODES,
+    ProbeOptions,
+    activation_checkpointing_applied,
+    checkpointable_blocks,
+)
+from autobatch.profile import CheckpointingMode, Profile
+from autobatch.tuning._cache import TunedProfile
+from autobatch.tuning._lookup import find_profile
+
+if TYPE_CHECKING:
+    from autobatch.tuning._request import TuneRequest
+
+__all__ = [
+    "ASKED_MODES",
+    "CheckpointingOutcome",
+    "CheckpointingRequest",
+    "ModeRun",
+    "tune_checkpointing",
+]
+
+ASKED_MODES: tuple[AskedCheckpointing, ...] = get_args(AskedCheckpointing)
+"""What ``activation_checkpointing`` takes: ``"auto"`` (choose by real trials) or a mode."""
+
+PlanOf = Callable[[TunedProfile], Plan]
+"""How the road plans from a found profile (its budget and source)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointingRequest:
+    """The activation checkpointing asked for, checked once by :meth:`build`."""
+
+    mode: str = "none"
+    """``"none"`` (the model as given), ``"selective"``, ``"full"`` or ``"auto"``."""
+    block_class: type[torch.nn.Module] | str | None = None
+    """The class (or class name) of the blocks to checkpoint; None: found."""
+
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, mode: str, block_class: type[torch.nn.Module] | str | None
+    ) -> CheckpointingRequest:
+        """The request, with its blocks found now when a mode other than ``"none"`` may apply.
+
+        Raises:
+            ConfigError: an unknown mode, or no blocks to checkpoint (names
+                ``checkpoint_block_class``).
+        """
+        if mode not in ASKED_MODES:
+            raise ConfigError(
+                f"activation_checkpointing={mode!r} is not a choice; give one of "
+                f"{', '.join(repr(m) for m in ASKED_MODES)}"
+            )
+        if mode != "none":
+            try:
+                checkpointable_blocks(model, block_class=block_class)
+            except ConfigError as exc:
+                raise ConfigError(
+                    str(exc).replace("block_class=", "checkpoint_block_class=")
+                ) from None
+        return cls(mode=mode, block_class=block_class)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModeRun:
+    """One mode's probe and plan, or why it has none."""
+
+    mode: CheckpointingMode
+    found: TunedProfile | None = None
+    plan: Plan | None = None
+    error: AutobatchError | None = None
+    """Why no plan (not even micro-batch 1 fits, or no split meets the constraints)."""
+
+    @property
+    def profile(self) -> Profile | None:
+        return None if self.found is None else self.found.profile
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointingOutcome:
+    """What ``activation_checkpointing="auto"`` tried and chose."""
+
+    chosen: str
+    """The mode the plan trains with."""
+    reason: str
+    """Why it won."""
+    tried: tuple[str, ...]
+    """The modes probed, ``"none"`` first."""
+    why_tried: str
+    """Why the other modes were or were not probed."""
+    considered: tuple[str, ...]
+    """One line per mode probed: its plan and time, or why it was left out."""
+    runs: tuple[ModeRun, ...]
+    """Each mode's profile and plan (the report draws them)."""
+
+    def notes(self) -> list[str]:
+        """The plan's notes: the choice, what was tried and why, each mode's line."""
+        skipped = [m for m in CHECKPOINTING_MODES if m not in self.tried]
+        tried = f"tried {', '.join(self.tried)}"
+        if skipped:
+            tried += f"; skipped {', '.join(skipped)}"
+        return [
+            f"activation checkpointing {self.chosen}: {self.reason}",
+            f"activation checkpointing modes {tried}: {self.why_tried}",
+            *(f"activation checkpointing {line}" for line in self.considered),
+        ]
+
+
+def tune_checkpointing(
+    request: TuneRequest, options: ProbeOptions, planned: PlanOf
+) -> tuple[TunedProfile, Plan, CheckpointingOutcome | None]:
+    """The profile and plan for ``request`` under the activation checkpointing it asks for
+    (see the module docstring), with what ``"auto"`` tried (None for a fixed mode).
+
+    Raises:
+        DoesNotFitError: not even micro-batch 1 fits under the mode asked; without
+            checkpointing asked, names the checkpointed plan that fits (when one does) and the
+            remedy ``activation_checkpointing="auto"``.
+        NoFeasiblePlanError, ConfigError, StepFailedError, StoreError, DistributedError: as
+            :func:`autobatch.autotune`.
+    """
+    mode = request.checkpointing.mode
+    if mode == "auto":
+        return _auto(request, options, planned)
+    if mode in ("selective", "full"):
+        found = _probe_under(request, options, "full" if mode == "full" else "selective")
+        return found, planned(found), None
+    try:
+        found = find_profile(request.step, options, request.store)
+    except DoesNotFitError as exc:
+        raise _naming_checkpointed_plan(exc, request, options, planned) from exc
+    return found, planned(found), None
+
+
+def _probe_under(
+    request: TuneRequest, options: ProbeOptions, mode: CheckpointingMode
+) -> TunedProfile:
+    """The profile of ``request``'s step with ``mode`` applied, undone afterwards."""
+    step = request.step
+    if mode == "none":
+        return find_profile(step, options, request.store)
+    asked = request.checkpointing
+    with activation_checkpointing_applied(step.model, mode, block_class=asked.block_class):
+        return find_profile(step, options.under_checkpointing(step, mode), request.store)
+
+
+def _run(
+    request: TuneRequest, options: ProbeOptions, mode: CheckpointingMode, planned: PlanOf
+) -> ModeRun:
+    """``mode``'s probe and plan; a mode where nothing fits or no split works has an error."""
+    try:
+        found = _probe_under(request, options, mode)
+    except DoesNotFitError as exc:
+        return ModeRun(mode=mode, error=exc)
+    try:
+        return ModeRun(mode=mode, found=found, plan=planned(found))
+    except NoFeasiblePlanError as exc:
+        return ModeRun(mode=mode, found=found, error=exc)
+
+
+def _measurement(run: ModeRun) -> ModeMeasurement:
+    """What ``run`` measured, as the pure choice takes it."""
+    profile = run.profile
+    if profile is None:
+        return ModeMeasurement(mode=run.mode, max_micro_batch_size=0)
+    peaks: dict[int, int] = {}
+    for trial in profile.trials:
+        if trial.fits and not trial.warm_up:
+            size = trial.micro_batch_size
+            peaks[size] = max(peaks.get(size, 0), trial.peak_allocated_bytes)
+    plan = run.plan
+    return ModeMeasurement(
+        mode=run.mode,
+        max_micro_batch_size=profile.max_micro_batch_size,
+        micro_batch_size=None if plan is None else plan.micro_batch_size,
+        gradient_accumulation_steps=None if plan is None else plan.gradient_accumulation_steps,
+        seconds_per_optimizer_step=None if plan is None else _step_seconds(plan, profile),
+        peak_memory_bytes=peaks,
+        num_trials=0 if run.found is None or run.found.cached else len(profile.trials),
+    )
+
+
+def _step_seconds(plan: Plan, profile: Profile) -> float | None:
+    """Seconds per optimizer step of ``plan``: the planner's, from the step times measured at
+    two sizes or more; else the measured time per sample at the largest size that ran up to
+    the plan's micro-batch (exact at that size; above it, time per sample falls or stays, so
+    it bounds the plan's from above) times the plan's samples per rank; else None."""
+    if plan.predicted_seconds_per_effective_batch is not None:
+        return plan.predicted_seconds_per_effective_batch
+    measured = seconds_per_sample(profile)
+    below = [size for size in measured if size <= plan.micro_batch_size]
+    if not below:
+        return None
+    return measured[max(below)] * sum(plan.micro_batch_sizes)
+
+
+def seconds_per_sample(profile: Profile | None) -> dict[int, float]:
+    """Measured step seconds per sample by micro-batch that fitted (the least of repeats)."""
+    found: dict[int, float] = {}
+    if profile is None:
+        return found
+    for trial in profile.trials:
+        if trial.fits and not trial.warm_up and trial.step_seconds > 0:
+            size = trial.micro_batch_size
+            per_sample = trial.step_seconds / size
+            found[size] = min(found.get(size, per_sample), per_sample)
+    return found
+
+
+def _auto(
+    request: TuneRequest, options: ProbeOptions, planned: PlanOf
+) -> tuple[TunedProfile, Plan, CheckpointingOutcome]:
+    runs = [_run(request, options, "none", planned)]
+    plain = _measurement(runs[0])
+    modes, why = checkpointing_modes_to_try(plain, seconds_per_sample(runs[0].profile))
+    runs.extend(_run(request, options, mode, planned) for mode in modes)
+    choice = choose_checkpointing([_measurement(run) for run in runs])
+    if choice is None:
+        error = next((run.error for run in reversed(runs) if run.error is not None), None)
+        assert error is not None, "a mode without a plan has its error"
+        raise error
+    chosen = next(run for run in runs if run.mode == choice.mode)
+    assert chosen.found is not None and chosen.plan is not None
+    outcome = CheckpointingOutcome(
+        chosen=choice.mode,
+        reason=choice.reason,
+        tried=tuple(run.mode for run in runs),
+        why_tried=why,
+        considered=choice.considered,
+        runs=tuple(runs),
+    )
+    return chosen.found, chosen.plan, outcome
+
+
+def _naming_checkpointed_plan(
+    exc: DoesNotFitError, request: TuneRequest, options: ProbeOptions, planned: PlanOf
+) -> DoesNotFitError:
+    """``exc`` naming the plan under full checkpointing that fits, when the model has blocks
+    to checkpoint and one does (one more probe, undone afterwards); else ``exc``."""
+    model = request.step.model
+    try:
+        checkpointable_blocks(model, block_class=request.checkpointing.block_class)
+    except ConfigError:
+        return exc
+    run = _run(request, options, "full", planned)
+    if run.plan is None:
+        return exc
+    plan = run.plan
+    return DoesNotFitError(
+        f"{exc.message}; with activation checkpointing 'full' it fits: micro_batch_size "
+        f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation steps "
+        f"(largest micro-batch {plan.max_micro_batch_size}, measured)",
+        device_name=exc.device_name,
+        capacity_bytes=exc.capacity_bytes,
+        required_bytes=exc.required_bytes,
+        static_bytes=exc.static_bytes,
+        remedies=(
+            Remedy(
+                parameter="activation_checkpointing",
+                values=("auto",),
+                purpose="choose activation checkpointing with the micro-batch",
+            ),
+            *exc.remedies,
+        ),
+    )

@@ -1,0 +1,197 @@
+"""A tuning as a picture: a self-contained HTML page (inline SVG, no script, no external asset)
+with peak memory against micro-batch for each activation checkpointing mode beside the budget
+line, time per sample, every trial (OOMs marked) and the chosen point; and the same data as a
+JSON-ready dict (:func:`report_data`).
+
+The chosen point is ``<circle id="chosen-point" class="chosen">`` in the memory chart; each
+trial is a ``<circle class="trial fits">`` or a ``<g class="trial oom">`` cross drawn at the
+budget line (an OOM has no peak), each carrying ``data-mode`` and ``data-micro-batch-size``.
+
+Example::
+
+    Path("report.html").write_text(report_html(tuning))
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from autobatch.profile import Profile
+from autobatch.tuning._tune import Tuning
+from autobatch.units import format_bytes
+
+__all__ = ["report_data", "report_html"]
+
+_COLOURS = {"none": "#1f77b4", "selective": "#2ca02c", "full": "#d62728"}
+_WIDTH, _HEIGHT, _PAD = 640, 320, 56
+
+
+def _runs(tuning: Tuning) -> list[tuple[str, Profile]]:
+    """(mode, profile) of every mode probed: the outcome's runs, or the one profile."""
+    if tuning.checkpointing is None:
+        return [(tuning.profile.activation_checkpointing, tuning.profile)]
+    return [(run.mode, run.profile) for run in tuning.checkpointing.runs if run.profile]
+
+
+def report_data(tuning: Tuning) -> dict[str, Any]:
+    """The report's data: per mode its trials (``micro_batch_size``, ``fits``, ``oom``,
+    ``peak_memory_bytes``, ``seconds_per_sample``), the budget in bytes, and the chosen point
+    (mode, micro-batch, accumulation steps, predicted peak bytes)."""
+    plan = tuning.plan
+    modes = []
+    for mode, profile in _runs(tuning):
+        trials = [
+            {
+                "micro_batch_size": t.micro_batch_size,
+                "fits": t.fits,
+                "oom": t.oom,
+                "peak_memory_bytes": t.peak_allocated_bytes if t.fits else None,
+                "seconds_per_sample": t.step_seconds / t.micro_batch_size
+                if t.fits and t.step_seconds > 0
+                else None,
+            }
+            for t in profile.trials
+            if not t.warm_up
+        ]
+        modes.append({"mode": mode, "capacity_bytes": profile.capacity_bytes, "trials": trials})
+    outcome = tuning.checkpointing
+    return {
+        "capacity_bytes": tuning.profile.capacity_bytes,
+        "modes": modes,
+        "chosen": {
+            "activation_checkpointing": plan.activation_checkpointing,
+            "micro_batch_size": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "predicted_peak_memory_bytes": plan.predicted_peak_memory_bytes,
+        },
+        "why": [] if outcome is None else outcome.notes(),
+    }
+
+
+class _Axes:
+    """Data to SVG coordinates: x the micro-batch, y from 0 to ``top``."""
+
+    def __init__(self, largest: int, top: float) -> None:
+        self.largest, self.top = max(largest, 1), top if top > 0 else 1.0
+
+    def x(self, size: int) -> float:
+        return _PAD + (_WIDTH - 2 * _PAD) * size / self.largest
+
+    def y(self, value: float) -> float:
+        return _HEIGHT - _PAD - (_HEIGHT - 2 * _PAD) * value / self.top
+
+
+def _frame(title: str, axes: _Axes, y_label: str) -> list[str]:
+    bottom, right = _HEIGHT - _PAD, _WIDTH - _PAD
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{_HEIGHT}" '
+        f'role="img" aria-label="{html.escape(title)}">',
+        f'<text x="{_PAD}" y="20" font-size="14">{html.escape(title)}</text>',
+        f'<line x1="{_PAD}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>',
+        f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{bottom}" stroke="black"/>',
+        f'<text x="{right}" y="{bottom + 30}" text-anchor="end" font-size="12">micro-batch '
+        f"(largest {axes.largest})</text>",
+        f'<text x="4" y="{_PAD - 8}" font-size="12">{html.escape(y_label)}</text>',
+    ]
+
+
+def _memory_svg(data: dict[str, Any]) -> str:
+    sizes = [t["micro_batch_size"] for m in data["modes"] for t in m["trials"]]
+    budget = data["capacity_bytes"]
+    axes = _Axes(max(sizes, default=1), budget * 1.15)
+    parts = _frame("peak memory against micro-batch", axes, f"bytes (budget {budget})")
+    y = axes.y(budget)
+    parts.append(
+        f'<line id="budget-line" x1="{_PAD}" y1="{y:.1f}" x2="{_WIDTH - _PAD}" y2="{y:.1f}" '
+        f'stroke="black" stroke-dasharray="6 4"/><text x="{_WIDTH - _PAD}" y="{y - 4:.1f}" '
+        f'text-anchor="end" font-size="11">budget {format_bytes(budget)}</text>'
+    )
+    for mode in data["modes"]:
+        colour = _COLOURS[mode["mode"]]
+        for t in mode["trials"]:
+            where = f'data-mode="{mode["mode"]}" data-micro-batch-size="{t["micro_batch_size"]}"'
+            cx = axes.x(t["micro_batch_size"])
+            if t["fits"]:
+                cy = axes.y(t["peak_memory_bytes"])
+                parts.append(
+                    f'<circle class="trial fits" {where} cx="{cx:.1f}" cy="{cy:.1f}" r="4" '
+                    f'fill="{colour}"><title>{mode["mode"]} {t["micro_batch_size"]}: '
+                    f"{format_bytes(t['peak_memory_bytes'])}</title></circle>"
+                )
+            else:
+                parts.append(
+                    f'<g class="trial oom" {where} stroke="{colour}" stroke-width="2">'
+                    f'<line x1="{cx - 5:.1f}" y1="{y - 5:.1f}" x2="{cx + 5:.1f}" y2="{y + 5:.1f}"/>'
+                    f'<line x1="{cx - 5:.1f}" y1="{y + 5:.1f}" x2="{cx + 5:.1f}" y2="{y - 5:.1f}"/>'
+                    f"<title>{mode['mode']} {t['micro_batch_size']}: OOM</title></g>"
+                )
+    chosen = data["chosen"]
+    peak = chosen["predicted_peak_memory_bytes"] or budget
+    mode, size = chosen["activation_checkpointing"], chosen["micro_batch_size"]
+    parts.append(
+        f'<circle id="chosen-point" class="chosen" data-mode="{mode}" '
+        f'data-micro-batch-size="{size}" cx="{axes.x(size):.1f}" cy="{axes.y(peak):.1f}" '
+        'r="9" fill="none" stroke="black" stroke-width="2">'
+        f"<title>chosen: {mode}, micro_batch_size {size}</title></circle>"
+    )
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _time_svg(data: dict[str, Any]) -> str:
+    timed = [
+        (m["mode"], t)
+        for m in data["modes"]
+        for t in m["trials"]
+        if t["seconds_per_sample"] is not None
+    ]
+    axes = _Axes(
+        max((t["micro_batch_size"] for _, t in timed), default=1),
+        max((t["seconds_per_sample"] for _, t in timed), default=1.0) * 1.15,
+    )
+    parts = _frame("time per sample against micro-batch (measured)", axes, "seconds per sample")
+    for mode, t in timed:
+        parts.append(
+            f'<circle class="timing" data-mode="{mode}" cx="{axes.x(t["micro_batch_size"]):.1f}" '
+            f'cy="{axes.y(t["seconds_per_sample"]):.1f}" r="4" fill="{_COLOURS[mode]}">'
+            f"<title>{mode} {t['micro_batch_size']}: {t['seconds_per_sample']:.4g} s</title>"
+            "</circle>"
+        )
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _row(mode: str, trial: dict[str, Any]) -> str:
+    result = "OOM" if trial["oom"] else ("fits" if trial["fits"] else "failed")
+    peak = trial["peak_memory_bytes"]
+    seconds = trial["seconds_per_sample"]
+    return (
+        f"<tr><td>{mode}</td><td>{trial['micro_batch_size']}</td><td>{result}</td>"
+        f"<td>{'' if peak is None else peak}</td>"
+        f"<td>{'' if seconds is None else f'{seconds:.4g}'}</td></tr>"
+    )
+
+
+def report_html(tuning: Tuning) -> str:
+    """The report page of ``tuning`` (see the module docstring), as one HTML string."""
+    data = report_data(tuning)
+    chosen = data["chosen"]
+    legend = " ".join(
+        f'<span style="color:{_COLOURS[m["mode"]]}">&#9679; {m["mode"]}</span>'
+        for m in data["modes"]
+    )
+    rows = "".join(_row(m["mode"], t) for m in data["modes"] for t in m["trials"])
+    why = "".join(f"<li>{html.escape(line)}</li>" for line in data["why"])
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        "<title>autobatch tuning report</title></head><body>\n"
+        f"<h1>autobatch: micro_batch_size {chosen['micro_batch_size']} x "
+        f"{chosen['gradient_accumulation_steps']} steps, activation checkpointing "
+        f"{chosen['activation_checkpointing']}</h1>\n<p>{legend}; &#x2715; OOM (drawn at the "
+        "budget line); the ringed point is the chosen plan (its predicted peak).</p>\n"
+        f"{_memory_svg(data)}\n{_time_svg(data)}\n<ul>{why}</ul>\n"
+        '<table id="trials"><tr><th>mode</th><th>micro_batch_size</th><th>result</th>'
+        f"<th>peak_memory_bytes</th><th>seconds per sample</th></tr>{rows}</table>\n"
+        "</body></html>\n"
+    )
