@@ -50,6 +50,7 @@ from autobatch.planning._plan import Plan, WorldSizeOption
 from autobatch.planning._plan_budget import given_budget
 from autobatch.planning._planner import largest_useful_micro_batch_size
 from autobatch.planning._prediction import Prediction
+from autobatch.planning._report_data import mode_report, profile_report
 from autobatch.planning._request import (
     MAX_GRADIENT_ACCUMULATION_STEPS,
     PlanOptions,
@@ -63,9 +64,9 @@ __all__ = [
     "ARRIVAL_TOLERANCE",
     "DEFAULT_SAFETY_MARGIN",
     "MAX_GRADIENT_ACCUMULATION_STEPS",
-    "Discrepancy",
     "AskedCheckpointing",
     "CheckpointingChoice",
+    "Discrepancy",
     "EpochPlan",
     "Match",
     "ModeMeasurement",
@@ -88,9 +89,11 @@ __all__ = [
     "fit_wide_line",
     "given_budget",
     "largest_useful_micro_batch_size",
+    "mode_report",
     "plan_mixed_ranks",
     "plan_request",
     "plan_table",
+    "profile_report",
     "select_profile",
     "stored_profile_source",
     "uncatalogued_note",

@@ -42,10 +42,10 @@ from autobatch.errors import ConfigError
 from autobatch.profile import CheckpointingMode
 
 __all__ = [
-    "AskedCheckpointing",
     "FALLING_FRACTION",
     "RECOMPUTE_ORDER",
     "SIGNIFICANT_FRACTION",
+    "AskedCheckpointing",
     "CheckpointingChoice",
     "ModeMeasurement",
     "checkpointing_modes_to_try",

@@ -54,8 +54,8 @@ from autobatch.units import format_bytes
 __all__ = [
     "UNKNOWN_AMP",
     "check_plan_here",
-    "precision_remedies",
     "live_world_size",
+    "precision_remedies",
     "process_conditions",
     "read_conditions",
     "with_optimizer_state",

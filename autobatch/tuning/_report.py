@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from autobatch.planning import mode_report
 from autobatch.profile import Profile
 from autobatch.tuning._tune import Tuning
 from autobatch.units import format_bytes
@@ -35,26 +36,11 @@ def _runs(tuning: Tuning) -> list[tuple[str, Profile]]:
 
 
 def report_data(tuning: Tuning) -> dict[str, Any]:
-    """The report's data: per mode its trials (``micro_batch_size``, ``fits``, ``oom``,
-    ``peak_memory_bytes``, ``seconds_per_sample``), the budget in bytes, and the chosen point
-    (mode, micro-batch, accumulation steps, predicted peak bytes)."""
+    """The report's data: per mode its trials (:func:`autobatch.planning.mode_report`), the
+    budget in bytes, and the chosen point (mode, micro-batch, accumulation steps, predicted peak
+    bytes); a stored profile's alone is :func:`autobatch.planning.profile_report`."""
     plan = tuning.plan
-    modes = []
-    for mode, profile in _runs(tuning):
-        trials = [
-            {
-                "micro_batch_size": t.micro_batch_size,
-                "fits": t.fits,
-                "oom": t.oom,
-                "peak_memory_bytes": t.peak_allocated_bytes if t.fits else None,
-                "seconds_per_sample": t.step_seconds / t.micro_batch_size
-                if t.fits and t.step_seconds > 0
-                else None,
-            }
-            for t in profile.trials
-            if not t.warm_up
-        ]
-        modes.append({"mode": mode, "capacity_bytes": profile.capacity_bytes, "trials": trials})
+    modes = [mode_report(mode, profile) for mode, profile in _runs(tuning)]
     outcome = tuning.checkpointing
     return {
         "capacity_bytes": tuning.profile.capacity_bytes,

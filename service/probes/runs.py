@@ -48,11 +48,11 @@ from service.web.wording import describe
 
 __all__ = [
     "ProbeRun",
-    "ProbeRuns",
     "ProbeRunStatus",
+    "ProbeRuns",
     "QueueFullError",
-    "UnknownProbeRunError",
     "UnknownModelError",
+    "UnknownProbeRunError",
 ]
 
 _log = logging.getLogger("service.probes.runs")

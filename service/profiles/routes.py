@@ -15,10 +15,11 @@ from pydantic import BaseModel
 
 from autobatch.device import NODE_NAME_ENV_VARS
 from autobatch.errors import ProfileNotFoundError
-from autobatch.planning import check_arrival, uncatalogued_note
+from autobatch.planning import check_arrival, profile_report, uncatalogued_note
 from autobatch.profile import Profile
 from service.deps import StateDep
 from service.profiles.listing import ListingDep
+from service.profiles.report import ProfileReport
 from service.web.auth import GRANT_SCOPE_KEY, Grant
 from service.web.problems import Problem, problem_responses, unknown_profile
 from service.web.routing import JsonBodyRoute
@@ -178,6 +179,26 @@ async def get_profile(profile_id: IdPath, state: StateDep) -> Response:
             return json_response(profile_public(profile_id, state.store.get(profile_id)))
         except ProfileNotFoundError:
             raise unknown_profile(profile_id, field="path.profile_id") from None
+
+    return await store_call(state, read)
+
+
+@router.get(
+    "/{profile_id}/report",
+    summary="A profile's report: peak memory and time per sample against micro-batch",
+    response_model=ProfileReport,
+    responses=problem_responses(404, 422),
+)
+async def get_profile_report(profile_id: IdPath, state: StateDep) -> Response:
+    """The data ``autobatch tune --report`` draws, for a stored profile: its mode's trials and
+    its recommended micro-batch as the chosen point (:func:`autobatch.planning.profile_report`)."""
+
+    def read() -> Response:
+        try:
+            profile = state.store.get(profile_id)
+        except ProfileNotFoundError:
+            raise unknown_profile(profile_id, field="path.profile_id") from None
+        return json_response(ProfileReport.model_validate(profile_report(profile)))
 
     return await store_call(state, read)
 

@@ -49,18 +49,18 @@ from autobatch.profile import (
 from autobatch.store import unstorable, unstorable_in
 
 __all__ = [
+    "MAX_NAME_CHARS",
+    "MAX_TEXT_CHARS",
     "BudgetReadingBase",
     "ConditionsFields",
     "DeviceList",
     "DeviceSpec",
     "GpuPublic",
-    "MAX_NAME_CHARS",
-    "MAX_TEXT_CHARS",
+    "IdPath",
     "MemoryBudgetBase",
     "MemoryModelBase",
     "ProfileBase",
     "ProfileCreate",
-    "IdPath",
     "ProfileList",
     "ProfilePublic",
     "ResolvedDevice",

@@ -14,7 +14,8 @@ from autobatch.live import plan, plan_world_sizes
 from autobatch.planning import PlanOptions, PlanRequest, SplitOptions
 
 # Every public function of the face. Three plan: one plan, a table over world sizes, ranks of
-# mixed cards; the others answer other questions (a budget, a profile's selection, lines).
+# mixed cards; the others answer other questions (a budget, a profile's selection, lines, a
+# report's data).
 FUNCTIONS = {
     "plan_request",
     "plan_table",
@@ -30,6 +31,8 @@ FUNCTIONS = {
     "fit_wide_line",
     "checkpointing_modes_to_try",
     "choose_checkpointing",
+    "mode_report",
+    "profile_report",
 }
 
 
