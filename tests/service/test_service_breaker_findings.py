@@ -1,0 +1,163 @@
+"""Faults found by trying to break the newest service features (admissions, arrival checks,
+plans drawn among nodes, token files reloading, deletions as tombstones). Each test states
+what should happen; an ``xfail(strict=True)`` one fails today."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+import service.web.token_files as token_files
+from autobatch.profile import MemoryModel, Trial
+from service.web.token_files import RELOAD_CHECK_SECONDS, TokenSource
+from tests.helpers.fake_pynvml import GiB
+from tests.service.conftest import no_nvml
+from tests.service.test_fleet_trust import H100, HONEST, L40S, node_profile, publish
+
+
+@pytest.fixture
+def central(make_app: Callable[..., FastAPI]) -> TestClient:
+    return TestClient(make_app(nvml=no_nvml()), raise_server_exceptions=False)
+
+
+def _plan(client: TestClient, **body: Any) -> Any:
+    return client.post(
+        "/v1/plan", json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 65536, **body}
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="arrival checks skip the card catalogue unless device_type is 'cuda': a profile "
+    "that says device_type 'cpu' under an H100's name with 1 PiB of memory is stored and then "
+    "answers plans for the H100 (measured) and predicts the L40S from it",
+)
+def test_a_non_cuda_profile_under_a_catalogued_card_name_is_refused(central: TestClient) -> None:
+    fake = node_profile(
+        "node-a",
+        500_000,
+        500_000,
+        device_type="cpu",
+        total_memory_bytes=2**50,
+        capacity_bytes=2**50,
+        memory_model=MemoryModel(fixed_bytes=0, bytes_per_sample=1),
+        trials=(Trial(micro_batch_size=500_000, fits=True, peak_allocated_bytes=2**40),),
+    )
+    response = central.post("/v1/profiles", json=fake.to_dict())
+    stored = response.status_code == 201
+    # Either refused on arrival, or never planning a real card from a petabyte.
+    for card in (H100, L40S):
+        answer = _plan(central, card=card)
+        if answer.status_code == 200:
+            assert answer.json()["plan"]["capacity_bytes"] <= 100 * GiB, card
+    assert not stored, "an H100 with 1 PiB of memory cannot be true (422 implausible-profile)"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="POST /v1/admissions with policy.size and a max_world_size below every allowed "
+    "world size raises pydantic's ValidationError inside the handler: 500 internal error",
+)
+def test_sizing_with_no_allowed_count_under_the_ceiling_is_a_422_not_a_500(
+    central: TestClient,
+) -> None:
+    publish(central, *HONEST)
+    response = central.post(
+        "/v1/admissions",
+        json={
+            "model_fingerprint": "fp-gpt2",
+            "effective_batch_size": 64,
+            "policy": {"size": True, "max_world_size": 3, "allowed_world_sizes": [4, 8]},
+        },
+    )
+    assert response.status_code in (200, 422), response.text
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a lone node measuring max 1 drags the card's plan down to micro-batch 1 where two "
+    "other nodes ran micro-batch 64 and fitted (capped searches, lower bounds): the lower "
+    "bounds are set aside instead of contradicting it",
+)
+def test_a_lone_low_node_does_not_undercut_two_nodes_that_ran_more(central: TestClient) -> None:
+    capped = [
+        node_profile(
+            node, 64, 64, stop_kind="limit", stop_reason="limit max_micro_batch_size=64 reached"
+        )
+        for node in ("node-b", "node-c")
+    ]
+    publish(central, *capped)
+    before = _plan(central, card=H100, effective_batch_size=64).json()["plan"]
+    assert before["micro_batch_size"] == 64
+    liar = node_profile(
+        "node-z", 1, 1, trials=(Trial(micro_batch_size=1, fits=True, peak_allocated_bytes=GiB),)
+    )
+    publish(central, liar)
+    after = _plan(central, card=H100, effective_batch_size=64).json()["plan"]
+    assert after["micro_batch_size"] == 64  # today: 1 (x 64 accumulation steps)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a deleted profile published again (a node outbox's retry racing the admin's "
+    "DELETE) is stored again under the same id (201, GET 200), though its tombstone already "
+    "went out: the nodes forgot it, central answers from it again",
+)
+def test_a_deleted_profile_stays_deleted_when_resent(central: TestClient) -> None:
+    (profile_id,) = publish(central, HONEST[0])
+    assert central.delete(f"/v1/profiles/{profile_id}").status_code == 204
+    resent = central.post("/v1/profiles", json=HONEST[0].to_dict())
+    assert resent.status_code != 201
+    assert central.get(f"/v1/profiles/{profile_id}").status_code == 404
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TokenSource hashes the tokens file, then reads it again to parse: a writer that "
+    "truncates and rewrites the same text in between leaves the tokens of the empty file in "
+    "force under the full file's hash, so every token is refused until the file next changes",
+)
+def test_a_token_file_rewritten_during_a_reload_keeps_its_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [0.0]
+    path = tmp_path / "tokens"
+    text = "admin adm-1\nread rd-1\n"
+    path.write_text(text)
+    source = TokenSource(api_token=None, tokens_file=path, clock=lambda: now[0])
+    path.write_text(text + "read rd-2\n")  # a change, so the next look reloads
+    real_load = token_files.load_tokens
+
+    def load_while_rewritten(**kwargs: Any) -> Any:
+        path.write_text("")  # the writer's truncate (open(..., "w")) ...
+        try:
+            return real_load(**kwargs)
+        finally:
+            path.write_text(text + "read rd-2\n")  # ... and its write of the same text
+
+    now[0] += RELOAD_CHECK_SECONDS
+    with monkeypatch.context() as patch:
+        patch.setattr(token_files, "load_tokens", load_while_rewritten)
+        source.current()
+    for _ in range(3):  # later looks, the file unchanged since
+        now[0] += RELOAD_CHECK_SECONDS
+        assert source.current().identify("Bearer adm-1") is not None
+
+
+def test_duplicate_cards_are_named_as_cards_not_world_sizes(central: TestClient) -> None:
+    response = central.post(
+        "/v1/admissions",
+        json={
+            "model_fingerprint": "fp-gpt2",
+            "effective_batch_size": 64,
+            "world_size": 1,
+            "cards": [H100, H100],
+        },
+    )
+    assert response.status_code == 422
+    assert "world size" not in response.json()["detail"]

@@ -1,0 +1,99 @@
+"""Faults found by trying to break the newest library and CLI features (activation
+checkpointing chosen with the micro-batch, tune --report, --checkpoint-block-class). Each test
+states what should happen; an ``xfail(strict=True)`` one fails today."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autobatch.probing._checkpointing as checkpointing
+from autobatch.cli import main
+from autobatch.probing import apply_activation_checkpointing
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class Grouped(nn.Module):
+    """Blocks in groups: a ModuleList of ModuleLists (pipeline stages, Mixture-of-Depths,
+    hand-written grouped layers), called block by block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = nn.ModuleList([nn.ModuleList([Block(), Block()]) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for group in self.groups:
+            for block in group:
+                x = block(x)
+        return x.sum()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with nested ModuleLists the outer list's items (ModuleLists, containers whose "
+    "forward never runs) are taken as the blocks: 'full' wraps them, checkpoints nothing, yet "
+    "the conditions say 'autobatch checkpoint on 3 blocks'",
+)
+def test_full_checkpointing_of_grouped_blocks_recomputes_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Grouped()
+    calls: list[int] = []
+    real = checkpointing.checkpoint
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpointing, "checkpoint", counted)
+    undo = apply_activation_checkpointing(model, "full")
+    try:
+        model(torch.randn(2, 8, requires_grad=True)).backward()
+    finally:
+        undo()
+    assert calls, "no block's forward ran under torch.utils.checkpoint"
+
+
+def _tune(*flags: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(
+            [
+                *["tune", "gpt2-tiny", "--seq-len", "32", "--device", "sim:48MiB", "--no-store"],
+                *["--effective-batch-size", "2", *flags],
+            ]
+        )
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_a_report_that_cannot_be_written_is_an_error_in_flags(tmp_path: Path) -> None:
+    # Was a FileNotFoundError traceback after the whole probe.
+    code, out, err = _tune("--report", str(tmp_path / "missing" / "report.html"))
+    assert code != 0
+    assert "gradient_accumulation_steps" in out  # the plan was printed before
+    assert "--report" in err and "Traceback" not in err
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="--checkpoint-block-class naming no module is silently ignored without "
+    "--activation-checkpointing (mode none): the typo goes unnoticed, and when micro-batch 1 "
+    "does not fit the error also drops its 'with full checkpointing it fits' hint",
+)
+def test_a_block_class_that_matches_nothing_is_refused_whatever_the_mode() -> None:
+    code, _, err = _tune("--checkpoint-block-class", "NoSuchBlock")
+    assert code != 0
+    assert "--checkpoint-block-class NoSuchBlock matches no module" in err
