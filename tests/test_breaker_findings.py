@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import autobatch
 import autobatch.probing._checkpointing as checkpointing
 from autobatch.cli import main
 from autobatch.probing import apply_activation_checkpointing
@@ -97,3 +98,42 @@ def test_a_block_class_that_matches_nothing_is_refused_whatever_the_mode() -> No
     code, _, err = _tune("--checkpoint-block-class", "NoSuchBlock")
     assert code != 0
     assert "--checkpoint-block-class NoSuchBlock matches no module" in err
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="autotune(model, sample) without effective_batch_size (the largest micro-batch) "
+    "ignores activation_checkpointing: 'full' is neither probed nor planned, the plan says "
+    "'none' (tune_largest never calls tune_checkpointing)",
+)
+def test_the_largest_micro_batch_honours_the_checkpointing_asked() -> None:
+    plan = autobatch.autotune(
+        Stack(), torch.randn(1, 8), device="sim:300KiB", use_store=False,
+        activation_checkpointing="full",
+    )  # fmt: skip
+    assert plan.activation_checkpointing == "full"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="autotune(model, sample, eval=True) without effective_batch_size ignores eval: "
+    "the evaluation micro-batch is never probed (eval_micro_batch_size None); with an "
+    "effective batch it is",
+)
+def test_the_largest_micro_batch_probes_eval_when_asked() -> None:
+    plan = autobatch.autotune(
+        Stack(), torch.randn(1, 8), device="sim:300KiB", use_store=False, eval=True
+    )
+    assert plan.eval_micro_batch_size is not None
