@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 import service.web.token_files as token_files
 from autobatch.profile import MemoryModel, Trial
 from service.web.token_files import RELOAD_CHECK_SECONDS, TokenSource
-from tests.helpers.fake_pynvml import GiB
+from tests.helpers.fake_pynvml import GiB, MiB
 from tests.service.conftest import no_nvml
 from tests.service.test_fleet_trust import H100, HONEST, L40S, node_profile, publish
 
@@ -161,3 +161,29 @@ def test_duplicate_cards_are_named_as_cards_not_world_sizes(central: TestClient)
     )
     assert response.status_code == 422
     assert "world size" not in response.json()["detail"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="for a card nobody measured, 'the card measured with the most memory speaks': one "
+    "node publishing a plausible H200 profile (passes the arrival checks) alone moves the L40S "
+    "plan from 64 to 2048 per micro-batch, though two H100 nodes agree (rests_on node-z)",
+)
+def test_a_lone_node_on_a_bigger_card_does_not_move_a_predicted_plan(
+    central: TestClient,
+) -> None:
+    publish(central, *HONEST)
+    before = _plan(central, card=L40S, effective_batch_size=4096).json()["plan"]
+    liar = node_profile(
+        "node-z",
+        4096,
+        4096,
+        device_name="NVIDIA H200",
+        total_memory_bytes=140 * GiB,
+        capacity_bytes=139 * GiB,
+        memory_model=MemoryModel(fixed_bytes=4 * GiB, bytes_per_sample=16 * MiB),
+        trials=(Trial(micro_batch_size=4096, fits=True, peak_allocated_bytes=68 * GiB),),
+    )
+    publish(central, liar)
+    after = _plan(central, card=L40S, effective_batch_size=4096).json()["plan"]
+    assert after["micro_batch_size"] <= 2 * before["micro_batch_size"]
