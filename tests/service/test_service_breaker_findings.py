@@ -279,3 +279,15 @@ def test_a_smaller_card_is_never_predicted_past_a_bigger_card_s_measured_maximum
     answer = _plan(central, card=L40S, effective_batch_size=1024).json()
     assert answer["selection"]["device_name"] == H100
     assert answer["plan"]["max_micro_batch_size"] <= 64
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a MIG slice is checked only against its whole card: a 1g.10gb slice of an H100 "
+    "that claims 80 GiB of memory (and a 30 GiB peak that fitted) is stored, though its name "
+    "says 10 GB",
+)
+def test_a_mig_slice_claiming_the_whole_card_s_memory_is_refused(central: TestClient) -> None:
+    slice_ = node_profile("node-m", 64, 60, device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    response = central.post("/v1/profiles", json=slice_.to_dict())
+    assert response.status_code == 422
