@@ -198,3 +198,14 @@ def test_the_progress_line_does_not_tick_into_a_log_file(
     time.sleep(3.3)
     progress.close()
     assert err.getvalue().count("probing, trials") <= 2
+
+
+def test_a_block_class_names_blocks_whose_class_fsdp2_swapped() -> None:
+    # fully_shard(block) swaps the block's class for a subclass (FSDPBlock, bases FSDPModule
+    # and Block): checkpoint_block_class='Block' (or Block itself) matched nothing before.
+    fsdp_block = type("FSDPBlock", (Block,), {})
+    model = Stack()
+    for block in model.blocks:
+        block.__class__ = fsdp_block
+    assert len(checkpointing.checkpointable_blocks(model, block_class="Block")) == 4
+    assert len(checkpointing.checkpointable_blocks(model, block_class=Block)) == 4
