@@ -291,3 +291,43 @@ def test_a_mig_slice_claiming_the_whole_card_s_memory_is_refused(central: TestCl
     slice_ = node_profile("node-m", 64, 60, device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb")
     response = central.post("/v1/profiles", json=slice_.to_dict())
     assert response.status_code == 422
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a job that asks nothing of activation checkpointing is planned from the newest "
+    "profile whatever its mode: with full-checkpointing profiles newer than the plain ones, "
+    "POST /v1/admissions (and /v1/plan by card or node) answers micro-batch 190 'full', and its "
+    "environment (as plan --env writes it) names no checkpointing: the trainer runs 190 "
+    "without it (the plain profiles allow 38) and runs out of memory",
+)
+def test_an_admission_s_environment_says_the_checkpointing_its_micro_batch_needs(
+    central: TestClient,
+) -> None:
+    publish(central, *HONEST)
+    line = MemoryModel(fixed_bytes=4 * GiB, bytes_per_sample=GiB // 4)
+    publish(
+        central,
+        *(
+            node_profile(
+                node,
+                200,
+                190,
+                activation_checkpointing="full",
+                memory_model=line,
+                created_at="2026-12-01T00:00:00+00:00",
+            )
+            for node in ("node-b", "node-c", "node-d")
+        ),
+    )
+    answer = central.post(
+        "/v1/admissions",
+        json={
+            "model_fingerprint": "fp-gpt2",
+            "effective_batch_size": 190,
+            "world_size": 1,
+            "cards": [H100],
+        },
+    ).json()
+    mode = answer["plan"]["activation_checkpointing"]
+    assert mode == "none" or mode in answer["environment"].values()
