@@ -216,7 +216,13 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     if args.report is not None:
         from autobatch.tuning import report_html
 
-        Path(args.report).write_text(report_html(tuned), encoding="utf-8")
+        try:
+            Path(args.report).write_text(report_html(tuned), encoding="utf-8")
+        except OSError as exc:  # the plan is printed above; the page could not be written
+            raise ConfigError(
+                f"--report {args.report}: cannot write the page ({exc.strerror}); give a "
+                "writable file in an existing folder"
+            ) from None
         print(f"autobatch: report written to {args.report}", file=sys.stderr)
     return 0
 

@@ -69,8 +69,9 @@ def checkpointable_blocks(
     model: torch.nn.Module, *, block_class: type[torch.nn.Module] | str | None = None
 ) -> list[torch.nn.Module]:
     """The model's repeated blocks, in order: the modules of ``block_class`` (a class or its
-    name) when given, else the items of the longest ``nn.ModuleList`` of 2 or more modules of
-    one class (a transformers model's ``layers``/``h``/``layer``; the outermost on a tie).
+    name, subclasses included) when given, else the items of the longest ``nn.ModuleList`` of 2
+    or more modules of one class (a transformers model's ``layers``/``h``/``layer``; the
+    outermost on a tie).
 
     Raises:
         ConfigError: no module of ``block_class``, or no repeated blocks found (names
@@ -78,7 +79,11 @@ def checkpointable_blocks(
     """
     if block_class is not None:
         name = block_class if isinstance(block_class, str) else block_class.__qualname__
-        blocks = [m for m in model.modules() if type(m).__qualname__ == name]
+        # By the class or any it derives from: FSDP2's fully_shard swaps a block's class for a
+        # subclass of it (FSDPGPT2Block), so the exact class would match nothing.
+        blocks = [
+            m for m in model.modules() if any(c.__qualname__ == name for c in type(m).__mro__)
+        ]
         if not blocks:
             raise ConfigError(
                 f"activation checkpointing: block_class={name!r} matches no module of "

@@ -22,6 +22,14 @@ from service.web.schemas import Name, NonEmptyName, Size, Strict, WorldSize, dis
 __all__ = ["AdmissionCreate", "AdmissionPolicyFields", "AdmissionPublic"]
 
 
+def distinct_cards(cards: list[str]) -> list[str]:
+    """``cards`` when each is named once (the 422 says cards, not world sizes)."""
+    repeated = sorted({card for card in cards if cards.count(card) > 1})
+    if repeated:
+        raise ValueError(f"lists {', '.join(repeated)} more than once: give each card once")
+    return cards
+
+
 class AdmissionPolicyFields(Strict):
     """The site's policy for this job: whether to size it, the GPU counts it may get."""
 
@@ -53,7 +61,7 @@ class AdmissionCreate(Strict):
         description="The GPUs (data-parallel ranks) the job asks for; may be left out when "
         "policy.size is true.",
     )
-    cards: Annotated[list[NonEmptyName], AfterValidator(distinct)] | None = Field(
+    cards: Annotated[list[NonEmptyName], AfterValidator(distinct_cards)] | None = Field(
         default=None,
         min_length=1,
         max_length=16,

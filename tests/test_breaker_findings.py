@@ -1,0 +1,211 @@
+"""Faults found by trying to break the newest library and CLI features (activation
+checkpointing chosen with the micro-batch, tune --report, --checkpoint-block-class). Each test
+states what should happen; an ``xfail(strict=True)`` one fails today."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autobatch
+import autobatch.probing._checkpointing as checkpointing
+from autobatch.cli import main
+from autobatch.probing import apply_activation_checkpointing
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class Grouped(nn.Module):
+    """Blocks in groups: a ModuleList of ModuleLists (pipeline stages, Mixture-of-Depths,
+    hand-written grouped layers), called block by block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = nn.ModuleList([nn.ModuleList([Block(), Block()]) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for group in self.groups:
+            for block in group:
+                x = block(x)
+        return x.sum()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with nested ModuleLists the outer list's items (ModuleLists, containers whose "
+    "forward never runs) are taken as the blocks: 'full' wraps them, checkpoints nothing, yet "
+    "the conditions say 'autobatch checkpoint on 3 blocks'",
+)
+def test_full_checkpointing_of_grouped_blocks_recomputes_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Grouped()
+    calls: list[int] = []
+    real = checkpointing.checkpoint
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpointing, "checkpoint", counted)
+    undo = apply_activation_checkpointing(model, "full")
+    try:
+        model(torch.randn(2, 8, requires_grad=True)).backward()
+    finally:
+        undo()
+    assert calls, "no block's forward ran under torch.utils.checkpoint"
+
+
+def _tune(*flags: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(
+            [
+                *["tune", "gpt2-tiny", "--seq-len", "32", "--device", "sim:48MiB", "--no-store"],
+                *["--effective-batch-size", "2", *flags],
+            ]
+        )
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_a_report_that_cannot_be_written_is_an_error_in_flags(tmp_path: Path) -> None:
+    # Was a FileNotFoundError traceback after the whole probe.
+    code, out, err = _tune("--report", str(tmp_path / "missing" / "report.html"))
+    assert code != 0
+    assert "gradient_accumulation_steps" in out  # the plan was printed before
+    assert "--report" in err and "Traceback" not in err
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="--checkpoint-block-class naming no module is silently ignored without "
+    "--activation-checkpointing (mode none): the typo goes unnoticed, and when micro-batch 1 "
+    "does not fit the error also drops its 'with full checkpointing it fits' hint",
+)
+def test_a_block_class_that_matches_nothing_is_refused_whatever_the_mode() -> None:
+    code, _, err = _tune("--checkpoint-block-class", "NoSuchBlock")
+    assert code != 0
+    assert "--checkpoint-block-class NoSuchBlock matches no module" in err
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="autotune(model, sample) without effective_batch_size (the largest micro-batch) "
+    "ignores activation_checkpointing: 'full' is neither probed nor planned, the plan says "
+    "'none' (tune_largest never calls tune_checkpointing)",
+)
+def test_the_largest_micro_batch_honours_the_checkpointing_asked() -> None:
+    plan = autobatch.autotune(
+        Stack(), torch.randn(1, 8), device="sim:300KiB", use_store=False,
+        activation_checkpointing="full",
+    )  # fmt: skip
+    assert plan.activation_checkpointing == "full"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="autotune(model, sample, eval=True) without effective_batch_size ignores eval: "
+    "the evaluation micro-batch is never probed (eval_micro_batch_size None); with an "
+    "effective batch it is",
+)
+def test_the_largest_micro_batch_probes_eval_when_asked() -> None:
+    plan = autobatch.autotune(
+        Stack(), torch.randn(1, 8), device="sim:300KiB", use_store=False, eval=True
+    )
+    assert plan.eval_micro_batch_size is not None
+
+
+class Half(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    """T5, BART, Whisper: two stacks of blocks (T5's encoder.block and decoder.block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Half()
+        self.decoder = Half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x)).sum()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="checkpointable_blocks takes only the first longest ModuleList: in an "
+    "encoder-decoder (T5ForConditionalGeneration: encoder.block only) 'full' checkpoints the "
+    "encoder's blocks and none of the decoder's, yet is profiled and planned as 'full'",
+)
+def test_full_checkpointing_of_an_encoder_decoder_checkpoints_both_stacks() -> None:
+    model = EncoderDecoder()
+    undo = apply_activation_checkpointing(model, "full")
+    try:
+        assert checkpointing.checkpointed_blocks(model) == 6
+    finally:
+        undo()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tune's progress line ticks every second with a carriage return whatever stderr is: "
+    "in a log file, CI or kubectl logs (not a terminal) a long probe writes one line growing "
+    "by a redraw a second, all on one line",
+)
+def test_the_progress_line_does_not_tick_into_a_log_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    from autobatch.cli._progress import Progress
+    from autobatch.probing import ProbeStage
+
+    err = io.StringIO()  # not a terminal: isatty() is False
+    monkeypatch.setattr("sys.stderr", err)
+    progress = Progress(enabled=True)
+    progress.stage(ProbeStage(stage="trials", max_trials=8))
+    time.sleep(3.3)
+    progress.close()
+    assert err.getvalue().count("probing, trials") <= 2
+
+
+def test_a_block_class_names_blocks_whose_class_fsdp2_swapped() -> None:
+    # fully_shard(block) swaps the block's class for a subclass (FSDPBlock, bases FSDPModule
+    # and Block): checkpoint_block_class='Block' (or Block itself) matched nothing before.
+    fsdp_block = type("FSDPBlock", (Block,), {})
+    model = Stack()
+    for block in model.blocks:
+        block.__class__ = fsdp_block
+    assert len(checkpointing.checkpointable_blocks(model, block_class="Block")) == 4
+    assert len(checkpointing.checkpointable_blocks(model, block_class=Block)) == 4
