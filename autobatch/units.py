@@ -18,6 +18,7 @@ from autobatch.errors import ConfigError, Remedy
 __all__ = [
     "MIN_UNITLESS_CAPACITY_BYTES",
     "check_capacity_bytes",
+    "counted",
     "format_bytes",
     "parse_bytes",
     "parse_capacity",
@@ -225,3 +226,9 @@ def format_bytes(num_bytes: int) -> str:
     if size >= 1024:
         return f"{sign}{size / 1024:.2f} TiB"
     return f"{sign}{size:.2f} {unit}"
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, the noun plural (an ``s`` added) unless the count is 1:
+    ``counted(1, "GPU")`` is ``"1 GPU"``, ``counted(8, "GPU")`` ``"8 GPUs"``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -75,6 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         words = error_words(exc, parser, args.command, given)
         print(f"autobatch: error: {words}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a path the user named that cannot be read or written
+        path = exc.filename.removesuffix(".partial") if isinstance(exc.filename, str) else ""
+        what = f"{path}: " if path else ""
+        print(
+            f"autobatch: error: {what}{exc.strerror or exc}; check that the path and its folder "
+            "exist and are writable",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130

@@ -16,6 +16,7 @@ import os
 from typing import TextIO
 
 from autobatch.launchers import launcher_layout
+from autobatch.units import counted
 
 
 def run_launcher(args: argparse.Namespace, out: TextIO) -> int:
@@ -32,5 +33,5 @@ def run_launcher(args: argparse.Namespace, out: TextIO) -> int:
     elif layout is None:
         print("1 rank: one process (no launcher's variables)", file=out)
     else:
-        print(f"{layout.world_size} ranks: {layout.source}", file=out)
+        print(f"{counted(layout.world_size, 'rank')}: {layout.source}", file=out)
     return 0

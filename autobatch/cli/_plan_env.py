@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from autobatch.errors import ConfigError
 from autobatch.planning import PlanRequest
+from autobatch.units import counted
 
 __all__ = ["CENTRAL_URL_ENV_VAR", "env_variables", "remote_plan", "write_plan"]
 
@@ -158,8 +159,8 @@ def write_plan(
     partial.replace(path)
     print(
         f"wrote {path}: micro_batch_size {variables['AUTOBATCH_MICRO_BATCH_SIZE']} x "
-        f"{variables['AUTOBATCH_GRADIENT_ACCUMULATION_STEPS']} steps x "
-        f"{variables['AUTOBATCH_WORLD_SIZE']} ranks "
+        f"{counted(int(variables['AUTOBATCH_GRADIENT_ACCUMULATION_STEPS']), 'step')} x "
+        f"{counted(int(variables['AUTOBATCH_WORLD_SIZE']), 'rank')} "
         f"({variables['AUTOBATCH_PLAN_SOURCE']})",
         file=out,
     )

@@ -126,13 +126,16 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     """``text`` with every library argument of ``flags`` worded as its flag: ``world_size``
     as ``--world-size``, ``world_size=N`` as ``--world-size N``, ``allow_inexact=True`` as
     ``--allow-inexact``, ``amp_dtype=torch.bfloat16`` as ``--amp bf16``. A one-word argument
-    (``device``) is a flag only with ``=`` (``device='cpu'``): as a bare word it is English.
+    (``device``) is a flag only with ``=`` (``device='cpu'``): as a bare word it is English. A
+    quoted name (``'world_size'``) is a value the message quotes and is left as it is.
     ``bare=False`` leaves every bare name (a plan's note names the fields the text output
     prints, ``effective_batch_size 96 = ...``) and words only ``name=value``."""
     if not flags:
         return text
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
-    pattern = re.compile(rf"(?<![\w.\-/:])({names}){_VALUE}(?![\w(])")
+    # A name in quotes is a value the message quotes ('world_size', a condition's name), not
+    # an argument.
+    pattern = re.compile(rf"(?<![\w.\-/:'\"])({names}){_VALUE}(?![\w(])")
 
     def flag(match: re.Match[str]) -> str:
         name, value = match[1], match[2]

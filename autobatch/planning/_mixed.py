@@ -58,6 +58,7 @@ from autobatch.errors import ConfigError, NoFeasiblePlanError, Remedy
 from autobatch.planning._limits import require_int
 from autobatch.planning._plan import Plan
 from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest
+from autobatch.units import counted
 
 __all__ = ["StepLine", "split_ranks"]
 
@@ -353,7 +354,7 @@ def _refusal(
     if step > 1:
         rules += f" that are multiples of {step}"
     if max_steps < MAX_GRADIENT_ACCUMULATION_STEPS:
-        rules += f", at most {max_steps} accumulation steps"
+        rules += f", at most {counted(max_steps, 'accumulation step')}"
     nearest = tuple(step * v for v in (below, above) if v is not None)
     use = [Remedy(parameter="effective_batch_size", values=nearest)] if nearest else []
     return NoFeasiblePlanError(

@@ -61,6 +61,7 @@ from autobatch.profile import Profile
 from autobatch.units import format_bytes
 
 __all__ = [
+    "ASKED_SPELLINGS",
     "CONDITION_NAMES",
     "ENVIRONMENT_NAMES",
     "Match",
@@ -165,6 +166,20 @@ def measured_share(profile: Profile) -> bool:
     return budget.sharing_mode != "none" or below
 
 
+ASKED_SPELLINGS: dict[str, dict[str, str]] = {
+    "amp_dtype": {
+        "bf16": "bfloat16",
+        "torch.bfloat16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "torch.float16": "float16",
+        "torch.half": "float16",
+    }
+}
+"""Other spellings of a condition's recorded value that a plan may be asked with (the CLI's
+``--amp bf16``, torch's ``torch.bfloat16``), by condition name, lower case."""
+
+
 def condition_mismatches(
     recorded: Conditions,
     wanted: Mapping[str, Any],
@@ -191,10 +206,14 @@ def condition_mismatches(
     """
     unknown = sorted(set(wanted) - CONDITION_NAMES - ENVIRONMENT_NAMES)
     if unknown:
-        names = sorted(CONDITION_NAMES | ENVIRONMENT_NAMES)
-        raise ConfigError(f"unknown condition(s) {unknown}: name conditions from {names}")
+        names = ", ".join(f"'{name}'" for name in sorted(CONDITION_NAMES | ENVIRONMENT_NAMES))
+        raise ConfigError(
+            f"unknown condition(s) {', '.join(repr(name) for name in unknown)}: name conditions "
+            f"from {names}"
+        )
     mismatches = []
-    for name, value in sorted(wanted.items()):
+    for name, asked in sorted(wanted.items()):
+        value = ASKED_SPELLINGS.get(name, {}).get(str(asked).strip().lower(), asked)
         if name in ENVIRONMENT_NAMES:
             have: Any = (environment or {}).get(name)
         else:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from autobatch.planning._limits import StepTimes
 from autobatch.planning._request import MAX_GRADIENT_ACCUMULATION_STEPS, PlanRequest
+from autobatch.units import counted
 
 __all__ = [
     "choose_steps",
@@ -40,7 +41,7 @@ def describe_rules(per_rank: int, max_micro_batch_size: int, constraints: PlanRe
     steps = constraints.max_steps
     # The user's limit is always named; the internal cap only where it binds.
     if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > max_micro_batch_size * steps:
-        text += f", at most {steps} accumulation steps"
+        text += f", at most {counted(steps, 'accumulation step')}"
     if not constraints.unequal_allowed:
         text += ", equal sizes"
     return text

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from autobatch.planning import Match, Plan, WorldSizeOption
+from autobatch.units import counted
 
 __all__ = [
     "DEFAULT_ALLOWED_WORLD_SIZES",
@@ -205,7 +206,7 @@ def _sized(options: CardOptions, policy: AdmissionPolicy) -> Decision | None:
         plan=row.plan,
         profile_id=options.profile_id,
         reasons=(
-            f"sized to {row.world_size} GPUs of {_card_words(options.card)}: {why}; "
+            f"sized to {counted(row.world_size, 'GPU')} of {_card_words(options.card)}: {why}; "
             f"{_plan_words(row.plan, options)}",
         ),
         reaching_world_sizes=tuple(r.world_size for r in reaching),
@@ -222,7 +223,7 @@ def _unreachable(
         asked = [row for row in options.rows if row.world_size == world_size]
         for row in asked:
             reasons.append(
-                f"effective batch cannot be reached on {row.world_size} GPUs of "
+                f"effective batch cannot be reached on {counted(row.world_size, 'GPU')} of "
                 f"{_card_words(options.card)}: {row.reason}"
             )
             if not nearest:
@@ -263,7 +264,8 @@ def _plan_words(plan: Plan, options: CardOptions) -> str:
     source = plan.source if options.match is None or plan.source == "predicted" else options.match
     return (
         f"effective batch {plan.effective_batch_size} = micro-batch {plan.micro_batch_size} x "
-        f"{plan.gradient_accumulation_steps} accumulation steps x {plan.world_size} GPUs "
+        f"{counted(plan.gradient_accumulation_steps, 'accumulation step')} x "
+        f"{counted(plan.world_size, 'GPU')} "
         f"({source})"
     )
 

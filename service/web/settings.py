@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -88,8 +89,8 @@ class Settings(BaseSettings):
     body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     """A request's body must arrive within this many seconds of its headers; else the
     connection is closed."""
-    log_level: str = "info"
-    """uvicorn's log level."""
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    """uvicorn's log level (its ``--log-level`` choices)."""
     central_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
     """Node mode: the central service (e.g. ``http://autobatch-central:8000``) that every
     profile a probe run finds is published to (``service.fleet.publisher``); None publishes

@@ -104,3 +104,12 @@ def _only_profile(capsys: pytest.CaptureFixture[str], store: str) -> str:
 
     (row,) = json.loads(capsys.readouterr().out)
     return str(row["id"])
+
+
+def test_a_quoted_name_is_a_value_the_message_quotes_not_a_flag() -> None:
+    # The conditions a plan may name include 'world_size': a condition, asked as
+    # --condition world_size=8, never the --world-size flag.
+    flags = command_flags(build_parser(), "plan")
+    text = "unknown condition(s) 'foo': name conditions from 'amp_dtype', 'world_size'"
+    assert cli_message(text, flags) == text
+    assert cli_message("use world_size=8", flags) == "use --world-size 8"

@@ -149,7 +149,7 @@ def test_condition_mismatches(
 
 
 def test_unknown_condition_names_are_refused_with_the_known_names() -> None:
-    with pytest.raises(ConfigError, match=r"unknown condition\(s\) \['amp'\].*amp_dtype"):
+    with pytest.raises(ConfigError, match=r"unknown condition\(s\) 'amp':.*amp_dtype"):
         select_profile(STORE, card=H100, node=None, conditions={"amp": "bf16"})
     with pytest.raises(ConfigError, match="unknown condition"):
         select_profile([], card=H100, node=None, conditions={"amp": "bf16"})
@@ -294,3 +294,21 @@ def test_a_mig_slice_is_its_own_card() -> None:
         assert chosen is not None and (chosen.profile_id, chosen.match) == ("mig", "measured")
     chosen = select_profile([mig, whole], card=H100, node=None, conditions={})
     assert chosen is not None and chosen.profile_id == "whole"
+
+
+def test_a_condition_asked_in_another_spelling_of_its_value_matches() -> None:
+    # The CLI's --amp bf16 and torch's torch.bfloat16 name what a profile records as bfloat16.
+    recorded = Conditions(device_type="cuda", amp_dtype="bfloat16")
+    for asked in ("bfloat16", "bf16", "BF16", "torch.bfloat16"):
+        assert condition_mismatches(recorded, {"amp_dtype": asked}) == [], asked
+    assert condition_mismatches(recorded, {"amp_dtype": "fp16"}) == [
+        "amp_dtype: recorded 'bfloat16', asked 'float16'"
+    ]
+
+
+def test_an_unknown_condition_is_named_with_the_names_to_use_in_words() -> None:
+    with pytest.raises(ConfigError) as raised:
+        condition_mismatches(Conditions(device_type="cuda"), {"foo": "bar"})
+    message = str(raised.value)
+    assert message.startswith("unknown condition(s) 'foo': name conditions from ")
+    assert "'amp_dtype', " in message and "'world_size'" in message and "[" not in message

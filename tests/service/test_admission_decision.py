@@ -54,7 +54,7 @@ def test_a_reachable_batch_is_accepted_with_its_plan() -> None:
     assert (decision.plan.micro_batch_size, decision.plan.gradient_accumulation_steps) == (32, 1)
     assert decision.profile_id == f"p-{H100}"
     assert decision.reasons == (
-        "accepted: effective batch 256 = micro-batch 32 x 1 accumulation steps x 8 GPUs "
+        "accepted: effective batch 256 = micro-batch 32 x 1 accumulation step x 8 GPUs "
         f"(given) on {H100}",
     )
 

@@ -88,9 +88,10 @@ SERVICE_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
         "binary_cross_entropy_with_logits",
     ),
     ("ProbePublic", "status"): typing.get_args(ProbeRunStatus),
+    ("Settings", "log_level"): ("critical", "error", "warning", "info", "debug", "trace"),
 }
 """The service's own choices: an admission's outcome, a liveness answer, the model registry's
-inputs and losses (the server's configuration file), a probe run's status."""
+inputs and losses (the server's configuration file), a probe run's status, uvicorn's log levels."""
 
 LIBRARY_RANGES: dict[tuple[str, str], tuple[type, float, float]] = {
     ("DeviceSpec", "gpu_fraction"): (annotated_types.Gt, MIN_GPU_FRACTION, MAX_GPU_FRACTION),

@@ -144,7 +144,7 @@ def test_unknown_card_memory_and_unknown_model_are_clear_problems(client: TestCl
         },
     )
     body = problem(response, 422, "validation")
-    assert "unknown condition(s) ['amp']" in body["detail"]
+    assert "unknown condition(s) 'amp':" in body["detail"]
 
 
 def test_card_and_node_need_a_model_and_conditions_need_a_target(client: TestClient) -> None:

@@ -147,7 +147,7 @@ def test_one_torchrun_per_node_plans_for_its_gpus(
         "2",
     )
     assert "1 tasks x 4 GPUs per task, one rank per GPU" not in task["launcher"]  # inside: one
-    assert task["launcher"].startswith("1 ranks: Slurm job ")
+    assert task["launcher"].startswith("1 rank: Slurm job ")
     ranks = sorted(tmp_path.glob("rank*.txt"))
     assert len(ranks) == 4, (tmp_path / "job.out").read_text()
     for path in ranks:

@@ -161,7 +161,7 @@ def test_a_reachable_job_runs_with_the_plan_decided_at_submission(
     # The user is told at sbatch (cli_filter's advice, then the controller's decision).
     assert "autobatch (advisory): accepted: effective batch 256 = micro-batch 32 x 1" in done.stderr
     assert (
-        "autobatch: accepted: effective batch 256 = micro-batch 32 x 1 accumulation steps x 8 "
+        "autobatch: accepted: effective batch 256 = micro-batch 32 x 1 accumulation step x 8 "
         "GPUs (measured)" in done.stderr
     )
     job = done.stdout.split()[-1]
@@ -199,7 +199,7 @@ def test_a_job_asking_to_be_sized_gets_the_plans_gpu_count(site: Site, tmp_path:
         env,
     )  # fmt: skip
     assert done.returncode == 0, f"{done.stderr}\n{site.cluster.log()}"
-    assert "autobatch: sized to 1 GPUs" in done.stderr
+    assert "autobatch: sized to 1 GPU" in done.stderr
     job = done.stdout.split()[-1]
     assert reported(site, tmp_path, job)["AUTOBATCH_WORLD_SIZE"] == "1"
     assert (tmp_path / f"{job}.gpus").read_text().strip() == "1"
