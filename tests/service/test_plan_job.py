@@ -161,20 +161,22 @@ def test_a_card_of_unknown_memory_is_planned_for_the_capacity_its_entry_gives(
     client: TestClient,
 ) -> None:
     on_h100 = publish(client, card_profile(H100, 80, (32, 128), 144))
+    # A card neither the catalogue nor any stored profile knows (the L40S is catalogued).
+    job = [JOB[0], {"card": "NVIDIA B999", "count": 4}]
     refused = client.post(
         "/v1/plan",
-        json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 1024, "job": JOB},
+        json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 1024, "job": job},
     )
     assert "give job[1].capacity_bytes" in problem(refused, 422, "unknown-card")["detail"]
 
-    sized = [JOB[0], {**JOB[1], "capacity_bytes": 48 * GiB}]
+    sized = [job[0], {**job[1], "capacity_bytes": 48 * GiB}]
     answer = plan_job(client, job=sized)
 
-    h100, l40s = answer["ranks"]
-    assert (l40s["selection"]["match"], l40s["profile_id"]) == ("predicted", on_h100)
-    # As for an L40S whose memory a stored profile gave: 48 GiB x 0.95 holds 4 + 0.5 x 83 GiB.
-    assert l40s["plan"]["max_micro_batch_size"] == 83
-    assert l40s["plan"]["capacity_bytes"] == 48 * GiB
+    h100, b999 = answer["ranks"]
+    assert (b999["selection"]["match"], b999["profile_id"]) == ("predicted", on_h100)
+    # As for a card whose memory a stored profile gave: 48 GiB x 0.95 holds 4 + 0.5 x 83 GiB.
+    assert b999["plan"]["max_micro_batch_size"] == 83
+    assert b999["plan"]["capacity_bytes"] == 48 * GiB
     assert h100["plan"]["capacity_bytes"] == 80 * GiB  # the H100's own profile, as measured
     sizes = h100["plan"]["rank_micro_batch_sizes"]
     assert sum(sizes) * h100["plan"]["gradient_accumulation_steps"] == 1024
