@@ -195,10 +195,10 @@ class StepIdentity:
         answers for training. ``conditions`` (see :attr:`Profile.conditions`) join it when
         recorded (:meth:`Conditions.key`): a stored profile never answers across a change of a
         condition that moves memory. ``checkpointing`` (an activation checkpointing mode) joins
-        it only when not ``"none"`` and the conditions do not already hold it: a profile
-        measured under one mode never stands for another, recorded conditions or not."""
+        it only when not ``"none"`` and no conditions are recorded (recorded ones hold what
+        recomputes): a profile measured under one mode never stands for another."""
         known = conditions.key() if conditions is not None else {}
-        if known.get("activation_checkpointing") == checkpointing:
+        if known:
             checkpointing = "none"
         return json.dumps(
             {
