@@ -112,12 +112,6 @@ class Stack(nn.Module):
         return self.head(x).sum()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autotune(model, sample) without effective_batch_size (the largest micro-batch) "
-    "ignores activation_checkpointing: 'full' is neither probed nor planned, the plan says "
-    "'none' (tune_largest never calls tune_checkpointing)",
-)
 def test_the_largest_micro_batch_honours_the_checkpointing_asked() -> None:
     plan = autobatch.autotune(
         Stack(), torch.randn(1, 8), device="sim:300KiB", use_store=False,
@@ -126,12 +120,6 @@ def test_the_largest_micro_batch_honours_the_checkpointing_asked() -> None:
     assert plan.activation_checkpointing == "full"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autotune(model, sample, eval=True) without effective_batch_size ignores eval: "
-    "the evaluation micro-batch is never probed (eval_micro_batch_size None); with an "
-    "effective batch it is",
-)
 def test_the_largest_micro_batch_probes_eval_when_asked() -> None:
     plan = autobatch.autotune(
         Stack(), torch.randn(1, 8), device="sim:300KiB", use_store=False, eval=True
