@@ -88,16 +88,15 @@ def test_a_report_that_cannot_be_written_is_an_error_in_flags(tmp_path: Path) ->
     assert "--report" in err and "Traceback" not in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--checkpoint-block-class naming no module is silently ignored without "
-    "--activation-checkpointing (mode none): the typo goes unnoticed, and when micro-batch 1 "
-    "does not fit the error also drops its 'with full checkpointing it fits' hint",
-)
 def test_a_block_class_that_matches_nothing_is_refused_whatever_the_mode() -> None:
-    code, _, err = _tune("--checkpoint-block-class", "NoSuchBlock")
-    assert code != 0
-    assert "--checkpoint-block-class NoSuchBlock matches no module" in err
+    for mode in (
+        [],
+        ["--activation-checkpointing", "full"],
+        ["--activation-checkpointing", "auto"],
+    ):
+        code, _, err = _tune("--checkpoint-block-class", "NoSuchBlock", *mode)
+        assert code != 0
+        assert "--checkpoint-block-class NoSuchBlock matches no module" in err
 
 
 class Stack(nn.Module):
