@@ -185,6 +185,7 @@ class StepIdentity:
         compiled: str = "",
         mode: Mode = "train",
         conditions: Conditions | None = None,
+        checkpointing: str = "none",
     ) -> str:
         """Canonical JSON of this identity and the device, as a string key (see
         ``autobatch.store._store``): equal keys, equal steps on equal cards. ``compiled`` (see
@@ -193,11 +194,16 @@ class StepIdentity:
         :attr:`Profile.mode`) likewise joins it only for ``"eval"``: an evaluation profile never
         answers for training. ``conditions`` (see :attr:`Profile.conditions`) join it when
         recorded (:meth:`Conditions.key`): a stored profile never answers across a change of a
-        condition that moves memory."""
+        condition that moves memory. ``checkpointing`` (an activation checkpointing mode) joins
+        it only when not ``"none"`` and no conditions are recorded (recorded ones hold what
+        recomputes): a profile measured under one mode never stands for another."""
         known = conditions.key() if conditions is not None else {}
+        if known:
+            checkpointing = "none"
         return json.dumps(
             {
                 **({"compiled": compiled} if compiled else {}),
+                **({"checkpointing": checkpointing} if checkpointing != "none" else {}),
                 **({"mode": mode} if mode != "train" else {}),
                 **({"conditions": known} if known else {}),
                 "model": self.model_fingerprint,
@@ -512,6 +518,7 @@ class Profile:
             compiled=self.compiled,
             mode=self.mode,
             conditions=self.conditions,
+            checkpointing=self.activation_checkpointing,
         )
 
     def to_dict(self) -> dict[str, Any]:

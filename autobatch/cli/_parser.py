@@ -411,8 +411,9 @@ def _add_tune_command(commands: Any) -> None:
     tune.add_argument(
         "--checkpoint-block-class",
         metavar="NAME",
-        help="the class name of the blocks to checkpoint (default: the longest list of "
-        "modules of one class, a transformers model's layers)",
+        help="the class name of the blocks to checkpoint (default: every list of modules of "
+        "one class, a transformers model's layers; an encoder-decoder's both stacks); one "
+        "that matches no module is refused, whatever the mode",
     )
     tune.add_argument(
         "--mixed-ranks",

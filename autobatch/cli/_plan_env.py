@@ -100,6 +100,9 @@ def env_variables(
     number given); ``AUTOBATCH_MAX_MICRO_BATCH_SIZE`` is its older name, kept as an alias.
     ``AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE`` is the profile's measured maximum (the
     selection's, else ``measured_max_micro_batch_size``), empty when no profile is behind it.
+    ``AUTOBATCH_ACTIVATION_CHECKPOINTING`` is the mode the micro-batch was planned under
+    (``none``, ``selective``, ``full``): the trainer must train with it, or the micro-batch may
+    not fit.
     """
     selection = (answer or {}).get("selection")
     source = plan["source"]
@@ -119,6 +122,7 @@ def env_variables(
         "AUTOBATCH_MICRO_BATCH_SIZES": ",".join(str(size) for size in sizes),
         "AUTOBATCH_PLAN_SOURCE": source,
         "AUTOBATCH_PREDICTED_PEAK_MEMORY_BYTES": plan["predicted_peak_memory_bytes"] or "",
+        "AUTOBATCH_ACTIVATION_CHECKPOINTING": plan.get("activation_checkpointing") or "none",
     }
     if answer is not None:
         variables["AUTOBATCH_PROFILE_ID"] = answer.get("profile_id") or ""

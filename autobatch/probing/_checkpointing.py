@@ -69,9 +69,10 @@ def checkpointable_blocks(
     model: torch.nn.Module, *, block_class: type[torch.nn.Module] | str | None = None
 ) -> list[torch.nn.Module]:
     """The model's repeated blocks, in order: the modules of ``block_class`` (a class or its
-    name, subclasses included) when given, else the items of the longest ``nn.ModuleList`` of 2
-    or more modules of one class (a transformers model's ``layers``/``h``/``layer``; the
-    outermost on a tie).
+    name, subclasses included) when given, else the items of every outermost ``nn.ModuleList``
+    of 2 or more modules of one class (a transformers model's ``layers``/``h``/``layer``; an
+    encoder-decoder's two stacks; grouped blocks in nested lists: the blocks themselves,
+    never a list, whose forward never runs).
 
     Raises:
         ConfigError: no module of ``block_class``, or no repeated blocks found (names
@@ -91,19 +92,39 @@ def checkpointable_blocks(
                 "(e.g. block_class='GPT2Block')"
             )
         return blocks
-    best: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
-            classes = {type(item) for item in module}
-            if len(module) >= 2 and len(classes) == 1:
-                best = list(module)
-    if not best:
+    blocks = _stacks(model)
+    if not blocks:
         raise ConfigError(
             f"activation checkpointing: {type(model).__qualname__} has no nn.ModuleList of "
             "repeated blocks; name the class of the blocks to checkpoint with block_class= "
             "(e.g. block_class='TransformerBlock')"
         )
-    return best
+    return blocks
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+"""Modules that hold modules and have no forward of their own: never a block."""
+
+
+def _items(container: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules a container holds, nested containers opened (a ModuleList of ModuleLists:
+    grouped blocks), in order."""
+    found: list[torch.nn.Module] = []
+    for item in container.children():
+        found.extend(_items(item) if isinstance(item, _CONTAINERS) else [item])
+    return found
+
+
+def _stacks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of every stack of repeated blocks in ``module`` (itself included), in order:
+    the items of each outermost ``nn.ModuleList`` holding 2 or more modules of one class
+    (nested lists opened), so an encoder-decoder's two stacks are both found; a stack's blocks
+    are not searched for stacks of their own."""
+    if isinstance(module, torch.nn.ModuleList):
+        items = _items(module)
+        if len(items) >= 2 and len({type(item) for item in items}) == 1:
+            return items
+    return [block for child in module.children() for block in _stacks(child)]
 
 
 def _chosen(blocks: list[torch.nn.Module], mode: str, every: int) -> list[torch.nn.Module]:

@@ -85,7 +85,10 @@ class CheckpointingRequest:
     def build(
         cls, model: torch.nn.Module, mode: str, block_class: type[torch.nn.Module] | str | None
     ) -> CheckpointingRequest:
-        """The request, with its blocks found now when a mode other than ``"none"`` may apply.
+        """The request, with its blocks found now when a mode other than ``"none"`` may apply
+        or a block class is given (under ``"none"`` it names the blocks of the checkpointed
+        plan a does-not-fit error offers, so a class that matches nothing is refused whatever
+        the mode: a typo never goes unnoticed).
 
         Raises:
             ConfigError: an unknown mode, or no blocks to checkpoint (names
@@ -96,7 +99,7 @@ class CheckpointingRequest:
                 f"activation_checkpointing={mode!r} is not a choice; give one of "
                 f"{', '.join(repr(m) for m in ASKED_MODES)}"
             )
-        if mode != "none":
+        if mode != "none" or block_class is not None:
             try:
                 checkpointable_blocks(model, block_class=block_class)
             except ConfigError as exc:

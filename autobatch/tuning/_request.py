@@ -153,8 +153,10 @@ class TuneOptions(_StepProbeStore, total=False):
     it with :func:`autobatch.probing.apply_activation_checkpointing`). See
     :mod:`autobatch.tuning._checkpointing`."""
     checkpoint_block_class: type[torch.nn.Module] | str | None
-    """The class (or class name) of the blocks to checkpoint; None (default): the longest
-    ``nn.ModuleList`` of modules of one class (a transformers model's layers)."""
+    """The class (or class name) of the blocks to checkpoint; None (default): the items of
+    every outermost ``nn.ModuleList`` of modules of one class (a transformers model's layers;
+    an encoder-decoder's both stacks). A class that matches no module is a ConfigError
+    whatever the mode."""
     mixed_ranks: bool
     """Ranks on cards of different memory or speed (default False): under torch.distributed
     each rank probes its own card alone, the ranks share their limits and step times, and each

@@ -153,24 +153,29 @@ def largest_request(model: torch.nn.Module, sample: Any, options: Any) -> TuneRe
 
 
 def tune_largest(request: TuneRequest) -> Tuning:
-    """:func:`tune_request` for the largest micro-batch (:func:`largest_request`): the profile,
-    then one micro-batch per optimizer step at its recommended size (down to ``multiple_of``).
+    """:func:`tune_request` for the largest micro-batch (:func:`largest_request`): the profile
+    under the activation checkpointing asked, then one micro-batch per optimizer step at its
+    recommended size (down to ``multiple_of``), and the evaluation micro-batch when asked.
 
     Raises:
         As :func:`autotune`.
     """
     wanted = request.plan
     assert wanted is not None  # largest_request's placeholder
-    found = find_profile(request.step, request.probe, request.store)
-    step = wanted.multiple_of
-    largest = max(step, found.profile.recommended_micro_batch_size // step * step)
-    one_step = dataclasses.replace(
-        wanted, effective_batch_size=largest * wanted.world_size, max_gradient_accumulation_steps=1
-    )
-    budget = _plan_budget(request.probe, found.profile)
-    result = plan_from(found.profile, one_step, budget=budget, cached=found.cached)
-    result = _with_notes(result, found, request.probe)
-    return Tuning(plan=result, profile=found.profile, profile_id=found.profile_id)
+
+    def planned(found: TunedProfile) -> Plan:
+        step = wanted.multiple_of
+        largest = max(step, found.profile.recommended_micro_batch_size // step * step)
+        one_step = dataclasses.replace(
+            wanted,
+            effective_batch_size=largest * wanted.world_size,
+            max_gradient_accumulation_steps=1,
+        )
+        budget = _plan_budget(request.probe, found.profile)
+        return plan_from(found.profile, one_step, budget=budget, cached=found.cached)
+
+    found, result, outcome = tune_checkpointing(request, request.probe, planned)
+    return _finished(request, request.probe, found, result, outcome)
 
 
 def tune(
@@ -221,6 +226,22 @@ def tune_request(request: TuneRequest) -> Tuning:
     if result.budget is not None:
         for warning in result.budget.warnings:
             logger.warning("memory budget %s: %s", result.budget.describe(), warning)
+    return _finished(request, options, found, result, outcome)
+
+
+def _finished(
+    request: TuneRequest,
+    options: ProbeOptions,
+    found: TunedProfile,
+    result: Plan,
+    outcome: CheckpointingOutcome | None,
+) -> Tuning:
+    """The tuning of ``result`` planned from ``found``: its notes (the probe's, what
+    ``"auto"`` tried), and with ``request.eval`` the evaluation micro-batch, found or probed.
+
+    Raises:
+        As :func:`autotune`.
+    """
     result = _with_notes(result, found, options)
     if outcome is not None:
         result = dataclasses.replace(result, notes=(*result.notes, *outcome.notes()))

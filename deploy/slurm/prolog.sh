@@ -4,7 +4,8 @@
 #
 # A TaskProlog's stdout lines `export NAME=value` become the task's environment (slurm.conf(5),
 # TaskProlog), so the trainer reads AUTOBATCH_MICRO_BATCH_SIZE, AUTOBATCH_GRADIENT_ACCUMULATION_STEPS,
-# AUTOBATCH_PLAN_SOURCE (cached or predicted), AUTOBATCH_PROFILE_MATCH (measured or predicted)...
+# AUTOBATCH_PLAN_SOURCE (cached or predicted), AUTOBATCH_PROFILE_MATCH (measured or predicted),
+# AUTOBATCH_ACTIVATION_CHECKPOINTING (the mode the micro-batch needs: train with it)...
 # The job says what to plan:
 #   sbatch --export=ALL,AUTOBATCH_MODEL_FINGERPRINT=9c1e5b0f7a3d2e48,AUTOBATCH_EFFECTIVE_BATCH_SIZE=1024 ...
 # A job that names no model is left alone. The plan is for this node's card (nvidia-smi's name

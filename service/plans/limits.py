@@ -33,6 +33,8 @@ from service.web.schemas import ResolvedDevice
 
 __all__ = [
     "ANY_CANDIDATES",
+    "asked_mode",
+    "in_mode",
     "MAX_ANSWER_MICRO_BATCHES",
     "NAME_SCAN",
     "NODE_PROFILES",
@@ -92,15 +94,24 @@ def resolve_limit(
     if body.activation_checkpointing is not None:
         profile_id, profile = _of_mode(body, store)
         return profile, profile_id, source_of(profile)
+    mode = asked_mode(body)
     found = []
     key = None if device is None or not device.name else _card_key(device.name)
     if key is not None:
-        found = card_profiles(store, key, model_fingerprint=body.model_fingerprint, limit=1)[:1]
-    found = found or store.list_profiles(model_fingerprint=body.model_fingerprint, limit=1)
+        on_card = card_profiles(store, key, model_fingerprint=body.model_fingerprint, limit=1)
+        found = in_mode(on_card, mode)[:1]
     if not found:
-        found = _from_central(
-            store, central, body.model_fingerprint, None if device is None else device.name
+        page = store.list_profiles(model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES)
+        found = in_mode(page, mode)[:1]
+    if not found:
+        found = in_mode(
+            _from_central(
+                store, central, body.model_fingerprint, None if device is None else device.name
+            ),
+            mode,
         )
+    if not found and mode != "none":
+        raise _no_profile_of_mode(body.model_fingerprint, mode, "body.conditions")
     if not found:
         raise Problem(
             404,
@@ -144,6 +155,40 @@ def _of_mode(body: PlanCreate, store: ProfileStore) -> tuple[str, Profile]:
             field="body.activation_checkpointing",
         )
     return chosen
+
+
+def asked_mode(body: PlanCreate) -> str:
+    """The activation checkpointing mode the body's job trains under: its
+    ``activation_checkpointing``, else its ``conditions``' ``activation_checkpointing``, else
+    ``"none"`` (the model as given: a job that names no mode imposes none, so only a profile
+    measured without checkpointing may plan it)."""
+    if body.activation_checkpointing is not None:
+        return body.activation_checkpointing
+    said = (body.conditions or {}).get("activation_checkpointing")
+    return said if isinstance(said, str) else "none"
+
+
+def in_mode(found: list[tuple[str, Profile]], mode: str) -> list[tuple[str, Profile]]:
+    """The profiles of ``found`` measured under the activation checkpointing ``mode`` (all of
+    them for ``"auto"``, which chooses among modes), in their order."""
+    if mode == "auto":
+        return found
+    return [(i, profile) for i, profile in found if profile.activation_checkpointing == mode]
+
+
+def _no_profile_of_mode(fingerprint: str, mode: str, field: str) -> Problem:
+    """The 404 for a model whose stored profiles were all measured under other modes."""
+    return Problem(
+        404,
+        "unknown-profile",
+        f"no stored training profile of model_fingerprint {fingerprint!r} was measured under "
+        f"activation_checkpointing {mode!r}, the mode the job trains under (a job that names "
+        "none trains without checkpointing, and a micro-batch measured under another mode may "
+        "not fit it); probe the model under it (autobatch tune --activation-checkpointing), or "
+        "name the mode the job trains with (activation_checkpointing, or conditions' "
+        "activation_checkpointing)",
+        field=field,
+    )
 
 
 NAME_SCAN = 200
@@ -200,22 +245,27 @@ def select(
         raise Problem(422, "validation", str(exc), field="body.card") from None
     budget_bytes = None if device is None else device.capacity_bytes
     choose = chooser(body, budget_bytes=budget_bytes, mig_profile=mig_profile)
-    fingerprint = body.model_fingerprint
+    fingerprint, mode = body.model_fingerprint, asked_mode(body)
     try:
-        chosen, seen = None, []
+        chosen, seen, every = None, [], []
         if key is not None:
-            seen = store.latest_per_node(
+            every = store.latest_per_node(
                 model_fingerprint=fingerprint, limit=NODE_PROFILES, card=_names_of(key)
             )
+            seen = in_mode(every, mode)
             chosen = choose(seen)
         if chosen is None or chosen.match == "predicted":
-            seen = store.latest_per_node(model_fingerprint=fingerprint, limit=NODE_PROFILES)
+            every = store.latest_per_node(model_fingerprint=fingerprint, limit=NODE_PROFILES)
+            seen = in_mode(every, mode)
             chosen = choose(seen)
-        if chosen is None and not _trains(seen):  # nothing of the model here: ask central
-            seen = _from_central(store, central, fingerprint, body.card)
+        if chosen is None and not _trains(every):  # nothing of the model here: ask central
+            every = _from_central(store, central, fingerprint, body.card)
+            seen = in_mode(every, mode)
             chosen = choose(seen)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
+    if chosen is None and _trains(every) and not _trains(seen):
+        raise _no_profile_of_mode(fingerprint, mode, "body.conditions")
     if chosen is None:
         raise _none_answers(body, seen)
     profile = chosen.profile

@@ -127,8 +127,10 @@ class PlanCreate(Strict):
         "measured under this activation checkpointing mode ('none', 'selective', 'full'), or "
         "'auto': from the newest of each mode, the one whose plan reaches the effective batch "
         "in the least time per optimizer step (within 5%, or untimed: the least recompute), a "
-        "mode whose measured peak is not below the plain one's never. Null: the newest "
-        "profile of any mode. Not with card, node or job.",
+        "mode whose measured peak is not below the plain one's never. Null: the mode "
+        "conditions name, else 'none' (the job trains as the model is: only profiles measured "
+        "without checkpointing plan it). Not with card, node or job (give conditions' "
+        "activation_checkpointing there).",
     )
     effective_batch_size: Size
     world_size: WorldSize = 1

@@ -47,6 +47,7 @@ def test_local_plan_as_export_lines(capsys: pytest.CaptureFixture[str]) -> None:
         "AUTOBATCH_MICRO_BATCH_SIZES": "16,16,16,16",
         "AUTOBATCH_PLAN_SOURCE": "given",
         "AUTOBATCH_PREDICTED_PEAK_MEMORY_BYTES": "",
+        "AUTOBATCH_ACTIVATION_CHECKPOINTING": "none",
     }
 
 

@@ -435,6 +435,7 @@ def test_training_jobs_init_container_writes_the_plan_the_trainer_sources(tmp_pa
             "AUTOBATCH_PLAN_CARD": card,
             "AUTOBATCH_PROFILE_NODE": "gpu-node-7",
             "AUTOBATCH_PROFILE_CARD": card,
+            "AUTOBATCH_ACTIVATION_CHECKPOINTING": "none",
         }
 
         # The Slurm TaskProlog asks the same service the same way, and prints Slurm's lines.
