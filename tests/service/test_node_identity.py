@@ -267,6 +267,42 @@ def test_a_broken_file_keeps_the_last_good_tokens_and_logs(
     assert source.current().identify("Bearer adm-1") is None and bool(source)
 
 
+@pytest.mark.parametrize("as_directory", [False, True])
+def test_a_token_file_rewritten_during_a_reload_keeps_its_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_directory: bool
+) -> None:
+    # A writer truncates the file (open(..., "w")) just after the reload's first read of it,
+    # and writes the same text back after the reload: what was hashed is what is parsed, so
+    # the tokens stay (parsing a second read took the empty file's, until the next change).
+    now = [0.0]
+    folder = tmp_path / "secret"
+    folder.mkdir()
+    path = folder / "admin" if as_directory else tmp_path / "tokens"
+    text = "adm-1\n" if as_directory else "admin adm-1\nread rd-1\n"
+    path.write_text(text)
+    source = TokenSource(
+        api_token=None, tokens_file=folder if as_directory else path, clock=lambda: now[0]
+    )
+    changed = "adm-1 \n" if as_directory else text + "read rd-2\n"
+    path.write_text(changed)  # a change, so the next look reloads
+    real_read_bytes = Path.read_bytes
+
+    def read_then_truncated(self: Path) -> bytes:
+        data = real_read_bytes(self)
+        if self == path:
+            self.write_text("")
+        return data
+
+    now[0] += RELOAD_CHECK_SECONDS
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "read_bytes", read_then_truncated)
+        source.current()
+    path.write_text(changed)  # the writer's write of the same text
+    for _ in range(3):  # later looks, the file unchanged since
+        now[0] += RELOAD_CHECK_SECONDS
+        assert source.current().identify("Bearer adm-1") is not None
+
+
 def test_a_server_drops_a_revoked_token_without_a_restart(
     make_app: Callable[..., FastAPI], tmp_path: Path
 ) -> None:
