@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -19,7 +20,9 @@ from autobatch.store import ProfileStore
 from service.fleet.publisher import OutboxPolicy, Publisher
 from service.web.auth import FileToken, Grant, parse_token_lines
 from service.web.kubernetes_tokens import (
+    MAX_KEPT_REVIEWS,
     MAX_REVIEWS_IN_FLIGHT,
+    NODE_NAME_EXTRA,
     KubernetesSettings,
     ReviewUnavailable,
     TokenReviewer,
@@ -194,6 +197,47 @@ def test_a_flood_of_made_up_tokens_waits_on_few_reviews(kube: FakeKubeApi, tmp_p
     assert asyncio.run(flood()) == [None] * MAX_REVIEWS_IN_FLIGHT  # unknown: not authenticated
     assert len(kube.reviews) == MAX_REVIEWS_IN_FLIGHT
     assert asyncio.run(reviewer.review(POD_A.encode())) is not None  # the count went back down
+
+
+def test_a_flood_of_refused_tokens_does_not_stop_real_tokens_being_kept() -> None:
+    settings = KubernetesSettings(
+        api_url="https://kubernetes.invalid", service_accounts=frozenset({"default:autobatch"})
+    )
+    reviewer = TokenReviewer(settings, clock=lambda: 100.0)
+    real = b"eyJ.real-pod-token.sig"
+    asked: list[bytes] = []
+
+    async def post(token: bytes) -> dict[str, Any]:
+        asked.append(token)
+        if token != real:
+            return {"authenticated": False}
+        return {
+            "authenticated": True,
+            "audiences": ["autobatch"],
+            "user": {
+                "username": "system:serviceaccount:default:autobatch",
+                "extra": {NODE_NAME_EXTRA: ["node-a"]},
+            },
+        }
+
+    reviewer._post = post  # type: ignore[method-assign]
+
+    async def run() -> None:
+        for n in range(10_000):
+            assert await reviewer.review(f"eyJ.made-up-{n}.sig".encode()) is None
+        for _ in range(3):
+            assert await reviewer.review(real) is not None
+
+    asyncio.run(run())
+    assert asked.count(real) == 1  # kept after the flood: asked once, not at every request
+    asked.clear()
+
+    async def again() -> None:  # the refusals are kept too, MAX_KEPT_REVIEWS at most
+        assert await reviewer.review(f"eyJ.made-up-{9_999}.sig".encode()) is None
+        assert await reviewer.review(f"eyJ.made-up-{0}.sig".encode()) is None
+
+    asyncio.run(again())
+    assert asked == ([] if MAX_KEPT_REVIEWS >= 10_000 else [b"eyJ.made-up-0.sig"])
 
 
 def test_kubernetes_settings_name_the_accounts_or_fail_at_start(

@@ -4,7 +4,6 @@ what should happen; an ``xfail(strict=True)`` one fails today."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from fastapi.testclient import TestClient
 from autobatch.profile import MemoryModel, Trial
 from autobatch.store import ProfileStore
 from service.fleet.forgetting import Forgetting
-from service.web.kubernetes_tokens import NODE_NAME_EXTRA, KubernetesSettings, TokenReviewer
 from tests.helpers.fake_pynvml import GiB, MiB
 from tests.service.conftest import no_nvml
 from tests.service.test_fleet_trust import H100, HONEST, L40S, node_profile, publish
@@ -156,45 +154,6 @@ def test_a_lone_node_on_a_bigger_card_does_not_move_a_predicted_plan(
     publish(central, liar)
     after = _plan(central, card=L40S, effective_batch_size=4096).json()["plan"]
     assert after["micro_batch_size"] <= 2 * before["micro_batch_size"]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="TokenReviewer keeps refused reviews too, up to 10,000 unexpired: after a flood of "
-    "made-up JWT-shaped tokens fills the cache, no review is kept, so a real pod's token is "
-    "sent to the API server on every request (and meets the 8-in-flight 503 of the flood)",
-)
-def test_a_flood_of_refused_tokens_does_not_stop_real_tokens_being_kept() -> None:
-    settings = KubernetesSettings(
-        api_url="https://kubernetes.invalid", service_accounts=frozenset({"default:autobatch"})
-    )
-    reviewer = TokenReviewer(settings, clock=lambda: 100.0)
-    real = b"eyJ.real-pod-token.sig"
-    asked: list[bytes] = []
-
-    async def post(token: bytes) -> dict[str, Any]:
-        asked.append(token)
-        if token != real:
-            return {"authenticated": False}
-        return {
-            "authenticated": True,
-            "audiences": ["autobatch"],
-            "user": {
-                "username": "system:serviceaccount:default:autobatch",
-                "extra": {NODE_NAME_EXTRA: ["node-a"]},
-            },
-        }
-
-    reviewer._post = post  # type: ignore[method-assign]
-
-    async def run() -> None:
-        for n in range(10_000):
-            assert await reviewer.review(f"eyJ.made-up-{n}.sig".encode()) is None
-        for _ in range(3):
-            assert await reviewer.review(real) is not None
-
-    asyncio.run(run())
-    assert asked.count(real) == 1
 
 
 class _Central:
