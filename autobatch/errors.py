@@ -60,6 +60,7 @@ __all__ = [
     "MissingExtraError",
     "NoFeasiblePlanError",
     "PeerObjectError",
+    "ProfileDeletedError",
     "ProfileNotFoundError",
     "Remedy",
     "ReportWarning",
@@ -275,6 +276,20 @@ class ProfileNotFoundError(StoreError, KeyError):
     def __str__(self) -> str:
         # KeyError.__str__ would quote the message; show it as every other StoreError does.
         return str(self.args[0])
+
+
+class ProfileDeletedError(StoreError):
+    """The profile was deleted from this store (it holds its tombstone), so it is not stored
+    again: a resend (an outbox's retry) or a copy fetched before the deletion stays deleted.
+    Publish a new profile (a new probe) instead.
+
+    Attributes:
+        profile_id: the deleted profile's id.
+    """
+
+    def __init__(self, message: str, *, profile_id: str) -> None:
+        super().__init__(message, reason="the profile was deleted")
+        self.profile_id = profile_id
 
 
 class MissingExtraError(ConfigError, ImportError):

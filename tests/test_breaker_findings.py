@@ -153,29 +153,6 @@ def test_full_checkpointing_of_an_encoder_decoder_checkpoints_both_stacks() -> N
         undo()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tune's progress line ticks every second with a carriage return whatever stderr is: "
-    "in a log file, CI or kubectl logs (not a terminal) a long probe writes one line growing "
-    "by a redraw a second, all on one line",
-)
-def test_the_progress_line_does_not_tick_into_a_log_file(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import time
-
-    from autobatch.cli._progress import Progress
-    from autobatch.probing import ProbeStage
-
-    err = io.StringIO()  # not a terminal: isatty() is False
-    monkeypatch.setattr("sys.stderr", err)
-    progress = Progress(enabled=True)
-    progress.stage(ProbeStage(stage="trials", max_trials=8))
-    time.sleep(3.3)
-    progress.close()
-    assert err.getvalue().count("probing, trials") <= 2
-
-
 def test_a_block_class_names_blocks_whose_class_fsdp2_swapped() -> None:
     # fully_shard(block) swaps the block's class for a subclass (FSDPBlock, bases FSDPModule
     # and Block): checkpoint_block_class='Block' (or Block itself) matched nothing before.

@@ -6,6 +6,8 @@ left at most (the search's bound, :class:`autobatch.probing.ProbeStage`).
 of events); :class:`Progress` draws it with tqdm, redrawn every second by a ticker thread so the
 elapsed clock moves during a long stage (an estimate of a large model on a CPU: minutes without
 an event). Warnings raised during the probe are written above the line, never glued onto it.
+When stderr is not a terminal (a log file, CI, ``kubectl logs``) nothing is redrawn: each
+event (a stage starting, a trial ending) is written as a line of its own, and no clock ticks.
 
 Example::
 
@@ -75,7 +77,8 @@ class ProbeDisplay:
 
 
 class Progress:
-    """The tqdm line of one probe on stderr; silent when disabled (``--json``, configs).
+    """The tqdm line of one probe on stderr; silent when disabled (``--json``, configs). On a
+    stderr that is not a terminal, a line an event instead (no redraw, no ticking clock).
 
     Args:
         enabled: draw the line (the text output); False draws nothing.
@@ -113,6 +116,10 @@ class Progress:
     def _draw(self) -> None:
         if not self._enabled:
             return
+        if not _is_terminal(sys.stderr):  # a log file: one line an event, no carriage return
+            with self._lock:
+                print(self._display.text(), file=sys.stderr, flush=True)
+            return
         with self._lock:
             if self._bar is None:  # at the first event: a cached answer shows no line
                 from tqdm import tqdm
@@ -138,6 +145,15 @@ class Progress:
             self._ticker.join()
         if self._bar is not None:
             self._bar.close()
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a redrawn line reads well there, not in a file)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
 
 
 class ProgressLog(logging.Handler):

@@ -6,7 +6,10 @@ Every profile removed (:meth:`ProfileStore.delete`, :meth:`ProfileStore.forget`)
 order (on PostgreSQL under the insert lock of ``autobatch.store._sequence``, held to the
 commit). A node follows a central store's tombstones (:func:`page_deletions` from cursor 0, then
 each page's ``next_after``) and deletes its copies of those ids (``service.fleet.forgetting``).
-Tombstones are kept: a few dozen bytes per deleted profile.
+Tombstones are kept: a few dozen bytes per deleted profile. A tombstoned id is never stored
+again (``autobatch.store._publishing``): a resend of a deleted profile (a node outbox's retry)
+or a copy fetched before the deletion and stored after it stays deleted; a node following
+another store's deletions tombstones the ids it does not hold too (``absent_too``).
 
 Example::
 
@@ -49,15 +52,20 @@ class DeletionPage:
     """The cursor to ask with next (the same one when nothing was deleted since)."""
 
 
-def delete_ids(db: StoreConnection, backend: str, profile_ids: Iterable[str]) -> list[str]:
+def delete_ids(
+    db: StoreConnection, backend: str, profile_ids: Iterable[str], *, absent_too: bool = False
+) -> list[str]:
     """Delete the profiles of ``profile_ids`` that the store holds, in one transaction, each
-    leaving a tombstone; the ids removed, in the order given.
+    leaving a tombstone; the ids removed, in the order given. With ``absent_too``, the ids the
+    store does not hold get a tombstone too (once), so that they are never stored after
+    (``autobatch.store._publishing.insert_profile`` refuses a tombstoned id).
 
     Raises:
         StoreError: the store is closed, locked longer than the timeout, or not writable.
     """
     import sqlalchemy as sa
 
+    from autobatch.store._publishing import is_deleted
     from autobatch.store._schema import deletions, profiles
     from autobatch.store._sequence import lock_for_insert, remember_deleted
 
@@ -69,8 +77,10 @@ def delete_ids(db: StoreConnection, backend: str, profile_ids: Iterable[str]) ->
             remember_deleted(conn, backend, profile_id)
             done = conn.execute(sa.delete(profiles).where(profiles.c.id == profile_id))
             if done.rowcount > 0:
-                conn.execute(sa.insert(deletions).values(profile_id=profile_id, deleted_at=now))
                 removed.append(profile_id)
+            elif not absent_too or is_deleted(conn, profile_id):
+                continue
+            conn.execute(sa.insert(deletions).values(profile_id=profile_id, deleted_at=now))
     return removed
 
 

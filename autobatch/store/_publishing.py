@@ -19,13 +19,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from autobatch.errors import StoreError
+from autobatch.errors import ProfileDeletedError, StoreError
 from autobatch.profile import Profile
 from autobatch.store._engine import insert
-from autobatch.store._schema import profiles
+from autobatch.store._schema import deletions, profiles
 from autobatch.store._sequence import lock_for_insert, next_sqlite_seq
 
-__all__ = ["canonical", "find_resent", "insert_profile"]
+__all__ = ["canonical", "find_resent", "insert_profile", "is_deleted"]
 
 
 def canonical(profile: Profile) -> str:
@@ -47,6 +47,8 @@ def insert_profile(
         call stored it (False: it was stored already).
 
     Raises:
+        ProfileDeletedError: the store deleted the profile of this id (its tombstone is kept):
+            a resend or a copy fetched before the deletion is not stored again.
         StoreError: the id already holds another profile (a hash collision).
     """
     text = canonical(profile)
@@ -65,7 +67,13 @@ def insert_profile(
     }
     if backend == "sqlite":
         row["seq"] = next_sqlite_seq()
-    lock_for_insert(conn, backend)
+    lock_for_insert(conn, backend)  # tombstones are written under it: checked, then inserted
+    if is_deleted(conn, profile_id):
+        raise ProfileDeletedError(
+            f"profile store {display}: profile {profile_id} was deleted, so it is not stored "
+            "again; publish a new profile (probe again) instead",
+            profile_id=profile_id,
+        )
     statement = insert(backend, profiles).values(**row)
     # RETURNING names the row this statement inserted (none when the id was there already):
     # a rowcount the PostgreSQL driver may leave unset does not decide it.
@@ -81,6 +89,14 @@ def insert_profile(
             "collision); delete that profile and store again"
         )
     return profile_id, False
+
+
+def is_deleted(conn: sa.Connection, profile_id: str) -> bool:
+    """Whether the store holds a tombstone of ``profile_id`` (``autobatch.store._deletions``)."""
+    found = conn.execute(
+        sa.select(deletions.c.seq).where(deletions.c.profile_id == profile_id).limit(1)
+    ).first()
+    return found is not None
 
 
 def find_resent(conn: sa.Connection, backend: str, profile: Profile) -> tuple[str, Profile] | None:

@@ -182,6 +182,7 @@ class ProfileStore:
             Its id, 16 hexadecimal characters (:func:`profile_id_of`).
 
         Raises:
+            ProfileDeletedError: the store deleted this profile (never stored again).
             StoreError: the store is closed, locked longer than the timeout, or not writable.
         """
         from autobatch.store._publishing import insert_profile
@@ -202,7 +203,7 @@ class ProfileStore:
             stored it (False: it was stored already).
 
         Raises:
-            StoreError: the store is closed, locked longer than the timeout, or not writable.
+            ProfileDeletedError, StoreError: as :meth:`put`.
         """
         from autobatch.store._publishing import find_resent, insert_profile
 
@@ -472,11 +473,11 @@ class ProfileStore:
         StoreError: as :meth:`forget`."""
         return bool(self.forget([profile_id]))
 
-    def forget(self, profile_ids: Iterable[str]) -> list[str]:
-        """Remove the profiles of ``profile_ids`` this store holds, in one transaction, each
-        leaving a tombstone (:meth:`page_deletions`); the ids removed. Raises StoreError: the
-        store is closed, locked longer than the timeout, or not writable."""
-        return delete_ids(self._db, self.backend, profile_ids)
+    def forget(self, profile_ids: Iterable[str], *, absent_too: bool = False) -> list[str]:
+        """Remove the ``profile_ids`` held, in one transaction, each leaving a tombstone (never
+        stored again: ProfileDeletedError); the ids removed. ``absent_too``: tombstone those not
+        held too (a node following central). Raises StoreError: closed, locked, not writable."""
+        return delete_ids(self._db, self.backend, profile_ids, absent_too=absent_too)
 
     def page_deletions(self, *, after: int = 0, limit: int = 100) -> DeletionPage:
         """Tombstones of deleted profiles after cursor ``after`` (0: the first), oldest first,

@@ -46,8 +46,24 @@ class AdmissionPolicyFields(Strict):
         description="The GPU counts a job may be sized to, and named to a refused job.",
     )
     max_world_size: WorldSize | None = Field(
-        default=None, description="The most GPUs a job is sized to (a ceiling on the counts)."
+        default=None,
+        description="The most GPUs a job is sized to (a ceiling on the counts); at least the "
+        "smallest of allowed_world_sizes.",
     )
+
+    @model_validator(mode="after")
+    def _some_count_allowed(self) -> AdmissionPolicyFields:
+        """The policy as a whole allows some GPU count: one of ``allowed_world_sizes`` is at
+        most ``max_world_size`` (a 422 naming both, not a policy that sizes to nothing)."""
+        lowest = min(self.allowed_world_sizes)
+        if self.max_world_size is not None and self.max_world_size < lowest:
+            raise ValueError(
+                f"max_world_size {self.max_world_size} is below every allowed_world_sizes "
+                f"({', '.join(map(str, sorted(self.allowed_world_sizes)))}), so no GPU count "
+                f"is allowed: raise max_world_size to at least {lowest}, or allow a count of "
+                f"at most {self.max_world_size} in allowed_world_sizes"
+            )
+        return self
 
 
 class AdmissionCreate(Strict):

@@ -6,10 +6,13 @@ the central service, the central store leaves a tombstone (``autobatch.store._de
 This thread of the sidecar follows them: every ``interval_seconds`` (10 s by default) it asks
 ``GET /v1/profile-deletions?after=CURSOR`` (pages of up to 1000, until one is short) and
 deletes those ids from the node's store, so a plan here no longer answers from them (nor asks
-central for them, which answers 404 too). A deletion at central therefore leaves the node
-within ``interval_seconds`` plus one request's timeout (2 s): 12 s by default, 30 s at most
-while the interval is at most 28 s. A central service that does not answer is logged (once per
-distinct error) and asked again at the next look; the cursor stays where it was.
+central for them, which answers 404 too). The ids the node does not hold are tombstoned too, so
+a copy fetched from central before the deletion and stored after this pass is refused by the
+node's store (``ProfileDeletedError``) instead of staying for good. A deletion at central
+therefore leaves the node within ``interval_seconds`` plus one request's timeout (2 s): 12 s by
+default, 30 s at most while the interval is at most 28 s. A central service that does not
+answer is logged (once per distinct error) and asked again at the next look; the cursor stays
+where it was.
 
 The cursor lives in memory: after a restart the node reads the tombstones from the first again
 (a few dozen bytes each) and deletes what it still holds of them.
@@ -92,7 +95,7 @@ class Forgetting:
         while True:
             ids, next_after = self._central.deletions_after(self.cursor, limit=_PAGE)
             if ids:
-                removed += self._store.forget(ids)
+                removed += self._store.forget(ids, absent_too=True)
             self.cursor = next_after
             if len(ids) < _PAGE:
                 break

@@ -14,8 +14,10 @@ stay in the store, and a sender started again resumes from them.
   server's ``Retry-After`` (up to an hour).
 - **Refusals**: an answer that says the profile itself is wrong (400, 413, 415, 422, and any
   other 4xx but 401, 403, 404, 408, 409, 425, 429) takes it out, logged with the answer; it
-  stays in the node's store. 401/403/404 say the node's token or URL is wrong, which an operator
-  fixes: those are retried, so nothing is lost meanwhile.
+  stays in the node's store. So does 410: central deleted that profile (an admin's DELETE
+  raced this row's retry) and never stores it again, so it is not resent. 401/403/404 say the
+  node's token or URL is wrong, which an operator fixes: those are retried, so nothing is lost
+  meanwhile.
 - **Bound**: at most ``max_rows`` rows wait; entering one more drops the oldest, logged (which
   profile, since when, how many tries, the last error) and counted.
 - **Metrics** (``service.web.metrics``): ``autobatch_outbox_waiting_profiles`` (gauge),

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autobatch.device import card_key, catalogue_memory_bytes
-from autobatch.errors import ConfigError, ProfileNotFoundError
+from autobatch.errors import ConfigError, ProfileDeletedError, ProfileNotFoundError
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileStore
@@ -376,7 +376,8 @@ def _from_central(
     """Node mode, for a model this node's store does not hold: the profile of it chosen for
     ``card`` (the newest when None) among the central service's newest :data:`ANY_CANDIDATES`
     (:mod:`service.fleet.central`), kept in this node's store; empty without a central service,
-    or when it does not answer or none of its profiles answers for the card."""
+    when it does not answer or none of its profiles answers for the card, or when the node
+    follows the chosen one's deletion already (its store refuses the copy)."""
     if central is None:
         return []
     found = central.profiles_of(model_fingerprint, limit=ANY_CANDIDATES)
@@ -389,7 +390,10 @@ def _from_central(
     if not found:
         return []
     _central_id, profile = found[0]
-    return [(store.put(profile), profile)]
+    try:
+        return [(store.put(profile), profile)]
+    except ProfileDeletedError:  # deleted at central since the fetch (its tombstone followed)
+        return []
 
 
 def predicted_note(chosen: Selection, body: PlanCreate) -> str:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
 from autobatch.device import NODE_NAME_ENV_VARS
-from autobatch.errors import ProfileNotFoundError
+from autobatch.errors import ProfileDeletedError, ProfileNotFoundError
 from autobatch.planning import check_arrival, profile_report, uncatalogued_note
 from autobatch.profile import Profile
 from service.deps import StateDep
@@ -71,7 +71,7 @@ def json_response(
     response_model=ProfilePublic,
     responses={
         200: {"model": ProfilePublic, "description": "Stored already: the same id"},
-        **problem_responses(400, 413, 415, 422),
+        **problem_responses(400, 410, 413, 415, 422),
     },
 )
 async def create_profile(body: ProfileCreate, state: StateDep, request: Request) -> Response:
@@ -95,12 +95,27 @@ async def create_profile(body: ProfileCreate, state: StateDep, request: Request)
     profile = arrived(Profile.from_dict(body.model_dump()))
 
     def create() -> Response:
-        profile_id, stored, new = state.store.publish(profile)
+        try:
+            profile_id, stored, new = state.store.publish(profile)
+        except ProfileDeletedError as exc:
+            raise deleted_profile(exc.profile_id) from None
         location = {"Location": f"/v1/profiles/{profile_id}"}
         answer = profile_public(profile_id, stored)
         return json_response(answer, status_code=201 if new else 200, headers=location)
 
     return await store_call(state, create)
+
+
+def deleted_profile(profile_id: str) -> Problem:
+    """410 ``deleted-profile``: the profile of ``profile_id`` was deleted here and is not
+    stored again (a node's outbox takes a 410 as final and stops resending it)."""
+    return Problem(
+        410,
+        "deleted-profile",
+        f"profile {profile_id} was deleted and is not stored again (its deletion already "
+        "reached the nodes); publish a new profile (probe again) instead of resending it",
+        field="body",
+    )
 
 
 def arrived(profile: Profile) -> Profile:

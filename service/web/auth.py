@@ -62,9 +62,11 @@ __all__ = [
     "is_loopback_server",
     "load_tokens",
     "parse_token_lines",
+    "read_token_bytes",
     "read_token_directory",
     "read_token_file",
     "required_role",
+    "tokens_of",
 ]
 
 Role = Literal["read", "publish", "admin"]
@@ -163,14 +165,53 @@ def load_tokens(*, api_token: str | None, tokens_file: Path | None) -> Tokens:
         ConfigError: the file or directory is unreadable, a line or file name is not a role,
             a token is empty, or a token is configured twice.
     """
+    files = None if tokens_file is None else read_token_bytes(tokens_file)
+    return tokens_of(api_token=api_token, tokens_file=tokens_file, files=files)
+
+
+def read_token_bytes(path: Path) -> tuple[tuple[Path, bytes], ...]:
+    """The bytes of a tokens file or directory, read once. Parse them with :func:`tokens_of`
+    and hash them to see a change: what was hashed is then what is parsed.
+
+    Returns:
+        ``((path, bytes),)`` for a file; for a directory, each of its files' path and bytes,
+        by name (names starting with ``.`` skipped).
+
+    Raises:
+        ConfigError: the file or directory cannot be read.
+    """
+    try:
+        if not path.is_dir():
+            return ((path, path.read_bytes()),)
+        return tuple(
+            (entry, entry.read_bytes())
+            for entry in sorted(path.iterdir())
+            if not entry.name.startswith(".") and entry.is_file()
+        )
+    except OSError as exc:  # the message, never the file's bytes
+        raise ConfigError(f"cannot read the API tokens from {path}: {exc.strerror}") from None
+
+
+def tokens_of(
+    *,
+    api_token: str | None,
+    tokens_file: Path | None,
+    files: Sequence[tuple[Path, bytes]] | None,
+) -> Tokens:
+    """The tokens of ``api_token`` and of ``files`` (:func:`read_token_bytes` of
+    ``tokens_file``), parsed from those bytes (the file is not read again).
+
+    Raises:
+        ConfigError: as :func:`load_tokens`.
+    """
     grants: list[Grant] = []
     if api_token is not None:
         grants.append(_grant("admin", None, api_token, "AUTOBATCH_API_TOKEN"))
-    if tokens_file is not None:
-        if tokens_file.is_dir():
-            grants += read_token_directory(tokens_file)
+    if tokens_file is not None and files is not None:
+        if tuple(path for path, _ in files) != (tokens_file,):  # a directory's files
+            grants += [_directory_grant(path, _text(path, data)) for path, data in files]
         else:
-            grants += parse_token_lines(_read(tokens_file), source=str(tokens_file))
+            grants += parse_token_lines(_text(tokens_file, files[0][1]), source=str(tokens_file))
     return Tokens(grants)
 
 
@@ -207,16 +248,17 @@ def read_token_directory(directory: Path) -> list[Grant]:
     Raises:
         ConfigError: a file's name is not a role, or its token is empty or several words.
     """
-    grants = []
-    for path in sorted(directory.iterdir()):
-        if path.name.startswith(".") or not path.is_file():
-            continue
-        role, dot, label = path.name.partition(".")
-        node = label if role == "publish" and dot else None
-        if role == "publish" and not dot:
-            node = ""  # refused by _grant: a publish token needs its node
-        grants.append(_grant(role, node, read_token_file(path), str(path)))
-    return grants
+    files = read_token_bytes(directory)
+    return [_directory_grant(path, _text(path, data)) for path, data in files]
+
+
+def _directory_grant(path: Path, text: str) -> Grant:
+    """The grant of one file of a tokens directory, from its name and its ``text``."""
+    role, dot, label = path.name.partition(".")
+    node = label if role == "publish" and dot else None
+    if role == "publish" and not dot:
+        node = ""  # refused by _grant: a publish token needs its node
+    return _grant(role, node, _one_token(path, text), str(path))
 
 
 def read_token_file(path: Path) -> str:
@@ -225,7 +267,11 @@ def read_token_file(path: Path) -> str:
     Raises:
         ConfigError: the file is unreadable, empty, or holds more than one word.
     """
-    words = _read(path).split()
+    return _one_token(path, _read(path))
+
+
+def _one_token(path: Path, text: str) -> str:
+    words = text.split()
     if len(words) != 1:
         raise ConfigError(
             f"token file {path} holds {'no token' if not words else 'several words'}; "
@@ -236,10 +282,22 @@ def read_token_file(path: Path) -> str:
 
 def _read(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:  # the message, never the file's bytes
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read the API tokens from {path}: {why}") from None
+        data = path.read_bytes()
+    except OSError as exc:  # the message, never the file's bytes
+        raise ConfigError(f"cannot read the API tokens from {path}: {exc.strerror}") from None
+    return _text(path, data)
+
+
+def _text(path: Path, data: bytes) -> str:
+    """``data`` (``path``'s bytes) as UTF-8 text.
+
+    Raises:
+        ConfigError: not UTF-8 (the file named, never its bytes).
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read the API tokens from {path}: not UTF-8 text") from None
 
 
 def _grant(role: str, node: str | None, token: str, source: str) -> Grant:

@@ -18,8 +18,10 @@ service account needs ``create`` on ``tokenreviews``: ``system:auth-delegator``)
 
 Reviews are kept :attr:`KubernetesSettings.cache_seconds` (30 s by default), accepted and refused
 alike, keyed by the token's SHA-256 (never the token): a token revoked (its pod deleted) stops
-working within that time. Only tokens shaped like a JWT (three dot-separated parts) are sent;
-an API server that does not answer within ``timeout_seconds`` is
+working within that time. Accepted and refused reviews are kept apart, each up to
+:data:`MAX_KEPT_REVIEWS` (the oldest dropped first when full): a flood of made-up tokens only
+churns the refusals, and real pods' reviews stay kept. Only tokens shaped like a JWT (three
+dot-separated parts) are sent; an API server that does not answer within ``timeout_seconds`` is
 :class:`ReviewUnavailable` (503 with ``Retry-After``: the node's outbox retries), and so is a
 review asked while :data:`MAX_REVIEWS_IN_FLIGHT` others wait, so that a flood of made-up tokens
 costs the API server at most that many requests at a time.
@@ -38,6 +40,7 @@ import hashlib
 import logging
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,7 @@ from autobatch.errors import AutobatchError, ConfigError
 from service.web.auth import Grant
 
 __all__ = [
+    "MAX_KEPT_REVIEWS",
     "MAX_REVIEWS_IN_FLIGHT",
     "NODE_NAME_EXTRA",
     "SERVICE_ACCOUNT_DIR",
@@ -64,7 +68,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_REVIEWS_IN_FLIGHT = 8
 """Reviews one service waits on at once; one more is refused (503) at once."""
 _REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
-_MAX_CACHED = 10_000
+MAX_KEPT_REVIEWS = 10_000
+"""Reviews kept at most, accepted and refused each; the oldest goes first when full."""
 _log = logging.getLogger("service.auth")
 
 
@@ -103,7 +108,8 @@ class TokenReviewer:
     ) -> None:
         self.settings = settings
         self._clock = clock
-        self._cache: dict[str, tuple[float, Grant | None]] = {}
+        self._accepted = _KeptReviews(MAX_KEPT_REVIEWS)
+        self._refused = _KeptReviews(MAX_KEPT_REVIEWS)
         self._in_flight = 0
 
     async def review(self, token: bytes) -> Grant | None:
@@ -118,9 +124,10 @@ class TokenReviewer:
             return None
         key = hashlib.sha256(token).hexdigest()
         now = self._clock()
-        cached = self._cache.get(key)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        for kept in (self._accepted, self._refused):
+            found, grant = kept.get(key, now)
+            if found:
+                return grant
         if self._in_flight >= MAX_REVIEWS_IN_FLIGHT:
             raise ReviewUnavailable(
                 f"{MAX_REVIEWS_IN_FLIGHT} token reviews are waiting on the Kubernetes API "
@@ -131,10 +138,8 @@ class TokenReviewer:
             grant = self._grant(await self._post(token), token)
         finally:
             self._in_flight -= 1
-        if len(self._cache) >= _MAX_CACHED:
-            self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-        if len(self._cache) < _MAX_CACHED:
-            self._cache[key] = (now + self.settings.cache_seconds, grant)
+        kept = self._refused if grant is None else self._accepted
+        kept.put(key, grant, expires=now + self.settings.cache_seconds, now=now)
         return grant
 
     async def _post(self, token: bytes) -> dict[str, Any]:
@@ -187,6 +192,36 @@ class TokenReviewer:
         return Grant(
             role="publish", node=str(nodes[0]), source=f"Kubernetes {username}", token=token
         )
+
+
+class _KeptReviews:
+    """Reviews kept until they expire, ``limit`` at most, oldest first: when full, the oldest
+    goes (expired or not), so a new review is always kept. Kept for the same time each, they
+    expire oldest first too: the expired ones are dropped from the front as reviews arrive."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._reviews: OrderedDict[str, tuple[float, Grant | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._reviews)
+
+    def get(self, key: str, now: float) -> tuple[bool, Grant | None]:
+        """``(True, grant)`` for a review kept and not expired at ``now`` (monotonic seconds),
+        else ``(False, None)``."""
+        kept = self._reviews.get(key)
+        if kept is None or kept[0] <= now:
+            return False, None
+        return True, kept[1]
+
+    def put(self, key: str, grant: Grant | None, *, expires: float, now: float) -> None:
+        """Keep ``grant`` under ``key`` until ``expires`` (monotonic seconds)."""
+        self._reviews.pop(key, None)
+        while self._reviews and (
+            len(self._reviews) >= self._limit or next(iter(self._reviews.values()))[0] <= now
+        ):
+            self._reviews.popitem(last=False)
+        self._reviews[key] = (expires, grant)
 
 
 def _verify(settings: KubernetesSettings) -> ssl.SSLContext | bool:

@@ -4,11 +4,13 @@ without a restart.
 ``AUTOBATCH_API_TOKENS_FILE`` (a file, or a directory such as a mounted Secret:
 ``service.web.auth``) is read again when a request arrives at least
 :data:`RELOAD_CHECK_SECONDS` (2 s) after the last look: its bytes (every file's, for a
-directory) are hashed, and when they changed the tokens are parsed again and replace the old
-ones at once. So a token taken out of the file stops working within 2 s of the write (within 5 s,
-as documented, with room to spare); a Kubernetes Secret reaches a mounted volume up to the
-kubelet's sync period later (about a minute). A file that no longer parses (or cannot be
-read) keeps the last good tokens in force and logs why, once per change, without the tokens.
+directory) are read once and hashed, and when they changed the tokens are parsed from those
+same bytes (never a second read, which a writer truncating the file could catch empty) and
+replace the old ones at once. So a token taken out of the file stops working within 2 s of the
+write (within 5 s, as documented, with room to spare); a Kubernetes Secret reaches a mounted
+volume up to the kubelet's sync period later (about a minute). A file that no longer parses
+(or cannot be read) keeps the last good tokens in force and logs why, once per change, without
+the tokens.
 
 Once a file is configured the API stays closed: a file emptied on reload answers 401 to every
 ``/v1`` call, never opens the API as a server without tokens is.
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from autobatch.errors import ConfigError
-from service.web.auth import Tokens, load_tokens
+from service.web.auth import Tokens, read_token_bytes, tokens_of
 
 __all__ = ["RELOAD_CHECK_SECONDS", "TokenSource", "file_fingerprint"]
 
@@ -63,8 +65,9 @@ class TokenSource:
         self._file = tokens_file
         self._check_seconds = check_seconds
         self._clock = clock
-        self._seen = None if tokens_file is None else file_fingerprint(tokens_file)
-        self._tokens = load_tokens(api_token=api_token, tokens_file=tokens_file)
+        files = None if tokens_file is None else read_token_bytes(tokens_file)
+        self._seen = None if files is None else _fingerprint(files)
+        self._tokens = tokens_of(api_token=api_token, tokens_file=tokens_file, files=files)
         self._checked_at = clock()
 
     def __bool__(self) -> bool:
@@ -80,15 +83,20 @@ class TokenSource:
         return self._tokens
 
     def _reload(self, path: Path) -> None:
+        """Parse the file again when its bytes changed, from the bytes hashed (read once)."""
+        files: tuple[tuple[Path, bytes], ...] | None = None
         try:
-            seen = file_fingerprint(path)
+            files = read_token_bytes(path)
+            seen = _fingerprint(files)
         except ConfigError as exc:
             seen = f"unreadable: {exc}"
         if seen == self._seen:
             return
         self._seen = seen
         try:
-            self._tokens = load_tokens(api_token=self._api_token, tokens_file=path)
+            if files is None:
+                raise ConfigError(seen.removeprefix("unreadable: "))
+            self._tokens = tokens_of(api_token=self._api_token, tokens_file=path, files=files)
         except ConfigError as exc:
             _log.error(
                 "the API tokens were not reloaded (%s); the last good ones stay in force until "
@@ -106,14 +114,12 @@ def file_fingerprint(path: Path) -> str:
     Raises:
         ConfigError: the file or directory cannot be read.
     """
+    return _fingerprint(read_token_bytes(path))
+
+
+def _fingerprint(files: tuple[tuple[Path, bytes], ...]) -> str:
+    """A SHA-256 of :func:`~service.web.auth.read_token_bytes`' answer (names and bytes)."""
     digest = hashlib.sha256()
-    try:
-        if path.is_dir():
-            for entry in sorted(path.iterdir()):
-                if not entry.name.startswith(".") and entry.is_file():
-                    digest.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
-        else:
-            digest.update(path.read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"cannot read the API tokens from {path}: {exc.strerror}") from None
+    for path, data in files:
+        digest.update(path.name.encode() + b"\0" + data + b"\0")
     return digest.hexdigest()

@@ -4,6 +4,7 @@ flags; the real probe sends the stages in order."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,35 @@ def test_tune_reports_its_stages_and_a_failed_report_cleanly(
     assert "could not register the profile with the autobatch service" in warned
     assert warned.endswith("; use --refresh (probe again and send it)")
     assert "refresh=True" not in err and "autobatch.client" not in err
+
+
+def test_the_progress_line_does_not_tick_into_a_log_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # stderr a log file (CI, kubectl logs): a line an event, no carriage return, no clock
+    # ticking (were a ticker drawing, a 0 s tick would add redraws between the events).
+    import autobatch.cli._progress as progress_module
+
+    err = io.StringIO()  # not a terminal: isatty() is False
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr(progress_module, "TICK_SECONDS", 0.0)
+    progress = Progress(enabled=True)
+    display = ProbeDisplay()
+    events: list[ProbeStage | Trial] = [
+        ProbeStage(stage="trials", max_trials=8),
+        fits(4, 2**20),
+        ProbeStage(stage="confirm", max_trials=8),
+    ]
+    expected = []
+    for event in events:
+        if isinstance(event, ProbeStage):
+            progress.stage(event)
+            display.stage(event)
+        else:
+            progress.trial(event)
+            display.trial(event)
+        expected.append(display.text())
+    progress.warning("a warning")
+    progress.close()
+    assert "\r" not in err.getvalue()
+    assert err.getvalue().splitlines() == [*expected, "autobatch: warning: a warning"]

@@ -94,3 +94,32 @@ def test_bad_bodies_name_the_field(client: TestClient) -> None:
         json={"model_fingerprint": "fp", "effective_batch_size": 8, "world_size": 0},
     )
     assert problem(response, 422, "validation")["errors"][0]["field"] == "body.world_size"
+
+
+def test_sizing_with_no_allowed_count_under_the_ceiling_is_a_422_not_a_500(
+    client: TestClient,
+) -> None:
+    # The policy is checked as a whole: a ceiling below every allowed count allows no count
+    # (planning at none raised inside the handler: a 500), sized or asked alike.
+    published = client.post(
+        "/v1/profiles", json=make_profile(device_name=H100, node_name="node-a").to_dict()
+    )
+    assert published.status_code == 201, published.text
+    policy = {"size": True, "max_world_size": 3, "allowed_world_sizes": [8, 4]}
+    for asked in ({}, {"world_size": 4}, {"policy": {**policy, "size": False}, "world_size": 4}):
+        response = client.post(
+            "/v1/admissions",
+            json={
+                "model_fingerprint": "fp-gpt2",
+                "effective_batch_size": 64,
+                "policy": policy,
+                **asked,
+            },
+        )
+        body = problem(response, 422, "validation")
+        assert body["errors"][0]["field"] == "body.policy"
+        assert "max_world_size 3 is below every allowed_world_sizes (4, 8)" in body["detail"]
+        assert "raise max_world_size to at least 4" in body["detail"]
+    # A ceiling at the smallest allowed count sizes to it.
+    sized = admit(client, cards=[H100], policy={**policy, "max_world_size": 4})
+    assert (sized["outcome"], sized["world_size"]) == ("sized", 4)

@@ -10,15 +10,22 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autobatch.store import ProfileStore
-from service.fleet.forgetting import DEFAULT_INTERVAL_SECONDS
+import service.plans.limits as limits
+from autobatch.errors import ProfileDeletedError
+from autobatch.profile import Profile
+from autobatch.store import ProfileStore, profile_id_of
+from service.fleet.forgetting import DEFAULT_INTERVAL_SECONDS, Forgetting
+from service.fleet.publisher import _send
 from service.web.settings import Settings
+from tests.service.conftest import no_nvml
 from tests.service.serving import free_port
+from tests.service.test_fleet_trust import HONEST, publish
 from tests.service.test_roles import measured
 from tests.service.test_service_api import make_profile, problem
 
@@ -52,10 +59,13 @@ def test_deletions_leave_tombstones_in_commit_order(store_path: str) -> None:
         assert [d.profile_id for d in store.page_deletions(after=first.next_after).deletions] == [
             ids[0]
         ]
-        again = store.put(make_profile(max_micro_batch_size=41))  # stored again, deleted again
-        assert again == ids[1] and store.delete(again)
-        later = store.page_deletions(after=page.next_after).deletions
-        assert [d.profile_id for d in later] == [ids[1]]
+        # Stored again (a resend), a deleted profile stays deleted: its tombstone refuses it.
+        with pytest.raises(ProfileDeletedError) as refused:
+            store.put(make_profile(max_micro_batch_size=41))
+        assert refused.value.profile_id == ids[1]
+        with pytest.raises(ProfileDeletedError):
+            store.publish(make_profile(max_micro_batch_size=41))
+        assert store.page_deletions(after=page.next_after).deletions == ()
         assert [pid for pid, _ in store.list_profiles()] == [ids[2]]
 
 
@@ -140,3 +150,71 @@ def test_a_profile_deleted_at_central_stops_answering_on_the_node(
             while node_store.list_profiles():
                 assert time.monotonic() - deleted < 30, "the node's own copy outlived the bound"
                 time.sleep(0.05)
+
+
+def test_a_deleted_profile_stays_deleted_when_resent(make_app: Callable[..., FastAPI]) -> None:
+    # A node outbox's retry racing the admin's DELETE: the tombstone already went to the
+    # nodes, so the resend is 410 (the outbox takes it as final) and nothing is stored.
+    central = TestClient(make_app(nvml=no_nvml()), raise_server_exceptions=False)
+    (profile_id,) = publish(central, HONEST[0])
+    assert central.delete(f"/v1/profiles/{profile_id}").status_code == 204
+    resent = central.post("/v1/profiles", json=HONEST[0].to_dict())
+    body = problem(resent, 410, "deleted-profile")
+    assert f"profile {profile_id} was deleted" in body["detail"]
+    assert "publish a new profile" in body["detail"]
+    assert central.get(f"/v1/profiles/{profile_id}").status_code == 404
+    deletions = central.get("/v1/profile-deletions").json()
+    assert [d["profile_id"] for d in deletions["deletions"]] == [profile_id]  # one tombstone
+
+
+def test_a_node_outbox_drops_a_profile_central_deleted() -> None:
+    answer = httpx.Response(410, json={"detail": "profile 0 was deleted"})
+    http = httpx.Client(
+        base_url="http://central.invalid", transport=httpx.MockTransport(lambda _: answer)
+    )
+    with http:
+        assert _send(http, b"{}", None).outcome == "refused"  # taken out, never resent
+
+
+class _Central:
+    """A central service that deleted one profile (its tombstone at cursor 1)."""
+
+    url = "http://central.invalid"
+
+    def __init__(self, deleted: str) -> None:
+        self.deleted = deleted
+
+    def deletions_after(self, cursor: int, *, limit: int) -> tuple[list[str], int]:
+        return ([self.deleted], 1) if cursor < 1 else ([], cursor)
+
+
+class _FetchedBefore:
+    """A central service whose answer was fetched before it deleted that profile."""
+
+    def __init__(self, profile_id: str) -> None:
+        self.profile_id = profile_id
+
+    def profiles_of(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
+        return [(self.profile_id, HONEST[0])]
+
+
+def test_a_copy_stored_just_after_its_tombstone_is_forgotten_too(tmp_path: Path) -> None:
+    # A node copies a central profile (GET, then store.put) while its deletion travels: the
+    # tombstone pass runs between the GET and the put, the node never having held the copy.
+    store = ProfileStore(tmp_path / "node.sqlite3")
+    try:
+        profile = HONEST[0]
+        fetched_id = profile_id_of(profile)  # the id central has: ids are content hashes
+        forgetting = Forgetting(_Central(fetched_id), store)  # type: ignore[arg-type]
+        assert forgetting.follow_once() == []  # nothing held here: only the tombstone kept
+        with pytest.raises(ProfileDeletedError):
+            store.put(profile)  # _from_central's copy, fetched before the deletion
+        forgetting.follow_once()  # later passes: nothing new after the cursor
+        assert all(pid != fetched_id for pid, _ in store.list_profiles())
+        # A plan on the node asking central for the model does not answer from that copy.
+        fetched = _FetchedBefore(fetched_id)
+        assert limits._from_central(store, fetched, "fp-gpt2", None) == []  # type: ignore[arg-type]
+        other = store.put(HONEST[1])  # the node's other profiles are stored as ever
+        assert [pid for pid, _ in store.list_profiles()] == [other]
+    finally:
+        store.close()

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -19,7 +20,9 @@ from autobatch.store import ProfileStore
 from service.fleet.publisher import OutboxPolicy, Publisher
 from service.web.auth import FileToken, Grant, parse_token_lines
 from service.web.kubernetes_tokens import (
+    MAX_KEPT_REVIEWS,
     MAX_REVIEWS_IN_FLIGHT,
+    NODE_NAME_EXTRA,
     KubernetesSettings,
     ReviewUnavailable,
     TokenReviewer,
@@ -196,6 +199,47 @@ def test_a_flood_of_made_up_tokens_waits_on_few_reviews(kube: FakeKubeApi, tmp_p
     assert asyncio.run(reviewer.review(POD_A.encode())) is not None  # the count went back down
 
 
+def test_a_flood_of_refused_tokens_does_not_stop_real_tokens_being_kept() -> None:
+    settings = KubernetesSettings(
+        api_url="https://kubernetes.invalid", service_accounts=frozenset({"default:autobatch"})
+    )
+    reviewer = TokenReviewer(settings, clock=lambda: 100.0)
+    real = b"eyJ.real-pod-token.sig"
+    asked: list[bytes] = []
+
+    async def post(token: bytes) -> dict[str, Any]:
+        asked.append(token)
+        if token != real:
+            return {"authenticated": False}
+        return {
+            "authenticated": True,
+            "audiences": ["autobatch"],
+            "user": {
+                "username": "system:serviceaccount:default:autobatch",
+                "extra": {NODE_NAME_EXTRA: ["node-a"]},
+            },
+        }
+
+    reviewer._post = post  # type: ignore[method-assign]
+
+    async def run() -> None:
+        for n in range(10_000):
+            assert await reviewer.review(f"eyJ.made-up-{n}.sig".encode()) is None
+        for _ in range(3):
+            assert await reviewer.review(real) is not None
+
+    asyncio.run(run())
+    assert asked.count(real) == 1  # kept after the flood: asked once, not at every request
+    asked.clear()
+
+    async def again() -> None:  # the refusals are kept too, MAX_KEPT_REVIEWS at most
+        assert await reviewer.review(f"eyJ.made-up-{9_999}.sig".encode()) is None
+        assert await reviewer.review(f"eyJ.made-up-{0}.sig".encode()) is None
+
+    asyncio.run(again())
+    assert asked == ([] if MAX_KEPT_REVIEWS >= 10_000 else [b"eyJ.made-up-0.sig"])
+
+
 def test_kubernetes_settings_name_the_accounts_or_fail_at_start(
     make_app: Callable[..., FastAPI], tmp_path: Path
 ) -> None:
@@ -265,6 +309,42 @@ def test_a_broken_file_keeps_the_last_good_tokens_and_logs(
     path.write_text("")  # emptied: every call is refused, the API does not open
     now[0] += RELOAD_CHECK_SECONDS
     assert source.current().identify("Bearer adm-1") is None and bool(source)
+
+
+@pytest.mark.parametrize("as_directory", [False, True])
+def test_a_token_file_rewritten_during_a_reload_keeps_its_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_directory: bool
+) -> None:
+    # A writer truncates the file (open(..., "w")) just after the reload's first read of it,
+    # and writes the same text back after the reload: what was hashed is what is parsed, so
+    # the tokens stay (parsing a second read took the empty file's, until the next change).
+    now = [0.0]
+    folder = tmp_path / "secret"
+    folder.mkdir()
+    path = folder / "admin" if as_directory else tmp_path / "tokens"
+    text = "adm-1\n" if as_directory else "admin adm-1\nread rd-1\n"
+    path.write_text(text)
+    source = TokenSource(
+        api_token=None, tokens_file=folder if as_directory else path, clock=lambda: now[0]
+    )
+    changed = "adm-1 \n" if as_directory else text + "read rd-2\n"
+    path.write_text(changed)  # a change, so the next look reloads
+    real_read_bytes = Path.read_bytes
+
+    def read_then_truncated(self: Path) -> bytes:
+        data = real_read_bytes(self)
+        if self == path:
+            self.write_text("")
+        return data
+
+    now[0] += RELOAD_CHECK_SECONDS
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "read_bytes", read_then_truncated)
+        source.current()
+    path.write_text(changed)  # the writer's write of the same text
+    for _ in range(3):  # later looks, the file unchanged since
+        now[0] += RELOAD_CHECK_SECONDS
+        assert source.current().identify("Bearer adm-1") is not None
 
 
 def test_a_server_drops_a_revoked_token_without_a_restart(
