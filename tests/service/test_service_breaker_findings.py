@@ -35,12 +35,6 @@ def _plan(client: TestClient, **body: Any) -> Any:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="arrival checks skip the card catalogue unless device_type is 'cuda': a profile "
-    "that says device_type 'cpu' under an H100's name with 1 PiB of memory is stored and then "
-    "answers plans for the H100 (measured) and predicts the L40S from it",
-)
 def test_a_non_cuda_profile_under_a_catalogued_card_name_is_refused(central: TestClient) -> None:
     fake = node_profile(
         "node-a",
@@ -281,12 +275,6 @@ def test_a_smaller_card_is_never_predicted_past_a_bigger_card_s_measured_maximum
     assert answer["plan"]["max_micro_batch_size"] <= 64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a MIG slice is checked only against its whole card: a 1g.10gb slice of an H100 "
-    "that claims 80 GiB of memory (and a 30 GiB peak that fitted) is stored, though its name "
-    "says 10 GB",
-)
 def test_a_mig_slice_claiming_the_whole_card_s_memory_is_refused(central: TestClient) -> None:
     slice_ = node_profile("node-m", 64, 60, device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb")
     response = central.post("/v1/profiles", json=slice_.to_dict())
