@@ -259,13 +259,6 @@ def test_a_copy_stored_just_after_its_tombstone_is_forgotten_too(tmp_path: Path)
         store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a plan predicted for a smaller card reaches past what the bigger card measured: "
-    "two H100 nodes (80 GB) found their maximum at 64 and 66 (stop_kind boundary), yet the "
-    "L40S (48 GB) gets max_micro_batch_size 79 from their line (and "
-    "AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE 79 above AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE 64)",
-)
 def test_a_smaller_card_is_never_predicted_past_a_bigger_card_s_measured_maximum(
     central: TestClient,
 ) -> None:
