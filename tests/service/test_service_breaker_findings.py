@@ -155,12 +155,6 @@ def test_duplicate_cards_are_named_as_cards_not_world_sizes(central: TestClient)
     assert "world size" not in response.json()["detail"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="for a card nobody measured, 'the card measured with the most memory speaks': one "
-    "node publishing a plausible H200 profile (passes the arrival checks) alone moves the L40S "
-    "plan from 64 to 2048 per micro-batch, though two H100 nodes agree (rests_on node-z)",
-)
 def test_a_lone_node_on_a_bigger_card_does_not_move_a_predicted_plan(
     central: TestClient,
 ) -> None:
