@@ -8,13 +8,16 @@ is checked on arrival (:func:`check_arrival`), each check naming the profile's f
   line puts past its memory never ran;
 - each trial that fitted: its peak within the card's ``total_memory_bytes`` (the same
   tolerance): no step holds more than the card has;
-- a CUDA card's ``total_memory_bytes`` within the catalogue's memory for its name
-  (:func:`autobatch.device.catalogue_memory_bytes`, with its own tolerance; a MIG slice within
-  its whole card's); a name the catalogue does not hold is taken only as NVML reported it (the
+- a catalogued card's ``total_memory_bytes`` within the catalogue's memory for its name
+  (:func:`autobatch.device.catalogue_memory_bytes`, with its own tolerance), whatever
+  ``device_type`` says: a ``"cpu"`` profile under an H100's name is checked as an H100; a MIG
+  slice within its slice's size where its name gives it (``1g.10gb``: 10 GiB), else its whole
+  card's; a CUDA card's name the catalogue does not hold is taken only as NVML reported it (the
   profile's budget holds an ``nvml`` reading of that total), and marked as such
   (:func:`uncatalogued_note`).
 
-Simulated and CPU devices have no card to check; their arithmetic is checked all the same.
+Simulated and CPU devices under a name no catalogue holds have no card to check; their
+arithmetic is checked all the same.
 Imports neither torch nor pynvml.
 
 Example::
@@ -26,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from autobatch.device import CARD_MEMORY_TOLERANCE, card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError
@@ -43,6 +47,10 @@ which a card's reserve and context move by a few percent. Ten percent is twice t
 these; a profile claiming 1 GiB a sample at 5,000 on an 80 GB card is 60 times past it."""
 
 _UNCATALOGUED = "card not in autobatch's catalogue: "
+
+_MIG_SIZE = re.compile(r"\d+g\.(\d+)gb")
+"""A MIG profile's memory in its name (``1g.10gb``: 10), in GiB: NVML reports a slice at or
+below it (an H100's 1g.10gb: 9,856 MiB; its 7g.80gb: 81,559 MiB)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,10 +128,10 @@ def _trial_peaks(profile: Profile) -> list[Discrepancy]:
 
 
 def _card_memory(profile: Profile) -> list[Discrepancy]:
-    if profile.device_type != "cuda":
-        return []
     known = _catalogue_bytes(profile.device_name)
     total = profile.total_memory_bytes
+    if known is None and profile.device_type != "cuda":
+        return []  # a host, a simulated or MPS device under a name no catalogue holds
     if known is not None:
         if total <= known * (1 + CARD_MEMORY_TOLERANCE):
             return []
@@ -133,8 +141,9 @@ def _card_memory(profile: Profile) -> list[Discrepancy]:
                 reason=(
                     f"total_memory_bytes {total} ({format_bytes(total)}) is more than "
                     f"{profile.device_name!r} has ({format_bytes(known)} in autobatch's "
-                    f"catalogue, {CARD_MEMORY_TOLERANCE:.0%} tolerance): send the memory NVML "
-                    "reports for the card"
+                    f"catalogue, {CARD_MEMORY_TOLERANCE:.0%} tolerance; device_type "
+                    f"{profile.device_type!r}): send the memory NVML reports for the card, "
+                    "or a device_name that names the device measured"
                 ),
             )
         ]
@@ -154,13 +163,19 @@ def _card_memory(profile: Profile) -> list[Discrepancy]:
 
 
 def _catalogue_bytes(name: str) -> int | None:
-    """The catalogue's memory for ``name``, or for the whole card of a MIG slice's name (an
-    upper bound of the slice's)."""
+    """The catalogue's memory for ``name``, in bytes; for a MIG slice's name, its slice's size
+    where the MIG profile gives it (``1g.10gb``: 10 GiB, at most the whole card's), else its
+    whole card's (an upper bound of the slice's). None for a card the catalogue does not hold."""
     try:
         key = card_key(name)
     except ConfigError:
         return None
-    return catalogue_memory_bytes(key.split("-mig-")[0])
+    whole_key, _, mig = key.partition("-mig-")
+    whole = catalogue_memory_bytes(whole_key)
+    sized = _MIG_SIZE.match(mig)
+    if whole is None or sized is None:
+        return whole
+    return min(whole, int(sized.group(1)) << 30)
 
 
 def _nvml_reported(profile: Profile) -> bool:

@@ -423,6 +423,11 @@ def failure_limit(profile: Profile, budget_bytes: int) -> tuple[int, str] | None
     gentle peaks can predict 32 where 11, 12, 24 and 47 ran out of memory). A failure other
     than memory (``failed_micro_batch_size``: a kernel's launch limit, say) does not move with
     the memory, so it bounds a plan for any budget; its note is the profile's ``failure_note``.
+    A search that stopped at its boundary (``stop_kind`` ``"boundary"``, real trials: the size
+    past ``max_micro_batch_size`` did not fit) bounds a plan for a budget no larger than its
+    capacity at that maximum the same way: a smaller card (same model and conditions) is never
+    planned past a bigger card's measured maximum, whatever its line predicts. A capped search,
+    a confirmation or an estimate only says "at least", so it bounds nothing.
 
     Returns:
         ``(largest_allowed, note)``; ``largest_allowed`` is 0 when micro-batch 1 failed.
@@ -439,16 +444,40 @@ def failure_limit(profile: Profile, budget_bytes: int) -> tuple[int, str] | None
                 f"larger, so no size from {smallest} up is planned, whatever the peaks predict",
             )
         )
+    if _measured_boundary(profile) and budget_bytes <= profile.capacity_bytes:
+        size = profile.max_micro_batch_size
+        bounds.append(
+            (
+                size,
+                f"micro-batch {size + 1} did not fit in this profile at capacity_bytes "
+                f"{profile.capacity_bytes} (its measured maximum is {size}); this plan's budget "
+                f"({budget_bytes} bytes) is no larger, so nothing past {size} is planned, "
+                "whatever the peaks predict",
+            )
+        )
     if profile.failed_micro_batch_size:
         size = profile.failed_micro_batch_size
         bounds.append((size - 1, f"micro-batch {size} failed for a reason other than memory"))
     return min(bounds) if bounds else None
 
 
+def _measured_boundary(profile: Profile) -> bool:
+    """Whether ``profile``'s maximum is one real trials measured at its boundary: the next size
+    did not fit (not a capped search, a confirmation of a prediction, or an estimate)."""
+    return (
+        profile.stop_kind == "boundary"
+        and not profile.confirms_prediction
+        and profile.method != "estimate"
+        and profile.max_micro_batch_size > 0
+    )
+
+
 def _failure_note(failed: tuple[int, str] | None, size: int) -> tuple[str, ...]:
-    """The note of an out-of-memory bound that decided ``size`` (a failure other than memory
-    is already in the plan's notes as the profile's ``failure_note``)."""
-    if failed is None or failed[0] != size or "ran out of memory" not in failed[1]:
+    """The note of an out-of-memory or measured-boundary bound that decided ``size`` (a failure
+    other than memory is already in the plan's notes as the profile's ``failure_note``)."""
+    if failed is None or failed[0] != size:
+        return ()
+    if "ran out of memory" not in failed[1] and "did not fit" not in failed[1]:
         return ()
     return (failed[1],)
 

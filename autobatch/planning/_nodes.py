@@ -11,7 +11,11 @@ which may be wrong or lying. :func:`draw_among_nodes` makes the rule:
    ``"limit"``: the search limit or an effective batch's), or a profile that confirmed a
    prediction with one trial, only says "at least". Where any node measured its maximum, such
    voices are set aside (named in ``lower_bounds``); they never agree with a measured maximum,
-   nor override it. With only lower bounds, the answer is drawn among them and says so.
+   nor override it. With only lower bounds, the answer is drawn among them and says so. A
+   lower bound still shows that its size fitted: with fewer than :data:`MIN_VOICES` measured
+   maxima, a measured maximum below what at least two other nodes showed fitting (by more than
+   :data:`OUTLIER_FACTOR`, lower bounds and maxima alike) is contradicted by them: set aside
+   and named an outlier, so one low node cannot undercut two that ran more.
 3. **No node alone decides**: the voices are ordered most conservative first (smallest
    recommended micro-batch, then max, then id). With three or more, the answer is the second:
    for any one node set aside, the others still hold a voice at or below the answer and one
@@ -61,8 +65,9 @@ class Drawn:
     """One profile per node that the answer was drawn among, most conservative first."""
     outliers: tuple[str, ...] = ()
     """Node names whose max micro-batch lies outside the range all the other voices measured,
-    by more than :data:`OUTLIER_FACTOR` (with at least :data:`MIN_VOICES` voices); the answer
-    does not rest on them."""
+    by more than :data:`OUTLIER_FACTOR` (with at least :data:`MIN_VOICES` voices), or whose
+    measured maximum at least two other nodes showed fitting past (set aside, not among
+    :attr:`voices`); the answer does not rest on them."""
     rests_on: str | None = None
     """With fewer than :data:`MIN_VOICES` voices: the node whose profile answers ('' when it
     recorded none); None when at least two other nodes bound the answer."""
@@ -94,17 +99,38 @@ def draw_among_nodes(group: Sequence[Entry]) -> Drawn:
             latest[node] = entry
     voices = list(latest.values())
     measured = [entry for entry in voices if not is_lower_bound(entry[1])]
-    bounds = [] if not measured else [e for e in voices if is_lower_bound(e[1])]
-    pool = sorted(measured or voices, key=_conservative)
+    lower = [entry for entry in voices if is_lower_bound(entry[1])]
+    contradicted = _contradicted(measured, voices) if len(measured) < MIN_VOICES else set()
+    kept = [entry for entry in measured if entry[0] not in contradicted]
+    bounds = lower if kept else []
+    pool = sorted(kept or lower or measured, key=_conservative)
     few = len(pool) < MIN_VOICES
+    low = {entry[1].node_name for entry in measured if entry[0] in contradicted}
     return Drawn(
         chosen=pool[0] if few else pool[1],
         voices=tuple(pool),
-        outliers=() if few else _outliers(pool),
+        outliers=tuple(sorted(low | set(() if few else _outliers(pool)))),
         rests_on=pool[0][1].node_name if few else None,
         lower_bounds=tuple(sorted(entry[1].node_name for entry in bounds)),
-        only_lower_bounds=not measured,
+        only_lower_bounds=not kept and bool(lower),
     )
+
+
+def _contradicted(measured: list[Entry], voices: list[Entry]) -> set[str]:
+    """The ids of the measured maxima below what at least ``MIN_VOICES - 1`` other nodes showed
+    fitting (their max micro-batch, a lower bound's included), by more than
+    :data:`OUTLIER_FACTOR`."""
+    found = set()
+    for profile_id, profile, _ in measured:
+        ceiling = profile.max_micro_batch_size * OUTLIER_FACTOR
+        above = [
+            other
+            for other in voices
+            if other[0] != profile_id and other[1].max_micro_batch_size > ceiling
+        ]
+        if len(above) >= MIN_VOICES - 1:
+            found.add(profile_id)
+    return found
 
 
 def _newer(entry: Entry, than: Entry) -> bool:

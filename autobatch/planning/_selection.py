@@ -35,8 +35,10 @@ conservative, so that one node cannot move the answer outside what the others me
 selection names the outliers, or the node the answer rests on, and the spread of the max
 micro-batch sizes. From another card, only a card in autobatch's catalogue speaks
 (:func:`autobatch.device.catalogue_memory_bytes`: a name nobody can check never speaks for a real
-card); the one whose profiles were measured with the most memory speaks (its peaks cover the
-most sizes), its nodes drawn as above. Imports neither torch nor pynvml.
+card); the card measured by the most nodes speaks (counted up to three: one node alone on a
+card never outranks two that agree on another, so no single node moves a predicted plan
+either), among those the one measured with the most memory (its peaks cover the most sizes),
+its nodes drawn as above. Imports neither torch nor pynvml.
 
 Example::
 
@@ -56,7 +58,7 @@ from typing import Any, Literal
 from autobatch.conditions import Conditions
 from autobatch.device import SHARING_TOLERANCE, card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError
-from autobatch.planning._nodes import Drawn, Entry, draw_among_nodes
+from autobatch.planning._nodes import MIN_VOICES, Drawn, Entry, draw_among_nodes
 from autobatch.profile import Profile
 from autobatch.units import format_bytes
 
@@ -279,10 +281,8 @@ def select_profile(
         return None
     rank = min(ranked)
     group = ranked[rank]
-    if rank in _OTHER_CARD_RANKS:  # the card measured with the most memory speaks
-        most = max(measured_bytes(p) for _, p, _ in group)
-        speaks = min(_key(p) for _, p, _ in group if measured_bytes(p) == most)
-        group = [entry for entry in group if _key(entry[1]) == speaks]
+    if rank in _OTHER_CARD_RANKS:
+        group = _speaking_card(group)
     drawn = draw_among_nodes(group)
     profile_id, profile, differs = drawn.chosen
     reasons = _reasons(profile, card=card, key=key, node=node, share=share, differs=differs)
@@ -304,6 +304,24 @@ def select_profile(
         rests_on=drawn.rests_on,
         lower_bounds=drawn.lower_bounds,
     )
+
+
+def _speaking_card(group: list[Entry]) -> list[Entry]:
+    """The entries of the one other card that speaks (module docstring): the card measured by
+    the most nodes, counted up to :data:`~autobatch.planning._nodes.MIN_VOICES` (so one node
+    alone on a card never outranks two or more that agree on another), then the one measured
+    with the most memory (bytes), then the first card key."""
+    by_card: dict[str, list[Entry]] = {}
+    for entry in group:
+        by_card.setdefault(_key(entry[1]), []).append(entry)
+
+    def standing(key: str) -> tuple[int, int, str]:
+        entries = by_card[key]
+        nodes = len({profile.node_name for _, profile, _ in entries})
+        most = max(measured_bytes(profile) for _, profile, _ in entries)
+        return -min(nodes, MIN_VOICES), -most, key
+
+    return by_card[min(by_card, key=standing)]
 
 
 def _measured_under(profile: Profile) -> dict[str, str]:

@@ -141,3 +141,39 @@ def test_the_catalogue_holds_real_cards_in_any_name_form_and_nothing_else() -> N
     assert catalogue_memory_bytes("NVIDIA B999") is None
     assert catalogue_memory_bytes("") is None
     assert catalogue_memory_bytes(f"{H100} MIG 1g.10gb") is None
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "simulated", "mps"])
+def test_a_catalogued_name_is_checked_whatever_the_device_type(device_type: str) -> None:
+    petabyte = profile(
+        device_type=device_type,
+        total_memory_bytes=2**50,
+        capacity_bytes=2**50,
+        trials=(Trial(micro_batch_size=64, fits=True, peak_allocated_bytes=36 * GIB),),
+    )
+    assert fields(check_arrival(petabyte)) == ["total_memory_bytes"]
+    assert check_arrival(profile(device_type=device_type)) == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "refused"),
+    [
+        (f"{H100} MIG 1g.10gb", 80 * GIB, True),  # the whole card's memory on a 10 GB slice
+        (f"{H100} MIG 1g.10gb", 9856 << 20, False),  # what NVML reports for it
+        (f"{H100} MIG 3g.40gb", 40192 << 20, False),
+        (f"{H100} MIG 3g.40gb", 60 * GIB, True),
+        (f"{H100} MIG 7g.80gb", 81559 << 20, False),
+    ],
+)
+def test_a_mig_slice_is_checked_against_its_slice_s_size(
+    name: str, total: int, refused: bool
+) -> None:
+    slice_ = profile(
+        device_name=name,
+        total_memory_bytes=total,
+        capacity_bytes=total * 9 // 10,
+        max_micro_batch_size=2,
+        recommended_micro_batch_size=2,
+        trials=(Trial(micro_batch_size=2, fits=True, peak_allocated_bytes=5 * GIB),),
+    )
+    assert ("total_memory_bytes" in fields(check_arrival(slice_))) is refused

@@ -118,3 +118,17 @@ def test_a_failure_other_than_memory_bounds_every_capacity() -> None:
     for capacity in (8 * GIB, 64 * GIB):
         result = plan(failed, effective_batch_size=64, capacity_bytes=capacity)
         assert result.max_micro_batch_size <= 11
+
+
+@pytest.mark.parametrize(("stop_kind", "bounded"), [("boundary", True), ("limit", False)])
+def test_a_measured_maximum_bounds_every_smaller_card(stop_kind: str, bounded: bool) -> None:
+    # A line of 4 GiB + 0.5 GiB a sample that puts 150 within 79 GiB, but the search found its
+    # boundary at 64 (65 did not fit): a 48 GiB card is planned no further than 64, whatever the
+    # line says; a capped search (a lower bound) bounds nothing.
+    trials = (ran(1, 4.5, warm_up=True), ran(32, 20.0), ran(64, 36.0))
+    line = MemoryModel(fixed_bytes=4 * GIB, bytes_per_sample=GIB // 2)
+    measured = profile(trials, 79, memory_model=line, stop_kind=stop_kind)
+
+    for capacity_gib in (48, 79):
+        result = plan(measured, effective_batch_size=1024, capacity_bytes=capacity_gib * GIB)
+        assert (result.max_micro_batch_size <= 64) is bounded, capacity_gib

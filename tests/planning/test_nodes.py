@@ -150,3 +150,36 @@ def test_profiles_without_a_node_share_one_voice_and_the_latest_speaks() -> None
     assert (drawn.chosen[0], drawn.rests_on, len(drawn.voices)) == ("anon-2", "", 1)
     with pytest.raises(ValueError, match="at least one profile"):
         draw_among_nodes([])
+
+
+@pytest.mark.parametrize("low", [1, 40])
+def test_a_lone_low_node_does_not_undercut_two_nodes_that_showed_more_fitting(low: int) -> None:
+    bounds = [("cap-b", capped("node-b", 64)), ("cap-c", capped("node-c", 64))]
+
+    chosen = by_card([("z-low", profile("node-z", low)), *bounds])
+
+    assert chosen.profile.max_micro_batch_size == 64 and chosen.profile_id == "cap-b"
+    assert chosen.outliers == ("node-z",) and "each a lower bound" in chosen.basis
+    # A measured maximum and a lower bound contradict it alike; one of them alone does not.
+    mixed = by_card([("z-low", profile("node-z", low)), ("b-64", profile("node-b", 64)), bounds[1]])
+    assert (mixed.profile_id, mixed.outliers) == ("b-64", ("node-z",))
+    alone = by_card([("z-low", profile("node-z", low)), bounds[0]])
+    assert (alone.profile_id, alone.outliers, alone.rests_on) == ("z-low", (), "node-z")
+    # Within OUTLIER_FACTOR of what the others ran, a lower maximum is honest and answers.
+    near = by_card([("z-60", profile("node-z", 60)), *bounds])
+    assert near.profile_id == "z-60"
+
+
+def test_a_lone_node_on_a_bigger_card_does_not_outrank_two_nodes_that_agree() -> None:
+    h200 = {"device_name": "NVIDIA H200", "total_memory_bytes": 140 * GIB}
+    lone = ("z-h200", profile("node-z", 4096, **h200, capacity_bytes=139 * GIB))
+
+    chosen = by_card([lone, *HONEST], card=L40S)
+
+    assert (chosen.profile_id, chosen.match) == ("c-60", "predicted")
+    # Two nodes on the bigger card outrank two on the smaller (then the most memory speaks) ...
+    second = ("y-h200", profile("node-y", 2048, **h200, capacity_bytes=139 * GIB))
+    both = by_card([lone, second, *HONEST], card=L40S)
+    assert (both.profile_id, both.rests_on) == ("y-h200", "node-y")
+    # ... and one node alone on each card: the card measured with the most memory.
+    assert by_card([lone, HONEST[0]], card=L40S).profile_id == "z-h200"

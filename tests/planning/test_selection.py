@@ -75,10 +75,11 @@ STORE = [
         (None, "n3", {"amp_dtype": "bfloat16"}, "a100-n4-bf16", "measured"),
         # The card only under other conditions: predicted from the card's profile.
         (A100, None, {"amp_dtype": "bfloat16", "optimizer": "x.SGD"}, "a100-n3-fp16", "predicted"),
-        # A card with no profile: under the conditions asked, the card measured with the most
-        # memory speaks (a tie here: the first card key), its most conservative profile.
-        ("NVIDIA L4", None, {"amp_dtype": "bfloat16"}, "a100-n4-bf16", "predicted"),
-        ("NVIDIA L4", None, {}, "a100-n3-fp16", "predicted"),
+        # A card with no profile: under the conditions asked, the card measured by the most
+        # nodes speaks (the H100's two against the A100's one; then the most memory), drawn
+        # among its nodes: the more conservative of two, the second of three.
+        ("NVIDIA L4", None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "predicted"),
+        ("NVIDIA L4", None, {}, "h100-n1-bf16", "predicted"),
         # An unknown node with no card: drawn among the model's five nodes (the second most
         # conservative), predicted, and it says the node's card is unknown.
         (None, "n9", {}, "a100-n3-fp16", "predicted"),

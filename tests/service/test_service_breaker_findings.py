@@ -28,12 +28,6 @@ def _plan(client: TestClient, **body: Any) -> Any:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="arrival checks skip the card catalogue unless device_type is 'cuda': a profile "
-    "that says device_type 'cpu' under an H100's name with 1 PiB of memory is stored and then "
-    "answers plans for the H100 (measured) and predicts the L40S from it",
-)
 def test_a_non_cuda_profile_under_a_catalogued_card_name_is_refused(central: TestClient) -> None:
     fake = node_profile(
         "node-a",
@@ -55,12 +49,6 @@ def test_a_non_cuda_profile_under_a_catalogued_card_name_is_refused(central: Tes
     assert not stored, "an H100 with 1 PiB of memory cannot be true (422 implausible-profile)"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lone node measuring max 1 drags the card's plan down to micro-batch 1 where two "
-    "other nodes ran micro-batch 64 and fitted (capped searches, lower bounds): the lower "
-    "bounds are set aside instead of contradicting it",
-)
 def test_a_lone_low_node_does_not_undercut_two_nodes_that_ran_more(central: TestClient) -> None:
     capped = [
         node_profile(
@@ -79,12 +67,6 @@ def test_a_lone_low_node_does_not_undercut_two_nodes_that_ran_more(central: Test
     assert after["micro_batch_size"] == 64  # today: 1 (x 64 accumulation steps)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="for a card nobody measured, 'the card measured with the most memory speaks': one "
-    "node publishing a plausible H200 profile (passes the arrival checks) alone moves the L40S "
-    "plan from 64 to 2048 per micro-batch, though two H100 nodes agree (rests_on node-z)",
-)
 def test_a_lone_node_on_a_bigger_card_does_not_move_a_predicted_plan(
     central: TestClient,
 ) -> None:
@@ -105,13 +87,6 @@ def test_a_lone_node_on_a_bigger_card_does_not_move_a_predicted_plan(
     assert after["micro_batch_size"] <= 2 * before["micro_batch_size"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a plan predicted for a smaller card reaches past what the bigger card measured: "
-    "two H100 nodes (80 GB) found their maximum at 64 and 66 (stop_kind boundary), yet the "
-    "L40S (48 GB) gets max_micro_batch_size 79 from their line (and "
-    "AUTOBATCH_RECOMMENDED_MICRO_BATCH_SIZE 79 above AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE 64)",
-)
 def test_a_smaller_card_is_never_predicted_past_a_bigger_card_s_measured_maximum(
     central: TestClient,
 ) -> None:
@@ -121,12 +96,6 @@ def test_a_smaller_card_is_never_predicted_past_a_bigger_card_s_measured_maximum
     assert answer["plan"]["max_micro_batch_size"] <= 64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a MIG slice is checked only against its whole card: a 1g.10gb slice of an H100 "
-    "that claims 80 GiB of memory (and a 30 GiB peak that fitted) is stored, though its name "
-    "says 10 GB",
-)
 def test_a_mig_slice_claiming_the_whole_card_s_memory_is_refused(central: TestClient) -> None:
     slice_ = node_profile("node-m", 64, 60, device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb")
     response = central.post("/v1/profiles", json=slice_.to_dict())
