@@ -24,6 +24,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # when a pin does.
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
     && pip install --no-cache-dir \
+        numpy==2.4.6 \
         fastapi==0.165.0 \
         uvicorn==0.54.0 \
         uvloop==0.23.0 \

@@ -75,8 +75,9 @@ def test_store_timeout_is_a_setting_with_a_flag() -> None:
 
 
 class _HeldStore:
-    """The service's store with every read held until ``release`` is set: a database server
-    that stopped answering."""
+    """The service's store with every call held until ``release`` is set: a database server
+    that stopped answering (every method, so that a route reading through a new one, such as
+    ``latest_per_node``, is held too)."""
 
     def __init__(self, store: Any, release: threading.Event) -> None:
         self._store = store
@@ -84,7 +85,7 @@ class _HeldStore:
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._store, name)
-        if name not in {"get", "list_profiles"}:
+        if not callable(attribute) or name == "close":
             return attribute
 
         def held(*args: Any, **kwargs: Any) -> Any:
