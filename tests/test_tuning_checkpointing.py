@@ -176,3 +176,28 @@ def test_an_old_profile_reads_as_no_checkpointing_and_bad_options_are_refused(
             activation_checkpointing="auto",
             checkpoint_block_class="Nope",
         )
+
+
+def test_auto_on_a_model_without_repeated_blocks_plans_it_as_given_and_says_why() -> None:
+    # "Asked for, never imposed": with nothing to checkpoint, "auto" is the plain plan.
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    tuned = _tune(
+        mlp,
+        torch.randn(2, 8),
+        loss_fn=lambda out: out.pow(2).mean(),
+        effective_batch_size=16,
+        device="sim:1MiB",
+        use_store=False,
+        activation_checkpointing="auto",
+    )
+    assert tuned.plan.activation_checkpointing == "none"
+    assert tuned.checkpointing is not None and tuned.checkpointing.tried == ("none",)
+    assert any(
+        "tried none; skipped selective, full: nothing to checkpoint: " in note
+        for note in tuned.plan.notes
+    ), tuned.plan.notes
+    # A block class the user names still has to match.
+    with pytest.raises(ConfigError, match="checkpoint_block_class='Nope' matches no module"):
+        _tune(mlp, torch.randn(2, 8), effective_batch_size=16, device="sim:1MiB",
+              activation_checkpointing="auto", checkpoint_block_class="Nope")  # fmt: skip

@@ -80,6 +80,9 @@ class CheckpointingRequest:
     """``"none"`` (the model as given), ``"selective"``, ``"full"`` or ``"auto"``."""
     block_class: type[torch.nn.Module] | str | None = None
     """The class (or class name) of the blocks to checkpoint; None: found."""
+    no_blocks: str = ""
+    """Under ``"auto"`` with no block class given: why the model has no blocks to checkpoint
+    (then only the model as given is probed, and the plan says why); empty when it has."""
 
     @classmethod
     def build(
@@ -103,9 +106,10 @@ class CheckpointingRequest:
             try:
                 checkpointable_blocks(model, block_class=block_class)
             except ConfigError as exc:
-                raise ConfigError(
-                    str(exc).replace("block_class=", "checkpoint_block_class=")
-                ) from None
+                why = str(exc).replace("block_class=", "checkpoint_block_class=")
+                if mode == "auto" and block_class is None:  # asked for, never imposed
+                    return cls(mode=mode, no_blocks=why)
+                raise ConfigError(why) from None
         return cls(mode=mode, block_class=block_class)
 
 
@@ -261,6 +265,8 @@ def _auto(
     runs = [_run(request, options, "none", planned)]
     plain = _measurement(runs[0])
     modes, why = checkpointing_modes_to_try(plain, seconds_per_sample(runs[0].profile))
+    if request.checkpointing.no_blocks:
+        modes, why = (), f"nothing to checkpoint: {request.checkpointing.no_blocks}"
     runs.extend(_run(request, options, mode, planned) for mode in modes)
     choice = choose_checkpointing([_measurement(run) for run in runs])
     if choice is None:
