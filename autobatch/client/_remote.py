@@ -61,10 +61,7 @@ class ServiceProfiles:
         try:
             report_profile(url, profile, token=self.token, timeout=self.timeout_seconds)
         except AutobatchError as exc:
-            return (
-                f"could not register the profile with the autobatch service at {url}: {exc}. "
-                "The plan is returned and the profile is in the local store"
-            )
+            return f"could not register the profile with the autobatch service at {url}: {exc}"
         return ""
 
 

@@ -219,7 +219,7 @@ def agreed_profile(
     def save(profile: Profile) -> Profile:
         if opened and profile.stop_kind != "failure":
             profile_id.append(opened[0].put(profile))
-        report_profile_to(storing.remote, profile)
+        report_profile_to(storing.remote, profile, stored=bool(profile_id))
         return profile
 
     try:
@@ -261,17 +261,20 @@ def agreed_profile(
             opened[0].close()
 
 
-def report_profile_to(remote: ProfileRemote | None, profile: Profile) -> None:
+def report_profile_to(remote: ProfileRemote | None, profile: Profile, *, stored: bool) -> None:
     """Hand a newly probed profile to ``remote`` (if any).
 
-    A failure warns (:class:`ReportWarning`, the remote's words) rather than raises: the probe's
-    result is in hand and in the local store, and a training script should not die because a
-    scheduler's service is down or refused the token.
+    A failure warns (:class:`ReportWarning`, the remote's words, and where the profile is:
+    ``stored`` says whether the local store took it) rather than raises: the probe's result is
+    in hand, and a training script should not die because a scheduler's service is down or
+    refused the token.
     """
     if remote is None:
         return
     failure = remote.report(profile)
     if failure:
+        kept = "the profile is in the local store" if stored else "no store kept the profile"
+        failure = f"{failure}. The plan is returned and {kept}"
         again = Remedy(parameter="refresh", values=(True,), purpose="probe again and send it")
         warnings.warn(ReportWarning(failure, remedies=(again,)), stacklevel=user_stacklevel())
 

@@ -90,7 +90,10 @@ def test_a_remote_that_refuses_the_profile_warns_in_its_words_at_the_callers_lin
 ) -> None:
     shelf = Shelf(refusal="the shelf is full; send it later")
     probed = make_profile()
-    words = "the shelf is full; send it later; use refresh=True (probe again and send it)"
+    words = (
+        "the shelf is full; send it later. The plan is returned and the profile is in the local "
+        "store; use refresh=True (probe again and send it)"
+    )
     with pytest.warns(ReportWarning, match=f"^{re.escape(words)}$") as caught:
         found = agreed_profile(
             LocalConsensus(),
@@ -103,6 +106,15 @@ def test_a_remote_that_refuses_the_profile_warns_in_its_words_at_the_callers_lin
     assert caught[0].filename == __file__
     with ProfileStore(tmp_path / "s.sqlite3") as store:
         assert [profile for _, profile in store.list_profiles()] == [probed]
+    # Without a store, the warning never says the profile was kept.
+    with pytest.warns(ReportWarning, match="The plan is returned and no store kept the profile;"):
+        agreed_profile(
+            LocalConsensus(),
+            probed.cache_key(),
+            StoreOptions(use_store=False, remote=shelf),
+            accepts=lambda p: True,
+            run_probe=lambda: probed,
+        )
 
 
 def mlp() -> torch.nn.Module:
