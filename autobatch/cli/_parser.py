@@ -144,9 +144,18 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    values = [_positive_int(part) for part in text.split(",") if part.strip()]
-    if not values:
+    """Whole numbers >= 1 separated by commas, each once (``1,2,4,8``), as the HTTP field takes
+    them: an empty item (``1,,2``) or a repeated one (``4,4``) is refused, never dropped."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
         raise argparse.ArgumentTypeError(f"{text!r} holds no number; e.g. 1,2,4,8")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item; e.g. 1,2,4,8")
+    values = [_positive_int(part) for part in parts]
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        again = ", ".join(str(value) for value in repeated)
+        raise argparse.ArgumentTypeError(f"{text!r} lists {again} more than once; give each once")
     return values
 
 

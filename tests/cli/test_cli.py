@@ -625,3 +625,22 @@ def test_tune_under_torchrun_plans_for_the_launchers_ranks(
     code, out, err = run(capsys, *argv, "--json", "--world-size", "1")
     assert code == 0, err
     assert json.loads(out)["plan"]["world_size"] == 1  # a given size wins
+
+
+@pytest.mark.parametrize(
+    ("given", "why"),
+    [("4,4", "'4,4' lists 4 more than once; give each once"),
+     ("1,,2", "'1,,2' has an empty item; e.g. 1,2,4,8"),
+     (",", "',' holds no number; e.g. 1,2,4,8")],
+)  # fmt: skip
+def test_a_world_size_list_is_read_as_the_http_field_is(
+    capsys: pytest.CaptureFixture[str], given: str, why: str
+) -> None:
+    # A fresh user's finding: 4,4 printed two identical rows and 1,,2 dropped the empty item,
+    # where POST /v1/plan's world_sizes refuses both.
+    code, out, err = run(
+        capsys, "plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64",
+        "--world-size", given,
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert f"autobatch plan: error: argument --world-size/--data-parallel-size: {why}\n" in err
