@@ -203,6 +203,7 @@ def test_every_surface_refuses_safety_margin_1_5_with_the_one_check(
         "autobatch.probing._options",
         "autobatch.planning._request",
         "autobatch.profile",
+        "autobatch.cli._parser",
     ):
         monkeypatch.setattr(f"{module}.check_safety_margin", counted)
     model, sample, profile = torch.nn.Linear(2, 2), torch.zeros(1, 2), make_profile()
@@ -228,8 +229,11 @@ def test_every_surface_refuses_safety_margin_1_5_with_the_one_check(
         extra = ["--effective-batch-size", "8", "--no-store", "--device", "sim:1GiB"]
         extra = extra if command == "tune" else ["--capacity", "1GiB"]
         refused = MARGIN_REFUSED.removeprefix("safety_margin ")
-        assert f"argument --safety-margin: {refused}" in _cli_words(capsys, *argv, *extra)
-        assert seen == [1.5]  # the parser parses; the library checks
+        with pytest.raises(SystemExit) as exited:  # as the flags are read: no model loads
+            main([*argv, *extra])
+        assert exited.value.code == 2
+        assert f"argument --safety-margin: {refused}" in capsys.readouterr().err
+        assert seen == [1.5]  # the library's one check, called by the parser
 
 
 def test_each_road_checks_the_margin_and_the_search_cap_once(

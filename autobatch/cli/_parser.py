@@ -26,7 +26,7 @@ from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
 from autobatch.conditions import one_world_size
 from autobatch.errors import ConfigError
-from autobatch.margin import DEFAULT_SAFETY_MARGIN
+from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
 from autobatch.store import redact
 from autobatch.units import parse_capacity
 
@@ -185,6 +185,15 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
+def _margin(text: str) -> float:
+    """A safety margin, checked by the library's one check as the flags are read (before a
+    model loads, which can take a minute)."""
+    try:
+        return check_safety_margin(_number(text))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("safety_margin ", "", 1)) from None
+
+
 def _whole_number(text: str) -> int:
     """A whole number, parsed only: its range is the library's one check (the request's)."""
     try:
@@ -249,7 +258,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--safety-margin",
-        type=_number,
+        type=_margin,
         default=DEFAULT_SAFETY_MARGIN,
         help=f"capacity kept free (default {DEFAULT_SAFETY_MARGIN})",
     )
