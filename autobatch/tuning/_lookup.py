@@ -74,7 +74,7 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
         )
 
     def explain(store: ProfileStore) -> Superseded | None:
-        return superseded_in(
+        found = superseded_in(
             store,
             step.identity,
             options.conditions,
@@ -83,6 +83,7 @@ def find_profile(step: StepSpec, options: ProbeOptions, storing: StoreOptions) -
             compiled=options.compiled,
             mode=options.mode,
         )
+        return None if found is None or _another_mode_of_ours(found, options) else found
 
     def confirm(store: ProfileStore | None) -> tuple[Profile | None, str]:
         predicted = _prediction_here(
@@ -152,3 +153,12 @@ def _prediction_here(
     if why:
         logger.warning("%s; probing this card without it", why)
     return find_prediction(elsewhere, identity, **where)
+
+
+def _another_mode_of_ours(found: Superseded, options: ProbeOptions) -> bool:
+    """``found`` differs only in activation checkpointing that autobatch itself applied, to it
+    or to this probe (``activation_checkpointing="auto"`` trying its modes): each mode has its
+    own profile by design, so its neighbour is no news to the user. A model whose own
+    checkpointing changed (a flag the user flipped) is still worth the warning."""
+    ours = found.profile.activation_checkpointing != "none" or options.checkpointing_mode != "none"
+    return ours and all(change.name == "activation checkpointing" for change in found.changes)
