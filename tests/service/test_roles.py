@@ -4,6 +4,8 @@ loopback server."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +113,7 @@ def test_each_role_on_each_route(fleet: TestClient) -> None:
         ("POST", "/v1/probes"): {"model": "not-registered"},
     }
     seen: dict[str, list[int]] = {}
+    seconds = itertools.count()
     for who in EXPECTED:
         special = {"nobody": {}, "wrong": {"Authorization": "Bearer " + TOKENS["admin"][:-1]}}
         headers = special[who] if who in special else auth(who)
@@ -118,7 +121,11 @@ def test_each_role_on_each_route(fleet: TestClient) -> None:
         # A profile new to the store, so that a publish allowed is a 201 (a resend is a 200).
         bodies[("POST", "/v1/profiles")] = measured("node-a", 40 + len(seen)).to_dict()
         for method, template in ROUTES:
-            created = fleet.post("/v1/profiles", json=profile.to_dict(), headers=auth("admin"))
+            # A profile of its own each time: one the DELETE route removed is never stored again.
+            stamp = f"2026-12-01T00:00:{next(seconds):02d}Z"
+            fresh = dataclasses.replace(profile, created_at=stamp)
+            created = fleet.post("/v1/profiles", json=fresh.to_dict(), headers=auth("admin"))
+            assert created.status_code == 201, created.text
             path = template.replace("{id}", created.json()["id"])
             body = bodies.get((method, template))
             response = fleet.request(method, path, json=body, headers=headers)
