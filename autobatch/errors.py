@@ -116,12 +116,13 @@ def with_remedies(reason: str, remedies: Sequence[Remedy], word: Callable[[Remed
     return f"{reason}; use {', or '.join(phrases)}"
 
 
-class AutobatchError(Exception):
-    """Root of every error autobatch raises on purpose.
+class _Remedied(Exception):
+    """A message with remedies, each surface wording them: the part :class:`AutobatchError` and
+    :class:`ReportWarning` share (an exception, a warning).
 
     Args:
         message: what went wrong, with the numbers; the fix too, unless it is in ``remedies``.
-        remedies: changed arguments that get past the error, for each surface to word.
+        remedies: changed arguments that get past it, for each surface to word.
     """
 
     def __init__(self, message: str, *, remedies: Sequence[Remedy] = ()) -> None:
@@ -144,6 +145,11 @@ class AutobatchError(Exception):
 
     def __str__(self) -> str:
         return self.describe(python_wording)
+
+
+class AutobatchError(_Remedied):
+    """Root of every error autobatch raises on purpose (its message and remedies:
+    :class:`_Remedied`)."""
 
 
 class ConfigError(AutobatchError, ValueError):
@@ -318,29 +324,13 @@ class PeerObjectError(ConfigError):
 # Warnings: categories to filter or catch with ``warnings``.
 
 
-class ReportWarning(UserWarning):
+class ReportWarning(_Remedied, UserWarning):
     """``autotune(report_to=...)`` could not register the profile; the plan is still returned.
 
     Args:
         message: what failed, naming the service, with the numbers.
         remedies: ways past it, each surface words them (as :class:`AutobatchError`'s).
     """
-
-    def __init__(self, message: str, *, remedies: Sequence[Remedy] = ()) -> None:
-        super().__init__(message)
-        self.remedies: tuple[Remedy, ...] = tuple(remedies)
-
-    @property
-    def message(self) -> str:
-        """The message without the remedies."""
-        return str(self.args[0]) if self.args else ""
-
-    def describe(self, word: Callable[[Remedy], str]) -> str:
-        """The message with each remedy worded by ``word`` (see :meth:`AutobatchError.describe`)."""
-        return with_remedies(self.message, self.remedies, word)
-
-    def __str__(self) -> str:
-        return self.describe(python_wording)
 
 
 class SmallMicroBatchNormWarning(UserWarning):

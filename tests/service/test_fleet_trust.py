@@ -17,6 +17,7 @@ from autobatch.device import BudgetReading, combine_budget
 from autobatch.profile import MemoryModel, Profile, Trial
 from tests.helpers.fake_pynvml import GiB, MiB
 from tests.service.conftest import no_nvml
+from tests.service.test_plan_selection import publish
 from tests.service.test_service_api import make_profile, problem
 
 H100, L40S = "NVIDIA H100 80GB HBM3", "NVIDIA L40S"
@@ -48,15 +49,6 @@ def node_profile(node: str, maximum: int, recommended: int, **changes: Any) -> P
 
 HONEST = (node_profile("node-b", 64, 60), node_profile("node-c", 66, 62))
 """Two honest nodes: an H100 plan of effective batch 64 is 2 x 32 from them."""
-
-
-def publish(client: TestClient, *profiles: Profile) -> list[str]:
-    ids = []
-    for profile in profiles:
-        response = client.post("/v1/profiles", json=profile.to_dict())
-        assert response.status_code == 201, response.text
-        ids.append(response.json()["id"])
-    return ids
 
 
 def plan(client: TestClient, **body: Any) -> dict[str, Any]:
