@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -91,18 +92,36 @@ ROUTES: list[tuple[str, str]] = [
     ("GET", "/v1/profile-summaries"),
     ("GET", "/v1/devices"),
     ("GET", "/v1/probes"),
+    ("GET", "/v1/probes/{probe_id}"),  # a run nobody started: 404 once allowed
+    ("GET", "/v1/profiles/{id}/report"),
+    ("GET", "/v1/profile-deletions?after=0"),
+    ("POST", "/v1/admissions"),
     ("POST", "/v1/profiles"),  # a profile of node-a
     ("POST", "/v1/probes"),  # a model the registry does not hold: 404 once allowed
     ("DELETE", "/v1/profiles/{id}"),
 ]
 EXPECTED = {  # who -> the status of each route above, in order
-    "admin": [200, 200, 200, 200, 200, 200, 201, 404, 204],
-    "node-a": [200, 200, 200, 200, 200, 200, 201, 403, 403],
-    "node-b": [200, 200, 200, 200, 200, 200, 403, 403, 403],  # node-a's profile: not its own
-    "read": [200, 200, 200, 200, 200, 200, 403, 403, 403],
+    "admin": [200, 200, 200, 200, 200, 200, 404, 200, 200, 200, 201, 404, 204],
+    "node-a": [200, 200, 200, 200, 200, 200, 404, 200, 200, 200, 201, 403, 403],
+    # node-b: node-a's profile is not its own to publish
+    "node-b": [200, 200, 200, 200, 200, 200, 404, 200, 200, 200, 403, 403, 403],
+    "read": [200, 200, 200, 200, 200, 200, 404, 200, 200, 200, 403, 403, 403],
     "nobody": [401] * len(ROUTES),
     "wrong": [401] * len(ROUTES),
 }
+
+
+def test_the_role_matrix_covers_every_route_of_the_api(fleet: TestClient) -> None:
+    # A route added without a row here would go unchecked for its roles (the API's routes as
+    # its OpenAPI document lists them).
+    paths = fleet.get("/openapi.json").json()["paths"]
+    served = {
+        (method.upper(), path.replace("{profile_id}", "{id}"))
+        for path, operations in paths.items()
+        if path.startswith("/v1/")
+        for method in operations
+    }
+    assert served == {(method, path.partition("?")[0]) for method, path in ROUTES}
 
 
 def test_each_role_on_each_route(fleet: TestClient) -> None:
@@ -111,6 +130,11 @@ def test_each_role_on_each_route(fleet: TestClient) -> None:
         ("POST", "/v1/plan"): {"max_micro_batch_size": 8, "effective_batch_size": 16},
         ("POST", "/v1/profiles"): profile.to_dict(),
         ("POST", "/v1/probes"): {"model": "not-registered"},
+        ("POST", "/v1/admissions"): {
+            "model_fingerprint": "fp-gpt2",
+            "effective_batch_size": 64,
+            "world_size": 2,
+        },
     }
     seen: dict[str, list[int]] = {}
     seconds = itertools.count()
@@ -127,6 +151,7 @@ def test_each_role_on_each_route(fleet: TestClient) -> None:
             created = fleet.post("/v1/profiles", json=fresh.to_dict(), headers=auth("admin"))
             assert created.status_code == 201, created.text
             path = template.replace("{id}", created.json()["id"])
+            path = path.replace("{probe_id}", "0123456789abcdef")
             body = bodies.get((method, template))
             response = fleet.request(method, path, json=body, headers=headers)
             seen[who].append(response.status_code)
@@ -135,7 +160,7 @@ def test_each_role_on_each_route(fleet: TestClient) -> None:
                 assert f"needs a token with the {role} role" in response.json()["detail"] or (
                     response.json()["type"].endswith("wrong-node")
                 )
-    assert seen == EXPECTED
+    assert seen == EXPECTED, json.dumps(seen)
 
 
 def test_a_node_cannot_publish_for_another_node(fleet: TestClient) -> None:
