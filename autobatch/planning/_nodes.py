@@ -26,6 +26,10 @@ which may be wrong or lying. :func:`draw_among_nodes` makes the rule:
    voices, the most conservative answers, and ``rests_on`` names its node: the answer is that
    node's word alone.
 
+The same rule draws among predictions (:mod:`autobatch.planning._cards`): given ``value`` (a
+profile's max micro-batch predicted for the card asked about), the voices are ordered, named
+outliers and contradicted by that value instead of their own measured sizes.
+
 Example::
 
     drawn = draw_among_nodes(entries)   # entries: (profile_id, profile, differs)
@@ -35,7 +39,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from autobatch.profile import Profile
 
@@ -84,12 +88,21 @@ def is_lower_bound(profile: Profile) -> bool:
     return profile.stop_kind == "limit" or profile.confirms_prediction
 
 
-def draw_among_nodes(group: Sequence[Entry]) -> Drawn:
+def draw_among_nodes(
+    group: Sequence[Entry], *, value: Callable[[Profile], int] | None = None
+) -> Drawn:
     """The answer among ``group`` (module docstring), in any order (it does not depend on it).
+
+    Args:
+        group: the entries of one rank.
+        value: the micro-batch size each voice stands for (a prediction for another card);
+            None for its own max micro-batch, ordered by recommended size first.
 
     Raises:
         ValueError: ``group`` is empty.
     """
+    size = value or _measured_max
+    order = _conservative if value is None else (lambda entry: (value(entry[1]), 0, entry[0]))
     if not group:
         raise ValueError("draw_among_nodes needs at least one profile")
     latest: dict[str, Entry] = {}
@@ -100,34 +113,33 @@ def draw_among_nodes(group: Sequence[Entry]) -> Drawn:
     voices = list(latest.values())
     measured = [entry for entry in voices if not is_lower_bound(entry[1])]
     lower = [entry for entry in voices if is_lower_bound(entry[1])]
-    contradicted = _contradicted(measured, voices) if len(measured) < MIN_VOICES else set()
+    few_measured = len(measured) < MIN_VOICES
+    contradicted = _contradicted(measured, voices, size) if few_measured else set()
     kept = [entry for entry in measured if entry[0] not in contradicted]
     bounds = lower if kept else []
-    pool = sorted(kept or lower or measured, key=_conservative)
+    pool = sorted(kept or lower or measured, key=order)
     few = len(pool) < MIN_VOICES
     low = {entry[1].node_name for entry in measured if entry[0] in contradicted}
     return Drawn(
         chosen=pool[0] if few else pool[1],
         voices=tuple(pool),
-        outliers=tuple(sorted(low | set(() if few else _outliers(pool)))),
+        outliers=tuple(sorted(low | set(() if few else _outliers(pool, size)))),
         rests_on=pool[0][1].node_name if few else None,
         lower_bounds=tuple(sorted(entry[1].node_name for entry in bounds)),
         only_lower_bounds=not kept and bool(lower),
     )
 
 
-def _contradicted(measured: list[Entry], voices: list[Entry]) -> set[str]:
+def _contradicted(
+    measured: list[Entry], voices: list[Entry], size: Callable[[Profile], int]
+) -> set[str]:
     """The ids of the measured maxima below what at least ``MIN_VOICES - 1`` other nodes showed
     fitting (their max micro-batch, a lower bound's included), by more than
     :data:`OUTLIER_FACTOR`."""
     found = set()
     for profile_id, profile, _ in measured:
-        ceiling = profile.max_micro_batch_size * OUTLIER_FACTOR
-        above = [
-            other
-            for other in voices
-            if other[0] != profile_id and other[1].max_micro_batch_size > ceiling
-        ]
+        ceiling = size(profile) * OUTLIER_FACTOR
+        above = [other for other in voices if other[0] != profile_id and size(other[1]) > ceiling]
         if len(above) >= MIN_VOICES - 1:
             found.add(profile_id)
     return found
@@ -137,18 +149,22 @@ def _newer(entry: Entry, than: Entry) -> bool:
     return (entry[1].created_at, entry[0]) > (than[1].created_at, than[0])
 
 
+def _measured_max(profile: Profile) -> int:
+    return profile.max_micro_batch_size
+
+
 def _conservative(entry: Entry) -> tuple[int, int, str]:
     profile_id, profile, _ = entry
     return profile.recommended_micro_batch_size, profile.max_micro_batch_size, profile_id
 
 
-def _outliers(pool: list[Entry]) -> tuple[str, ...]:
+def _outliers(pool: list[Entry], size: Callable[[Profile], int]) -> tuple[str, ...]:
     """The nodes whose max micro-batch lies outside the others' range by more than
     :data:`OUTLIER_FACTOR`."""
     named = []
     for index, (_, profile, _) in enumerate(pool):
-        others = [p.max_micro_batch_size for i, (_, p, _) in enumerate(pool) if i != index]
-        value = profile.max_micro_batch_size
+        others = [size(p) for i, (_, p, _) in enumerate(pool) if i != index]
+        value = size(profile)
         if value * OUTLIER_FACTOR < min(others) or value > max(others) * OUTLIER_FACTOR:
             named.append(profile.node_name)
     return tuple(sorted(named))

@@ -35,10 +35,11 @@ conservative, so that one node cannot move the answer outside what the others me
 selection names the outliers, or the node the answer rests on, and the spread of the max
 micro-batch sizes. From another card, only a card in autobatch's catalogue speaks
 (:func:`autobatch.device.catalogue_memory_bytes`: a name nobody can check never speaks for a real
-card); the card measured by the most nodes speaks (counted up to three: one node alone on a
-card never outranks two that agree on another, so no single node moves a predicted plan
-either), among those the one measured with the most memory (its peaks cover the most sizes),
-its nodes drawn as above. Imports neither torch nor pynvml.
+card), and no card speaks as a card: every node that measured the model on a catalogued other
+card is one voice, its latest profile's max micro-batch predicted for the card asked about (its
+catalogue memory, or the budget asked), and the rule of three is drawn over those predictions
+(:mod:`autobatch.planning._cards`), so no single node, on whichever card, moves a predicted plan
+outside what the other nodes' predictions support. Imports neither torch nor pynvml.
 
 Example::
 
@@ -58,7 +59,8 @@ from typing import Any, Literal
 from autobatch.conditions import Conditions
 from autobatch.device import SHARING_TOLERANCE, card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError
-from autobatch.planning._nodes import MIN_VOICES, Drawn, Entry, draw_among_nodes
+from autobatch.planning._cards import draw_predicted
+from autobatch.planning._nodes import Drawn, Entry, draw_among_nodes
 from autobatch.profile import Profile
 from autobatch.units import format_bytes
 
@@ -281,9 +283,14 @@ def select_profile(
         return None
     rank = min(ranked)
     group = ranked[rank]
+    spread = ""
     if rank in _OTHER_CARD_RANKS:
-        group = _speaking_card(group)
-    drawn = draw_among_nodes(group)
+        target = share if share is not None else budget_bytes
+        if target is None and key is not None:
+            target = catalogue_memory_bytes(key)
+        drawn, spread = draw_predicted(group, target_bytes=target)
+    else:
+        drawn = draw_among_nodes(group)
     profile_id, profile, differs = drawn.chosen
     reasons = _reasons(profile, card=card, key=key, node=node, share=share, differs=differs)
     match: Match = "predicted" if rank > _MEASURED_RANKS or reasons else "measured"
@@ -298,30 +305,12 @@ def select_profile(
         reasons=tuple(reasons),
         considered=tuple(sorted(pid for pid, _, _ in drawn.voices)),
         max_micro_batch_size_range=(min(maxima), max(maxima)),
-        basis=_basis(drawn, min(maxima), max(maxima)),
+        basis=_basis(drawn, min(maxima), max(maxima), spread),
         budget_bytes=share if share is not None and not _measured_for(profile, share) else None,
         outliers=drawn.outliers,
         rests_on=drawn.rests_on,
         lower_bounds=drawn.lower_bounds,
     )
-
-
-def _speaking_card(group: list[Entry]) -> list[Entry]:
-    """The entries of the one other card that speaks (module docstring): the card measured by
-    the most nodes, counted up to :data:`~autobatch.planning._nodes.MIN_VOICES` (so one node
-    alone on a card never outranks two or more that agree on another), then the one measured
-    with the most memory (bytes), then the first card key."""
-    by_card: dict[str, list[Entry]] = {}
-    for entry in group:
-        by_card.setdefault(_key(entry[1]), []).append(entry)
-
-    def standing(key: str) -> tuple[int, int, str]:
-        entries = by_card[key]
-        nodes = len({profile.node_name for _, profile, _ in entries})
-        most = max(measured_bytes(profile) for _, profile, _ in entries)
-        return -min(nodes, MIN_VOICES), -most, key
-
-    return by_card[min(by_card, key=standing)]
 
 
 def _measured_under(profile: Profile) -> dict[str, str]:
@@ -425,8 +414,9 @@ def _reasons(
     return reasons
 
 
-def _basis(drawn: Drawn, smallest: int, largest: int) -> str:
-    """The rule that chose among the nodes, in words."""
+def _basis(drawn: Drawn, smallest: int, largest: int, spread: str) -> str:
+    """The rule that chose among the nodes, in words (``spread``: their predictions', for a
+    card none of them measured on, or empty)."""
     num = len(drawn.voices)
     bound = " (each a lower bound: its search stopped at a cap)" if drawn.only_lower_bounds else ""
     if drawn.rests_on is not None:
@@ -437,11 +427,14 @@ def _basis(drawn: Drawn, smallest: int, largest: int) -> str:
             said = f"the more conservative of 2 nodes (max micro-batch {smallest}..{largest})"
         text = f"rests on node {who} alone: {said}{bound}"
     else:
+        order = "by prediction" if spread else "smallest recommended, then max micro-batch"
         text = (
             f"drawn among {num} nodes, one profile each{bound}: the second most conservative "
-            f"(smallest recommended, then max micro-batch), so no one node moves it outside "
+            f"({order}), so no one node moves it outside "
             f"what the others measured (max micro-batch {smallest}..{largest})"
         )
+    if spread:
+        text += f"; {spread}"
     if drawn.outliers:
         text += f"; outliers, outside what every other node measured: {', '.join(drawn.outliers)}"
     if drawn.lower_bounds:

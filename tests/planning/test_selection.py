@@ -75,11 +75,13 @@ STORE = [
         (None, "n3", {"amp_dtype": "bfloat16"}, "a100-n4-bf16", "measured"),
         # The card only under other conditions: predicted from the card's profile.
         (A100, None, {"amp_dtype": "bfloat16", "optimizer": "x.SGD"}, "a100-n3-fp16", "predicted"),
-        # A card with no profile: under the conditions asked, the card measured by the most
-        # nodes speaks (the H100's two against the A100's one; then the most memory), drawn
-        # among its nodes: the more conservative of two, the second of three.
+        # A card with no profile: every node on another catalogued card is a voice, under the
+        # conditions asked, drawn by its max predicted for the L4's 24 GiB (planning._cards).
+        # Of n0, n1 and n4 (bf16) none predicts (one peak, no line): drawn by their maxima, the
+        # second of three. Of all five, only n2's profile predicts (28: its peak at 32 fits),
+        # so the answer rests on n2 alone.
         ("NVIDIA L4", None, {"amp_dtype": "bfloat16"}, "h100-n1-bf16", "predicted"),
-        ("NVIDIA L4", None, {}, "h100-n1-bf16", "predicted"),
+        ("NVIDIA L4", None, {}, "h100-n2-fp16", "predicted"),
         # An unknown node with no card: drawn among the model's five nodes (the second most
         # conservative), predicted, and it says the node's card is unknown.
         (None, "n9", {}, "a100-n3-fp16", "predicted"),
@@ -101,8 +103,8 @@ def test_predicted_selection_names_where_it_was_measured_and_what_differs() -> N
     chosen = select_profile(STORE, card="NVIDIA L4", node=None, conditions={"amp_dtype": "float16"})
 
     assert chosen is not None
-    assert chosen.profile_id == "a100-n3-fp16"
-    assert chosen.reasons == (f"measured on {A100} (node n3), not NVIDIA L4",)
+    assert (chosen.profile_id, chosen.rests_on) == ("h100-n2-fp16", "n2")  # it alone predicts
+    assert chosen.reasons == (f"measured on {H100} (node n2), not NVIDIA L4",)
     assert not chosen.same_card
     other = select_profile(STORE, card=A100, node=None, conditions={"optimizer": "x.SGD"})
     assert other is not None and other.same_card
