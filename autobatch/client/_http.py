@@ -334,9 +334,14 @@ class AutobatchClient:
         model_fingerprint: str | None = None,
         device_name: str | None = None,
         limit: int = 100,
+        latest_per_node: bool = False,
     ) -> list[tuple[str, Profile]]:
-        """``GET /v1/profiles``: ``(id, profile)`` pairs, newest first."""
+        """``GET /v1/profiles``: ``(id, profile)`` pairs, newest first; with
+        ``latest_per_node`` (and ``model_fingerprint``), each node's latest profile of the
+        model per thing it measured, what the service's plans draw from."""
         params: dict[str, Any] = {"limit": limit}
+        if latest_per_node:
+            params["latest_per_node"] = "true"
         if model_fingerprint is not None:
             params["model_fingerprint"] = model_fingerprint
         if device_name is not None:

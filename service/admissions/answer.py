@@ -20,8 +20,7 @@ from pydantic_core import to_json, to_jsonable_python
 
 from autobatch.cli import env_variables
 from autobatch.errors import ConfigError, NoFeasiblePlanError
-from autobatch.planning import Plan, PlanSource, Selection
-from autobatch.profile import Profile
+from autobatch.planning import Plan, Selection
 from autobatch.store import ProfileStore
 from service.admissions.decision import (
     AdmissionPolicy,
@@ -36,7 +35,6 @@ from service.fleet.central import CentralProfiles
 from service.plans.limits import (
     check_answer_size,
     predicted_note,
-    resolve_limit,
     select,
     selection_public,
 )
@@ -123,16 +121,8 @@ def card_plans(
 
 
 def _one_card(body: PlanCreate, store: ProfileStore, central: CentralProfiles | None) -> CardPlans:
-    selection: Selection | None = None
-    card_bytes: int | None = None
-    profile_id: str | None
-    source: PlanSource | None
-    if body.card is not None:
-        profile, profile_id, source, selection, card_bytes = select(body, store, central, None)
-    else:
-        limit, profile_id, source = resolve_limit(body, store, central, None)
-        assert isinstance(limit, Profile)  # a model_fingerprint's limit is a stored profile
-        profile = limit
+    # with a card or without (the model alone), drawn among the nodes
+    profile, profile_id, source, selection, card_bytes = select(body, store, central, None)
     try:
         rows = plan_world_sizes(body, profile, capacity_bytes=card_bytes, source=source)
     except (ConfigError, NoFeasiblePlanError) as exc:

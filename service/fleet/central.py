@@ -3,9 +3,11 @@ answers here too.
 
 A node's sidecar keeps its own store, and publishes what it measures to the central service
 (:mod:`service.fleet.publisher`). When a plan here names a model the node's store does not hold,
-and ``AUTOBATCH_CENTRAL_URL`` is set, the sidecar reads the central service's newest profiles of
-that model (``GET /v1/profiles``: one request, a model and a count, no plan), chooses among them
-by the same selection rule as a plan by card (:mod:`service.plans.limits`), keeps a copy of the
+and ``AUTOBATCH_CENTRAL_URL`` is set, the sidecar reads what the central service's own plan
+draws from: each node's latest profile of that model per thing it measured
+(``GET /v1/profiles?latest_per_node=true``: one request, a model and a count, no plan), so a node
+that floods central with profiles of the model still holds one voice there. The sidecar draws
+among them by the same selection as central (:mod:`service.plans.limits`), keeps a copy of the
 chosen one in its own store and plans from it. The copy keeps its node name, so a plan from it
 still says where it was measured.
 
@@ -19,7 +21,7 @@ which the node follows to delete its copies (``service.fleet.forgetting``).
 Example::
 
     central = CentralProfiles("http://autobatch-central:8000", token=None)
-    found = central.profiles_of("9f2c...", limit=200)   # [(id, Profile)], newest first
+    found = central.latest_per_node("9f2c...", limit=1000)   # [(id, Profile)], newest first
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ class CentralProfiles:
     def _client(self) -> AutobatchClient:
         return AutobatchClient(self.url, token=self._token(), timeout=self.timeout_seconds)
 
-    def profiles_of(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
-        """The central service's newest ``limit`` profiles of ``model_fingerprint``, as
+    def latest_per_node(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
+        """Each node's latest profile of ``model_fingerprint`` per thing it measured at the
+        central service (its ``ProfileStore.latest_per_node``), at most ``limit``, as
         ``(profile_id, profile)`` newest first; empty when it holds none or cannot be reached
         (logged)."""
         try:
             with self._client() as client:
-                return client.list_profiles(model_fingerprint=model_fingerprint, limit=limit)
+                return client.list_profiles(
+                    model_fingerprint=model_fingerprint, limit=limit, latest_per_node=True
+                )
         except AutobatchError as exc:
             _log.warning(
                 "the central service %s gave no profile of %s: %s", self.url, model_fingerprint, exc

@@ -3,9 +3,9 @@
 A job of cards (``job``) gets a micro-batch per rank from each card's profile
 (:func:`job_plan_answer`); any other body a plan, its configs and (with ``world_sizes``) a table
 (:func:`plan_answer`), planned within a limit from exactly one of a stored profile
-(``profile_id``), the newest or chosen stored profile of a model (``model_fingerprint``, with
-``card`` or ``node``), a plain ``max_micro_batch_size`` or a ``memory_model``, for the device
-the body names (:mod:`service.plans.devices`).
+(``profile_id``), the stored profile of a model drawn among the nodes (``model_fingerprint``,
+with ``card`` or ``node`` or alone), a plain ``max_micro_batch_size`` or a ``memory_model``, for
+the device the body names (:mod:`service.plans.devices`).
 
 Store reads run on the store's threads with a deadline (``service.web.store_calls``); a plan
 that may list many micro-batch sizes is planned and encoded in a worker thread.
@@ -69,7 +69,7 @@ class PlanLimit:
     source: PlanSource | None
     """The source to report; None for the planner's default."""
     selection: Selection | None = None
-    """The choice among a model's profiles, for a ``card`` or ``node``."""
+    """The choice among a model's profiles (a plan by ``model_fingerprint``)."""
     card_bytes: int | None = None
     """The card's memory in bytes when the profile was measured on another card."""
 
@@ -124,15 +124,15 @@ async def plan_answer(body: PlanCreate, state: ServiceState) -> bytes:
 async def plan_limit(
     body: PlanCreate, state: ServiceState, device: ResolvedDevice | None
 ) -> PlanLimit:
-    """The limit the body's plan is planned within: the profile chosen for its ``card`` or
-    ``node``, a stored profile (by id or model), or the body's own number or memory model (no
-    store read).
+    """The limit the body's plan is planned within: the profile of its model drawn among the
+    nodes (for its ``card`` or ``node``, or the model alone), a stored profile by id, or the
+    body's own number or memory model (no store read).
 
     Raises:
         Problem: as :func:`~service.plans.limits.select` and
             :func:`~service.plans.limits.resolve_limit`.
     """
-    if body.card is not None or body.node is not None:
+    if body.model_fingerprint is not None:
         profile, profile_id, source, selection, card_bytes = await store_call(
             state, select, body, state.store, state.central, device
         )
@@ -146,12 +146,12 @@ async def plan_limit(
     limit: int | Profile | MemoryModel
     given_id: str | None
     given_source: PlanSource | None
-    if body.profile_id is not None or body.model_fingerprint is not None:
+    if body.profile_id is not None:
         limit, given_id, given_source = await store_call(
-            state, resolve_limit, body, state.store, state.central, device
+            state, resolve_limit, body, state.store, device
         )
     else:  # the body's own number or memory model: no store, no thread
-        limit, given_id, given_source = resolve_limit(body, None, None, device)
+        limit, given_id, given_source = resolve_limit(body, None, device)
     return PlanLimit(limit=limit, profile_id=given_id, source=given_source)
 
 

@@ -17,7 +17,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from autobatch.device import card_key, catalogue_memory_bytes
@@ -26,13 +27,12 @@ from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource
 from autobatch.profile import MemoryModel, Profile
 from autobatch.store import ProfileStore
 from service.fleet.central import CentralProfiles
-from service.plans.planner import card_chooser, checkpointing_choice, chooser, source_of
+from service.plans.planner import Chooser, checkpointing_choice, chooser, source_of
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem, unknown_profile
 from service.web.schemas import ResolvedDevice
 
 __all__ = [
-    "ANY_CANDIDATES",
     "asked_mode",
     "in_mode",
     "MAX_ANSWER_MICRO_BATCHES",
@@ -54,14 +54,12 @@ a library caller may still plan."""
 
 
 def resolve_limit(
-    body: PlanCreate,
-    store: ProfileStore | None,
-    central: CentralProfiles | None,
-    device: ResolvedDevice | None,
+    body: PlanCreate, store: ProfileStore | None, device: ResolvedDevice | None
 ) -> tuple[int | Profile | MemoryModel, str | None, PlanSource | None]:
     """(limit for the planner, profile id used, plan source to report or None for the
-    planner's default). ``store`` is read for a ``profile_id`` or ``model_fingerprint`` (None:
-    the body names neither), ``central`` after it for a fingerprint this store lacks.
+    planner's default) of a body that names a ``profile_id``, a ``max_micro_batch_size`` or a
+    ``memory_model``; ``store`` is read for a ``profile_id`` (None: the body names none). A
+    ``model_fingerprint`` is drawn among the nodes by :func:`select`.
 
     Raises:
         Problem: 422 for a limit that does not go with the device or margin asked; 404 for a
@@ -90,71 +88,23 @@ def resolve_limit(
         except ProfileNotFoundError:
             raise unknown_profile(body.profile_id, field="body.profile_id") from None
         return profile, body.profile_id, source_of(profile)
-    assert body.model_fingerprint is not None
-    if body.activation_checkpointing is not None:
-        profile_id, profile = _of_mode(body, store)
-        return profile, profile_id, source_of(profile)
-    mode = asked_mode(body)
-    found = []
-    key = None if device is None or not device.name else _card_key(device.name)
-    if key is not None:
-        on_card = card_profiles(store, key, model_fingerprint=body.model_fingerprint, limit=1)
-        found = in_mode(on_card, mode)[:1]
-    if not found:
-        page = store.list_profiles(model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES)
-        found = in_mode(page, mode)[:1]
-    if not found:
-        found = in_mode(
-            _from_central(
-                store, central, body.model_fingerprint, None if device is None else device.name
-            ),
-            mode,
-        )
-    if not found and mode != "none":
-        raise _no_profile_of_mode(body.model_fingerprint, mode, "body.conditions")
-    if not found:
-        raise Problem(
-            404,
-            "unknown-profile",
-            f"no stored profile has model_fingerprint {body.model_fingerprint!r} (the hash in a "
-            "profile's model_fingerprint field, as GET /v1/profiles and a finished probe job "
-            "show it; not a registry model name); register one with POST /v1/profiles or run "
-            "a probe",
-            field="body.model_fingerprint",
-        )
-    profile_id, profile = found[0]
-    return profile, profile_id, source_of(profile)
+    raise AssertionError("a plan by model_fingerprint is drawn by select")
 
 
-def _of_mode(body: PlanCreate, store: ProfileStore) -> tuple[str, Profile]:
-    """The model's newest stored profile of the activation checkpointing mode asked, or for
-    ``"auto"`` the newest of each mode as :func:`~service.plans.planner.checkpointing_choice`
-    chooses (among the newest :data:`ANY_CANDIDATES`).
-
-    Raises:
-        Problem: 404 naming ``body.activation_checkpointing`` when no stored profile of the
-            model answers.
-    """
-    assert body.model_fingerprint is not None and body.activation_checkpointing is not None
-    asked = body.activation_checkpointing
-    newest: dict[str, tuple[str, Profile]] = {}
-    for profile_id, profile in store.list_profiles(
-        model_fingerprint=body.model_fingerprint, limit=ANY_CANDIDATES
-    ):
-        if profile.mode == "train":
-            newest.setdefault(profile.activation_checkpointing, (profile_id, profile))
-    chosen = checkpointing_choice(body, newest) if asked == "auto" else newest.get(asked)
-    if chosen is None:
-        stored = ", ".join(sorted(newest)) or "none"
-        raise Problem(
-            404,
-            "unknown-profile",
-            f"no stored training profile of model_fingerprint {body.model_fingerprint!r} "
-            f"answers activation_checkpointing {asked!r} (stored modes: {stored}); probe the "
-            "model under it (autobatch tune --activation-checkpointing) or ask another mode",
-            field="body.activation_checkpointing",
-        )
-    return chosen
+def _of_mode(
+    body: PlanCreate, every: list[tuple[str, Profile]], choose: Chooser
+) -> Selection | None:
+    """For ``activation_checkpointing`` ``"auto"``: the profile drawn among the nodes under
+    each mode (``choose`` over each mode's profiles of ``every``), the one
+    :func:`~service.plans.planner.checkpointing_choice` chooses; None when no mode answers."""
+    drawn: dict[str, Selection] = {}
+    for mode in sorted({profile.activation_checkpointing for _, profile in every}):
+        chosen = choose(in_mode(every, mode))
+        if chosen is not None:
+            drawn[mode] = chosen
+    newest = {mode: (chosen.profile_id, chosen.profile) for mode, chosen in drawn.items()}
+    found = checkpointing_choice(body, newest)
+    return None if found is None else drawn[found[1].activation_checkpointing]
 
 
 def asked_mode(body: PlanCreate) -> str:
@@ -199,8 +149,6 @@ NODE_PROFILES = 1000
 (``ProfileStore.latest_per_node``), newest first, so a node's flood of profiles pushes no other
 node out; only those measured on the card asked about are decoded, then (for a prediction)
 the model's others."""
-ANY_CANDIDATES = 200
-"""Profiles of a model a node asks the central service for when its own store holds none."""
 
 
 def card_profiles(
@@ -227,10 +175,15 @@ def select(
     central: CentralProfiles | None,
     device: ResolvedDevice | None,
 ) -> tuple[Profile, str, PlanSource, Selection, int | None]:
-    """A plan's profile for ``body.card``/``body.node`` (:mod:`autobatch.planning._selection`):
+    """A plan's profile for ``body.model_fingerprint`` (:mod:`autobatch.planning._selection`):
     (profile, its id, plan source, the selection, the memory to plan for in bytes when the
     plan is predicted for a card other than the profile's or scaled to a share of the card,
     else None). ``device`` (the request's, resolved) is the budget asked.
+
+    For ``body.card``/``body.node``, as they ask. For the model alone (no card, no node), the
+    same draw among the nodes, for the card the request's device names, else among the
+    profiles of the card the most nodes measured the model on (:func:`most_measured`): no
+    node's newest profile decides it.
 
     Raises:
         Problem: 404 when no stored training profile of the model may answer; 422 when the
@@ -239,12 +192,18 @@ def select(
     """
     assert body.model_fingerprint is not None
     mig_profile = None if body.device is None else body.device.mig_profile
+    card = body.card
+    alone = body.card is None and body.node is None
+    if alone and device is not None and device.name and _card_key(device.name) is not None:
+        card = device.name
     try:
-        key = None if body.card is None else card_key(body.card, mig_profile)
+        key = None if card is None else card_key(card, mig_profile)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.card") from None
     budget_bytes = None if device is None else device.capacity_bytes
-    choose = chooser(body, budget_bytes=budget_bytes, mig_profile=mig_profile)
+    choose = chooser(body, card=card, budget_bytes=budget_bytes, mig_profile=mig_profile)
+    if alone and key is None:
+        choose = most_measured(choose)
     fingerprint, mode = body.model_fingerprint, asked_mode(body)
     try:
         chosen, seen, every = None, [], []
@@ -259,11 +218,14 @@ def select(
             seen = in_mode(every, mode)
             chosen = choose(seen)
         if chosen is None and not _trains(every):  # nothing of the model here: ask central
-            every = _from_central(store, central, fingerprint, body.card)
+            every, chosen = _from_central(store, central, fingerprint, choose, mode)
             seen = in_mode(every, mode)
-            chosen = choose(seen)
+        if alone and mode == "auto":
+            chosen = _of_mode(body, seen, choose)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
+    if chosen is None and body.activation_checkpointing is not None and _trains(every):
+        raise _no_mode_answers(body, every)
     if chosen is None and _trains(every) and not _trains(seen):
         raise _no_profile_of_mode(fingerprint, mode, "body.conditions")
     if chosen is None:
@@ -271,8 +233,45 @@ def select(
     profile = chosen.profile
     card_bytes = chosen.budget_bytes
     if not chosen.same_card and key is not None and device is None:
-        card_bytes = _card_memory(store, key, body.card, profile)
+        card_bytes = _card_memory(store, key, card, profile)
     return profile, chosen.profile_id, source_of(profile), chosen, card_bytes
+
+
+def most_measured(choose: Chooser) -> Chooser:
+    """``choose`` among the training profiles of the card the most nodes measured (each node
+    counted once, whatever it published; then the card measured with the most memory, then
+    the first card key): a plan by model alone is drawn among one card's nodes."""
+
+    def chosen(found: Sequence[tuple[str, Profile]]) -> Selection | None:
+        nodes: dict[str, set[str]] = {}
+        memory: dict[str, int] = {}
+        for _, profile in found:
+            if profile.mode == "train":
+                key = _card_key(profile.device_name) or profile.device_name
+                nodes.setdefault(key, set()).add(profile.node_name)
+                memory[key] = max(memory.get(key, 0), profile.total_memory_bytes)
+        if not nodes:
+            return choose(found)
+        top = min(nodes, key=lambda key: (-len(nodes[key]), -memory[key], key))
+        return choose(
+            [(i, p) for i, p in found if (_card_key(p.device_name) or p.device_name) == top]
+        )
+
+    return chosen
+
+
+def _no_mode_answers(body: PlanCreate, every: list[tuple[str, Profile]]) -> Problem:
+    """The 404 for a body's ``activation_checkpointing`` that no stored profile answers."""
+    stored = ", ".join(sorted({p.activation_checkpointing for _, p in every if p.mode == "train"}))
+    return Problem(
+        404,
+        "unknown-profile",
+        f"no stored training profile of model_fingerprint {body.model_fingerprint!r} answers "
+        f"activation_checkpointing {body.activation_checkpointing!r} (stored modes: "
+        f"{stored or 'none'}); probe the model under it (autobatch tune "
+        "--activation-checkpointing) or ask another mode",
+        field="body.activation_checkpointing",
+    )
 
 
 def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:
@@ -314,6 +313,17 @@ def _none_answers(body: PlanCreate, seen: list[tuple[str, Profile]]) -> Problem:
         if value is not None
     )
     trained = [profile for _, profile in seen if profile.mode == "train"]
+    if not asked and not trained:
+        return Problem(
+            404,
+            "unknown-profile",
+            f"no stored profile has model_fingerprint {body.model_fingerprint!r} (the hash in "
+            "a profile's model_fingerprint field, as GET /v1/profiles and a finished probe job "
+            "show it; not a registry model name), or only evaluation profiles; register one "
+            "with POST /v1/profiles or run a probe",
+            field="body.model_fingerprint",
+        )
+    asked = asked or "a plan by model_fingerprint alone"
     key = None if body.card is None else _card_key(body.card)
     unchecked = [
         p
@@ -371,29 +381,33 @@ def _card_key(name: str) -> str | None:
 
 
 def _from_central(
-    store: ProfileStore, central: CentralProfiles | None, model_fingerprint: str, card: str | None
-) -> list[tuple[str, Profile]]:
-    """Node mode, for a model this node's store does not hold: the profile of it chosen for
-    ``card`` (the newest when None) among the central service's newest :data:`ANY_CANDIDATES`
-    (:mod:`service.fleet.central`), kept in this node's store; empty without a central service,
-    when it does not answer or none of its profiles answers for the card, or when the node
+    store: ProfileStore,
+    central: CentralProfiles | None,
+    model_fingerprint: str,
+    choose: Chooser,
+    mode: str,
+) -> tuple[list[tuple[str, Profile]], Selection | None]:
+    """Node mode, for a model this node's store does not hold: the central service's profiles
+    of it, one per node and thing measured (:meth:`CentralProfiles.latest_per_node`: what
+    central's own plan draws from, so a node that floods central crowds no other out), and the
+    one ``choose`` draws among those of the activation checkpointing ``mode`` (the same draw
+    as central's), kept in this node's store. ``([], None)`` without a central service or when
+    it does not answer; ``(found, None)`` when none answers for the plan, or when the node
     follows the chosen one's deletion already (its store refuses the copy)."""
     if central is None:
-        return []
-    found = central.profiles_of(model_fingerprint, limit=ANY_CANDIDATES)
-    if card is not None and found:
-        try:
-            chosen = card_chooser(card)(found)
-        except ConfigError:  # a name that names no card: none answers for it
-            chosen = None
-        found = [] if chosen is None else [(chosen.profile_id, chosen.profile)]
-    if not found:
-        return []
-    _central_id, profile = found[0]
+        return [], None
+    found = central.latest_per_node(model_fingerprint, limit=NODE_PROFILES)
+    chosen = choose(in_mode(found, mode)) if found else None
+    if chosen is None:
+        return found, None
     try:
-        return [(store.put(profile), profile)]
+        kept = store.put(chosen.profile)
     except ProfileDeletedError:  # deleted at central since the fetch (its tombstone followed)
-        return []
+        return found, None
+    if kept != chosen.profile_id:  # a row central keeps under its old (version 1) id
+        considered = tuple(sorted(kept if i == chosen.profile_id else i for i in chosen.considered))
+        chosen = dataclasses.replace(chosen, profile_id=kept, considered=considered)
+    return found, chosen
 
 
 def predicted_note(chosen: Selection, body: PlanCreate) -> str:

@@ -43,7 +43,6 @@ __all__ = [
     "Chooser",
     "JobCard",
     "Planned",
-    "card_chooser",
     "checkpointing_choice",
     "chooser",
     "declared_budget",
@@ -237,23 +236,20 @@ def declared_budget(capacity_bytes: int, *, gpu_fraction: float | None) -> Memor
     return given_budget(capacity_bytes, gpu_fraction=gpu_fraction)
 
 
-def chooser(body: PlanCreate, *, budget_bytes: int | None, mig_profile: str | None) -> Chooser:
-    """The planner's choice of a profile for the body's card, node and conditions, with the
-    budget asked in bytes (None: no device)."""
+def chooser(
+    body: PlanCreate, *, card: str | None, budget_bytes: int | None, mig_profile: str | None
+) -> Chooser:
+    """The planner's choice of a profile for ``card`` (the body's, or the card its device
+    names), the body's node and conditions, with the budget asked in bytes (None: no
+    device)."""
     return functools.partial(
         select_profile,
-        card=body.card,
+        card=card,
         node=body.node,
         conditions=body.conditions or {},
         budget_bytes=budget_bytes,
         mig_profile=mig_profile,
     )
-
-
-def card_chooser(card: str | None) -> Chooser:
-    """The planner's choice of a profile for ``card`` alone (no node, conditions or budget):
-    the choice a node makes among a central service's profiles of a model."""
-    return functools.partial(select_profile, card=card, node=None, conditions={})
 
 
 def source_of(profile: Profile) -> PlanSource:

@@ -8,6 +8,7 @@ use."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -18,7 +19,7 @@ from autobatch.errors import ProfileDeletedError, ProfileNotFoundError
 from autobatch.planning import check_arrival, profile_report, uncatalogued_note
 from autobatch.profile import Profile
 from service.deps import StateDep
-from service.profiles.listing import ListingDep
+from service.profiles.listing import Listing, ListingDep
 from service.profiles.report import ProfileReport
 from service.web.auth import GRANT_SCOPE_KEY, Grant
 from service.web.problems import Problem, problem_responses, unknown_profile
@@ -154,6 +155,18 @@ FollowCursor = Annotated[
 ]
 
 
+LatestPerNode = Annotated[
+    bool,
+    Query(
+        description="With model_fingerprint: each node's latest profile of the model per thing "
+        "it measured (card, step, conditions), newest first, at most limit: what the service's "
+        "plans draw from (one voice per node, however often a node publishes), and what a node "
+        "sidecar draws from when it holds none of the model. One page (no next_before), "
+        "bounded by limit rather than bytes. Not with node_name, before or after.",
+    ),
+]
+
+
 @router.get(
     "",
     summary="List stored profiles, newest first",
@@ -161,13 +174,19 @@ FollowCursor = Annotated[
     responses=problem_responses(404, 422),
 )
 async def list_profiles(
-    state: StateDep, listing: ListingDep, after: FollowCursor = None
+    state: StateDep,
+    listing: ListingDep,
+    after: FollowCursor = None,
+    latest_per_node: LatestPerNode = False,
 ) -> Response:
     """One page of at most ``limit`` profiles and about 512 KiB (``PAGE_BYTES``): memory and
     time per request stay bounded however large the profiles, and pages are built one at a
     time (``ServiceState.page_calls``), so the costliest listings cannot starve ``/healthz``.
-    ``next_before`` asks for the next page; with ``after``, ``next_after`` does (oldest first)."""
+    ``next_before`` asks for the next page; with ``after``, ``next_after`` does (oldest first).
+    With ``latest_per_node``, each node's latest profiles of one model (:func:`_latest`)."""
     cursor = None if after is None else int(after)
+    if latest_per_node:
+        return await state.page_calls(_latest(state, listing, after))
 
     def page() -> Response:
         found = listing.read(state.store.page_profiles, max_bytes=PAGE_BYTES, after=cursor)
@@ -180,6 +199,45 @@ async def list_profiles(
         )
 
     return await state.page_calls(page)
+
+
+def _latest(state: StateDep, listing: Listing, after: str | None) -> Callable[[], Response]:
+    """The listing of each node's latest profile of ``listing.model_fingerprint`` per thing it
+    measured (``ProfileStore.latest_per_node``, as the plan routes read it), filtered by exact
+    ``device_name``; bounded by ``limit`` (1000 at most), as a plan by card reads.
+
+    Raises:
+        Problem: 422 without ``model_fingerprint``, or with ``node_name``, ``before`` or
+            ``after``, naming the query field.
+    """
+    fingerprint, card = listing.model_fingerprint, listing.device_name
+    refused = [
+        (name, value)
+        for name, value in (("node_name", listing.node_name), ("before", listing.before))
+        if value is not None
+    ] + ([("after", after)] if after is not None else [])
+    if fingerprint is None or refused:
+        field = "model_fingerprint" if fingerprint is None else refused[0][0]
+        raise Problem(
+            422,
+            "validation",
+            "latest_per_node lists one model's profiles, each node's latest per thing it "
+            "measured, in one page: give model_fingerprint, and neither node_name, before nor "
+            "after",
+            field=f"query.{field}",
+        )
+
+    def page() -> Response:
+        found = state.store.latest_per_node(
+            model_fingerprint=fingerprint,
+            limit=listing.limit,
+            card=None if card is None else (lambda name: name == card),
+        )
+        return json_response(
+            ProfileList(profiles=[profile_public(pid, profile) for pid, profile in found])
+        )
+
+    return page
 
 
 @router.get(

@@ -4,6 +4,7 @@ copy within the stated bound, after which the copy answers no plan."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from fastapi.testclient import TestClient
 
 import service.plans.limits as limits
 from autobatch.errors import ProfileDeletedError
+from autobatch.planning import select_profile
 from autobatch.profile import Profile
 from autobatch.store import ProfileStore, profile_id_of
 from service.fleet.forgetting import DEFAULT_INTERVAL_SECONDS, Forgetting
@@ -194,7 +196,7 @@ class _FetchedBefore:
     def __init__(self, profile_id: str) -> None:
         self.profile_id = profile_id
 
-    def profiles_of(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
+    def latest_per_node(self, model_fingerprint: str, *, limit: int) -> list[tuple[str, Profile]]:
         return [(self.profile_id, HONEST[0])]
 
 
@@ -213,7 +215,9 @@ def test_a_copy_stored_just_after_its_tombstone_is_forgotten_too(tmp_path: Path)
         assert all(pid != fetched_id for pid, _ in store.list_profiles())
         # A plan on the node asking central for the model does not answer from that copy.
         fetched = _FetchedBefore(fetched_id)
-        assert limits._from_central(store, fetched, "fp-gpt2", None) == []  # type: ignore[arg-type]
+        choose = functools.partial(select_profile, card=None, node=None, conditions={})
+        found, chosen = limits._from_central(store, fetched, "fp-gpt2", choose, "none")  # type: ignore[arg-type]
+        assert (found, chosen) == ([(fetched_id, profile)], None)
         other = store.put(HONEST[1])  # the node's other profiles are stored as ever
         assert [pid for pid, _ in store.list_profiles()] == [other]
     finally:
