@@ -34,7 +34,8 @@ Central mode: two more rows plan from the store, as a fleet's service does. The
 store (in memory, in the service's process) holds :data:`FLEET_NODES` nodes' profiles of one
 model on each of three cards, the asked card's oldest and its newest under other conditions,
 and other models' profiles beside them. ``plan (node)`` is the per-node route (``POST /v1/plan``
-with ``model_fingerprint``: the model's newest profile, what a node's sidecar answers);
+with ``model_fingerprint`` alone: since issue 43 drawn among the nodes too, on the card the
+most nodes measured, one profile per node, what a node's sidecar answers);
 ``plan (card)`` plans for a card type under conditions (``card`` and ``conditions``: drawn among
 each node's latest profile of the model measured on that card under them, no node alone
 deciding). Goal: the card route's p99 within 2x of the per-node route's

@@ -75,7 +75,8 @@ class CardOptions:
     """One candidate card: its profile's plans at each GPU count considered, or why none."""
 
     card: str | None
-    """The card type (a profile's device_name); None for the model's newest profile, any card."""
+    """The card type (a profile's device_name); None for the model's profile drawn among the
+    nodes on the card the most nodes measured."""
     profile_id: str | None
     rows: tuple[WorldSizeOption, ...] = ()
     """One row per GPU count considered (:func:`autobatch.planning.plan_table`'s)."""
@@ -271,4 +272,4 @@ def _plan_words(plan: Plan, options: CardOptions) -> str:
 
 
 def _card_words(card: str | None) -> str:
-    return card if card is not None else "the model's newest profile's card"
+    return card if card is not None else "the card the most nodes measured the model on"

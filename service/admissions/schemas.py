@@ -82,8 +82,8 @@ class AdmissionCreate(Strict):
         min_length=1,
         max_length=16,
         description="Candidate card types in the job's order of preference (profiles' "
-        "device_name, e.g. 'NVIDIA H100 80GB HBM3'); null plans from the model's newest "
-        "profile, whatever its card.",
+        "device_name, e.g. 'NVIDIA H100 80GB HBM3'); null plans from the model's profile "
+        "drawn among the nodes, on the card the most nodes measured.",
     )
     conditions: Annotated[dict[Name, Any], AfterValidator(storable_json)] | None = Field(
         default=None, max_length=64, description="As for POST /v1/plan; needs cards."

@@ -89,8 +89,9 @@ class JobCards(Strict):
 
 
 class PlanCreate(Strict):
-    """What to plan: exactly one limit (a stored profile, the newest profile of a model, a plain
-    max micro-batch size, or a memory model), an optional device, and the batch to reach."""
+    """What to plan: exactly one limit (a stored profile, a model's profile drawn among the
+    nodes, a plain max micro-batch size, or a memory model), an optional device, and the batch
+    to reach."""
 
     profile_id: Id | None = None
     model_fingerprint: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")] | None = None
@@ -104,8 +105,9 @@ class PlanCreate(Strict):
     card: NonEmptyName | None = Field(
         default=None,
         description="Plan for this card type (a profile's device_name, e.g. 'NVIDIA H100 80GB "
-        "HBM3'): the newest profile of model_fingerprint measured on it, on any node, under "
-        "the conditions asked answers 'measured'; otherwise a profile measured elsewhere "
+        "HBM3'): a profile of model_fingerprint measured on it under the conditions asked, "
+        "drawn among the nodes (each node's latest, no node alone deciding), answers "
+        "'measured'; otherwise a profile measured elsewhere "
         "answers 'predicted' (see the answer's selection). Needs model_fingerprint.",
     )
     node: NonEmptyName | None = Field(
@@ -123,9 +125,10 @@ class PlanCreate(Strict):
     )
     activation_checkpointing: AskedCheckpointing | None = Field(
         default=None,
-        description="With model_fingerprint: plan from the model's newest stored profile "
-        "measured under this activation checkpointing mode ('none', 'selective', 'full'), or "
-        "'auto': from the newest of each mode, the one whose plan reaches the effective batch "
+        description="With model_fingerprint: plan from the model's profile measured under "
+        "this activation checkpointing mode ('none', 'selective', 'full'), drawn among the "
+        "nodes as a plan by the model alone, or 'auto': from the one drawn under each mode, "
+        "the one whose plan reaches the effective batch "
         "in the least time per optimizer step (within 5%, or untimed: the least recompute), a "
         "mode whose measured peak is not below the plain one's never. Null: the mode "
         "conditions name, else 'none' (the job trains as the model is: only profiles measured "

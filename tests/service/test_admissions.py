@@ -78,7 +78,7 @@ def test_admissions(client: TestClient) -> None:
     assert (unknown["outcome"], unknown["world_size"], unknown["plan"]) == ("unplanned", None, None)
     assert unknown["reasons"][0].startswith(f"{H100}: ")
 
-    # No card given: the model's newest profile.
+    # No card given: drawn among the nodes, on the card the most nodes measured.
     anywhere = admit(client, world_size=4)
     assert (anywhere["outcome"], anywhere["card"], anywhere["world_size"]) == ("accepted", None, 4)
     assert anywhere["plan"]["micro_batch_size"] == 32  # 64 per GPU: 32 x 2

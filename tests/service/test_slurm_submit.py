@@ -302,7 +302,7 @@ def test_fail_closed_refuses_and_a_broken_file_changes_nothing(site: Site, tmp_p
     assert "autobatch: the job is refused: no plan could be decided at submission" in refused.stderr
     assert broken.returncode == 0, broken.stderr
     subprocess.run(["scancel", broken.stdout.split()[-1]], env=site.cluster.env, check=True)
-    # No card in the file: the model's newest profile answers (2048 on 8 = 32 x 8).
+    # No card in the file: the model's profile drawn among the nodes answers (2048 on 8 = 32 x 8).
     assert "autobatch: accepted: effective batch 2048 = micro-batch 32 x 8" in broken.stderr
     log = (site.cluster.root / "log" / "slurmctld.log").read_text()
     assert "timeout_s = x is not a number of seconds or GPUs (ignored)" in log
