@@ -2,9 +2,9 @@
 answer's parts that come from that choice.
 
 One job: from a :class:`~service.plans.schemas.PlanCreate`, the limit the planner plans within
-(:func:`resolve_limit`: a plain max micro-batch size, a memory model, a profile by id or by
-fingerprint, from this node's store or the central service's) or, for a card type or a node,
-the profile chosen among a model's stored ones (:func:`select`, by
+(:func:`resolve_limit`: a plain max micro-batch size, a memory model, a profile by id) or, for
+a model (``model_fingerprint``, by card type, by node or alone), the profile drawn among the
+nodes' stored ones, from this node's store or the central service's (:func:`select`, by
 :func:`service.plans.planner.chooser`); the note and the public selection that go with a
 choice; and the cap on the size of an answer, its plan and ``world_sizes`` table
 (:func:`check_answer_size`). Store reads block: the route runs these in a worker thread
@@ -12,7 +12,9 @@ choice; and the cap on the size of an answer, its plan and ``world_sizes`` table
 
 Example::
 
-    limit, profile_id, source = resolve_limit(body, state.store, state.central, device)
+    profile, profile_id, source, selection, card_bytes = select(
+        body, state.store, state.central, device
+    )
 """
 
 from __future__ import annotations
@@ -145,10 +147,11 @@ NAME_SCAN = 200
 """Summaries (indexed columns, nothing decoded) read to find the names a card was stored under
 (:func:`card_profiles`): the model's newest, or the store's newest for a card's memory."""
 NODE_PROFILES = 1000
-"""Profiles read at most for a plan by card or node: each node's latest per thing it measured
+"""Profiles read at most for a plan of a model (by card, node or alone), here or, on a node
+holding none of the model, from the central service: each node's latest per thing it measured
 (``ProfileStore.latest_per_node``), newest first, so a node's flood of profiles pushes no other
-node out; only those measured on the card asked about are decoded, then (for a prediction)
-the model's others."""
+node out; only those measured on the card asked about are decoded, then (for a prediction, or
+a plan by the model alone without a card) the model's others."""
 
 
 def card_profiles(
