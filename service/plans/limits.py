@@ -183,6 +183,8 @@ def select(
     plan is predicted for a card other than the profile's or scaled to a share of the card,
     else None). ``device`` (the request's, resolved) is the budget asked.
 
+    A node holding none of the model asks the central service (:func:`_from_central`; not
+    for ``activation_checkpointing`` ``"auto"``, which draws under each mode here).
     For ``body.card``/``body.node``, as they ask. For the model alone (no card, no node), the
     same draw among the nodes, for the card the request's device names, else among the
     profiles of the card the most nodes measured the model on (:func:`most_measured`): no
@@ -220,7 +222,7 @@ def select(
             every = store.latest_per_node(model_fingerprint=fingerprint, limit=NODE_PROFILES)
             seen = in_mode(every, mode)
             chosen = choose(seen)
-        if chosen is None and not _trains(every):  # nothing of the model here: ask central
+        if chosen is None and not _trains(every) and mode != "auto":  # ask central
             every, chosen = _from_central(store, central, fingerprint, choose, mode)
             seen = in_mode(every, mode)
         if alone and mode == "auto":
