@@ -126,30 +126,8 @@ def autotune_trainer(
             :func:`autobatch.autotune`.
     """
     check_options(options, caller="autotune_trainer", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
-    args = trainer.args
-    if args.auto_find_batch_size:
-        raise ConfigError(
-            "TrainingArguments(auto_find_batch_size=True) halves the micro-batch on an OOM "
-            "without raising gradient_accumulation_steps, so the effective batch would shrink; "
-            "set auto_find_batch_size=False when autotune_trainer plans the batch"
-        )
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
-        trainer, "is_fsdp_enabled", False
-    ):
-        raise ConfigError(
-            "autotune_trainer probes an unsharded model; under DeepSpeed or FSDP call "
-            "autobatch.autotune on the sharded model and step, then set "
-            "per_device_train_batch_size and gradient_accumulation_steps from the plan"
-        )
-    model = trainer.model
-    check_checkpointing_asked(
-        model,
-        options,
-        caller="autotune_trainer",
-        already="TrainingArguments(activation_checkpointing=True)"
-        if _checkpointing_wanted(args)
-        else "",
-    )
+    _check_trainer(trainer, options)
+    args, model = trainer.args, trainer.model
     world_size = _trainer_world_size(trainer)
     model_device = next(model.parameters()).device
     sample = (
@@ -210,6 +188,29 @@ def autotune_trainer(
             "items are not counted)"
         ),
     )
+
+
+def _check_trainer(trainer: Any, options: Mapping[str, Any]) -> None:
+    """Refuse a Trainer whose batch or memory the plan cannot speak for (see
+    :func:`autotune_trainer`'s Raises)."""
+    args = trainer.args
+    if args.auto_find_batch_size:
+        raise ConfigError(
+            "TrainingArguments(auto_find_batch_size=True) halves the micro-batch on an OOM "
+            "without raising gradient_accumulation_steps, so the effective batch would shrink; "
+            "set auto_find_batch_size=False when autotune_trainer plans the batch"
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
+        trainer, "is_fsdp_enabled", False
+    ):
+        raise ConfigError(
+            "autotune_trainer probes an unsharded model; under DeepSpeed or FSDP call "
+            "autobatch.autotune on the sharded model and step, then set "
+            "per_device_train_batch_size and gradient_accumulation_steps from the plan"
+        )
+    switch = "TrainingArguments(activation_checkpointing=True)"
+    already = switch if _checkpointing_wanted(args) else ""
+    check_checkpointing_asked(trainer.model, options, caller="autotune_trainer", already=already)
 
 
 def _switch_on_checkpointing(trainer: Any, plan: Plan, options: Mapping[str, Any]) -> bool:
