@@ -205,3 +205,38 @@ def test_auto_on_a_model_without_repeated_blocks_plans_it_as_given_and_says_why(
     with pytest.raises(ConfigError, match="checkpoint_block_class='Nope' matches no module"):
         _tune(mlp, torch.randn(2, 8), effective_batch_size=16, device="sim:1MiB",
               activation_checkpointing="auto", checkpoint_block_class="Nope")  # fmt: skip
+
+
+def test_the_notes_and_the_report_agree_on_which_modes_were_timed(
+    model: torch.nn.Module, sample: Any
+) -> None:
+    # With the estimate, the plain probe's first trial is at micro-batch 2 (the one size timed)
+    # while its plan is 1 x 9: the notes once called that mode's time "not measured" while the
+    # report plotted it. Both read the same times now, and the notes say how they were drawn.
+    tuned = tune_request(
+        TuneRequest.build(
+            model,
+            sample,
+            effective_batch_size=9,
+            device="sim:2MiB",
+            use_store=False,
+            activation_checkpointing="auto",
+        )
+    )
+    data = report_data(tuned)
+    plotted = {
+        m["mode"] for m in data["modes"] if any(t["seconds_per_sample"] for t in m["trials"])
+    }
+    lines = {
+        note.split(": ")[0].removeprefix("activation checkpointing "): note
+        for note in data["why"][2:]  # one line per mode after the choice and what was tried
+    }
+    assert set(lines) == {"none", "selective", "full"}
+    planned = {mode for mode, line in lines.items() if " steps, " in line}
+    assert planned and planned <= plotted
+    for mode in planned:
+        assert ("time not measured" in lines[mode]) == (mode not in plotted), lines[mode]
+    plain = lines["none"]
+    assert "micro_batch_size 1 x 9 steps" in plain
+    assert "(at least: from the time per sample measured at micro_batch_size 2)" in plain
+    assert data["why"] == [n for n in tuned.plan.notes if n.startswith("activation checkpointing")]

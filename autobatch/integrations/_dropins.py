@@ -25,7 +25,11 @@ import torch
 from autobatch.device import Device
 from autobatch.errors import ConfigError, NoFeasiblePlanError
 from autobatch.planning import Plan
-from autobatch.probing import callable_identity
+from autobatch.probing import (
+    apply_activation_checkpointing,
+    callable_identity,
+    checkpointed_blocks,
+)
 from autobatch.tuning import (
     TuneOptions,
     TuneRequest,
@@ -36,7 +40,9 @@ from autobatch.tuning import (
 
 __all__ = [
     "FrameworkStep",
+    "check_checkpointing_asked",
     "check_options",
+    "checkpoint_for_training",
     "code_identity",
     "dataset_rows",
     "refuse_deepspeed",
@@ -96,17 +102,6 @@ def check_options(
                 f"{caller} got an unknown probe option {name!r}; the options are "
                 f"{sorted(accepted)} (see autobatch.autotune)"
             )
-    if options.get("activation_checkpointing", "none") != "none":
-        framework = _FRAMEWORKS.get(caller, "the framework")
-        raise ConfigError(
-            f"{caller} probes the model with the activation checkpointing {framework} will "
-            f"run, and cannot switch it on for training yet, so activation_checkpointing="
-            f"{options['activation_checkpointing']!r} is not taken here; choose with "
-            "autobatch.autotune(model, sample, ..., activation_checkpointing='auto') and set "
-            "the framework's switch from the plan (autobatch.integrations.hf_training_arguments"
-            "(plan), deepspeed_config(plan), lightning_config(plan)), then call "
-            f"{caller} again or use the plan"
-        )
     if options.get("mixed_ranks"):
         framework = _FRAMEWORKS.get(caller, "the framework")
         raise ConfigError(
@@ -117,6 +112,62 @@ def check_options(
             "(autobatch.autotune(mixed_ranks=True), autobatch.training.MixedBatchSampler and "
             "the Accumulator), or leave mixed_ranks unset"
         )
+
+
+def check_checkpointing_asked(
+    model: torch.nn.Module, options: Mapping[str, Any], *, caller: str, already: str = ""
+) -> str:
+    """The activation checkpointing mode asked in ``options`` (``"none"`` when not asked),
+    refused when the model checkpoints already: the probe would measure both at once, and the
+    drop-in could not switch the framework's on for the mode chosen.
+
+    Args:
+        already: the framework's own switch, when it is on (e.g.
+            ``"TrainingArguments(activation_checkpointing=True)"``); empty when off.
+
+    Raises:
+        ConfigError: a mode other than ``"none"`` asked of a model with checkpointing on
+            (autobatch's blocks, Hugging Face's flags, or ``already``), naming the fix.
+    """
+    asked = str(options.get("activation_checkpointing", "none"))
+    if asked == "none":
+        return asked
+    wrapped = checkpointed_blocks(model)
+    flagged = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    on = (
+        already
+        or (f"autobatch checkpoints {wrapped} of its blocks" if wrapped else "")
+        or ("its modules' gradient_checkpointing flags are on" if flagged else "")
+    )
+    if on:
+        raise ConfigError(
+            f"{caller} got activation_checkpointing={asked!r}, but the model checkpoints "
+            f"activations already ({on}), so the probe would measure both; turn that off "
+            "(autobatch.probing.remove_activation_checkpointing(model), "
+            "model.activation_checkpointing_disable(), or the framework's switch) to let "
+            f"{caller} choose, or leave activation_checkpointing out to plan the model as it is"
+        )
+    return asked
+
+
+def checkpoint_for_training(
+    model: torch.nn.Module, plan: Plan, options: Mapping[str, Any]
+) -> Callable[[], None]:
+    """Apply ``plan``'s activation checkpointing mode to ``model``'s blocks for training, in
+    place (:func:`autobatch.probing.apply_activation_checkpointing`, with the
+    ``checkpoint_block_class`` option the probe used): each chosen block's ``forward`` becomes
+    its non-reentrant checkpointed forward, an instance attribute on the block itself (no
+    module replaced, no state renamed). Nothing changes when the plan's mode is ``"none"``.
+    The returned undo, or :func:`autobatch.probing.remove_activation_checkpointing`, undoes it.
+
+    Raises:
+        ConfigError: as :func:`autobatch.probing.apply_activation_checkpointing`.
+    """
+    if plan.activation_checkpointing == "none":
+        return lambda: None
+    return apply_activation_checkpointing(
+        model, plan.activation_checkpointing, block_class=options.get("checkpoint_block_class")
+    )
 
 
 def code_identity(function: Callable[..., Any]) -> str:

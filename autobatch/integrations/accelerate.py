@@ -33,7 +33,9 @@ from autobatch.errors import ConfigError
 from autobatch.integrations._dropins import (
     SET_BY_FRAMEWORK,
     autotune_arguments,
+    check_checkpointing_asked,
     check_options,
+    checkpoint_for_training,
     dataset_rows,
     refuse_deepspeed,
     tune,
@@ -71,7 +73,17 @@ def autotune_accelerator(
         device: None (the model's device), ``"cuda:N"``, ``"sim:SIZE"`` or a Device.
         **options: how a batch becomes a loss (``loss_fn``, ``train_step``,
             ``step_includes_update``; see :func:`autobatch.autotune`) and its probe and planner
-            options (``safety_margin``, ``max_gradient_accumulation_steps``, ``store``...).
+            options (``safety_margin``, ``max_gradient_accumulation_steps``, ``store``...);
+            ``activation_checkpointing="auto"`` (or ``"selective"``, ``"full"``) chooses the
+            mode with the micro-batch by real trials, and a mode other than ``"none"`` chosen
+            is applied to the model's blocks for training (below).
+
+    A plan whose ``activation_checkpointing`` is not ``"none"`` leaves the model's blocks
+    checkpointed in place, as the probe measured them
+    (:func:`autobatch.probing.apply_activation_checkpointing`: each block's ``forward`` an
+    instance attribute running non-reentrant ``torch.utils.checkpoint``; Accelerate has no
+    switch of its own); ``autobatch.probing.remove_activation_checkpointing(model)`` undoes it.
+    Under ``"none"`` the model is left as it was.
 
     Returns:
         The Plan, with its ``epoch`` (the dataloader's dataset rows per epoch: micro-batches and
@@ -84,9 +96,9 @@ def autotune_accelerator(
 
     Raises:
         ConfigError: an option autotune does not take or that this function sets itself; an
-            empty dataloader; ``split_batches=True`` with more than one process (the loader's
-            batch would be split over them); DeepSpeed running the step (its config sets the
-            micro-batch).
+            empty dataloader; a checkpointing mode asked of a model that checkpoints already;
+            ``split_batches=True`` with more than one process (the loader's batch would be
+            split over them); DeepSpeed running the step (its config sets the micro-batch).
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
     """
@@ -98,6 +110,7 @@ def autotune_accelerator(
         where="Accelerator(deepspeed_plugin=...) or accelerate config",
     )
     unwrapped = accelerator.unwrap_model(model)
+    check_checkpointing_asked(unwrapped, options, caller="autotune_accelerator")
     inner_optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps one
     sample = _first_batch(dataloader, next(unwrapped.parameters()).device)
     result = tune(
@@ -114,6 +127,7 @@ def autotune_accelerator(
         caller="autotune_accelerator",
     )
     accelerator.gradient_accumulation_steps = result.gradient_accumulation_steps
+    checkpoint_for_training(unwrapped, result, options)  # Accelerate has no switch of its own
     base = getattr(dataloader, "base_dataloader", dataloader)
     steps = result.gradient_accumulation_steps
     return with_epoch(

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,12 +34,15 @@ from torch.utils._pytree import tree_map
 from autobatch.device import Device
 from autobatch.errors import ConfigError
 from autobatch.extras import require
+from autobatch.integrations._configs import hf_training_arguments
 from autobatch.integrations._dropins import (
     SET_BY_FRAMEWORK,
     STEP_ARGUMENTS,
     FrameworkStep,
     autotune_arguments,
+    check_checkpointing_asked,
     check_options,
+    checkpoint_for_training,
     code_identity,
     dataset_rows,
     tune,
@@ -76,7 +80,19 @@ def autotune_trainer(
             to find the longest) or a load measure other than :func:`row_length`.
         **options: probe and planner options of :func:`autobatch.autotune` (``safety_margin``,
             ``max_micro_batch_size``, ``multiple_of``, ``max_gradient_accumulation_steps``,
-            ``store``, ``refresh``, ``amp_dtype``...).
+            ``store``, ``refresh``, ``amp_dtype``...); ``activation_checkpointing="auto"`` (or
+            ``"selective"``, ``"full"``) chooses the mode with the micro-batch by real trials.
+
+    A plan whose ``activation_checkpointing`` is not ``"none"`` turns the Trainer's own switch
+    on for ``train()``: ``args.activation_checkpointing = True`` and
+    ``args.activation_checkpointing_kwargs = {"every_n_layers": n, "use_reentrant": False}``
+    (transformers 5; n is 1 for ``"full"``, 2 for ``"selective"``, the layers the probe
+    checkpointed), or transformers 4's ``gradient_checkpointing`` for ``"full"`` (its
+    ``"selective"``, which transformers 4 cannot express, wraps the blocks in place with
+    :func:`autobatch.probing.apply_activation_checkpointing`); set the arguments back to undo
+    it. Under ``"none"`` the arguments and the model are left as they were. Asking a mode of a
+    Trainer whose arguments turn checkpointing on already is refused (the probe measures the
+    Trainer's setting then).
 
     A WARNING on the ``autobatch.integrations`` logger says when the train dataset's rows do
     not fill whole optimizer steps (the Trainer's last step of an epoch then sees fewer samples,
@@ -103,28 +119,15 @@ def autotune_trainer(
     Raises:
         ConfigError: an option autotune does not take or that this function sets itself; no
             train dataset; ``auto_find_batch_size`` on (it would halve the micro-batch without
-            raising the accumulation steps, changing the effective batch); DeepSpeed or FSDP
+            raising the accumulation steps, changing the effective batch); a checkpointing
+            mode asked where the arguments or the model checkpoint already; DeepSpeed or FSDP
             (their memory is sharded: call autobatch.autotune on the sharded step).
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
     """
     check_options(options, caller="autotune_trainer", owned=SET_BY_FRAMEWORK | STEP_ARGUMENTS)
-    args = trainer.args
-    if args.auto_find_batch_size:
-        raise ConfigError(
-            "TrainingArguments(auto_find_batch_size=True) halves the micro-batch on an OOM "
-            "without raising gradient_accumulation_steps, so the effective batch would shrink; "
-            "set auto_find_batch_size=False when autotune_trainer plans the batch"
-        )
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
-        trainer, "is_fsdp_enabled", False
-    ):
-        raise ConfigError(
-            "autotune_trainer probes an unsharded model; under DeepSpeed or FSDP call "
-            "autobatch.autotune on the sharded model and step, then set "
-            "per_device_train_batch_size and gradient_accumulation_steps from the plan"
-        )
-    model = trainer.model
+    _check_trainer(trainer, options)
+    args, model = trainer.args, trainer.model
     world_size = _trainer_world_size(trainer)
     model_device = next(model.parameters()).device
     sample = (
@@ -171,7 +174,8 @@ def autotune_trainer(
             f"{result.gradient_accumulation_steps} x world size {world_size}); its parallel "
             "layout is one autotune_trainer does not know: plan with autobatch.autotune"
         )
-    _check_when_training_starts(trainer, result, amp_dtype)
+    switched = _switch_on_checkpointing(trainer, result, options)
+    _check_when_training_starts(trainer, result, amp_dtype, switched=switched)
     return with_epoch(
         result,
         dataset_rows(trainer.train_dataset),
@@ -186,9 +190,64 @@ def autotune_trainer(
     )
 
 
-def _check_when_training_starts(trainer: Any, plan: Plan, amp_dtype: torch.dtype | None) -> None:
+def _check_trainer(trainer: Any, options: Mapping[str, Any]) -> None:
+    """Refuse a Trainer whose batch or memory the plan cannot speak for (see
+    :func:`autotune_trainer`'s Raises)."""
+    args = trainer.args
+    if args.auto_find_batch_size:
+        raise ConfigError(
+            "TrainingArguments(auto_find_batch_size=True) halves the micro-batch on an OOM "
+            "without raising gradient_accumulation_steps, so the effective batch would shrink; "
+            "set auto_find_batch_size=False when autotune_trainer plans the batch"
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(
+        trainer, "is_fsdp_enabled", False
+    ):
+        raise ConfigError(
+            "autotune_trainer probes an unsharded model; under DeepSpeed or FSDP call "
+            "autobatch.autotune on the sharded model and step, then set "
+            "per_device_train_batch_size and gradient_accumulation_steps from the plan"
+        )
+    switch = "TrainingArguments(activation_checkpointing=True)"
+    already = switch if _checkpointing_wanted(args) else ""
+    check_checkpointing_asked(trainer.model, options, caller="autotune_trainer", already=already)
+
+
+def _switch_on_checkpointing(trainer: Any, plan: Plan, options: Mapping[str, Any]) -> bool:
+    """Turn on, for ``train()``, the activation checkpointing ``plan`` chose (nothing for
+    ``"none"``): the Trainer's own switch, ``activation_checkpointing=True`` with
+    ``activation_checkpointing_kwargs={"every_n_layers": n, "use_reentrant": False}``
+    (transformers 5: the layers the probe checkpointed, n 1 for ``"full"``, 2 for
+    ``"selective"``), or transformers 4's ``gradient_checkpointing=True`` for ``"full"``;
+    transformers 4 has no ``every_n_layers``, so ``"selective"`` there is autobatch's own
+    wrapping of the blocks, in place (:func:`autobatch.probing.remove_activation_checkpointing`
+    undoes it). True when the Trainer's switch was set."""
+    if plan.activation_checkpointing == "none":
+        return False
+    args = trainer.args
+    wanted = hf_training_arguments(plan)
+    if hasattr(args, "activation_checkpointing"):  # transformers >= 5
+        args.activation_checkpointing = True
+        args.activation_checkpointing_kwargs = wanted["activation_checkpointing_kwargs"]
+        return True
+    if plan.activation_checkpointing == "full":
+        args.gradient_checkpointing = True
+        args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        return True
+    checkpoint_for_training(trainer.model, plan, options)
+    return False
+
+
+def _check_when_training_starts(
+    trainer: Any, plan: Plan, amp_dtype: torch.dtype | None, *, switched: bool
+) -> None:
     """Add a callback that compares ``plan``'s conditions with the process's when ``train()``
-    begins (its optimizer created, activation checkpointing turned on): one per Trainer."""
+    begins (its optimizer created, activation checkpointing turned on): one per Trainer.
+
+    When the drop-in set the Trainer's checkpointing switch (``switched``) for the blocks the
+    probe checkpointed with autobatch's wrapping, the two describe the same recompute in other
+    words: while the Trainer's flags are on, that condition is not compared (turned off, the
+    difference is warned of as any other)."""
     require("transformers", extra="hf", purpose="autotune_trainer")
     from transformers import TrainerCallback
 
@@ -197,9 +256,16 @@ def _check_when_training_starts(trainer: Any, plan: Plan, amp_dtype: torch.dtype
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             optimizer = kwargs.get("optimizer")
+            model = kwargs.get("model") or trainer.model
+            checked = plan
+            if switched and _checkpointing_active(model):
+                checked = dataclasses.replace(
+                    plan,
+                    conditions=dataclasses.replace(plan.conditions, activation_checkpointing=""),
+                )
             check_plan_here(
-                plan,
-                kwargs.get("model") or trainer.model,
+                checked,
+                model,
                 getattr(optimizer, "optimizer", optimizer),  # Accelerate's wrapper holds one
                 where="autotune_trainer",
                 amp_dtype=amp_dtype,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +35,9 @@ from autobatch.integrations._dropins import (
     STEP_ARGUMENTS,
     FrameworkStep,
     autotune_arguments,
+    check_checkpointing_asked,
     check_options,
+    checkpoint_for_training,
     code_identity,
     dataset_rows,
     refuse_deepspeed,
@@ -73,10 +75,22 @@ class AutobatchFinder(Callback):
             ``BatchSizeFinder``'s).
         **options: probe and planner options of :func:`autobatch.autotune` (``safety_margin``,
             ``max_micro_batch_size``, ``multiple_of``, ``max_gradient_accumulation_steps``,
-            ``store``, ``refresh``...).
+            ``store``, ``refresh``...); ``activation_checkpointing="auto"`` (or
+            ``"selective"``, ``"full"``) chooses the mode with the micro-batch by real trials.
 
     Attributes:
         plan: the Plan applied at the last fit start (None before).
+        undo_checkpointing: undoes the activation checkpointing the finder applied for
+            training (a no-op when the plan's mode is ``"none"``); the next fit start calls it
+            before probing again.
+
+    A plan whose ``activation_checkpointing`` is not ``"none"`` leaves the module's blocks
+    checkpointed in place for training, as the probe measured them
+    (:func:`autobatch.probing.apply_activation_checkpointing`: each block's ``forward`` an
+    instance attribute running non-reentrant ``torch.utils.checkpoint``; Lightning's Trainer
+    has no switch for it outside ``FSDPStrategy``): ``finder.undo_checkpointing()`` or
+    ``autobatch.probing.remove_activation_checkpointing(module)`` puts the blocks back. Under
+    ``"none"`` the module is left as it was.
 
     Raises:
         ConfigError: at construction, an option autotune does not take or that the finder sets
@@ -84,7 +98,8 @@ class AutobatchFinder(Callback):
             evaluation through your ``val_dataloader``). At fit start: the batch size
             attribute is missing, the dataloader was passed to ``fit()`` directly or ignores the
             attribute, several optimizers or train dataloaders, a ``GradientAccumulationScheduler``,
-            manual optimization that would need accumulation, ``SyncBatchNorm`` across ranks.
+            manual optimization that would need accumulation, ``SyncBatchNorm`` across ranks,
+            a checkpointing mode asked of a module that checkpoints already.
         DoesNotFitError, NoFeasiblePlanError, StepFailedError, DistributedError: see
             :func:`autobatch.autotune`.
 
@@ -132,6 +147,7 @@ class AutobatchFinder(Callback):
         self.batch_arg_name = batch_arg_name
         self.options = dict(options)
         self.plan: Plan | None = None
+        self.undo_checkpointing: Callable[[], None] = lambda: None
         self._weights: _LastStepWeights | None = None
         self._factor = 1.0
 
@@ -158,6 +174,8 @@ class AutobatchFinder(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.undo_checkpointing()  # a previous fit's, before probing the module again
+        self.undo_checkpointing = lambda: None
         self.plan = _tune(
             trainer,
             pl_module,
@@ -166,6 +184,7 @@ class AutobatchFinder(Callback):
             batch_arg_name=self.batch_arg_name,
             options=self.options,
         )
+        self.undo_checkpointing = checkpoint_for_training(pl_module, self.plan, self.options)
         self._weights = _LastStepWeights.of(self.plan, trainer)
 
     def on_train_batch_start(
@@ -202,6 +221,7 @@ def _tune(
     options: dict[str, Any],
 ) -> Plan:
     """Probe, plan and apply (what :class:`AutobatchFinder` does at fit start); see there."""
+    check_checkpointing_asked(pl_module, options, caller="AutobatchFinder")
     refuse_deepspeed(
         # By name: importing Lightning's DeepSpeedStrategy needs deepspeed installed.
         any(kind.__name__ == "DeepSpeedStrategy" for kind in type(trainer.strategy).__mro__),

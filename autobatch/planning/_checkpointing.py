@@ -83,6 +83,10 @@ class ModeMeasurement:
     seconds_per_optimizer_step: float | None = None
     """The plan's time per optimizer step from the measured step times, in seconds; None:
     no step time measured."""
+    seconds_basis: str = ""
+    """How ``seconds_per_optimizer_step`` was drawn when not from the planner's step times at
+    two sizes or more (e.g. from the time per sample measured at one size, a bound); empty when
+    it was, or when no time was measured."""
     peak_memory_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)
     """Measured peak memory (bytes) of each micro-batch that ran and fitted."""
     num_trials: int = 0
@@ -193,6 +197,8 @@ def _no_larger(mode: ModeMeasurement, less_recompute: Sequence[ModeMeasurement])
 def _line(mode: ModeMeasurement) -> str:
     seconds = mode.seconds_per_optimizer_step
     timing = "time not measured" if seconds is None else f"{seconds:.4g} s per optimizer step"
+    if seconds is not None and mode.seconds_basis:
+        timing += f" ({mode.seconds_basis})"
     return (
         f"{mode.mode}: micro_batch_size {mode.micro_batch_size} x "
         f"{mode.gradient_accumulation_steps} steps, {timing} (largest micro-batch "

@@ -100,8 +100,9 @@ def completed(
     """``plan`` (``rank``'s, of a mixed plan) with what ``rank``'s own limit says of it, when
     this process resolved it (:meth:`RankLimit.of`): the predicted peak bytes at its
     micro-batch, the capacity and headroom, the source (``predicted`` with its prediction, when
-    the limit is one), the conditions, the limit's notes first, the gradient-sync mode of its
-    profile, and ``budget`` on it. A rank known by its numbers alone keeps ``plan``."""
+    the limit is one), the conditions, the limit's notes first, the gradient-sync mode and the
+    activation checkpointing mode of its profile, and ``budget`` on it. A rank known by its
+    numbers alone keeps ``plan``."""
     own = rank._own
     if own is None:
         return plan
@@ -119,6 +120,11 @@ def completed(
         notes=(*limit.notes, *plan.notes),
         gradient_sync=(
             planned_from.gradient_sync if isinstance(planned_from, Profile) else plan.gradient_sync
+        ),
+        activation_checkpointing=(
+            planned_from.activation_checkpointing
+            if isinstance(planned_from, Profile)
+            else plan.activation_checkpointing
         ),
     )
     if budget is None:

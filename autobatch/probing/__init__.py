@@ -24,6 +24,8 @@ from autobatch.probing._checkpointing import (
     activation_checkpointing_applied,
     apply_activation_checkpointing,
     checkpointable_blocks,
+    checkpointed_blocks,
+    remove_activation_checkpointing,
 )
 from autobatch.probing._compiled import compiled_mode
 from autobatch.probing._estimator import FakeStep, estimate
@@ -74,6 +76,7 @@ __all__ = [
     "check_plan_here",
     "check_search_arguments",
     "checkpointable_blocks",
+    "checkpointed_blocks",
     "compiled_mode",
     "estimate",
     "live_world_size",
@@ -83,6 +86,7 @@ __all__ = [
     "probe",
     "process_conditions",
     "read_conditions",
+    "remove_activation_checkpointing",
     "resident_tensors",
     "run_confirmation",
     "run_probe",

@@ -16,6 +16,7 @@ Example::
         loss = model(**batch).loss     # every block recomputes in backward
         loss.backward()
     undo = apply_activation_checkpointing(model, "selective", every=2)   # for training
+    remove_activation_checkpointing(model)   # or undo(): the model as it was
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "checkpointable_blocks",
     "checkpointed_blocks",
     "describe_applied",
+    "remove_activation_checkpointing",
 ]
 
 CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = get_args(CheckpointingMode)
@@ -208,6 +210,24 @@ def activation_checkpointing_applied(
         yield model
     finally:
         undo()
+
+
+def remove_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Undo every :func:`apply_activation_checkpointing` on ``model``'s modules (the drop-ins'
+    too, which keep no undo for you): each checkpointed block's forward is put back as it was.
+
+    Returns:
+        How many blocks were checkpointed (0: nothing to undo).
+    """
+    count = 0
+    for module in model.modules():
+        wrapped = module.__dict__.get("forward")
+        if isinstance(wrapped, CheckpointedForward):
+            del module.__dict__["forward"]
+            if wrapped.previous is not None:
+                module.forward = wrapped.previous
+            count += 1
+    return count
 
 
 def checkpointed_blocks(model: torch.nn.Module) -> int:

@@ -43,6 +43,7 @@ from autobatch.planning import (
     Plan,
     checkpointing_modes_to_try,
     choose_checkpointing,
+    mode_report,
 )
 from autobatch.probing import (
     CHECKPOINTING_MODES,
@@ -221,40 +222,58 @@ def _measurement(run: ModeRun) -> ModeMeasurement:
             size = trial.micro_batch_size
             peaks[size] = max(peaks.get(size, 0), trial.peak_allocated_bytes)
     plan = run.plan
+    seconds, basis = (None, "") if plan is None else _step_seconds(plan, profile)
     return ModeMeasurement(
         mode=run.mode,
         max_micro_batch_size=profile.max_micro_batch_size,
         micro_batch_size=None if plan is None else plan.micro_batch_size,
         gradient_accumulation_steps=None if plan is None else plan.gradient_accumulation_steps,
-        seconds_per_optimizer_step=None if plan is None else _step_seconds(plan, profile),
+        seconds_per_optimizer_step=seconds,
+        seconds_basis=basis,
         peak_memory_bytes=peaks,
         num_trials=0 if run.found is None or run.found.cached else len(profile.trials),
     )
 
 
-def _step_seconds(plan: Plan, profile: Profile) -> float | None:
-    """Seconds per optimizer step of ``plan``: the planner's, from the step times measured at
-    two sizes or more; else the measured time per sample at the largest size that ran up to
-    the plan's micro-batch (exact at that size; above it, time per sample falls or stays, so
-    it bounds the plan's from above) times the plan's samples per rank; else None."""
+def _step_seconds(plan: Plan, profile: Profile) -> tuple[float | None, str]:
+    """Seconds per optimizer step of ``plan`` and how they were drawn (``""``: the planner's).
+
+    The planner's, from the step times measured at two sizes or more; else from the measured
+    time per sample at one size times the plan's samples per rank: at the largest size that
+    ran up to the plan's micro-batch (exact at that size; above it time per sample falls or
+    stays, so a bound from above), else at the smallest above it (time per sample at a smaller
+    micro-batch is no less: a bound from below); None only when no size was timed, which is
+    exactly when the report (:func:`autobatch.planning.mode_report`) plots no time for the
+    mode: both read :func:`seconds_per_sample`.
+    """
     if plan.predicted_seconds_per_effective_batch is not None:
-        return plan.predicted_seconds_per_effective_batch
+        return plan.predicted_seconds_per_effective_batch, ""
     measured = seconds_per_sample(profile)
+    if not measured:
+        return None, ""
+    samples = sum(plan.micro_batch_sizes)
     below = [size for size in measured if size <= plan.micro_batch_size]
-    if not below:
-        return None
-    return measured[max(below)] * sum(plan.micro_batch_sizes)
+    if below:
+        size = max(below)
+        bound = "" if set(plan.micro_batch_sizes) == {size} else "at most: "
+    else:
+        size = min(measured)
+        bound = "at least: "
+    return measured[size] * samples, (
+        f"{bound}from the time per sample measured at micro_batch_size {size}"
+    )
 
 
 def seconds_per_sample(profile: Profile | None) -> dict[int, float]:
-    """Measured step seconds per sample by micro-batch that fitted (the least of repeats)."""
+    """Measured step seconds per sample by micro-batch that fitted (the least of repeats): the
+    times the report plots (:func:`autobatch.planning.mode_report`), read from it."""
     found: dict[int, float] = {}
     if profile is None:
         return found
-    for trial in profile.trials:
-        if trial.fits and not trial.warm_up and trial.step_seconds > 0:
-            size = trial.micro_batch_size
-            per_sample = trial.step_seconds / size
+    for trial in mode_report(profile.activation_checkpointing, profile)["trials"]:
+        per_sample = trial["seconds_per_sample"]
+        if per_sample is not None:
+            size = trial["micro_batch_size"]
             found[size] = min(found.get(size, per_sample), per_sample)
     return found
 

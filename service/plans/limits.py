@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from autobatch.device import card_key, catalogue_memory_bytes
 from autobatch.errors import ConfigError, ProfileDeletedError, ProfileNotFoundError
 from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS, Plan, PlanSource, Selection
-from autobatch.profile import MemoryModel, Profile
+from autobatch.profile import CheckpointingMode, MemoryModel, Profile
 from autobatch.store import ProfileStore
 from service.fleet.central import CentralProfiles
 from service.plans.planner import Chooser, checkpointing_choice, chooser, source_of
@@ -128,17 +128,21 @@ def in_mode(found: list[tuple[str, Profile]], mode: str) -> list[tuple[str, Prof
     return [(i, profile) for i, profile in found if profile.activation_checkpointing == mode]
 
 
-def _no_profile_of_mode(fingerprint: str, mode: str, field: str) -> Problem:
-    """The 404 for a model whose stored profiles were all measured under other modes."""
+def _no_profile_of_mode(
+    fingerprint: str, mode: str, field: str, every: list[tuple[str, Profile]]
+) -> Problem:
+    """The 404 for a model whose stored training profiles (among ``every``) were all measured
+    under other modes than ``mode``, naming those modes."""
+    stored = sorted({p.activation_checkpointing for _, p in every if p.mode == "train"})
     return Problem(
         404,
         "unknown-profile",
         f"no stored training profile of model_fingerprint {fingerprint!r} was measured under "
-        f"activation_checkpointing {mode!r}, the mode the job trains under (a job that names "
-        "none trains without checkpointing, and a micro-batch measured under another mode may "
-        "not fit it); probe the model under it (autobatch tune --activation-checkpointing), or "
-        "name the mode the job trains with (activation_checkpointing, or conditions' "
-        "activation_checkpointing)",
+        f"activation_checkpointing {mode!r} (stored modes: {', '.join(stored) or 'none'}), the "
+        "mode the job trains under (a job that names none trains without checkpointing, and a "
+        "micro-batch measured under another mode may not fit it); probe the model under it "
+        "(autobatch tune --activation-checkpointing), or name the mode the job trains with "
+        "(activation_checkpointing, or conditions' activation_checkpointing)",
         field=field,
     )
 
@@ -196,6 +200,8 @@ def select(
             measured on it, and no device given).
     """
     assert body.model_fingerprint is not None
+    if body.activation_checkpointing == "auto" and (body.card or body.node) is not None:
+        return _select_auto(body, store, central, device)
     mig_profile = None if body.device is None else body.device.mig_profile
     card = body.card
     alone = body.card is None and body.node is None
@@ -229,10 +235,9 @@ def select(
             chosen = _of_mode(body, seen, choose)
     except ConfigError as exc:
         raise Problem(422, "validation", str(exc), field="body.conditions") from None
-    if chosen is None and body.activation_checkpointing is not None and _trains(every):
-        raise _no_mode_answers(body, every)
     if chosen is None and _trains(every) and not _trains(seen):
-        raise _no_profile_of_mode(fingerprint, mode, "body.conditions")
+        field = "body.conditions" if body.activation_checkpointing is None else _ASKED_MODE
+        raise _no_profile_of_mode(fingerprint, mode, field, every)
     if chosen is None:
         raise _none_answers(body, seen)
     profile = chosen.profile
@@ -265,18 +270,60 @@ def most_measured(choose: Chooser) -> Chooser:
     return chosen
 
 
-def _no_mode_answers(body: PlanCreate, every: list[tuple[str, Profile]]) -> Problem:
-    """The 404 for a body's ``activation_checkpointing`` that no stored profile answers."""
-    stored = ", ".join(sorted({p.activation_checkpointing for _, p in every if p.mode == "train"}))
-    return Problem(
-        404,
-        "unknown-profile",
-        f"no stored training profile of model_fingerprint {body.model_fingerprint!r} answers "
-        f"activation_checkpointing {body.activation_checkpointing!r} (stored modes: "
-        f"{stored or 'none'}); probe the model under it (autobatch tune "
-        "--activation-checkpointing) or ask another mode",
-        field="body.activation_checkpointing",
+_ASKED_MODE = "body.activation_checkpointing"
+
+
+def _select_auto(
+    body: PlanCreate,
+    store: ProfileStore,
+    central: CentralProfiles | None,
+    device: ResolvedDevice | None,
+) -> tuple[Profile, str, PlanSource, Selection, int | None]:
+    """:func:`select` for ``activation_checkpointing`` ``"auto"``: each mode's profile chosen
+    for the card or node as :func:`select` chooses it (drawn among the nodes), then among the
+    modes as :func:`~service.plans.planner.checkpointing_choice` chooses (each mode planned
+    for the card's memory when predicted for it), as the fingerprint-only path does.
+
+    Raises:
+        Problem: 404 naming ``body.activation_checkpointing`` when no mode's profile answers
+            or none plans the effective batch; 422 as :func:`select`.
+    """
+    answers: dict[str, tuple[Profile, str, PlanSource, Selection, int | None]] = {}
+    missing: list[str] = []
+    for mode in get_args(CheckpointingMode):  # least recompute first
+        try:
+            answers[mode] = select(
+                body.model_copy(update={"activation_checkpointing": mode}), store, central, device
+            )
+        except Problem as exc:
+            if exc.status != 404:
+                raise
+            missing.append(mode)
+    capacities = {mode: answer[4] for mode, answer in answers.items()}
+    budget = None if device is None else device.capacity_bytes
+    chosen = checkpointing_choice(
+        body,
+        {mode: (answer[1], answer[0]) for mode, answer in answers.items()},
+        capacity_bytes={mode: budget or given for mode, given in capacities.items()},
     )
+    if chosen is None:
+        asked = " and ".join(
+            f"{name} {value!r}"
+            for name, value in (("card", body.card), ("node", body.node))
+            if value is not None
+        )
+        why = f"no stored profile of {', '.join(missing)} answers there" if missing else ""
+        if len(missing) < len(get_args(CheckpointingMode)):
+            why += ("; " if why else "") + "no stored mode's plan reaches the effective batch"
+        raise Problem(
+            404,
+            "unknown-profile",
+            f"no stored training profile of model_fingerprint {body.model_fingerprint!r} "
+            f"answers activation_checkpointing 'auto' for {asked} ({why}); probe the model "
+            "there (autobatch tune --activation-checkpointing auto) or ask one mode",
+            field=_ASKED_MODE,
+        )
+    return answers[chosen[1].activation_checkpointing]
 
 
 def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:

@@ -141,15 +141,21 @@ def plan_world_sizes(
 
 
 def checkpointing_choice(
-    body: PlanCreate, newest: Mapping[str, tuple[str, Profile]]
+    body: PlanCreate,
+    newest: Mapping[str, tuple[str, Profile]],
+    *,
+    capacity_bytes: Mapping[str, int | None] | None = None,
 ) -> tuple[str, Profile] | None:
     """Among the newest stored profile of each activation checkpointing mode (``newest``, by
     mode), the one :func:`autobatch.planning.choose_checkpointing` chooses for the body's
-    effective batch (each planned within its own recommended size); None when none plans."""
+    effective batch (each planned within its own recommended size, or for the memory in bytes
+    ``capacity_bytes`` gives its mode: a card it was not measured on, a budget asked); None
+    when none plans."""
     measured = []
-    for _, profile in newest.values():
+    for mode, (_, profile) in newest.items():
+        capacity = None if capacity_bytes is None else capacity_bytes.get(mode)
         try:
-            result = plan_request(profile, _request(body, plain=False, capacity_bytes=None))
+            result = plan_request(profile, _request(body, plain=False, capacity_bytes=capacity))
         except (ConfigError, NoFeasiblePlanError):
             measured.append(
                 ModeMeasurement(mode=profile.activation_checkpointing, max_micro_batch_size=0)

@@ -132,8 +132,10 @@ class PlanCreate(Strict):
         "in the least time per optimizer step (within 5%, or untimed: the least recompute), a "
         "mode whose measured peak is not below the plain one's never. Null: the mode "
         "conditions name, else 'none' (the job trains as the model is: only profiles measured "
-        "without checkpointing plan it). Not with card, node or job (give conditions' "
-        "activation_checkpointing there).",
+        "without checkpointing plan it). With card or node, the profile of the mode is chosen "
+        "among the nodes as for any plan by card ('auto': each mode's so chosen, then the "
+        "choice among modes); with job ('none', 'selective' or 'full'), every card's profile "
+        "is of the mode.",
     )
     effective_batch_size: Size
     world_size: WorldSize = 1
@@ -220,11 +222,11 @@ class PlanCreate(Strict):
                 "activation_checkpointing chooses among the stored profiles of a model: give "
                 "model_fingerprint with it"
             )
-        others = [name for name in ("card", "node", "job") if getattr(self, name) is not None]
-        if others:
+        if self.job is not None and self.activation_checkpointing == "auto":
             raise ValueError(
-                f"activation_checkpointing does not go with {', '.join(others)} yet: plan by "
-                "model_fingerprint (and device) alone, or leave activation_checkpointing out"
+                "a job trains every card under one activation checkpointing mode, and 'auto' "
+                "chooses per card: give activation_checkpointing 'none', 'selective' or 'full' "
+                "with job (or plan each card with 'auto' and card to compare)"
             )
 
     def _check_job(self, job: list[JobCards]) -> None:
