@@ -205,6 +205,7 @@ def test_a_world_size_that_is_not_a_count_is_named_not_replaced_by_the_gpus(
     assert "nothing decided" in done.stderr
     assert "accepted" not in done.stderr
     assert "Submitted batch job" in done.stdout
+    assert f"job_submit/lua autobatch: nothing decided: {said}" in site.cluster.log()
 
 
 def test_a_job_asking_to_be_sized_gets_the_plans_gpu_count(site: Site, tmp_path: Path) -> None:
