@@ -9,7 +9,8 @@ variables (``SLURM_STEP_NUM_TASKS``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_STEP
 before the allocation's (``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``...): ``srun --ntasks=1``
 inside ``sbatch --ntasks-per-node=8`` starts one task per node, whatever the allocation asked.
 Where two launchers' variables disagree (an MPI launcher's ``PMI_*``/``OMPI_*``/``MV2_*``/``PMIX_*``
-or torchrun's against the Slurm step they run in, torchrun's against an MPI launcher's),
+or torchrun's or a Kubeflow pod's against the Slurm step they run in, torchrun's against an
+MPI launcher's, a rank beyond the ranks its own reading counts),
 :class:`~autobatch.errors.ConfigError` names the variables, their values and the fix (a
 :class:`~autobatch.errors.Remedy` for ``world_size``, which each surface words: ``world_size=N``
 in Python, ``--world-size N`` on the command line), never a silent guess; where a launcher's
@@ -17,6 +18,8 @@ documented semantics settle it (Kubeflow's ``WORLD_SIZE`` counts pods), the read
 chose.
 
 Pure: a mapping of variables in, a :class:`LauncherLayout` out; imports neither torch nor pynvml.
+The readings live in ``_layout`` (each launcher, and the rule that picks one), ``_slurm`` (a
+Slurm step's tasks and GPUs) and ``_common`` (the layout and what every reading shares).
 
 Example::
 

@@ -284,7 +284,8 @@ def launcher_layout(
 
     The innermost launcher decides, in this order: torchrun's children (``accelerate launch``
     included), the DeepSpeed launcher's, an MPI launcher's ranks, a Kubeflow pod before torchrun
-    (``PET_*``), a Slurm step, a bare ``WORLD_SIZE``.
+    (``PET_*``; beside a Slurm step, the two are compared), a Slurm step, a bare ``WORLD_SIZE``.
+    Whichever reads it, the rank must lie within the ranks that reading counts.
 
     Args:
         environ: the variables, e.g. ``os.environ``.
@@ -299,8 +300,11 @@ def launcher_layout(
 
     Raises:
         ConfigError: a variable is not a count, or two readings disagree (``WORLD_SIZE`` beside
-            Kubeflow's ``PET_*``, Slurm's tasks and GPUs, or an MPI size); the message names
-            the variables, their values and the fix (``world_size=N``).
+            Kubeflow's ``PET_*``, Slurm's tasks and GPUs, or an MPI size; torchrun's
+            ``LOCAL_WORLD_SIZE`` that does not divide its ``WORLD_SIZE``; Kubeflow's ranks
+            beside a Slurm step's other count), or a rank (local rank) is at or beyond the
+            ranks (on this node) its reading counts; the message names the variables, their
+            values and the fix (``world_size=N``).
     """
     layout = (
         _torchrun(environ)
