@@ -133,16 +133,15 @@ def _publish(client: TestClient) -> None:
 
 def _planned_counts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """The GPU counts each card's plan table is asked for, call by call."""
-    import service.admissions.answer as answer
+    from service.plans.planner import plan_world_sizes as real
 
     asked: list[list[int]] = []
-    real = answer.plan_world_sizes
 
     def recording(body: Any, *args: Any, **kwargs: Any) -> Any:
         asked.append(list(body.world_sizes))
         return real(body, *args, **kwargs)
 
-    monkeypatch.setattr(answer, "plan_world_sizes", recording)
+    monkeypatch.setattr("service.admissions.answer.plan_world_sizes", recording)
     return asked
 
 
