@@ -197,7 +197,7 @@ def test_a_world_size_that_is_not_a_count_is_named_not_replaced_by_the_gpus(
     """AUTOBATCH_JOB_WORLD_SIZE=eight was planned as the job's 8 GPUs, silently: it is named,
     and nothing is decided (the job goes in as asked, as for a batch that is not a number)."""
     env = submit_env(site, tmp_path, **model(256, AUTOBATCH_JOB_WORLD_SIZE=ranks))
-    done, _ = sbatch(["--gres=gpu:8", "--wrap", "true"], env)
+    done, _ = sbatch(["--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap", "true"], env)
     assert done.returncode == 0, f"{done.stderr}\n{site.cluster.log()}"
     said = f"AUTOBATCH_JOB_WORLD_SIZE={ranks} is not a whole number of ranks"
     assert f"autobatch (advisory): {said}" in done.stderr  # cli_filter, at sbatch
