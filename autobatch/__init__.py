@@ -23,6 +23,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from autobatch.extras import keeping_rng
+
 if TYPE_CHECKING:
     from autobatch.device import SimulatedDevice, resolve_device
     from autobatch.distributed import ProcessGroupConsensus
@@ -129,7 +131,8 @@ if not TYPE_CHECKING:  # to type checkers, the package has exactly the names imp
                 "autobatch.__all__ (errors in autobatch.errors, framework configs in "
                 "autobatch.integrations)"
             )
-        value = getattr(importlib.import_module(module), name)
+        with keeping_rng():  # a module imported on first use must not draw from `random`
+            value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import random
+import sys
 import types
 from collections.abc import Iterator
 
 from autobatch.errors import MissingExtraError
 
-__all__ = ["EXTRAS", "install_hint", "needs_extra", "require"]
+__all__ = ["EXTRAS", "install_hint", "keeping_rng", "needs_extra", "require"]
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "accelerate"),
@@ -90,6 +92,32 @@ def require(module: str, *, extra: str, purpose: str) -> types.ModuleType:
     Raises:
         MissingExtraError: as :func:`needs_extra`.
     """
-    with needs_extra(extra, purpose=purpose, module=module):
+    with needs_extra(extra, purpose=purpose, module=module), keeping_rng():
         return importlib.import_module(module)
     raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
+
+
+@contextlib.contextmanager
+def keeping_rng() -> Iterator[None]:
+    """Leave Python's ``random`` state (and numpy's global one, where numpy is imported) as it
+    was before the block: put around each import autobatch makes lazily.
+
+    autobatch imports on first use what a call needs (``autobatch.autotune`` the tuning road, a
+    drop-in its framework, a remote the HTTP client), and a library may draw at import (rich,
+    which httpx imports, calls ``random.getrandbits``): a seeded script's draws would then differ
+    with and without autobatch, where the probe promises the RNG states as they were.
+
+    Example::
+
+        with keeping_rng():
+            from autobatch.client import service_remote
+    """
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)

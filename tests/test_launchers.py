@@ -204,6 +204,7 @@ CASES: list[tuple[str, dict[str, str], SlurmTaskRanks, tuple[object, ...], list[
         ["4 tasks x 4 GPUs per task"],
     ),  # fmt: skip
     (
+        # node 0: 2 tasks x 2 GPUs, node 1: 1 task x 4 GPUs; 8 ranks read on either node
         "Slurm, --gpus-per-node, uneven tasks per node read on node 1",
         {
             **SLURM_STEP,
@@ -214,8 +215,22 @@ CASES: list[tuple[str, dict[str, str], SlurmTaskRanks, tuple[object, ...], list[
             "SLURM_GPUS_PER_NODE": "4",
         },
         "gpus",
-        (12, 2, 4, None, None),
-        ["3 tasks x 4 GPUs per task"],
+        (8, 2, 4, None, None),
+        ["3 tasks sharing their nodes' GPUs, one rank per GPU"],
+    ),  # fmt: skip
+    (
+        "Slurm, --gpus-per-node, uneven tasks per node read on node 0",
+        {
+            **SLURM_STEP,
+            "SLURM_NTASKS": "3",
+            "SLURM_TASKS_PER_NODE": "2,1",
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_GPUS_PER_NODE": "4",
+        },
+        "gpus",
+        (8, 2, 4, None, None),
+        ["3 tasks sharing their nodes' GPUs, one rank per GPU"],
     ),  # fmt: skip
     (
         "Slurm without GPUs: one rank per task either way",
@@ -236,7 +251,7 @@ CASES: list[tuple[str, dict[str, str], SlurmTaskRanks, tuple[object, ...], list[
         {**SLURM_TORCHRUN_PER_NODE, "WORLD_SIZE": "16", "RANK": "8"},
         "one",
         (16, 2, None, 8, None),
-        ["WORLD_SIZE=16, one rank per GPU of Slurm job 908"],
+        ["WORLD_SIZE=16, RANK=8, one rank per GPU of Slurm job 908"],
     ),
 ]
 
@@ -546,3 +561,156 @@ def test_an_initialised_group_is_the_one_planned_for_whatever_the_launcher_says(
         dist.destroy_process_group()
     assert world == 2
     assert source.startswith(words)
+
+
+def _world_or_refused(environ: dict[str, str], task_ranks: SlurmTaskRanks) -> object:
+    try:
+        layout = launcher_layout(environ, slurm_task_ranks=task_ranks)
+    except ConfigError:
+        return "refused"
+    assert layout is not None
+    return layout.world_size
+
+
+UNEVEN_STEP = {  # srun over 2 nodes of 2 GPUs: 2 tasks on node 0, 1 on node 1
+    "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_GPUS_ON_NODE": "2",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        pytest.param(UNEVEN_STEP, 4, id="2,1 tasks on 2 GPUs a node: 2 x 1 + 1 x 2"),
+        pytest.param({**UNEVEN_STEP, "SLURM_GPUS_ON_NODE": "4"}, 8, id="2 x 2 + 1 x 4"),
+        pytest.param(
+            {**UNEVEN_STEP, "SLURM_GPUS_ON_NODE": "3"}, "refused", id="3 GPUs for 2 tasks on node 0"
+        ),
+        pytest.param(
+            {
+                **UNEVEN_STEP,
+                "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+                "SLURM_STEP_NUM_TASKS": "5",
+                "SLURM_STEP_NUM_NODES": "3",
+            },
+            6,
+            id="2(x2),1: 2 + 2 + 1 x 2",
+        ),
+        pytest.param({**UNEVEN_STEP, "SLURM_GPUS_PER_TASK": "2"}, 6, id="--gpus-per-task: 3 x 2"),
+    ],
+)
+def test_every_node_of_one_step_reads_the_same_world_size(
+    environ: dict[str, str], expected: object
+) -> None:
+    """A TaskProlog runs on each node of the step: each must plan for the same world size (or
+    each refuse), whichever node's tasks and GPUs it sees."""
+    nodes = int(environ["SLURM_STEP_NUM_NODES"])
+    readings = {
+        _world_or_refused({**environ, "SLURM_NODEID": str(n)}, "gpus") for n in range(nodes)
+    }
+    assert readings == {expected}
+
+
+def test_a_node_whose_gpus_its_tasks_cannot_share_is_named_on_every_node() -> None:
+    environ = {**UNEVEN_STEP, "SLURM_GPUS_ON_NODE": "3", "SLURM_NODEID": "1"}
+    with pytest.raises(
+        ConfigError,
+        match=r"^Slurm gives a node running 2 of the step's tasks "
+        r"\(SLURM_STEP_TASKS_PER_NODE=2,1\) 3 GPUs .* for 2 tasks, which do not share them evenly",
+    ):
+        launcher_layout(environ, slurm_task_ranks="gpus")
+
+
+@pytest.mark.parametrize(("world", "local"), [("4", "8"), ("6", "4")])
+def test_torchrun_local_world_size_not_dividing_world_size_is_refused(
+    world: str, local: str
+) -> None:
+    env = {"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local, "RANK": "0"}
+    with pytest.raises(
+        ConfigError,
+        match=rf"^torchrun's variables disagree: LOCAL_WORLD_SIZE={local} ranks per node do not "
+        rf"divide WORLD_SIZE={world} ranks into whole nodes; use world_size=N",
+    ):
+        launcher_layout(env)
+
+
+RANK_BEYOND: dict[str, tuple[dict[str, str], str, str]] = {  # environ, what, the variable said
+    "torchrun": ({"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+                  "GROUP_WORLD_SIZE": "1", "RANK": "9", "LOCAL_RANK": "3"},
+                 "rank 9, beyond its own 4 ranks", "RANK=9"),
+    "torchrun's local rank": ({"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": "8",
+                               "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "RANK": "7",
+                               "LOCAL_RANK": "7"},
+                              "local rank 7, beyond its own 4 ranks on this node", "LOCAL_RANK=7"),
+    "bare": ({"WORLD_SIZE": "4", "RANK": "4"}, "rank 4, beyond its own 4 ranks", "RANK=4"),
+    "slurm": ({"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+               "SLURM_PROCID": "5"}, "rank 5, beyond its own 2 ranks", "SLURM_PROCID=5"),
+    "slurm's WORLD_SIZE per GPU": ({**SLURM_TORCHRUN_PER_NODE, "WORLD_SIZE": "16", "RANK": "16"},
+                                   "rank 16, beyond its own 16 ranks", "RANK=16"),
+    "openmpi": ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "4"},
+                "rank 4, beyond its own 4 ranks", "OMPI_COMM_WORLD_RANK=4"),
+    "mvapich": ({"MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_RANK": "6"},
+                "rank 6, beyond its own 4 ranks", "MV2_COMM_WORLD_RANK=6"),
+    "hydra": ({"PMI_SIZE": "4", "PMI_RANK": "4"}, "rank 4, beyond its own 4 ranks", "PMI_RANK=4"),
+    "deepspeed": ({"WORLD_SIZE": "8", "LOCAL_SIZE": "4", "CROSS_SIZE": "2", "RANK": "8"},
+                  "rank 8, beyond its own 8 ranks", "RANK=8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(RANK_BEYOND))
+def test_a_rank_beyond_its_world_size_is_refused_for_every_launcher(name: str) -> None:
+    """One check for every launcher's reading: the rank (or local rank) it reads must lie
+    within the ranks the same reading counts; the message names the variable and its value."""
+    environ, what, said = RANK_BEYOND[name]
+    with pytest.raises(ConfigError, match=rf"\b{said}\b.* puts this process at {what} "):
+        launcher_layout(environ)
+
+
+def test_the_last_rank_of_its_world_is_read() -> None:
+    layout = launcher_layout({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"})
+    assert layout is not None and (layout.world_size, layout.rank) == (4, 3)
+
+
+KUBEFLOW_IN_STEP = {
+    "PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "3",
+}  # fmt: skip
+
+
+def test_kubeflow_count_beside_a_different_slurm_step_is_refused_naming_both() -> None:
+    for task_ranks in ("one", "gpus"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^Kubeflow, 2 pods x 4 ranks \(PET_NNODES=2, PET_NPROC_PER_NODE=4\) make 8 "
+            r"ranks, but Slurm job 1: 3 tasks, one rank each .* makes 3: .*; use world_size=8 "
+            r"\(if torchrun reads the pod's PET_\* variables\), or world_size=3 \(if srun's tasks "
+            r"are the ranks\)$",
+        ):
+            launcher_layout(KUBEFLOW_IN_STEP, slurm_task_ranks=task_ranks)
+
+
+def test_kubeflow_count_equal_to_the_slurm_steps_reads_the_step() -> None:
+    layout = launcher_layout({**KUBEFLOW_IN_STEP, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5"})
+    assert layout is not None
+    assert (layout.world_size, layout.rank) == (8, 5)
+    assert layout.source.startswith("Slurm job 1: 8 tasks, one rank each")
+
+
+def test_kubeflow_outside_a_slurm_step_is_read_beside_a_batch_scripts_variables() -> None:
+    """A pod whose image inherits a batch script's SLURM_* (no step) reads the pod alone."""
+    no_step = {k: v for k, v in KUBEFLOW_IN_STEP.items() if k != "SLURM_STEP_ID"}
+    layout = launcher_layout(no_step)
+    assert layout is not None and layout.world_size == 8
+
+
+@pytest.mark.parametrize(("nnodes", "expected"), [("2:2", 8), ("1:1", 4)])
+def test_kubeflow_fixed_range_reads_its_count(nnodes: str, expected: int) -> None:
+    layout = launcher_layout({"PET_NNODES": nnodes, "PET_NPROC_PER_NODE": "4"})
+    assert layout is not None
+    assert (layout.world_size, layout.nodes) == (expected, int(nnodes.split(":")[0]))
+
+
+@pytest.mark.parametrize("nnodes", ["1:4", "2:1", "0:0", "2:2:2"])
+def test_kubeflow_range_that_is_not_one_count_is_still_refused(nnodes: str) -> None:
+    with pytest.raises(ConfigError, match=rf"PET_NNODES={nnodes}, .* torchrun's rendezvous"):
+        launcher_layout({"PET_NNODES": nnodes, "PET_NPROC_PER_NODE": "4"})

@@ -65,6 +65,7 @@ from autobatch.device._types import (
     MemorySource,
     PeakMemory,
 )
+from autobatch.extras import keeping_rng
 
 if TYPE_CHECKING:
     from autobatch.device._cpu import CpuDevice
@@ -148,4 +149,5 @@ if not TYPE_CHECKING:
         module = _LAZY_EXPORTS.get(name)
         if module is None:
             raise AttributeError(f"module 'autobatch.device' has no attribute {name!r}")
-        return getattr(importlib.import_module(module), name)
+        with keeping_rng():  # a module imported on first use must not draw from `random`
+            return getattr(importlib.import_module(module), name)

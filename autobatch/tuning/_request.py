@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autobatch.client import service_remote
 from autobatch.conditions import one_world_size
 from autobatch.device import Device, resolve_device
 from autobatch.distributed import LocalConsensus, process_group_consensus, resolve_world_size
+from autobatch.extras import keeping_rng
 from autobatch.margin import DEFAULT_SAFETY_MARGIN
 from autobatch.planning import PlanRequest, Uneven
 from autobatch.probing import (
@@ -49,7 +49,7 @@ from autobatch.probing import (
     TrainStep,
     model_device,
 )
-from autobatch.store import ProfileStore
+from autobatch.store import ProfileRemote, ProfileStore
 from autobatch.tuning._cache import StoreOptions
 from autobatch.tuning._checkpointing import CheckpointingRequest
 
@@ -307,7 +307,7 @@ class TuneRequest:
             store=options.get("store"),
             use_store=option["use_store"],
             refresh=option["refresh"],
-            remote=service_remote(options.get("report_to")),
+            remote=_remote(options.get("report_to")),
         )
         return cls(
             step=step,
@@ -320,3 +320,15 @@ class TuneRequest:
                 model, option["activation_checkpointing"], options.get("checkpoint_block_class")
             ),
         )
+
+
+def _remote(report_to: str | None) -> ProfileRemote | None:
+    """The service at ``report_to`` (:func:`autobatch.client.service_remote`); None without a
+    URL. The client (httpx, which imports rich) is imported only when a remote is named: an
+    import may draw from ``random`` and the tuning road leaves the RNG states as they were."""
+    if report_to is None:
+        return None
+    with keeping_rng():
+        from autobatch.client import service_remote
+
+    return service_remote(report_to)

@@ -171,6 +171,19 @@ function M.request(job, s)
     if batch == nil then
         return nil, "AUTOBATCH_EFFECTIVE_BATCH_SIZE is not set to a number; nothing decided"
     end
+    local ranks = env.AUTOBATCH_JOB_WORLD_SIZE
+    if ranks == "" then
+        ranks = nil
+    end
+    if ranks ~= nil then
+        local n = tonumber(ranks)
+        if n == nil or n < 1 or n ~= math.floor(n) then
+            return nil, "AUTOBATCH_JOB_WORLD_SIZE=" .. ranks .. " is not a whole number of ranks "
+                .. "(set it to the data-parallel ranks the job trains with, or unset it to plan "
+                .. "for the GPUs it asks); nothing decided"
+        end
+        ranks = n
+    end
     local per_node, node_type = M.gpus_in(job.per_node)
     local per_job, job_type = M.gpus_in(job.per_job)
     local per_task, task_type = M.gpus_in(job.per_task)
@@ -194,7 +207,7 @@ function M.request(job, s)
         policy = {size = size},
     }
     if gpus > 0 then
-        body.world_size = env.AUTOBATCH_JOB_WORLD_SIZE and tonumber(env.AUTOBATCH_JOB_WORLD_SIZE) or gpus
+        body.world_size = ranks or gpus
     end
     if card then
         body.cards = {card}

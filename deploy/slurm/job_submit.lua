@@ -93,6 +93,7 @@ local function submit(job_desc)
     if request == nil then
         if why then
             note(why)
+            log("nothing decided: " .. why)
         end
         return slurm.SUCCESS
     end

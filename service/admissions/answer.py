@@ -33,6 +33,7 @@ from service.admissions.schemas import AdmissionCreate
 from service.deps import ServiceState
 from service.fleet.central import CentralProfiles
 from service.plans.limits import (
+    MAX_ANSWER_MICRO_BATCHES,
     check_answer_size,
     predicted_note,
     select,
@@ -41,10 +42,11 @@ from service.plans.limits import (
 from service.plans.planner import plan_world_sizes
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem
+from service.web.schemas import MAX_SIZE
 from service.web.store_calls import store_call
 from service.web.wording import describe
 
-__all__ = ["CardPlans", "admission_answer", "card_plans", "policy_of"]
+__all__ = ["CardPlans", "admission_answer", "card_plans", "decided", "policy_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +65,7 @@ def policy_of(body: AdmissionCreate) -> AdmissionPolicy:
         size=body.policy.size,
         allowed_world_sizes=tuple(sorted(body.policy.allowed_world_sizes)),
         max_world_size=body.policy.max_world_size,
+        largest_effective_batch_size=MAX_SIZE,
     )
 
 
@@ -74,25 +77,49 @@ async def admission_answer(body: AdmissionCreate, state: ServiceState) -> bytes:
             answer too large (``service.plans.limits.check_answer_size``); 503 when the store
             does not answer in time.
     """
-    found = await store_call(state, card_plans, body, state.store, state.central)
-    decision = decide(
-        [plans.options for plans in found], world_size=body.world_size, policy=policy_of(body)
-    )
+    found, decision = await store_call(state, decided, body, state.store, state.central)
     chosen = next((p for p in found if p.options.card == decision.card), None)
     return to_json(_public(decision, chosen if decision.plan is not None else None))
 
 
-def card_plans(
+def decided(
     body: AdmissionCreate, store: ProfileStore, central: CentralProfiles | None
-) -> list[CardPlans]:
-    """Each candidate card's plans at the policy's GPU counts, in the body's order (store reads
-    and planning: run in a worker thread). A card without a profile of the model, whose memory
-    is unknown, or on which the model does not fit at all, has none and says why.
+) -> tuple[list[CardPlans], Decision]:
+    """The cards' plans and the decision, planning only the GPU counts the answer needs (store
+    reads and planning: run in a worker thread): a sized job, every allowed count; a job that
+    asks a count, that count, and the allowed ones only when it reaches nothing there (the
+    answer then names the counts that reach it).
 
     Raises:
-        Problem: 422 as :func:`service.plans.limits.select`, its field naming the card.
+        Problem: as :func:`card_plans`.
     """
-    counts = counts_to_plan(body.world_size, policy_of(body))
+    policy = policy_of(body)
+    every = counts_to_plan(body.world_size, policy)
+    asked = every if policy.size or body.world_size is None else (body.world_size,)
+    found = card_plans(body, store, central, asked)
+    decision = decide([p.options for p in found], world_size=body.world_size, policy=policy)
+    if decision.outcome == "unreachable" and asked != every:
+        found = card_plans(body, store, central, every)
+        decision = decide([p.options for p in found], world_size=body.world_size, policy=policy)
+    return found, decision
+
+
+def card_plans(
+    body: AdmissionCreate,
+    store: ProfileStore,
+    central: CentralProfiles | None,
+    counts: tuple[int, ...],
+) -> list[CardPlans]:
+    """Each candidate card's plans at the GPU ``counts``, in the body's order (store reads and
+    planning: run in a worker thread). A card without a profile of the model, whose memory is
+    unknown, or on which the model does not fit at all, has none and says why. A plan of more
+    accumulation steps than an answer lists (``MAX_ANSWER_MICRO_BATCHES``) does not reach the
+    batch, so the nearest batches named can be asked and answered.
+
+    Raises:
+        Problem: 422 as :func:`service.plans.limits.select`, its field one of the admission
+            body's (``body.cards.N`` for the card).
+    """
     found = []
     for index, card in enumerate(body.cards or [None]):
         alone = PlanCreate(
@@ -101,13 +128,14 @@ def card_plans(
             conditions=body.conditions,
             effective_batch_size=body.effective_batch_size,
             multiple_of=body.multiple_of,
+            max_gradient_accumulation_steps=MAX_ANSWER_MICRO_BATCHES,
             world_sizes=list(counts),  # the asked count and at most 31 allowed ones
         )
         try:
             found.append(_one_card(alone, store, central))
         except Problem as exc:
             if exc.status != 404 and exc.slug != "unknown-card":
-                exc.field = f"body.cards.{index}" if exc.field == "body.card" else exc.field
+                exc.field = _admission_field(exc.field, index)
                 raise
             why = exc.detail
             if exc.slug == "unknown-card":  # the plan route's remedy names its device field
@@ -118,6 +146,17 @@ def card_plans(
             missing = CardOptions(card=card, profile_id=None, missing=why)
             found.append(CardPlans(options=missing, body=alone, selection=None))
     return found
+
+
+def _admission_field(field: str | None, index: int) -> str | None:
+    """A plan's field as the admission body's: ``body.card`` is ``body.cards.N``; a field the
+    admission body lacks is the body's as a whole."""
+    if field == "body.card":
+        return f"body.cards.{index}"
+    path = (field or "").split(".")
+    if field is None or len(path) < 2 or path[1] in AdmissionCreate.model_fields:
+        return field
+    return "body"
 
 
 def _one_card(body: PlanCreate, store: ProfileStore, central: CentralProfiles | None) -> CardPlans:
@@ -142,7 +181,9 @@ def _public(decision: Decision, chosen: CardPlans | None) -> dict[str, Any]:
     plan: Plan | None = decision.plan
     selection = None
     if chosen is not None and plan is not None:
-        check_answer_size(chosen.body, plan)
+        # the answer holds this plan alone: its size is the plan's (a 422 names
+        # body.effective_batch_size, a field of the admission)
+        check_answer_size(chosen.body.model_copy(update={"world_sizes": None}), plan)
         if chosen.selection is not None:
             selection = selection_public(chosen.selection, chosen.body)
             if chosen.selection.match == "predicted":

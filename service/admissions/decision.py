@@ -68,6 +68,9 @@ class AdmissionPolicy:
     """No job is sized past this many GPUs; None for no ceiling but ``allowed_world_sizes``."""
     speed_tolerance: float = DEFAULT_SPEED_TOLERANCE
     """A fraction: with step times, counts within it of the fastest count as as fast."""
+    largest_effective_batch_size: int | None = None
+    """The largest effective batch a job may ask (the request's own bound): a nearest reachable
+    batch beyond it is not named, since asking it would be refused; None for no bound."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,8 +111,10 @@ class Decision:
 
 
 def counts_to_plan(world_size: int | None, policy: AdmissionPolicy) -> tuple[int, ...]:
-    """The GPU counts to plan at: the asked one and the allowed ones (within the ceiling),
-    ascending."""
+    """The GPU counts whose plans the decision may read: the asked one and the allowed ones
+    (within the ceiling), ascending. A job that is not sized needs only the asked count when it
+    is accepted there; the allowed ones then only name the counts that reach an unreachable
+    batch (``reaching_world_sizes``)."""
     counts = {count for count in policy.allowed_world_sizes if _within(count, policy)}
     if world_size is not None:
         counts.add(world_size)
@@ -228,7 +233,7 @@ def _unreachable(
                 f"{_card_words(options.card)}: {row.reason}"
             )
             if not nearest:
-                nearest = _nearest(row)
+                nearest = _nearest(row, policy)
     if not asked and policy.size:
         reasons.append(
             f"no allowed GPU count ({', '.join(map(str, counts_to_plan(None, policy)))}) "
@@ -254,10 +259,14 @@ def _unreachable(
     )
 
 
-def _nearest(row: WorldSizeOption) -> tuple[int, ...]:
+def _nearest(row: WorldSizeOption, policy: AdmissionPolicy) -> tuple[int, ...]:
+    """The planner's nearest reachable effective batches for ``row``, within what a job may ask
+    (``policy.largest_effective_batch_size``)."""
+    largest = policy.largest_effective_batch_size
     for remedy in row.remedies:
         if remedy.parameter == "effective_batch_size":
-            return tuple(int(str(value)) for value in remedy.values)
+            values = (int(str(value)) for value in remedy.values)
+            return tuple(v for v in values if largest is None or v <= largest)
     return ()
 
 

@@ -133,3 +133,14 @@ def test_counts_and_bad_questions() -> None:
 def test_rows_are_the_library_rows() -> None:
     (row,) = options(97, (8,)).rows
     assert isinstance(row, WorldSizeOption) and row.plan is None
+
+
+def test_nearest_batches_beyond_what_a_job_may_ask_are_not_named() -> None:
+    # 97 at 8 GPUs: the nearest are 96 and 104; a bound of 100 leaves 96 alone, in the reasons too.
+    card = options(97, (1, 8))
+    bounded = AdmissionPolicy(largest_effective_batch_size=100)
+    decision = decide([card], world_size=8, policy=bounded)
+    assert decision.nearest_effective_batch_sizes == (96,)
+    assert "nearest reachable effective batch sizes: 96" in decision.reasons
+    unbounded = decide([card], world_size=8, policy=AdmissionPolicy())
+    assert unbounded.nearest_effective_batch_sizes == (96, 104)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from service.admissions.schemas import AdmissionPublic
@@ -123,3 +124,74 @@ def test_sizing_with_no_allowed_count_under_the_ceiling_is_a_422_not_a_500(
     # A ceiling at the smallest allowed count sizes to it.
     sized = admit(client, cards=[H100], policy={**policy, "max_world_size": 4})
     assert (sized["outcome"], sized["world_size"]) == ("sized", 4)
+
+
+def _publish(client: TestClient) -> None:
+    published = client.post("/v1/profiles", json=make_profile(device_name=H100).to_dict())
+    assert published.status_code == 201, published.text
+
+
+def _planned_counts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The GPU counts each card's plan table is asked for, call by call."""
+    from service.plans.planner import plan_world_sizes as real
+
+    asked: list[list[int]] = []
+
+    def recording(body: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(list(body.world_sizes))
+        return real(body, *args, **kwargs)
+
+    monkeypatch.setattr("service.admissions.answer.plan_world_sizes", recording)
+    return asked
+
+
+def test_a_job_at_its_asked_count_is_planned_there_alone(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 GPUs, 3,000 accumulation steps of 36: POST /v1/plan answers it, and so does the
+    admission, planning only the 64 asked (the unasked counts 1 to 32 would need 6,912,000 /
+    36 steps at 1 GPU, more than an answer lists, and are no part of an accepted answer)."""
+    _publish(client)
+    ebs = 36 * 64 * 3000
+    planned = client.post(
+        "/v1/plan",
+        json={"model_fingerprint": "fp-gpt2", "card": H100, "effective_batch_size": ebs,
+              "world_sizes": [64]},
+    )  # fmt: skip
+    assert planned.status_code == 200, planned.text
+    counts = _planned_counts(monkeypatch)
+    accepted = admit(client, cards=[H100], world_size=64, effective_batch_size=ebs)
+    assert accepted["outcome"] == "accepted"
+    plan = accepted["plan"]
+    assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"]) == (36, 3000)
+    assert counts == [[64]]
+
+
+def test_an_unreachable_job_plans_the_allowed_counts_to_name_those_that_reach(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _publish(client)
+    counts = _planned_counts(monkeypatch)
+    refused = admit(client, cards=[H100], world_size=8, effective_batch_size=97)
+    assert refused["outcome"] == "unreachable"
+    assert refused["reaching_world_sizes"] == [1]
+    assert counts == [[8], [1, 2, 4, 8, 16, 32, 64]]
+
+
+@pytest.mark.parametrize("world_size", [65536, 1, 3])
+def test_the_nearest_effective_batches_named_can_be_asked_and_are_answered(
+    client: TestClient, world_size: int
+) -> None:
+    """The largest batch a body may ask (2**31 - 1) at 65536 GPUs is unreachable; the nearest
+    above (2**31) is beyond the schema and is not named. At 1 GPU, the nearest below is one an
+    answer can list (at most 262,144 accumulation steps), not 2**29 in 2**20 steps of 512."""
+    _publish(client)
+    largest = 2**31 - 1
+    refused = admit(client, cards=[H100], world_size=world_size, effective_batch_size=largest)
+    assert refused["outcome"] == "unreachable"
+    nearest = refused["nearest_effective_batch_sizes"]
+    assert nearest and all(1 <= size <= largest for size in nearest)
+    for size in nearest:
+        again = admit(client, cards=[H100], world_size=world_size, effective_batch_size=size)
+        assert again["outcome"] == "accepted", again["reasons"]
+        assert again["plan"]["effective_batch_size"] == size

@@ -190,6 +190,24 @@ def test_an_unreachable_batch_fails_at_sbatch_naming_the_nearest(
     assert "Submitted batch job" not in done.stdout
 
 
+@pytest.mark.parametrize("ranks", ["eight", "2.5", "0"])
+def test_a_world_size_that_is_not_a_count_is_named_not_replaced_by_the_gpus(
+    site: Site, tmp_path: Path, ranks: str
+) -> None:
+    """AUTOBATCH_JOB_WORLD_SIZE=eight was planned as the job's 8 GPUs, silently: it is named,
+    and nothing is decided (the job goes in as asked, as for a batch that is not a number)."""
+    env = submit_env(site, tmp_path, **model(256, AUTOBATCH_JOB_WORLD_SIZE=ranks))
+    done, _ = sbatch(["--gres=gpu:8", "-o", str(tmp_path / "job.out"), "--wrap", "true"], env)
+    assert done.returncode == 0, f"{done.stderr}\n{site.cluster.log()}"
+    said = f"AUTOBATCH_JOB_WORLD_SIZE={ranks} is not a whole number of ranks"
+    assert f"autobatch (advisory): {said}" in done.stderr  # cli_filter, at sbatch
+    assert f"autobatch: {said}" in done.stderr  # job_submit, in slurmctld
+    assert "nothing decided" in done.stderr
+    assert "accepted" not in done.stderr
+    assert "Submitted batch job" in done.stdout
+    assert f"job_submit/lua autobatch: nothing decided: {said}" in site.cluster.log()
+
+
 def test_a_job_asking_to_be_sized_gets_the_plans_gpu_count(site: Site, tmp_path: Path) -> None:
     # The job asks for 8 GPUs; one reaches 512 (32 x 16 accumulation steps): the fewest.
     env = submit_env(site, tmp_path, **model(512, AUTOBATCH_SIZE_GPUS="1"))
