@@ -1,4 +1,5 @@
-"""What `autobatch tune` prints says how each number came about: a max micro-batch predicted
+"""What `autobatch tune` prints says how each number came about: the recommended micro-batch
+beside the measured maximum, a maximum predicted
 from another card's profile and confirmed by one trial says so, a stored profile's probe time is
 dated as the stored one's, and the progress line counts trials in words."""
 
@@ -33,16 +34,16 @@ def test_a_confirmed_prediction_says_so_and_a_stored_probe_time_is_dated(
     store = tmp_path / "s.sqlite3"
     out, _ = tune(capsys, store, "sim:4MiB")  # probed: the profile another card predicts from
     assert re.fullmatch(
-        r"max micro-batch  64  \(recommended 64; \d+ trials, 0 OOM, (probe|doubling)\)",
-        line(out, "max micro-batch"),
+        r"recommended      64  \(measured maximum 64: \d+ trials, 0 OOM, (probe|doubling)\)",
+        line(out, "recommended"),
     )
-    assert "predicted" not in line(out, "max micro-batch")
+    assert "predicted" not in line(out, "recommended")
 
     out, _ = tune(capsys, store, "sim:6MiB")  # another card: predicted, then one trial
     assert re.fullmatch(
-        r"max micro-batch  64  \(recommended 64; predicted from another card's profile, "
+        r"recommended      64  \(maximum 64 predicted from another card's profile, "
         r"confirmed by one trial at 64: \d+ trials, 0 OOM\)",
-        line(out, "max micro-batch"),
+        line(out, "recommended"),
     )
     assert line(out, "note:") == (
         "note: 64 was predicted from another card's profile and confirmed by one trial here, not "
@@ -61,7 +62,7 @@ def test_a_confirmed_prediction_says_so_and_a_stored_probe_time_is_dated(
     assert line(out, "probe time") == (
         f"{ran_now}  (the stored profile's, probed {when} UTC; nothing ran now)"
     )
-    assert "confirmed by one trial at 64" in line(out, "max micro-batch")
+    assert "confirmed by one trial at 64" in line(out, "recommended")
 
 
 def test_the_progress_line_counts_trials_in_words(
