@@ -160,6 +160,14 @@ def _load(args: argparse.Namespace) -> Any:
     )
 
 
+ESTIMATE_BOUND_NOTE = (
+    "note: predicted on fake tensors, not measured (no CUDA context, library workspaces or "
+    "allocator caching): a real step's peak can differ by any factor, and the probe calls an "
+    "estimate off by more than 25% unreliable; `autobatch tune` measures it"
+)
+"""What ``estimate`` says of its numbers: how far from a measurement they may be."""
+
+
 def _estimate(args: argparse.Namespace, out: TextIO) -> int:
     # torch-bound: only the commands that run a step load torch
     from autobatch.probing import estimate
@@ -181,15 +189,19 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
     model_line = profile.memory_model
     print(f"model            {spec.name} ({input_shapes(profile.input_shape)})", file=out)
     print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
-    print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
-    print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
+    print(
+        f"recommended      {profile.recommended_micro_batch_size}  (predicted maximum "
+        f"{profile.max_micro_batch_size}: a fake-tensor estimate, no real step ran)",
+        file=out,
+    )
     print_limit_note(profile, out, flag_limit=args.max_micro_batch_size)
     if model_line is not None:
         print(
-            f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
+            f"predicted peak   {format_bytes(model_line.fixed_bytes)} + "
             f"{format_bytes(model_line.bytes_per_sample)} per sample",
             file=out,
         )
+        print(ESTIMATE_BOUND_NOTE, file=out)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -514,7 +515,11 @@ def test_estimate_says_when_the_max_is_the_limit_not_the_memory(
         *["--max-micro-batch-size", limit],
     )
     assert code == 0
-    assert ("max micro-batch  8  (estimated)" in out) is says_limit
+    assert ("(predicted maximum 8: a fake-tensor estimate, no real step ran)" in out) is says_limit
+    # Never a measurement: the per-sample bytes are predicted, with how far they may be off.
+    assert re.search(r"^predicted peak   [\d.]+ \w+ \+ [\d.]+ \w+ per sample$", out, re.M)
+    assert "not measured" in out and "off by more than 25%" in out
+    assert "max micro-batch" not in out and "peak memory" not in out
     assert ("is the --max-micro-batch-size limit, not the memory's" in out) is says_limit
 
 
