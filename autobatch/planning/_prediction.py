@@ -140,7 +140,7 @@ class Prediction:
             f"really ran is {self.largest_measured_micro_batch_size}; the peak comes from {fit}, "
             f"{self.fixed_bytes} + {self.bytes_per_sample} bytes per sample, raised by "
             f"{self.margin:.0%} for the distance extrapolated; one real trial on that card "
-            "confirms it (autobatch.autotune does so on arrival)"
+            "confirms it (autobatch.autotune there does)"
         )
 
 

@@ -30,6 +30,7 @@ from service.plans.planner import card_chooser, checkpointing_choice, chooser, s
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem, unknown_profile
 from service.web.schemas import ResolvedDevice
+from service.web.wording import describe
 
 __all__ = [
     "ANY_CANDIDATES",
@@ -242,7 +243,7 @@ def select(
     try:
         key = None if body.card is None else card_key(body.card, mig_profile)
     except ConfigError as exc:
-        raise Problem(422, "validation", str(exc), field="body.card") from None
+        raise Problem(422, "validation", describe(exc), field="body.card") from None
     budget_bytes = None if device is None else device.capacity_bytes
     choose = chooser(body, budget_bytes=budget_bytes, mig_profile=mig_profile)
     fingerprint, mode = body.model_fingerprint, asked_mode(body)
@@ -263,7 +264,7 @@ def select(
             seen = in_mode(every, mode)
             chosen = choose(seen)
     except ConfigError as exc:
-        raise Problem(422, "validation", str(exc), field="body.conditions") from None
+        raise Problem(422, "validation", describe(exc), field="body.conditions") from None
     if chosen is None and _trains(every) and not _trains(seen):
         raise _no_profile_of_mode(fingerprint, mode, "body.conditions")
     if chosen is None:
