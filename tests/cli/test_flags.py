@@ -134,7 +134,7 @@ def test_the_uneven_help_says_what_how_it_works_says() -> None:
     from pathlib import Path
 
     docs = Path(__file__).parents[2].joinpath("docs", "how-it-works.md").read_text()
-    (row,) = [line for line in docs.splitlines() if "`uneven=\"auto\"`" in line]
+    (row,) = [line for line in docs.splitlines() if '`uneven="auto"`' in line]
     helps = {
         command: action.help or ""
         for command, parser in _parsers(build_parser())
