@@ -146,7 +146,9 @@ def print_plan(
     flag_limit: int = 0,
 ) -> None:
     if fmt == "json":
-        data = {"plan": result.to_dict()}
+        # The notes in the command line's words, as the text output prints them.
+        notes = tuple(cli_message(note, note_flags(), bare=False) for note in result.notes)
+        data = {"plan": {**result.to_dict(), "notes": list(notes)}}
         if profile is not None:
             data["profile"] = profile.to_dict()
         if eval_profile is not None:
