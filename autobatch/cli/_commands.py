@@ -39,7 +39,7 @@ from autobatch.cli._profiles import print_profile, print_profile_table
 from autobatch.cli._progress import Progress, ProgressLog
 from autobatch.cli._wording import error_words, warning_words
 from autobatch.device import list_gpus
-from autobatch.errors import AutobatchError, ConfigError
+from autobatch.errors import AutobatchError, ConfigError, ReportWarning
 from autobatch.extras import require
 from autobatch.planning import (
     Plan,
@@ -215,12 +215,19 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     fmt = _output_format(args)
     progress = Progress(enabled=fmt == "text", word=warning_words(build_parser(), "tune"))
     store = None if args.no_store else _store(args, writing=True)
+    unreported: list[Warning | str] = []  # the report's failure, if any (shown as a warning)
+
+    def show(message: Warning | str, *_: Any, **__: Any) -> None:
+        if isinstance(message, ReportWarning):
+            unreported.append(message)
+        progress.warning(message)
+
     try:
         with warnings.catch_warnings(), ProgressLog.attached(progress):
             # The command shows its warnings (once each), whatever the caller's filters, and
             # writes them above the progress line, in flags, not glued onto it.
             warnings.simplefilter("default", UserWarning)
-            warnings.showwarning = lambda message, *_, **__: progress.warning(message)
+            warnings.showwarning = show
             tuned = _tuned(args, spec, target, progress, store)
     finally:
         progress.close()
@@ -234,6 +241,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         eval_profile=tuned.eval_profile,
         flag_limit=args.max_micro_batch_size,
     )
+    if args.report_to is not None and not unreported:
+        print(_reported_words(args.report_to, tuned.plan.source), file=sys.stderr)
     if args.report is not None:
         from autobatch.tuning import report_html
 
@@ -246,6 +255,17 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             ) from None
         print(f"autobatch: report written to {args.report}", file=sys.stderr)
     return 0
+
+
+def _reported_words(url: str, source: str) -> str:
+    """``tune --report-to``'s one line on what it sent: the profile just measured, or the
+    stored one that answered (nothing was probed)."""
+    if source == "cached":
+        return (
+            f"autobatch: sent the stored profile to {url} (nothing was probed; the service "
+            "stores a profile it holds once)"
+        )
+    return f"autobatch: sent the profile to {url}"
 
 
 def _tuned(args: argparse.Namespace, spec: Any, target: Any, progress: Progress, store: Any) -> Any:

@@ -105,7 +105,8 @@ class _StepProbeStore(TypedDict, total=False):
     refresh: bool
     """Probe again even when the store has a profile that answers (default False)."""
     report_to: str | None
-    """Base URL of an autobatch service a newly probed profile is registered at (``POST
+    """Base URL of an autobatch service the profile is registered at, a newly probed one or the
+    stored one that answered (idempotent: one the service holds is not stored twice; ``POST
     /v1/profiles``, bearer token from ``AUTOBATCH_API_TOKEN``); under torch.distributed only
     rank 0 reports; a failure warns (:class:`~autobatch.errors.ReportWarning`)."""
 

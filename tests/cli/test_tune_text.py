@@ -79,3 +79,51 @@ def test_the_progress_line_counts_trials_in_words(
         last,
     )
     assert "0trial" not in err and "trial/s" not in err and "trials/s" not in err
+
+
+def test_report_to_sends_the_stored_profile_too_and_says_what_it_sent(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A profile stored before --report-to was given reaches the service on the next run (the
+    # service stores a profile it holds once); each run says in one line what it sent.
+    from autobatch.client._remote import ServiceProfiles
+
+    sent: list[str] = []
+    monkeypatch.setattr(ServiceProfiles, "profiles_of", lambda self, identity: ([], ""))
+    monkeypatch.setattr(
+        ServiceProfiles, "report", lambda self, profile: sent.append(profile.created_at) or ""
+    )
+    store = tmp_path / "s.sqlite3"
+    url = "http://autobatch.example:8000"
+    tune(capsys, store, "sim:4MiB")  # probed and stored, reported nowhere
+    assert sent == []
+    code = main(["--store", str(store), *TUNE, "--device", "sim:4MiB", "--report-to", url])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "source                       cached" in out
+    with ProfileStore(store, create="never") as opened:
+        ((newest, _),) = opened.list_profiles()
+        assert sent == [opened.get(newest).created_at]  # the stored one, sent as it is
+    assert err.splitlines()[-1] == (
+        f"autobatch: sent the stored profile to {url} (nothing was probed; the service stores "
+        "a profile it holds once)"
+    )
+    code = main(["--store", str(store), *TUNE, "--device", "sim:8MiB", "--report-to", url])
+    err = capsys.readouterr().err
+    assert code == 0 and len(sent) == 2
+    assert err.splitlines()[-1] == f"autobatch: sent the profile to {url}"
+
+
+def test_report_to_that_fails_says_so_and_claims_nothing_sent(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autobatch.client._remote import ServiceProfiles
+
+    monkeypatch.setattr(ServiceProfiles, "profiles_of", lambda self, identity: ([], ""))
+    monkeypatch.setattr(ServiceProfiles, "report", lambda self, profile: "the service said 503")
+    store = tmp_path / "s.sqlite3"
+    tune(capsys, store, "sim:4MiB")
+    code = main(["--store", str(store), *TUNE, "--device", "sim:4MiB", "--report-to", "http://x"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "the service said 503" in err and "sent the" not in err
