@@ -510,6 +510,12 @@ class ProfileBase(Strict):
         description="The machine the profile was measured on (a Kubernetes or Slurm node, or "
         "the host name); device_name is the card type. Empty when not recorded.",
     )
+    model_name: Name = Field(
+        default="",
+        description="How listings name the model: the name the command line was given "
+        "('gpt2') or the model's class ('GPT2LMHeadModel'); model_fingerprint identifies it. "
+        "Empty when not recorded (profiles before schema version 4).",
+    )
     activation_checkpointing: CheckpointingMode = Field(
         default="none",
         description="The activation checkpointing mode autobatch applied while measuring "

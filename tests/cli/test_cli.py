@@ -307,9 +307,13 @@ def test_tune_json_parses_and_second_run_is_cached(
         "MODE",
         "OPTIMIZER",
         "INPUT",
+        "FINGERPRINT",
         "MODEL",
     ]
     assert row.index("sim") == header.index("DEVICE")  # columns line up under the header
+    # The model by the name the command line was given; its fingerprint's start beside it.
+    assert row[header.index("MODEL") :] == "gpt2-tiny"
+    assert row[header.index("FINGERPRINT") :].split()[0] == profile["model_fingerprint"][:12]
     assert row.index("train") == header.index("MODE")  # an eval profile reads "eval"
     assert row.index("input_ids 32, labels 32") == header.index("INPUT")
 

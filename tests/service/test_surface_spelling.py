@@ -1,7 +1,7 @@
 """One library message, each surface's spelling: a missing NVIDIA driver's fix reads
 ``device='cpu'`` in Python, ``--device cpu`` on the command line and ``"device": "cpu"`` over
 HTTP; a predicted plan's note names ``autobatch.autotune`` in Python, ``autobatch tune`` on the
-command line and ``POST /v1/probes`` over HTTP."""
+command line and ``POST /v1/probes`` over HTTP. And a profile's model by name over HTTP."""
 
 from __future__ import annotations
 
@@ -91,3 +91,20 @@ def test_a_predicted_plan_names_each_surface_s_way_to_confirm_it(
     notes = answer.json()["plan"]["notes"]
     assert any(PREDICTED.format("POST /v1/probes there does") in note for note in notes), notes
     assert not any("autobatch.autotune" in note for note in notes)
+
+
+def test_get_profiles_serves_the_model_name_and_an_old_profile_none(client: TestClient) -> None:
+    import dataclasses
+
+    from tests.service.test_service_api import make_profile
+
+    named = dataclasses.replace(make_profile(), model_name="gpt2")
+    old = make_profile(node_name="older-node").to_dict()
+    del old["model_name"]
+    old["schema_version"] = 3  # before names were recorded
+    ids = {
+        client.post("/v1/profiles", json=named.to_dict()).json()["id"]: "gpt2",
+        client.post("/v1/profiles", json=old).json()["id"]: "",
+    }
+    listed = client.get("/v1/profiles").json()["profiles"]
+    assert {p["id"]: p["profile"]["model_name"] for p in listed} == ids
