@@ -584,6 +584,9 @@ class ProfileSummaryPublic(BaseModel):
     model_fingerprint: str
     device_name: str
     node_name: str
+    model_name: str = Field(
+        default="", description="How the profile names its model; empty when it names none."
+    )
     max_micro_batch_size: int
     recommended_micro_batch_size: int
     created_at: str

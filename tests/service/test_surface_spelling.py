@@ -108,3 +108,5 @@ def test_get_profiles_serves_the_model_name_and_an_old_profile_none(client: Test
     }
     listed = client.get("/v1/profiles").json()["profiles"]
     assert {p["id"]: p["profile"]["model_name"] for p in listed} == ids
+    summaries = client.get("/v1/profile-summaries").json()["summaries"]
+    assert {s["id"]: s["model_name"] for s in summaries} == ids
