@@ -112,6 +112,20 @@ _CALL = re.compile(
 
 _VALUE = r"(?:=('[^']*'|\"[^\"]*\"|[^\s,;)]+))?"
 
+_CALL_ARGUMENT = re.compile(
+    r"(?<![\w.])("
+    + "|".join(map(re.escape, sorted(set(CALLS.values()), key=len, reverse=True)))
+    + r")( there)?, ([a-z]+(?:_[a-z]+)*)=('[^']*'|[^\s,;)]+)"
+)
+"""A command a library call became, with an argument of that call after it (``autobatch tune
+there, device='cuda:N'``): the argument is that command's flag, whatever command is running."""
+
+
+def _call_argument(match: re.Match[str]) -> str:
+    name = match[3]
+    flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+    return f"{match[1]}{match[2] or ''}, {_with_value(flag, match[4])}"
+
 
 def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
     """Library argument -> flag, for ``command``'s flags and the top level's (``--store``).
@@ -146,7 +160,7 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     ``bare=False`` leaves every bare name (a plan's note names the fields the text output
     prints, ``effective_batch_size 96 = ...``) and words only ``name=value``. A library call
     the message names is the command that does it (:data:`CALLS`)."""
-    text = _CALL.sub(lambda match: CALLS[match[1]], text)
+    text = _CALL_ARGUMENT.sub(_call_argument, _CALL.sub(lambda match: CALLS[match[1]], text))
     if not flags:
         return text
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
