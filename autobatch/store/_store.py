@@ -414,8 +414,7 @@ class ProfileStore:
             values = row._asdict()
             if values["max_micro_batch_size"] is None:  # a migrated row that did not decode
                 continue
-            values["model_name"] = values["model_name"] or ""  # NULL: stored before names
-            summaries.append(ProfileSummary(**values))
+            summaries.append(ProfileSummary(**values | {"model_name": values["model_name"] or ""}))
         skipped = len(rows) - len(summaries)
         if skipped:
             self._skipped(skipped, "they have no micro-batch sizes (not decodable when migrated)")

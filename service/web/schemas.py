@@ -512,9 +512,8 @@ class ProfileBase(Strict):
     )
     model_name: Name = Field(
         default="",
-        description="How listings name the model: the name the command line was given "
-        "('gpt2') or the model's class ('GPT2LMHeadModel'); model_fingerprint identifies it. "
-        "Empty when not recorded (profiles before schema version 4).",
+        description="How listings name the model ('gpt2', 'GPT2LMHeadModel'); "
+        "model_fingerprint identifies it. Empty when not recorded (before schema version 4).",
     )
     activation_checkpointing: CheckpointingMode = Field(
         default="none",
@@ -584,9 +583,7 @@ class ProfileSummaryPublic(BaseModel):
     model_fingerprint: str
     device_name: str
     node_name: str
-    model_name: str = Field(
-        default="", description="How the profile names its model; empty when it names none."
-    )
+    model_name: str = ""  # empty: the profile names no model (before profile schema 4)
     max_micro_batch_size: int
     recommended_micro_batch_size: int
     created_at: str
