@@ -44,12 +44,12 @@ __all__ = [
     "Trial",
 ]
 
-PROFILE_SCHEMA_VERSION = 3
+PROFILE_SCHEMA_VERSION = 4
 """Bumped whenever a field of :class:`Profile` is added, changes meaning or is removed (older
 autobatch versions then skip such profiles in a shared store). Version 2 added ``stop_kind``;
 version 3 added the blocks that say where and under what a profile holds: ``budget``,
 ``conditions``, ``gradient_sync`` and ``node_name``, and the probe's wall time by part,
-``timings``. Versions 1 and 2 are still read (a missing
+``timings``; version 4 added ``model_name``. Versions 1 to 3 are still read (a missing
 block reads as "not recorded"; a version 1 ``stop_kind`` is derived from ``stop_reason``)."""
 
 CONFIRMATION_STOP_REASON = "confirmation: "
@@ -400,6 +400,10 @@ class Profile:
     """The machine the profile was measured on (:func:`autobatch.device._node.node_name`: a
     Kubernetes node, a Slurm node or the host name); ``""`` for an estimate or a profile written
     before schema version 3. ``device_name`` is the card type."""
+    model_name: str = ""
+    """How listings name the model: the name the command line was given (``gpt2``), else the
+    model's class (``GPT2LMHeadModel``); ``""`` before schema version 4 (listed by
+    ``model_fingerprint``)."""
     activation_checkpointing: CheckpointingMode = "none"
     """The activation checkpointing mode autobatch applied while measuring: ``"none"`` (the model
     as given, and every profile written before autobatch recorded it), ``"selective"`` or

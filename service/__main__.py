@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -20,7 +21,7 @@ from service.main import run
 from service.web.problems import validation_reason
 from service.web.settings import SECRET_FIELDS, add_serve_arguments, settings_from_args
 
-__all__ = ["main", "parse_args"]
+__all__ = ["flag_words", "main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -54,9 +55,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"autobatch serve: {flag} / {variable}: {reason}", file=sys.stderr)
         return 2
     except AutobatchError as exc:
-        print(f"autobatch serve: {exc}", file=sys.stderr)
+        print(f"autobatch serve: {flag_words(str(exc))}", file=sys.stderr)
         return 1
     return 0
+
+
+_KEYWORD_FLAGS = {"store": "--store-path"}
+"""Library keywords ``serve`` takes under another flag than the keyword with dashes."""
+
+
+def flag_words(text: str) -> str:
+    """A library message with each ``keyword=VALUE`` it names as ``serve``'s flag:
+    ``store=...`` reads ``--store-path ...``."""
+    for keyword, flag in _KEYWORD_FLAGS.items():
+        text = re.sub(rf"(?<![\w.]){keyword}=", f"{flag} ", text)
+    return text
 
 
 if __name__ == "__main__":

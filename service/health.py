@@ -24,6 +24,7 @@ from service.devices.gpus import HEALTH_FAILURES
 from service.web.metrics import CONTENT_TYPE
 from service.web.problems import RETRY_AFTER_SECONDS, Problem, store_reason
 from service.web.store_calls import store_call
+from service.web.wording import describe
 
 
 class HealthPublic(BaseModel):
@@ -95,9 +96,9 @@ async def readiness(state: ServiceState) -> ReadyPublic:
     try:
         _inventory, readings = await state.gpus.snapshot()
     except DeviceUnavailableError as exc:
-        nvml_reason, nvml_detail = exc.reason, str(exc)
+        nvml_reason, nvml_detail = exc.reason, describe(exc)
         if exc.reason in HEALTH_FAILURES:  # NVML itself hangs: not "no GPU here"
-            problems.append(GpuProblem(uuid="", reason=exc.reason, detail=str(exc)))
+            problems.append(GpuProblem(uuid="", reason=exc.reason, detail=describe(exc)))
     else:
         for reading in readings:
             gpu = reading.gpu

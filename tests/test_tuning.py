@@ -290,3 +290,35 @@ def test_every_cache_reuse_rule(
                 autotune_profile(
                     model, sample, train_step=step, device=device, store=store, **request
                 )
+
+
+class TinyClassifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 10)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.layer(inputs)
+
+
+def test_a_profile_names_its_model_by_class_or_as_told(tmp_path: Path) -> None:
+    # The name is for listings (profiles list, GET /v1/profiles); it never changes what a
+    # stored profile answers for: the same step under another name is read from the store.
+    from autobatch.probing._options import model_class_name
+
+    sample = (torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    kwargs: dict[str, Any] = {
+        "loss_fn": F.cross_entropy,
+        "device": "sim:6MiB",
+        "store": tmp_path / "profiles.sqlite3",
+    }
+    model = TinyClassifier()
+    measured = autotune_profile(model, sample, **kwargs)
+    assert measured.profile.model_name == "TinyClassifier"
+    again = autotune_profile(model, sample, model_name="my-classifier", **kwargs)
+    assert again.cached and again.profile.model_name == "TinyClassifier"
+    told = autotune_profile(model, sample, model_name="my-classifier", refresh=True, **kwargs)
+    assert told.profile.model_name == "my-classifier"
+    # Through the wrappers a user's model comes in.
+    assert model_class_name(torch.nn.DataParallel(model)) == "TinyClassifier"
+    assert model_class_name(mlp()) == "Sequential"

@@ -39,7 +39,7 @@ from autobatch.cli._profiles import print_profile, print_profile_table
 from autobatch.cli._progress import Progress, ProgressLog
 from autobatch.cli._wording import error_words, warning_words
 from autobatch.device import list_gpus
-from autobatch.errors import AutobatchError, ConfigError
+from autobatch.errors import AutobatchError, ConfigError, ReportWarning
 from autobatch.extras import require
 from autobatch.planning import (
     Plan,
@@ -160,6 +160,14 @@ def _load(args: argparse.Namespace) -> Any:
     )
 
 
+ESTIMATE_BOUND_NOTE = (
+    "note: predicted on fake tensors, not measured (no CUDA context, library workspaces or "
+    "allocator caching): a real step's peak can differ by any factor, and the probe calls an "
+    "estimate off by more than 25% unreliable; `autobatch tune` measures it"
+)
+"""What ``estimate`` says of its numbers: how far from a measurement they may be."""
+
+
 def _estimate(args: argparse.Namespace, out: TextIO) -> int:
     # torch-bound: only the commands that run a step load torch
     from autobatch.probing import estimate
@@ -181,15 +189,19 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> int:
     model_line = profile.memory_model
     print(f"model            {spec.name} ({input_shapes(profile.input_shape)})", file=out)
     print(f"capacity         {format_bytes(profile.capacity_bytes)}", file=out)
-    print(f"max micro-batch  {profile.max_micro_batch_size}  (estimated)", file=out)
-    print(f"recommended      {profile.recommended_micro_batch_size}", file=out)
+    print(
+        f"recommended      {profile.recommended_micro_batch_size}  (predicted maximum "
+        f"{profile.max_micro_batch_size}: a fake-tensor estimate, no real step ran)",
+        file=out,
+    )
     print_limit_note(profile, out, flag_limit=args.max_micro_batch_size)
     if model_line is not None:
         print(
-            f"peak memory      {format_bytes(model_line.fixed_bytes)} + "
+            f"predicted peak   {format_bytes(model_line.fixed_bytes)} + "
             f"{format_bytes(model_line.bytes_per_sample)} per sample",
             file=out,
         )
+        print(ESTIMATE_BOUND_NOTE, file=out)
     return 0
 
 
@@ -203,12 +215,19 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     fmt = _output_format(args)
     progress = Progress(enabled=fmt == "text", word=warning_words(build_parser(), "tune"))
     store = None if args.no_store else _store(args, writing=True)
+    unreported: list[Warning | str] = []  # the report's failure, if any (shown as a warning)
+
+    def show(message: Warning | str, *_: Any, **__: Any) -> None:
+        if isinstance(message, ReportWarning):
+            unreported.append(message)
+        progress.warning(message)
+
     try:
         with warnings.catch_warnings(), ProgressLog.attached(progress):
             # The command shows its warnings (once each), whatever the caller's filters, and
             # writes them above the progress line, in flags, not glued onto it.
             warnings.simplefilter("default", UserWarning)
-            warnings.showwarning = lambda message, *_, **__: progress.warning(message)
+            warnings.showwarning = show
             tuned = _tuned(args, spec, target, progress, store)
     finally:
         progress.close()
@@ -222,6 +241,8 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         eval_profile=tuned.eval_profile,
         flag_limit=args.max_micro_batch_size,
     )
+    if args.report_to is not None and not unreported:
+        print(_reported_words(args.report_to, tuned.plan.source), file=sys.stderr)
     if args.report is not None:
         from autobatch.tuning import report_html
 
@@ -234,6 +255,17 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             ) from None
         print(f"autobatch: report written to {args.report}", file=sys.stderr)
     return 0
+
+
+def _reported_words(url: str, source: str) -> str:
+    """``tune --report-to``'s one line on what it sent: the profile just measured, or the
+    stored one that answered (nothing was probed)."""
+    if source == "cached":
+        return (
+            f"autobatch: sent the stored profile to {url} (nothing was probed; the service "
+            "stores a profile it holds once)"
+        )
+    return f"autobatch: sent the profile to {url}"
 
 
 def _tuned(args: argparse.Namespace, spec: Any, target: Any, progress: Progress, store: Any) -> Any:
@@ -255,6 +287,7 @@ def _tuned(args: argparse.Namespace, spec: Any, target: Any, progress: Progress,
             use_store=not args.no_store,
             refresh=args.refresh,
             report_to=args.report_to,
+            model_name=spec.name,
             on_trial=progress.trial,
             on_stage=progress.stage,
             eval=args.eval,

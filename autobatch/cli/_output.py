@@ -146,7 +146,9 @@ def print_plan(
     flag_limit: int = 0,
 ) -> None:
     if fmt == "json":
-        data = {"plan": result.to_dict()}
+        # The notes in the command line's words, as the text output prints them.
+        notes = tuple(cli_message(note, note_flags(), bare=False) for note in result.notes)
+        data = {"plan": {**result.to_dict(), "notes": list(notes)}}
         if profile is not None:
             data["profile"] = profile.to_dict()
         if eval_profile is not None:
@@ -166,14 +168,12 @@ def print_plan(
         size = profile.max_micro_batch_size
         counts = f"{profile.num_trials} trials, {profile.num_ooms} OOM"
         how = (
-            f"predicted from another card's profile, confirmed by one trial at {size}: {counts}"
+            f"maximum {size} predicted from another card's profile, confirmed by one trial at "
+            f"{size}: {counts}"
             if profile.confirms_prediction
-            else f"{counts}, {profile.method}"
+            else f"measured maximum {size}: {counts}, {profile.method}"
         )
-        print(
-            f"max micro-batch  {size}  (recommended {profile.recommended_micro_batch_size}; {how})",
-            file=out,
-        )
+        print(f"recommended      {profile.recommended_micro_batch_size}  ({how})", file=out)
         print_probe_time(profile, out, stored=result.source == "cached")
         print_limit_note(profile, out, flag_limit=flag_limit)
     print(f"micro_batch_size             {result.micro_batch_size}", file=out)

@@ -342,8 +342,9 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
         "--uneven",
         choices=("auto", "never", "always"),
         default="auto",
-        help="micro-batches of unequal sizes (differing by 1, losses weighted by samples): auto "
-        "when equal ones need more steps (default), never, or always the fewest steps",
+        help="unequal micro-batches, differing by at most 1, each loss weighted by its size: "
+        "auto (default) when equal sizes would need more than twice the fewest accumulation "
+        "steps; never (equal sizes only); always (the fewest steps)",
     )
     parser.add_argument(
         "--allow-inexact", action="store_true", help="reach the nearest effective batch size"

@@ -28,9 +28,20 @@ def device_with_memory(profile: Profile) -> str:
     return f"{profile.device_name} ({format_bytes(profile.total_memory_bytes)})"
 
 
+SHORT_FINGERPRINT_CHARS = 12
+"""How much of a model's fingerprint the listing shows (``profiles show`` shows it whole)."""
+
+
+def model_words(profile: Profile) -> str:
+    """How the listing names a profile's model: its recorded name (``gpt2``,
+    ``GPT2LMHeadModel``), else, for a profile from before names were recorded, the start of its
+    fingerprint."""
+    return profile.model_name or profile.model_fingerprint[:SHORT_FINGERPRINT_CHARS] or "-"
+
+
 def print_profile_table(rows: Sequence[tuple[str, Profile]], out: TextIO) -> None:
-    """One line per profile, newest first; MODEL is the model's fingerprint (no name is
-    recorded)."""
+    """One line per profile, newest first; MODEL is the model's recorded name (the start of
+    its fingerprint where none is recorded), FINGERPRINT the start of its fingerprint."""
     # MODE: an eval profile (a forward only) is no training profile to plan from.
     table = [
         (
@@ -42,6 +53,7 @@ def print_profile_table(rows: Sequence[tuple[str, Profile]], out: TextIO) -> Non
             "MODE",
             "OPTIMIZER",
             "INPUT",
+            "FINGERPRINT",
             "MODEL",
         )
     ]
@@ -55,7 +67,8 @@ def print_profile_table(rows: Sequence[tuple[str, Profile]], out: TextIO) -> Non
             p.mode,
             p.optimizer or "-",
             input_shapes(p.input_shape),
-            p.model_fingerprint,
+            p.model_fingerprint[:SHORT_FINGERPRINT_CHARS] or "-",
+            model_words(p),
         )
         for pid, p in rows
     ]
@@ -70,7 +83,8 @@ def print_profile(profile_id: str, profile: Profile, out: TextIO) -> None:
     lines: list[tuple[str, Any]] = [
         ("id", profile_id),
         ("created (UTC)", profile.created_at.replace("T", " ") or "-"),
-        ("model", profile.model_fingerprint or "-"),
+        ("model", profile.model_name or "-"),
+        ("model fingerprint", profile.model_fingerprint or "-"),
         ("input", input_shapes(profile.input_shape)),
         ("mode", profile.mode),
         ("optimizer", profile.optimizer or "-"),

@@ -8,7 +8,8 @@ device.capacity_bytes``); structured remedies are worded by
 from the command's own flags (an argument whose flag is its name with dashes) and the table of
 those that differ (:data:`FLAGS`, :data:`COMMAND_FLAGS`). A name the
 command has no flag for is left as it is; a dotted Python path (``autobatch.training``) is never
-touched.
+touched, except a library call the command line has a command for (:data:`CALLS`:
+``autobatch.autotune`` is ``autobatch tune``).
 
 Example::
 
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from autobatch.errors import AutobatchError, Remedy, ServiceError
 
 __all__ = [
+    "CALLS",
     "COMMAND_FLAGS",
     "FLAGS",
     "TOKEN_ENV_VAR",
@@ -95,7 +97,34 @@ SERVICE_FIELDS = {"device.capacity_bytes": "capacity_bytes"}
 """Service fields a library message names for a plan's memory, as the library argument the
 command line takes them by (``--capacity``)."""
 
+CALLS = {
+    "autobatch.autotune": "autobatch tune",
+    "autobatch.estimate": "autobatch estimate",
+    "autobatch.probe": "autobatch tune",
+}
+"""Library calls a message names (``autobatch.autotune there does``), as the command that does
+the same (``autobatch tune``); a call with its arguments written out (``autobatch.autotune(...,
+world_size=N)``) is code, and left as it is."""
+
+_CALL = re.compile(
+    r"(?<![\w.])(" + "|".join(map(re.escape, sorted(CALLS, key=len, reverse=True))) + r")(?![\w.(])"
+)
+
 _VALUE = r"(?:=('[^']*'|\"[^\"]*\"|[^\s,;)]+))?"
+
+_CALL_ARGUMENT = re.compile(
+    r"(?<![\w.])("
+    + "|".join(map(re.escape, sorted(set(CALLS.values()), key=len, reverse=True)))
+    + r")( there)?, ([a-z]+(?:_[a-z]+)*)=('[^']*'|[^\s,;)]+)"
+)
+"""A command a library call became, with an argument of that call after it (``autobatch tune
+there, device='cuda:N'``): the argument is that command's flag, whatever command is running."""
+
+
+def _call_argument(match: re.Match[str]) -> str:
+    name = match[3]
+    flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+    return f"{match[1]}{match[2] or ''}, {_with_value(flag, match[4])}"
 
 
 def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
@@ -129,7 +158,9 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     (``device``) is a flag only with ``=`` (``device='cpu'``): as a bare word it is English. A
     quoted name (``'world_size'``) is a value the message quotes and is left as it is.
     ``bare=False`` leaves every bare name (a plan's note names the fields the text output
-    prints, ``effective_batch_size 96 = ...``) and words only ``name=value``."""
+    prints, ``effective_batch_size 96 = ...``) and words only ``name=value``. A library call
+    the message names is the command that does it (:data:`CALLS`)."""
+    text = _CALL_ARGUMENT.sub(_call_argument, _CALL.sub(lambda match: CALLS[match[1]], text))
     if not flags:
         return text
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))

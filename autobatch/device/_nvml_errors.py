@@ -21,11 +21,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from autobatch.errors import DeviceUnavailableError
+from autobatch.errors import DeviceUnavailableError, Remedy
 
 __all__ = [
     "NOT_SUPPORTED_ERRORS",
     "REASONS",
+    "REMEDIES",
     "error_classes",
     "is_stub",
     "loaded_library_paths",
@@ -39,13 +40,12 @@ REASONS: dict[str, str] = {
     "pynvml_missing": "the nvidia-ml-py package is not installed: pip install nvidia-ml-py",
     "library_missing": "libnvidia-ml.so.1 was not found: run the container with the NVIDIA "
     "runtime (Kubernetes runtimeClassName: nvidia, docker --gpus) so the driver's library is "
-    "mounted, or install the NVIDIA driver; on a machine without a GPU, use --device cpu or "
-    "sim:SIZE",
+    "mounted, or install the NVIDIA driver",
     "cuda_stub_library": "the CUDA toolkit's stub libnvidia-ml.so was loaded (it only serves "
     "linking): remove the toolkit's stubs directory from LD_LIBRARY_PATH so the driver's "
     "libnvidia-ml.so.1 loads",
     "driver_not_loaded": "the NVIDIA kernel driver is not loaded: install or load it (modprobe "
-    "nvidia; nvidia-smi must work), or use --device cpu or sim:SIZE on a machine without a GPU",
+    "nvidia; nvidia-smi must work)",
     "driver_library_mismatch": "the NVIDIA kernel module and libnvidia-ml are different versions "
     "(LibRmVersionMismatch, usually a driver upgrade without a reboot): reload the nvidia kernel "
     "modules or reboot the node",
@@ -62,7 +62,20 @@ REASONS: dict[str, str] = {
     "on the next request; if it persists, check the driver (dmesg, nvidia-smi)",
     "nvml_error": "NVML failed; the message names the call and the error",
 }
-"""Stable ``reason`` codes of NVML failures, each with what to do; docs/service.md lists them."""
+"""Stable ``reason`` codes of NVML failures, each with what to do; docs/service.md lists them.
+The texts name no surface's spelling: a fix that is an argument is in :data:`REMEDIES`."""
+
+_NO_GPU = Remedy(
+    parameter="device", values=("cpu", "sim:SIZE"), purpose="on a machine without a GPU"
+)
+
+REMEDIES: dict[str, tuple[Remedy, ...]] = {
+    "library_missing": (_NO_GPU,),
+    "driver_not_loaded": (_NO_GPU,),
+}
+"""The fixes of a reason that are an argument (another device), for each surface to word:
+``device='cpu'`` in Python, ``--device cpu`` on the command line, ``"device": "cpu"`` over
+HTTP."""
 
 _NO_NVML_REASONS = frozenset(
     {
@@ -145,10 +158,12 @@ def translate(
     if stub_path:
         cause = f"{stub_path}; {cause}"
     if reason in _NO_NVML_REASONS:
-        message = f"NVML is not available: {REASONS[reason]} ({cause})."
+        message = f"NVML is not available: {REASONS[reason]} ({cause})"
     else:
-        message = f"NVML could not {action}: {cause}; {REASONS[reason]}."
-    return DeviceUnavailableError(message, reason=reason)
+        message = f"NVML could not {action}: {cause}; {REASONS[reason]}"
+    remedies = REMEDIES.get(reason, ())
+    end = "" if remedies else "."
+    return DeviceUnavailableError(message + end, reason=reason, remedies=remedies)
 
 
 @contextlib.contextmanager

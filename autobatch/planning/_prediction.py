@@ -140,7 +140,7 @@ class Prediction:
             f"really ran is {self.largest_measured_micro_batch_size}; the peak comes from {fit}, "
             f"{self.fixed_bytes} + {self.bytes_per_sample} bytes per sample, raised by "
             f"{self.margin:.0%} for the distance extrapolated; one real trial on that card "
-            "confirms it (autobatch.autotune does so on arrival)"
+            "confirms it (autobatch.autotune there does)"
         )
 
 
@@ -232,7 +232,7 @@ def _line(peaks: Mapping[int, int], stored: MemoryModel | None) -> Line:
             raise ConfigError(
                 f"the profile has peaks measured at {len(peaks)} micro-batch size(s) and no "
                 "memory model, so it cannot predict a micro-batch outside them; probe on that card "
-                "(autobatch tune --device cuda:N, or POST /v1/probes on its node)"
+                "(autobatch.autotune there, device='cuda:N')"
             )
         return Line(
             fixed_bytes=float(stored.fixed_bytes),
@@ -246,16 +246,16 @@ def _line(peaks: Mapping[int, int], stored: MemoryModel | None) -> Line:
         raise ConfigError(
             f"the measured peaks do not grow with the micro-batch (a line through {fitted} has "
             f"slope {line.bytes_per_sample:.4g} bytes per sample), so no larger micro-batch can be "
-            "predicted from them; probe on that card instead (autobatch tune --device cuda:N, "
-            "or POST /v1/probes on its node)"
+            "predicted from them; probe on that card instead (autobatch.autotune "
+            "there, device='cuda:N')"
         )
     tolerance = FIT_TOLERANCE * max(fitted.values())
     if line.residual_bytes > tolerance:
         raise ConfigError(
             f"the measured peaks {fitted} are not on a line (largest residual "
             f"{line.residual_bytes} bytes, over {FIT_TOLERANCE:.0%} of the largest peak), so a "
-            "prediction past them cannot be trusted; probe on that card instead (autobatch tune "
-            "--device cuda:N, or POST /v1/probes on its node)"
+            "prediction past them cannot be trusted; probe on that card instead "
+            "(autobatch.autotune there, device='cuda:N')"
         )
     return line
 

@@ -324,7 +324,7 @@ def estimate(
     notes = profile.notes
     if is_compiled(model):
         notes += ("torch.compile: estimated on the uncompiled step (fake tensors)",)
-    return dataclasses.replace(profile, notes=notes)
+    return dataclasses.replace(profile, notes=notes, model_name=step.model_name)
 
 
 def estimate_points(

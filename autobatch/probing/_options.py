@@ -107,6 +107,8 @@ class StepSpec:
     identity: StepIdentity
     """What a profile of this step is stored under, taken before any step runs (a step that
     changes state, a call counter say, must not change the key its request looks up)."""
+    model_name: str = ""
+    """How the profile names the model (``Profile.model_name``); not part of the identity."""
 
     @classmethod
     def build(
@@ -119,8 +121,10 @@ class StepSpec:
         train_step: TrainStep | None = None,
         step_includes_update: bool = False,
         amp_dtype: torch.dtype | None = None,
+        model_name: str | None = None,
     ) -> StepSpec:
-        """Check the step's arguments and the sample, once.
+        """Check the step's arguments and the sample, once. ``model_name``: how profiles name
+        the model; None: its class (:func:`model_class_name`).
 
         Raises:
             ConfigError: a model that is not a Module, an optimizer over other parameters,
@@ -150,7 +154,23 @@ class StepSpec:
             step_includes_update=step_includes_update,
             amp_dtype=amp_dtype,
             identity=identity,
+            model_name=model_class_name(model) if model_name is None else model_name,
         )
+
+
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
+def model_class_name(model: torch.nn.Module) -> str:
+    """The class name of the model a user wrote: through ``torch.compile`` (``_orig_mod``) and
+    DDP/FSDP wrappers (``module``), e.g. ``"GPT2LMHeadModel"``."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and type(model).__name__ in _WRAPPERS:
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return type(model).__name__
+        model = inner
 
 
 def check_search_arguments(search_limit: int, safety_margin: float) -> None:

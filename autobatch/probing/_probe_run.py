@@ -407,6 +407,7 @@ class Prober:
             notes=tuple(self.log.notes),
             driver_version=self.options.device.driver_version,
             identity=self.step.identity,
+            model_name=self.step.model_name,
             failed_micro_batch_size=self.log.failed_micro_batch_size,
             mode="eval" if self.options.eval else "train",
             compiled=self.options.compiled,

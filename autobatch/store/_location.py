@@ -148,7 +148,7 @@ def parse_location(location: str | os.PathLike[str] | None) -> StoreLocation:
             backend="postgresql", path=None, url=url, display=redact("postgresql://" + rest)
         )
     raise ConfigError(
-        f"unknown store URL scheme {scheme!r} in {redact(text)!r} (from the store argument or "
+        f"unknown store URL scheme {scheme!r} in {redact(text)!r} (given as store=... or "
         f"${STORE_ENV_VAR}); {_FIX}"
     )
 

@@ -28,6 +28,9 @@ class ProfileSummary:
     """The card type it was measured on (e.g. ``"NVIDIA H100 80GB HBM3"``)."""
     node_name: str
     """The machine it was measured on; ``""`` when not recorded."""
+    model_name: str
+    """How the profile names its model (``gpt2``, ``GPT2LMHeadModel``); ``""`` when it names
+    none (a profile from before profile schema 4)."""
     max_micro_batch_size: int
     recommended_micro_batch_size: int
     created_at: str

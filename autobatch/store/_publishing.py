@@ -59,6 +59,7 @@ def insert_profile(
         "model_fingerprint": profile.model_fingerprint,
         "device_name": profile.device_name,
         "node_name": profile.node_name,
+        "model_name": profile.model_name or None,
         "created_at": profile.created_at or datetime.datetime.now(datetime.UTC).isoformat(),
         "profile_schema_version": profile.schema_version,
         "max_micro_batch_size": profile.max_micro_batch_size,

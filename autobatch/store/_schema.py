@@ -19,7 +19,8 @@ device_name, created_at, profile_schema_version, profile_json``); 2 adds ``store
 ``node_name`` (indexed) and the ``max_micro_batch_size``/``recommended_micro_batch_size`` that
 summaries list without decoding profiles, and ``probe_jobs`` (the service's job records); 3 adds
 ``outbox`` (a node's profiles waiting to reach the central service, ``service.fleet.publisher``);
-4 adds ``deletions`` (a tombstone per deleted profile, which nodes follow to forget their copies).
+4 adds ``deletions`` (a tombstone per deleted profile, which nodes follow to forget their copies);
+5 adds ``profiles.model_name`` (nullable: how summaries name the model, where the profile does).
 
 Example::
 
@@ -52,7 +53,7 @@ __all__ = [
     "store_meta",
 ]
 
-STORE_SCHEMA_VERSION = 4
+STORE_SCHEMA_VERSION = 5
 """Version of the table layout this autobatch reads and writes."""
 
 APPLICATION_ID = 0x41744274  # b"AtBt", in a SQLite file's header: marks the file as ours
@@ -78,6 +79,7 @@ profiles = sa.Table(
     sa.Column("profile_schema_version", sa.Integer(), nullable=False),
     sa.Column("max_micro_batch_size", sa.Integer(), nullable=True),
     sa.Column("recommended_micro_batch_size", sa.Integer(), nullable=True),
+    sa.Column("model_name", sa.Text(), nullable=True),
     sa.Column("profile_json", sa.Text(), nullable=False),
 )
 """One row per stored profile; ``seq`` orders them (newest last)."""
@@ -140,6 +142,11 @@ _V1_COLUMNS = frozenset(
 )
 
 
+_ADDED_IN = {"model_name": 5}
+"""``profiles`` columns added after version 2, by the version that added them (a store of an
+older version lacks them until migrated, and is not damaged for that)."""
+
+
 def _to_v2(conn: sa.Connection, backend: str) -> None:
     """Version 1 -> 2: ``store_meta`` and ``probe_jobs``; ``node_name`` and the micro-batch
     columns, filled in from each row's JSON (a row that does not decode keeps ``''``/NULL:
@@ -179,7 +186,18 @@ def _to_v4(conn: sa.Connection, backend: str) -> None:
     deletions.create(conn)
 
 
-MIGRATIONS: dict[int, Callable[[sa.Connection, str], None]] = {2: _to_v2, 3: _to_v3, 4: _to_v4}
+def _to_v5(conn: sa.Connection, backend: str) -> None:
+    """Version 4 -> 5: ``profiles.model_name``, NULL for the profiles already stored (written
+    before profiles named their model, profile schema 4, which only a version-5 store holds)."""
+    conn.exec_driver_sql("ALTER TABLE profiles ADD COLUMN model_name TEXT")
+
+
+MIGRATIONS: dict[int, Callable[[sa.Connection, str], None]] = {
+    2: _to_v2,
+    3: _to_v3,
+    4: _to_v4,
+    5: _to_v5,
+}
 """``{version: function}``: the function takes a store at ``version - 1`` to ``version``."""
 
 
@@ -267,7 +285,11 @@ def _inspect(conn: sa.Connection, *, backend: str, display: str) -> int:
         if "profiles" in tables
         else set()
     )
-    expected = _V1_COLUMNS if version == 1 else {c.name for c in profiles.columns}
+    expected = (
+        _V1_COLUMNS
+        if version == 1
+        else {c.name for c in profiles.columns if _ADDED_IN.get(c.name, 2) <= version}
+    )
     missing = expected - columns
     if version < 1 or missing:
         raise StoreError(

@@ -78,7 +78,7 @@ __all__ = [
     "profile_id_of",
 ]
 
-STORE_SCHEMA_VERSION = 4
+STORE_SCHEMA_VERSION = 5
 """Version of the table layout (``autobatch.store._schema.STORE_SCHEMA_VERSION``, repeated
 here so that reading it imports no SQLAlchemy; a test keeps the two equal)."""
 
@@ -414,7 +414,7 @@ class ProfileStore:
             values = row._asdict()
             if values["max_micro_batch_size"] is None:  # a migrated row that did not decode
                 continue
-            summaries.append(ProfileSummary(**values))
+            summaries.append(ProfileSummary(**values | {"model_name": values["model_name"] or ""}))
         skipped = len(rows) - len(summaries)
         if skipped:
             self._skipped(skipped, "they have no micro-batch sizes (not decodable when migrated)")

@@ -180,8 +180,8 @@ def agreed_profile(
 ) -> TunedProfile:
     """The one store lane, for one process and for every rank of a process group: rank 0 reads
     the store and every rank uses what it found, or all probe together; rank 0 writes the result
-    (unless a non-OOM failure cut it short) and reports it, and every rank returns rank 0's
-    profile.
+    (unless a non-OOM failure cut it short) and reports it (a stored profile that answered is
+    reported too: the remote may not have it), and every rank returns rank 0's profile.
 
     Under a process group the store is used only when every rank has rank 0's cache key (the
     same device model and total memory): a profile of one kind of card does not answer for
@@ -225,6 +225,13 @@ def agreed_profile(
     try:
         cached, superseded = ranks.on_rank_zero(look_up, "reading the profile store")
         if cached is not None:
+            # The remote may not have it (a store filled before report_to was given, another
+            # service); publishing is idempotent: one it holds is answered, not stored twice.
+            stored = cached
+            ranks.on_rank_zero(
+                lambda: report_profile_to(storing.remote, stored, stored=True),
+                "reporting the stored profile",
+            )
             return TunedProfile(
                 profile=cached, cached=True, profile_id=profile_id[0] if profile_id else None
             )
@@ -262,7 +269,7 @@ def agreed_profile(
 
 
 def report_profile_to(remote: ProfileRemote | None, profile: Profile, *, stored: bool) -> None:
-    """Hand a newly probed profile to ``remote`` (if any).
+    """Hand a newly probed profile, or a stored one that answered, to ``remote`` (if any).
 
     A failure warns (:class:`ReportWarning`, the remote's words, and where the profile is:
     ``stored`` says whether the local store took it) rather than raises: the probe's result is

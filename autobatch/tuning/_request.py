@@ -71,6 +71,9 @@ class _StepProbeStore(TypedDict, total=False):
     """``train_step`` runs backward and the optimizer step itself (default False)."""
     amp_dtype: torch.dtype | None
     """Autocast the forward and loss in this dtype (``torch.bfloat16``, ``torch.float16``)."""
+    model_name: str | None
+    """How listings name the model (``autobatch profiles list``, ``GET /v1/profiles``); None
+    (default): its class name (``GPT2LMHeadModel``). Not part of what a profile answers for."""
 
     # -- how to probe --------------------------------------------------------------------------
     device: str | Device | None
@@ -105,7 +108,8 @@ class _StepProbeStore(TypedDict, total=False):
     refresh: bool
     """Probe again even when the store has a profile that answers (default False)."""
     report_to: str | None
-    """Base URL of an autobatch service a newly probed profile is registered at (``POST
+    """Base URL of an autobatch service the profile is registered at, a newly probed one or the
+    stored one that answered (idempotent: one the service holds is not stored twice; ``POST
     /v1/profiles``, bearer token from ``AUTOBATCH_API_TOKEN``); under torch.distributed only
     rank 0 reports; a failure warns (:class:`~autobatch.errors.ReportWarning`)."""
 
@@ -260,6 +264,7 @@ class TuneRequest:
             train_step=options.get("train_step"),
             step_includes_update=option["step_includes_update"],
             amp_dtype=options.get("amp_dtype"),
+            model_name=options.get("model_name"),
         )
         target = resolve_device(
             options.get("device"),

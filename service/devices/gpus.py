@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from autobatch.device import REASONS, UNKNOWN_MEMORY, GpuInfo, Nvml, NvmlDevice, VisibleDevices
 from autobatch.errors import DeviceUnavailableError
+from service.web.wording import describe
 
 __all__ = ["HEALTH_FAILURES", "GpuMonitor", "Inventory", "Reading"]
 
@@ -239,5 +240,5 @@ class GpuMonitor:
 
 
 def _failed(device: NvmlDevice, exc: DeviceUnavailableError) -> Reading:
-    gpu = device.info(UNKNOWN_MEMORY, reason=exc.reason, detail=str(exc))
+    gpu = device.info(UNKNOWN_MEMORY, reason=exc.reason, detail=describe(exc))
     return Reading(gpu=gpu, sampled_at=time.time(), monotonic_s=time.monotonic())

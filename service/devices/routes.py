@@ -10,6 +10,7 @@ from service.devices.gpus import Reading
 from service.web.problems import problem_responses
 from service.web.routing import JsonBodyRoute
 from service.web.schemas import DeviceList, GpuPublic
+from service.web.wording import describe
 
 router = APIRouter(
     prefix="/v1/devices",
@@ -53,7 +54,7 @@ async def list_devices(state: StateDep) -> DeviceList:
     try:
         inventory, readings = await state.gpus.snapshot()
     except DeviceUnavailableError as exc:
-        return DeviceList(devices=[], reason=exc.reason, detail=str(exc))
+        return DeviceList(devices=[], reason=exc.reason, detail=describe(exc))
     return DeviceList(
         devices=[gpu_public(reading) for reading in readings],
         note=inventory.visible.note or None,

@@ -27,7 +27,7 @@ from anyio import CapacityLimiter, to_thread
 from pydantic_core import to_json
 
 from autobatch.device import MemoryBudget
-from autobatch.planning import PlanSource, Selection
+from autobatch.planning import Plan, PlanSource, Selection
 from autobatch.profile import MemoryModel, Profile
 from service.deps import ServiceState
 from service.plans.configs import plan_configs
@@ -188,15 +188,18 @@ def _encoded(
         source=within.source,
         check_plan=lambda result: check_answer_size(body, result),  # before any table
     )
-    result = planned.plan
-    result = dataclasses.replace(result, notes=tuple(map(field_text, result.notes)))
+    result = _in_fields(planned.plan)
     chosen = within.selection
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))
     options_table = None
     if planned.world_size_options is not None:
         options_table = [
-            {"world_size": row.world_size, "plan": row.plan, "reason": row.describe(field_wording)}
+            {
+                "world_size": row.world_size,
+                "plan": None if row.plan is None else _in_fields(row.plan),
+                "reason": row.describe(field_wording),
+            }
             for row in planned.world_size_options
         ]
     # PlanPublic's shape, serialized by pydantic-core in one call, Plans included: it writes a
@@ -214,3 +217,9 @@ def _encoded(
         "ranks": None,
     }
     return to_json(answer)
+
+
+def _in_fields(result: Plan) -> Plan:
+    """``result`` with its notes in the service's words (:func:`service.web.wording.field_text`:
+    arguments as JSON fields, library calls as routes)."""
+    return dataclasses.replace(result, notes=tuple(map(field_text, result.notes)))

@@ -12,6 +12,7 @@ from typing import Any
 from autobatch.errors import ConfigError
 from autobatch.integrations import deepspeed_config, hf_training_arguments, lightning_config
 from autobatch.planning import Plan
+from service.web.wording import describe
 
 __all__ = ["plan_configs"]
 
@@ -30,5 +31,5 @@ def plan_configs(result: Plan) -> dict[str, Any]:
             "deepspeed": None,
             "hf_training_arguments": None,
             "lightning": None,
-            "reason": str(exc),
+            "reason": describe(exc),
         }

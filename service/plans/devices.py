@@ -36,6 +36,7 @@ from service.devices.gpus import GpuMonitor, Inventory
 from service.plans.planner import declared_budget
 from service.web.problems import Problem
 from service.web.schemas import DeviceSpec, ResolvedDevice
+from service.web.wording import describe
 
 __all__ = ["resolve_device"]
 
@@ -83,7 +84,7 @@ async def _labelled_card(
         )
     except LabelError as exc:
         field = "body.gpu_fraction" if exc.field == "gpu_fraction" else f"body.device.{exc.field}"
-        raise Problem(422, "validation", str(exc), field=field) from None
+        raise Problem(422, "validation", describe(exc), field=field) from None
 
 
 async def _local_gpu(
@@ -107,8 +108,10 @@ async def _local_gpu(
         )
     except DeviceUnavailableError as exc:
         if exc.reason == "no_free_memory":
-            raise Problem(422, "no-free-memory", str(exc), field="body.device.memory") from None
-        raise Problem(503, "memory-unknown", str(exc), field=field) from None
+            raise Problem(
+                422, "no-free-memory", describe(exc), field="body.device.memory"
+            ) from None
+        raise Problem(503, "memory-unknown", describe(exc), field=field) from None
     device = _resolved(
         card, sampled_at=reading.sampled_at, age_seconds=round(reading.age_seconds(), 3)
     )

@@ -33,6 +33,7 @@ from service.plans.planner import Chooser, checkpointing_choice, chooser, source
 from service.plans.schemas import PlanCreate
 from service.web.problems import Problem, unknown_profile
 from service.web.schemas import ResolvedDevice
+from service.web.wording import describe
 
 __all__ = [
     "asked_mode",
@@ -210,7 +211,7 @@ def select(
     try:
         key = None if card is None else card_key(card, mig_profile)
     except ConfigError as exc:
-        raise Problem(422, "validation", str(exc), field="body.card") from None
+        raise Problem(422, "validation", describe(exc), field="body.card") from None
     budget_bytes = None if device is None else device.capacity_bytes
     choose = chooser(body, card=card, budget_bytes=budget_bytes, mig_profile=mig_profile)
     if alone and key is None:
@@ -234,7 +235,7 @@ def select(
         if alone and mode == "auto":
             chosen = _of_mode(body, seen, choose)
     except ConfigError as exc:
-        raise Problem(422, "validation", str(exc), field="body.conditions") from None
+        raise Problem(422, "validation", describe(exc), field="body.conditions") from None
     if chosen is None and _trains(every) and not _trains(seen):
         field = "body.conditions" if body.activation_checkpointing is None else _ASKED_MODE
         raise _no_profile_of_mode(fingerprint, mode, field, every)

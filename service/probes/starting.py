@@ -14,6 +14,7 @@ from service.probes.registry import cuda_index
 from service.probes.runs import ProbeRun, ProbeRuns, UnknownModelError
 from service.probes.schemas import ProbeCreate
 from service.web.problems import Problem
+from service.web.wording import describe
 
 __all__ = ["start_run"]
 
@@ -33,7 +34,7 @@ async def start_run(body: ProbeCreate, runs: ProbeRuns, gpus: GpuMonitor) -> Pro
     try:
         return runs.submit(body.model, device=body.device, refresh=body.refresh)
     except UnknownModelError as exc:
-        raise Problem(404, "unknown-model", str(exc), field="body.model") from exc
+        raise Problem(404, "unknown-model", describe(exc), field="body.model") from exc
 
 
 async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool) -> None:

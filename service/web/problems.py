@@ -52,7 +52,7 @@ from autobatch.errors import (
     ProfileNotFoundError,
     StoreError,
 )
-from service.web.wording import describe
+from service.web.wording import describe, fault_field
 
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
@@ -199,6 +199,14 @@ _DEVICE_REASON_SLUGS = ("nvml_timeout", "gpu_lost")
 
 def _field(loc: Iterable[Any]) -> str:
     return ".".join(str(part) for part in loc)
+
+
+def _error_field(error: Any, model: type[BaseModel] | None) -> str:
+    """A pydantic error's field; for a check of the whole body (a model validator: ``loc``
+    ``("body",)``), the field its message is about (:func:`fault_field`)."""
+    if tuple(error["loc"]) == ("body",) and error.get("type") == "value_error":
+        return fault_field(validation_reason(error), model, leading_only=True)
+    return _field(error["loc"])
 
 
 def validation_reason(error: Any) -> str:
@@ -359,7 +367,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
             else e
             for e in errors
         ]
-    reasons = [(_field(e["loc"]), _reason(e)) for e in errors]
+    reasons = [(_error_field(e, model), _reason(e)) for e in errors]
     detail = "; ".join(f"{field}: {reason}" for field, reason in reasons[:5])
     if unlisted or len(reasons) > 5:
         more = len(reasons) - 5 + sum(unlisted.values())
@@ -470,7 +478,12 @@ async def _on_library(request: Request, exc: Exception, table: ErrorStatuses) ->
         if isinstance(exc, StoreError):
             _log.warning("%s %s: %s", request.method, request.url.path, exc)
             detail = store_reason(exc) + "; retry later"
-    errors = [("body", detail)] if status in (400, 422) else []
+    if status in (400, 422):  # the field at fault, by the body's model
+        model = getattr(request.state, "body_model", None) or _declared_body_model(request)
+        parameters = [r.parameter for r in getattr(exc, "remedies", ()) if r.parameter]
+        errors = [(fault_field(detail, model, parameters=parameters), detail)]
+    else:
+        errors = []
     return problem_response(status, slug, detail, errors=errors, instance=request.url.path)
 
 

@@ -169,6 +169,7 @@ async def read_json_body(request: Request, model: type[ModelT]) -> ModelT:
         HTTPException: 400, a body that is not text (invalid UTF-8, say).
     """
     _require_json(request)
+    request.state.body_model = model  # the model a library error's field is named by
     raw = await _read_body(request)
     if not raw:
         missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}

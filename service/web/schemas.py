@@ -510,6 +510,11 @@ class ProfileBase(Strict):
         description="The machine the profile was measured on (a Kubernetes or Slurm node, or "
         "the host name); device_name is the card type. Empty when not recorded.",
     )
+    model_name: Name = Field(
+        default="",
+        description="How listings name the model ('gpt2', 'GPT2LMHeadModel'); "
+        "model_fingerprint identifies it. Empty when not recorded (before schema version 4).",
+    )
     activation_checkpointing: CheckpointingMode = Field(
         default="none",
         description="The activation checkpointing mode autobatch applied while measuring "
@@ -578,6 +583,7 @@ class ProfileSummaryPublic(BaseModel):
     model_fingerprint: str
     device_name: str
     node_name: str
+    model_name: str = ""  # empty: the profile names no model (before profile schema 4)
     max_micro_batch_size: int
     recommended_micro_batch_size: int
     created_at: str

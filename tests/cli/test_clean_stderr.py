@@ -29,4 +29,4 @@ def test_a_torch_command_leaves_stderr_clean(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
-    assert "max micro-batch" in done.stdout
+    assert "predicted maximum" in done.stdout

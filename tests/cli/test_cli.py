@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,7 +187,7 @@ def test_devices_on_a_machine_without_the_nvidia_library_points_to_cpu_and_sim(
     code, out, err = run(capsys, "devices")
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "libnvidia-ml.so.1 was not found" in err
-    assert "without a GPU, use --device cpu or sim:SIZE" in err
+    assert err.rstrip().endswith("use --device cpu or sim:SIZE (on a machine without a GPU)")
 
 
 def test_devices_lists_what_nvml_reports(
@@ -306,9 +307,13 @@ def test_tune_json_parses_and_second_run_is_cached(
         "MODE",
         "OPTIMIZER",
         "INPUT",
+        "FINGERPRINT",
         "MODEL",
     ]
     assert row.index("sim") == header.index("DEVICE")  # columns line up under the header
+    # The model by the name the command line was given; its fingerprint's start beside it.
+    assert row[header.index("MODEL") :] == "gpt2-tiny"
+    assert row[header.index("FINGERPRINT") :].split()[0] == profile["model_fingerprint"][:12]
     assert row.index("train") == header.index("MODE")  # an eval profile reads "eval"
     assert row.index("input_ids 32, labels 32") == header.index("INPUT")
 
@@ -514,7 +519,11 @@ def test_estimate_says_when_the_max_is_the_limit_not_the_memory(
         *["--max-micro-batch-size", limit],
     )
     assert code == 0
-    assert ("max micro-batch  8  (estimated)" in out) is says_limit
+    assert ("(predicted maximum 8: a fake-tensor estimate, no real step ran)" in out) is says_limit
+    # Never a measurement: the per-sample bytes are predicted, with how far they may be off.
+    assert re.search(r"^predicted peak   [\d.]+ \w+ \+ [\d.]+ \w+ per sample$", out, re.M)
+    assert "not measured" in out and "off by more than 25%" in out
+    assert "max micro-batch" not in out and "peak memory" not in out
     assert ("is the --max-micro-batch-size limit, not the memory's" in out) is says_limit
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.cli import main
+from autobatch.errors import ConfigError
 from autobatch.store import ProfileStore
 
 TINY = ["tests.service.models:tiny_mlp", "--input-shape", "32"]
@@ -50,4 +51,23 @@ def test_an_unknown_scheme_is_an_error_naming_it(
     assert code != 0
     assert "unknown store URL scheme 'mysql'" in err and "postgresql://" in err
     assert "s3cret" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_store_names_each_surfaces_spelling(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The library names its keyword, the CLI its --store, serve its --store-path; each the variable.
+    from service.__main__ import main as serve_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AUTOBATCH_STORE", raising=False)
+    with pytest.raises(ConfigError, match=r"given as store=\.\.\. or \$AUTOBATCH_STORE"):
+        ProfileStore("mysql://u@h/d")
+    code, _, err = run(capsys, "--store", "mysql://u@h/d", "profiles", "list")
+    assert code != 0
+    assert "(given as --store ... or $AUTOBATCH_STORE)" in err and "store=" not in err
+    assert serve_main(["--store-path", "mysql://u@h/d", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "(given as --store-path ... or $AUTOBATCH_STORE)" in err and "store=" not in err
     assert list(tmp_path.iterdir()) == []

@@ -127,3 +127,27 @@ def test_every_argument_and_command_has_help() -> None:
             if isinstance(action, argparse._SubParsersAction):
                 missing += [f"{command} {a.dest}" for a in action._choices_actions if not a.help]
     assert missing == []
+
+
+def test_the_uneven_help_says_what_how_it_works_says() -> None:
+    # The rule (autobatch.planning's choose_steps): auto goes unequal past twice the fewest steps.
+    from pathlib import Path
+
+    docs = Path(__file__).parents[2].joinpath("docs", "how-it-works.md").read_text()
+    (row,) = [line for line in docs.splitlines() if '`uneven="auto"`' in line]
+    helps = {
+        command: action.help or ""
+        for command, parser in _parsers(build_parser())
+        for action in parser._actions
+        if "--uneven" in action.option_strings
+    }
+    assert set(helps) >= {"plan", "tune"}
+    for phrase in (
+        "unequal micro-batches, differing by at most 1",
+        "each loss weighted by its size",
+        "when equal sizes would need more than twice the fewest accumulation steps",
+        "(equal sizes only)",
+        "(the fewest steps)",
+    ):
+        assert phrase in row
+        assert all(phrase in help_text for help_text in helps.values()), (phrase, helps)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from autobatch.cli import main
+from autobatch.store import ProfileStore
 
 TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--device", "sim:4MiB"]
 
@@ -78,3 +80,31 @@ def test_a_plan_from_a_stored_profile_exports_both_sizes_by_name(
     assert exported["AUTOBATCH_MEASURED_MAX_MICRO_BATCH_SIZE"] == str(measured)
     assert exported["AUTOBATCH_MAX_MICRO_BATCH_SIZE"] == str(recommended)  # the older name
     assert exported["AUTOBATCH_PLAN_SOURCE"] == "cached"
+
+
+def test_a_profile_names_its_model_and_an_old_one_its_short_fingerprint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Profiles before schema 4 recorded no name: listed by the start of their fingerprint.
+    import dataclasses
+
+    from autobatch.profile import Profile
+    from tests.planning.test_prediction import issue_profile
+
+    named = dataclasses.replace(issue_profile(), model_name="GPT2LMHeadModel")
+    written_by_3 = {**issue_profile(node_name="n2").to_dict(), "schema_version": 3}
+    written_by_3["model_fingerprint"] = "9f2c41d0b7e35a8c" * 4
+    del written_by_3["model_name"]
+    old = Profile.from_dict(written_by_3)
+    assert old.model_name == ""
+    store = tmp_path / "s.sqlite3"
+    with ProfileStore(store) as opened:
+        named_id, old_id = opened.put(named), opened.put(old)
+    assert main(["--store", str(store), "profiles", "list"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    models = {row.split()[0]: row[header.index("MODEL") :] for row in rows}
+    assert models == {named_id: "GPT2LMHeadModel", old_id: "9f2c41d0b7e3"}
+    assert main(["--store", str(store), "profiles", "show", named_id]) == 0
+    out = capsys.readouterr().out
+    assert "model                GPT2LMHeadModel" in out
+    assert f"model fingerprint    {named.model_fingerprint}" in out

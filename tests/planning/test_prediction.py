@@ -132,7 +132,14 @@ def test_lines_that_cannot_be_trusted_are_not_extrapolated(
     )
     with pytest.raises(ConfigError, match=pattern) as caught:
         plan(profile, effective_batch_size=64, capacity_bytes=80 * GIB)
-    assert "probe on that card" in str(caught.value)
+    # The way forward in each surface's words: a call, a command and its flag, a route.
+    from autobatch.cli._wording import cli_message
+    from service.web.wording import describe
+
+    python = str(caught.value)
+    assert python.endswith("probe on that card instead (autobatch.autotune there, device='cuda:N')")
+    assert cli_message(python, {}).endswith("(autobatch tune there, --device cuda:N)")
+    assert describe(caught.value).endswith('(POST /v1/probes there, "device": "cuda:N")')
 
 
 def test_a_convex_step_within_tolerance_is_fitted_and_reports_its_residual() -> None:

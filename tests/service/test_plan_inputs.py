@@ -329,3 +329,42 @@ def test_a_world_size_given_twice_is_refused(client: TestClient) -> None:
         }
     ]
     assert len(response.content) < 1000
+
+
+_MODEL = {"fixed_bytes": 1_000_000, "bytes_per_sample": 1000}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        # A library error about one field: the field its message leads with.
+        ({"max_micro_batch_size": 24, "effective_batch_size": 97, "world_size": 4},
+         "body.effective_batch_size"),
+        ({"max_micro_batch_size": 24, "effective_batch_size": 64, "multiple_of": 32},
+         "body.multiple_of"),
+        ({"max_micro_batch_size": 24, "effective_batch_size": 97, "multiple_of": 8,
+          "uneven": "always"}, "body.uneven"),
+        # ... or the first field it names.
+        ({"max_micro_batch_size": 1, "effective_batch_size": 1000,
+          "max_gradient_accumulation_steps": 4}, "body.effective_batch_size"),
+        # A field inside another: its whole path.
+        ({"memory_model": _MODEL, "effective_batch_size": 64, "device": {"capacity_bytes": 80}},
+         "body.device.capacity_bytes"),
+        # A check of the whole body (a model validator): the field its message is about.
+        ({"memory_model": _MODEL, "effective_batch_size": 64, "card": "H100"}, "body.card"),
+    ],
+)  # fmt: skip
+def test_every_422_names_the_field_at_fault_not_the_body(
+    client: TestClient, body: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/plan", json=body)
+    assert response.status_code == 422, response.text
+    assert [error["field"] for error in response.json()["errors"]] == [field]
+
+
+def test_a_capacity_remedy_over_http_is_set_inside_the_device(client: TestClient) -> None:
+    body = {"memory_model": _MODEL, "effective_batch_size": 64, "device": {"capacity_bytes": 80}}
+    detail = client.post("/v1/plan", json=body).json()["detail"]
+    assert detail.endswith(
+        'use "device": {"capacity_bytes": 85899345920} (80 GiB, if the unit was left off)'
+    )

@@ -61,6 +61,7 @@ def test_every_stored_field_s_schema_bound_fits_its_column() -> None:
         "device_name",
         "max_micro_batch_size",
         "model_fingerprint",
+        "model_name",
         "node_name",
         "profile_schema_version",
         "recommended_micro_batch_size",

@@ -30,6 +30,11 @@ from service.web.wording import describe, field_wording
             "a training profile",
         ),
         (Remedy(purpose="a larger device"), "a larger device"),
+        # A request sets the device's memory inside its device.
+        (
+            Remedy(parameter="capacity_bytes", values=(85899345920,), purpose="80 GiB"),
+            '"device": {"capacity_bytes": 85899345920} (80 GiB)',
+        ),
     ],
 )
 def test_field_wording(remedy: Remedy, worded: str) -> None:

@@ -174,6 +174,29 @@ def test_a_version_1_file_is_migrated_in_place(tmp_path: pathlib.Path) -> None:
     assert migrated == fresh  # a migrated store has the layout of a new one
 
 
+def test_a_version_4_store_gets_model_names_in_its_summaries(location: str) -> None:
+    # Version 5 adds profiles.model_name: NULL for what a version-4 store held (listed "").
+    import dataclasses
+
+    import sqlalchemy as sa
+
+    before = make_profile()
+    with ProfileStore(location) as store:
+        old_id = store.put(before)
+    engine = sa.create_engine(parse_location(location).url)
+    with engine.begin() as conn:  # back to version 4's layout
+        conn.exec_driver_sql("ALTER TABLE profiles DROP COLUMN model_name")
+        conn.execute(sa.update(schema.store_meta).values(value="4"))
+        if location.endswith(".sqlite3"):
+            conn.exec_driver_sql("PRAGMA user_version = 4")
+    engine.dispose()
+    with ProfileStore(location) as store:
+        named_id = store.put(dataclasses.replace(make_profile(), model_name="gpt2"))
+        names = {s.id: s.model_name for s in store.list_summaries().summaries}
+        assert store.get(old_id) == before
+    assert names == {old_id: "", named_id: "gpt2"}
+
+
 def test_a_newer_store_is_refused_and_left_untouched(location: str) -> None:
     with ProfileStore(location) as store:
         store.put(make_profile())
