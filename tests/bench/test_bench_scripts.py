@@ -99,15 +99,16 @@ def test_service_load_runs_both_servers_and_prints_the_ratios() -> None:
     assert [(row[0], row[-5]) for row in rows] == [
         (level, endpoint)
         for level in ("1", "4")
-        for endpoint in ("/v1/plan", "(service)", "(bare)", "(node)", "(card)")
+        for endpoint in ("/v1/plan", "(service)", "(bare)", "(node)", "(card)", "(node=)")
     ]
     for row in rows:
         assert all(float(value) > 0 for value in row[-4:]), row
     for baseline in ("service", "bare"):
         goals = [line for line in out.splitlines() if f"plan/empty ({baseline}): p99 " in line]
         assert len(goals) == 2 and all("server CPU per request " in g for g in goals), out
-    cards = [line for line in out.splitlines() if "plan (card)/plan (node): p99 " in line]
-    assert len(cards) == 2 and all(" ms = " in line for line in cards), out
+    for node in ("(node)", "(node=)"):
+        cards = [line for line in out.splitlines() if f"plan (card)/plan {node}: p99 " in line]
+        assert len(cards) == 2 and all(" ms = " in line for line in cards), out
 
 
 @pytest.mark.slow
