@@ -251,7 +251,9 @@ def select(
 def most_measured(choose: Chooser) -> Chooser:
     """``choose`` among the training profiles of the card the most nodes measured (each node
     counted once, whatever it published; then the card measured with the most memory, then
-    the first card key): a plan by model alone is drawn among one card's nodes."""
+    the first card key): a plan by model alone is drawn among one card's nodes. A card whose
+    profiles cannot answer (all measured under shares, for a whole card) gives way to the
+    next in that order."""
 
     def chosen(found: Sequence[tuple[str, Profile]]) -> Selection | None:
         nodes: dict[str, set[str]] = {}
@@ -263,10 +265,14 @@ def most_measured(choose: Chooser) -> Chooser:
                 memory[key] = max(memory.get(key, 0), profile.total_memory_bytes)
         if not nodes:
             return choose(found)
-        top = min(nodes, key=lambda key: (-len(nodes[key]), -memory[key], key))
-        return choose(
-            [(i, p) for i, p in found if (_card_key(p.device_name) or p.device_name) == top]
-        )
+        for top in sorted(nodes, key=lambda key: (-len(nodes[key]), -memory[key], key)):
+            on_top = [
+                (i, p) for i, p in found if (_card_key(p.device_name) or p.device_name) == top
+            ]
+            selection = choose(on_top)
+            if selection is not None:  # None: e.g. only shares of that card, for a whole card
+                return selection
+        return None
 
     return chosen
 

@@ -20,6 +20,7 @@ from autobatch.device import catalogue_memory_bytes
 from autobatch.planning._cards import predicted_max
 from autobatch.profile import MemoryModel, Profile, Trial
 from tests.helpers.fake_pynvml import GiB, MiB
+from tests.planning.test_selection import budget
 from tests.service.conftest import no_nvml
 from tests.service.test_deletions import served
 from tests.service.test_fleet_trust import H100, L40S, flooder, node_profile, plan
@@ -221,3 +222,25 @@ def test_one_extra_node_on_either_card_leaves_a_predicted_plan_where_the_four_pu
     assert answer["selection"]["outliers"] == ["node-x"]
     assert answer["plan"]["capacity_bytes"] == l40s_bytes
     assert min(predictions) <= answer["plan"]["max_micro_batch_size"] <= max(predictions)
+
+
+def test_a_plan_by_the_model_alone_passes_over_a_card_measured_only_under_shares(
+    central: TestClient,
+) -> None:
+    # Three nodes measured the model under a time-sliced 22 GiB share of an H100 80GB PCIe; a
+    # share never answers for a whole card, so the two whole-card H100 SXM nodes answer.
+    share = {
+        "device_name": "NVIDIA H100 PCIe",
+        "budget": budget(("time_slicing", 22 * GiB)),
+        "capacity_bytes": 22 * GiB,
+        "trials": (Trial(micro_batch_size=8, fits=True, peak_reserved_bytes=20 * GiB),),
+    }
+    for node in ("share-1", "share-2", "share-3"):
+        publish(central, node_profile(node, 8, 8, **share))
+    h100_ids = publish(central, *HONEST[:2])
+
+    answer = plan(central)
+
+    assert answer["selection"]["card"] == H100
+    assert answer["selection"]["considered"] == sorted(h100_ids)
+    assert answer["plan"]["micro_batch_size"] == 32
