@@ -362,3 +362,31 @@ def test_probe_run_records_are_kept_and_replaced(location: str) -> None:
         store.put_probe_run("j2", {"id": "j2", "status": "running"})
         assert store.get_probe_run("j1") == {"id": "j1", "status": "succeeded", "profile_id": "abc"}
         assert store.get_probe_run("j2") == {"id": "j2", "status": "running"}
+
+
+def test_latest_per_node_keeps_a_few_things_of_each_node_so_no_node_crowds_the_others_out(
+    location: str,
+) -> None:
+    # Node A claims a new thing measured with each profile (a card's memory one byte apart:
+    # a new cache key each time), 40 of them after the honest nodes published: it keeps its
+    # 32 newest, and the honest three still stand within a limit of 40.
+    from autobatch.store._latest import PER_NODE_KEYS
+
+    with ProfileStore(location) as store:
+        honest = [
+            store.put(make_profile(node_name=node, model_fingerprint="fp-flood"))
+            for node in ("node-b", "node-c", "node-d")
+        ]
+        for index in range(40):
+            store.put(
+                make_profile(
+                    node_name="node-a",
+                    model_fingerprint="fp-flood",
+                    total_memory_bytes=80 * 2**30 + index,
+                )
+            )
+        found = store.latest_per_node(model_fingerprint="fp-flood", limit=40)
+    nodes = [profile.node_name for _, profile in found]
+    assert nodes.count("node-a") == PER_NODE_KEYS == 32
+    assert sorted(i for i, p in found if p.node_name != "node-a") == sorted(honest)
+    assert len(found) == 35
