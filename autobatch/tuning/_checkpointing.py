@@ -50,6 +50,7 @@ from autobatch.probing import (
     ProbeOptions,
     activation_checkpointing_applied,
     checkpointable_blocks,
+    checkpointed_blocks,
 )
 from autobatch.profile import CheckpointingMode, Profile
 from autobatch.tuning._cache import TunedProfile
@@ -95,13 +96,23 @@ class CheckpointingRequest:
         the mode: a typo never goes unnoticed).
 
         Raises:
-            ConfigError: an unknown mode, or no blocks to checkpoint (names
-                ``checkpoint_block_class``).
+            ConfigError: an unknown mode, no blocks to checkpoint (names
+                ``checkpoint_block_class``), or a mode other than ``"none"`` asked of a model
+                autobatch already checkpoints (refused before any step runs).
         """
         if mode not in ASKED_MODES:
             raise ConfigError(
                 f"activation_checkpointing={mode!r} is not a choice; give one of "
                 f"{', '.join(repr(m) for m in ASKED_MODES)}"
+            )
+        applied = checkpointed_blocks(model)
+        if mode != "none" and applied:
+            raise ConfigError(
+                f"activation_checkpointing={mode!r}: the model already has autobatch's "
+                f"activation checkpointing applied to {applied} blocks, so no mode could be "
+                "probed as asked; call the undo apply_activation_checkpointing returned (or "
+                "autobatch.probing.remove_activation_checkpointing(model)) first, or give "
+                "activation_checkpointing='none' to plan the model as it is"
             )
         if mode != "none" or block_class is not None:
             try:
