@@ -50,6 +50,7 @@ from autobatch.errors import ConfigError
 from autobatch.profile import CheckpointingMode
 
 __all__ = [
+    "CACHE_TURNED_OFF",
     "CHECKPOINTING_MODES",
     "CheckpointedForward",
     "CheckpointingMode",
@@ -269,9 +270,17 @@ def apply_activation_checkpointing(
     return undo
 
 
+CACHE_TURNED_OFF = "_autobatch_use_cache_turned_off"
+"""The private attribute set True on a config whose ``use_cache`` checkpointing turned off:
+the model's fingerprint (:mod:`autobatch.probing._identity`) reads ``use_cache`` as the model
+was given, so a profile measured under autobatch's checkpointing and one of the same model
+checkpointed by hand share their key (the checkpointing is a condition of its own)."""
+
+
 def _caches_off(model: torch.nn.Module) -> list[Any]:
     """Turn ``use_cache`` off on every config of ``model``'s modules that has it on (a Hugging
-    Face model's); returns those configs, for :func:`_unwrapped` to turn back on."""
+    Face model's), marked :data:`CACHE_TURNED_OFF`; returns those configs, for
+    :func:`_unwrapped` to turn back on."""
     configs: dict[int, Any] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -279,6 +288,7 @@ def _caches_off(model: torch.nn.Module) -> list[Any]:
             configs[id(config)] = config
     for config in configs.values():
         config.use_cache = False
+        setattr(config, CACHE_TURNED_OFF, True)
     return list(configs.values())
 
 
@@ -289,6 +299,7 @@ def _unwrapped(block: torch.nn.Module, wrapped: CheckpointedForward) -> None:
         block.forward = wrapped.previous
     for config in wrapped.configs:
         config.use_cache = True
+        config.__dict__.pop(CACHE_TURNED_OFF, None)
     wrapped.configs = []
 
 

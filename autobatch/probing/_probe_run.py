@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -126,6 +127,18 @@ class Prober:
         return trial, dataclasses.replace(
             profile, num_steps=self.log.num_steps, notes=tuple(self.log.notes)
         )
+
+    def time_at(self, size: int) -> list[Trial]:
+        """Warm up (when the optimizer has no state yet), then one timed real trial at
+        ``size``; every trial that ran, the timed one last."""
+        with eager() if self.options.compiled == "confirmed" else contextlib.nullcontext():
+            self.runner.start()
+            if self.runner.needs_state() and not self.optimizer.state:
+                self._stage("warm-up", max_trials=2)
+                self.runner.warm_up()
+            self._stage("confirm", max_trials=1)
+            self.runner.trial(size)
+        return list(self.log.trials)
 
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
         agreed_capacity = self.runner.start()

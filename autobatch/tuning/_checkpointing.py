@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, get_args
@@ -51,8 +52,9 @@ from autobatch.probing import (
     activation_checkpointing_applied,
     checkpointable_blocks,
     checkpointed_blocks,
+    run_timing,
 )
-from autobatch.profile import CheckpointingMode, Profile
+from autobatch.profile import CheckpointingMode, Profile, Trial
 from autobatch.tuning._cache import TunedProfile
 from autobatch.tuning._lookup import find_profile
 
@@ -134,6 +136,9 @@ class ModeRun:
     plan: Plan | None = None
     error: AutobatchError | None = None
     """Why no plan (not even micro-batch 1 fits, or no split meets the constraints)."""
+    timing: tuple[Trial, ...] = ()
+    """The trials that timed the plan's own micro-batch where the probe never ran it (the
+    warm-up first, the timed trial last); empty when the probe's trials had it timed."""
 
     @property
     def profile(self) -> Profile | None:
@@ -222,18 +227,34 @@ def _run(
         return ModeRun(mode=mode, found=found, error=exc)
 
 
+def _timed(request: TuneRequest, options: ProbeOptions, run: ModeRun) -> ModeRun:
+    """``run`` with its plan's own micro-batch timed by one real trial (and the warm-up that
+    creates the optimizer state) under its mode, where no trial of its probe timed that size:
+    the choice among modes compares times measured at each plan's micro-batch, never bounds."""
+    plan = run.plan
+    if plan is None or plan.micro_batch_size in seconds_per_sample(run.profile):
+        return run
+    step, asked = request.step, request.checkpointing
+    with activation_checkpointing_applied(
+        step.model, run.mode, block_class=asked.block_class
+    ) if run.mode != "none" else contextlib.nullcontext():
+        under = options if run.mode == "none" else options.under_checkpointing(step, run.mode)
+        trials = run_timing(step, under, micro_batch_size=plan.micro_batch_size)
+    return dataclasses.replace(run, timing=tuple(trials))
+
+
 def _measurement(run: ModeRun) -> ModeMeasurement:
     """What ``run`` measured, as the pure choice takes it."""
     profile = run.profile
     if profile is None:
         return ModeMeasurement(mode=run.mode, max_micro_batch_size=0)
     peaks: dict[int, int] = {}
-    for trial in profile.trials:
+    for trial in (*profile.trials, *run.timing):
         if trial.fits and not trial.warm_up:
             size = trial.micro_batch_size
             peaks[size] = max(peaks.get(size, 0), trial.peak_allocated_bytes)
     plan = run.plan
-    seconds, basis = (None, "") if plan is None else _step_seconds(plan, profile)
+    seconds, basis = (None, "") if plan is None else _step_seconds(plan, _run_seconds(run))
     return ModeMeasurement(
         mode=run.mode,
         max_micro_batch_size=profile.max_micro_batch_size,
@@ -242,36 +263,52 @@ def _measurement(run: ModeRun) -> ModeMeasurement:
         seconds_per_optimizer_step=seconds,
         seconds_basis=basis,
         peak_memory_bytes=peaks,
-        num_trials=0 if run.found is None or run.found.cached else len(profile.trials),
+        num_trials=len(run.timing)
+        + (0 if run.found is None or run.found.cached else len(profile.trials)),
     )
 
 
-def _step_seconds(plan: Plan, profile: Profile) -> tuple[float | None, str]:
-    """Seconds per optimizer step of ``plan`` and how they were drawn (``""``: the planner's).
+def _run_seconds(run: ModeRun) -> dict[int, float]:
+    """:func:`seconds_per_sample` of ``run``'s profile with its timing trial's beside them."""
+    found = seconds_per_sample(run.profile)
+    for trial in run.timing:
+        if trial.fits and not trial.warm_up and trial.step_seconds > 0:
+            per_sample = trial.step_seconds / trial.micro_batch_size
+            size = trial.micro_batch_size
+            found[size] = min(found.get(size, per_sample), per_sample)
+    return found
 
-    The planner's, from the step times measured at two sizes or more; else from the measured
-    time per sample at one size times the plan's samples per rank: at the largest size that
-    ran up to the plan's micro-batch (exact at that size; above it time per sample falls or
-    stays, so a bound from above), else at the smallest above it (time per sample at a smaller
-    micro-batch is no less: a bound from below); None only when no size was timed, which is
-    exactly when the report (:func:`autobatch.planning.mode_report`) plots no time for the
-    mode: both read :func:`seconds_per_sample`.
+
+def _step_seconds(plan: Plan, measured: dict[int, float]) -> tuple[float | None, str]:
+    """Seconds per optimizer step of ``plan`` and how they were drawn (``""``: measured at the
+    plan's own micro-batch, or the planner's).
+
+    From the time per sample measured at the plan's micro-batch (:func:`_timed` sees to it
+    that it was) times the plan's samples per rank; else the planner's, from the step times
+    measured at two sizes or more; else from the measured time per sample at one size: at the
+    largest size that ran below the plan's micro-batch (above it time per sample falls or
+    stays, so a bound from above), else at the smallest above it (a bound from below); None
+    only when no size was timed.
     """
+    samples = sum(plan.micro_batch_sizes)
+    if plan.micro_batch_size in measured:
+        bound = "" if set(plan.micro_batch_sizes) == {plan.micro_batch_size} else "at most: "
+        return measured[plan.micro_batch_size] * samples, (
+            f"{bound}measured at micro-batch {plan.micro_batch_size}" if bound else ""
+        )
     if plan.predicted_seconds_per_effective_batch is not None:
         return plan.predicted_seconds_per_effective_batch, ""
-    measured = seconds_per_sample(profile)
     if not measured:
         return None, ""
-    samples = sum(plan.micro_batch_sizes)
     below = [size for size in measured if size <= plan.micro_batch_size]
     if below:
         size = max(below)
-        bound = "" if set(plan.micro_batch_sizes) == {size} else "at most: "
+        bound = "at most: "
     else:
         size = min(measured)
         bound = "at least: "
     return measured[size] * samples, (
-        f"{bound}from the time per sample measured at micro_batch_size {size}"
+        f"{bound}from the time per sample measured at micro-batch {size}"
     )
 
 
@@ -292,12 +329,12 @@ def seconds_per_sample(profile: Profile | None) -> dict[int, float]:
 def _auto(
     request: TuneRequest, options: ProbeOptions, planned: PlanOf
 ) -> tuple[TunedProfile, Plan, CheckpointingOutcome]:
-    runs = [_run(request, options, "none", planned)]
+    runs = [_timed(request, options, _run(request, options, "none", planned))]
     plain = _measurement(runs[0])
-    modes, why = checkpointing_modes_to_try(plain, seconds_per_sample(runs[0].profile))
+    modes, why = checkpointing_modes_to_try(plain, _run_seconds(runs[0]))
     if request.checkpointing.no_blocks:
         modes, why = (), f"nothing to checkpoint: {request.checkpointing.no_blocks}"
-    runs.extend(_run(request, options, mode, planned) for mode in modes)
+    runs.extend(_timed(request, options, _run(request, options, mode, planned)) for mode in modes)
     choice = choose_checkpointing([_measurement(run) for run in runs])
     if choice is None:
         error = next((run.error for run in reversed(runs) if run.error is not None), None)

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from typing import Any
 
@@ -29,10 +30,16 @@ _WIDTH, _HEIGHT, _PAD = 640, 320, 56
 
 
 def _runs(tuning: Tuning) -> list[tuple[str, Profile]]:
-    """(mode, profile) of every mode probed: the outcome's runs, or the one profile."""
+    """(mode, profile) of every mode probed: the outcome's runs, each with the trial that timed
+    its plan's micro-batch among its trials (:class:`autobatch.tuning.ModeRun`), or the one
+    profile."""
     if tuning.checkpointing is None:
         return [(tuning.profile.activation_checkpointing, tuning.profile)]
-    return [(run.mode, run.profile) for run in tuning.checkpointing.runs if run.profile]
+    return [
+        (run.mode, dataclasses.replace(run.profile, trials=(*run.profile.trials, *run.timing)))
+        for run in tuning.checkpointing.runs
+        if run.profile
+    ]
 
 
 def report_data(tuning: Tuning) -> dict[str, Any]:
