@@ -8,8 +8,11 @@ the probe under each mode, and the choice among them.
 - ``"auto"``: the plain probe first; then, unless trying cannot pay
   (:func:`autobatch.planning.checkpointing_modes_to_try`: one micro-step, or time per sample no
   longer falling, measured), one probe per mode (``"selective"``, ``"full"``), each bounded as
-  every probe is; the choice is :func:`autobatch.planning.choose_checkpointing`'s. At most two
-  probes more than without ``"auto"``.
+  every probe is; the choice is :func:`autobatch.planning.choose_checkpointing`'s. Each mode's
+  plan has its own micro-batch timed: where the probe's search never ran that size, one real
+  trial more runs it (after a warm-up step), so the choice compares times measured at each
+  plan's micro-batch. At most two probes more than without ``"auto"``, and at most 2 trials
+  more per mode.
 
 Every probe under a mode applies it to the model's blocks and undoes it when it is done
 (:func:`autobatch.probing.activation_checkpointing_applied`): the model's modules are the same
