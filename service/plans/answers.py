@@ -191,6 +191,8 @@ def _encoded(
     result = planned.plan
     result = dataclasses.replace(result, notes=tuple(map(field_text, result.notes)))
     chosen = within.selection
+    if chosen is not None and chosen.notes:
+        result = dataclasses.replace(result, notes=(*result.notes, *chosen.notes))
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))
     options_table = None
