@@ -239,6 +239,14 @@ def choose_checkpointing(measured: Sequence[ModeMeasurement]) -> CheckpointingCh
         eligible.append(mode)
     if not eligible:
         return None
+    if len(eligible) == 1:
+        only = eligible[0].mode
+        reason = (
+            f"the only mode tried ({only})"
+            if len(measured) == 1
+            else f"the only mode whose plan is worth its recompute ({only}; the others: below)"
+        )
+        return CheckpointingChoice(mode=only, reason=reason, considered=tuple(considered))
     timed = [m for m in eligible if m.seconds_per_optimizer_step is not None]
     if len(timed) < len(eligible) or not timed:
         return CheckpointingChoice(

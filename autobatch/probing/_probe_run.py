@@ -136,7 +136,7 @@ class Prober:
             if self.runner.needs_state() and not self.optimizer.state:
                 self._stage("warm-up", max_trials=2)
                 self.runner.warm_up()
-            self._stage("confirm", max_trials=1)
+            self._stage("timing", max_trials=len(self.log.trials) + 1)
             self.runner.trial(size)
         return list(self.log.trials)
 
@@ -214,7 +214,14 @@ class Prober:
             return
         if max_trials is None:
             max_trials = trial_budget(self.options.search_limit) + 2
-        self.options.on_stage(ProbeStage(stage=stage, max_trials=max_trials))
+        self.options.on_stage(
+            ProbeStage(
+                stage=stage,
+                max_trials=max_trials,
+                trials_run=len(self.log.trials),
+                checkpointing_mode=self.options.checkpointing_mode,
+            )
+        )
 
     def _next_size(self) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""

@@ -43,7 +43,7 @@ def test_auto_says_which_modes_it_tried_and_why(auto_run: tuple[str, Path]) -> N
     assert "activation_checkpointing " not in out  # none chosen: the model as given
     assert (
         "note: activation checkpointing modes tried none; skipped selective, full: the plan "
-        "without checkpointing reaches the effective batch in one micro-step (micro_batch_size 2)"
+        "without checkpointing reaches the effective batch in one micro-step (micro-batch 2)"
     ) in out
 
 
