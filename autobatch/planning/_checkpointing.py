@@ -210,7 +210,8 @@ def _line(mode: ModeMeasurement) -> str:
         timing += f" ({mode.seconds_basis})"
     return (
         f"{mode.mode}: micro-batch {mode.micro_batch_size} \u00d7 "
-        f"{mode.gradient_accumulation_steps} steps, {timing} (largest micro-batch "
+        f"{mode.gradient_accumulation_steps} step{'' if mode.gradient_accumulation_steps == 1 else 's'}, "
+        f"{timing} (largest micro-batch "
         f"{mode.max_micro_batch_size}, {mode.num_trials} trials)"
     )
 
