@@ -2,9 +2,8 @@
 apply_activation_checkpointing (e.g. a training script that applies plan.activation_checkpointing,
 then tunes again with activation_checkpointing="auto") is probed in full as given, and only then,
 when "auto" applies "selective", fails with ConfigError "already applied": the plain probe's
-real trials are spent and no plan comes back. The request is checked up front (CheckpointingRequest.build
-looks at the blocks already), so either it plans (the model as given is one of the modes) or it
-is refused before any step runs."""
+real trials are spent and no plan comes back. The request is checked up front
+(CheckpointingRequest.build looks at the blocks already): it is refused before any step runs."""
 
 import pytest
 import torch

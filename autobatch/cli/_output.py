@@ -79,9 +79,7 @@ def print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
     )
 
 
-def print_probe_time(
-    profile: Any, out: TextIO, *, stored: bool, checkpointing: Any = None
-) -> None:
+def print_probe_time(profile: Any, out: TextIO, *, stored: bool, checkpointing: Any = None) -> None:
     """The probe's wall time by part; for a profile read from the store, said to be that
     profile's, with its date (no probe ran now). With ``checkpointing`` (what
     ``--activation-checkpointing auto`` tried: :class:`autobatch.tuning.CheckpointingOutcome`),

@@ -208,10 +208,10 @@ def _line(mode: ModeMeasurement) -> str:
     timing = "time not measured" if seconds is None else f"{seconds:.4g} s per optimizer step"
     if seconds is not None and mode.seconds_basis:
         timing += f" ({mode.seconds_basis})"
+    steps = mode.gradient_accumulation_steps
     return (
-        f"{mode.mode}: micro-batch {mode.micro_batch_size} \u00d7 "
-        f"{mode.gradient_accumulation_steps} step{'' if mode.gradient_accumulation_steps == 1 else 's'}, "
-        f"{timing} (largest micro-batch "
+        f"{mode.mode}: micro-batch {mode.micro_batch_size} \u00d7 {steps} "
+        f"step{'' if steps == 1 else 's'}, {timing} (largest micro-batch "
         f"{mode.max_micro_batch_size}, {mode.num_trials} trials)"
     )
 

@@ -266,9 +266,11 @@ def _timed(request: TuneRequest, options: ProbeOptions, run: ModeRun) -> ModeRun
     if plan is None or plan.micro_batch_size in seconds_per_sample(run.profile):
         return run
     step, asked = request.step, request.checkpointing
-    with activation_checkpointing_applied(
-        step.model, run.mode, block_class=asked.block_class
-    ) if run.mode != "none" else contextlib.nullcontext():
+    with (
+        activation_checkpointing_applied(step.model, run.mode, block_class=asked.block_class)
+        if run.mode != "none"
+        else contextlib.nullcontext()
+    ):
         under = options if run.mode == "none" else options.under_checkpointing(step, run.mode)
         trials = run_timing(step, under, micro_batch_size=plan.micro_batch_size)
     return dataclasses.replace(run, timing=tuple(trials))

@@ -253,8 +253,9 @@ def report_html(tuning: Tuning) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         "<title>autobatch tuning report</title></head><body>\n"
-        f"<h1>autobatch: activation checkpointing {html.escape(_plan_words(chosen))}</h1>\n<p>{legend}; &#x2715; OOM (drawn at the "
-        "budget line); the ringed point is the chosen plan (its predicted peak).</p>\n"
+        f"<h1>autobatch: activation checkpointing {html.escape(_plan_words(chosen))}</h1>\n"
+        f"<p>{legend}; &#x2715; OOM (drawn at the budget line); the ringed point is the chosen "
+        "plan (its predicted peak).</p>\n"
         f"{_memory_svg(data)}\n{_time_svg(data)}\n<ul>{why}</ul>\n"
         '<table id="trials"><tr><th>mode</th><th>micro-batch</th><th>result</th>'
         f"<th>peak memory</th><th>time per sample</th></tr>{rows}</table>\n"

@@ -332,9 +332,7 @@ def _select_auto(
             "there (autobatch tune --activation-checkpointing auto) or ask one mode",
             field=_ASKED_MODE,
         )
-    profile, profile_id, source, selection, card_bytes = answers[
-        chosen[1].activation_checkpointing
-    ]
+    profile, profile_id, source, selection, card_bytes = answers[chosen[1].activation_checkpointing]
     skipped = tuple(
         f"activation checkpointing {mode} skipped: {problem.detail}"
         for mode, problem in unplannable.items()

@@ -6,7 +6,6 @@ so training with the planned mode silently changes the model (the gradients are 
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
