@@ -258,12 +258,18 @@ def _run(
         return ModeRun(mode=mode, found=found, error=exc)
 
 
-def _timed(request: TuneRequest, options: ProbeOptions, run: ModeRun) -> ModeRun:
+def _timed(
+    request: TuneRequest, options: ProbeOptions, run: ModeRun, *, floor: int = 0
+) -> ModeRun:
     """``run`` with its plan's own micro-batch timed by one real trial (and the warm-up that
     creates the optimizer state) under its mode, where no trial of its probe timed that size:
-    the choice among modes compares times measured at each plan's micro-batch, never bounds."""
+    the choice among modes compares times measured at each plan's micro-batch, never bounds.
+    Not where the plan's micro-batch is no larger than ``floor`` (the plain plan's): such a
+    mode is never chosen, whatever its time."""
     plan = run.plan
-    if plan is None or plan.micro_batch_size in seconds_per_sample(run.profile):
+    if plan is None or plan.micro_batch_size <= floor:
+        return run
+    if plan.micro_batch_size in seconds_per_sample(run.profile):
         return run
     step, asked = request.step, request.checkpointing
     with (
@@ -362,17 +368,22 @@ def seconds_per_sample(profile: Profile | None) -> dict[int, float]:
 def _auto(
     request: TuneRequest, options: ProbeOptions, planned: PlanOf
 ) -> tuple[TunedProfile, Plan, CheckpointingOutcome]:
+    runs: list[ModeRun] = []
+
     def measured(mode: CheckpointingMode) -> ModeRun:
         started = options.clock()
-        run = _timed(request, options, _run(request, options, mode, planned))
+        # The plain plan is always eligible: a mode no larger than it is never chosen.
+        floor = runs[0].plan.micro_batch_size if runs and runs[0].plan else 0
+        run = _timed(request, options, _run(request, options, mode, planned), floor=floor)
         return dataclasses.replace(run, seconds=options.clock() - started)
 
-    runs = [measured("none")]
+    runs.append(measured("none"))
     plain = _measurement(runs[0])
     modes, why = checkpointing_modes_to_try(plain, _run_seconds(runs[0]))
     if request.checkpointing.no_blocks:
         modes, why = (), f"nothing to checkpoint: {request.checkpointing.no_blocks}"
-    runs.extend(measured(mode) for mode in modes)
+    for mode in modes:
+        runs.append(measured(mode))
     choice = choose_checkpointing([_measurement(run) for run in runs])
     if choice is None:
         raise _none_planned(runs, why)
