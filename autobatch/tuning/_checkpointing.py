@@ -258,9 +258,7 @@ def _run(
         return ModeRun(mode=mode, found=found, error=exc)
 
 
-def _timed(
-    request: TuneRequest, options: ProbeOptions, run: ModeRun, *, floor: int = 0
-) -> ModeRun:
+def _timed(request: TuneRequest, options: ProbeOptions, run: ModeRun, *, floor: int = 0) -> ModeRun:
     """``run`` with its plan's own micro-batch timed by one real trial (and the warm-up that
     creates the optimizer state) under its mode, where no trial of its probe timed that size:
     the choice among modes compares times measured at each plan's micro-batch, never bounds.

@@ -62,9 +62,9 @@ def test_the_probe_time_counts_every_mode() -> None:
     assert counted == [run.num_trials for run in tuned.checkpointing.runs]
     plain, *others = tuned.checkpointing.runs
     assert plain.plan is not None
-    for run in others:  # a plan no larger than the plain one is never chosen: left untimed
-        if run.plan is not None and run.plan.micro_batch_size <= plain.plan.micro_batch_size:
-            assert run.timing == (), run.mode
+    for other in others:  # a plan no larger than the plain one is never chosen: left untimed
+        if other.plan is not None and other.plan.micro_batch_size <= plain.plan.micro_batch_size:
+            assert other.timing == (), other.mode
     assert sum(counted) == int(re.search(r": (\d+) trials", lines[-1])[1])  # every trial
     assert f"  {tuned.plan.activation_checkpointing}'s probe" in out.getvalue()
     # Each mode's probe is named on the line, and none says "at most 0 left" and then runs
