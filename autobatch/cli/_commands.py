@@ -213,7 +213,11 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     target = resolve_device(_tune_device(args))
     spec = _load(args).to(target.torch_device)
     fmt = _output_format(args)
-    progress = Progress(enabled=fmt == "text", word=warning_words(build_parser(), "tune"))
+    progress = Progress(
+        enabled=fmt == "text",
+        word=warning_words(build_parser(), "tune"),
+        name_modes=args.activation_checkpointing != "none",
+    )
     store = None if args.no_store else _store(args, writing=True)
     unreported: list[Warning | str] = []  # the report's failure, if any (shown as a warning)
 
@@ -229,6 +233,14 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
             warnings.simplefilter("default", UserWarning)
             warnings.showwarning = show
             tuned = _tuned(args, spec, target, progress, store)
+    except AutobatchError as exc:
+        if args.report is not None:  # the page draws a plan: say so rather than write none
+            exc.args = (
+                f"{exc.message}; --report {args.report}: no page was written, for no plan "
+                "came back to draw (the modes tried and their trials are named here)",
+                *exc.args[1:],
+            )
+        raise
     finally:
         progress.close()
         if store is not None:
@@ -240,6 +252,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         profile=tuned.profile,
         eval_profile=tuned.eval_profile,
         flag_limit=args.max_micro_batch_size,
+        checkpointing=tuned.checkpointing,
     )
     if args.report_to is not None and not unreported:
         print(_reported_words(args.report_to, tuned.plan.source), file=sys.stderr)

@@ -79,16 +79,22 @@ def print_limit_note(profile: Any, out: TextIO, *, flag_limit: int) -> None:
     )
 
 
-def print_probe_time(profile: Any, out: TextIO, *, stored: bool) -> None:
+def print_probe_time(profile: Any, out: TextIO, *, stored: bool, checkpointing: Any = None) -> None:
     """The probe's wall time by part; for a profile read from the store, said to be that
-    profile's, with its date (no probe ran now)."""
+    profile's, with its date (no probe ran now). With ``checkpointing`` (what
+    ``--activation-checkpointing auto`` tried: :class:`autobatch.tuning.CheckpointingOutcome`),
+    first every mode's time and trials, then the chosen mode's probe by part."""
+    label = "probe time      "
+    if checkpointing is not None:
+        print(f"probe time       {checkpointing.probe_time()}", file=out)
+        label = f"  {checkpointing.chosen}'s probe".ljust(16)
     if profile.timings is None or (stored and not profile.created_at):
         return
     text = profile.timings.describe()
     if stored:
         when = profile.created_at[:16].replace("T", " ")
         text += f"  (the stored profile's, probed {when} UTC; nothing ran now)"
-    print(f"probe time       {text}", file=out)
+    print(f"{label} {text}", file=out)
 
 
 def bytes_or_unknown(num_bytes: int | None) -> str:
@@ -144,7 +150,10 @@ def print_plan(
     profile: Any = None,
     eval_profile: Any = None,
     flag_limit: int = 0,
+    checkpointing: Any = None,
 ) -> None:
+    """The plan in ``fmt``; in text, with the profile it came from and, with ``checkpointing``
+    (``--activation-checkpointing auto``'s outcome), every mode's probe time."""
     if fmt == "json":
         # The notes in the command line's words, as the text output prints them.
         notes = tuple(cli_message(note, note_flags(), bare=False) for note in result.notes)
@@ -174,7 +183,9 @@ def print_plan(
             else f"measured maximum {size}: {counts}, {profile.method}"
         )
         print(f"recommended      {profile.recommended_micro_batch_size}  ({how})", file=out)
-        print_probe_time(profile, out, stored=result.source == "cached")
+        print_probe_time(
+            profile, out, stored=result.source == "cached", checkpointing=checkpointing
+        )
         print_limit_note(profile, out, flag_limit=flag_limit)
     print(f"micro_batch_size             {result.micro_batch_size}", file=out)
     print(f"gradient_accumulation_steps  {result.gradient_accumulation_steps}", file=out)

@@ -430,8 +430,9 @@ def _add_tune_command(commands: Any) -> None:
     tune.add_argument(
         "--checkpoint-block-class",
         metavar="NAME",
-        help="the class name of the blocks to checkpoint (default: every list of modules of "
-        "one class, a transformers model's layers; an encoder-decoder's both stacks); one "
+        help="the class name of the blocks to checkpoint (default: every list of layers, "
+        "a transformers model's layers, a hybrid stack, an encoder-decoder's both stacks; "
+        "never a list of single Linears); one "
         "that matches no module is refused, whatever the mode",
     )
     tune.add_argument(

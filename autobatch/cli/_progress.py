@@ -37,6 +37,7 @@ STAGE_WORDS = {
     "estimate": "estimate (fake tensors: CPU time, no real step)",
     "trials": "trials",
     "confirm": "confirm (the chosen size's second step)",
+    "timing": "timing (the plan's micro-batch, one trial)",
 }
 """What each stage is, as the line shows it."""
 
@@ -48,32 +49,48 @@ class ProbeDisplay:
     """The progress line's text from a probe's events: the stage, the trials so far and the
     last one, and the trials left at most."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, name_modes: bool = False) -> None:
         self._stage: ProbeStage | None = None
         self._num_trials = 0
+        self._since_stage = 0
         self._last = ""
+        self._name_modes = name_modes
 
     def stage(self, event: ProbeStage) -> None:
         """A stage starts (:data:`autobatch.probing.OnStage`)."""
         self._stage = event
+        self._since_stage = 0
 
     def trial(self, trial: Any) -> None:
         """A real trial ended (:data:`autobatch.probing.OnTrial`)."""
         self._num_trials += 1
+        self._since_stage += 1
         outcome = "fits" if trial.fits else ("OOM" if trial.oom else "too big")
         peak = f", peak {format_bytes(trial.peak_reserved_bytes)}" if trial.fits else ""
         self._last = f"micro-batch {trial.micro_batch_size} {outcome}{peak}"
 
     def text(self) -> str:
         """E.g. ``probing, trials: 3 trials (micro-batch 64 fits, peak 96.50 KiB); at most 16
-        left``."""
-        stage = "starting" if self._stage is None else STAGE_WORDS[self._stage.stage]
+        left``; with the modes named (``--activation-checkpointing`` other than ``none``):
+        ``probing with full checkpointing, trials: ...``. The trials are counted over the
+        whole command; what is left, over the probe running now (each mode's its own)."""
+        event = self._stage
+        stage = "starting" if event is None else STAGE_WORDS[event.stage]
         count = f"{self._num_trials} trial{'' if self._num_trials == 1 else 's'}"
         last = f" ({self._last})" if self._last else ""
         left = ""
-        if self._stage is not None:
-            left = f"; at most {max(0, self._stage.max_trials - self._num_trials)} left"
-        return f"probing, {stage}: {count}{last}{left}"
+        if event is not None:
+            ran = event.trials_run + self._since_stage
+            left = f"; at most {max(0, event.max_trials - ran)} left"
+        mode = ""
+        if self._name_modes and event is not None:
+            checkpointing = event.checkpointing_mode
+            mode = (
+                " without checkpointing"
+                if checkpointing == "none"
+                else f" with {checkpointing} checkpointing"
+            )
+        return f"probing{mode}, {stage}: {count}{last}{left}"
 
 
 class Progress:
@@ -83,12 +100,20 @@ class Progress:
     Args:
         enabled: draw the line (the text output); False draws nothing.
         word: how a warning's message reads on this command line (the CLI's wording).
+        name_modes: name each probe's activation checkpointing mode on the line (several
+            modes may be probed: ``--activation-checkpointing`` other than ``none``).
     """
 
-    def __init__(self, *, enabled: bool, word: Callable[[Warning | str], str] = str) -> None:
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        word: Callable[[Warning | str], str] = str,
+        name_modes: bool = False,
+    ) -> None:
         self._enabled = enabled
         self._word = word
-        self._display = ProbeDisplay()
+        self._display = ProbeDisplay(name_modes=name_modes)
         self._bar: Any = None
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None

@@ -40,6 +40,7 @@ from typing import Literal
 
 from autobatch.errors import ConfigError
 from autobatch.profile import CheckpointingMode
+from autobatch.units import format_bytes
 
 __all__ = [
     "FALLING_FRACTION",
@@ -136,24 +137,32 @@ def checkpointing_modes_to_try(
     if steps == 1:
         return (), (
             f"the plan without checkpointing reaches the effective batch in one micro-step "
-            f"(micro_batch_size {size}): checkpointing could only add recompute"
+            f"(micro-batch {size}): checkpointing could only add recompute"
+        )
+    if plain.seconds_per_optimizer_step is None:
+        # choose_checkpointing keeps the least recompute that fits while any mode is untimed:
+        # with the plain plan untimed no other mode could win, so none is tried in vain.
+        return (), (
+            f"the plan without checkpointing (micro-batch {size}) has no measured step time, "
+            "so no mode could be shown faster: the least recompute that fits"
         )
     smaller = [n for n in seconds_per_sample if n <= size // 2]
     if size not in seconds_per_sample or not smaller:
         return everything, (
-            f"time per sample was not measured at two sizes up to micro_batch_size {size}"
+            f"time per sample was not measured at two sizes up to micro-batch {size}, so "
+            "whether a larger micro-batch saves time is not known"
         )
     half = max(smaller)
     at_size, at_half = seconds_per_sample[size], seconds_per_sample[half]
     if at_size >= at_half * (1 - FALLING_FRACTION):
         return (), (
             f"time per sample stopped falling without checkpointing: {at_size:.3g} s at "
-            f"micro_batch_size {size} against {at_half:.3g} s at {half} (measured), so a larger "
+            f"micro-batch {size} against {at_half:.3g} s at {half} (measured), so a larger "
             "micro-batch would save no time"
         )
     return everything, (
         f"time per sample still falls without checkpointing ({at_size:.3g} s at "
-        f"micro_batch_size {size} against {at_half:.3g} s at {half}, measured)"
+        f"micro-batch {size} against {at_half:.3g} s at {half}, measured)"
     )
 
 
@@ -167,8 +176,8 @@ def _saves_memory(mode: ModeMeasurement, plain: ModeMeasurement | None) -> str:
         ours, theirs = mode.peak_memory_bytes[size], plain.peak_memory_bytes[size]
         if ours >= theirs:
             return (
-                f"its measured peak at micro_batch_size {size} ({ours} bytes) is not below "
-                f"the plain one's ({theirs} bytes)"
+                f"its measured peak memory at micro-batch {size} ({format_bytes(ours)}) is not "
+                f"below the plain one's ({format_bytes(theirs)})"
             )
         return ""
     if mode.max_micro_batch_size <= plain.max_micro_batch_size:
@@ -189,7 +198,7 @@ def _no_larger(mode: ModeMeasurement, less_recompute: Sequence[ModeMeasurement])
     if size > theirs:
         return ""
     return (
-        f"its plan's micro_batch_size {size} is no larger than {best.mode}'s ({theirs}): "
+        f"its plan's micro-batch {size} is no larger than {best.mode}'s ({theirs}): "
         "only more recompute"
     )
 
@@ -199,9 +208,10 @@ def _line(mode: ModeMeasurement) -> str:
     timing = "time not measured" if seconds is None else f"{seconds:.4g} s per optimizer step"
     if seconds is not None and mode.seconds_basis:
         timing += f" ({mode.seconds_basis})"
+    steps = mode.gradient_accumulation_steps
     return (
-        f"{mode.mode}: micro_batch_size {mode.micro_batch_size} x "
-        f"{mode.gradient_accumulation_steps} steps, {timing} (largest micro-batch "
+        f"{mode.mode}: micro-batch {mode.micro_batch_size} \u00d7 {steps} "
+        f"step{'' if steps == 1 else 's'}, {timing} (largest micro-batch "
         f"{mode.max_micro_batch_size}, {mode.num_trials} trials)"
     )
 
@@ -230,6 +240,14 @@ def choose_checkpointing(measured: Sequence[ModeMeasurement]) -> CheckpointingCh
         eligible.append(mode)
     if not eligible:
         return None
+    if len(eligible) == 1:
+        only = eligible[0].mode
+        reason = (
+            f"the only mode tried ({only})"
+            if len(measured) == 1
+            else f"the only mode whose plan is worth its recompute ({only}; the others: below)"
+        )
+        return CheckpointingChoice(mode=only, reason=reason, considered=tuple(considered))
     timed = [m for m in eligible if m.seconds_per_optimizer_step is not None]
     if len(timed) < len(eligible) or not timed:
         return CheckpointingChoice(

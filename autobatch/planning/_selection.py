@@ -131,6 +131,9 @@ class Selection:
     """The share's budget to plan the profile for, in bytes, when it was measured on the whole
     card and the plan is for a share of it; None to plan it as measured (or for the budget the
     caller gives)."""
+    notes: tuple[str, ...] = ()
+    """Lines for the plan's notes about the choice, e.g. an activation checkpointing mode
+    ``"auto"`` skipped because its profile could not be planned for the card asked."""
 
     @property
     def measured_under(self) -> dict[str, str]:

@@ -46,7 +46,7 @@ from autobatch.probing._options import (
     check_search_arguments,
 )
 from autobatch.probing._placement import model_device
-from autobatch.probing._prober import probe, run_confirmation, run_probe
+from autobatch.probing._prober import probe, run_confirmation, run_probe, run_timing
 from autobatch.probing._search import Point, bracket, next_micro_batch_size, trial_budget
 from autobatch.probing._snapshot import preserved_rng, resident_tensors
 from autobatch.probing._step import LossFn, TrainingStep, TrainStep
@@ -90,6 +90,7 @@ __all__ = [
     "resident_tensors",
     "run_confirmation",
     "run_probe",
+    "run_timing",
     "trial_budget",
     "worst_case_sample",
 ]

@@ -10,6 +10,23 @@ through an instance attribute ``forward`` set on the block itself: no module is 
 parameter or buffer is renamed, and the undo deletes the attribute, so the model's modules are
 the same objects with the same state afterwards.
 
+What a recompute must not do twice, it does once:
+
+- Running statistics (BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``,
+  any ``_NormBase`` tracking them): the backward's recompute runs the block's forward again in
+  training mode, which would update them a second time (``torch.utils.checkpoint`` alone has
+  this fault; fairscale's ``patch_batchnorm`` guards against it). The recompute runs under a
+  ``context_fn`` that saves those buffers before it and puts them back after it, so a step
+  leaves them exactly as the same step without checkpointing (the outputs are the same: in
+  training mode normalization uses the batch's statistics).
+- A Hugging Face model's key/value cache: a decoder layer appends to the cache it is given, in
+  place, so the recompute would append again, and a live cache holds every layer's keys and
+  values beside the checkpointed activations. As Hugging Face's own gradient checkpointing
+  does, ``config.use_cache`` is set to False on every config of the model while checkpointing
+  is applied (put back by the undo and by :func:`remove_activation_checkpointing`), and a
+  checkpointed transformers block is called with ``use_cache=False`` and no cache
+  (``past_key_value(s)``, ``layer_past``, ``cache``: None) when gradients are on.
+
 Example::
 
     with activation_checkpointing_applied(model, "full"):
@@ -26,12 +43,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from autobatch.errors import ConfigError
 from autobatch.profile import CheckpointingMode
 
 __all__ = [
+    "CACHE_TURNED_OFF",
     "CHECKPOINTING_MODES",
     "CheckpointedForward",
     "CheckpointingMode",
@@ -51,20 +70,67 @@ DEFAULT_EVERY = 2
 ``"2"``): about half the blocks' activations for about half the recompute."""
 
 
+_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "layer_past", "cache")
+"""The names Hugging Face layers take their key/value cache by."""
+
+
 class CheckpointedForward:
     """A block's forward run under ``checkpoint(..., use_reentrant=False)`` when gradients are
-    on (in ``no_grad``/``inference_mode`` the plain forward runs: nothing to save)."""
+    on (in ``no_grad``/``inference_mode`` the plain forward runs: nothing to save); the
+    recompute leaves running statistics as the forward left them, and a transformers block
+    gets no cache (see the module docstring)."""
 
-    def __init__(self, forward: Callable[..., Any], previous: Callable[..., Any] | None) -> None:
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        previous: Callable[..., Any] | None,
+        block: torch.nn.Module,
+    ) -> None:
         self.forward = forward
         """The block's own forward (bound)."""
         self.previous = previous
         """The instance ``forward`` the block had before (None: none), put back by the undo."""
+        self.statistics = [
+            m for m in block.modules() if isinstance(m, _NormBase) and m.track_running_stats
+        ]
+        """The block's modules whose running statistics the recompute must not update."""
+        self.uncached = type(block).__module__.startswith("transformers.")
+        """A transformers block: called without its key/value cache when checkpointed."""
+        self.configs: list[Any] = []
+        """Configs whose ``use_cache`` this application turned off (kept on one block's)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        if self.uncached:
+            kwargs.update(
+                {k: None for k in _CACHE_KEYWORDS if kwargs.get(k) is not None},
+                **({"use_cache": False} if kwargs.get("use_cache") else {}),
+            )
+        return checkpoint(
+            self.forward, *args, use_reentrant=False, context_fn=self._contexts, **kwargs
+        )
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager[None], Any]:
+        """(forward's context, recompute's context) for ``checkpoint``'s ``context_fn``."""
+        return contextlib.nullcontext(), _statistics_kept(self.statistics)
+
+
+@contextlib.contextmanager
+def _statistics_kept(modules: list[_NormBase]) -> Iterator[None]:
+    """Run the block's recompute, then put its running statistics back as they were before."""
+    saved = [
+        [(buffer, buffer.detach().clone()) for buffer in m.buffers(recurse=False)]
+        for m in modules
+        if m.training
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for pairs in saved:
+                for buffer, before in pairs:
+                    buffer.copy_(before)
 
 
 def checkpointable_blocks(
@@ -72,9 +138,11 @@ def checkpointable_blocks(
 ) -> list[torch.nn.Module]:
     """The model's repeated blocks, in order: the modules of ``block_class`` (a class or its
     name, subclasses included) when given, else the items of every outermost ``nn.ModuleList``
-    of 2 or more modules of one class (a transformers model's ``layers``/``h``/``layer``; an
+    of 2 or more layers, modules with modules of their own, of one class or several (a
+    transformers model's ``layers``/``h``/``layer``; a hybrid stack such as Jamba's; an
     encoder-decoder's two stacks; grouped blocks in nested lists: the blocks themselves,
-    never a list, whose forward never runs).
+    never a list, whose forward never runs). Single modules (a list of Linears: MoE experts,
+    output heads) are never blocks.
 
     Raises:
         ConfigError: no module of ``block_class``, or no repeated blocks found (names
@@ -119,14 +187,22 @@ def _items(container: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _stacks(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks of every stack of repeated blocks in ``module`` (itself included), in order:
-    the items of each outermost ``nn.ModuleList`` holding 2 or more modules of one class
-    (nested lists opened), so an encoder-decoder's two stacks are both found; a stack's blocks
-    are not searched for stacks of their own."""
+    the items of each outermost ``nn.ModuleList`` holding 2 or more layers (nested lists
+    opened), so an encoder-decoder's two stacks are both found; a stack's blocks are not
+    searched for stacks of their own. A layer is a module with modules of its own: a hybrid
+    stack (attention and Mamba or MoE layers, as Jamba's) is one stack of mixed classes, and a
+    list of single modules (MoE experts, output heads: Linears) is never a stack, for a leaf
+    keeps no activation that recomputing would save."""
     if isinstance(module, torch.nn.ModuleList):
         items = _items(module)
-        if len(items) >= 2 and len({type(item) for item in items}) == 1:
+        if len(items) >= 2 and all(_is_layer(item) for item in items):
             return items
     return [block for child in module.children() for block in _stacks(child)]
+
+
+def _is_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds modules of its own (a Linear, a norm, an embedding does not)."""
+    return next(module.children(), None) is not None
 
 
 def _chosen(blocks: list[torch.nn.Module], mode: str, every: int) -> list[torch.nn.Module]:
@@ -156,6 +232,8 @@ def apply_activation_checkpointing(
 ) -> Callable[[], None]:
     """Checkpoint ``model``'s blocks in ``mode`` (see the module docstring), in place, and
     return the undo: a function that puts every block's forward back as it was (call it once).
+    While applied, a Hugging Face model's ``config.use_cache`` is False (as its own gradient
+    checkpointing has it); the undo turns it back on.
 
     Args:
         model: the model (a DDP- or FSDP2-wrapped one too: the blocks are found inside).
@@ -180,15 +258,49 @@ def apply_activation_checkpointing(
     for block in blocks:
         previous = block.__dict__.get("forward")
         own = previous if previous is not None else type(block).forward.__get__(block)
-        block.forward = CheckpointedForward(own, previous)
+        block.forward = CheckpointedForward(own, previous, block)
+    blocks[-1].__dict__["forward"].configs = _caches_off(model)  # its undo turns them back on
 
     def undo() -> None:
         for block in blocks:
             wrapped = block.__dict__.pop("forward", None)
-            if isinstance(wrapped, CheckpointedForward) and wrapped.previous is not None:
-                block.forward = wrapped.previous
+            if isinstance(wrapped, CheckpointedForward):
+                _unwrapped(block, wrapped)
 
     return undo
+
+
+CACHE_TURNED_OFF = "_autobatch_use_cache_turned_off"
+"""The private attribute set True on a config whose ``use_cache`` checkpointing turned off:
+the model's fingerprint (:mod:`autobatch.probing._identity`) reads ``use_cache`` as the model
+was given, so a profile measured under autobatch's checkpointing and one of the same model
+checkpointed by hand share their key (the checkpointing is a condition of its own)."""
+
+
+def _caches_off(model: torch.nn.Module) -> list[Any]:
+    """Turn ``use_cache`` off on every config of ``model``'s modules that has it on (a Hugging
+    Face model's), marked :data:`CACHE_TURNED_OFF`; returns those configs, for
+    :func:`_unwrapped` to turn back on."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
+        setattr(config, CACHE_TURNED_OFF, True)
+    return list(configs.values())
+
+
+def _unwrapped(block: torch.nn.Module, wrapped: CheckpointedForward) -> None:
+    """Put ``block``'s forward and the configs ``wrapped`` keeps back as they were (the
+    ``forward`` attribute is already removed)."""
+    if wrapped.previous is not None:
+        block.forward = wrapped.previous
+    for config in wrapped.configs:
+        config.use_cache = True
+        config.__dict__.pop(CACHE_TURNED_OFF, None)
+    wrapped.configs = []
 
 
 @contextlib.contextmanager
@@ -214,7 +326,8 @@ def activation_checkpointing_applied(
 
 def remove_activation_checkpointing(model: torch.nn.Module) -> int:
     """Undo every :func:`apply_activation_checkpointing` on ``model``'s modules (the drop-ins'
-    too, which keep no undo for you): each checkpointed block's forward is put back as it was.
+    too, which keep no undo for you): each checkpointed block's forward is put back as it was,
+    and ``config.use_cache`` turned back on where checkpointing turned it off.
 
     Returns:
         How many blocks were checkpointed (0: nothing to undo).
@@ -224,8 +337,7 @@ def remove_activation_checkpointing(model: torch.nn.Module) -> int:
         wrapped = module.__dict__.get("forward")
         if isinstance(wrapped, CheckpointedForward):
             del module.__dict__["forward"]
-            if wrapped.previous is not None:
-                module.forward = wrapped.previous
+            _unwrapped(module, wrapped)
             count += 1
     return count
 

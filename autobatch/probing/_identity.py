@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 import torch
 
 from autobatch.probing._batch import BatchSource
+from autobatch.probing._checkpointing import CACHE_TURNED_OFF
 from autobatch.profile import StepIdentity
 
 __all__ = [
@@ -108,6 +109,8 @@ def _attributes(instance: object) -> dict[str, object]:
     state = getattr(instance, "__dict__", None)
     if isinstance(state, dict):
         found.update((str(name), value) for name, value in state.items())
+    if found.get(CACHE_TURNED_OFF) is True:  # read as the model was given: it is a condition
+        found["use_cache"] = True
     return found
 
 

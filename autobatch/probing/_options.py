@@ -61,10 +61,11 @@ probe runs lower (``service.probes.registry.REGISTRY_SEARCH_LIMIT``)."""
 OnTrial = Callable[[Trial], None]
 """Called after each real trial (a progress display, the service's job log)."""
 
-Stage = Literal["warm-up", "estimate", "trials", "confirm"]
+Stage = Literal["warm-up", "estimate", "trials", "confirm", "timing"]
 """A stage of a probe: the warm-up step (micro-batch 1, which creates the optimizer state), the
-fake-tensor estimate (no real step; CPU time that can be long), the search's real trials, and
-the confirmation of the chosen size (its second step, or one trial at a predicted size)."""
+fake-tensor estimate (no real step; CPU time that can be long), the search's real trials, the
+confirmation of the chosen size (its second step, or one trial at a predicted size), and the
+timing of a plan's own micro-batch the search never ran (one trial)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +78,12 @@ class ProbeStage:
     step included: ``ceil(log2(limit)) + 5`` for a search under ``limit``
     (:func:`autobatch.probing._search.trial_budget` plus those two), 2 for a confirmation. A
     display shows what is left of it (a bound, not a prediction)."""
+    trials_run: int = 0
+    """Real trials this probe ran before the stage (the warm-up included): what is left is
+    ``max_trials`` less these and those run since."""
+    checkpointing_mode: str = "none"
+    """The activation checkpointing the probe runs under (``"none"``, ``"selective"``,
+    ``"full"``): a display names it where several modes are probed."""
 
 
 OnStage = Callable[[ProbeStage], None]

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -127,6 +128,18 @@ class Prober:
             profile, num_steps=self.log.num_steps, notes=tuple(self.log.notes)
         )
 
+    def time_at(self, size: int) -> list[Trial]:
+        """Warm up (when the optimizer has no state yet), then one timed real trial at
+        ``size``; every trial that ran, the timed one last."""
+        with eager() if self.options.compiled == "confirmed" else contextlib.nullcontext():
+            self.runner.start()
+            if self.runner.needs_state() and not self.optimizer.state:
+                self._stage("warm-up", max_trials=2)
+                self.runner.warm_up()
+            self._stage("timing", max_trials=len(self.log.trials) + 1)
+            self.runner.trial(size)
+        return list(self.log.trials)
+
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:
         agreed_capacity = self.runner.start()
         if self.runner.needs_state() and not self.optimizer.state:
@@ -201,7 +214,14 @@ class Prober:
             return
         if max_trials is None:
             max_trials = trial_budget(self.options.search_limit) + 2
-        self.options.on_stage(ProbeStage(stage=stage, max_trials=max_trials))
+        self.options.on_stage(
+            ProbeStage(
+                stage=stage,
+                max_trials=max_trials,
+                trials_run=len(self.log.trials),
+                checkpointing_mode=self.options.checkpointing_mode,
+            )
+        )
 
     def _next_size(self) -> int | None:
         """The next size to try, agreed by the ranks (None: the search is over)."""

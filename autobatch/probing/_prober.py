@@ -211,6 +211,25 @@ def run_confirmation(
     )
 
 
+def run_timing(step: StepSpec, options: ProbeOptions, *, micro_batch_size: int) -> list[Trial]:
+    """One real, timed trial at ``micro_batch_size`` (after the warm-up step that creates the
+    optimizer state), leaving no trace, as :func:`probe` does: the time a plan's own
+    micro-batch takes, where the probe's search never ran that size.
+
+    Returns:
+        Every trial that ran (the warm-up too), the timed one last: its ``step_seconds`` (0.0
+        where the step did not fit or was not timed).
+
+    Raises:
+        ConfigError, StepFailedError, DeviceUnavailableError: as for :func:`probe`.
+    """
+    return _probing(
+        step,
+        dataclasses.replace(options.with_limit(micro_batch_size), use_estimate=False),
+        lambda search: search.time_at(micro_batch_size),
+    )
+
+
 def _probing(step: StepSpec, options: ProbeOptions, run: Callable[[Prober], T]) -> T:
     """Snapshot what a probe must leave as it was, ``run`` a :class:`Prober`, and restore."""
     model, optimizer = step.model, step.optimizer

@@ -158,8 +158,9 @@ class TuneOptions(_StepProbeStore, total=False):
     :mod:`autobatch.tuning._checkpointing`."""
     checkpoint_block_class: type[torch.nn.Module] | str | None
     """The class (or class name) of the blocks to checkpoint; None (default): the items of
-    every outermost ``nn.ModuleList`` of modules of one class (a transformers model's layers;
-    an encoder-decoder's both stacks). A class that matches no module is a ConfigError
+    every outermost ``nn.ModuleList`` of 2 or more layers, of one class or mixed (a
+    transformers model's layers; a hybrid stack; an encoder-decoder's both stacks; never a
+    list of single Linears). A class that matches no module is a ConfigError
     whatever the mode."""
     mixed_ranks: bool
     """Ranks on cards of different memory or speed (default False): under torch.distributed

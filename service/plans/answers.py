@@ -190,6 +190,8 @@ def _encoded(
     )
     result = _in_fields(planned.plan)
     chosen = within.selection
+    if chosen is not None and chosen.notes:
+        result = dataclasses.replace(result, notes=(*result.notes, *chosen.notes))
     if chosen is not None and chosen.match == "predicted":
         result = dataclasses.replace(result, notes=(*result.notes, predicted_note(chosen, body)))
     options_table = None

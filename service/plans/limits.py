@@ -293,19 +293,28 @@ def _select_auto(
 
     Raises:
         Problem: 404 naming ``body.activation_checkpointing`` when no mode's profile answers
-            or none plans the effective batch; 422 as :func:`select`.
+            or none plans the effective batch; 422 as :func:`select`, except a mode whose
+            profile cannot be planned for the card asked (its memory unknown, 422
+            ``unknown-card``): that mode is skipped and named in the selection's notes, and
+            its 422 comes back only when no mode answers.
     """
     answers: dict[str, tuple[Profile, str, PlanSource, Selection, int | None]] = {}
     missing: list[str] = []
+    unplannable: dict[str, Problem] = {}
     for mode in get_args(CheckpointingMode):  # least recompute first
         try:
             answers[mode] = select(
                 body.model_copy(update={"activation_checkpointing": mode}), store, central, device
             )
         except Problem as exc:
+            if exc.status == 422 and exc.slug == "unknown-card":
+                unplannable[mode] = exc  # this mode's profile cannot be planned for the card
+                continue
             if exc.status != 404:
                 raise
             missing.append(mode)
+    if not answers and unplannable:
+        raise next(iter(unplannable.values()))
     capacities = {mode: answer[4] for mode, answer in answers.items()}
     budget = None if device is None else device.capacity_bytes
     chosen = checkpointing_choice(
@@ -330,7 +339,13 @@ def _select_auto(
             "there (autobatch tune --activation-checkpointing auto) or ask one mode",
             field=_ASKED_MODE,
         )
-    return answers[chosen[1].activation_checkpointing]
+    profile, profile_id, source, selection, card_bytes = answers[chosen[1].activation_checkpointing]
+    skipped = tuple(
+        f"activation checkpointing {mode} skipped: {problem.detail}"
+        for mode, problem in unplannable.items()
+    )
+    selection = dataclasses.replace(selection, notes=(*selection.notes, *skipped))
+    return profile, profile_id, source, selection, card_bytes
 
 
 def _card_memory(store: ProfileStore, key: str, card: str | None, profile: Profile) -> int:

@@ -27,11 +27,11 @@ def test_the_line_shows_the_stage_the_trials_and_the_most_left() -> None:
     events: list[ProbeStage | Trial] = [
         ProbeStage(stage="warm-up", max_trials=14),
         fits(1, 2**20),
-        ProbeStage(stage="estimate", max_trials=14),
-        ProbeStage(stage="trials", max_trials=14),
+        ProbeStage(stage="estimate", max_trials=14, trials_run=1),
+        ProbeStage(stage="trials", max_trials=14, trials_run=1),
         fits(400, 256 * 2**20),
         Trial(micro_batch_size=401, fits=False, oom=True),
-        ProbeStage(stage="confirm", max_trials=14),
+        ProbeStage(stage="confirm", max_trials=14, trials_run=3),
     ]
     for event in events:
         if isinstance(event, ProbeStage):
@@ -52,6 +52,34 @@ def test_the_line_shows_the_stage_the_trials_and_the_most_left() -> None:
         "probing, confirm (the chosen size's second step): 3 trials (micro-batch 401 OOM); at "
         "most 11 left",
     ]
+
+
+def test_each_modes_probe_is_named_and_counts_its_own_trials_left() -> None:
+    # --activation-checkpointing auto: one probe per mode, each with its own bound; the line
+    # names the mode, and what is left is the running probe's (never "at most 0" then a trial).
+    display = ProbeDisplay(name_modes=True)
+    seen = []
+    for mode in ("none", "full"):
+        display.stage(ProbeStage(stage="warm-up", max_trials=3, checkpointing_mode=mode))
+        display.trial(fits(1, 2**20))
+        display.stage(
+            ProbeStage(stage="trials", max_trials=3, trials_run=1, checkpointing_mode=mode)
+        )
+        display.trial(fits(2, 2**20))
+        display.stage(
+            ProbeStage(stage="timing", max_trials=3, trials_run=2, checkpointing_mode=mode)
+        )
+        display.trial(fits(2, 2**20))
+        seen.append(display.text())
+    assert seen == [
+        "probing without checkpointing, timing (the plan's micro-batch, one trial): 3 trials "
+        "(micro-batch 2 fits, peak 1.00 MiB); at most 0 left",
+        "probing with full checkpointing, timing (the plan's micro-batch, one trial): 6 trials "
+        "(micro-batch 2 fits, peak 1.00 MiB); at most 0 left",
+    ]
+    display.stage(ProbeStage(stage="warm-up", max_trials=3, checkpointing_mode="selective"))
+    assert display.text().startswith("probing with selective checkpointing, warm-up")
+    assert display.text().endswith("; at most 3 left")
 
 
 def test_a_warning_is_a_line_of_its_own_in_flags(capsys: pytest.CaptureFixture[str]) -> None:

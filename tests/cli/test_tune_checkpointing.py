@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_auto_says_which_modes_it_tried_and_why(auto_run: tuple[str, Path]) -> N
     assert "activation_checkpointing " not in out  # none chosen: the model as given
     assert (
         "note: activation checkpointing modes tried none; skipped selective, full: the plan "
-        "without checkpointing reaches the effective batch in one micro-step (micro_batch_size 2)"
+        "without checkpointing reaches the effective batch in one micro-step (micro-batch 2)"
     ) in out
 
 
@@ -56,6 +57,24 @@ def test_the_report_is_self_contained(auto_run: tuple[str, Path]) -> None:
     assert page.count('id="chosen-point"') == 1
     assert 'data-mode="none" data-micro-batch-size="2"' in page
     assert 'id="budget-line"' in page
+
+
+def test_the_report_speaks_in_words_with_ticks_and_a_labelled_choice(
+    auto_run: tuple[str, Path],
+) -> None:
+    page = auto_run[1].read_text()
+    text = re.sub(r"<[^>]*>", " ", page)  # what a reader sees: no tags, no attributes
+    for spelling in ("micro_batch_size", "peak_memory_bytes", "_bytes", " x "):
+        assert spelling not in text, spelling
+    assert "<h1>autobatch: activation checkpointing none, micro-batch 2 \u00d7 1 step</h1>" in page
+    assert "peak memory (budget 48.00 MiB)" in text
+    assert ">chosen: none, micro-batch 2 \u00d7 1 step</text>" in page  # the ring's label
+    memory_ticks = re.findall(r'class="tick y">.*?font-size="10">([^<]*)</text>', page)
+    assert memory_ticks[:4] == ["0 B", "20 MiB", "40 MiB", "0 s"]  # then the seconds chart
+    assert re.findall(r'class="tick x">.*?font-size="10">([^<]*)</text>', page)[:3] == [
+        "0", "1", "2",
+    ]  # fmt: skip
+    assert "<th>peak memory</th>" in page and "MiB</td>" in page
 
 
 def test_the_report_renders_in_a_headless_browser(auto_run: tuple[str, Path]) -> None:
@@ -76,6 +95,7 @@ def test_the_report_renders_in_a_headless_browser(auto_run: tuple[str, Path]) ->
     assert "<svg" in dom
     assert 'id="chosen-point"' in dom
     assert 'class="trial fits"' in dom
+    assert 'id="chosen-label"' in dom and 'class="tick y"' in dom
 
 
 def test_an_unknown_mode_is_refused_by_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

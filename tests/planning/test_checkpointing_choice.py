@@ -39,7 +39,7 @@ def test_the_fastest_plan_wins() -> None:
     assert choice is not None
     assert choice.mode == "full"
     assert choice.reason == "the least time per optimizer step (3 s)"
-    assert choice.considered[0].startswith("none: micro_batch_size 8 x 8 steps, 4 s per")
+    assert choice.considered[0].startswith("none: micro-batch 8 \u00d7 8 steps, 4 s per")
 
 
 def test_a_difference_within_the_noise_goes_to_the_least_recompute() -> None:
@@ -61,7 +61,7 @@ def test_a_mode_whose_peak_is_not_below_the_plain_one_is_never_chosen() -> None:
     assert choice is not None
     assert choice.mode == "none"
     assert (
-        "full: left out, its measured peak at micro_batch_size 8 (950 bytes) is not below"
+        "full: left out, its measured peak memory at micro-batch 8 (950 B) is not below"
         in (choice.considered[1])
     )
     no_gain = _mode("selective", 8, 8, 1.0)  # no common size; not a larger micro-batch either
@@ -109,7 +109,7 @@ def test_one_micro_step_or_no_fit_decide_at_once() -> None:
     one_step = _mode("none", 64, 1, 1.0)
     modes, why = checkpointing_modes_to_try(one_step, {32: 1.0, 64: 0.5})
     assert modes == ()
-    assert "in one micro-step (micro_batch_size 64)" in why
+    assert "in one micro-step (micro-batch 64)" in why
     modes, why = checkpointing_modes_to_try(_mode("none", None, None, None, largest=0), {})
     assert modes == ("selective", "full")
     assert why == "no micro-batch fits without checkpointing"
@@ -128,6 +128,6 @@ def test_more_recompute_for_no_larger_micro_batch_is_never_chosen() -> None:
     assert choice is not None
     assert choice.mode == "full"
     assert choice.considered[1] == (
-        "selective: left out, its plan's micro_batch_size 8 is no larger than none's (8): "
+        "selective: left out, its plan's micro-batch 8 is no larger than none's (8): "
         "only more recompute"
     )
