@@ -142,5 +142,7 @@ def test_the_service_refuses_a_capacity_in_bytes_under_a_mebibyte(tmp_path: Path
         app.state.service.runs.close()
         app.state.service.store.close()
     assert answer.status_code == 422, answer.text
-    detail = CAPACITY_80.format('"capacity_bytes": 85899345920 (80 GiB, if the unit was left off)')
+    detail = CAPACITY_80.format(
+        '"device": {"capacity_bytes": 85899345920} (80 GiB, if the unit was left off)'
+    )
     assert answer.json()["detail"] == detail

@@ -52,4 +52,4 @@ def test_a_probe_records_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert profile.node_name == "node-a"
     assert autobatch.Profile.from_dict(profile.to_dict()).node_name == "node-a"
-    assert profile.schema_version == 3
+    assert profile.schema_version == 4  # model_name joined in version 4
