@@ -243,8 +243,8 @@ class PlanCreate(Strict):
             others.append("allow_inexact")
         if others:
             raise ValueError(
-                f"job gives each rank's card; {', '.join(others)} do(es) not go with it (a mixed "
-                "plan meets the effective batch exactly or names the nearest reachable ones)"
+                f"{', '.join(others)} do(es) not go with job, which gives each rank's card (a "
+                "mixed plan meets the effective batch exactly or names the nearest reachable ones)"
             )
         cards = [entry.card for entry in job]
         if len(set(cards)) != len(cards):

@@ -90,7 +90,7 @@ def test_a_fraction_of_a_given_size_or_labels(client: TestClient) -> None:
         ),
         (request({"cuda_index": 0}, gpu_fraction=0), "body.gpu_fraction"),
         (request({"cuda_index": 0}, gpu_fraction=1.5), "body.gpu_fraction"),
-        (request({"cuda_index": 0, "gpu_fraction": 0.5}, gpu_fraction=0.25), "body"),
+        (request({"cuda_index": 0, "gpu_fraction": 0.5}, gpu_fraction=0.25), "body.gpu_fraction"),
         (
             {"memory_model": LINE, "effective_batch_size": 64, "gpu_fraction": 0.5},
             "body.gpu_fraction",

@@ -115,10 +115,10 @@ def test_a_card_without_the_models_profile_is_predicted_for_its_memory(
     ("body", "field", "message"),
     [
         ({"model_fingerprint": None}, "body", "give exactly one of"),
-        ({"card": H100}, "body", "card do(es) not go with it"),
-        ({"allow_inexact": True}, "body", "allow_inexact do(es) not go with it"),
-        ({"world_size": 4}, "body", "world_size 4 is not the job's 8 ranks"),
-        ({"job": [{"card": H100, "count": 1}] * 2}, "body", "names a card more than once"),
+        ({"card": H100}, "body.card", "card do(es) not go with job"),
+        ({"allow_inexact": True}, "body.allow_inexact", "allow_inexact do(es) not go with job"),
+        ({"world_size": 4}, "body.world_size", "world_size 4 is not the job's 8 ranks"),
+        ({"job": [{"card": H100, "count": 1}] * 2}, "body.job", "names a card more than once"),
         ({"job": [{"card": H100, "count": 0}]}, "body.job.0.count", ""),
     ],
 )
