@@ -81,7 +81,8 @@ def cli_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
 )
 def test_the_cli_prints_one_line_naming_the_extra(module: str, argv: list[str], line: str) -> None:
     done = cli_without(module, *argv)
-    assert (done.returncode, done.stdout, done.stderr) == (1, "", f"autobatch: error: {line}\n")
+    error = f"autobatch {argv[0]}: error: {line}\n"
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", error)
 
 
 def test_the_python_store_raises_the_same_error_an_import_error_too() -> None:

@@ -102,3 +102,28 @@ def test_profiles_help_lists_its_actions_with_one_line_each(
         ("delete", "remove one profile from the store"),
     ]:
         assert any(line.split(None, 1) == [action, text] for line in out.splitlines()), action
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            [*PLAN, "--world-size", "3"],
+            "autobatch plan: error: argument --effective-batch-size: 64 is not a multiple of "
+            "--world-size 3; use --effective-batch-size 63 or 66, or --allow-inexact (plan the "
+            "nearest)",
+        ),
+        (
+            [*PLAN, "--capacity", "1GiB"],
+            "autobatch plan: error: --capacity needs --profile (a measured memory line to scale)",
+        ),
+    ],
+    ids=["world-size", "capacity"],
+)
+def test_a_refusal_after_parsing_reads_as_argparses_own(
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
+) -> None:
+    # One format for every refusal of a command's input: its prefix and the pointer to --help.
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"{line}\ntry 'autobatch plan --help'\n")
