@@ -19,8 +19,8 @@ import difflib
 import math
 import re
 import sys
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
@@ -31,6 +31,8 @@ from autobatch.store import redact
 from autobatch.units import parse_capacity
 
 __all__ = ["FORMATS", "build_parser", "unknown_arguments"]
+
+_T = TypeVar("_T")
 
 FORMATS = ("text", "json", "deepspeed", "hf", "lightning")
 
@@ -192,6 +194,21 @@ def _margin(text: str) -> float:
         return check_safety_margin(_number(text))
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc).replace("safety_margin ", "", 1)) from None
+
+
+def _per_rank(
+    read: Callable[[str], _T], example: str
+) -> Callable[[str], list[_T]]:
+    """One value per rank, in rank order, as one flag's comma list (``24,12``) or the flag once
+    per rank (``--rank-max 24 --rank-max 12``): ranks may repeat a value (``24,24,12``)."""
+
+    def values(text: str) -> list[_T]:
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty item; e.g. {example}")
+        return [read(part) for part in parts]
+
+    return values
 
 
 def _whole_number(text: str) -> int:
@@ -453,11 +470,11 @@ def _add_plan_command(commands: Any) -> None:
     )
     source.add_argument(
         "--rank-max",
-        type=_positive_int,
-        action="append",
-        metavar="N",
-        help="one rank's largest micro-batch, once per rank in rank order (ranks on mixed "
-        "cards): a micro-batch per rank",
+        type=_per_rank(_positive_int, "24,24,12"),
+        action="extend",
+        metavar="N[,N...]",
+        help="each rank's largest micro-batch in rank order, as a comma list (24,12) or the "
+        "flag once per rank (ranks on mixed cards): a micro-batch per rank",
     )
     source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
     source.add_argument(
@@ -467,10 +484,11 @@ def _add_plan_command(commands: Any) -> None:
     _add_plan_args(plan, world_sizes=True)
     plan.add_argument(
         "--rank-seconds-per-sample",
-        type=_seconds,
-        action="append",
-        metavar="SECONDS",
-        help="with --rank-max: one rank's step seconds per sample, once per rank in rank order",
+        type=_per_rank(_seconds, "0.004,0.009"),
+        action="extend",
+        metavar="SECONDS[,SECONDS...]",
+        help="with --rank-max: each rank's step seconds per sample in rank order, as a comma "
+        "list or the flag once per rank",
     )
     plan.add_argument("--capacity", type=_bytes, help="another device's capacity, with --profile")
     _add_fraction_arg(plan, extra=" (--capacity)")
