@@ -196,9 +196,7 @@ def _margin(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).replace("safety_margin ", "", 1)) from None
 
 
-def _per_rank(
-    read: Callable[[str], _T], example: str
-) -> Callable[[str], list[_T]]:
+def _per_rank(read: Callable[[str], _T], example: str) -> Callable[[str], list[_T]]:
     """One value per rank, in rank order, as one flag's comma list (``24,12``) or the flag once
     per rank (``--rank-max 24 --rank-max 12``): ranks may repeat a value (``24,24,12``)."""
 
