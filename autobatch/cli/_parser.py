@@ -27,6 +27,7 @@ from autobatch.cli._plan_env import parse_condition
 from autobatch.conditions import one_world_size
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.store import redact
 from autobatch.units import parse_capacity
 
@@ -351,7 +352,9 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
     parser.add_argument(
         "--max-gradient-accumulation-steps",
         type=_positive_int,
-        help="the most accumulation steps per optimizer step (default: no bound)",
+        metavar="N",
+        help="the most accumulation steps per optimizer step (default: the planner's own bound, "
+        f"MAX_GRADIENT_ACCUMULATION_STEPS = {MAX_GRADIENT_ACCUMULATION_STEPS})",
     )
     parser.add_argument(
         "--uneven",
