@@ -412,7 +412,8 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
     selection = answer.get("selection")
     if fmt == "text" and selection is not None:
         print(
-            f"profile                      {selection['profile_id']} ({selection['match']}: "
+            f"profile                      {selection['profile_id']} ("
+            f"{'' if selection['match'] == 'measured' else selection['match'] + ', '}"
             f"measured on {selection['device_name']}, node {selection['node_name'] or '?'})",
             file=out,
         )

@@ -15,15 +15,23 @@ from importlib import metadata
 from typing import Any, TextIO
 
 from autobatch.cli._parser import build_parser
-from autobatch.cli._wording import FLAGS, cli_message, command_flags, flag_wording
+from autobatch.cli._wording import (
+    FLAGS,
+    cli_message,
+    command_flags,
+    condition_words,
+    flag_wording,
+)
 from autobatch.integrations import format_config
 from autobatch.units import format_bytes
 
 
 @functools.cache
 def note_flags() -> dict[str, str]:
-    """The flags a plan's notes may name (``uneven='auto'``): ``plan``'s, which ``tune`` shares."""
-    return command_flags(build_parser(), "plan")
+    """The flags a plan's notes may name (``uneven='auto'``): ``plan``'s, which ``tune`` shares,
+    and ``tune``'s own (``checkpoint_block_class=``: ``--checkpoint-block-class``)."""
+    parser = build_parser()
+    return command_flags(parser, "tune") | command_flags(parser, "plan")
 
 
 def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[str, Any]) -> None:
@@ -31,7 +39,9 @@ def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[
     where this machine's torch differs from it and ``--condition`` did not ask for one."""
     under = selection.get("measured_under") or {}
     where = ("node_name", "device_name")  # the profile line names them
-    shown = ", ".join(f"{name} {value}" for name, value in under.items() if name not in where)
+    shown = ", ".join(
+        condition_words(name, value) for name, value in under.items() if name not in where
+    )
     print(f"measured under               {shown or 'nothing recorded'}", file=out)
     theirs, here = under.get("torch_version"), installed_version("torch")
     if theirs and here and theirs != here and "torch_version" not in asked:
@@ -226,6 +236,12 @@ def input_shapes(shapes: Any) -> str:
     return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
 
 
+def reason(option: Any) -> str:
+    """Why a world size of the table has no plan, in ``plan``'s flags (``--effective-batch-size
+    97 is not a multiple of --world-size 2``)."""
+    return cli_message(option.describe(flag_wording), note_flags())
+
+
 def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
     """A world-size table (:func:`autobatch.planning.plan_table`'s rows) as JSON, or as
     text: one row per world size, its micro-batch sizes, accumulation steps and a note (the time
@@ -235,7 +251,7 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
             {
                 "world_size": o.world_size,
                 "plan": None if o.plan is None else o.plan.to_dict(),
-                "reason": o.describe(flag_wording),
+                "reason": reason(o),
             }
             for o in options
         ]
@@ -245,7 +261,7 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
     for option in options:
         if option.plan is None:
             print(
-                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {option.describe(flag_wording)}",
+                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {reason(option)}",
                 file=out,
             )
             continue

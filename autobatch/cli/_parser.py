@@ -306,11 +306,17 @@ class _OneSpelling(argparse.Action):
                 one_world_size(before, values)
             except ConfigError:
                 parser.error(
-                    f"{option_string} {values} disagrees with {earlier} {before}: "
+                    f"{option_string} {_listed(values)} disagrees with {earlier} "
+                    f"{_listed(before)}: "
                     f"{' and '.join(self.option_strings)} are one setting; give it once"
                 )
         setattr(namespace, seen, option_string)
         setattr(namespace, self.dest, values)
+
+
+def _listed(values: Any) -> str:
+    """A flag's value as the user wrote it: ``1,2,4`` for a list, never ``[1, 2, 4]``."""
+    return ",".join(map(str, values)) if isinstance(values, list) else str(values)
 
 
 def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> None:

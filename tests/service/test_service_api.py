@@ -523,7 +523,7 @@ def test_plan_library_errors_are_422(client: TestClient) -> None:
             "effective_batch_size": 8,
         },
     )
-    assert "at micro_batch_size 1" in problem(response, 422, "no-feasible-plan")["detail"]
+    assert "at micro-batch size 1" in problem(response, 422, "no-feasible-plan")["detail"]
 
 
 @pytest.mark.parametrize(
