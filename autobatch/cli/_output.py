@@ -258,6 +258,7 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
         print(json.dumps(rows, indent=2), file=out)
         return
     print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
+    unequal: tuple[int, ...] = ()
     for option in options:
         if option.plan is None:
             print(
@@ -272,8 +273,28 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
             found = p.prediction.largest_measured_micro_batch_size
             where = "past" if p.max_micro_batch_size > found else "below"
             note = "; ".join(filter(None, (note, f"{p.source}: {where} measured {found}")))
-        sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
+        sizes = micro_batch_cell(p.micro_batch_sizes)
+        unequal = unequal or (p.micro_batch_sizes if "+" in sizes else ())
         print(
             f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
             file=out,
         )
+    if unequal:
+        counts = [(unequal.count(size), size) for size in sorted(set(unequal), reverse=True)]
+        print(
+            f"micro_batch: one rank's micro-batches per optimizer step; "
+            f"{micro_batch_cell(unequal)} is {counts[0][0]} micro-batches of {counts[0][1]} and "
+            f"{' and '.join(f'{n} of {size}' for n, size in counts[1:])}, each loss weighted by "
+            "its size",
+            file=out,
+        )
+
+
+def micro_batch_cell(sizes: Sequence[int]) -> str:
+    """A table's micro-batch cell: the one size (``24``), or each size with its count when they
+    differ (``2x20+3x19``: 2 micro-batches of 20, 3 of 19), never ``20x19``, which reads as a
+    product."""
+    distinct = sorted(set(sizes), reverse=True)
+    if len(distinct) == 1:
+        return str(distinct[0])
+    return "+".join(f"{sizes.count(size)}x{size}" for size in distinct)

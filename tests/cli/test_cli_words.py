@@ -73,3 +73,19 @@ def test_recorded_conditions_read_as_words() -> None:
     words = ", ".join(condition_words(name, value) for name, value in under.items())
     assert words == "torch 2.13.0+cpu, device sim, no AMP, world size 1"
     assert condition_words("amp_dtype", "bfloat16") == "AMP bf16"
+
+
+def test_unequal_micro_batches_in_the_table_read_as_counts_not_a_product(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 97 on one rank, at most 24: 2 micro-batches of 20 and 3 of 19, never "20x19".
+    assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "97"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["1", "2x20+3x19", "5"]
+    assert lines[-1] == (
+        "micro_batch: one rank's micro-batches per optimizer step; 2x20+3x19 is 2 micro-batches "
+        "of 20 and 3 of 19, each loss weighted by its size"
+    )
+    assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "96"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == ["1", "24", "4"] and "micro_batch:" not in out
