@@ -232,8 +232,16 @@ def print_plan(
 
 
 def input_shapes(shapes: Any) -> str:
-    """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``."""
-    return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
+    """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``; inputs
+    known only by position (a tuple's ``0``, ``1``) by their kind: ``tensor[32], scalar``."""
+    return ", ".join(_input_words(str(k), v) for k, v in shapes.items()) or "-"
+
+
+def _input_words(name: str, shape: Any) -> str:
+    dims = "x".join(map(str, shape))
+    if not name.isdigit():  # a named input: its name and shape
+        return f"{name} {dims or 'scalar'}"
+    return f"tensor[{dims}]" if dims else "scalar"
 
 
 def reason(option: Any) -> str:
