@@ -972,6 +972,13 @@ def test_a_probe_on_a_gpu_this_node_lacks_is_422_at_once(
         "unknown-device",
     )
     assert "no usable GPU" in body["detail"] and "driver is not loaded" in body["detail"]
+    # In the request's fields, never the CLI's flag or Python's keyword, and no "))" of one
+    # parenthesis inside another.
+    assert body["detail"].endswith(
+        'give "device" a device this node has: "cpu", or "sim:16GiB" (a simulated card)'
+    )
+    assert "--device" not in body["detail"] and "device=" not in body["detail"]
+    assert "))" not in body["detail"]
     assert client.get("/v1/probes").json()["probes"] == []  # nothing was queued
 
 
