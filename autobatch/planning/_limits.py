@@ -488,7 +488,8 @@ def _require_fits(
 ) -> None:
     if limit_size < 1:
         raise NoFeasiblePlanError(
-            f"the model needs {format_bytes(needed_bytes)} at micro-batch size 1, more than the "
+            f"the model needs {format_bytes(needed_bytes)} ({needed_bytes} bytes) at micro-batch "
+            "size 1, more than the "
             f"{format_bytes(budget_bytes)} usable of capacity_bytes {capacity_bytes} with "
             f"safety_margin {margin}; use a larger device, shard the model, or reduce its memory"
         )

@@ -45,12 +45,13 @@ def test_a_list_flag_given_twice_is_shown_as_typed(capsys: pytest.CaptureFixture
 def test_bytes_and_bare_keywords_become_the_flags_a_user_types() -> None:
     flags = note_flags()
     text = (
-        "the model needs 2.14 GiB at micro-batch size 1, more than the 972.80 MiB usable of "
-        "capacity_bytes 1073741824 with safety_margin 0.05; use a larger device"
+        "the model needs 2.14 GiB (2299894272 bytes) at micro-batch size 1, more than the "
+        "972.80 MiB usable of capacity_bytes 1073741824 with safety_margin 0.05; use a larger "
+        "device"
     )
     assert cli_message(text, flags) == (
-        "the model needs 2.14 GiB at micro-batch size 1, more than the 972.80 MiB usable of "
-        "--capacity 1GiB with --safety-margin 0.05; use a larger device"
+        "the model needs 2.14 GiB (2299894272 bytes) at micro-batch size 1, more than the "
+        "972.80 MiB usable of --capacity 1GiB with --safety-margin 0.05; use a larger device"
     )
     assert "checkpoint_block_class" not in cli_message(
         "name the class with checkpoint_block_class= (e.g. checkpoint_block_class='Block')",

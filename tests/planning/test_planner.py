@@ -369,7 +369,8 @@ def test_profile_that_cannot_fit_the_other_capacity() -> None:
     with pytest.raises(
         NoFeasiblePlanError,
         match=re.escape(
-            "needs 1.10 GiB at micro-batch size 1, more than the 972.80 MiB usable of "
+            f"needs 1.10 GiB ({GIB + 100 * MIB} bytes) at micro-batch size 1, more than the "
+            "972.80 MiB usable of "
             f"capacity_bytes {GIB} with safety_margin 0.05"
         ),
     ):

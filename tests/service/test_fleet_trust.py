@@ -191,8 +191,8 @@ def test_a_card_only_nvml_vouches_for_answers_for_itself_and_no_other(
         "'NVIDIA L40S': they were all measured on 'NVIDIA RTX PRO 6000', a card autobatch's "
         "catalogue does not list, so its memory cannot be checked and they predict for no other "
         "card. To plan for it: probe the model on that card and publish the profile (autobatch "
-        "tune --report-to URL there, or POST /v1/profiles); or ask for \"card\": "
-        "\"NVIDIA RTX PRO 6000\", which they answer as measured"
+        'tune --report-to URL there, or POST /v1/profiles); or ask for "card": '
+        '"NVIDIA RTX PRO 6000", which they answer as measured'
     )
 
 
