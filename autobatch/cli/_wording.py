@@ -24,7 +24,7 @@ import argparse
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from autobatch.errors import AutobatchError, Remedy, ServiceError
+from autobatch.errors import AutobatchError, Remedy, ServiceError, with_remedies
 
 __all__ = [
     "CALLS",
@@ -32,6 +32,7 @@ __all__ = [
     "FLAGS",
     "TOKEN_ENV_VAR",
     "cli_message",
+    "cli_remedies",
     "command_flags",
     "condition_words",
     "error_words",
@@ -78,6 +79,22 @@ def flag_wording(remedy: Remedy) -> str:
     """
     if not remedy.parameter:
         return remedy.purpose
+    return _flag_phrase(remedy)
+
+
+_PYTHON_CALL = re.compile(r"\b[A-Za-z_][\w.]*\([^)]*=[^)]*\)")
+"""A call with keyword arguments a remedy's purpose spells (``from_pretrained(torch_dtype=...)``):
+something only a Python caller can do."""
+
+
+def cli_remedies(remedies: Sequence[Remedy]) -> list[Remedy]:
+    """The remedies a command-line user can follow: those a flag or plain words give, not those
+    whose only way is a Python call (``load them with from_pretrained(torch_dtype=...)``), which
+    a user of a built-in model cannot make."""
+    return [r for r in remedies if r.parameter or not _PYTHON_CALL.search(r.purpose)]
+
+
+def _flag_phrase(remedy: Remedy) -> str:
     flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
     # ``is``: 1 == True, and --multiple-of 1 is no switch.
     if len(remedy.values) == 1 and remedy.values[0] is True:
@@ -247,7 +264,8 @@ def error_words(
     (:func:`cli_message`), led by the flag the user gave when the message refuses its value,
     and for a service's refusal of the token the variable the command line reads it from."""
     flags = command_flags(parser, command)
-    words = _led_by_flag(exc.describe(flag_wording), flags, argv)
+    text = with_remedies(exc.message, cli_remedies(exc.remedies), flag_wording)
+    words = _led_by_flag(text, flags, argv)
     if isinstance(exc, ServiceError) and exc.status in (401, 403):
         words += f"; set {TOKEN_ENV_VAR} to a token the service accepts"
     return words
