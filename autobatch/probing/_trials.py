@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from autobatch.conditions import Conditions
 from autobatch.device import (
     BudgetReading,
     Capacity,
@@ -44,11 +43,9 @@ from autobatch.errors import (
     ConfigError,
     DistributedError,
     DoesNotFitError,
-    Remedy,
     StepFailedError,
 )
 from autobatch.probing._compiled import mark_batch_dynamic
-from autobatch.probing._live_conditions import precision_remedies
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.probing._parallel import FAKED_NOTE
 from autobatch.probing._search import Point, bracket
@@ -61,6 +58,7 @@ from autobatch.probing._trial_failures import (
     num_trainable,
     on_rank,
     static_bytes,
+    what_binds,
 )
 from autobatch.profile import MemoryModel, Trial
 from autobatch.units import format_bytes
@@ -565,7 +563,7 @@ class TrialRunner:
             estimated = self.static_bytes_hint()
         static = max(estimated + grads, static_bytes(self.model, self.optimizer))
         ranks = self.consensus.world_size
-        why, remedies = _what_binds(static, capacity.capacity_bytes, self.options.conditions)
+        why, remedies = what_binds(static, capacity.capacity_bytes, self.options.conditions)
         raise DoesNotFitError(
             f"the {'evaluation' if self.options.eval else 'training'} step does not fit "
             f"{on_rank(rank, ranks, self.consensus.rank, self.device.name)} even at micro-batch "
@@ -581,49 +579,6 @@ class TrialRunner:
             required_bytes=static,
             static_bytes=static,
         )
-
-
-FIXED_STATE_BINDS = 0.9
-"""The share of the capacity the fixed state (weights, gradients, optimizer state) takes from
-which it, not the activations, is what does not fit: what is left is too little for a
-micro-batch's activations and the optimizer step's temporaries (AdamW's update alone takes
-about the weights' bytes again), and autocast or activation checkpointing, which shrink only
-activations, cannot make room."""
-
-
-def _what_binds(
-    static: int, capacity_bytes: int, conditions: Conditions
-) -> tuple[str, tuple[Remedy, ...]]:
-    """What does not fit at micro-batch 1, in words after the footprint, and the remedies that
-    shrink it: the fixed state when it takes :data:`FIXED_STATE_BINDS` of the capacity or more
-    (a larger device, an optimizer with less state, parameters stored in a smaller dtype where
-    they are float32, a smaller model), else the activations (reduced precision first)."""
-    smaller_model = Remedy(purpose="a smaller model")
-    if static < FIXED_STATE_BINDS * capacity_bytes:
-        return "", (
-            Remedy(purpose="a larger device"),
-            *precision_remedies(conditions),
-            Remedy(purpose="a lighter optimizer"),
-            smaller_model,
-        )
-    left = capacity_bytes - static
-    room = (
-        f"more than the {format_bytes(capacity_bytes)} capacity"
-        if left <= 0
-        else f"{static / capacity_bytes:.0%} of the capacity, leaving {format_bytes(left)} for "
-        "activations and the optimizer step's temporaries"
-    )
-    why = (
-        f": the fixed state alone takes {room}, and autocast and activation checkpointing "
-        "shrink only activations"
-    )
-    stored = [r for r in precision_remedies(conditions) if not r.parameter]  # dtype of weights
-    return why, (
-        Remedy(purpose="a larger device"),
-        Remedy(purpose="an optimizer that keeps less state (SGD none, AdamW two copies)"),
-        *stored,
-        smaller_model,
-    )
 
 
 def _with_ranks(own: Capacity, smallest: int, rank: int) -> MemoryBudget | None:

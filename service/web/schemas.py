@@ -578,27 +578,15 @@ class ProfileList(BaseModel):
 class ProfileSummaryPublic(BaseModel):
     """What a listing shows of a stored profile; the whole profile is ``GET /v1/profiles/{id}``."""
 
-    id: str
-    """The profile's id, as ``GET /v1/profiles/{id}`` takes it."""
-    cache_key: dict[str, Any]
-    """What an equal request is matched on, as an object: the step's identity (``model``,
-    ``step``, ``input``, ``dtype``, ``amp``, ``optimizer``, ``torch``, ``flags``...), the card
-    (``device``, ``total`` bytes) and the recorded ``conditions`` that move memory; two profiles
-    of one key are one step on one card."""
-    model_fingerprint: str
-    """The model's fingerprint (``POST /v1/plan``'s ``model_fingerprint``)."""
-    device_name: str
-    """The card it was measured on (``sim`` for a simulated one)."""
-    node_name: str
-    """The node it was measured on; empty when the profile names none."""
-    model_name: str = ""
-    """The model's recorded name (``gpt2``); empty for a profile from before profile schema 4."""
-    max_micro_batch_size: int
-    """The measured maximum: the largest micro-batch that ran."""
-    recommended_micro_batch_size: int
-    """The measured maximum less the safety margin: what a plan from it plans within."""
-    created_at: str
-    """When it was measured, ISO 8601 in UTC."""
+    id: str  # GET /v1/profiles/{id} takes it
+    cache_key: dict[str, Any]  # what an equal request matches: step, card, conditions
+    model_fingerprint: str  # POST /v1/plan's model_fingerprint
+    device_name: str  # the card it was measured on ("sim" for a simulated one)
+    node_name: str  # empty when the profile names none
+    model_name: str = ""  # empty: the profile names no model (before profile schema 4)
+    max_micro_batch_size: int  # the measured maximum: the largest micro-batch that ran
+    recommended_micro_batch_size: int  # that less the safety margin: what a plan plans within
+    created_at: str  # when it was measured, ISO 8601 in UTC
 
 
 class ProfileSummaryList(BaseModel):
