@@ -337,15 +337,16 @@ def test_plan_service_names_the_conditions_its_profile_was_measured_under(
     assert (code, err) == (0, "")
     lines = out.splitlines()
     under = next(line for line in lines if line.startswith("measured under"))
-    assert "torch_version 2.11.0, driver_version 550.54.15" in under
+    # In words, not the service's field names: "torch 2.11.0", never "torch_version 2.11.0".
+    assert "torch 2.11.0, driver 550.54.15" in under and "_" not in under.split(None, 2)[2]
     assert (
         f"note: the profile was measured under torch 2.11.0, this machine has torch {here}: "
         f"--condition torch_version={here} asks for a profile measured under it"
     ) in out
-    assert "(measured: measured on NVIDIA H100 80GB HBM3" in out
+    assert "(measured on NVIDIA H100 80GB HBM3" in out and "measured: measured" not in out
     # Asked for this machine's torch: the same profile, now a prediction that says why.
     assert asked_code == 0
-    assert "(predicted: measured on NVIDIA H100 80GB HBM3" in asked
+    assert "(predicted, measured on NVIDIA H100 80GB HBM3" in asked
     assert (
         f"note: measured under other conditions: torch_version: recorded '2.11.0', asked '{here}'"
         in asked
