@@ -66,9 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=args.max_len,
         bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    # transformers picks the loss from the class name, which here names none: say it, rather than
+    # have it warn "`loss_type=None` ... unrecognized" and fall back to the same loss.
+    model.loss_type = "ForCausalLM"
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = transformers.Trainer(
-            model=GPT2LMHeadModel(config),
+            model=model,
             args=transformers.TrainingArguments(
                 output_dir=output_dir,
                 use_cpu=parse_device(args.device).type == "sim",

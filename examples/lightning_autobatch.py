@@ -33,6 +33,9 @@ class TinyGPT2(pl.LightningModule):
             bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
         self.model = GPT2LMHeadModel(config)
+        # transformers picks the loss from the class name, which here names none: say it,
+        # rather than have it warn "`loss_type=None` ... unrecognized" and fall back to it.
+        self.model.loss_type = "ForCausalLM"
         self.batch_size = 4  # AutobatchFinder sets it, as BatchSizeFinder would
         generator = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, 1000, (num_rows, seq_len), generator=generator)

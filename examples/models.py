@@ -15,4 +15,8 @@ def gpt2_small() -> torch.nn.Module:
     """GPT-2 (124M) with random weights; its output carries ``.loss`` when given labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config())
+    model = GPT2LMHeadModel(GPT2Config())
+    # transformers picks the loss from the class name, which here names none: say it, rather than
+    # have it warn "`loss_type=None` ... unrecognized" and fall back to the same loss.
+    model.loss_type = "ForCausalLM"
+    return model

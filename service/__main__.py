@@ -52,10 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reason += f" (got {redact(str(error.get('input')))!r})"
             elif name not in SECRET_FIELDS:  # never echo a secret
                 reason += f" (got {error.get('input')!r})"
-            print(f"autobatch serve: {flag} / {variable}: {reason}", file=sys.stderr)
+            print(f"autobatch serve: error: {flag} / {variable}: {reason}", file=sys.stderr)
         return 2
     except AutobatchError as exc:
-        print(f"autobatch serve: {flag_words(str(exc))}", file=sys.stderr)
+        print(f"autobatch serve: error: {flag_words(str(exc))}", file=sys.stderr)
         return 1
     return 0
 

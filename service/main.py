@@ -8,7 +8,9 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from autobatch.device import Nvml, default_nvml
+from autobatch.errors import ConfigError
 from autobatch.store import ProfileStore
 from service import health
 from service.admissions import routes as admissions
@@ -181,8 +184,48 @@ def _reviewer(settings: Settings) -> TokenReviewer | None:
     )
 
 
+def check_bindable(host: str, port: int) -> None:
+    """Refuse a port another process holds before the app starts, so ``serve`` says so in one
+    line instead of logging a startup and then uvicorn's bind error. Port 0 (the OS chooses)
+    always binds.
+
+    Raises:
+        ConfigError: ``port`` on ``host`` is in use, or ``host`` is no address of this machine.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"host {host!r} does not resolve ({exc.strerror}); give --host an address of this "
+            "machine, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"port {port} on {host} is in use: choose another with --port (or stop "
+                    "the process that holds it)"
+                ) from None
+            raise ConfigError(
+                f"cannot bind port {port} on {host} ({exc.strerror}): choose another --port "
+                "or --host"
+            ) from None
+
+
 def run(settings: Settings) -> None:
-    """Serve until interrupted (``uvicorn.run`` on ``settings.host``/``settings.port``)."""
+    """Serve until interrupted (``uvicorn.run`` on ``settings.host``/``settings.port``).
+
+    Raises:
+        ConfigError: the port cannot be bound (in use, or a host this machine does not have),
+            found before anything starts.
+    """
+    check_bindable(settings.host, settings.port)
     app = create_app(settings)
     tokenless = (
         settings.api_token is None

@@ -39,7 +39,7 @@ from autobatch.cli._profiles import print_profile, print_profile_table
 from autobatch.cli._progress import Progress, ProgressLog
 from autobatch.cli._wording import error_words, warning_words
 from autobatch.device import list_gpus
-from autobatch.errors import AutobatchError, ConfigError, ReportWarning
+from autobatch.errors import AutobatchError, ConfigError, MissingExtraError, ReportWarning
 from autobatch.extras import require
 from autobatch.planning import (
     Plan,
@@ -72,21 +72,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except AutobatchError as exc:
         given = sys.argv[1:] if argv is None else argv
-        words = error_words(exc, parser, args.command, given)
-        print(f"autobatch: error: {words}", file=sys.stderr)
-        return 1
+        return _error(args, error_words(exc, parser, args.command, given), exc)
     except OSError as exc:  # a path the user named that cannot be read or written
         path = exc.filename.removesuffix(".partial") if isinstance(exc.filename, str) else ""
         what = f"{path}: " if path else ""
-        print(
-            f"autobatch: error: {what}{exc.strerror or exc}; check that the path and its folder "
-            "exist and are writable",
-            file=sys.stderr,
-        )
-        return 1
+        words = f"{what}{exc.strerror or exc}; check that the path and its folder exist and are "
+        words += "writable"
+        return _error(args, words, exc)
     except KeyboardInterrupt:
         print("autobatch: interrupted", file=sys.stderr)
         return 130
+
+
+def _error(args: argparse.Namespace, words: str, exc: Exception) -> int:
+    """Print an error as argparse prints its own, so every error of a command reads alike:
+    ``autobatch plan: error: ...``; a refused input (:class:`ConfigError`, as argparse's own
+    refusals; not a missing extra, which no flag fixes) adds the ``try 'autobatch plan --help'``
+    line. Exits 1: what the library refuses after parsing (argparse's own refusals exit 2)."""
+    prog = " ".join(["autobatch", *filter(None, [args.command, getattr(args, "action", None)])])
+    print(f"{prog}: error: {words}", file=sys.stderr)
+    if isinstance(exc, ConfigError) and not isinstance(exc, MissingExtraError):
+        print(f"try '{prog} --help'", file=sys.stderr)
+    return 1
 
 
 def _stdout_closed() -> int:
@@ -418,7 +425,8 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
     selection = answer.get("selection")
     if fmt == "text" and selection is not None:
         print(
-            f"profile                      {selection['profile_id']} ({selection['match']}: "
+            f"profile                      {selection['profile_id']} ("
+            f"{'' if selection['match'] == 'measured' else selection['match'] + ', '}"
             f"measured on {selection['device_name']}, node {selection['node_name'] or '?'})",
             file=out,
         )
@@ -446,7 +454,9 @@ def _profiles(args: argparse.Namespace, out: TextIO) -> int:
                 print_profile(args.profile_id, profile, out)
             return 0
         if not store.delete(args.profile_id):
-            print(f"autobatch: error: no profile {args.profile_id!r}", file=sys.stderr)
+            print(
+                f"autobatch profiles delete: error: no profile {args.profile_id!r}", file=sys.stderr
+            )
             return 1
         print(f"deleted {args.profile_id}", file=out)
         return 0

@@ -15,15 +15,23 @@ from importlib import metadata
 from typing import Any, TextIO
 
 from autobatch.cli._parser import build_parser
-from autobatch.cli._wording import FLAGS, cli_message, command_flags, flag_wording
+from autobatch.cli._wording import (
+    FLAGS,
+    cli_message,
+    command_flags,
+    condition_words,
+    flag_wording,
+)
 from autobatch.integrations import format_config
 from autobatch.units import format_bytes
 
 
 @functools.cache
 def note_flags() -> dict[str, str]:
-    """The flags a plan's notes may name (``uneven='auto'``): ``plan``'s, which ``tune`` shares."""
-    return command_flags(build_parser(), "plan")
+    """The flags a plan's notes may name (``uneven='auto'``): ``plan``'s, which ``tune`` shares,
+    and ``tune``'s own (``checkpoint_block_class=``: ``--checkpoint-block-class``)."""
+    parser = build_parser()
+    return command_flags(parser, "tune") | command_flags(parser, "plan")
 
 
 def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[str, Any]) -> None:
@@ -31,7 +39,9 @@ def print_measured_under(selection: dict[str, Any], out: TextIO, *, asked: dict[
     where this machine's torch differs from it and ``--condition`` did not ask for one."""
     under = selection.get("measured_under") or {}
     where = ("node_name", "device_name")  # the profile line names them
-    shown = ", ".join(f"{name} {value}" for name, value in under.items() if name not in where)
+    shown = ", ".join(
+        condition_words(name, value) for name, value in under.items() if name not in where
+    )
     print(f"measured under               {shown or 'nothing recorded'}", file=out)
     theirs, here = under.get("torch_version"), installed_version("torch")
     if theirs and here and theirs != here and "torch_version" not in asked:
@@ -233,8 +243,22 @@ def print_plan(
 
 
 def input_shapes(shapes: Any) -> str:
-    """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``."""
-    return ", ".join(f"{k} {'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items()) or "-"
+    """One sample's shape per input: ``input_ids 512, labels 512``; ``pixels 3x224x224``; inputs
+    known only by position (a tuple's ``0``, ``1``) by their kind: ``tensor[32], scalar``."""
+    return ", ".join(_input_words(str(k), v) for k, v in shapes.items()) or "-"
+
+
+def _input_words(name: str, shape: Any) -> str:
+    dims = "x".join(map(str, shape))
+    if not name.isdigit():  # a named input: its name and shape
+        return f"{name} {dims or 'scalar'}"
+    return f"tensor[{dims}]" if dims else "scalar"
+
+
+def reason(option: Any) -> str:
+    """Why a world size of the table has no plan, in ``plan``'s flags (``--effective-batch-size
+    97 is not a multiple of --world-size 2``)."""
+    return cli_message(option.describe(flag_wording), note_flags())
 
 
 def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
@@ -246,17 +270,18 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
             {
                 "world_size": o.world_size,
                 "plan": None if o.plan is None else o.plan.to_dict(),
-                "reason": o.describe(flag_wording),
+                "reason": reason(o),
             }
             for o in options
         ]
         print(json.dumps(rows, indent=2), file=out)
         return
     print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
+    unequal: tuple[int, ...] = ()
     for option in options:
         if option.plan is None:
             print(
-                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {option.describe(flag_wording)}",
+                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {reason(option)}",
                 file=out,
             )
             continue
@@ -267,8 +292,28 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
             found = p.prediction.largest_measured_micro_batch_size
             where = "past" if p.max_micro_batch_size > found else "below"
             note = "; ".join(filter(None, (note, f"{p.source}: {where} measured {found}")))
-        sizes = "x".join(map(str, sorted(set(p.micro_batch_sizes), reverse=True)))
+        sizes = micro_batch_cell(p.micro_batch_sizes)
+        unequal = unequal or (p.micro_batch_sizes if "+" in sizes else ())
         print(
             f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
             file=out,
         )
+    if unequal:
+        counts = [(unequal.count(size), size) for size in sorted(set(unequal), reverse=True)]
+        print(
+            f"micro_batch: one rank's micro-batches per optimizer step; "
+            f"{micro_batch_cell(unequal)} is {counts[0][0]} micro-batches of {counts[0][1]} and "
+            f"{' and '.join(f'{n} of {size}' for n, size in counts[1:])}, each loss weighted by "
+            "its size",
+            file=out,
+        )
+
+
+def micro_batch_cell(sizes: Sequence[int]) -> str:
+    """A table's micro-batch cell: the one size (``24``), or each size with its count when they
+    differ (``2x20+3x19``: 2 micro-batches of 20, 3 of 19), never ``20x19``, which reads as a
+    product."""
+    distinct = sorted(set(sizes), reverse=True)
+    if len(distinct) == 1:
+        return str(distinct[0])
+    return "+".join(f"{sizes.count(size)}x{size}" for size in distinct)

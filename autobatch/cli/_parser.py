@@ -19,18 +19,21 @@ import difflib
 import math
 import re
 import sys
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from autobatch import __version__
 from autobatch.cli._plan_env import parse_condition
 from autobatch.conditions import one_world_size
 from autobatch.errors import ConfigError
 from autobatch.margin import DEFAULT_SAFETY_MARGIN, check_safety_margin
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.store import redact
 from autobatch.units import parse_capacity
 
 __all__ = ["FORMATS", "build_parser", "unknown_arguments"]
+
+_T = TypeVar("_T")
 
 FORMATS = ("text", "json", "deepspeed", "hf", "lightning")
 
@@ -194,6 +197,19 @@ def _margin(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).replace("safety_margin ", "", 1)) from None
 
 
+def _per_rank(read: Callable[[str], _T], example: str) -> Callable[[str], list[_T]]:
+    """One value per rank, in rank order, as one flag's comma list (``24,12``) or the flag once
+    per rank (``--rank-max 24 --rank-max 12``): ranks may repeat a value (``24,24,12``)."""
+
+    def values(text: str) -> list[_T]:
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty item; e.g. {example}")
+        return [read(part) for part in parts]
+
+    return values
+
+
 def _whole_number(text: str) -> int:
     """A whole number, parsed only: its range is the library's one check (the request's)."""
     try:
@@ -290,11 +306,17 @@ class _OneSpelling(argparse.Action):
                 one_world_size(before, values)
             except ConfigError:
                 parser.error(
-                    f"{option_string} {values} disagrees with {earlier} {before}: "
+                    f"{option_string} {_listed(values)} disagrees with {earlier} "
+                    f"{_listed(before)}: "
                     f"{' and '.join(self.option_strings)} are one setting; give it once"
                 )
         setattr(namespace, seen, option_string)
         setattr(namespace, self.dest, values)
+
+
+def _listed(values: Any) -> str:
+    """A flag's value as the user wrote it: ``1,2,4`` for a list, never ``[1, 2, 4]``."""
+    return ",".join(map(str, values)) if isinstance(values, list) else str(values)
 
 
 def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> None:
@@ -336,7 +358,9 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
     parser.add_argument(
         "--max-gradient-accumulation-steps",
         type=_positive_int,
-        help="the most accumulation steps per optimizer step (default: no bound)",
+        metavar="N",
+        help="the most accumulation steps per optimizer step (default: the planner's own bound, "
+        f"MAX_GRADIENT_ACCUMULATION_STEPS = {MAX_GRADIENT_ACCUMULATION_STEPS})",
     )
     parser.add_argument(
         "--uneven",
@@ -454,11 +478,11 @@ def _add_plan_command(commands: Any) -> None:
     )
     source.add_argument(
         "--rank-max",
-        type=_positive_int,
-        action="append",
-        metavar="N",
-        help="one rank's largest micro-batch, once per rank in rank order (ranks on mixed "
-        "cards): a micro-batch per rank",
+        type=_per_rank(_positive_int, "24,24,12"),
+        action="extend",
+        metavar="N[,N...]",
+        help="each rank's largest micro-batch in rank order, as a comma list (24,12) or the "
+        "flag once per rank (ranks on mixed cards): a micro-batch per rank",
     )
     source.add_argument("--profile", help="stored profile id (see `autobatch profiles list`)")
     source.add_argument(
@@ -468,10 +492,11 @@ def _add_plan_command(commands: Any) -> None:
     _add_plan_args(plan, world_sizes=True)
     plan.add_argument(
         "--rank-seconds-per-sample",
-        type=_seconds,
-        action="append",
-        metavar="SECONDS",
-        help="with --rank-max: one rank's step seconds per sample, once per rank in rank order",
+        type=_per_rank(_seconds, "0.004,0.009"),
+        action="extend",
+        metavar="SECONDS[,SECONDS...]",
+        help="with --rank-max: each rank's step seconds per sample in rank order, as a comma "
+        "list or the flag once per rank",
     )
     plan.add_argument("--capacity", type=_bytes, help="another device's capacity, with --profile")
     _add_fraction_arg(plan, extra=" (--capacity)")

@@ -24,7 +24,7 @@ import argparse
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from autobatch.errors import AutobatchError, Remedy, ServiceError
+from autobatch.errors import AutobatchError, Remedy, ServiceError, with_remedies
 
 __all__ = [
     "CALLS",
@@ -32,10 +32,13 @@ __all__ = [
     "FLAGS",
     "TOKEN_ENV_VAR",
     "cli_message",
+    "cli_remedies",
     "command_flags",
+    "condition_words",
     "error_words",
     "flag_value",
     "flag_wording",
+    "size_spelling",
     "warning_words",
 ]
 
@@ -76,6 +79,22 @@ def flag_wording(remedy: Remedy) -> str:
     """
     if not remedy.parameter:
         return remedy.purpose
+    return _flag_phrase(remedy)
+
+
+_PYTHON_CALL = re.compile(r"\b[A-Za-z_][\w.]*\([^)]*=[^)]*\)")
+"""A call with keyword arguments a remedy's purpose spells (``from_pretrained(torch_dtype=...)``):
+something only a Python caller can do."""
+
+
+def cli_remedies(remedies: Sequence[Remedy]) -> list[Remedy]:
+    """The remedies a command-line user can follow: those a flag or plain words give, not those
+    whose only way is a Python call (``load them with from_pretrained(torch_dtype=...)``), which
+    a user of a built-in model cannot make."""
+    return [r for r in remedies if r.parameter or not _PYTHON_CALL.search(r.purpose)]
+
+
+def _flag_phrase(remedy: Remedy) -> str:
     flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
     # ``is``: 1 == True, and --multiple-of 1 is no switch.
     if len(remedy.values) == 1 and remedy.values[0] is True:
@@ -166,15 +185,66 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
     # A name in quotes is a value the message quotes ('world_size', a condition's name), not
     # an argument.
-    pattern = re.compile(rf"(?<![\w.\-/:'\"])({names}){_VALUE}(?![\w(])")
+    # ``name=`` with no value (``with checkpoint_block_class=``) is the argument itself.
+    pattern = re.compile(rf"(?<![\w.\-/:'\"])({names})(?:(=)(?=[\s,;)]|$)|{_VALUE})(?![\w(])")
 
     def flag(match: re.Match[str]) -> str:
-        name, value = match[1], match[2]
+        name, value = match[1], match[3]
+        if match[2]:
+            return flags[name]
+        if name.endswith("_bytes") and value is None and _BYTES.match(text, match.end()):
+            return flags[name]  # its number follows: see _spell_bytes
         if value is None:
             return flags[name] if bare and ("_" in name or "." in name) else name
         return _with_value(flags[name], value)
 
-    return pattern.sub(flag, text)
+    return _spell_bytes(pattern.sub(flag, text), flags)
+
+
+_BYTES = re.compile(r" (\d+)\b")
+
+
+def _spell_bytes(text: str, flags: Mapping[str, str]) -> str:
+    """A byte count after a flag that takes a size, as the flag takes it: ``--capacity
+    1073741824`` as ``--capacity 1GiB`` (a whole number of GiB or MiB; else the bytes)."""
+    sized = {flags[name] for name in flags if name.endswith("_bytes")}
+    if not sized:
+        return text
+    names = "|".join(re.escape(flag) for flag in sorted(sized, key=len, reverse=True))
+    return re.sub(rf"({names}) (\d+)\b", lambda m: f"{m[1]} {size_spelling(int(m[2]))}", text)
+
+
+def size_spelling(num_bytes: int) -> str:
+    """``num_bytes`` as a size flag takes it and a reader reads it: ``1GiB``, ``512MiB``, or the
+    bytes themselves when neither divides them."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes and num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)
+
+
+CONDITION_WORDS = {
+    "torch_version": "torch",
+    "driver_version": "driver",
+    "device_type": "device",
+    "optimizer": "optimizer",
+    "activation_checkpointing": "activation checkpointing",
+    "allocator_settings": "allocator",
+    "allocator_backend": "allocator backend",
+    "cudnn": "cuDNN",
+    "world_size": "world size",
+    "node_name": "node",
+    "device_name": "card",
+}
+"""A recorded condition's name as the command line words it (``torch 2.13.0``, ``device sim``)."""
+
+
+def condition_words(name: str, value: str) -> str:
+    """One recorded condition in words: ``torch 2.13.0+cpu``, ``no AMP``, ``AMP bf16``,
+    ``world size 1``; a name this table lacks reads with spaces for underscores."""
+    if name == "amp_dtype":
+        return "no AMP" if value in ("", "off", "none", "None") else f"AMP {flag_value(value)}"
+    return f"{CONDITION_WORDS.get(name, name.replace('_', ' '))} {value}"
 
 
 def _with_value(flag: str, value: str) -> str:
@@ -194,7 +264,8 @@ def error_words(
     (:func:`cli_message`), led by the flag the user gave when the message refuses its value,
     and for a service's refusal of the token the variable the command line reads it from."""
     flags = command_flags(parser, command)
-    words = _led_by_flag(exc.describe(flag_wording), flags, argv)
+    text = with_remedies(exc.message, cli_remedies(exc.remedies), flag_wording)
+    words = _led_by_flag(text, flags, argv)
     if isinstance(exc, ServiceError) and exc.status in (401, 403):
         words += f"; set {TOKEN_ENV_VAR} to a token the service accepts"
     return words

@@ -158,7 +158,8 @@ def translate(
     if stub_path:
         cause = f"{stub_path}; {cause}"
     if reason in _NO_NVML_REASONS:
-        message = f"NVML is not available: {REASONS[reason]} ({cause})"
+        # In brackets: the cause ends in a parenthesis, and one inside another reads "))".
+        message = f"NVML is not available: {REASONS[reason]} [{cause}]"
     else:
         message = f"NVML could not {action}: {cause}; {REASONS[reason]}"
     remedies = REMEDIES.get(reason, ())

@@ -106,7 +106,10 @@ def _gpt2(seq_len: int | None, image_size: int, tiny: bool = False) -> tuple[tor
     else:
         config = tf.GPT2Config()
     seq_len = _seq_len(seq_len, config.n_positions)
-    return tf.GPT2LMHeadModel(config), _tokens(config.vocab_size, seq_len)
+    model = tf.GPT2LMHeadModel(config)
+    # The loss by name: from the class name transformers finds none, and warns once.
+    model.loss_type = "ForCausalLM"
+    return model, _tokens(config.vocab_size, seq_len)
 
 
 def _bert(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:

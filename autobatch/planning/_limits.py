@@ -36,6 +36,7 @@ from autobatch.planning._prediction import (
     predict_past,
 )
 from autobatch.profile import MemoryModel, Profile
+from autobatch.units import format_bytes
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
@@ -487,9 +488,10 @@ def _require_fits(
 ) -> None:
     if limit_size < 1:
         raise NoFeasiblePlanError(
-            f"the model needs {needed_bytes} bytes at micro_batch_size 1, more than the "
-            f"{budget_bytes} bytes usable of capacity_bytes {capacity_bytes} with safety_margin "
-            f"{margin}; use a larger device, shard the model, or reduce its memory"
+            f"the model needs {format_bytes(needed_bytes)} ({needed_bytes} bytes) at micro-batch "
+            "size 1, more than the "
+            f"{format_bytes(budget_bytes)} usable of capacity_bytes {capacity_bytes} with "
+            f"safety_margin {margin}; use a larger device, shard the model, or reduce its memory"
         )
 
 

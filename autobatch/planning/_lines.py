@@ -122,9 +122,15 @@ def fit_wide_line(
     tilt it, and it predicts the peak across the range, where :func:`fit_memory_model`'s secant
     through the two latest points (often adjacent sizes) is only good near them. Falls back to
     :func:`fit_memory_model` (that secant, else the ``prior``'s lines) when there is no such pair.
+
+    Its fixed bytes are never negative (no step needs less than nothing at micro-batch 0): a
+    line that would cross below zero, as a secant through two adjacent sizes whose peaks differ
+    by one allocation's rounding does, is refitted through the smallest measured fitting size
+    and the largest, else through zero and the largest (:func:`_not_below_zero`).
     """
     known = sorted((p for p in points if p.peak_bytes > 0), key=lambda p: p.micro_batch_size)
     fitted = [p for p in known if p.fits]
+    line = None
     if fitted:
         large = fitted[-1]
         below = [
@@ -134,8 +140,29 @@ def fit_wide_line(
             and p.peak_bytes < large.peak_bytes
         ]
         if below:
-            return _secant(below[-1], large)
-    return fit_memory_model(points, prior)
+            line = _secant(below[-1], large)
+    if line is None:
+        line = fit_memory_model(points, prior)
+    return _not_below_zero(line, fitted)
+
+
+def _not_below_zero(
+    line: MemoryModel | None, fitted: Sequence[MeasuredPoint]
+) -> MemoryModel | None:
+    """``line``, or where its fixed bytes are negative a line through the largest fitting point
+    that is not: the secant from the smallest fitting point, else the line from zero (its slope
+    the largest point's bytes per sample, rounded down so the fixed bytes are the remainder)."""
+    if line is None or line.fixed_bytes >= 0 or not fitted:
+        return line
+    small, large = fitted[0], fitted[-1]
+    if small.micro_batch_size < large.micro_batch_size and small.peak_bytes < large.peak_bytes:
+        refit = _secant(small, large)
+        if refit.fixed_bytes >= 0:
+            return refit
+    per_sample = large.peak_bytes // large.micro_batch_size
+    if per_sample < 1:
+        return line
+    return _through(large.micro_batch_size, large.peak_bytes, per_sample)
 
 
 def _secant(small: MeasuredPoint, large: MeasuredPoint) -> MemoryModel:

@@ -42,6 +42,8 @@ def describe_rules(per_rank: int, max_micro_batch_size: int, constraints: PlanRe
     # The user's limit is always named; the internal cap only where it binds.
     if steps < MAX_GRADIENT_ACCUMULATION_STEPS or per_rank > max_micro_batch_size * steps:
         text += f", at most {counted(steps, 'accumulation step')}"
+        if constraints.max_gradient_accumulation_steps is None:
+            text += " (the planner's own bound, MAX_GRADIENT_ACCUMULATION_STEPS)"
     if not constraints.unequal_allowed:
         text += ", equal sizes"
     return text

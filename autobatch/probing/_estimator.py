@@ -41,7 +41,7 @@ from autobatch.probing._live_conditions import precision_remedies, read_conditio
 from autobatch.probing._options import DEFAULT_SEARCH_LIMIT, StepSpec, check_search_arguments
 from autobatch.probing._search import (
     Point,
-    fit_memory_model,
+    fit_wide_line,
     next_micro_batch_size,
     recommended_size,
 )
@@ -406,7 +406,9 @@ def run_estimate(
             static_bytes=sum(t.untyped_storage().nbytes() for t in fake.resident()),
         )
     largest = max(fitting)
-    model_line = fit_memory_model(points, prior=None)
+    # The line a probe stores (far-apart sizes, fixed bytes never negative), not the search's
+    # secant through its two latest sizes, which one allocation's rounding tilts.
+    model_line = fit_wide_line(points)
     trials = tuple(
         Trial(
             micro_batch_size=p.micro_batch_size,

@@ -372,17 +372,16 @@ class Prober:
         return prior, first
 
     def _compare_with_estimate(self) -> None:
-        """One note setting the estimated peak beside the measured one at each confirmed size."""
+        """One note setting the estimated peak beside the measured one at each confirmed size;
+        a size trialled again with the same peak is named once."""
         compared = [t for t in self.log.trials if t.estimate_error is not None]
-        if compared:
-            self.log.notes.append(
-                "estimated vs measured peak: "
-                + "; ".join(
-                    f"micro-batch {t.micro_batch_size}: {format_bytes(t.estimated_peak_bytes)} vs "
-                    f"{format_bytes(t.peak_allocated_bytes)} ({t.estimate_error:+.1%})"
-                    for t in compared
-                )
-            )
+        entries = dict.fromkeys(
+            f"micro-batch {t.micro_batch_size}: {format_bytes(t.estimated_peak_bytes)} vs "
+            f"{format_bytes(t.peak_allocated_bytes)} ({t.estimate_error:+.1%})"
+            for t in compared
+        )
+        if entries:
+            self.log.notes.append("estimated vs measured peak: " + "; ".join(entries))
 
     def _profile(
         self,

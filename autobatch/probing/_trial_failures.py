@@ -17,9 +17,13 @@ import pickle
 
 import torch
 
-from autobatch.errors import ConfigError
+from autobatch.conditions import Conditions
+from autobatch.errors import ConfigError, Remedy
+from autobatch.probing._live_conditions import precision_remedies
+from autobatch.units import format_bytes
 
 __all__ = [
+    "FIXED_STATE_BINDS",
     "failure_hint",
     "needs_two_samples",
     "never_updated",
@@ -27,6 +31,7 @@ __all__ = [
     "on_rank",
     "resident_bytes",
     "static_bytes",
+    "what_binds",
 ]
 
 
@@ -118,3 +123,46 @@ def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     """:func:`resident_bytes` and the gradients."""
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return resident_bytes(model, optimizer) + grads
+
+
+FIXED_STATE_BINDS = 0.9
+"""The share of the capacity the fixed state (weights, gradients, optimizer state) takes from
+which it, not the activations, is what does not fit: what is left is too little for a
+micro-batch's activations and the optimizer step's temporaries (AdamW's update alone takes
+about the weights' bytes again), and autocast or activation checkpointing, which shrink only
+activations, cannot make room."""
+
+
+def what_binds(
+    static: int, capacity_bytes: int, conditions: Conditions
+) -> tuple[str, tuple[Remedy, ...]]:
+    """What does not fit at micro-batch 1, in words after the footprint, and the remedies that
+    shrink it: the fixed state when it takes :data:`FIXED_STATE_BINDS` of the capacity or more
+    (a larger device, an optimizer with less state, parameters stored in a smaller dtype where
+    they are float32, a smaller model), else the activations (reduced precision first)."""
+    smaller_model = Remedy(purpose="a smaller model")
+    if static < FIXED_STATE_BINDS * capacity_bytes:
+        return "", (
+            Remedy(purpose="a larger device"),
+            *precision_remedies(conditions),
+            Remedy(purpose="a lighter optimizer"),
+            smaller_model,
+        )
+    left = capacity_bytes - static
+    room = (
+        f"more than the {format_bytes(capacity_bytes)} capacity"
+        if left <= 0
+        else f"{static / capacity_bytes:.0%} of the capacity, leaving {format_bytes(left)} for "
+        "activations and the optimizer step's temporaries"
+    )
+    why = (
+        f": the fixed state alone takes {room}, and autocast and activation checkpointing "
+        "shrink only activations"
+    )
+    stored = [r for r in precision_remedies(conditions) if not r.parameter]  # dtype of weights
+    return why, (
+        Remedy(purpose="a larger device"),
+        Remedy(purpose="an optimizer that keeps less state (SGD none, AdamW two copies)"),
+        *stored,
+        smaller_model,
+    )

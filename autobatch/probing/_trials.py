@@ -43,11 +43,9 @@ from autobatch.errors import (
     ConfigError,
     DistributedError,
     DoesNotFitError,
-    Remedy,
     StepFailedError,
 )
 from autobatch.probing._compiled import mark_batch_dynamic
-from autobatch.probing._live_conditions import precision_remedies
 from autobatch.probing._options import ProbeOptions, StepSpec
 from autobatch.probing._parallel import FAKED_NOTE
 from autobatch.probing._search import Point, bracket
@@ -60,6 +58,7 @@ from autobatch.probing._trial_failures import (
     num_trainable,
     on_rank,
     static_bytes,
+    what_binds,
 )
 from autobatch.profile import MemoryModel, Trial
 from autobatch.units import format_bytes
@@ -564,6 +563,7 @@ class TrialRunner:
             estimated = self.static_bytes_hint()
         static = max(estimated + grads, static_bytes(self.model, self.optimizer))
         ranks = self.consensus.world_size
+        why, remedies = what_binds(static, capacity.capacity_bytes, self.options.conditions)
         raise DoesNotFitError(
             f"the {'evaluation' if self.options.eval else 'training'} step does not fit "
             f"{on_rank(rank, ranks, self.consensus.rank, self.device.name)} even at micro-batch "
@@ -571,13 +571,9 @@ class TrialRunner:
             f"capacity {format_bytes(capacity.capacity_bytes)} "
             f"(total {format_bytes(capacity.total_memory_bytes)}, "
             f"{format_bytes(capacity.foreign_memory_bytes)} used by others); the model's static "
-            f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}",
-            remedies=(
-                Remedy(purpose="a larger device"),
-                *precision_remedies(self.options.conditions),
-                Remedy(purpose="a lighter optimizer"),
-                Remedy(purpose="a smaller model"),
-            ),
+            f"footprint (weights, gradients, optimizer state) is about {format_bytes(static)}"
+            f"{why}",
+            remedies=remedies,
             device_name=self.device.name,
             capacity_bytes=capacity.capacity_bytes,
             required_bytes=static,

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
@@ -414,11 +415,14 @@ def _none_answers(body: PlanCreate, seen: list[tuple[str, Profile]]) -> Problem:
         )
     elif trained:
         names = sorted({profile.device_name for profile in unchecked})
+        cards = " or ".join(json.dumps(name) for name in names)
         why = (
-            f"the stored training profiles of model_fingerprint {body.model_fingerprint!r} were "
-            f"measured on {', '.join(map(repr, names))}, not in autobatch's catalogue, and a "
-            f"card nobody can check never speaks for another ({asked}): publish a profile "
-            "measured on that card, or on a card in the catalogue"
+            f"no stored training profile of model_fingerprint {body.model_fingerprint!r} can "
+            f"answer for {asked}: they were all measured on {', '.join(map(repr, names))}, a "
+            "card autobatch's catalogue does not list, so its memory cannot be checked and "
+            "they predict for no other card. To plan for it: probe the model on that card and "
+            "publish the profile (autobatch tune --report-to URL there, or POST /v1/profiles); "
+            f'or ask for "card": {cards}, which they answer as measured'
         )
     else:
         why = (

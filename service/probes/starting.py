@@ -49,7 +49,8 @@ async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool)
     except DeviceUnavailableError as exc:
         if exc.reason in HEALTH_FAILURES:
             raise  # NVML hangs or lost a GPU: 503, not "no such device"
-        reason = f"this node has no usable GPU ({exc})"
+        # The cause alone: the remedy (a device this node has) is the request's field, below.
+        reason = f"this node has no usable GPU: {exc.message.rstrip('.')}"
     else:
         if index in visible:
             return
@@ -58,6 +59,7 @@ async def _check_cuda_device(device: str, gpus: GpuMonitor, from_registry: bool)
     raise Problem(
         422,
         "unknown-device",
-        f'{where} {device!r}: {reason}; give a device this node has, e.g. "sim:16GiB"',
+        f'{where} {device!r}: {reason}; give "device" a device this node has: "cpu", or '
+        '"sim:16GiB" (a simulated card)',
         field="body.model" if from_registry else "body.device",
     )

@@ -5,6 +5,7 @@ profile is ``GET /v1/profiles/{id}``. Its own path, so that no profile id can sh
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from fastapi import APIRouter, Response
 
@@ -38,7 +39,13 @@ async def list_summaries(state: StateDep, listing: ListingDep) -> Response:
         found = listing.read(state.store.list_summaries)
         return json_response(
             ProfileSummaryList(
-                summaries=[ProfileSummaryPublic(**dataclasses.asdict(s)) for s in found.summaries],
+                summaries=[
+                    # the key is stored as its canonical JSON text; the answer is an object
+                    ProfileSummaryPublic(
+                        **{**dataclasses.asdict(s), "cache_key": json.loads(s.cache_key)}
+                    )
+                    for s in found.summaries
+                ],
                 next_before=found.next_before,
                 num_skipped=found.num_skipped,
             )

@@ -578,15 +578,15 @@ class ProfileList(BaseModel):
 class ProfileSummaryPublic(BaseModel):
     """What a listing shows of a stored profile; the whole profile is ``GET /v1/profiles/{id}``."""
 
-    id: str
-    cache_key: str
-    model_fingerprint: str
-    device_name: str
-    node_name: str
+    id: str  # GET /v1/profiles/{id} takes it
+    cache_key: dict[str, Any]  # what an equal request matches: step, card, conditions
+    model_fingerprint: str  # POST /v1/plan's model_fingerprint
+    device_name: str  # the card it was measured on ("sim" for a simulated one)
+    node_name: str  # empty when the profile names none
     model_name: str = ""  # empty: the profile names no model (before profile schema 4)
-    max_micro_batch_size: int
-    recommended_micro_batch_size: int
-    created_at: str
+    max_micro_batch_size: int  # the measured maximum: the largest micro-batch that ran
+    recommended_micro_batch_size: int  # that less the safety margin: what a plan plans within
+    created_at: str  # when it was measured, ISO 8601 in UTC
 
 
 class ProfileSummaryList(BaseModel):

@@ -135,11 +135,11 @@ class Settings(BaseSettings):
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per :class:`Settings` field (``--store-path``...); unset flags fall back to
     ``AUTOBATCH_*`` and then to the defaults."""
-    parser.add_argument("--host", help="interface to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="TCP port (default 8000)")
+    parser.add_argument("--host", help="interface to bind")
+    parser.add_argument("--port", type=int, help="TCP port (0: the OS chooses)")
     parser.add_argument(
         "--store-path",
-        help="profile store: a file, ':memory:' or a postgresql:// URL (default $AUTOBATCH_STORE)",
+        help="profile store: a file, ':memory:' or a postgresql:// URL",
     )
     parser.add_argument(
         "--api-token",
@@ -158,9 +158,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--kubernetes-service-accounts",
         help="NAMESPACE:NAME,... whose pods may publish (with --kubernetes-api-url)",
     )
-    parser.add_argument("--kubernetes-audience", help="the pod tokens' audience (autobatch)")
+    parser.add_argument("--kubernetes-audience", help="the pod tokens' audience")
     parser.add_argument(
-        "--kubernetes-review-cache-seconds", type=float, help="how long a review is kept (30)"
+        "--kubernetes-review-cache-seconds", type=float, help="how long a review is kept, seconds"
     )
     parser.add_argument(
         "--kubernetes-credentials-dir", type=Path, help="the service's own in-cluster token, CA"
@@ -173,21 +173,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="/readyz answers 503 while NVML lists no GPU",
     )
     parser.add_argument("--max-body-bytes", type=int, help="largest request body, bytes")
-    parser.add_argument("--probe-timeout-seconds", type=float, help="probe run time limit")
+    parser.add_argument("--probe-timeout-seconds", type=float, help="probe run time limit, seconds")
     parser.add_argument("--max-queued-probes", type=int, help="waiting probe runs per device")
     parser.add_argument(
-        "--store-timeout-seconds", type=float, help="longest wait for the profile store (5)"
+        "--store-timeout-seconds", type=float, help="longest wait for the profile store, seconds"
+    )
+    parser.add_argument("--nvml-timeout-seconds", type=float, help="longest wait for NVML, seconds")
+    parser.add_argument(
+        "--header-timeout-seconds", type=float, help="deadline for a request's headers, seconds"
     )
     parser.add_argument(
-        "--nvml-timeout-seconds", type=float, help="longest wait for NVML (default 2)"
+        "--body-timeout-seconds", type=float, help="deadline for a request's body, seconds"
     )
-    parser.add_argument(
-        "--header-timeout-seconds", type=float, help="deadline for a request's headers (10)"
-    )
-    parser.add_argument(
-        "--body-timeout-seconds", type=float, help="deadline for a request's body (30)"
-    )
-    parser.add_argument("--log-level", help="uvicorn log level (default info)")
+    parser.add_argument("--log-level", help="uvicorn log level")
     parser.add_argument(
         "--central-url",
         help="node mode: publish every probed profile to this central service's URL",
@@ -199,18 +197,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--central-deletions-interval-seconds",
         type=float,
-        help="node mode: seconds between looks at central's deleted profiles (10)",
+        help="node mode: seconds between looks at central's deleted profiles",
     )
-    parser.add_argument("--outbox-max-rows", type=int, help="profiles waiting at most (10000)")
+    parser.add_argument("--outbox-max-rows", type=int, help="profiles waiting at most")
     parser.add_argument(
-        "--outbox-base-delay-seconds", type=float, help="first publish retry bound (1)"
+        "--outbox-base-delay-seconds", type=float, help="first publish retry bound, seconds"
     )
     parser.add_argument(
-        "--outbox-max-delay-seconds", type=float, help="longest publish retry wait (60)"
+        "--outbox-max-delay-seconds", type=float, help="longest publish retry wait, seconds"
     )
     parser.add_argument(
         "--central-api-token-file", type=Path, help="a file holding the central service's token"
     )
+    for action in parser._actions:
+        if action.dest in Settings.model_fields:
+            action.help = f"{action.help} (default: {default_words(action.dest)})"
+
+
+def default_words(name: str) -> str:
+    """What ``serve`` uses when neither the flag nor ``AUTOBATCH_<NAME>`` is given, in the one
+    style every flag's help shows it: ``(default: 8000)``, ``(default: none)``."""
+    if name == "store_path":
+        return "$AUTOBATCH_STORE, else $XDG_CACHE_HOME/autobatch/profiles.sqlite3 (~/.cache)"
+    default = Settings.model_fields[name].default
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default is None or default == "":
+        return "none"
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

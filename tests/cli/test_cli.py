@@ -306,6 +306,7 @@ def test_tune_json_parses_and_second_run_is_cached(
         "RECOMMENDED",
         "MODE",
         "OPTIMIZER",
+        "CHECKPOINTING",
         "INPUT",
         "FINGERPRINT",
         "MODEL",

@@ -21,7 +21,7 @@ def test_an_output_into_a_missing_folder_is_one_line_naming_the_path(
     )  # fmt: skip
     assert (code, out) == (1, "")
     assert err == (
-        f"autobatch: error: {target}: No such file or directory; check that the path and its "
+        f"autobatch plan: error: {target}: No such file or directory; check that the path and its "
         "folder exist and are writable\n"
     )  # the user's path, not the temporary file beside it
 

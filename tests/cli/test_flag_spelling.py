@@ -45,15 +45,16 @@ BAD = [
 def test_no_refusal_speaks_python(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(command.split()) == 1
     err = capsys.readouterr().err
-    assert err.startswith("autobatch: error: "), err
+    assert err.startswith(f"autobatch {command.split()[0]}: error: "), err
     assert PYTHON_SPELLING.findall(err) == [], err
 
 
 def test_the_library_names_become_the_commands_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(f"{PLAN} --effective-batch-size 64 --world-size 128".split()) == 1
     assert capsys.readouterr().err == (
-        "autobatch: error: argument --effective-batch-size: 64 is less than --world-size 128: "
+        "autobatch plan: error: argument --effective-batch-size: 64 is less than --world-size 128: "
         "every rank needs a sample; use --effective-batch-size >= 128 or --world-size <= 64\n"
+        "try 'autobatch plan --help'\n"
     )
     assert main(f"{MIXED} --format deepspeed".split()) == 1
     assert "or plan without --rank-max (every rank at" in capsys.readouterr().err

@@ -81,7 +81,10 @@ def cli_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
 )
 def test_the_cli_prints_one_line_naming_the_extra(module: str, argv: list[str], line: str) -> None:
     done = cli_without(module, *argv)
-    assert (done.returncode, done.stdout, done.stderr) == (1, "", f"autobatch: error: {line}\n")
+    command = argv[2:] if argv[0] == "--store" else argv  # the global flag goes first
+    prog = " ".join(command[:2] if command[0] == "profiles" else command[:1])
+    error = f"autobatch {prog}: error: {line}\n"
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", error)
 
 
 def test_the_python_store_raises_the_same_error_an_import_error_too() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from autobatch.cli import main
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 
 TUNE = ["tune", "gpt2", "--device", "sim:3GiB"]
 PLAN = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "64"]
@@ -102,3 +103,51 @@ def test_profiles_help_lists_its_actions_with_one_line_each(
         ("delete", "remove one profile from the store"),
     ]:
         assert any(line.split(None, 1) == [action, text] for line in out.splitlines()), action
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            [*PLAN, "--world-size", "3"],
+            "autobatch plan: error: argument --effective-batch-size: 64 is not a multiple of "
+            "--world-size 3; use --effective-batch-size 63 or 66, or --allow-inexact (plan the "
+            "nearest)",
+        ),
+        (
+            [*PLAN, "--capacity", "1GiB"],
+            "autobatch plan: error: --capacity needs --profile (a measured memory line to scale)",
+        ),
+    ],
+    ids=["world-size", "capacity"],
+)
+def test_a_refusal_after_parsing_reads_as_argparses_own(
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
+) -> None:
+    # One format for every refusal of a command's input: its prefix and the pointer to --help.
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"{line}\ntry 'autobatch plan --help'\n")
+
+
+def test_the_accumulation_bound_is_one_number_in_help_and_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # No "(default: no bound)" beside an error naming a bound: both name the planner's own.
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "the most accumulation steps per optimizer step (default: the planner's own bound, "
+        f"MAX_GRADIENT_ACCUMULATION_STEPS = {MAX_GRADIENT_ACCUMULATION_STEPS})" in help_text
+    )
+    argv = ["plan", "--max-micro-batch-size", "24", "--effective-batch-size", "1000000007"]
+    assert main(argv) == 1
+    assert (
+        f"at most {MAX_GRADIENT_ACCUMULATION_STEPS} accumulation steps (the planner's own bound, "
+        "MAX_GRADIENT_ACCUMULATION_STEPS); nearest reachable --effective-batch-size: 25165824"
+    ) in capsys.readouterr().err
+    # A bound the user gave is named as theirs.
+    assert main([*argv[:-1], "1000", "--max-gradient-accumulation-steps", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "at most 4 accumulation steps;" in err and "own bound" not in err

@@ -115,7 +115,9 @@ def test_an_unreachable_service_exits_non_zero_and_says_so(
     )
 
     assert (code, out) == (1, "")
-    assert err.startswith("autobatch: error: POST /v1/plan: cannot reach the autobatch service")
+    assert err.startswith(
+        "autobatch plan: error: POST /v1/plan: cannot reach the autobatch service"
+    )
     assert not (tmp_path / "plan.env").exists()
 
 
@@ -230,12 +232,12 @@ def test_the_launcher_command_reads_the_steps_tasks_and_words_refusals_as_flags(
     code, out, err = run(capsys, "launcher")
     assert (code, out) == (1, "")
     assert err.startswith(
-        "autobatch: error: mpirun (MPICH or Intel MPI) says PMI_SIZE=16 but Slurm job 7's step "
-        "says SLURM_STEP_NUM_TASKS=2: "
+        "autobatch launcher: error: mpirun (MPICH or Intel MPI) says PMI_SIZE=16 but Slurm job 7's "
+        "step says SLURM_STEP_NUM_TASKS=2: "
     )
     assert err.endswith(
         "; use --world-size 16 (if mpirun started the ranks), or --world-size 2 (if srun started "
-        "them, one rank per task)\n"
+        "them, one rank per task)\ntry 'autobatch launcher --help'\n"
     )
 
 
@@ -303,9 +305,10 @@ def test_the_launcher_commands_count_to_fill_in_is_a_flag(
     assert run(capsys, "launcher", "--world-size") == (
         1,
         "",
-        "autobatch: error: WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 (mpirun (Open MPI)): the "
-        "environment says two sizes of one group; use an environment without WORLD_SIZE, or "
-        "--world-size N (the number of data-parallel ranks that train)\n",
+        "autobatch launcher: error: WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 (mpirun (Open MPI)): "
+        "the environment says two sizes of one group; use an environment without WORLD_SIZE, or "
+        "--world-size N (the number of data-parallel ranks that train)\n"
+        "try 'autobatch launcher --help'\n",
     )
 
 
@@ -334,15 +337,16 @@ def test_plan_service_names_the_conditions_its_profile_was_measured_under(
     assert (code, err) == (0, "")
     lines = out.splitlines()
     under = next(line for line in lines if line.startswith("measured under"))
-    assert "torch_version 2.11.0, driver_version 550.54.15" in under
+    # In words, not the service's field names: "torch 2.11.0", never "torch_version 2.11.0".
+    assert "torch 2.11.0, driver 550.54.15" in under and "_" not in under.split(None, 2)[2]
     assert (
         f"note: the profile was measured under torch 2.11.0, this machine has torch {here}: "
         f"--condition torch_version={here} asks for a profile measured under it"
     ) in out
-    assert "(measured: measured on NVIDIA H100 80GB HBM3" in out
+    assert "(measured on NVIDIA H100 80GB HBM3" in out and "measured: measured" not in out
     # Asked for this machine's torch: the same profile, now a prediction that says why.
     assert asked_code == 0
-    assert "(predicted: measured on NVIDIA H100 80GB HBM3" in asked
+    assert "(predicted, measured on NVIDIA H100 80GB HBM3" in asked
     assert (
         f"note: measured under other conditions: torch_version: recorded '2.11.0', asked '{here}'"
         in asked

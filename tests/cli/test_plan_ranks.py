@@ -89,3 +89,25 @@ def test_tune_mixed_ranks_in_one_process_plans_its_own_rank(
     plan = json.loads(out)["plan"]
     assert plan["rank_micro_batch_sizes"] == [plan["micro_batch_size"]]
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 64
+
+
+def test_rank_max_takes_a_comma_list_as_world_size_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The comma list and the flag once per rank are one plan; a list may repeat a value (two
+    # ranks of one card), and the speeds take the same two spellings.
+    code, repeated, err = run(capsys, "plan", *RANKS, "--effective-batch-size", "96")
+    assert code == 0, err
+    assert run(capsys, "plan", "--rank-max", "48,17", "--effective-batch-size", "96") == (
+        0,
+        repeated,
+        "",
+    )
+    code, out, err = run(
+        capsys, "plan", "--rank-max", "48,48,17", "--rank-seconds-per-sample", "0.004,0.004",
+        "--rank-seconds-per-sample", "0.0065", "--effective-batch-size", "96", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    assert [rank["max_micro_batch_size"] for rank in json.loads(out)["ranks"]] == [48, 48, 17]
+    code, _, err = run(capsys, "plan", "--rank-max", "48,,17", "--effective-batch-size", "96")
+    assert "argument --rank-max: '48,,17' has an empty item; e.g. 24,24,12" in err

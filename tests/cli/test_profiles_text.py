@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from autobatch.cli import main
+from autobatch.cli._output import input_shapes
 from autobatch.store import ProfileStore
 
 TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--device", "sim:4MiB"]
@@ -108,3 +109,22 @@ def test_a_profile_names_its_model_and_an_old_one_its_short_fingerprint(
     out = capsys.readouterr().out
     assert "model                GPT2LMHeadModel" in out
     assert f"model fingerprint    {named.model_fingerprint}" in out
+
+
+def test_the_listing_shows_checkpointing_and_inputs_plainly(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Profiles of one model under three checkpointing modes differ in a column; a tuple's
+    # inputs read by kind, not by their positions "0 32, 1 scalar".
+    capsys.readouterr()
+    header, line = run(capsys, "--store", store, "profiles", "list").splitlines()
+    cells = dict(zip(re.split(r"\s{2,}", header), re.split(r"\s{2,}", line), strict=True))
+    assert cells["CHECKPOINTING"] == "none"
+    assert cells["INPUT"] == "sample 32"
+    assert input_shapes({"0": [32], "1": []}) == "tensor[32], scalar"
+    assert input_shapes({"pixels": [3, 224, 224], "label": []}) == "pixels 3x224x224, label scalar"
+    (row,) = json.loads(run(capsys, "--store", store, "profiles", "list", "--json"))
+    shown = run(capsys, "--store", store, "profiles", "show", row["id"])
+    lines = {line[:20].strip(): line[21:] for line in shown.splitlines()}
+    assert lines["checkpointing"] == "none (activation checkpointing)"
+    assert lines["input"] == "sample 32"

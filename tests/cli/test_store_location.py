@@ -22,9 +22,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def no_store_at(path: Path) -> str:
+def no_store_at(path: Path, command: str = "profiles list") -> str:
     return (
-        f"autobatch: error: no profile store at {path}: check the location for a typo; a "
+        f"autobatch {command}: error: no profile store at {path}: check the location for a typo; a "
         "probe's store is created where it first stores a profile\n"
     )
 
@@ -43,10 +43,18 @@ def test_reading_a_missing_store_says_so_and_creates_nothing(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
 ) -> None:
     typo = tmp_path / "profils" / "store.sqlite3"
-    assert run(capsys, "--store", str(typo), *command) == (1, "", no_store_at(typo))
+    assert run(capsys, "--store", str(typo), *command) == (
+        1,
+        "",
+        no_store_at(typo, " ".join(command[:2] if command[0] == "profiles" else command[:1])),
+    )
     assert list(tmp_path.iterdir()) == []
     beside = tmp_path / "store.sqlite3"  # an existing folder, a missing file: the same
-    assert run(capsys, "--store", str(beside), *command) == (1, "", no_store_at(beside))
+    assert run(capsys, "--store", str(beside), *command) == (
+        1,
+        "",
+        no_store_at(beside, " ".join(command[:2] if command[0] == "profiles" else command[:1])),
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -66,7 +74,7 @@ def test_tune_creates_the_store_in_an_existing_folder_only(
     code, out, err = run(capsys, "--store", str(typo), *TUNE)
     assert (code, out) == (1, "")
     assert err == (
-        f"autobatch: error: no folder {typo.parent} for the profile store {typo}: check the "
+        f"autobatch tune: error: no folder {typo.parent} for the profile store {typo}: check the "
         "location for a typo, or create the folder first\n"
     )
     assert list(tmp_path.iterdir()) == []

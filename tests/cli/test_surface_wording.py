@@ -23,8 +23,11 @@ from autobatch.models._zoo import load_model
 def cli_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert main(list(argv)) == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("autobatch: error: ") and err.count("\n") == 1
-    return err.removeprefix("autobatch: error: ").rstrip("\n")
+    prefix = f"autobatch {argv[0]}: error: "
+    assert out == "" and err.startswith(prefix), err
+    line, *hint = err.removeprefix(prefix).splitlines()
+    assert hint in ([], [f"try 'autobatch {argv[0]} --help'"]), err
+    return line
 
 
 UNEQUAL = (

@@ -56,7 +56,8 @@ def test_the_cli_device_and_capacity_name_the_missing_unit(
 ) -> None:
     argv = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--no-store"]
     assert main([*argv, "--device", "sim:3", "--effective-batch-size", "8"]) == 1
-    assert capsys.readouterr().err == f"autobatch: error: {SIM_3}\n"
+    hint = "try 'autobatch tune --help'"
+    assert capsys.readouterr().err == f"autobatch tune: error: {SIM_3}\n{hint}\n"
     with pytest.raises(SystemExit) as exited:
         main(["estimate", "gpt2-tiny", "--capacity", "80"])
     assert exited.value.code == 2
@@ -81,7 +82,7 @@ def test_a_unit_that_could_mean_bits_is_refused_on_every_surface(
     assert str(raised.value) == SIM_32_GB
     argv = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--no-store"]
     assert main([*argv, "--device", "sim:32Gb", "--effective-batch-size", "8"]) == 1
-    assert capsys.readouterr().err == f"autobatch: error: {SIM_32_GB}\n"
+    assert capsys.readouterr().err.splitlines()[0] == f"autobatch tune: error: {SIM_32_GB}"
     with pytest.raises(SystemExit) as exited:
         main(
             ["plan", "--max-micro-batch-size", "8", "--effective-batch-size", "8"]

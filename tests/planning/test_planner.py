@@ -365,10 +365,14 @@ def test_profile_with_a_new_margin_on_the_same_device() -> None:
 
 
 def test_profile_that_cannot_fit_the_other_capacity() -> None:
-    needed = 1 * GIB + 100 * MIB
+    # 1 GiB + 100 MiB needed at micro-batch 1, in the bytes a reader reads.
     with pytest.raises(
         NoFeasiblePlanError,
-        match=re.escape(f"needs {needed} bytes at micro_batch_size 1, more than the"),
+        match=re.escape(
+            f"needs 1.10 GiB ({GIB + 100 * MIB} bytes) at micro-batch size 1, more than the "
+            "972.80 MiB usable of "
+            f"capacity_bytes {GIB} with safety_margin 0.05"
+        ),
     ):
         plan(make_profile(), effective_batch_size=64, capacity_bytes=1 * GIB)
 
@@ -627,7 +631,7 @@ def test_plan_world_sizes_raises_for_errors_no_world_size_fixes() -> None:
         plan_world_sizes(24, effective_batch_size=96, world_sizes=[1, 0])
     with pytest.raises(ConfigError, match="multiple_of 0 must be"):
         plan_world_sizes(24, effective_batch_size=96, world_sizes=[1], multiple_of=0)
-    with pytest.raises(NoFeasiblePlanError, match="at micro_batch_size 1"):
+    with pytest.raises(NoFeasiblePlanError, match="at micro-batch size 1"):
         plan_world_sizes(
             make_profile(), effective_batch_size=96, world_sizes=[1], capacity_bytes=GIB
         )

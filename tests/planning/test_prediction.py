@@ -398,7 +398,9 @@ def test_a_smaller_card_never_gets_a_size_below_a_measured_peak_over_its_budget(
         capacity_bytes=3 * GIB,
         memory_model=MemoryModel(fixed_bytes=1_493_355_520, bytes_per_sample=248_271_360),
     )
-    with pytest.raises(NoFeasiblePlanError, match=f"needs {warm_up_peak} bytes at micro_batch"):
+    with pytest.raises(
+        NoFeasiblePlanError, match=rf"needs .* \({warm_up_peak} bytes\) at micro-batch"
+    ):
         plan(profile, effective_batch_size=96, capacity_bytes=2 * GIB)
 
     # With room for the warm-up's peak but not the line's step at 6, the size stays below 6 and

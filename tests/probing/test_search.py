@@ -216,6 +216,28 @@ def test_the_wide_line_is_not_tilted_by_rounding_between_adjacent_sizes() -> Non
     assert fit_wide_line(points[:1]) is None
 
 
+def test_the_stored_line_never_has_negative_fixed_bytes() -> None:
+    # gpt2-tiny at seq-len 64 on fake tensors: 60110 and 60111 differ by one 1.37 MiB
+    # allocation, and the secant through them crosses zero at -144.64 MiB.
+    seen = {1: 3_677_184, 64: 93_667_840, 32_832: 46_918_877_696, 60_110: 85_898_921_472}
+    points = [Point(micro_batch_size=n, fits=True, peak_bytes=b) for n, b in seen.items()]
+    points.append(Point(micro_batch_size=60_111, fits=False, peak_bytes=85_900_353_024))
+    secant = fit_memory_model(points, prior=None)
+    assert secant is not None and secant.fixed_bytes < 0  # the fault the stored line avoids
+    wide = fit_wide_line(points)
+    assert wide == MemoryModel(fixed_bytes=2_212_352, bytes_per_sample=1_428_992)  # 64 to 60110
+    # No pair far apart: the secant's negative line is refitted from the smallest fitting size.
+    near = [
+        Point(micro_batch_size=1, fits=True, peak_bytes=1_000),
+        Point(micro_batch_size=100, fits=True, peak_bytes=100_000),
+        Point(micro_batch_size=101, fits=False, peak_bytes=101_500),
+    ]
+    assert fit_memory_model(near, prior=None) == MemoryModel(
+        fixed_bytes=-50_000, bytes_per_sample=1_500
+    )
+    assert fit_wide_line(near) == MemoryModel(fixed_bytes=0, bytes_per_sample=1_000)
+
+
 def test_recommended_size_keeps_the_margin() -> None:
     points = [
         Point(micro_batch_size=1, fits=True, peak_bytes=1_100),

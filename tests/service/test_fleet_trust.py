@@ -185,8 +185,15 @@ def test_a_card_only_nvml_vouches_for_answers_for_itself_and_no_other(
         "/v1/plan", json={"model_fingerprint": "fp-gpt2", "effective_batch_size": 64, "card": L40S}
     )
     detail = problem(response, 404, "unknown-profile")["detail"]
-    assert "'NVIDIA RTX PRO 6000', not in autobatch's catalogue" in detail
-    assert "never speaks for another (card 'NVIDIA L40S')" in detail
+    # Plainly what to do: probe the card asked about, or ask for the card they were measured on.
+    assert detail == (
+        "no stored training profile of model_fingerprint 'fp-gpt2' can answer for card "
+        "'NVIDIA L40S': they were all measured on 'NVIDIA RTX PRO 6000', a card autobatch's "
+        "catalogue does not list, so its memory cannot be checked and they predict for no other "
+        "card. To plan for it: probe the model on that card and publish the profile (autobatch "
+        'tune --report-to URL there, or POST /v1/profiles); or ask for "card": '
+        '"NVIDIA RTX PRO 6000", which they answer as measured'
+    )
 
 
 def test_a_capped_search_never_passes_for_a_maximum(central: TestClient) -> None:

@@ -67,7 +67,7 @@ def test_uneven_always_with_multiple_of_names_the_request_fields(
         "--multiple-of", "8", "--uneven", "always",
     )  # fmt: skip
     assert code == 1
-    assert err.strip().endswith("use --uneven auto, or --multiple-of 1")
+    assert err.splitlines()[0].endswith("use --uneven auto, or --multiple-of 1")
 
 
 @pytest.mark.parametrize("steps", [100_000, MAX_GRADIENT_ACCUMULATION_STEPS])

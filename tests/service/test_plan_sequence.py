@@ -55,4 +55,4 @@ def test_the_cli_table_is_plan_tables_rows(capsys: pytest.CaptureFixture[str]) -
     assert [row["plan"] for row in rows] == [
         None if row.plan is None else json.loads(json.dumps(row.plan.to_dict())) for row in planned
     ]
-    assert rows[2]["plan"] is None and "not a multiple of world_size 5" in rows[2]["reason"]
+    assert rows[2]["plan"] is None and "not a multiple of --world-size 5" in rows[2]["reason"]

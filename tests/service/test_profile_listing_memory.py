@@ -92,5 +92,13 @@ def test_summaries_page_and_filter_and_match_the_profiles(client: TestClient) ->
     row = rest["summaries"][-1]
     for name in ("model_fingerprint", "device_name", "node_name", "max_micro_batch_size"):
         assert row[name] == whole[name]
+    # The key is an object, not JSON text inside JSON, and names the card it was measured on.
+    assert isinstance(row["cache_key"], dict)
+    assert row["cache_key"]["device"] == whole["device_name"]
+    assert row["cache_key"]["model"] == whole["model_fingerprint"]
+    assert set(row) == {
+        "id", "cache_key", "model_fingerprint", "device_name", "node_name", "model_name",
+        "max_micro_batch_size", "recommended_micro_batch_size", "created_at",
+    }  # fmt: skip
     unknown = client.get("/v1/profile-summaries", params={"before": "ffffffffffffffff"})
     assert unknown.status_code == 404

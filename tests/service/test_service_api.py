@@ -523,7 +523,7 @@ def test_plan_library_errors_are_422(client: TestClient) -> None:
             "effective_batch_size": 8,
         },
     )
-    assert "at micro_batch_size 1" in problem(response, 422, "no-feasible-plan")["detail"]
+    assert "at micro-batch size 1" in problem(response, 422, "no-feasible-plan")["detail"]
 
 
 @pytest.mark.parametrize(
@@ -972,6 +972,13 @@ def test_a_probe_on_a_gpu_this_node_lacks_is_422_at_once(
         "unknown-device",
     )
     assert "no usable GPU" in body["detail"] and "driver is not loaded" in body["detail"]
+    # In the request's fields, never the CLI's flag or Python's keyword, and no "))" of one
+    # parenthesis inside another.
+    assert body["detail"].endswith(
+        'give "device" a device this node has: "cpu", or "sim:16GiB" (a simulated card)'
+    )
+    assert "--device" not in body["detail"] and "device=" not in body["detail"]
+    assert "))" not in body["detail"]
     assert client.get("/v1/probes").json()["probes"] == []  # nothing was queued
 
 

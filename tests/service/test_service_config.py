@@ -110,12 +110,34 @@ def test_serve_names_the_flag_and_variable_of_a_bad_setting(
     monkeypatch.setenv("AUTOBATCH_PORT", "abc")
     assert main([]) == 2
     assert capsys.readouterr().err.strip() == (
-        "autobatch serve: --port / AUTOBATCH_PORT: Input should be a valid integer, unable to "
-        "parse string as an integer (got 'abc')"
+        "autobatch serve: error: --port / AUTOBATCH_PORT: Input should be a valid integer, "
+        "unable to parse string as an integer (got 'abc')"
     )
     monkeypatch.delenv("AUTOBATCH_PORT")
     monkeypatch.setenv("AUTOBATCH_API_TOKEN", "   ")
     assert main([]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("autobatch serve: --api-token / AUTOBATCH_API_TOKEN: the API token is")
+    assert err.startswith(
+        "autobatch serve: error: --api-token / AUTOBATCH_API_TOKEN: the API token is"
+    )
     assert "got" not in err  # a token, even a blank one, is never echoed
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_before_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+
+    from service.__main__ import main
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = main(["--host", "127.0.0.1", "--port", str(port), "--store-path", ":memory:"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "")
+    assert err == (
+        f"autobatch serve: error: port {port} on 127.0.0.1 is in use: choose another with "
+        "--port (or stop the process that holds it)\n"
+    )

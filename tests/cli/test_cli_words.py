@@ -1,0 +1,92 @@
+"""The command line's words for what the library and the service say in Python: flags for
+arguments, human sizes for bytes, plain words for recorded conditions, lists as typed."""
+
+from __future__ import annotations
+
+import pytest
+
+from autobatch.cli import main
+from autobatch.cli._output import note_flags
+from autobatch.cli._wording import cli_message, condition_words, size_spelling
+
+PLAN = ["plan", "--max-micro-batch-size", "24"]
+
+
+def test_the_world_size_table_words_its_refusals_as_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "97"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.split(None, 3)[3] == (
+        "--effective-batch-size 97 is not a multiple of --world-size 2; use "
+        "--effective-batch-size 96 or 98, or --allow-inexact (plan the nearest)"
+    )
+
+
+def test_a_list_flag_given_twice_is_shown_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(
+            [
+                *PLAN,
+                "--effective-batch-size",
+                "96",
+                "--world-size",
+                "2",
+                "--data-parallel-size",
+                "4,8",
+            ]
+        )
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "autobatch plan: error: --data-parallel-size 4,8 disagrees with --world-size 2: "
+        "--world-size and --data-parallel-size are one setting; give it once"
+    )
+
+
+def test_bytes_and_bare_keywords_become_the_flags_a_user_types() -> None:
+    flags = note_flags()
+    text = (
+        "the model needs 2.14 GiB (2299894272 bytes) at micro-batch size 1, more than the "
+        "972.80 MiB usable of capacity_bytes 1073741824 with safety_margin 0.05; use a larger "
+        "device"
+    )
+    assert cli_message(text, flags) == (
+        "the model needs 2.14 GiB (2299894272 bytes) at micro-batch size 1, more than the "
+        "972.80 MiB usable of --capacity 1GiB with --safety-margin 0.05; use a larger device"
+    )
+    assert "checkpoint_block_class" not in cli_message(
+        "name the class with checkpoint_block_class= (e.g. checkpoint_block_class='Block')",
+        flags,
+        bare=False,
+    )
+    assert cli_message("with checkpoint_block_class= (e.g.", flags, bare=False) == (
+        "with --checkpoint-block-class (e.g."
+    )
+    assert [size_spelling(n) for n in (2**30, 3 * 2**29, 1000)] == ["1GiB", "1536MiB", "1000"]
+
+
+def test_recorded_conditions_read_as_words() -> None:
+    under = {
+        "torch_version": "2.13.0+cpu",
+        "device_type": "sim",
+        "amp_dtype": "off",
+        "world_size": "1",
+    }
+    words = ", ".join(condition_words(name, value) for name, value in under.items())
+    assert words == "torch 2.13.0+cpu, device sim, no AMP, world size 1"
+    assert condition_words("amp_dtype", "bfloat16") == "AMP bf16"
+
+
+def test_unequal_micro_batches_in_the_table_read_as_counts_not_a_product(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 97 on one rank, at most 24: 2 micro-batches of 20 and 3 of 19, never "20x19".
+    assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "97"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["1", "2x20+3x19", "5"]
+    assert lines[-1] == (
+        "micro_batch: one rank's micro-batches per optimizer step; 2x20+3x19 is 2 micro-batches "
+        "of 20 and 3 of 19, each loss weighted by its size"
+    )
+    assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "96"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == ["1", "24", "4"] and "micro_batch:" not in out
