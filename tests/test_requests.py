@@ -150,7 +150,7 @@ def test_the_option_declarations_are_what_the_builder_takes() -> None:
         "checkpoint_block_class",
     }
     assert profile_keys - tune_keys == {"use_estimate"}
-    assert len(tune_keys) + 3 == 29  # model, sample, effective_batch_size and the options
+    assert len(tune_keys) + 3 == 30  # model, sample, effective_batch_size and the options
 
 
 @pytest.mark.parametrize(
