@@ -37,7 +37,7 @@ from autobatch.cli._plan_env import remote_plan, write_plan
 from autobatch.cli._plan_ranks import plan_ranks
 from autobatch.cli._profiles import print_profile, print_profile_table
 from autobatch.cli._progress import Progress, ProgressLog
-from autobatch.cli._wording import error_words, warning_words
+from autobatch.cli._wording import error_words, reason_words, warning_words
 from autobatch.device import list_gpus
 from autobatch.errors import AutobatchError, ConfigError, MissingExtraError, ReportWarning
 from autobatch.extras import require
@@ -432,7 +432,7 @@ def _remote_plan(args: argparse.Namespace, out: TextIO) -> int:
         )
         print_measured_under(selection, out, asked=dict(args.condition or ()))
         for reason in selection["reasons"]:
-            print(f"note: {reason}", file=out)
+            print(f"note: {reason_words(reason)}", file=out)
     return 0
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "command_flags",
     "condition_words",
     "error_words",
+    "reason_words",
     "flag_value",
     "flag_wording",
     "size_spelling",
@@ -245,6 +246,28 @@ def condition_words(name: str, value: str) -> str:
     if name == "amp_dtype":
         return "no AMP" if value in ("", "off", "none", "None") else f"AMP {flag_value(value)}"
     return f"{CONDITION_WORDS.get(name, name.replace('_', ' '))} {value}"
+
+
+_MISMATCH = re.compile(r"\b([a-z_]+): (recorded '([^']*)'|not recorded), asked '([^']*)'")
+"""A condition mismatch as :func:`autobatch.planning.condition_mismatches` phrases it
+(``amp_dtype: recorded 'float16', asked 'bfloat16'``)."""
+
+
+def reason_words(reason: str) -> str:
+    """A plan's reason (why it is predicted, not measured) with each condition mismatch in
+    words: ``amp_dtype: recorded 'float16', asked 'bfloat16'`` reads ``AMP: recorded fp16,
+    asked bf16``; ``torch_version: not recorded, asked '2.13.0'`` reads ``torch: not recorded,
+    asked 2.13.0``."""
+
+    def words(match: re.Match[str]) -> str:
+        name, recorded, asked = match[1], match[3], match[4]
+        label = "AMP" if name == "amp_dtype" else condition_words(name, "").strip()
+        if name == "amp_dtype":
+            asked = flag_value(asked)
+        have = "not recorded" if recorded is None else f"recorded {flag_value(recorded)}"
+        return f"{label}: {have}, asked {asked}"
+
+    return _MISMATCH.sub(words, reason)
 
 
 def _with_value(flag: str, value: str) -> str:

@@ -7,7 +7,7 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.cli._output import note_flags
-from autobatch.cli._wording import cli_message, condition_words, size_spelling
+from autobatch.cli._wording import cli_message, condition_words, reason_words, size_spelling
 
 PLAN = ["plan", "--max-micro-batch-size", "24"]
 
@@ -90,3 +90,28 @@ def test_unequal_micro_batches_in_the_table_read_as_counts_not_a_product(
     assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "96"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].split() == ["1", "24", "4"] and "micro_batch:" not in out
+
+
+@pytest.mark.parametrize(
+    ("reason", "words"),
+    [
+        (
+            "measured under other conditions: amp_dtype: recorded 'float16', asked 'bfloat16'",
+            "measured under other conditions: AMP: recorded fp16, asked bf16",
+        ),
+        (
+            "measured under other conditions: torch_version: not recorded, asked '2.13.0'",
+            "measured under other conditions: torch: not recorded, asked 2.13.0",
+        ),
+        (
+            "measured under other conditions: optimizer: recorded 'AdamW', asked 'SGD'",
+            "measured under other conditions: optimizer: recorded AdamW, asked SGD",
+        ),
+        (
+            "measured on NVIDIA A100 80GB PCIe (node a-1), not NVIDIA H100 80GB HBM3",
+            "measured on NVIDIA A100 80GB PCIe (node a-1), not NVIDIA H100 80GB HBM3",
+        ),
+    ],
+)
+def test_a_plans_reasons_name_conditions_in_words(reason: str, words: str) -> None:
+    assert reason_words(reason) == words
