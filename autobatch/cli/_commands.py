@@ -31,6 +31,7 @@ from autobatch.cli._output import (
     print_measured_under,
     print_plan,
     print_table,
+    trials_run_now,
 )
 from autobatch.cli._parser import build_parser, unknown_arguments
 from autobatch.cli._plan_env import remote_plan, write_plan
@@ -262,7 +263,7 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
         checkpointing=tuned.checkpointing,
     )
     if args.report_to is not None and not unreported:
-        print(_reported_words(args.report_to, tuned.plan.source), file=sys.stderr)
+        print(_reported_words(args.report_to, tuned), file=sys.stderr)
     if args.report is not None:
         from autobatch.tuning import report_html
 
@@ -277,13 +278,16 @@ def _tune(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _reported_words(url: str, source: str) -> str:
+def _reported_words(url: str, tuned: Any) -> str:
     """``tune --report-to``'s one line on what it sent: the profile just measured, or the
-    stored one that answered (nothing was probed)."""
-    if source == "cached":
+    stored one that answered (its probe did not run now; timing trials that did are said)."""
+    if tuned.plan.source == "cached":
+        now = trials_run_now(tuned.checkpointing)
+        if now != "nothing ran now":
+            now += ", and are not part of it"
         return (
-            f"autobatch: sent the stored profile to {url} (nothing was probed; the service "
-            "stores a profile it holds once)"
+            f"autobatch: sent the stored profile to {url} ({now}; the service stores a "
+            "profile it holds once)"
         )
     return f"autobatch: sent the profile to {url}"
 

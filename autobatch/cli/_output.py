@@ -103,8 +103,17 @@ def print_probe_time(profile: Any, out: TextIO, *, stored: bool, checkpointing: 
     text = profile.timings.describe()
     if stored:
         when = profile.created_at[:16].replace("T", " ")
-        text += f"  (the stored profile's, probed {when} UTC; nothing ran now)"
+        text += f"  (the stored profile's, probed {when} UTC; {trials_run_now(checkpointing)})"
     print(f"{label} {text}", file=out)
+
+
+def trials_run_now(checkpointing: Any) -> str:
+    """What ran now beside a stored profile: nothing, or the timing trials ``"auto"`` ran at
+    a plan's own micro-batch (counted in the probe time line above)."""
+    ran = 0 if checkpointing is None else sum(run.num_trials for run in checkpointing.runs)
+    if ran == 0:
+        return "nothing ran now"
+    return f"its probe did not run now; {ran} timing trial{'' if ran == 1 else 's'} did"
 
 
 def bytes_or_unknown(num_bytes: int | None) -> str:

@@ -105,8 +105,8 @@ def test_report_to_sends_the_stored_profile_too_and_says_what_it_sent(
         ((newest, _),) = opened.list_profiles()
         assert sent == [opened.get(newest).created_at]  # the stored one, sent as it is
     assert err.splitlines()[-1] == (
-        f"autobatch: sent the stored profile to {url} (nothing was probed; the service stores "
-        "a profile it holds once)"
+        f"autobatch: sent the stored profile to {url} (nothing ran now; the service stores a "
+        "profile it holds once)"
     )
     code = main(["--store", str(store), *TUNE, "--device", "sim:8MiB", "--report-to", url])
     err = capsys.readouterr().err
