@@ -15,7 +15,7 @@ import json
 import os
 from typing import TextIO
 
-from autobatch.launchers import launcher_layout
+from autobatch.launchers import LauncherLayout, launcher_layout
 from autobatch.units import counted
 
 
@@ -25,13 +25,22 @@ def run_launcher(args: argparse.Namespace, out: TextIO) -> int:
     Raises:
         ConfigError: the launcher's variables disagree (named, with the fix).
     """
-    layout = launcher_layout(os.environ, slurm_task_ranks=args.slurm_task_ranks)
+    layout = launcher_layout(os.environ, slurm_task_ranks=args.slurm_task_ranks) or ONE_PROCESS
     if args.world_size:
-        print(1 if layout is None else layout.world_size, file=out)
+        print(layout.world_size, file=out)
     elif args.json:
-        print(json.dumps(None if layout is None else dataclasses.asdict(layout)), file=out)
-    elif layout is None:
-        print("1 rank: one process (no launcher's variables)", file=out)
+        print(json.dumps(dataclasses.asdict(layout)), file=out)
     else:
         print(f"{counted(layout.world_size, 'rank')}: {layout.source}", file=out)
     return 0
+
+
+ONE_PROCESS = LauncherLayout(
+    world_size=1,
+    nodes=1,
+    ranks_per_node=1,
+    rank=0,
+    local_rank=0,
+    source="one process (no launcher's variables)",
+)
+"""The layout outside any launcher: this process, rank 0 of 1 (text and --json alike)."""
