@@ -36,9 +36,10 @@ __all__ = [
     "command_flags",
     "condition_words",
     "error_words",
-    "reason_words",
     "flag_value",
     "flag_wording",
+    "json_advice",
+    "reason_words",
     "size_spelling",
     "warning_words",
 ]
@@ -183,6 +184,7 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     text = _CALL_ARGUMENT.sub(_call_argument, _CALL.sub(lambda match: CALLS[match[1]], text))
     if not flags:
         return text
+    text = json_advice(text, flags)
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
     # A name in quotes is a value the message quotes ('world_size', a condition's name), not
     # an argument.
@@ -200,6 +202,56 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
         return _with_value(flags[name], value)
 
     return _spell_bytes(pattern.sub(flag, text), flags)
+
+
+_JSON_VALUE = r'(?:"[^"]*"|-?\d+(?:\.\d+)?|true|false)'
+_JSON_FIELD = re.compile(
+    rf'"([a-z_]+)": (?:\{{"([a-z_]+)": ({_JSON_VALUE}(?: or {_JSON_VALUE})*)\}}'
+    rf"|({_JSON_VALUE}(?: or {_JSON_VALUE})*))"
+)
+"""A service's advice in its body's fields: ``"card": "sim"``, ``"card": "A" or "B"``,
+``"device": {"capacity_bytes": 1073741824}``, ``"conditions": {"amp_dtype": "bfloat16"}``."""
+
+CONDITION_FIELDS = ("conditions", "condition")
+"""The service's field of the conditions a plan must hold under (``--condition NAME=VALUE``)."""
+
+
+def json_advice(text: str, flags: Mapping[str, str]) -> str:
+    """``text`` with a service's advice in body fields worded as the command's flags:
+    ``"card": "sim"`` as ``--card sim``, ``"device": {"capacity_bytes": N}`` as ``--capacity
+    N``, ``"activation_checkpointing": "full"`` as ``--activation-checkpointing full`` where
+    the command has that flag, else as ``--condition activation_checkpointing=full`` where it
+    takes conditions. A field the command has no flag for is left as the service wrote it."""
+
+    def spelled(match: re.Match[str]) -> str:
+        field, inner = match[1], match[2]
+        values = re.findall(_JSON_VALUE, match[3] or match[4])
+        name = field if inner is None else inner
+        flag = flags.get(field if inner is None else f"{field}.{inner}") or flags.get(name)
+        recorded = name in CONDITION_WORDS or name == "amp_dtype"
+        condition = field in CONDITION_FIELDS if inner is not None else recorded
+        if inner is not None and field in CONDITION_FIELDS:
+            flag = None
+        if flag is None and condition and "condition" in flags:
+            each = " or ".join(f"{name}={v.strip(chr(34))}" for v in values)
+            return f"{flags['condition']} {each}"
+        if flag is None:
+            return match[0]
+        if values == ["true"]:
+            return flag
+        if values == ["false"]:
+            return f"no {flag}"
+        return f"{flag} {' or '.join(_json_word(v) for v in values)}"
+
+    return _JSON_FIELD.sub(spelled, text)
+
+
+def _json_word(value: str) -> str:
+    """One JSON value as a flag takes it: a string without its quotes (kept where it has a
+    space, as a shell needs), ``bf16`` for bfloat16."""
+    if value.startswith('"') and not any(c.isspace() for c in value):
+        return flag_value(value.strip('"'))
+    return value
 
 
 _BYTES = re.compile(r" (\d+)\b")
