@@ -31,9 +31,11 @@ __all__ = [
     "COMMAND_FLAGS",
     "FLAGS",
     "TOKEN_ENV_VAR",
+    "CommandFlags",
     "cli_message",
     "cli_remedies",
     "command_flags",
+    "command_wording",
     "condition_words",
     "error_words",
     "flag_value",
@@ -96,6 +98,31 @@ def cli_remedies(remedies: Sequence[Remedy]) -> list[Remedy]:
     return [r for r in remedies if r.parameter or not _PYTHON_CALL.search(r.purpose)]
 
 
+def command_wording(flags: Mapping[str, str]) -> Callable[[Remedy], str]:
+    """:func:`flag_wording` for the invoked command (``flags``: :func:`command_flags`): a remedy
+    naming an argument the command has no flag for (``autobatch devices`` has no ``--device``),
+    or a value for a flag the command has as a switch (``launcher --world-size`` prints, it
+    takes no N), is worded in plain words (``world size 16 (if mpirun started the ranks)``),
+    never as a flag the command lacks."""
+
+    def words(remedy: Remedy) -> str:
+        if not remedy.parameter or _takes(flags, remedy):
+            return flag_wording(remedy)
+        values = " or ".join(map(flag_value, remedy.values))
+        phrase = f"{remedy.parameter.replace('_', ' ')} {values}"
+        return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
+
+    return words
+
+
+def _takes(flags: Mapping[str, str], remedy: Remedy) -> bool:
+    """Whether the command has ``remedy``'s argument as a flag taking its values."""
+    if remedy.parameter not in flags:
+        return False
+    switch = flags[remedy.parameter] in getattr(flags, "switches", ())
+    return not switch or all(isinstance(value, bool) for value in remedy.values)
+
+
 def _flag_phrase(remedy: Remedy) -> str:
     flag = FLAGS.get(remedy.parameter, "--" + remedy.parameter.replace("_", "-"))
     # ``is``: 1 == True, and --multiple-of 1 is no switch.
@@ -148,8 +175,15 @@ def _call_argument(match: re.Match[str]) -> str:
     return f"{match[1]}{match[2] or ''}, {_with_value(flag, match[4])}"
 
 
-def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
-    """Library argument -> flag, for ``command``'s flags and the top level's (``--store``).
+class CommandFlags(dict[str, str]):
+    """Library argument -> flag (a dict), knowing which flags are switches (take no value)."""
+
+    switches: frozenset[str] = frozenset()
+
+
+def command_flags(parser: argparse.ArgumentParser, command: str | None) -> CommandFlags:
+    """Library argument -> flag, for ``command``'s flags and the top level's (``--store``);
+    its ``switches`` are the flags that take no value (``launcher --world-size``).
 
     Args:
         parser: the ``autobatch`` parser (:func:`autobatch.cli._parser.build_parser`).
@@ -159,12 +193,16 @@ def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and command in action.choices:
             parsers.append(action.choices[command])
-    flags: dict[str, str] = {}
+    flags = CommandFlags()
+    switches: set[str] = set()
     for each in parsers:
         for action in each._actions:
             long = [option for option in action.option_strings if option.startswith("--")]
             if long and action.dest != "help":
                 flags[action.dest] = long[0]
+                if action.nargs == 0:
+                    switches.add(long[0])
+    flags.switches = frozenset(switches)
     taken = set(flags.values())
     flags |= {name: flag for name, flag in FLAGS.items() if flag in taken}
     flags |= COMMAND_FLAGS.get(command or "", {})
@@ -199,6 +237,8 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
             return flags[name]  # its number follows: see _spell_bytes
         if value is None:
             return flags[name] if bare and ("_" in name or "." in name) else name
+        if flags[name] in getattr(flags, "switches", ()) and value not in ("True", "False"):
+            return match[0]  # the command's switch of that name takes no value
         return _with_value(flags[name], value)
 
     return _spell_bytes(pattern.sub(flag, text), flags)
@@ -339,7 +379,7 @@ def error_words(
     (:func:`cli_message`), led by the flag the user gave when the message refuses its value,
     and for a service's refusal of the token the variable the command line reads it from."""
     flags = command_flags(parser, command)
-    text = with_remedies(exc.message, cli_remedies(exc.remedies), flag_wording)
+    text = with_remedies(exc.message, cli_remedies(exc.remedies), command_wording(flags))
     words = _led_by_flag(text, flags, argv)
     if isinstance(exc, ServiceError) and exc.status in (401, 403):
         words += f"; set {TOKEN_ENV_VAR} to a token the service accepts"

@@ -236,8 +236,8 @@ def test_the_launcher_command_reads_the_steps_tasks_and_words_refusals_as_flags(
         "step says SLURM_STEP_NUM_TASKS=2: "
     )
     assert err.endswith(
-        "; use --world-size 16 (if mpirun started the ranks), or --world-size 2 (if srun started "
-        "them, one rank per task)\ntry 'autobatch launcher --help'\n"
+        "; use world size 16 (if mpirun started the ranks), or world size 2 (if srun started "
+        "them, one rank per task)\ntry 'autobatch launcher --help'\n"  # --world-size: a switch
     )
 
 
@@ -292,12 +292,12 @@ def test_the_prolog_refuses_two_launchers_that_disagree_by_name(tmp_path: Path) 
     assert done.returncode == 0  # the task starts, without a plan
     assert done.stdout == "export AUTOBATCH_PLAN_ERROR=1\n"
     assert "PMI_SIZE=16 but Slurm job 7's step says SLURM_STEP_NUM_TASKS=2" in done.stderr
-    assert "--world-size 16 (if mpirun started the ranks)" in done.stderr
+    assert "world size 16 (if mpirun started the ranks)" in done.stderr
     prolog_fix = "; in a TaskProlog, the job gives it as AUTOBATCH_JOB_WORLD_SIZE=N\n"
     assert done.stderr.endswith(prolog_fix)
 
 
-def test_the_launcher_commands_count_to_fill_in_is_a_flag(
+def test_the_launcher_commands_count_to_fill_in_is_plain_words(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -307,7 +307,7 @@ def test_the_launcher_commands_count_to_fill_in_is_a_flag(
         "",
         "autobatch launcher: error: WORLD_SIZE=2 but OMPI_COMM_WORLD_SIZE=4 (mpirun (Open MPI)): "
         "the environment says two sizes of one group; use an environment without WORLD_SIZE, or "
-        "--world-size N (the number of data-parallel ranks that train)\n"
+        "world size N (the number of data-parallel ranks that train)\n"  # --world-size: a switch
         "try 'autobatch launcher --help'\n",
     )
 
