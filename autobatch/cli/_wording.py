@@ -396,7 +396,7 @@ def warning_words(
 
     def words(warning: Warning | str) -> str:
         describe = getattr(warning, "describe", None)
-        text = describe(flag_wording) if describe is not None else str(warning)
+        text = describe(command_wording(flags)) if describe is not None else str(warning)
         return cli_message(text, flags)
 
     return words
