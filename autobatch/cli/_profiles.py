@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from autobatch.cli._output import input_shapes
+from autobatch.cli._output import input_shapes, note_flags
+from autobatch.cli._wording import cli_message
 from autobatch.profile import Profile
 from autobatch.units import format_bytes
 
@@ -103,11 +104,14 @@ def print_profile(profile_id: str, profile: Profile, out: TextIO) -> None:
             f"{profile.safety_margin:g}: what a plan from it plans within)",
         ),
         ("trials", f"{profile.num_trials}, {profile.num_ooms} OOM, {profile.method}"),
-        ("stopped", profile.stop_reason or profile.stop_kind),
+        (
+            "stopped",
+            cli_message(profile.stop_reason or profile.stop_kind, note_flags(), bare=False),
+        ),
     ]
     for name, value in lines:
         print(f"{name:<20} {value}", file=out)
     for line in profile.conditions.describe():
         print(f"{'condition':<20} {line}", file=out)
     for note in profile.notes:
-        print(f"note: {note}", file=out)
+        print(f"note: {cli_message(note, note_flags(), bare=False)}", file=out)

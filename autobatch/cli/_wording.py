@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 
 from autobatch.errors import AutobatchError, Remedy, ServiceError, with_remedies
+from autobatch.units import format_bytes
 
 __all__ = [
     "CALLS",
@@ -40,6 +41,7 @@ __all__ = [
     "error_words",
     "flag_value",
     "flag_wording",
+    "human_bytes",
     "json_advice",
     "reason_words",
     "size_spelling",
@@ -221,7 +223,7 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     the message names is the command that does it (:data:`CALLS`)."""
     text = _CALL_ARGUMENT.sub(_call_argument, _CALL.sub(lambda match: CALLS[match[1]], text))
     if not flags:
-        return text
+        return human_bytes(text)
     text = json_advice(text, flags)
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
     # A name in quotes is a value the message quotes ('world_size', a condition's name), not
@@ -241,7 +243,24 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
             return match[0]  # the command's switch of that name takes no value
         return _with_value(flags[name], value)
 
-    return _spell_bytes(pattern.sub(flag, text), flags)
+    return human_bytes(_spell_bytes(pattern.sub(flag, text), flags))
+
+
+_NUMBER = r"(?<![\w.+\-*])(\d+)"
+_LINE_BYTES = re.compile(rf"{_NUMBER} \+ (\d+) bytes per sample\b")
+_PLAIN_BYTES = re.compile(rf"(?<!B \(){_NUMBER} bytes\b")
+
+
+def human_bytes(text: str) -> str:
+    """Byte counts a library message spells out, in the units the command line prints sizes
+    in (:func:`autobatch.units.format_bytes`): ``peak 7535104 bytes`` as ``peak 7.19 MiB``,
+    ``2208870 + 666215 bytes per sample`` as ``2.11 MiB + 650.60 KiB per sample``; the exact
+    bytes beside a count already in units (``4.00 GiB (4294967296 bytes)``) and a count under
+    1 KiB (``'80' is 80 bytes``: the same in units) are left."""
+    text = _LINE_BYTES.sub(
+        lambda m: f"{format_bytes(int(m[1]))} + {format_bytes(int(m[2]))} per sample", text
+    )
+    return _PLAIN_BYTES.sub(lambda m: format_bytes(int(m[1])) if int(m[1]) >= 1024 else m[0], text)
 
 
 _JSON_VALUE = r'(?:"[^"]*"|-?\d+(?:\.\d+)?|true|false)'
