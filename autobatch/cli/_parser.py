@@ -265,7 +265,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per sample (default: the model's maximum, the worst case to probe with)",
     )
-    parser.add_argument("--image-size", type=_positive_int, default=224, help="pixels per side")
+    parser.add_argument(
+        "--image-size", type=_positive_int, help="pixels per side of an image model (default 224)"
+    )
     parser.add_argument(
         "--input-shape", type=_shape, help="one sample's shape for a bare model, e.g. 3,224,224"
     )

@@ -99,7 +99,9 @@ def _tokens(vocab_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _gpt2(seq_len: int | None, image_size: int, tiny: bool = False) -> tuple[torch.nn.Module, Any]:
+def _gpt2(
+    seq_len: int | None, image_size: int | None, tiny: bool = False
+) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     if tiny:
         config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=1024)
@@ -112,7 +114,7 @@ def _gpt2(seq_len: int | None, image_size: int, tiny: bool = False) -> tuple[tor
     return model, _tokens(config.vocab_size, seq_len)
 
 
-def _bert(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
+def _bert(seq_len: int | None, image_size: int | None) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     config = tf.BertConfig(num_labels=2)
     seq_len = _seq_len(seq_len, config.max_position_embeddings)
@@ -124,10 +126,11 @@ def _bert(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
     return tf.BertForSequenceClassification(config), sample
 
 
-def _vit(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
+def _vit(seq_len: int | None, image_size: int | None) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
+    image_size = 224 if image_size is None else image_size
     if image_size % 16:
-        raise ConfigError(f"image size {image_size} must be a multiple of the patch size 16")
+        raise ConfigError(f"image_size {image_size} must be a multiple of the patch size 16")
     config = tf.ViTConfig(image_size=image_size, num_labels=1000)
     sample = {
         "pixel_values": torch.randn(1, 3, image_size, image_size),
@@ -136,7 +139,7 @@ def _vit(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
     return tf.ViTForImageClassification(config), sample
 
 
-def _llama(seq_len: int | None, image_size: int) -> tuple[torch.nn.Module, Any]:
+def _llama(seq_len: int | None, image_size: int | None) -> tuple[torch.nn.Module, Any]:
     tf = _transformers()
     config = tf.LlamaConfig(
         vocab_size=32000,
@@ -156,36 +159,71 @@ def _seq_len(seq_len: int | None, limit: int) -> int:
     if seq_len is None:
         return limit
     if not 1 <= seq_len <= limit:
-        raise ConfigError(f"sequence length {seq_len} must be in 1..{limit} for this model")
+        raise ConfigError(f"seq_len {seq_len} must be in 1..{limit} for this model")
     return seq_len
 
 
-BUILTIN_MODELS: dict[str, Callable[[int | None, int], tuple[torch.nn.Module, Any]]] = {
+BUILTIN_MODELS: dict[str, Callable[[int | None, int | None], tuple[torch.nn.Module, Any]]] = {
     "bert-base": _bert,
     "gpt2": _gpt2,
     "gpt2-tiny": lambda seq_len, image_size: _gpt2(seq_len, image_size, tiny=True),
     "llama-small": _llama,
     "vit-base": _vit,
 }
-"""Built-in model names -> builder(seq_len, image_size); seq_len None: the model's maximum."""
+"""Built-in model names -> builder(seq_len, image_size); seq_len None: the model's maximum,
+image_size None: 224."""
+
+IMAGE_MODELS = frozenset({"vit-base"})
+"""The built-in models that take ``image_size`` (images); the others take ``seq_len`` (tokens)."""
+
+
+def _refuse_sizes_not_taken(
+    name: str, seq_len: int | None, image_size: int | None, input_shape: tuple[int, ...] | None
+) -> None:
+    """Refuse a size argument ``name``'s model would ignore, naming what it takes.
+
+    Raises:
+        ConfigError: ``seq_len`` for an image model, ``image_size`` for a text model,
+            ``input_shape`` for a built-in model, ``seq_len``/``image_size`` for a factory.
+    """
+    ignored: dict[str, object]
+    if name not in BUILTIN_MODELS:
+        takes = "it is called with no arguments; input_shape for a bare model"
+        ignored = {"seq_len": seq_len, "image_size": image_size}
+    elif name in IMAGE_MODELS:
+        takes = "image_size (pixels per side)"
+        ignored = {"seq_len": seq_len, "input_shape": input_shape}
+    else:
+        takes = "seq_len (tokens per sample)"
+        ignored = {"image_size": image_size, "input_shape": input_shape}
+    given = [key for key, value in ignored.items() if value is not None]
+    if given:
+        raise ConfigError(
+            f"model {name!r} takes no {' or '.join(given)}, which it would ignore: it takes "
+            f"{takes}; leave {' and '.join(given)} out"
+        )
 
 
 def load_model(
     name: str,
     *,
     seq_len: int | None = None,
-    image_size: int = 224,
+    image_size: int | None = None,
     input_shape: tuple[int, ...] | None = None,
     seed: int = 0,
 ) -> ModelSpec:
-    """Build a built-in model or call a user factory ``module:factory``.
+    """Build a built-in model or call a user factory ``module:factory``. ``seq_len``: tokens
+    per sample of a text model (None: its maximum); ``image_size``: pixels per side of an image
+    model (None: 224); ``input_shape``: one sample's shape for a factory's bare model.
 
     Raises:
         ConfigError: unknown name, unimportable module, missing factory, a factory returning
             something else than a model or a dict with ``model`` and ``sample``, a bare model
-            without ``input_shape``.
+            without ``input_shape``; a size the model would ignore (``seq_len`` for
+            ``vit-base``, ``image_size`` for a text model, ``input_shape`` for a built-in).
     """
     torch.manual_seed(seed)
+    _refuse_sizes_not_taken(name, seq_len, image_size, input_shape)
     if name in BUILTIN_MODELS:
         model, sample = BUILTIN_MODELS[name](seq_len, image_size)
         return ModelSpec(name=name, model=model, sample=sample)

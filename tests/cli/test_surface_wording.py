@@ -78,10 +78,10 @@ def test_a_factory_without_a_sample(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == f"{reason}--input-shape 3,224,224 (one sample's){rest}"
 
 
-def test_built_in_model_sizes_are_worded_for_no_surface() -> None:
-    with pytest.raises(ConfigError, match="^sequence length 5000 must be in 1..1024"):
+def test_built_in_model_sizes_name_the_keyword_each_surface_words() -> None:
+    with pytest.raises(ConfigError, match="^seq_len 5000 must be in 1..1024"):
         load_model("gpt2-tiny", seq_len=5000)
-    with pytest.raises(ConfigError, match="^image size 100 must be a multiple of the patch"):
+    with pytest.raises(ConfigError, match="^image_size 100 must be a multiple of the patch"):
         load_model("vit-base", image_size=100)
 
 

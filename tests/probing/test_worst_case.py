@@ -144,7 +144,7 @@ def test_cli_seq_len_defaults_to_the_models_maximum() -> None:
     assert args.seq_len is None
     assert load_model("gpt2-tiny").sample["input_ids"].shape == (1, 1024)  # n_positions
     assert load_model("gpt2-tiny", seq_len=32).sample["input_ids"].shape == (1, 32)
-    with pytest.raises(ConfigError, match="sequence length 2000 must be in 1..1024"):
+    with pytest.raises(ConfigError, match="seq_len 2000 must be in 1..1024"):
         load_model("gpt2-tiny", seq_len=2000)
 
 
