@@ -110,8 +110,11 @@ def command_wording(flags: Mapping[str, str]) -> Callable[[Remedy], str]:
     def words(remedy: Remedy) -> str:
         if not remedy.parameter or _takes(flags, remedy):
             return flag_wording(remedy)
-        values = " or ".join(map(flag_value, remedy.values))
-        phrase = f"{remedy.parameter.replace('_', ' ')} {values}"
+        name = remedy.parameter.replace("_", " ")
+        if remedy.values in ((True,), (False,)):
+            phrase = f"a run {'with' if remedy.values[0] else 'without'} {name}"
+        else:
+            phrase = f"{name} {' or '.join(map(flag_value, remedy.values))}"
         return f"{phrase} ({remedy.purpose})" if remedy.purpose else phrase
 
     return words

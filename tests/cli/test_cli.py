@@ -187,7 +187,8 @@ def test_devices_on_a_machine_without_the_nvidia_library_points_to_cpu_and_sim(
     code, out, err = run(capsys, "devices")
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "libnvidia-ml.so.1 was not found" in err
-    assert err.rstrip().endswith("use --device cpu or sim:SIZE (on a machine without a GPU)")
+    # devices has no --device: the remedy reads in plain words, naming no flag it lacks
+    assert err.rstrip().endswith("use device cpu or sim:SIZE (on a machine without a GPU)")
 
 
 def test_devices_lists_what_nvml_reports(
@@ -567,7 +568,7 @@ def test_a_malformed_input_shape_is_explained_with_an_example(
     assert "e.g. 3,224,224" in err
 
 
-def test_plan_refuses_an_eval_profile_naming_the_flag(
+def test_plan_refuses_an_eval_profile_in_words_it_can_follow(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from autobatch.store._store import ProfileStore
@@ -588,7 +589,8 @@ def test_plan_refuses_an_eval_profile_naming_the_flag(
         "8",
     )
     assert code == 1
-    assert "mode 'eval'" in err and "a run without --eval (a training profile)" in err
+    # plan has no --eval: plain words
+    assert "mode 'eval'" in err and "a run without eval (a training profile)" in err
     assert "eval=" not in err
     # The library words the same remedy by its Python argument.
     with pytest.raises(ConfigError, match=r"eval=False \(a training profile\)"):
