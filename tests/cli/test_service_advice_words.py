@@ -12,7 +12,7 @@ PLAN = command_flags(build_parser(), "plan")
 
 def test_the_service_advice_reads_as_plan_flags() -> None:
     exc = ServiceError(
-        "no stored training profile can answer for 'a card'; or ask for \"card\": \"sim\", "
+        'no stored training profile can answer for \'a card\'; or ask for "card": "sim", '
         "which they answer as measured",
         status=422,
     )
