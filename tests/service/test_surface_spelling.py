@@ -24,7 +24,7 @@ from tests.service.conftest import no_nvml
 
 NO_GPU = {
     "python": "use device='cpu' or 'sim:SIZE' (on a machine without a GPU)",
-    "cli": "use --device cpu or sim:SIZE (on a machine without a GPU)",
+    "cli": "use device cpu or sim:SIZE (on a machine without a GPU)",  # devices has no --device
     "http": 'use "device": "cpu" or "sim:SIZE" (on a machine without a GPU)',
 }
 
