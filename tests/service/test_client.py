@@ -114,7 +114,7 @@ def test_errors_become_autobatch_errors(api: AutobatchClient) -> None:
         api.plan(max_micro_batch_size=8, effective_batch_size=10, world_size=4)
     with pytest.raises(ConfigError, match="max_micro_batch_size"):
         api.plan(max_micro_batch_size=0, effective_batch_size=10)
-    with pytest.raises(NoFeasiblePlanError, match="micro_batch_size 1"):
+    with pytest.raises(NoFeasiblePlanError, match="micro-batch size 1"):
         api.plan(
             memory_model=MemoryModel(fixed_bytes=50 * GiB, bytes_per_sample=1),
             capacity_bytes=40 * GiB,
