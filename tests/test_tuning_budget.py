@@ -165,7 +165,7 @@ def test_the_cli_plans_a_stored_profile_for_a_share_of_a_card(
     )
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["world_size", "micro_batch", "accum_steps", "note"]
+    assert lines[0].split() == ["world", "size", "micro-batch", "accumulation", "steps", "note"]
     assert "memory budget                1.00 MiB, decided by --gpu-fraction" in out  # after it
     code, _, err = run(
         capsys,

@@ -285,12 +285,12 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
         ]
         print(json.dumps(rows, indent=2), file=out)
         return
-    print(f"{'world_size':>10}  {'micro_batch':>11}  {'accum_steps':>11}  note", file=out)
+    print(f"{'world size':>10}  {'micro-batch':>11}  {'accumulation steps':>18}  note", file=out)
     unequal: tuple[int, ...] = ()
     for option in options:
         if option.plan is None:
             print(
-                f"{option.world_size:>10}  {'-':>11}  {'-':>11}  {reason(option)}",
+                f"{option.world_size:>10}  {'-':>11}  {'-':>18}  {reason(option)}",
                 file=out,
             )
             continue
@@ -304,13 +304,13 @@ def print_table(options: Sequence[Any], fmt: str, out: TextIO) -> None:
         sizes = micro_batch_cell(p.micro_batch_sizes)
         unequal = unequal or (p.micro_batch_sizes if "+" in sizes else ())
         print(
-            f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>11}  {note}",
+            f"{p.world_size:>10}  {sizes:>11}  {p.gradient_accumulation_steps:>18}  {note}",
             file=out,
         )
     if unequal:
         counts = [(unequal.count(size), size) for size in sorted(set(unequal), reverse=True)]
         print(
-            f"micro_batch: one rank's micro-batches per optimizer step; "
+            f"micro-batch: one rank's micro-batches per optimizer step; "
             f"{micro_batch_cell(unequal)} is {counts[0][0]} micro-batches of {counts[0][1]} and "
             f"{' and '.join(f'{n} of {size}' for n, size in counts[1:])}, each loss weighted by "
             "its size",

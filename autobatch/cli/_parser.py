@@ -362,7 +362,7 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
         type=_positive_int,
         metavar="N",
         help="the most accumulation steps per optimizer step (default: the planner's own bound, "
-        f"MAX_GRADIENT_ACCUMULATION_STEPS = {MAX_GRADIENT_ACCUMULATION_STEPS})",
+        f"{MAX_GRADIENT_ACCUMULATION_STEPS:,} steps)",
     )
     parser.add_argument(
         "--uneven",

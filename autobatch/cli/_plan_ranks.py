@@ -15,6 +15,8 @@ import argparse
 import json
 from typing import TextIO
 
+from autobatch.cli._output import note_flags
+from autobatch.cli._wording import cli_message
 from autobatch.errors import ConfigError
 from autobatch.integrations import format_config
 from autobatch.planning import PlanRequest, RankLimit, StepLine, plan_mixed_ranks
@@ -80,18 +82,21 @@ def plan_ranks(args: argparse.Namespace, out: TextIO, fmt: str) -> int:
         max_gradient_accumulation_steps=args.max_gradient_accumulation_steps,
     )
     plans = plan_mixed_ranks(ranks, request)
+    # The notes in the command line's words, in text and JSON alike (as ``print_plan``).
+    notes = [cli_message(note, note_flags(), bare=False) for note in plans[0].notes]
     if fmt == "json":
-        print(json.dumps({"ranks": [p.to_dict() for p in plans]}, indent=2), file=out)
+        ranks = [{**p.to_dict(), "notes": notes} for p in plans]
+        print(json.dumps({"ranks": ranks}, indent=2), file=out)
         return 0
     if fmt != "text":
         print(format_config(plans[0], fmt), file=out)  # type: ignore[arg-type]  # refuses
         return 0
     first = plans[0]
-    print(f"{'rank':>4}  {'max':>6}  {'micro_batch':>11}", file=out)
+    print(f"{'rank':>4}  {'max':>6}  {'micro-batch':>11}", file=out)
     for rank, p in enumerate(plans):
         print(f"{rank:>4}  {p.max_micro_batch_size:>6}  {p.micro_batch_size:>11}", file=out)
     print(f"gradient_accumulation_steps  {first.gradient_accumulation_steps}", file=out)
     print(f"effective_batch_size         {first.effective_batch_size}", file=out)
-    for note in first.notes:
+    for note in notes:
         print(f"note: {note}", file=out)
     return 0

@@ -25,12 +25,14 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 
 from autobatch.errors import AutobatchError, Remedy, ServiceError, with_remedies
+from autobatch.planning import MAX_GRADIENT_ACCUMULATION_STEPS
 from autobatch.units import format_bytes
 
 __all__ = [
     "CALLS",
     "COMMAND_FLAGS",
     "FLAGS",
+    "PYTHON_PHRASES",
     "TOKEN_ENV_VAR",
     "CommandFlags",
     "cli_message",
@@ -43,6 +45,7 @@ __all__ = [
     "flag_wording",
     "human_bytes",
     "json_advice",
+    "python_words",
     "reason_words",
     "size_spelling",
     "warning_words",
@@ -215,6 +218,35 @@ def command_flags(parser: argparse.ArgumentParser, command: str | None) -> Comma
     return flags
 
 
+PYTHON_PHRASES = {
+    f"{MAX_GRADIENT_ACCUMULATION_STEPS} accumulation steps (the planner's own bound, "
+    "MAX_GRADIENT_ACCUMULATION_STEPS)": (
+        f"{MAX_GRADIENT_ACCUMULATION_STEPS:,} accumulation steps (the planner's own bound)"
+    ),
+    "MAX_GRADIENT_ACCUMULATION_STEPS": (
+        f"the planner's own bound, {MAX_GRADIENT_ACCUMULATION_STEPS:,} steps"
+    ),
+    "world_size x micro_batch_size / effective_batch_size": (
+        "world size x micro-batch size / effective batch size"
+    ),
+    " x micro_batch_size / ": " x micro-batch size / ",
+    "use_reentrant=False": "non-reentrant checkpointing",
+    "use_reentrant=True": "reentrant checkpointing",
+}
+"""Python spellings a library message or a recorded condition holds (a constant, a formula
+over fields, a keyword argument), as the command line words them: ``1048576 accumulation steps
+(the planner's own bound, MAX_GRADIENT_ACCUMULATION_STEPS)`` reads ``1,048,576 accumulation
+steps (the planner's own bound)``, ``use_reentrant=False`` reads ``non-reentrant
+checkpointing``."""
+
+_PYTHON_PHRASE = re.compile("|".join(map(re.escape, sorted(PYTHON_PHRASES, key=len, reverse=True))))
+
+
+def python_words(text: str) -> str:
+    """``text`` with each Python spelling of :data:`PYTHON_PHRASES` in words."""
+    return _PYTHON_PHRASE.sub(lambda match: PYTHON_PHRASES[match[0]], text)
+
+
 def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> str:
     """``text`` with every library argument of ``flags`` worded as its flag: ``world_size``
     as ``--world-size``, ``world_size=N`` as ``--world-size N``, ``allow_inexact=True`` as
@@ -223,7 +255,9 @@ def cli_message(text: str, flags: Mapping[str, str], *, bare: bool = True) -> st
     quoted name (``'world_size'``) is a value the message quotes and is left as it is.
     ``bare=False`` leaves every bare name (a plan's note names the fields the text output
     prints, ``effective_batch_size 96 = ...``) and words only ``name=value``. A library call
-    the message names is the command that does it (:data:`CALLS`)."""
+    the message names is the command that does it (:data:`CALLS`); a constant, formula or
+    keyword argument in Python spelling is in words (:func:`python_words`)."""
+    text = python_words(text)
     text = _CALL_ARGUMENT.sub(_call_argument, _CALL.sub(lambda match: CALLS[match[1]], text))
     if not flags:
         return human_bytes(text)
@@ -359,7 +393,7 @@ def condition_words(name: str, value: str) -> str:
     ``world size 1``; a name this table lacks reads with spaces for underscores."""
     if name == "amp_dtype":
         return "no AMP" if value in ("", "off", "none", "None") else f"AMP {flag_value(value)}"
-    return f"{CONDITION_WORDS.get(name, name.replace('_', ' '))} {value}"
+    return f"{CONDITION_WORDS.get(name, name.replace('_', ' '))} {python_words(value)}"
 
 
 _MISMATCH = re.compile(r"\b([a-z_]+): (recorded '([^']*)'|not recorded), asked '([^']*)'")
@@ -381,7 +415,7 @@ def reason_words(reason: str) -> str:
         have = "not recorded" if recorded is None else f"recorded {flag_value(recorded)}"
         return f"{label}: {have}, asked {asked}"
 
-    return _MISMATCH.sub(words, reason)
+    return python_words(_MISMATCH.sub(words, reason))
 
 
 def _with_value(flag: str, value: str) -> str:

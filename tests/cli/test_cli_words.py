@@ -84,12 +84,12 @@ def test_unequal_micro_batches_in_the_table_read_as_counts_not_a_product(
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["1", "2x20+3x19", "5"]
     assert lines[-1] == (
-        "micro_batch: one rank's micro-batches per optimizer step; 2x20+3x19 is 2 micro-batches "
+        "micro-batch: one rank's micro-batches per optimizer step; 2x20+3x19 is 2 micro-batches "
         "of 20 and 3 of 19, each loss weighted by its size"
     )
     assert main([*PLAN, "--world-size", "1,2", "--effective-batch-size", "96"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[1].split() == ["1", "24", "4"] and "micro_batch:" not in out
+    assert out.splitlines()[1].split() == ["1", "24", "4"] and "micro-batch:" not in out
 
 
 @pytest.mark.parametrize(
@@ -115,3 +115,51 @@ def test_unequal_micro_batches_in_the_table_read_as_counts_not_a_product(
 )
 def test_a_plans_reasons_name_conditions_in_words(reason: str, words: str) -> None:
     assert reason_words(reason) == words
+
+
+def test_the_world_size_table_heads_its_columns_in_words(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*PLAN, "--world-size", "1,2,4,8", "--effective-batch-size", "97"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "world size  micro-batch  accumulation steps  note"
+    assert lines[1].split() == ["1", "2x20+3x19", "5"]
+    assert "_" not in lines[0] and "micro_batch" not in lines[-1]
+
+
+def test_the_rank_max_plan_words_its_loss_weight_formula(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--rank-max", "24,16", "--effective-batch-size", "80"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["rank", "max", "micro-batch"]
+    assert (
+        "note: ranks train micro-batches of different sizes: weight each micro-batch's mean loss "
+        "by world size x micro-batch size / effective batch size (2 x micro-batch size / 80), "
+        "not 1 / 2, so the gradient averaged over ranks equals the full batch's"
+    ) in lines
+
+
+@pytest.mark.parametrize(
+    ("python", "words"),
+    [
+        (
+            "autobatch checkpoint on 2 blocks (torch.utils.checkpoint, use_reentrant=False)",
+            "autobatch checkpoint on 2 blocks (torch.utils.checkpoint, non-reentrant "
+            "checkpointing)",
+        ),
+        (
+            "Hugging Face gradient_checkpointing on 2 modules "
+            "(torch.utils.checkpoint.checkpoint, use_reentrant=True)",
+            "Hugging Face gradient_checkpointing on 2 modules "
+            "(torch.utils.checkpoint.checkpoint, reentrant checkpointing)",
+        ),
+    ],
+)
+def test_checkpointing_keywords_read_as_words(python: str, words: str) -> None:
+    # A recorded condition, a plan's reason and any library message alike.
+    recorded = condition_words("activation_checkpointing", python)
+    assert recorded == f"activation checkpointing {words}"
+    assert cli_message(python, note_flags(), bare=False) == words
+    mismatch = f"activation_checkpointing: recorded '{python}', asked 'none'"
+    assert reason_words(mismatch) == f"activation checkpointing: recorded {words}, asked none"

@@ -19,7 +19,7 @@ def test_rank_max_plans_a_micro_batch_per_rank(capsys: pytest.CaptureFixture[str
     code, out, err = run(capsys, "plan", *RANKS, "--effective-batch-size", "96")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["rank", "max", "micro_batch"]
+    assert lines[0].split() == ["rank", "max", "micro-batch"]
     # 96 in one step needs more than 48 + 17: two steps of 48, split so that the largest share
     # of its max any rank fills is the least (36 / 48 = 0.75 beside 12 / 17; 35 + 13 fills
     # 13 / 17 = 0.76).
