@@ -115,7 +115,8 @@ def test_the_cli_shows_the_deciding_source_and_the_sharing_mode(
     )
     assert "  simulated                  4.00 MiB usable of 4.00 MiB" in out
     assert "  --gpu-fraction             2.00 MiB usable of 2.00 MiB" in out
-    assert "trials per GPU               2" in out
+    assert "jobs that fit one GPU        2" in out  # jobs per card, not probe trials
+    assert "trials per GPU" not in out
     assert "warning: --gpu-fraction allows 2.00 MiB where simulated reports 4.00 MiB" in out
     code, out, _ = run(capsys, *argv, "--json")
     assert code == 0

@@ -143,7 +143,7 @@ def print_budget(budget: Any, out: TextIO) -> None:
             file=out,
         )
     if budget.trials_per_gpu is not None:
-        print(f"trials per GPU               {budget.trials_per_gpu}", file=out)
+        print(f"jobs that fit one GPU        {budget.trials_per_gpu}", file=out)
     for warning in budget.warnings:
         print(f"warning: {cli_message(warning, FLAGS)}", file=out)
 
