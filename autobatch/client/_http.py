@@ -28,7 +28,7 @@ from typing import Any, TypedDict, Unpack
 import httpx
 
 from autobatch.client._auth import bearer_headers
-from autobatch.client._problems import raise_for_problem
+from autobatch.client._problems import raise_for_problem, unreachable_words
 from autobatch.device import GpuInfo, MemoryInfo
 from autobatch.errors import ConfigError, ServiceError
 from autobatch.planning import Plan, PlanOptions, PlanRequest, SplitOptions, WorldSizeOption
@@ -218,6 +218,7 @@ class AutobatchClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"Accept": "application/json", **bearer_headers(token)}
+        self._url = base_url.rstrip("/")
         self._http = httpx.Client(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )
@@ -242,9 +243,7 @@ class AutobatchClient:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ServiceError(
-                f"{method} {path}: cannot reach the autobatch service: {exc}", status=0
-            ) from exc
+            raise ServiceError(unreachable_words(self._url, exc), status=0) from exc
         raise_for_problem(response, profile_id=profile_id)
         return response
 

@@ -1,4 +1,5 @@
-"""The one place where a service's error answer becomes an autobatch exception.
+"""The one place where a service's error answer becomes an autobatch exception, and where a
+service the client could not reach is worded (:func:`unreachable_words`).
 
 The service answers errors as RFC 9457 problem details whose ``type`` is
 ``urn:autobatch:problem:<slug>``. An unknown profile becomes
@@ -16,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from autobatch.errors import (
@@ -27,7 +30,7 @@ from autobatch.errors import (
     StoreError,
 )
 
-__all__ = ["PROBLEM_TYPE_PREFIX", "raise_for_problem"]
+__all__ = ["PROBLEM_TYPE_PREFIX", "raise_for_problem", "unreachable_words"]
 
 PROBLEM_TYPE_PREFIX = "urn:autobatch:problem:"
 """What every problem ``type`` the service answers starts with; the rest is its slug."""
@@ -64,3 +67,32 @@ def raise_for_problem(response: httpx.Response, *, profile_id: str = "") -> None
     if status in (400, 413, 415, 422) or slug == "unknown-model":
         raise ConfigError(message)
     raise ServiceError(message, status=status, problem=problem)
+
+
+_ERRNO = re.compile(r"^\[Errno -?\d+\] ")
+"""The ``[Errno 111] `` an OS error's text starts with: Python's spelling, not a reason."""
+
+_NO_HOST = ("name or service not known", "nodename nor servname", "name does not resolve")
+
+
+def unreachable_words(url: str, exc: httpx.HTTPError) -> str:
+    """Why the service at ``url`` could not be reached, in words, for every surface (the
+    client, ``--service``, ``--report-to``, ``report_to=``): ``could not connect to
+    http://127.0.0.1:8000: connection refused (is the service running?)``; never the OS's
+    ``[Errno 111]`` nor the exception's repr.
+
+    Args:
+        url: the service's URL as the caller gave it.
+        exc: what httpx raised instead of an answer.
+    """
+    text = _ERRNO.sub("", str(exc)).strip()
+    lowered = text.lower()
+    if isinstance(exc, httpx.TimeoutException):
+        reason = "no answer in time (is the service running, and the URL right?)"
+    elif "refused" in lowered:
+        reason = "connection refused (is the service running?)"
+    elif any(words in lowered for words in _NO_HOST):
+        reason = "no host of that name (is the URL right?)"
+    else:
+        reason = (text[:1].lower() + text[1:]) or type(exc).__name__
+    return f"could not connect to {url}: {reason}"

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import httpx
 
 from autobatch.client._auth import bearer_headers
-from autobatch.client._problems import raise_for_problem
+from autobatch.client._problems import raise_for_problem, unreachable_words
 from autobatch.errors import ConfigError, ServiceError
 from autobatch.profile import Profile
 
@@ -125,7 +125,7 @@ def publish_profile(
             try:
                 response = http.post("/v1/profiles", content=body)
             except httpx.HTTPError as exc:
-                failure = f"cannot reach the autobatch service: {exc!r}"
+                failure = unreachable_words(url.rstrip("/"), exc)
             else:
                 if response.is_success:
                     return str(response.json()["id"])

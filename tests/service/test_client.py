@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 
 import httpx
@@ -11,7 +12,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from autobatch.client._http import AutobatchClient, ServiceError
-from autobatch.client._publish import report_profile
+from autobatch.client._problems import unreachable_words
+from autobatch.client._publish import RetryPolicy, publish_profile, report_profile
 from autobatch.errors import ConfigError, NoFeasiblePlanError, ProfileNotFoundError
 from autobatch.profile import MemoryModel
 from tests.helpers.fake_pynvml import GiB
@@ -188,12 +190,48 @@ def test_token(make_app: Callable[..., FastAPI]) -> None:
 
 def test_unreachable_server_is_a_service_error() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
 
-    client = AutobatchClient("http://127.0.0.1:9", transport=httpx.MockTransport(refuse))
-    with pytest.raises(ServiceError, match="cannot reach") as info:
+    client = AutobatchClient("http://127.0.0.1:9/", transport=httpx.MockTransport(refuse))
+    with pytest.raises(ServiceError) as info:
         client.list_devices()
     assert info.value.status == 0
+    assert str(info.value) == (
+        "could not connect to http://127.0.0.1:9: connection refused (is the service running?)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (httpx.ConnectError("[Errno 111] Connection refused"), "connection refused (is the "
+         "service running?)"),
+        (httpx.ConnectError("[Errno -2] Name or service not known"), "no host of that name "
+         "(is the URL right?)"),
+        (httpx.ConnectTimeout("timed out"), "no answer in time (is the service running, and "
+         "the URL right?)"),
+        (httpx.RemoteProtocolError("Server disconnected"), "server disconnected"),
+    ],
+)  # fmt: skip
+def test_a_connection_failure_reads_as_words_never_errno(exc: httpx.HTTPError, reason: str) -> None:
+    assert (
+        unreachable_words("http://h:8000", exc) == f"could not connect to http://h:8000: {reason}"
+    )
+
+
+def test_a_refused_connection_reads_the_same_for_the_client_and_a_report() -> None:
+    # A real refusal: a port bound then closed, so nothing listens on it.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    words = f"could not connect to {url}: connection refused (is the service running?)"
+    with AutobatchClient(url) as client, pytest.raises(ServiceError) as info:
+        client.list_profiles()
+    assert str(info.value) == words
+    once = RetryPolicy(max_attempts=1)
+    with pytest.raises(ServiceError) as info:
+        publish_profile(url, make_profile(), policy=once)
+    assert str(info.value).endswith(f"; last: {words}") and "Errno" not in str(info.value)
 
 
 def test_report_profile_is_what_autotune_report_to_calls(make_app: Callable[..., FastAPI]) -> None:
