@@ -266,7 +266,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="tokens per sample (default: the model's maximum, the worst case to probe with)",
     )
     parser.add_argument(
-        "--image-size", type=_positive_int, help="pixels per side of an image model (default 224)"
+        "--image-size", type=_positive_int, help="pixels per side of an image model (default: 224)"
     )
     parser.add_argument(
         "--input-shape", type=_shape, help="one sample's shape for a bare model, e.g. 3,224,224"
@@ -278,13 +278,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--safety-margin",
         type=_margin,
         default=DEFAULT_SAFETY_MARGIN,
-        help=f"capacity kept free (default {DEFAULT_SAFETY_MARGIN})",
+        help=f"capacity kept free (default: {DEFAULT_SAFETY_MARGIN})",
     )
     parser.add_argument(
         "--max-micro-batch-size",
         type=_whole_number,
         default=1 << 16,  # autobatch.probing.DEFAULT_SEARCH_LIMIT, without importing torch
-        help="the search cap: the largest micro-batch tried (default 65536)",
+        help="the search cap: the largest micro-batch tried (default: 65536)",
     )
 
 
@@ -337,7 +337,7 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             type=_int_list,
             default=[1],
             help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
-            "parallelism); a list (1,2,4,8) prints a table",
+            "parallelism); a list (1,2,4,8) prints a table (default: 1)",
         )
     else:
         parser.add_argument(
@@ -348,14 +348,14 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
             type=_positive_int,
             default=None,
             help="data-parallel ranks (model replicas, not GPUs, under tensor/pipeline "
-            "parallelism); default: the launcher's (torchrun's WORLD_SIZE, Slurm's...), else 1",
+            "parallelism) (default: the launcher's, torchrun's WORLD_SIZE, Slurm's..., else 1)",
         )
     parser.add_argument(
         "--multiple-of",
         type=_positive_int,
         default=1,
-        help="every micro-batch size a multiple of this, e.g. 8 for tensor cores (default 1; "
-        "above 1 rules out unequal sizes)",
+        help="every micro-batch size a multiple of this, e.g. 8 for tensor cores; above 1 rules "
+        "out unequal sizes (default: 1)",
     )
     parser.add_argument(
         "--max-gradient-accumulation-steps",
@@ -369,13 +369,15 @@ def _add_plan_args(parser: argparse.ArgumentParser, *, world_sizes: bool) -> Non
         choices=("auto", "never", "always"),
         default="auto",
         help="unequal micro-batches, differing by at most 1, each loss weighted by its size: "
-        "auto (default) when equal sizes would need more than twice the fewest accumulation "
-        "steps; never (equal sizes only); always (the fewest steps)",
+        "auto when equal sizes would need more than twice the fewest accumulation steps; never "
+        "(equal sizes only); always (the fewest steps) (default: auto)",
     )
     parser.add_argument(
         "--allow-inexact", action="store_true", help="reach the nearest effective batch size"
     )
-    parser.add_argument("--format", choices=FORMATS, default="text", help="output format")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="text", help="output format (default: text)"
+    )
     parser.add_argument("--json", action="store_true", help="same as --format json")
 
 
@@ -386,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--store",
-        help="profile store: a file, :memory: or a postgresql:// URL (default $AUTOBATCH_STORE)",
+        help="profile store: a file, :memory: or a postgresql:// URL (default: $AUTOBATCH_STORE)",
     )
     parser.add_argument("--version", action="version", version=f"autobatch {__version__}")
     commands = parser.add_subparsers(
@@ -422,7 +424,7 @@ def _add_tune_command(commands: Any) -> None:
     _add_plan_args(tune, world_sizes=False)
     tune.add_argument(
         "--device",
-        help="cuda:N, cpu or sim:SIZE (e.g. sim:3GiB); default cuda:0 with CUDA, else cpu",
+        help="cuda:N, cpu or sim:SIZE, e.g. sim:3GiB (default: cuda:0 with CUDA, else cpu)",
     )
     _add_fraction_arg(tune, extra="")
     tune.add_argument("--refresh", action="store_true", help="probe again, ignoring the store")
@@ -442,9 +444,9 @@ def _add_tune_command(commands: Any) -> None:
         "--activation-checkpointing",
         choices=("auto", "none", "selective", "full"),
         default="none",
-        help="checkpoint the model's repeated blocks: none (default, the model as given), "
-        "selective (every 2nd), full, or auto: probe each mode by real trials and plan with the "
-        "fastest that reaches the effective batch (the notes say which modes ran and why)",
+        help="checkpoint the model's repeated blocks: none (the model as given), selective "
+        "(every 2nd), full, or auto: probe each mode by real trials and plan with the fastest "
+        "that reaches the effective batch, the notes say which modes ran and why (default: none)",
     )
     tune.add_argument(
         "--report",
@@ -504,8 +506,8 @@ def _add_plan_command(commands: Any) -> None:
     _add_fraction_arg(plan, extra=" (--capacity)")
     plan.add_argument(
         "--service",
-        help="the autobatch service to ask (default $AUTOBATCH_CENTRAL_URL), with "
-        "--model-fingerprint",
+        help="the autobatch service to ask, with --model-fingerprint "
+        "(default: $AUTOBATCH_CENTRAL_URL)",
     )
     plan.add_argument("--card", help="plan for this card type, e.g. 'NVIDIA H100 80GB HBM3'")
     plan.add_argument("--node", help="plan for this node (its own profile first)")
@@ -537,7 +539,7 @@ def _add_launcher_command(commands: Any) -> None:
         choices=("one", "gpus"),
         default="one",
         help="a Slurm task is one rank, or starts one per GPU it holds (a TaskProlog, before "
-        "a torchrun per node)",
+        "a torchrun per node) (default: one)",
     )
     shown = launcher.add_mutually_exclusive_group()
     shown.add_argument("--world-size", action="store_true", help="print the world size only")
