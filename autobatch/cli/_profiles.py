@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from autobatch.cli._output import input_shapes, note_flags
-from autobatch.cli._wording import cli_message
+from autobatch.cli._wording import cli_message, python_words
 from autobatch.profile import Profile
 from autobatch.units import format_bytes
 
@@ -112,6 +112,6 @@ def print_profile(profile_id: str, profile: Profile, out: TextIO) -> None:
     for name, value in lines:
         print(f"{name:<20} {value}", file=out)
     for line in profile.conditions.describe():
-        print(f"{'condition':<20} {line}", file=out)
+        print(f"{'condition':<20} {python_words(line)}", file=out)
     for note in profile.notes:
         print(f"note: {cli_message(note, note_flags(), bare=False)}", file=out)

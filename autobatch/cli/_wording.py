@@ -232,6 +232,7 @@ PYTHON_PHRASES = {
     " x micro_batch_size / ": " x micro-batch size / ",
     "use_reentrant=False": "non-reentrant checkpointing",
     "use_reentrant=True": "reentrant checkpointing",
+    "(fits_now is false)": "(fits now: no)",
 }
 """Python spellings a library message or a recorded condition holds (a constant, a formula
 over fields, a keyword argument), as the command line words them: ``1048576 accumulation steps

@@ -7,7 +7,13 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.cli._output import note_flags
-from autobatch.cli._wording import cli_message, condition_words, reason_words, size_spelling
+from autobatch.cli._wording import (
+    FLAGS,
+    cli_message,
+    condition_words,
+    reason_words,
+    size_spelling,
+)
 
 PLAN = ["plan", "--max-micro-batch-size", "24"]
 
@@ -163,3 +169,11 @@ def test_checkpointing_keywords_read_as_words(python: str, words: str) -> None:
     assert cli_message(python, note_flags(), bare=False) == words
     mismatch = f"activation_checkpointing: recorded '{python}', asked 'none'"
     assert reason_words(mismatch) == f"activation checkpointing: recorded {words}, asked none"
+
+
+def test_a_budget_warning_names_no_json_field() -> None:
+    warning = (
+        "the plan's predicted peak 3.00 GiB is more than the 2.00 GiB free now: it fits only "
+        "once other processes release their memory (fits_now is false)"
+    )
+    assert cli_message(warning, FLAGS).endswith("release their memory (fits now: no)")

@@ -4,6 +4,8 @@ recommended one, name each card with its memory, and ``show`` reads as words (JS
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import re
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 
 from autobatch.cli import main
 from autobatch.cli._output import input_shapes
+from autobatch.cli._profiles import print_profile
 from autobatch.store import ProfileStore
 
 TUNE = ["tune", "tests.service.models:tiny_mlp", "--input-shape", "32", "--device", "sim:4MiB"]
@@ -128,3 +131,17 @@ def test_the_listing_shows_checkpointing_and_inputs_plainly(
     lines = {line[:20].strip(): line[21:] for line in shown.splitlines()}
     assert lines["checkpointing"] == "none (activation checkpointing)"
     assert lines["input"] == "sample 32"
+
+
+def test_show_words_a_checkpoint_keyword_of_the_recorded_conditions(store: str) -> None:
+    with ProfileStore(store) as opened:
+        (profile_id, profile), *_ = opened.list_profiles()
+    applied = "autobatch checkpoint on 2 blocks (torch.utils.checkpoint, use_reentrant=False)"
+    conditions = dataclasses.replace(profile.conditions, activation_checkpointing=applied)
+    out = io.StringIO()
+    print_profile(profile_id, dataclasses.replace(profile, conditions=conditions), out)
+    assert (
+        "activation checkpointing: autobatch checkpoint on 2 blocks (torch.utils.checkpoint, "
+        "non-reentrant checkpointing)"
+    ) in out.getvalue()
+    assert "use_reentrant" not in out.getvalue()
