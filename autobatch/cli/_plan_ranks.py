@@ -85,8 +85,8 @@ def plan_ranks(args: argparse.Namespace, out: TextIO, fmt: str) -> int:
     # The notes in the command line's words, in text and JSON alike (as ``print_plan``).
     notes = [cli_message(note, note_flags(), bare=False) for note in plans[0].notes]
     if fmt == "json":
-        ranks = [{**p.to_dict(), "notes": notes} for p in plans]
-        print(json.dumps({"ranks": ranks}, indent=2), file=out)
+        rows = [{**p.to_dict(), "notes": notes} for p in plans]
+        print(json.dumps({"ranks": rows}, indent=2), file=out)
         return 0
     if fmt != "text":
         print(format_config(plans[0], fmt), file=out)  # type: ignore[arg-type]  # refuses
