@@ -37,7 +37,7 @@ STAGE_WORDS = {
     "estimate": "estimate (fake tensors: CPU time, no real step)",
     "trials": "trials",
     "confirm": "confirm (the chosen size's second step)",
-    "timing": "timing (the plan's micro-batch, one trial)",
+    "timing": "timing (the plan's micro-batch, 3 trials)",
 }
 """What each stage is, as the line shows it."""
 

@@ -39,6 +39,7 @@ from autobatch.planning._checkpointing import (
     ModeMeasurement,
     checkpointing_modes_to_try,
     choose_checkpointing,
+    timing_noise,
 )
 from autobatch.planning._entries import plan_mixed_ranks, plan_request, plan_table
 from autobatch.planning._epochs import EpochPlan
@@ -96,5 +97,6 @@ __all__ = [
     "profile_report",
     "select_profile",
     "stored_profile_source",
+    "timing_noise",
     "uncatalogued_note",
 ]

@@ -11,11 +11,17 @@ Two questions, each answered from what real trials measured under each mode:
   Otherwise every mode is tried (each one probe, with the probe's bounded number of trials).
 - :func:`choose_checkpointing`: among the modes measured, the one whose plan reaches the
   effective batch in the least time per optimizer step; a mode with less recompute wins when
-  it is within :data:`SIGNIFICANT_FRACTION` of the fastest (timings not significant), or when
-  timings are missing. A mode whose measured peak memory is not below the plain one's at the
-  same micro-batch (checkpointing that saved nothing, or raised the peak) is never chosen, nor
-  one whose plan's micro-batch is no larger than a mode's with less recompute (only the
-  recompute would differ: a faster time there is noise).
+  it is within the larger of :data:`SIGNIFICANT_FRACTION` and the measured noise of both times
+  (:attr:`ModeMeasurement.seconds_noise`, :func:`timing_noise`: the spread of the steps timed
+  at the plan's micro-batch) of the fastest (timings not significant), or when timings are
+  missing. The plan-size timing (:func:`autobatch.probing.run_timing`) runs 3 steps after the
+  warm-up (at most 4 trials more per mode), the fastest its time and their spread its noise;
+  where the probe's search ran the plan's size, its steps there (the first and the second at
+  the chosen size) give the spread; a time with no spread (one step, an older profile) is
+  compared by the 5% rule alone. A mode whose measured peak memory is not below the plain
+  one's at the same micro-batch (checkpointing that saved nothing, or raised the peak) is
+  never chosen, nor one whose plan's micro-batch is no larger than a mode's with less
+  recompute (only the recompute would differ: a faster time there is noise).
 
 He and Yu (MLSys 2023, "Auto-Parallelization of Large-Scale Deep Learning Models") report a
 geometric-mean +12% throughput from choosing checkpointing with the batch; torchtitan #97
@@ -35,11 +41,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from autobatch.errors import ConfigError
-from autobatch.profile import CheckpointingMode
+from autobatch.profile import CheckpointingMode, Trial
 from autobatch.units import format_bytes
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "ModeMeasurement",
     "checkpointing_modes_to_try",
     "choose_checkpointing",
+    "timing_noise",
 ]
 
 AskedCheckpointing = Literal["auto", "none", "selective", "full"]
@@ -61,8 +69,9 @@ RECOMPUTE_ORDER: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
 :mod:`autobatch.probing._checkpointing`'s)."""
 
 SIGNIFICANT_FRACTION = 0.05
-"""Two times per optimizer step closer than 5% of the faster are not told apart: the probe
-times one step per size, and on a busy host one step's time varies by a few percent."""
+"""Two times per optimizer step closer than 5% of the faster are never told apart, nor closer
+than the measured noise of either (:attr:`ModeMeasurement.seconds_noise`) when that is larger:
+on a busy host one step's time varies by a few percent, on a shared CPU by far more."""
 
 FALLING_FRACTION = 0.05
 """Time per sample counts as still falling when the larger micro-batch's is more than 5% below
@@ -88,6 +97,11 @@ class ModeMeasurement:
     """How ``seconds_per_optimizer_step`` was drawn when not from the planner's step times at
     two sizes or more (e.g. from the time per sample measured at one size, a bound); empty when
     it was, or when no time was measured."""
+    seconds_noise: float = 0.0
+    """The measured noise of ``seconds_per_optimizer_step``, a fraction of it: (median -
+    fastest) / fastest over the steps timed at the plan's micro-batch (0.25: the median step
+    took 25% longer than the fastest); 0.0 when one step or none was timed there (then the
+    :data:`SIGNIFICANT_FRACTION` rule alone)."""
     peak_memory_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)
     """Measured peak memory (bytes) of each micro-batch that ran and fitted."""
     num_trials: int = 0
@@ -98,6 +112,11 @@ class ModeMeasurement:
             raise ConfigError(
                 f"activation checkpointing mode={self.mode!r} is not a mode; give one of "
                 f"{', '.join(repr(m) for m in RECOMPUTE_ORDER)}"
+            )
+        if not self.seconds_noise >= 0.0:
+            raise ConfigError(
+                f"seconds_noise={self.seconds_noise!r} must be a fraction >= 0 (0.0: no "
+                "spread measured)"
             )
 
     @property
@@ -115,6 +134,24 @@ class CheckpointingChoice:
     """Why it won, in words."""
     considered: tuple[str, ...] = ()
     """One line per mode measured: its plan and time, or why it was left out."""
+
+
+def timing_noise(trials: Iterable[Trial], micro_batch_size: int) -> float:
+    """The measured noise of the time at ``micro_batch_size``: (median - fastest) / fastest
+    over the steps of ``trials`` timed there (fitted, not the warm-up, ``step_seconds`` > 0),
+    a fraction (0.5: the median step took half as long again as the fastest); 0.0 with fewer
+    than two such steps. :attr:`ModeMeasurement.seconds_noise` takes it."""
+    times = sorted(
+        trial.step_seconds
+        for trial in trials
+        if trial.micro_batch_size == micro_batch_size
+        and trial.fits
+        and not trial.warm_up
+        and trial.step_seconds > 0
+    )
+    if len(times) < 2:
+        return 0.0
+    return (statistics.median(times) - times[0]) / times[0]
 
 
 def checkpointing_modes_to_try(
@@ -208,6 +245,8 @@ def _line(mode: ModeMeasurement) -> str:
     timing = "time not measured" if seconds is None else f"{seconds:.4g} s per optimizer step"
     if seconds is not None and mode.seconds_basis:
         timing += f" ({mode.seconds_basis})"
+    if seconds is not None and mode.seconds_noise > 0:
+        timing += f", measured noise {mode.seconds_noise:.0%}"
     steps = mode.gradient_accumulation_steps
     return (
         f"{mode.mode}: micro-batch {mode.micro_batch_size} \u00d7 {steps} "
@@ -259,14 +298,23 @@ def choose_checkpointing(measured: Sequence[ModeMeasurement]) -> CheckpointingCh
     best = fastest.seconds_per_optimizer_step or 0.0
     for mode in eligible:  # least recompute first
         seconds = mode.seconds_per_optimizer_step or 0.0
-        if seconds <= best * (1 + SIGNIFICANT_FRACTION):
+        margin, which = _margin(mode, fastest)
+        if seconds <= best * (1 + margin):
             if mode is fastest:
                 reason = f"the least time per optimizer step ({seconds:.4g} s)"
             else:
                 reason = (
-                    f"within {SIGNIFICANT_FRACTION:.0%} of the fastest ({fastest.mode}, "
-                    f"{best:.4g} s against {seconds:.4g} s): not significant, so the least "
-                    "recompute wins"
+                    f"within {which} of the fastest ({fastest.mode}, {best:.4g} s against "
+                    f"{seconds:.4g} s): not significant, so the least recompute wins"
                 )
             return CheckpointingChoice(mode=mode.mode, reason=reason, considered=tuple(considered))
     raise AssertionError("the fastest mode is within its own time")  # pragma: no cover
+
+
+def _margin(mode: ModeMeasurement, fastest: ModeMeasurement) -> tuple[float, str]:
+    """The fraction within which ``mode``'s time is not told from ``fastest``'s, and in words
+    which decided: :data:`SIGNIFICANT_FRACTION`, or the larger measured noise of the two."""
+    noise = max(mode.seconds_noise, fastest.seconds_noise)
+    if noise > SIGNIFICANT_FRACTION:
+        return noise, f"the measured noise of {noise:.0%}"
+    return SIGNIFICANT_FRACTION, f"{SIGNIFICANT_FRACTION:.0%}"

@@ -65,7 +65,7 @@ Stage = Literal["warm-up", "estimate", "trials", "confirm", "timing"]
 """A stage of a probe: the warm-up step (micro-batch 1, which creates the optimizer state), the
 fake-tensor estimate (no real step; CPU time that can be long), the search's real trials, the
 confirmation of the chosen size (its second step, or one trial at a predicted size), and the
-timing of a plan's own micro-batch the search never ran (one trial)."""
+timing of a plan's own micro-batch the search never ran (3 trials)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -48,6 +48,7 @@ __all__ = [
     "ESTIMATE_OVERRUN",
     "EXPECTED_FAKE_STEPS",
     "FAKE_STEP_SECONDS_PER_TENSOR",
+    "TIMED_STEPS",
     "Prober",
     "default_optimizer",
 ]
@@ -67,6 +68,12 @@ predicted length (:data:`FAKE_STEP_SECONDS_PER_TENSOR`), which can be off by abo
 and an estimate stopped short of the memory's edge is worth little: the search then pays real
 trials for what a few more fake steps would have found. 2x lets an estimate that was judged
 worth starting finish, while bounding what a wrong prediction can cost."""
+
+TIMED_STEPS = 3
+"""Timed steps :meth:`Prober.time_at` runs at a plan's micro-batch after the warm-up: the
+fastest is the time (the least disturbed), the spread of the median over it the measured noise
+that the choice of checkpointing compares against (one step's time on a shared CPU varies by
+far more than 5%)."""
 
 EXPECTED_FAKE_STEPS = 6
 """Fake steps an estimate usually takes: its warm-up, micro-batch 1, 64, then a few secant steps
@@ -129,15 +136,20 @@ class Prober:
         )
 
     def time_at(self, size: int) -> list[Trial]:
-        """Warm up (when the optimizer has no state yet), then one timed real trial at
-        ``size``; every trial that ran, the timed one last."""
+        """Warm up (when the optimizer has no state yet), then :data:`TIMED_STEPS` timed real
+        trials at ``size`` (fewer when one does not fit: the rest are not run); every trial
+        that ran, the timed ones last."""
         with eager() if self.options.compiled == "confirmed" else contextlib.nullcontext():
             self.runner.start()
             if self.runner.needs_state() and not self.optimizer.state:
-                self._stage("warm-up", max_trials=2)
+                self._stage("warm-up", max_trials=1 + TIMED_STEPS)
                 self.runner.warm_up()
-            self._stage("timing", max_trials=len(self.log.trials) + 1)
+            self._stage("timing", max_trials=len(self.log.trials) + TIMED_STEPS)
             self.runner.trial(size)
+            for _ in range(TIMED_STEPS - 1):
+                if not self.log.trials[-1].fits:
+                    break
+                self.runner.trial(size, repeat=True)
         return list(self.log.trials)
 
     def _confirm(self, size: int, prior: MemoryModel) -> tuple[Trial, Profile | None]:

@@ -212,13 +212,15 @@ def run_confirmation(
 
 
 def run_timing(step: StepSpec, options: ProbeOptions, *, micro_batch_size: int) -> list[Trial]:
-    """One real, timed trial at ``micro_batch_size`` (after the warm-up step that creates the
-    optimizer state), leaving no trace, as :func:`probe` does: the time a plan's own
-    micro-batch takes, where the probe's search never ran that size.
+    """Three real, timed trials at ``micro_batch_size`` (after the warm-up step that creates
+    the optimizer state; :data:`~autobatch.probing._probe_run.TIMED_STEPS`), leaving no trace,
+    as :func:`probe` does: the time a plan's own micro-batch takes, where the probe's search
+    never ran that size, and its spread (the measured noise).
 
     Returns:
-        Every trial that ran (the warm-up too), the timed one last: its ``step_seconds`` (0.0
-        where the step did not fit or was not timed).
+        Every trial that ran (the warm-up too), the timed ones last, each with its
+        ``step_seconds`` (0.0 where the step did not fit or was not timed); after a step that
+        did not fit, no more run.
 
     Raises:
         ConfigError, StepFailedError, DeviceUnavailableError: as for :func:`probe`.

@@ -9,10 +9,11 @@ the probe under each mode, and the choice among them.
   (:func:`autobatch.planning.checkpointing_modes_to_try`: one micro-step, or time per sample no
   longer falling, measured), one probe per mode (``"selective"``, ``"full"``), each bounded as
   every probe is; the choice is :func:`autobatch.planning.choose_checkpointing`'s. Each mode's
-  plan has its own micro-batch timed: where the probe's search never ran that size, one real
-  trial more runs it (after a warm-up step), so the choice compares times measured at each
-  plan's micro-batch. At most two probes more than without ``"auto"``, and at most 2 trials
-  more per mode.
+  plan has its own micro-batch timed: where the probe's search never ran that size, 3 real
+  trials more run it (after a warm-up step), the fastest its time and their spread its
+  measured noise, so the choice compares times measured at each plan's micro-batch and tells
+  them apart only beyond that noise. At most two probes more than without ``"auto"``, and at
+  most 4 trials more per mode.
 
 Every probe under a mode applies it to the model's blocks and undoes it when it is done
 (:func:`autobatch.probing.activation_checkpointing_applied`): the model's modules are the same
@@ -48,6 +49,7 @@ from autobatch.planning import (
     checkpointing_modes_to_try,
     choose_checkpointing,
     mode_report,
+    timing_noise,
 )
 from autobatch.probing import (
     CHECKPOINTING_MODES,
@@ -141,7 +143,7 @@ class ModeRun:
     """Why no plan (not even micro-batch 1 fits, or no split meets the constraints)."""
     timing: tuple[Trial, ...] = ()
     """The trials that timed the plan's own micro-batch where the probe never ran it (the
-    warm-up first, the timed trial last); empty when the probe's trials had it timed."""
+    warm-up first, the timed trials last); empty when the probe's trials had it timed."""
     seconds: float = 0.0
     """Seconds the mode's probe and timing took, on the probe's host clock
     (:attr:`autobatch.probing.ProbeOptions.clock`): a stored profile's read takes almost none."""
@@ -259,7 +261,7 @@ def _run(
 
 
 def _timed(request: TuneRequest, options: ProbeOptions, run: ModeRun, *, floor: int = 0) -> ModeRun:
-    """``run`` with its plan's own micro-batch timed by one real trial (and the warm-up that
+    """``run`` with its plan's own micro-batch timed by 3 real trials (and the warm-up that
     creates the optimizer state) under its mode, where no trial of its probe timed that size:
     the choice among modes compares times measured at each plan's micro-batch, never bounds.
     Not where the plan's micro-batch is no larger than ``floor`` (the plain plan's): such a
@@ -299,6 +301,9 @@ def _measurement(run: ModeRun) -> ModeMeasurement:
         gradient_accumulation_steps=None if plan is None else plan.gradient_accumulation_steps,
         seconds_per_optimizer_step=seconds,
         seconds_basis=basis,
+        seconds_noise=0.0
+        if plan is None or seconds is None
+        else timing_noise((*profile.trials, *run.timing), plan.micro_batch_size),
         peak_memory_bytes=peaks,
         num_trials=len(run.timing)
         + (0 if run.found is None or run.found.cached else len(profile.trials)),

@@ -35,6 +35,7 @@ from autobatch.planning import (
     plan_table,
     select_profile,
     stored_profile_source,
+    timing_noise,
 )
 from autobatch.profile import MemoryModel, Profile
 from service.plans.schemas import PlanCreate
@@ -178,6 +179,7 @@ def _measurement(profile: Profile, result: Plan) -> ModeMeasurement:
         micro_batch_size=result.micro_batch_size,
         gradient_accumulation_steps=result.gradient_accumulation_steps,
         seconds_per_optimizer_step=result.predicted_seconds_per_effective_batch,
+        seconds_noise=timing_noise(profile.trials, result.micro_batch_size),
         peak_memory_bytes=peaks,
     )
 

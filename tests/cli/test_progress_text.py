@@ -72,9 +72,9 @@ def test_each_modes_probe_is_named_and_counts_its_own_trials_left() -> None:
         display.trial(fits(2, 2**20))
         seen.append(display.text())
     assert seen == [
-        "probing without checkpointing, timing (the plan's micro-batch, one trial): 3 trials "
+        "probing without checkpointing, timing (the plan's micro-batch, 3 trials): 3 trials "
         "(micro-batch 2 fits, peak 1.00 MiB); at most 0 left",
-        "probing with full checkpointing, timing (the plan's micro-batch, one trial): 6 trials "
+        "probing with full checkpointing, timing (the plan's micro-batch, 3 trials): 6 trials "
         "(micro-batch 2 fits, peak 1.00 MiB); at most 0 left",
     ]
     display.stage(ProbeStage(stage="warm-up", max_trials=3, checkpointing_mode="selective"))

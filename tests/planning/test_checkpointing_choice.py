@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from autobatch.errors import ConfigError
-from autobatch.planning import ModeMeasurement, checkpointing_modes_to_try, choose_checkpointing
+from autobatch.planning import (
+    ModeMeasurement,
+    checkpointing_modes_to_try,
+    choose_checkpointing,
+    timing_noise,
+)
+from autobatch.profile import Trial
 
 
 def _mode(
@@ -131,3 +137,73 @@ def test_more_recompute_for_no_larger_micro_batch_is_never_chosen() -> None:
         "selective: left out, its plan's micro-batch 8 is no larger than none's (8): "
         "only more recompute"
     )
+
+
+def _noisy(mode: ModeMeasurement, noise: float) -> ModeMeasurement:
+    return ModeMeasurement(
+        mode=mode.mode,
+        max_micro_batch_size=mode.max_micro_batch_size,
+        micro_batch_size=mode.micro_batch_size,
+        gradient_accumulation_steps=mode.gradient_accumulation_steps,
+        seconds_per_optimizer_step=mode.seconds_per_optimizer_step,
+        seconds_noise=noise,
+        peak_memory_bytes=mode.peak_memory_bytes,
+        num_trials=mode.num_trials,
+    )
+
+
+def test_a_difference_within_the_measured_noise_goes_to_the_least_recompute() -> None:
+    # full is 20% faster (3.2 s against 4 s), but the plain time's steps spread by 30%.
+    full = _noisy(_mode("full", 64, 1, 3.2, peaks={8: 300}), 0.03)
+    choice = choose_checkpointing([_noisy(PLAIN, 0.30), full])
+    assert choice is not None
+    assert choice.mode == "none"
+    assert (
+        "within the measured noise of 30% of the fastest (full, 3.2 s against 4 s)" in choice.reason
+    )
+    assert choice.considered[0].endswith(
+        "4 s per optimizer step, measured noise 30% (largest micro-batch 8, 5 trials)"
+    )
+
+
+def test_a_difference_beyond_the_measured_noise_wins() -> None:
+    full = _noisy(_mode("full", 64, 1, 3.2, peaks={8: 300}), 0.03)
+    choice = choose_checkpointing([_noisy(PLAIN, 0.03), full])
+    assert choice is not None
+    assert choice.mode == "full"
+    assert choice.reason == "the least time per optimizer step (3.2 s)"
+
+
+def test_without_a_measured_spread_the_five_percent_rule_decides() -> None:
+    # Older profiles (one step per size) record no spread: 20% faster wins, 4% does not.
+    choice = choose_checkpointing([PLAIN, _mode("full", 64, 1, 3.2, peaks={8: 300})])
+    assert choice is not None and choice.mode == "full"
+    choice = choose_checkpointing([PLAIN, _mode("full", 64, 1, 3.85, peaks={8: 300})])
+    assert choice is not None and choice.mode == "none"
+    assert "within 5% of the fastest (full, 3.85 s against 4 s)" in choice.reason
+
+
+def test_a_negative_noise_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"seconds_noise=-0.1 must be a fraction >= 0"):
+        _noisy(PLAIN, -0.1)
+
+
+def _timed(size: int, seconds: float, **flags: bool) -> Trial:
+    return Trial(micro_batch_size=size, fits=True, step_seconds=seconds, **flags)
+
+
+def test_the_noise_is_the_median_over_the_fastest_of_the_steps_at_the_size() -> None:
+    trials = (
+        _timed(1, 9.0, warm_up=True),  # the warm-up is not a timed step
+        _timed(8, 2.0),
+        _timed(8, 3.0, repeat=True),
+        _timed(8, 9.0, repeat=True),  # one disturbed step moves the median only so far
+        _timed(4, 1.0),  # another size
+    )
+    assert timing_noise(trials, 8) == pytest.approx(0.5)
+
+
+def test_fewer_than_two_timed_steps_have_no_noise() -> None:
+    failed = Trial(micro_batch_size=8, fits=False, oom=True, step_seconds=5.0)
+    assert timing_noise((_timed(8, 2.0), failed, _timed(8, 0.0, repeat=True)), 8) == 0.0
+    assert timing_noise((), 8) == 0.0

@@ -31,6 +31,7 @@ FUNCTIONS = {
     "fit_wide_line",
     "checkpointing_modes_to_try",
     "choose_checkpointing",
+    "timing_noise",
     "mode_report",
     "profile_report",
 }
