@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 import autobatch
 from autobatch.cli import main as cli_main
+from autobatch.cli._wording import human_bytes
 from autobatch.planning import Plan, PlanRequest, given_budget, plan_request, plan_table
 from autobatch.profile import MemoryModel, ProbeTimings, Profile, StepIdentity, Trial
 from service.plans.schemas import PlanPublic
@@ -455,11 +456,14 @@ def test_the_same_stored_profile_reads_the_same_source_by_cli_and_by_service(
         assert cli_main(argv) == 0
         printed = json.loads(capsys.readouterr().out)["plan"]
         assert served["source"] == printed["source"] == expected
-        # Alike but for the notes, each in its surface's words (a route, a command).
+        # Alike but for the notes, each in its surface's words (a route, a command; byte
+        # counts on the command line in units).
         assert {**served, "notes": []} == {**printed, "notes": []}
-        assert [note.replace("POST /v1/probes", "autobatch tune") for note in served["notes"]] == (
-            printed["notes"]
-        )
+        assert [
+            human_bytes(note.replace("POST /v1/probes", "autobatch tune"))
+            for note in served["notes"]
+        ] == printed["notes"]
+        assert "4.00 GiB + 512.00 MiB per sample" in " ".join(printed["notes"]) or not device
 
 
 def test_plan_by_model_fingerprint_prefers_the_same_gpu(client: TestClient) -> None:
