@@ -257,20 +257,23 @@ def most_measured(choose: Chooser) -> Chooser:
     next in that order."""
 
     def chosen(found: Sequence[tuple[str, Profile]]) -> Selection | None:
-        nodes: dict[str, set[str]] = {}
-        memory: dict[str, int] = {}
-        for _, profile in found:
-            if profile.mode == "train":
-                key = _card_key(profile.device_name) or profile.device_name
-                nodes.setdefault(key, set()).add(profile.node_name)
-                memory[key] = max(memory.get(key, 0), profile.total_memory_bytes)
-        if not nodes:
+        by_card: dict[str, list[tuple[str, Profile]]] = {}
+        for entry in found:  # each profile's card key read once
+            by_card.setdefault(_card_key(entry[1].device_name) or entry[1].device_name, []).append(
+                entry
+            )
+        trained = {
+            key: [p for _, p in entries if p.mode == "train"] for key, entries in by_card.items()
+        }
+        standing = {
+            key: (-len({p.node_name for p in ps}), -max(p.total_memory_bytes for p in ps), key)
+            for key, ps in trained.items()
+            if ps
+        }
+        if not standing:
             return choose(found)
-        for top in sorted(nodes, key=lambda key: (-len(nodes[key]), -memory[key], key)):
-            on_top = [
-                (i, p) for i, p in found if (_card_key(p.device_name) or p.device_name) == top
-            ]
-            selection = choose(on_top)
+        for top in sorted(standing, key=standing.__getitem__):
+            selection = choose(by_card[top])
             if selection is not None:  # None: e.g. only shares of that card, for a whole card
                 return selection
         return None
